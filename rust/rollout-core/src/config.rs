@@ -1,0 +1,261 @@
+//! Configuration of `rollout-manager serve`: one struct, filled by clap from the command line
+//! (or by serde from JSON), validated once by [`ServeConfig::validate`].
+//!
+//! Every validation error names the flag to fix, so the same message serves the binary and any
+//! other front end that reuses this parser.
+
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// What the manager launches as an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// `sglang-sim`, the engine simulator (no GPU needed).
+    Sim,
+    /// Real SGLang: `python -m sglang.launch_server`.
+    Sglang,
+}
+
+/// What to keep when some engines of a scale-out fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PartialSuccessPolicy {
+    /// Stop every engine the request created.
+    RollbackAll,
+    /// Keep the engines that became healthy.
+    KeepPartial,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
+pub struct ServeConfig {
+    /// Address of the control API (and of the router). Loopback unless told otherwise.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port of the control API (`/rollout/*`); 0 picks a free port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Port of the data plane (SGLang-compatible `/generate`); 0 picks a free port.
+    #[arg(long, default_value_t = 30000)]
+    pub router_port: u16,
+    /// What to launch as an engine.
+    #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
+    pub engine: EngineKind,
+    /// Program to launch as an engine, overriding the lookup (`sglang-sim` beside the manager
+    /// or on PATH for `--engine sim`; `python3` on PATH for `--engine sglang`).
+    #[arg(long, value_name = "PATH")]
+    pub engine_program: Option<PathBuf>,
+    /// Model path passed to every engine (`--model-path`).
+    #[arg(long, default_value = "sim-model")]
+    pub model_path: String,
+    /// Name under which the fleet's model is listed in `/rollout/engines`.
+    #[arg(long, default_value = "default")]
+    pub model_name: String,
+    /// Size of the local GPU pool (logical GPUs for `--engine sim`).
+    #[arg(long, default_value_t = 8)]
+    pub gpus: u32,
+    /// GPUs used by the initial engines at startup.
+    #[arg(long, default_value_t = 2)]
+    pub rollout_num_gpus: u32,
+    /// GPUs per engine (its tensor-parallel size).
+    #[arg(long, default_value_t = 1)]
+    pub rollout_num_gpus_per_engine: u32,
+    /// Extra argument appended to every engine's command line (repeatable), e.g.
+    /// `--engine-arg=--startup-delay=10`.
+    #[arg(long = "engine-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+    /// Address engines listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub engine_host: String,
+    /// Weight version the fleet starts from (passed as `--weight-version`).
+    #[arg(long, default_value = "default")]
+    pub weight_version: String,
+    /// Directory for engine logs and the manager's state.
+    #[arg(long, default_value = ".rollout-state")]
+    pub state_dir: PathBuf,
+    /// Accepted for compatibility with fully-async trainers' launch lines.
+    #[arg(long)]
+    pub fully_async: bool,
+    /// Upper bound on the number of engines in the fleet.
+    #[arg(long, default_value_t = 256)]
+    pub max_engines: u32,
+    /// Total time allowed for a scale-out (startup, health check, weight sync), in seconds.
+    #[arg(long, default_value_t = 1800.0)]
+    pub scale_out_timeout: f64,
+    /// What to keep when some engines of a scale-out fail.
+    #[arg(long, value_enum, default_value_t = PartialSuccessPolicy::RollbackAll)]
+    pub scale_out_partial_success_policy: PartialSuccessPolicy,
+    /// How long scale-in waits for in-flight requests before aborting them, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub scale_in_drain_timeout: f64,
+    /// How long an engine gets to exit after SIGTERM before SIGKILL, in seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub scale_in_shutdown_timeout: f64,
+    /// How long an engine may take from launch to healthy, in seconds.
+    #[arg(long, default_value_t = 1800.0)]
+    pub engine_startup_timeout: f64,
+    /// Interval between health probes of each engine, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub health_check_interval_secs: f64,
+    /// Timeout of one health probe, in seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub health_check_timeout_secs: f64,
+    /// Consecutive failed probes after which an engine is taken out of routing.
+    #[arg(long, default_value_t = 3)]
+    pub health_failure_threshold: u32,
+    /// Engine endpoint used by health probes.
+    #[arg(long, default_value = "/health_generate")]
+    pub health_check_endpoint: String,
+}
+
+/// A configuration error, naming the flag to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {flag}: {message}")]
+pub struct ConfigError {
+    pub flag: &'static str,
+    pub message: String,
+}
+
+fn bad(flag: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError { flag, message: message.into() }
+}
+
+fn positive_secs(flag: &'static str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(bad(flag, format!("{v} is not a positive number of seconds")))
+    }
+}
+
+impl ServeConfig {
+    /// Checks every cross-field rule. Called once, before anything starts.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.host.trim().is_empty() {
+            return Err(bad("--host", "must not be empty"));
+        }
+        if self.port != 0 && self.port == self.router_port {
+            return Err(bad("--router-port", format!("{} is also the control --port; pick another", self.port)));
+        }
+        if self.model_path.trim().is_empty() {
+            return Err(bad("--model-path", "must not be empty"));
+        }
+        if self.model_name.trim().is_empty() {
+            return Err(bad("--model-name", "must not be empty"));
+        }
+        if self.rollout_num_gpus_per_engine == 0 {
+            return Err(bad("--rollout-num-gpus-per-engine", "must be at least 1"));
+        }
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine != 0 {
+            return Err(bad(
+                "--rollout-num-gpus-per-engine",
+                format!(
+                    "{} does not divide --rollout-num-gpus {}; the initial engines need a whole number of engines",
+                    self.rollout_num_gpus_per_engine, self.rollout_num_gpus
+                ),
+            ));
+        }
+        if self.rollout_num_gpus > self.gpus {
+            return Err(bad(
+                "--gpus",
+                format!(
+                    "the pool has {} GPUs but --rollout-num-gpus asks for {}; raise --gpus",
+                    self.gpus, self.rollout_num_gpus
+                ),
+            ));
+        }
+        if self.rollout_num_gpus_per_engine > self.gpus {
+            return Err(bad("--gpus", format!("the pool has {} GPUs, fewer than one engine needs ({})", self.gpus, self.rollout_num_gpus_per_engine)));
+        }
+        if self.initial_engines() > self.max_engines {
+            return Err(bad(
+                "--max-engines",
+                format!("{} is below the {} initial engines", self.max_engines, self.initial_engines()),
+            ));
+        }
+        if self.weight_version.trim().is_empty() {
+            return Err(bad("--weight-version", "must not be empty"));
+        }
+        if !self.health_check_endpoint.starts_with('/') {
+            return Err(bad("--health-check-endpoint", "must be a path starting with '/'"));
+        }
+        if self.health_failure_threshold == 0 {
+            return Err(bad("--health-failure-threshold", "must be at least 1"));
+        }
+        if self.engine_args.iter().any(|a| a.contains('\0')) {
+            return Err(bad("--engine-arg", "must not contain NUL bytes"));
+        }
+        positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
+        positive_secs("--scale-in-drain-timeout", self.scale_in_drain_timeout)?;
+        positive_secs("--scale-in-shutdown-timeout", self.scale_in_shutdown_timeout)?;
+        positive_secs("--engine-startup-timeout", self.engine_startup_timeout)?;
+        positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
+        positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
+        Ok(())
+    }
+
+    /// Number of engines started at boot.
+    pub fn initial_engines(&self) -> u32 {
+        self.rollout_num_gpus.checked_div(self.rollout_num_gpus_per_engine).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeConfig,
+    }
+
+    fn parse(args: &[&str]) -> ServeConfig {
+        let mut argv = vec!["rollout-manager"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().serve
+    }
+
+    #[test]
+    fn defaults_are_valid_and_loopback() {
+        let c = parse(&[]);
+        c.validate().unwrap();
+        assert_eq!(c.host, "127.0.0.1");
+        assert_eq!((c.port, c.router_port), (8000, 30000));
+        assert_eq!(c.initial_engines(), 2);
+    }
+
+    #[test]
+    fn errors_name_the_flag() {
+        let cases: [(&[&str], &str); 6] = [
+            (&["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "3"], "--rollout-num-gpus-per-engine"),
+            (&["--rollout-num-gpus", "8", "--gpus", "4"], "--gpus"),
+            (&["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine"),
+            (&["--port", "9000", "--router-port", "9000"], "--router-port"),
+            (&["--scale-in-drain-timeout=-1"], "--scale-in-drain-timeout"),
+            (&["--max-engines", "1"], "--max-engines"),
+        ];
+        for (args, flag) in cases {
+            let err = parse(args).validate().unwrap_err();
+            assert_eq!(err.flag, flag, "{args:?}");
+            assert!(err.to_string().contains(flag));
+        }
+    }
+
+    #[test]
+    fn engine_args_keep_leading_dashes() {
+        let c = parse(&["--engine-arg=--startup-delay=10", "--engine-arg", "--time-scale=0.1"]);
+        assert_eq!(c.engine_args, vec!["--startup-delay=10", "--time-scale=0.1"]);
+    }
+
+    #[test]
+    fn serde_round_trip() {
+        let c = parse(&["--engine", "sglang", "--gpus", "4"]);
+        let json = serde_json::to_string(&c).unwrap();
+        let back: ServeConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(c, back);
+    }
+}

@@ -1,0 +1,16 @@
+//! Pure domain model of Elastic Rollout.
+//!
+//! Everything here is deterministic and free of IO: identifiers, the state machines of engines
+//! and scale operations, GPU placement on a local pool, and the configuration of the manager with
+//! its validation. The service crate (`rollout-manager`) performs the effects these types decide.
+
+pub mod config;
+pub mod placement;
+pub mod state;
+
+pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig};
+pub use placement::{GpuPool, PlacementError};
+pub use state::{
+    EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus,
+    ScaleOutEvent, ScaleOutStatus,
+};

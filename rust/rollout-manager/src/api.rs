@@ -1,0 +1,131 @@
+//! The control API: `/rollout/*` on the control port. Every error is JSON
+//! `{"error": {"code", "message"}}` (see [`crate::error`]).
+
+use crate::error::ApiError;
+use crate::manager::Manager;
+use crate::scale_in::{self, ScaleInAnswer};
+use crate::scaling::{self, Accepted, Cancels, ScaleInRequest, ScaleOutRequest};
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub manager: Arc<Manager>,
+    pub cancels: Arc<Cancels>,
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/rollout/engines", get(engines))
+        .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
+        .route("/rollout/scale_out/{id}", get(get_scale_out))
+        .route("/rollout/scale_out/{id}/cancel", post(cancel_scale_out))
+        .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
+        .route("/rollout/scale_in/{id}", get(get_scale_in))
+        .fallback(|| async { ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API") })
+        .with_state(state)
+}
+
+/// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
+/// which names the field. An empty body means `{}`. The content type is not checked, so
+/// `curl -d '{...}'` (which sends form encoding) works as people expect.
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
+}
+
+async fn engines(State(s): State<ApiState>) -> Json<Value> {
+    let records = s.manager.fleet.engine_records();
+    let total = records.len();
+    let version = s.manager.fleet.lock().weight_version.clone();
+    Json(json!({
+        "models": { s.manager.config.model_name.clone(): { "engines": records, "weight_version": version } },
+        "total_engines": total,
+    }))
+}
+
+async fn scale_out(State(s): State<ApiState>, body: Bytes) -> Result<Json<Accepted>, ApiError> {
+    let req: ScaleOutRequest = parse_body(&body)?;
+    scaling::scale_out(&s.manager, &s.cancels, req).map(Json)
+}
+
+async fn scale_in(State(s): State<ApiState>, body: Bytes) -> Result<Json<ScaleInAnswer>, ApiError> {
+    let req: ScaleInRequest = parse_body(&body)?;
+    scale_in::scale_in(&s.manager, req).map(Json)
+}
+
+#[derive(Deserialize)]
+struct ListFilter {
+    status: Option<String>,
+    model_name: Option<String>,
+}
+
+async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Json<Value> {
+    let inner = s.manager.fleet.lock();
+    let mut requests: Vec<_> = inner
+        .scale_outs
+        .values()
+        .filter(|r| f.status.as_deref().is_none_or(|st| r.status.to_string().eq_ignore_ascii_case(st)))
+        .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
+        .cloned()
+        .collect();
+    requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+    Json(json!({ "requests": requests, "total": requests.len() }))
+}
+
+async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Json<Value> {
+    let inner = s.manager.fleet.lock();
+    let mut requests: Vec<_> = inner
+        .scale_ins
+        .values()
+        .filter(|r| f.status.as_deref().is_none_or(|st| r.status.to_string().eq_ignore_ascii_case(st)))
+        .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
+        .cloned()
+        .collect();
+    requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+    Json(json!({ "requests": requests, "total": requests.len() }))
+}
+
+async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let inner = s.manager.fleet.lock();
+    let record = inner
+        .scale_outs
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-out request with id {id}; list them with GET /rollout/scale_out")))?;
+    let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
+    // Per-engine progress, for engines still in the fleet.
+    let engines: Vec<Value> = record
+        .engine_ids
+        .iter()
+        .map(|eid| match inner.engines.get(eid) {
+            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy}),
+            None => json!({"engine_id": eid, "status": "REMOVED"}),
+        })
+        .collect();
+    value["engines"] = Value::Array(engines);
+    Ok(Json(value))
+}
+
+async fn get_scale_in(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let inner = s.manager.fleet.lock();
+    let record = inner
+        .scale_ins
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-in request with id {id}; list them with GET /rollout/scale_in")))?;
+    serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
+}
+
+async fn cancel_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let record = scaling::cancel_scale_out(&s.manager, &s.cancels, &id)?;
+    let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
+    value["message"] = json!("cancellation requested; created engines are being stopped");
+    Ok((StatusCode::OK, Json(value)))
+}

@@ -1,0 +1,293 @@
+//! The fleet registry: every engine and every scale operation, behind one mutex.
+//!
+//! The mutex is a std `Mutex`: no `.await` ever happens while it is held, so it never blocks
+//! the runtime for long. The router reads a separate, copy-on-write list of routable backends
+//! ([`Fleet::routes`]) so the data plane never takes the registry lock.
+
+use crate::clock::unix_now;
+use crate::host::EngineProcess;
+use rollout_core::{
+    EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent,
+    ScaleInStatus, ScaleOutEvent, ScaleOutStatus,
+};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use tokio::sync::{watch, Notify};
+
+/// What the router needs to know about one routable engine.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub engine_id: String,
+    pub url: String,
+    pub load: Arc<InFlight>,
+}
+
+/// Requests in flight to one engine, with a notification when it drains to zero.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+impl InFlight {
+    pub fn get(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Counts one request until the guard drops.
+    pub fn enter(self: &Arc<Self>) -> InFlightGuard {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        InFlightGuard(self.clone())
+    }
+
+    /// Resolves once no request is in flight.
+    pub async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.get() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct InFlightGuard(Arc<InFlight>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// One engine as reported by `GET /rollout/engines`.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineRecord {
+    pub engine_id: String,
+    pub url: String,
+    pub status: EngineStatus,
+    pub is_healthy: bool,
+    pub origin: EngineOrigin,
+    pub model_name: String,
+    pub weight_version: Option<String>,
+    pub gpu_ids: Vec<u32>,
+    pub pid: Option<u32>,
+    pub started_at: f64,
+    pub updated_at: f64,
+    pub log_path: Option<PathBuf>,
+    /// Requests the router has in flight to this engine.
+    pub in_flight: usize,
+    /// How the process ended, or why the engine failed.
+    pub last_error: Option<String>,
+    /// The operation that created this engine.
+    pub created_by: Option<String>,
+}
+
+/// An engine with its runtime handles.
+#[derive(Debug)]
+pub struct Engine {
+    /// Creation order; scale-in removes the highest first (LIFO).
+    pub seq: u64,
+    pub record: EngineRecord,
+    pub process: Option<EngineProcess>,
+    pub load: Arc<InFlight>,
+    /// Consecutive failed health probes.
+    pub probe_failures: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Transition {
+    pub status: String,
+    pub at: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FailedEngine {
+    pub engine_id: String,
+    pub url: String,
+    pub error: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleOutRecord {
+    pub request_id: String,
+    pub status: ScaleOutStatus,
+    pub model_name: String,
+    pub num_replicas: u32,
+    pub engine_urls: Vec<String>,
+    pub engine_ids: Vec<String>,
+    pub failed_engines: Vec<FailedEngine>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub error_message: Option<String>,
+    pub weight_version: Option<String>,
+    pub message: String,
+    /// `initial` for the boot-time bring-up, `user` for API requests.
+    pub trigger: &'static str,
+    pub history: Vec<Transition>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleInRecord {
+    pub request_id: String,
+    pub status: ScaleInStatus,
+    pub model_name: String,
+    pub num_replicas: u32,
+    pub engine_urls: Vec<String>,
+    pub force: bool,
+    pub engine_ids: Vec<String>,
+    pub removed_engines: Vec<String>,
+    pub failed_engines: Vec<FailedEngine>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub error_message: Option<String>,
+    pub message: String,
+    pub history: Vec<Transition>,
+}
+
+impl ScaleOutRecord {
+    pub fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_out");
+        self.status = next;
+        self.updated_at = unix_now();
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+}
+
+impl ScaleInRecord {
+    pub fn apply(&mut self, event: ScaleInEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_in");
+        self.status = next;
+        self.updated_at = unix_now();
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+}
+
+/// The kind and id of the scale operation in progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningOp {
+    pub kind: &'static str,
+    pub request_id: String,
+}
+
+#[derive(Debug)]
+pub struct FleetInner {
+    pub engines: BTreeMap<String, Engine>,
+    pub next_seq: u64,
+    pub gpus: GpuPool,
+    pub ports_in_use: HashSet<u16>,
+    pub scale_outs: BTreeMap<String, ScaleOutRecord>,
+    pub scale_ins: BTreeMap<String, ScaleInRecord>,
+    /// Mutual exclusion: at most one scale operation runs.
+    pub running: Option<RunningOp>,
+    /// The weight version every routable engine must serve.
+    pub weight_version: String,
+}
+
+impl FleetInner {
+    /// Moves an engine through its state machine; logs once; refuses illegal edges.
+    pub fn engine_event(&mut self, engine_id: &str, event: EngineEvent) -> Result<EngineStatus, IllegalTransition> {
+        let Some(engine) = self.engines.get_mut(engine_id) else {
+            return Err(IllegalTransition {
+                machine: "engine",
+                state: format!("unknown engine {engine_id}"),
+                event: format!("{event:?}"),
+            });
+        };
+        let from = engine.record.status;
+        let to = from.on(event)?;
+        tracing::info!(engine_id, %from, %to, "engine");
+        engine.record.status = to;
+        engine.record.updated_at = unix_now();
+        engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
+        Ok(to)
+    }
+
+    /// Engines that count towards the fleet size (every one not being removed).
+    pub fn live_count(&self) -> u32 {
+        self.engines
+            .values()
+            .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+            .count() as u32
+    }
+}
+
+pub struct Fleet {
+    inner: Mutex<FleetInner>,
+    routes: RwLock<Arc<Vec<Backend>>>,
+    /// Bumped on every change, so waiters can wake without polling.
+    changes: watch::Sender<u64>,
+}
+
+impl Fleet {
+    pub fn new(gpus: u32, weight_version: String) -> Self {
+        let inner = FleetInner {
+            engines: BTreeMap::new(),
+            next_seq: 0,
+            gpus: GpuPool::new(gpus),
+            ports_in_use: HashSet::new(),
+            scale_outs: BTreeMap::new(),
+            scale_ins: BTreeMap::new(),
+            running: None,
+            weight_version,
+        };
+        Self { inner: Mutex::new(inner), routes: RwLock::new(Arc::new(Vec::new())), changes: watch::channel(0).0 }
+    }
+
+    /// Locks the registry. A poisoned lock (a panic while held) is recovered: every mutation
+    /// leaves the registry consistent before any call that could panic.
+    pub fn lock(&self) -> MutexGuard<'_, FleetInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` under the lock, then republishes the routing table and wakes waiters.
+    pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
+        let mut inner = self.lock();
+        let out = f(&mut inner);
+        let routes: Vec<Backend> = inner
+            .engines
+            .values()
+            .filter(|e| e.record.status.is_routable())
+            .map(|e| Backend { engine_id: e.record.engine_id.clone(), url: e.record.url.clone(), load: e.load.clone() })
+            .collect();
+        drop(inner);
+        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);
+        self.changes.send_modify(|v| *v += 1);
+        out
+    }
+
+    /// The engines the router may use now.
+    pub fn routes(&self) -> Arc<Vec<Backend>> {
+        self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Snapshot of every engine not yet removed, oldest first.
+    pub fn engine_records(&self) -> Vec<EngineRecord> {
+        let inner = self.lock();
+        let mut engines: Vec<&Engine> =
+            inner.engines.values().filter(|e| e.record.status != EngineStatus::Removed).collect();
+        engines.sort_by_key(|e| e.seq);
+        engines
+            .into_iter()
+            .map(|e| {
+                let mut r = e.record.clone();
+                r.in_flight = e.load.get();
+                r
+            })
+            .collect()
+    }
+}

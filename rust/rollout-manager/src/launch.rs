@@ -1,0 +1,131 @@
+//! How an engine is started: which program, which argv, which environment.
+//!
+//! `--engine sim` runs `sglang-sim`, found next to the manager's own executable, else on PATH.
+//! `--engine sglang` runs `python -m sglang.launch_server` with the Python found on PATH
+//! (`python3`, then `python`). Both get the same SGLang flags, then the operator's
+//! `--engine-arg`s, and `CUDA_VISIBLE_DEVICES` naming the engine's GPUs.
+
+use crate::host::LaunchSpec;
+use rollout_core::{EngineKind, ServeConfig};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("cannot find sglang-sim: looked next to the manager ({beside}) and on PATH; build it with `cargo build -p sglang-sim` or put it on PATH")]
+    SimNotFound { beside: String },
+    #[error("--engine-program {path} is not an executable file")]
+    NotExecutable { path: String },
+    #[error("cannot find a Python interpreter (python3 or python) on PATH for --engine sglang")]
+    PythonNotFound,
+}
+
+/// The program and fixed arguments every engine of this fleet starts with.
+#[derive(Debug, Clone)]
+pub struct EngineLauncher {
+    program: PathBuf,
+    prefix: Vec<String>,
+    kind: EngineKind,
+}
+
+impl EngineLauncher {
+    pub fn resolve(kind: EngineKind, program: Option<&Path>) -> Result<Self, LaunchError> {
+        if let Some(p) = program {
+            if !is_executable(p) {
+                return Err(LaunchError::NotExecutable { path: p.display().to_string() });
+            }
+            let prefix = match kind {
+                EngineKind::Sim => Vec::new(),
+                EngineKind::Sglang => vec!["-m".into(), "sglang.launch_server".into()],
+            };
+            return Ok(Self { program: p.to_path_buf(), prefix, kind });
+        }
+        match kind {
+            EngineKind::Sim => {
+                let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("sglang-sim")));
+                let program = match beside.as_deref() {
+                    Some(p) if is_executable(p) => p.to_path_buf(),
+                    _ => which::which("sglang-sim").map_err(|_| LaunchError::SimNotFound {
+                        beside: beside.map(|p| p.display().to_string()).unwrap_or_else(|| "?".into()),
+                    })?,
+                };
+                Ok(Self { program, prefix: Vec::new(), kind })
+            }
+            EngineKind::Sglang => {
+                let program = which::which("python3")
+                    .or_else(|_| which::which("python"))
+                    .map_err(|_| LaunchError::PythonNotFound)?;
+                Ok(Self { program, prefix: vec!["-m".into(), "sglang.launch_server".into()], kind })
+            }
+        }
+    }
+
+    pub fn program(&self) -> &Path {
+        &self.program
+    }
+
+    /// The full launch of one engine.
+    pub fn spec(&self, config: &ServeConfig, port: u16, gpu_ids: &[u32], weight_version: &str, log_path: PathBuf) -> LaunchSpec {
+        let mut args = self.prefix.clone();
+        args.extend([
+            "--model-path".to_string(),
+            config.model_path.clone(),
+            "--host".into(),
+            config.engine_host.clone(),
+            "--port".into(),
+            port.to_string(),
+            "--tp-size".into(),
+            gpu_ids.len().max(1).to_string(),
+            "--weight-version".into(),
+            weight_version.to_string(),
+            "--enable-metrics".into(),
+        ]);
+        args.extend(config.engine_args.iter().cloned());
+        let visible = gpu_ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let mut env = vec![("CUDA_VISIBLE_DEVICES".to_string(), visible)];
+        if self.kind == EngineKind::Sglang {
+            // Real SGLang prints progress bars to stderr; keep logs readable.
+            env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+        }
+        LaunchSpec { program: self.program.clone(), args, env, log_path }
+    }
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+}
+
+/// A free TCP port on `host`, not handed out before by this manager.
+pub fn free_port(host: &str, taken: &std::collections::HashSet<u16>) -> std::io::Result<u16> {
+    for _ in 0..64 {
+        let port = std::net::TcpListener::bind((host, 0))?.local_addr()?.port();
+        if !taken.contains(&port) {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no free port found after 64 tries"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeConfig,
+    }
+
+    #[test]
+    fn sglang_argv_is_a_list_with_gpus_in_env() {
+        let config = Cli::try_parse_from(["m", "--model-path", "/models/q; rm -rf /", "--engine-arg=--mem-fraction-static=0.8"]).unwrap().serve;
+        let launcher = EngineLauncher { program: "/usr/bin/python3".into(), prefix: vec!["-m".into(), "sglang.launch_server".into()], kind: EngineKind::Sglang };
+        let spec = launcher.spec(&config, 31000, &[2, 3], "v7", "/tmp/e.log".into());
+        assert_eq!(&spec.args[..4], ["-m", "sglang.launch_server", "--model-path", "/models/q; rm -rf /"]);
+        let joined = spec.args.join(" ");
+        assert!(joined.contains("--port 31000 --tp-size 2 --weight-version v7 --enable-metrics --mem-fraction-static=0.8"), "{joined}");
+        assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
+    }
+}

@@ -1,0 +1,16 @@
+//! `rollout-manager`: the fleet manager of Elastic Rollout.
+//!
+//! See `docs/architecture.md` for the picture; each module's docs say what it owns.
+
+pub mod api;
+pub mod clock;
+pub mod error;
+pub mod fleet;
+pub mod health;
+pub mod host;
+pub mod launch;
+pub mod manager;
+pub mod router;
+pub mod scale_in;
+pub mod scaling;
+pub mod server;

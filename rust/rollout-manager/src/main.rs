@@ -1,0 +1,59 @@
+use clap::{Parser, Subcommand};
+use rollout_core::ServeConfig;
+use rollout_manager::server::{shutdown_signal, Server};
+use std::io::Write;
+use std::process::ExitCode;
+
+/// Elastic Rollout fleet manager: runs and scales a fleet of SGLang engines.
+#[derive(Parser)]
+#[command(name = "rollout-manager", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the manager: control API, router, and the engines on this machine.
+    Serve(ServeConfig),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Command::Serve(config) = cli.command;
+    runtime.block_on(async move {
+        let server = match Server::build(config).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        if let (Ok(control), Ok(router)) = (server.control_addr(), server.router_addr()) {
+            // One line on stdout, for scripts and tests that start the manager on port 0.
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "rollout-manager listening control=http://{control} router=http://{router}");
+            let _ = out.flush();
+        }
+        match server.run(shutdown_signal()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}

@@ -1,0 +1,284 @@
+//! The manager: configuration, the fleet registry, and the effects that move engines through
+//! their lifecycle (launch, readiness, weight check, activation, stop).
+//!
+//! Scale operations ([`crate::scaling`]) compose these steps; the health monitor
+//! ([`crate::health`]) watches what they produced.
+
+use crate::clock::unix_now;
+use crate::fleet::{Engine, EngineRecord, Fleet, InFlight};
+use crate::host::{self, EngineProcess, ExitInfo};
+use crate::launch::{free_port, EngineLauncher};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ServeConfig};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub struct Manager {
+    pub config: ServeConfig,
+    pub fleet: Fleet,
+    pub launcher: EngineLauncher,
+    /// Client for probes and control calls to engines (short timeouts).
+    pub http: reqwest::Client,
+    /// Every background task the manager starts, joined at shutdown.
+    pub tasks: TaskTracker,
+    /// Cancelled when the manager shuts down.
+    pub shutdown: CancellationToken,
+}
+
+/// Why bringing up one engine failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Launch(String),
+    #[error("engine process exited before it became healthy ({0}); see its log")]
+    Exited(String),
+    #[error("engine was not healthy within {0:?}")]
+    StartupTimeout(Duration),
+    #[error("engine serves weight version {found:?}, the fleet is on {expected:?}")]
+    WrongVersion { expected: String, found: String },
+    #[error("engine did not answer {path}: {detail}")]
+    Unreachable { path: &'static str, detail: String },
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl Manager {
+    pub fn new(config: ServeConfig, launcher: EngineLauncher) -> Result<Arc<Self>, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()?;
+        let fleet = Fleet::new(config.gpus, config.weight_version.clone());
+        Ok(Arc::new(Self { config, fleet, launcher, http, tasks: TaskTracker::new(), shutdown: CancellationToken::new() }))
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs_f64(self.config.scale_in_shutdown_timeout)
+    }
+
+    /// Registers a new managed engine in CREATING, with GPUs and a port reserved.
+    /// Nothing is started yet; the caller launches it with [`Manager::launch`].
+    pub fn reserve_engine(
+        &self,
+        inner: &mut crate::fleet::FleetInner,
+        origin: EngineOrigin,
+        created_by: &str,
+    ) -> Result<String, String> {
+        let per_engine = self.config.rollout_num_gpus_per_engine;
+        let gpu_ids = inner.gpus.allocate(per_engine).map_err(|e| e.to_string())?;
+        let port = match free_port(&self.config.engine_host, &inner.ports_in_use) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = inner.gpus.release(&gpu_ids);
+                return Err(format!("no free port on {}: {e}", self.config.engine_host));
+            }
+        };
+        inner.ports_in_use.insert(port);
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        let engine_id = format!("engine_{seq}");
+        let now = unix_now();
+        let record = EngineRecord {
+            engine_id: engine_id.clone(),
+            url: format!("http://{}:{port}", url_host(&self.config.engine_host)),
+            status: EngineStatus::Creating,
+            is_healthy: false,
+            origin,
+            model_name: self.config.model_name.clone(),
+            weight_version: None,
+            gpu_ids,
+            pid: None,
+            started_at: now,
+            updated_at: now,
+            log_path: Some(self.config.state_dir.join("logs").join(format!("{engine_id}.log"))),
+            in_flight: 0,
+            last_error: None,
+            created_by: Some(created_by.to_string()),
+        };
+        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0 };
+        inner.engines.insert(engine_id.clone(), engine);
+        Ok(engine_id)
+    }
+
+    /// Starts the process of a reserved engine and moves it to HEALTH_CHECKING.
+    pub fn launch(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
+        let weight_version = self.fleet.lock().weight_version.clone();
+        let (port, gpu_ids, log_path) = {
+            let inner = self.fleet.lock();
+            let e = inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
+            let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
+            (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default())
+        };
+        let spec = self.launcher.spec(&self.config, port, &gpu_ids, &weight_version, log_path);
+        tracing::info!(engine_id, program = %spec.program.display(), args = ?spec.args, "launching engine");
+        let process = host::spawn(&spec).map_err(|e| EngineError::Launch(e.to_string()))?;
+        let pid = process.pid;
+        self.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.record.pid = Some(pid);
+                e.process = Some(process.clone());
+            }
+            let _ = inner.engine_event(engine_id, EngineEvent::Launched);
+        });
+        self.watch_exit(engine_id.to_string(), process);
+        Ok(())
+    }
+
+    /// Marks the engine FAILED when its process exits without being asked to.
+    fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
+        let manager = self.clone();
+        self.tasks.spawn(async move {
+            let info = process.wait().await;
+            if info.requested {
+                return;
+            }
+            tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
+            manager.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(&engine_id) {
+                    e.record.last_error = Some(format!("process {}", info));
+                }
+                // Fails only from live states; an engine being removed is expected to exit.
+                let _ = inner.engine_event(&engine_id, EngineEvent::Fail);
+            });
+        });
+    }
+
+    fn process_of(&self, engine_id: &str) -> Option<EngineProcess> {
+        self.fleet.lock().engines.get(engine_id).and_then(|e| e.process.clone())
+    }
+
+    fn url_of(&self, engine_id: &str) -> Option<String> {
+        self.fleet.lock().engines.get(engine_id).map(|e| e.record.url.clone())
+    }
+
+    /// Waits until the engine's `/health` answers 200, its process dies, the startup deadline
+    /// passes, or `cancel` fires. Probes back off from 50 ms to 1 s.
+    pub async fn wait_healthy(&self, engine_id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
+        let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
+        let process = self.process_of(engine_id);
+        let deadline = Duration::from_secs_f64(self.config.engine_startup_timeout);
+        let probe = async {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                if let Some(info) = process.as_ref().and_then(EngineProcess::exit_info) {
+                    return Err(EngineError::Exited(info.to_string()));
+                }
+                let ok = self
+                    .http
+                    .get(format!("{url}/health"))
+                    .timeout(Duration::from_secs(5))
+                    .send()
+                    .await
+                    .map(|r| r.status().is_success())
+                    .unwrap_or(false);
+                if ok {
+                    return Ok(());
+                }
+                let exited = async {
+                    match &process {
+                        Some(p) => p.wait().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    info = exited => return Err(EngineError::Exited(info.to_string())),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        };
+        tokio::select! {
+            r = tokio::time::timeout(deadline, probe) => r.map_err(|_| EngineError::StartupTimeout(deadline))?,
+            _ = cancel.cancelled() => Err(EngineError::Cancelled),
+        }
+    }
+
+    /// Reads `/model_info` and checks the engine serves the fleet's weight version.
+    pub async fn check_weights(&self, engine_id: &str) -> Result<String, EngineError> {
+        let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
+        let expected = self.fleet.lock().weight_version.clone();
+        let unreachable = |detail: String| EngineError::Unreachable { path: "/model_info", detail };
+        let info: serde_json::Value = self
+            .http
+            .get(format!("{url}/model_info"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| unreachable(e.to_string()))?
+            .json()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        let found = info.get("weight_version").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        if found != expected {
+            return Err(EngineError::WrongVersion { expected, found });
+        }
+        Ok(found)
+    }
+
+    /// Stops an engine's process (SIGTERM, then SIGKILL after the shutdown grace), releases
+    /// its GPUs and port, and marks it REMOVED.
+    pub async fn remove_engine(&self, engine_id: &str) -> Option<ExitInfo> {
+        let process = self.fleet.update(|inner| {
+            let _ = inner.engine_event(engine_id, EngineEvent::Remove);
+            inner.engines.get(engine_id).and_then(|e| e.process.clone())
+        });
+        let exit = match process {
+            Some(p) => Some(p.stop(self.shutdown_grace()).await),
+            None => None,
+        };
+        self.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                let gpus = std::mem::take(&mut e.record.gpu_ids);
+                let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+                e.process = None;
+                let origin = e.record.origin;
+                if origin != EngineOrigin::External {
+                    if let Err(err) = inner.gpus.release(&gpus) {
+                        tracing::error!(engine_id, %err, "GPU accounting mismatch on removal");
+                    }
+                }
+                if let Some(port) = port {
+                    inner.ports_in_use.remove(&port);
+                }
+            }
+            let _ = inner.engine_event(engine_id, EngineEvent::Removed);
+            // Forget removed engines entirely; their operation records keep their ids.
+            inner.engines.remove(engine_id);
+        });
+        exit
+    }
+
+    /// Stops an engine but keeps it listed as FAILED (used when an initial engine cannot start,
+    /// so the operator sees it).
+    pub async fn fail_engine(&self, engine_id: &str, error: &str) {
+        let process = self.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.record.last_error = Some(error.to_string());
+            }
+            let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+            inner.engines.get(engine_id).and_then(|e| e.process.clone())
+        });
+        if let Some(p) = process {
+            p.stop(self.shutdown_grace()).await;
+        }
+    }
+
+    /// Stops every engine process, in parallel, each with the shutdown grace. Used at exit.
+    pub async fn stop_all(&self) {
+        let processes: Vec<EngineProcess> =
+            self.fleet.lock().engines.values().filter_map(|e| e.process.clone()).collect();
+        let grace = self.shutdown_grace();
+        futures::future::join_all(processes.iter().map(|p| p.stop(grace))).await;
+    }
+}
+
+/// The host part of an engine URL: IPv6 literals need brackets.
+fn url_host(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}

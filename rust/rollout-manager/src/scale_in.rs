@@ -1,0 +1,197 @@
+//! Scale-in: choose victims (LIFO among dynamic engines, or by URL), drain, remove.
+//! See the module docs of [`crate::scaling`] for the flow and guarantees.
+
+use crate::error::ApiError;
+use crate::fleet::{EngineRecord, RunningOp, ScaleInRecord, Transition};
+use crate::manager::Manager;
+use crate::scaling::{Accepted, ScaleInRequest};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What `POST /rollout/scale_in` answers.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum ScaleInAnswer {
+    Accepted(Accepted),
+    DryRun { dry_run: bool, engines: Vec<EngineRecord>, message: String },
+}
+
+pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, ApiError> {
+    if req.model_name != manager.config.model_name {
+        return Err(ApiError::bad_request(
+            "unknown_model",
+            format!("model_name {:?} is not served here; this fleet serves {:?}", req.model_name, manager.config.model_name),
+        ));
+    }
+    if req.num_replicas < 0 {
+        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {} must be >= 0", req.num_replicas)));
+    }
+    if let Some(t) = req.timeout_secs {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(ApiError::bad_request("invalid_timeout", format!("timeout_secs {t} must be a positive number of seconds")));
+        }
+    }
+    if req.num_replicas == 0 && req.engine_urls.is_empty() {
+        return Err(ApiError::bad_request(
+            "missing_target",
+            "give num_replicas > 0 (engines to keep) or engine_urls (engines to remove)",
+        ));
+    }
+    let initial = manager.config.initial_engines();
+    if req.num_replicas > 0 && (req.num_replicas as u32) < initial {
+        return Err(ApiError::bad_request(
+            "below_initial_engines",
+            format!(
+                "num_replicas {} is below the {initial} initial engines, which cannot be scaled in; ask for at least {initial}",
+                req.num_replicas
+            ),
+        ));
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), ApiError> {
+        if let Some(running) = &inner.running {
+            return Err(ApiError::conflict(
+                "operation_in_progress",
+                format!(
+                    "a {} operation is in progress (request_id {}); wait for it to finish or cancel it, then retry",
+                    running.kind, running.request_id
+                ),
+            ));
+        }
+        let mut candidates: Vec<_> = inner
+            .engines
+            .values()
+            .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+            .collect();
+        let victims: Vec<String> = if req.num_replicas > 0 {
+            let target = req.num_replicas as u32;
+            let live = candidates.len() as u32;
+            candidates.retain(|e| e.record.origin != EngineOrigin::Initial);
+            // LIFO: the newest engine leaves first.
+            candidates.sort_by_key(|e| std::cmp::Reverse(e.seq));
+            candidates.into_iter().take(live.saturating_sub(target) as usize).map(|e| e.record.engine_id.clone()).collect()
+        } else {
+            let mut ids = Vec::new();
+            for url in &req.engine_urls {
+                let want = url.trim_end_matches('/');
+                let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
+                    ApiError::bad_request("unknown_engine_url", format!("no engine with url {url} is in the fleet; see GET /rollout/engines"))
+                })?;
+                if engine.record.origin == EngineOrigin::Initial {
+                    return Err(ApiError::bad_request(
+                        "initial_engine_protected",
+                        format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record.engine_id),
+                    ));
+                }
+                if !ids.contains(&engine.record.engine_id) {
+                    ids.push(engine.record.engine_id.clone());
+                }
+            }
+            ids
+        };
+        if req.dry_run {
+            let engines = victims.iter().filter_map(|id| inner.engines.get(id)).map(|e| e.record.clone()).collect();
+            let message = format!("would remove {} engines; nothing was changed", victims.len());
+            return Ok((ScaleInAnswer::DryRun { dry_run: true, engines, message }, None));
+        }
+        let now = crate::clock::unix_now();
+        let mut record = ScaleInRecord {
+            request_id: request_id.clone(),
+            status: ScaleInStatus::Pending,
+            model_name: req.model_name.clone(),
+            num_replicas: req.num_replicas as u32,
+            engine_urls: req.engine_urls.clone(),
+            force: req.force,
+            engine_ids: victims.clone(),
+            removed_engines: Vec::new(),
+            failed_engines: Vec::new(),
+            created_at: now,
+            updated_at: now,
+            error_message: None,
+            message: String::new(),
+            history: vec![Transition { status: "PENDING".into(), at: now }],
+        };
+        if victims.is_empty() {
+            let _ = record.apply(ScaleInEvent::Noop);
+            record.message = format!("fleet already has {} engines or fewer; nothing to remove", req.num_replicas);
+            let answer = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            inner.scale_ins.insert(request_id.clone(), record);
+            return Ok((ScaleInAnswer::Accepted(answer), None));
+        }
+        // Out of routing at once: DRAINING engines get no new requests. Engines that never
+        // became routable (still starting, or failed) skip the drain.
+        for id in &victims {
+            let status = inner.engines.get(id).map(|e| e.record.status);
+            if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
+                let _ = inner.engine_event(id, EngineEvent::Drain);
+            }
+        }
+        let _ = record.apply(ScaleInEvent::StartDraining);
+        record.message = format!("scale-in accepted: removing {}", victims.join(", "));
+        let answer = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        inner.scale_ins.insert(request_id.clone(), record);
+        inner.running = Some(RunningOp { kind: "scale_in", request_id: request_id.clone() });
+        Ok((ScaleInAnswer::Accepted(answer), Some(victims)))
+    })?;
+    let (answer, plan) = result;
+    if let Some(victims) = plan {
+        let m = manager.clone();
+        let drain = if req.force { Duration::ZERO } else { Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_in_drain_timeout)) };
+        manager.tasks.spawn(async move { run_scale_in(&m, &request_id, victims, drain).await });
+    }
+    Ok(answer)
+}
+
+async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<String>, drain: Duration) {
+    // DRAINING: wait for in-flight requests, up to the drain timeout, then abort the rest.
+    let loads: Vec<_> = {
+        let inner = manager.fleet.lock();
+        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone()))).collect()
+    };
+    let drained = futures::future::join_all(loads.iter().map(|(id, url, load)| async move {
+        let idle = tokio::time::timeout(drain, load.wait_idle()).await.is_ok();
+        if !idle {
+            tracing::warn!(engine_id = %id, in_flight = load.get(), ?drain, "drain timeout; aborting in-flight requests");
+            let _ = manager
+                .http
+                .post(format!("{url}/abort_request"))
+                .json(&serde_json::json!({"abort_all": true}))
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await;
+        }
+    }));
+    tokio::select! {
+        _ = drained => {}
+        _ = manager.shutdown.cancelled() => {}
+    }
+    manager.fleet.update(|inner| {
+        if let Some(r) = inner.scale_ins.get_mut(request_id) {
+            let _ = r.apply(ScaleInEvent::Drained);
+        }
+    });
+    // REMOVING: stop processes and release resources. Partial success: what was removed stays
+    // removed; failures are reported.
+    let results = futures::future::join_all(victims.iter().map(|id| async move { (id.clone(), manager.remove_engine(id).await) })).await;
+    manager.fleet.update(|inner| {
+        if let Some(r) = inner.scale_ins.get_mut(request_id) {
+            // Removal always ends with the process reaped (SIGKILL after the grace period).
+            for (id, exit) in &results {
+                tracing::info!(engine_id = %id, exit = ?exit, "engine removed");
+                r.removed_engines.push(id.clone());
+            }
+            let _ = r.apply(ScaleInEvent::Removed);
+        }
+        if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+            inner.running = None;
+        }
+        // Sanity: a victim must be gone now.
+        for id in &victims {
+            if let Some(e) = inner.engines.get(id) {
+                tracing::error!(engine_id = %id, status = %e.record.status, "engine still present after removal");
+            }
+        }
+    });
+}

@@ -1,0 +1,470 @@
+//! Scale-out and scale-in operations.
+//!
+//! Expected flow of a scale-out: the request is checked and recorded under the registry lock
+//! (PENDING, engines reserved in CREATING), then a task launches every engine (CREATING),
+//! waits until all answer `/health` (HEALTH_CHECKING), checks that all serve the fleet's weight
+//! version (WEIGHT_SYNCING), and adds them to routing (READY -> ACTIVE).
+//!
+//! Expected flow of a scale-in: victims are chosen LIFO among dynamic engines and leave routing
+//! at once (DRAINING); the task waits for their in-flight requests up to the drain timeout
+//! (skipped with `force`), aborts what is left, stops the processes and releases their GPUs
+//! (REMOVING), then COMPLETED.
+//!
+//! Guarantees: at most one scale operation runs at a time (others get 409 naming it); a target
+//! already met is a NOOP with its own GET-able record; a failed or cancelled scale-out leaves no
+//! process, GPU or route behind (with the default `rollback_all` policy); initial engines are
+//! never scaled in.
+
+use crate::error::ApiError;
+use crate::fleet::{FailedEngine, FleetInner, RunningOp, ScaleOutRecord};
+use crate::manager::{EngineError, Manager};
+use rollout_core::{EngineEvent, EngineOrigin, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Body of `POST /rollout/scale_out`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleOutRequest {
+    #[serde(default = "default_model")]
+    pub model_name: String,
+    #[serde(default)]
+    pub num_replicas: i64,
+    #[serde(default)]
+    pub engine_urls: Vec<String>,
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+}
+
+/// Body of `POST /rollout/scale_in`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleInRequest {
+    #[serde(default = "default_model")]
+    pub model_name: String,
+    #[serde(default)]
+    pub num_replicas: i64,
+    #[serde(default)]
+    pub engine_urls: Vec<String>,
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+fn default_model() -> String {
+    "default".into()
+}
+
+/// What `POST` answers for an accepted (or NOOP) operation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Accepted {
+    pub request_id: String,
+    pub status: String,
+    pub message: String,
+}
+
+/// Cancellation tokens of the running scale-outs, by request id.
+#[derive(Default)]
+pub struct Cancels(Mutex<HashMap<String, CancellationToken>>);
+
+impl Cancels {
+    fn insert(&self, id: &str) -> CancellationToken {
+        let token = CancellationToken::new();
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), token.clone());
+        token
+    }
+    fn remove(&self, id: &str) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+    }
+    fn get(&self, id: &str) -> Option<CancellationToken> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+    }
+}
+
+fn check_model(manager: &Manager, model_name: &str) -> Result<(), ApiError> {
+    if model_name != manager.config.model_name {
+        return Err(ApiError::bad_request(
+            "unknown_model",
+            format!("model_name {model_name:?} is not served here; this fleet serves {:?}", manager.config.model_name),
+        ));
+    }
+    Ok(())
+}
+
+fn check_timeout(timeout: Option<f64>) -> Result<(), ApiError> {
+    match timeout {
+        Some(t) if !(t.is_finite() && t > 0.0) => {
+            Err(ApiError::bad_request("invalid_timeout", format!("timeout_secs {t} must be a positive number of seconds")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn busy(running: &RunningOp) -> ApiError {
+    ApiError::conflict(
+        "operation_in_progress",
+        format!(
+            "a {} operation is in progress (request_id {}); wait for it to finish or cancel it, then retry",
+            running.kind, running.request_id
+        ),
+    )
+}
+
+fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &'static str, version: &str) -> ScaleOutRecord {
+    let now = crate::clock::unix_now();
+    ScaleOutRecord {
+        request_id: id.to_string(),
+        status: ScaleOutStatus::Pending,
+        model_name: req.model_name.clone(),
+        num_replicas: req.num_replicas.max(0) as u32,
+        engine_urls: req.engine_urls.clone(),
+        engine_ids: Vec::new(),
+        failed_engines: Vec::new(),
+        created_at: now,
+        updated_at: now,
+        error_message: None,
+        weight_version: Some(version.to_string()),
+        message: String::new(),
+        trigger,
+        history: vec![crate::fleet::Transition { status: "PENDING".into(), at: now }],
+    }
+}
+
+/// Validates and records a scale-out, then starts it in the background.
+pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+    check_model(manager, &req.model_name)?;
+    check_timeout(req.timeout_secs)?;
+    if req.num_replicas < 0 {
+        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {} must be >= 0", req.num_replicas)));
+    }
+    if req.num_replicas == 0 {
+        if req.engine_urls.is_empty() {
+            return Err(ApiError::bad_request(
+                "missing_target",
+                "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
+            ));
+        }
+        return Err(ApiError::bad_request(
+            "external_not_supported",
+            "attaching external engines by engine_urls is not available in this version; use num_replicas",
+        ));
+    }
+    let target = req.num_replicas as u32;
+    let max = manager.config.max_engines;
+    if target > max {
+        return Err(ApiError::bad_request(
+            "above_max_engines",
+            format!("num_replicas {target} is above --max-engines {max}; ask for at most {max}"),
+        ));
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
+    let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, ApiError> {
+        if let Some(running) = &inner.running {
+            return Err(busy(running));
+        }
+        let version = inner.weight_version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, "user", &version);
+        let current = inner.live_count();
+        if target <= current {
+            let _ = record.apply(ScaleOutEvent::Noop);
+            record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
+            let accepted = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            inner.scale_outs.insert(request_id.clone(), record);
+            return Ok((accepted, None));
+        }
+        let needed = (target - current) * manager.config.rollout_num_gpus_per_engine;
+        if needed > inner.gpus.free() {
+            return Err(ApiError::bad_request(
+                "insufficient_gpus",
+                format!(
+                    "scaling to {target} engines needs {needed} more GPUs but {} of {} are free; ask for fewer replicas or start the manager with a larger --gpus",
+                    inner.gpus.free(),
+                    inner.gpus.total()
+                ),
+            ));
+        }
+        let ids = reserve(manager, inner, target - current, EngineOrigin::Dynamic, &request_id)
+            .map_err(|e| ApiError::internal("reserve_failed", e))?;
+        record.engine_ids = ids.clone();
+        record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
+        let accepted = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        inner.scale_outs.insert(request_id.clone(), record);
+        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        Ok((accepted, Some(ids)))
+    })?;
+    if let Some(ids) = plan {
+        let timeout = Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_out_timeout));
+        spawn_scale_out(manager, cancels, request_id, ids, timeout, manager.config.scale_out_partial_success_policy);
+    }
+    Ok(accepted)
+}
+
+/// Reserves `n` engines; on a failure part-way, releases what it reserved.
+fn reserve(manager: &Manager, inner: &mut FleetInner, n: u32, origin: EngineOrigin, op: &str) -> Result<Vec<String>, String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        match manager.reserve_engine(inner, origin, op) {
+            Ok(id) => ids.push(id),
+            Err(e) => {
+                for id in &ids {
+                    if let Some(engine) = inner.engines.remove(id) {
+                        let _ = inner.gpus.release(&engine.record.gpu_ids);
+                    }
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// Starts the boot-time bring-up of the initial engines, as a scale-out with trigger `initial`.
+pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<Option<String>, String> {
+    let n = manager.config.initial_engines();
+    if n == 0 {
+        return Ok(None);
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let req = ScaleOutRequest { model_name: manager.config.model_name.clone(), num_replicas: i64::from(n), engine_urls: vec![], timeout_secs: None };
+    let ids = manager.fleet.update(|inner| -> Result<_, String> {
+        let version = inner.weight_version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, "initial", &version);
+        let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
+        record.engine_ids = ids.clone();
+        record.message = format!("initial fleet of {n} engines");
+        inner.scale_outs.insert(request_id.clone(), record);
+        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        Ok(ids)
+    })?;
+    let timeout = Duration::from_secs_f64(manager.config.scale_out_timeout);
+    // Initial engines that fail stay listed as FAILED rather than disappearing.
+    spawn_scale_out(manager, cancels, request_id.clone(), ids, timeout, PartialSuccessPolicy::KeepPartial);
+    Ok(Some(request_id))
+}
+
+fn spawn_scale_out(
+    manager: &Arc<Manager>,
+    cancels: &Arc<Cancels>,
+    request_id: String,
+    ids: Vec<String>,
+    timeout: Duration,
+    policy: PartialSuccessPolicy,
+) {
+    let cancel = cancels.insert(&request_id);
+    let (m, c) = (manager.clone(), cancels.clone());
+    manager.tasks.spawn(async move {
+        run_scale_out(&m, &request_id, ids, timeout, policy, cancel).await;
+        c.remove(&request_id);
+    });
+}
+
+fn op_event(manager: &Manager, request_id: &str, event: ScaleOutEvent) {
+    manager.fleet.update(|inner| {
+        if let Some(r) = inner.scale_outs.get_mut(request_id) {
+            if let Err(e) = r.apply(event) {
+                tracing::error!(%e, "scale_out");
+            }
+        }
+    });
+}
+
+fn engines_event(manager: &Manager, ids: &[String], event: EngineEvent) {
+    manager.fleet.update(|inner| {
+        for id in ids {
+            if let Err(e) = inner.engine_event(id, event) {
+                tracing::error!(%e, "engine");
+            }
+        }
+    });
+}
+
+/// Why the phases stopped early.
+enum Abort {
+    Cancelled,
+    TimedOut,
+    /// Every engine failed (or one did, under rollback_all).
+    Failed(String),
+}
+
+async fn run_scale_out(
+    manager: &Arc<Manager>,
+    request_id: &str,
+    ids: Vec<String>,
+    timeout: Duration,
+    policy: PartialSuccessPolicy,
+    cancel: CancellationToken,
+) {
+    let failed: Arc<Mutex<Vec<FailedEngine>>> = Arc::default();
+    let alive: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(ids.clone()));
+    let phases = phases(manager, request_id, &alive, &failed, policy, &cancel);
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(timeout, phases) => r.unwrap_or(Err(Abort::TimedOut)),
+        _ = cancel.cancelled() => Err(Abort::Cancelled),
+        _ = manager.shutdown.cancelled() => Err(Abort::Failed("the manager is shutting down".into())),
+    };
+    let failed_list = failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let initial = manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == "initial");
+    match outcome {
+        Ok(()) => {
+            for f in &failed_list {
+                cleanup(manager, &f.engine_id, initial, &f.error).await;
+            }
+            manager.fleet.update(|inner| {
+                if let Some(r) = inner.scale_outs.get_mut(request_id) {
+                    r.failed_engines = failed_list.clone();
+                    if !failed_list.is_empty() {
+                        r.error_message = Some(format!("{} of {} engines failed and were kept out (keep_partial)", failed_list.len(), r.engine_ids.len()));
+                    }
+                }
+            });
+        }
+        Err(abort) => {
+            // Roll back every engine of this request that is not already gone.
+            let (event, message) = match &abort {
+                Abort::Cancelled => (ScaleOutEvent::Cancel, "cancelled by request; created engines were stopped".to_string()),
+                Abort::TimedOut => (ScaleOutEvent::Fail, format!("timed out after {timeout:?}; created engines were stopped")),
+                Abort::Failed(m) => (ScaleOutEvent::Fail, m.clone()),
+            };
+            let doomed: Vec<String> = ids.clone();
+            futures::future::join_all(doomed.iter().map(|id| {
+                let reason = failed_list.iter().find(|f| &f.engine_id == id).map(|f| f.error.clone()).unwrap_or_else(|| message.clone());
+                async move { cleanup(manager, id, initial, &reason).await }
+            }))
+            .await;
+            manager.fleet.update(|inner| {
+                if let Some(r) = inner.scale_outs.get_mut(request_id) {
+                    r.failed_engines = failed_list.clone();
+                    r.error_message = Some(message.clone());
+                    if let Err(e) = r.apply(event) {
+                        tracing::error!(%e, "scale_out");
+                    }
+                }
+            });
+        }
+    }
+    manager.fleet.update(|inner| {
+        if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+            inner.running = None;
+        }
+    });
+}
+
+/// Initial engines stay listed as FAILED; dynamic ones are removed.
+async fn cleanup(manager: &Manager, engine_id: &str, keep_listed: bool, reason: &str) {
+    if keep_listed {
+        manager.fail_engine(engine_id, reason).await;
+    } else {
+        manager.remove_engine(engine_id).await;
+    }
+}
+
+/// Runs CREATING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> READY -> ACTIVE in lockstep over the
+/// request's engines. Engines that fail are moved from `alive` to `failed`.
+async fn phases(
+    manager: &Arc<Manager>,
+    request_id: &str,
+    alive: &Arc<Mutex<Vec<String>>>,
+    failed: &Arc<Mutex<Vec<FailedEngine>>>,
+    policy: PartialSuccessPolicy,
+    cancel: &CancellationToken,
+) -> Result<(), Abort> {
+    let record_failures = |results: Vec<(String, Result<(), EngineError>)>| -> Result<(), Abort> {
+        let mut alive = alive.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, r) in results {
+            if let Err(e) = r {
+                tracing::warn!(engine_id = %id, error = %e, request_id, "engine failed during scale-out");
+                let url = manager.fleet.lock().engines.get(&id).map(|e| e.record.url.clone()).unwrap_or_default();
+                alive.retain(|a| a != &id);
+                failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
+            }
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let summary = failed.iter().map(|f| format!("{}: {}", f.engine_id, f.error)).collect::<Vec<_>>().join("; ");
+        if alive.is_empty() || policy == PartialSuccessPolicy::RollbackAll {
+            return Err(Abort::Failed(format!("engines failed ({summary}); rolled back")));
+        }
+        Ok(())
+    };
+    let current = || alive.lock().unwrap_or_else(|e| e.into_inner()).clone();
+
+    op_event(manager, request_id, ScaleOutEvent::StartCreating);
+    let launched: Vec<_> = current().into_iter().map(|id| { let r = manager.launch(&id); (id, r) }).collect();
+    record_failures(launched)?;
+    op_event(manager, request_id, ScaleOutEvent::Launched);
+
+    let ids = current();
+    let health = futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.wait_healthy(id, cancel).await) })).await;
+    if cancel.is_cancelled() {
+        return Err(Abort::Cancelled);
+    }
+    record_failures(health)?;
+    engines_event(manager, &current(), EngineEvent::Healthy);
+    op_event(manager, request_id, ScaleOutEvent::Healthy);
+
+    let ids = current();
+    let weights = futures::future::join_all(ids.iter().map(|id| async move {
+        let r = manager.check_weights(id).await;
+        if let Ok(version) = &r {
+            manager.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(id) {
+                    e.record.weight_version = Some(version.clone());
+                }
+            });
+        }
+        (id.clone(), r.map(|_| ()))
+    }))
+    .await;
+    record_failures(weights)?;
+    engines_event(manager, &current(), EngineEvent::WeightsSynced);
+    op_event(manager, request_id, ScaleOutEvent::WeightsSynced);
+
+    // READY -> ACTIVE in one registry update, so the router never sees half of them.
+    let ids = current();
+    manager.fleet.update(|inner| {
+        for id in &ids {
+            if let Err(e) = inner.engine_event(id, EngineEvent::Activated) {
+                tracing::error!(%e, "engine");
+            }
+        }
+        if let Some(r) = inner.scale_outs.get_mut(request_id) {
+            for e in [ScaleOutEvent::Activated] {
+                if let Err(err) = r.apply(e) {
+                    tracing::error!(%err, "scale_out");
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Cancels a running scale-out. Its task rolls back what it created.
+pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, ApiError> {
+    let record = manager
+        .fleet
+        .lock()
+        .scale_outs
+        .get(request_id)
+        .cloned()
+        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-out request with id {request_id}")))?;
+    if record.status.is_terminal() {
+        return Err(ApiError::conflict(
+            "already_finished",
+            format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
+        ));
+    }
+    match cancels.get(request_id) {
+        Some(token) => token.cancel(),
+        None => return Err(ApiError::conflict("already_finished", format!("scale-out {request_id} is finishing; nothing to cancel"))),
+    }
+    Ok(record)
+}

@@ -1,0 +1,135 @@
+//! Startup and shutdown of `rollout-manager serve`.
+//!
+//! [`Server::build`] does everything that can fail (validate config, find the engine program,
+//! bind both listeners) before anything starts. [`Server::run`] then starts the initial engines,
+//! the health monitor and both HTTP servers, and on the shutdown signal tears them down in one
+//! order: stop accepting requests, cancel background work, stop every engine (SIGTERM, then
+//! SIGKILL after `--scale-in-shutdown-timeout`), join every task.
+
+use crate::api::{self, ApiState};
+use crate::launch::EngineLauncher;
+use crate::manager::Manager;
+use crate::scaling::{self, Cancels};
+use rollout_core::ServeConfig;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] rollout_core::ConfigError),
+    #[error(transparent)]
+    Launcher(#[from] crate::launch::LaunchError),
+    #[error("cannot bind {flag} {addr}: {source}")]
+    Bind { flag: &'static str, addr: String, source: std::io::Error },
+    #[error("cannot create --state-dir {path}: {source}")]
+    StateDir { path: String, source: std::io::Error },
+    #[error("cannot build the HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
+}
+
+pub struct Server {
+    manager: Arc<Manager>,
+    control: TcpListener,
+    data: TcpListener,
+}
+
+impl Server {
+    pub async fn build(config: ServeConfig) -> Result<Self, StartError> {
+        config.validate()?;
+        let launcher = EngineLauncher::resolve(config.engine, config.engine_program.as_deref())?;
+        std::fs::create_dir_all(config.state_dir.join("logs"))
+            .map_err(|source| StartError::StateDir { path: config.state_dir.display().to_string(), source })?;
+        let bind = |flag: &'static str, port: u16| {
+            let addr = format!("{}:{}", config.host, port);
+            async move { TcpListener::bind(&addr).await.map_err(|source| StartError::Bind { flag, addr, source }) }
+        };
+        let control = bind("--port", config.port).await?;
+        let data = bind("--router-port", config.router_port).await?;
+        if !is_loopback(&config.host) {
+            tracing::warn!(host = %config.host, "the control API listens beyond loopback and has no authentication yet");
+        }
+        let manager = Manager::new(config, launcher)?;
+        Ok(Self { manager, control, data })
+    }
+
+    pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
+        self.control.local_addr()
+    }
+
+    pub fn router_addr(&self) -> std::io::Result<SocketAddr> {
+        self.data.local_addr()
+    }
+
+    /// Runs until `signal` resolves, then shuts down in order.
+    pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
+        let Self { manager, control, data } = self;
+        let cancels = Arc::new(Cancels::default());
+        let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() });
+        let router = crate::router::router(manager.clone())?;
+
+        let stop = manager.shutdown.clone();
+        manager.tasks.spawn(async move {
+            signal.await;
+            tracing::info!("shutdown requested");
+            stop.cancel();
+        });
+        let servers = tokio_util::task::TaskTracker::new();
+        for (listener, app) in [(control, api), (data, router)] {
+            let stop = manager.shutdown.clone();
+            servers.spawn(async move {
+                let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+                if let Err(e) = served.await {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            });
+        }
+        servers.close();
+
+        if let Err(e) = scaling::start_initial(&manager, &cancels) {
+            tracing::error!(error = %e, "cannot reserve the initial engines");
+        }
+        crate::health::spawn_monitor(&manager);
+
+        manager.shutdown.cancelled().await;
+        // Streams still open get a bounded time to finish before their servers are dropped.
+        if tokio::time::timeout(Duration::from_secs(5), servers.wait()).await.is_err() {
+            tracing::warn!("HTTP connections still open after 5 s; closing them");
+        }
+        manager.stop_all().await;
+        manager.tasks.close();
+        let grace = manager.shutdown_grace() + Duration::from_secs(5);
+        if tokio::time::timeout(grace, manager.tasks.wait()).await.is_err() {
+            tracing::warn!("background tasks did not finish within {grace:?}");
+        }
+        // Operation tasks may have been stopped between launching and recording a process.
+        manager.stop_all().await;
+        tracing::info!("shutdown complete");
+        Ok(())
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
