@@ -104,6 +104,10 @@ pub struct ServeConfig {
     /// Consecutive failed probes after which an engine is taken out of routing.
     #[arg(long, default_value_t = 3)]
     pub health_failure_threshold: u32,
+    /// Restart managed engines whose process exits unexpectedly (with the fleet's current
+    /// weights, on the same GPUs, with exponential backoff).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub restart_failed_engines: bool,
     /// Engine endpoint used by health probes.
     #[arg(long, default_value = "/health_generate")]
     pub health_check_endpoint: String,

@@ -42,7 +42,8 @@ pub enum EngineOrigin {
 /// Expected flow: `CREATING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> READY -> ACTIVE`, then on
 /// scale-in `DRAINING -> REMOVING -> REMOVED`. An ACTIVE engine that fails health probes becomes
 /// `UNHEALTHY` (out of routing) and returns to ACTIVE when probes pass again. A process that
-/// exits unexpectedly makes the engine `FAILED` from any live state.
+/// exits unexpectedly makes the engine `FAILED` from any live state; recovery restarts a FAILED
+/// engine from `CREATING`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum EngineStatus {
@@ -81,6 +82,8 @@ pub enum EngineEvent {
     Removed,
     /// The process exited unexpectedly, or a creation step failed.
     Fail,
+    /// Start a failed engine again (recovery), on the same GPUs.
+    Restart,
 }
 
 impl EngineStatus {
@@ -118,6 +121,7 @@ impl EngineStatus {
             (S::Active | S::Unhealthy, E::Drain) => S::Draining,
             (s, E::Remove) if s != S::Removing && s != S::Removed => S::Removing,
             (S::Removing, E::Removed) => S::Removed,
+            (S::Failed, E::Restart) => S::Creating,
             (s, E::Fail) if s != S::Removing && s != S::Removed && s != S::Failed => S::Failed,
             (s, e) => return Err(illegal("engine", s, e)),
         };

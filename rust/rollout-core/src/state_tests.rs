@@ -15,7 +15,7 @@ const ENGINE_STATES: [EngineStatus; 10] = [
     EngineStatus::Removed,
     EngineStatus::Failed,
 ];
-const ENGINE_EVENTS: [EngineEvent; 10] = [
+const ENGINE_EVENTS: [EngineEvent; 11] = [
     EngineEvent::Launched,
     EngineEvent::Healthy,
     EngineEvent::WeightsSynced,
@@ -26,6 +26,7 @@ const ENGINE_EVENTS: [EngineEvent; 10] = [
     EngineEvent::Remove,
     EngineEvent::Removed,
     EngineEvent::Fail,
+    EngineEvent::Restart,
 ];
 const OUT_STATES: [ScaleOutStatus; 10] = [
     ScaleOutStatus::Pending,
@@ -97,6 +98,7 @@ fn engine_edge_table() {
         (S::Draining, E::Remove, Some(S::Removing)),
         (S::Failed, E::Remove, Some(S::Removing)),
         (S::Removing, E::Removed, Some(S::Removed)),
+        (S::Failed, E::Restart, Some(S::Creating)),
         // Illegal ones, loudly rejected.
         (S::Creating, E::Activated, None),
         (S::HealthChecking, E::Drain, None),
@@ -106,6 +108,8 @@ fn engine_edge_table() {
         (S::Failed, E::Fail, None),
         (S::Active, E::Healthy, None),
         (S::Draining, E::Activated, None),
+        (S::Active, E::Restart, None),
+        (S::Removed, E::Restart, None),
     ];
     for (from, event, expected) in table {
         let got = from.on(event).ok();

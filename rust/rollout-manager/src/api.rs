@@ -28,6 +28,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
         .route("/rollout/scale_out/{id}", get(get_scale_out))
         .route("/rollout/scale_out/{id}/cancel", post(cancel_scale_out))
+        .route("/rollout/scale_out_cancel", post(cancel_many))
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
         .fallback(|| async { ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API") })
@@ -128,4 +129,9 @@ async fn cancel_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> 
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     value["message"] = json!("cancellation requested; created engines are being stopped");
     Ok((StatusCode::OK, Json(value)))
+}
+
+async fn cancel_many(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: scaling::BatchCancelRequest = parse_body(&body)?;
+    scaling::cancel_many(&s.manager, &s.cancels, &req).map(Json)
 }

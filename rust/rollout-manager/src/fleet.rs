@@ -87,6 +87,8 @@ pub struct EngineRecord {
     pub last_error: Option<String>,
     /// The operation that created this engine.
     pub created_by: Option<String>,
+    /// How many times recovery restarted this engine.
+    pub restarts: u32,
 }
 
 /// An engine with its runtime handles.

@@ -1,7 +1,7 @@
 use clap::{Parser, Subcommand};
 use rollout_core::ServeConfig;
 use rollout_manager::server::{shutdown_signal, Server};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 /// Elastic Rollout fleet manager: runs and scales a fleet of SGLang engines.
@@ -25,6 +25,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,

@@ -37,6 +37,8 @@ pub enum EngineError {
     StartupTimeout(Duration),
     #[error("engine serves weight version {found:?}, the fleet is on {expected:?}")]
     WrongVersion { expected: String, found: String },
+    #[error("engine serves model {found:?}, the fleet serves {expected:?} (--model-path)")]
+    WrongModel { expected: String, found: String },
     #[error("engine did not answer {path}: {detail}")]
     Unreachable { path: &'static str, detail: String },
     #[error("cancelled")]
@@ -95,10 +97,65 @@ impl Manager {
             in_flight: 0,
             last_error: None,
             created_by: Some(created_by.to_string()),
+            restarts: 0,
         };
         let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0 };
         inner.engines.insert(engine_id.clone(), engine);
         Ok(engine_id)
+    }
+
+    /// Registers an external engine (started by someone else) in CREATING. Nothing is contacted
+    /// yet; [`Manager::connect`] does that.
+    pub fn reserve_external(&self, inner: &mut crate::fleet::FleetInner, url: &str, created_by: &str) -> String {
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        let engine_id = format!("engine_{seq}");
+        let now = unix_now();
+        let record = EngineRecord {
+            engine_id: engine_id.clone(),
+            url: url.to_string(),
+            status: EngineStatus::Creating,
+            is_healthy: false,
+            origin: EngineOrigin::External,
+            model_name: self.config.model_name.clone(),
+            weight_version: None,
+            gpu_ids: Vec::new(),
+            pid: None,
+            started_at: now,
+            updated_at: now,
+            log_path: None,
+            in_flight: 0,
+            last_error: None,
+            created_by: Some(created_by.to_string()),
+            restarts: 0,
+        };
+        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0 };
+        inner.engines.insert(engine_id.clone(), engine);
+        engine_id
+    }
+
+    /// Connects to an external engine: its `/model_info` must answer and name the fleet's model.
+    /// Moves it to HEALTH_CHECKING.
+    pub async fn connect(&self, engine_id: &str) -> Result<(), EngineError> {
+        let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
+        let unreachable = |detail: String| EngineError::Unreachable { path: "/model_info", detail };
+        let info: serde_json::Value = self
+            .http
+            .get(format!("{url}/model_info"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| unreachable(e.to_string()))?
+            .json()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        let model = info.get("model_path").and_then(|v| v.as_str()).unwrap_or("");
+        if model != self.config.model_path {
+            return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
+        }
+        self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Launched)).map_err(|e| EngineError::Launch(e.to_string()))?;
+        Ok(())
     }
 
     /// Starts the process of a reserved engine and moves it to HEALTH_CHECKING.
@@ -114,18 +171,29 @@ impl Manager {
         tracing::info!(engine_id, program = %spec.program.display(), args = ?spec.args, "launching engine");
         let process = host::spawn(&spec).map_err(|e| EngineError::Launch(e.to_string()))?;
         let pid = process.pid;
-        self.fleet.update(|inner| {
-            if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.record.pid = Some(pid);
-                e.process = Some(process.clone());
+        let registered = self.fleet.update(|inner| {
+            // The engine may have been removed (scale-in, cancel) while we were forking.
+            let moved = inner.engine_event(engine_id, EngineEvent::Launched);
+            if moved.is_ok() {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.pid = Some(pid);
+                    e.process = Some(process.clone());
+                }
             }
-            let _ = inner.engine_event(engine_id, EngineEvent::Launched);
+            moved
         });
+        if let Err(e) = registered {
+            let grace = self.shutdown_grace();
+            let orphan = process.clone();
+            self.tasks.spawn(async move { orphan.stop(grace).await });
+            return Err(EngineError::Launch(format!("engine left the fleet while starting ({e})")));
+        }
         self.watch_exit(engine_id.to_string(), process);
         Ok(())
     }
 
-    /// Marks the engine FAILED when its process exits without being asked to.
+    /// Marks the engine FAILED when its process exits without being asked to, and schedules
+    /// its recovery if it had been serving.
     fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
         let manager = self.clone();
         self.tasks.spawn(async move {
@@ -134,14 +202,97 @@ impl Manager {
                 return;
             }
             tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
-            manager.fleet.update(|inner| {
+            let was = manager.fleet.update(|inner| {
+                let was = inner.engines.get(&engine_id).map(|e| e.record.status);
                 if let Some(e) = inner.engines.get_mut(&engine_id) {
-                    e.record.last_error = Some(format!("process {}", info));
+                    e.record.last_error = Some(format!("process {info}"));
+                    e.process = None;
                 }
                 // Fails only from live states; an engine being removed is expected to exit.
                 let _ = inner.engine_event(&engine_id, EngineEvent::Fail);
+                was
             });
+            // Engines still being created are the scale-out's to handle; removed ones stay gone.
+            if matches!(was, Some(EngineStatus::Active | EngineStatus::Unhealthy)) && manager.config.restart_failed_engines {
+                let m = manager.clone();
+                manager.tasks.spawn(async move { m.recover(&engine_id).await });
+            }
         });
+    }
+
+    /// Restarts a FAILED managed engine on its GPUs with the fleet's current weights, retrying
+    /// with exponential backoff (1 s doubling to 60 s) until it is ACTIVE again, it is removed
+    /// on purpose, or the manager shuts down.
+    async fn recover(self: &Arc<Self>, engine_id: &str) {
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(60));
+            let restarted = self.fleet.update(|inner| {
+                let origin = inner.engines.get(engine_id).map(|e| e.record.origin);
+                if origin == Some(EngineOrigin::External) {
+                    return false;
+                }
+                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                    return false; // removed, or no longer FAILED
+                }
+                let Ok(port) = free_port(&self.config.engine_host, &inner.ports_in_use) else { return true };
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    if let Some(old) = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                        inner.ports_in_use.remove(&old);
+                    }
+                    e.record.url = format!("http://{}:{port}", url_host(&self.config.engine_host));
+                    e.record.restarts += 1;
+                    e.record.pid = None;
+                    e.probe_failures = 0;
+                }
+                inner.ports_in_use.insert(port);
+                true
+            });
+            if !restarted {
+                return;
+            }
+            tracing::info!(engine_id, "restarting failed engine");
+            let result = async {
+                self.launch(engine_id)?;
+                self.wait_healthy(engine_id, &self.shutdown).await?;
+                self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy)).map_err(|e| EngineError::Launch(e.to_string()))?;
+                let version = self.check_weights(engine_id).await?;
+                self.fleet.update(|inner| {
+                    if let Some(e) = inner.engines.get_mut(engine_id) {
+                        e.record.weight_version = Some(version);
+                        e.record.last_error = None;
+                    }
+                    inner.engine_event(engine_id, EngineEvent::WeightsSynced)?;
+                    inner.engine_event(engine_id, EngineEvent::Activated)
+                })
+                .map_err(|e| EngineError::Launch(e.to_string()))?;
+                Ok::<(), EngineError>(())
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    tracing::info!(engine_id, "engine recovered");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(engine_id, error = %e, ?backoff, "engine recovery failed; will retry");
+                    let process = self.fleet.update(|inner| {
+                        if let Some(en) = inner.engines.get_mut(engine_id) {
+                            en.record.last_error = Some(format!("recovery failed: {e}"));
+                        }
+                        let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+                        inner.engines.get(engine_id).and_then(|en| en.process.clone())
+                    });
+                    if let Some(p) = process {
+                        p.stop(self.shutdown_grace()).await;
+                    }
+                }
+            }
+        }
     }
 
     fn process_of(&self, engine_id: &str) -> Option<EngineProcess> {

@@ -148,11 +148,15 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     // DRAINING: wait for in-flight requests, up to the drain timeout, then abort the rest.
     let loads: Vec<_> = {
         let inner = manager.fleet.lock();
-        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone()))).collect()
+        victims
+            .iter()
+            .filter_map(|id| inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone(), e.record.origin)))
+            .collect()
     };
-    let drained = futures::future::join_all(loads.iter().map(|(id, url, load)| async move {
+    let drained = futures::future::join_all(loads.iter().map(|(id, url, load, origin)| async move {
         let idle = tokio::time::timeout(drain, load.wait_idle()).await.is_ok();
-        if !idle {
+        // An external engine may serve other clients too: it is detached, never told to abort.
+        if !idle && *origin != EngineOrigin::External {
             tracing::warn!(engine_id = %id, in_flight = load.get(), ?drain, "drain timeout; aborting in-flight requests");
             let _ = manager
                 .http

@@ -150,10 +150,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
                 "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
             ));
         }
-        return Err(ApiError::bad_request(
-            "external_not_supported",
-            "attaching external engines by engine_urls is not available in this version; use num_replicas",
-        ));
+        return attach_external(manager, cancels, req);
     }
     let target = req.num_replicas as u32;
     let max = manager.config.max_engines;
@@ -200,6 +197,86 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = plan {
+        let timeout = Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_out_timeout));
+        spawn_scale_out(manager, cancels, request_id, ids, timeout, manager.config.scale_out_partial_success_policy);
+    }
+    Ok(accepted)
+}
+
+/// Checks an external engine URL: http(s), a host, no credentials, no path beyond `/`, no
+/// query. Returns it normalised (no trailing slash).
+pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
+    let bad = |why: &str| ApiError::bad_request("invalid_engine_url", format!("engine url {raw:?} {why}"));
+    let url = reqwest::Url::parse(raw.trim()).map_err(|e| bad(&format!("is not a URL ({e})")))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(bad("must use http or https"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad("must not carry credentials; engines are reached without them"));
+    }
+    let Some(host) = url.host_str() else { return Err(bad("has no host")) };
+    if url.path() != "/" && !url.path().is_empty() {
+        return Err(bad("must be the engine's base URL, without a path"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad("must not have a query or fragment"));
+    }
+    let port = url.port_or_known_default().unwrap_or(80);
+    Ok(format!("{}://{}:{port}", url.scheme(), if host.contains(':') { format!("[{host}]") } else { host.to_string() }))
+}
+
+/// External mode: attach engines someone else started. URLs already in the fleet (or being
+/// attached) are filtered out; if none is left the request is a NOOP.
+fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+    let mut urls: Vec<String> = Vec::new();
+    for raw in &req.engine_urls {
+        let url = validate_engine_url(raw)?;
+        if !urls.contains(&url) {
+            urls.push(url);
+        }
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, ApiError> {
+        if let Some(running) = &inner.running {
+            return Err(busy(running));
+        }
+        let version = inner.weight_version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, "user", &version);
+        let known: Vec<&str> = inner
+            .engines
+            .values()
+            .filter(|e| !matches!(e.record.status, rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed))
+            .map(|e| e.record.url.as_str())
+            .collect();
+        let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
+        let skipped = urls.len() - fresh.len();
+        if fresh.is_empty() {
+            let _ = record.apply(ScaleOutEvent::Noop);
+            record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
+            let accepted = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            inner.scale_outs.insert(request_id.clone(), record);
+            return Ok((accepted, None));
+        }
+        let max = manager.config.max_engines;
+        if inner.live_count() + fresh.len() as u32 > max {
+            return Err(ApiError::bad_request(
+                "above_max_engines",
+                format!("attaching {} engines would exceed --max-engines {max} (the fleet has {})", fresh.len(), inner.live_count()),
+            ));
+        }
+        let ids: Vec<String> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
+        record.engine_ids = ids.clone();
+        record.message = format!(
+            "attaching {} external engines{}",
+            ids.len(),
+            if skipped > 0 { format!(" ({skipped} already in the fleet, skipped)") } else { String::new() }
+        );
+        let accepted = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        inner.scale_outs.insert(request_id.clone(), record);
+        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        Ok((accepted, Some(ids)))
+    })?;
+    if let Some(ids) = ids {
         let timeout = Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_out_timeout));
         spawn_scale_out(manager, cancels, request_id, ids, timeout, manager.config.scale_out_partial_success_policy);
     }
@@ -397,9 +474,20 @@ async fn phases(
     };
     let current = || alive.lock().unwrap_or_else(|e| e.into_inner()).clone();
 
-    op_event(manager, request_id, ScaleOutEvent::StartCreating);
-    let launched: Vec<_> = current().into_iter().map(|id| { let r = manager.launch(&id); (id, r) }).collect();
-    record_failures(launched)?;
+    let external = {
+        let inner = manager.fleet.lock();
+        current().iter().any(|id| inner.engines.get(id).is_some_and(|e| e.record.origin == EngineOrigin::External))
+    };
+    if external {
+        op_event(manager, request_id, ScaleOutEvent::StartConnecting);
+        let ids = current();
+        let connected = futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.connect(id).await) })).await;
+        record_failures(connected)?;
+    } else {
+        op_event(manager, request_id, ScaleOutEvent::StartCreating);
+        let launched: Vec<_> = current().into_iter().map(|id| { let r = manager.launch(&id); (id, r) }).collect();
+        record_failures(launched)?;
+    }
     op_event(manager, request_id, ScaleOutEvent::Launched);
 
     let ids = current();
@@ -467,4 +555,53 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
         None => return Err(ApiError::conflict("already_finished", format!("scale-out {request_id} is finishing; nothing to cancel"))),
     }
     Ok(record)
+}
+
+/// Body of `POST /rollout/scale_out_cancel`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchCancelRequest {
+    /// Only cancel requests in this status (e.g. `PENDING`); default: every non-terminal one.
+    #[serde(default)]
+    pub status_filter: Option<String>,
+    #[serde(default)]
+    pub model_name: Option<String>,
+    /// Answer what would be cancelled, cancel nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// Cancels every running scale-out that matches the filter.
+pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<serde_json::Value, ApiError> {
+    let filter = match req.status_filter.as_deref() {
+        None => None,
+        Some(raw) => {
+            let status: ScaleOutStatus = serde_json::from_value(serde_json::Value::String(raw.to_ascii_uppercase()))
+                .map_err(|_| ApiError::bad_request("invalid_status_filter", format!("status_filter {raw:?} is not a scale-out status (e.g. PENDING, CREATING, HEALTH_CHECKING)")))?;
+            if status.is_terminal() {
+                return Err(ApiError::bad_request("invalid_status_filter", format!("status_filter {raw:?} is a terminal status; nothing in it can be cancelled")));
+            }
+            Some(status)
+        }
+    };
+    let ids: Vec<String> = manager
+        .fleet
+        .lock()
+        .scale_outs
+        .values()
+        .filter(|r| !r.status.is_terminal())
+        .filter(|r| filter.is_none_or(|f| r.status == f))
+        .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
+        .map(|r| r.request_id.clone())
+        .collect();
+    let mut cancelled = Vec::new();
+    for id in ids {
+        if req.dry_run {
+            cancelled.push(id);
+        } else if let Some(token) = cancels.get(&id) {
+            token.cancel();
+            cancelled.push(id);
+        }
+    }
+    Ok(serde_json::json!({ "dry_run": req.dry_run, "cancelled": cancelled, "total": cancelled.len() }))
 }

@@ -1,0 +1,61 @@
+# Elastic Rollout: the two commands a newcomer needs.
+#   make run   - build, then start the manager with 2 simulated engines on this machine
+#   make test  - set up everything (Python venv, cargo build) and run every test
+# Everything is installed locally: Rust crates by cargo, Python packages into ./.venv.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CARGO ?= cargo
+STATE_DIR ?= .rollout-state
+PORT ?= 8000
+ROUTER_PORT ?= 30000
+
+.PHONY: run test setup venv build build-release lint clean
+
+# A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
+$(VENV)/.ok: python/pyproject.toml
+	@if ! $(PYTHON) -m venv --clear $(VENV) >/dev/null 2>&1; then \
+	  echo "python3 -m venv failed; installing Debian's python3-venv"; \
+	  if command -v apt-get >/dev/null; then \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv; \
+	  fi; \
+	  $(PYTHON) -m venv --clear $(VENV); \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e 'python[test]'
+	@touch $@
+
+venv: $(VENV)/.ok
+
+build:
+	$(CARGO) build --workspace --bins
+
+build-release:
+	$(CARGO) build --release --workspace --bins
+
+setup: venv build
+
+run: build-release
+	@echo "Starting rollout-manager with 2 simulated engines (Ctrl-C stops it and every engine)."
+	@echo "  curl -s http://127.0.0.1:$(PORT)/rollout/engines | jq"
+	@echo "  curl -s http://127.0.0.1:$(ROUTER_PORT)/generate -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16}}'"
+	@echo "  curl -s -X POST http://127.0.0.1:$(PORT)/rollout/scale_out -H 'Content-Type: application/json' -d '{\"num_replicas\": 4}'"
+	@echo "  curl -s -X POST http://127.0.0.1:$(PORT)/rollout/scale_in  -H 'Content-Type: application/json' -d '{\"num_replicas\": 2}'"
+	exec target/release/rollout-manager serve --engine sim --gpus 4 \
+	  --rollout-num-gpus 2 --rollout-num-gpus-per-engine 1 \
+	  --port $(PORT) --router-port $(ROUTER_PORT) --state-dir $(STATE_DIR) \
+	  --engine-arg=--time-scale=0.1
+
+lint:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+test: venv build lint
+	$(CARGO) test --workspace
+	$(PY) -m pytest tests -q
+
+clean:
+	rm -rf $(VENV) $(STATE_DIR)
