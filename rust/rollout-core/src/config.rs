@@ -151,7 +151,7 @@ impl ServeConfig {
         if self.rollout_num_gpus_per_engine == 0 {
             return Err(bad("--rollout-num-gpus-per-engine", "must be at least 1"));
         }
-        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine != 0 {
+        if !self.rollout_num_gpus.is_multiple_of(self.rollout_num_gpus_per_engine) {
             return Err(bad(
                 "--rollout-num-gpus-per-engine",
                 format!(

@@ -10,7 +10,7 @@ use rollout_core::{
     EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent,
     ScaleInStatus, ScaleOutEvent, ScaleOutStatus,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,7 +67,7 @@ impl Drop for InFlightGuard {
 }
 
 /// One engine as reported by `GET /rollout/engines`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EngineRecord {
     pub engine_id: String,
     pub url: String,
@@ -101,22 +101,24 @@ pub struct Engine {
     pub load: Arc<InFlight>,
     /// Consecutive failed health probes.
     pub probe_failures: u32,
+    /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
+    pub pid_start_ticks: Option<u64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Transition {
     pub status: String,
     pub at: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailedEngine {
     pub engine_id: String,
     pub url: String,
     pub error: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ScaleOutRecord {
     pub request_id: String,
     pub status: ScaleOutStatus,
@@ -131,11 +133,11 @@ pub struct ScaleOutRecord {
     pub weight_version: Option<String>,
     pub message: String,
     /// `initial` for the boot-time bring-up, `user` for API requests.
-    pub trigger: &'static str,
+    pub trigger: String,
     pub history: Vec<Transition>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ScaleInRecord {
     pub request_id: String,
     pub status: ScaleInStatus,
@@ -226,13 +228,15 @@ impl FleetInner {
 
 pub struct Fleet {
     inner: Mutex<FleetInner>,
+    /// Durable copy of the registry; every update is committed before the lock is released.
+    store: Option<crate::store::Store>,
     routes: RwLock<Arc<Vec<Backend>>>,
     /// Bumped on every change, so waiters can wake without polling.
     changes: watch::Sender<u64>,
 }
 
 impl Fleet {
-    pub fn new(gpus: u32, weight_version: String) -> Self {
+    pub fn new(gpus: u32, weight_version: String, store: Option<crate::store::Store>) -> Self {
         let inner = FleetInner {
             engines: BTreeMap::new(),
             next_seq: 0,
@@ -243,7 +247,7 @@ impl Fleet {
             running: None,
             weight_version,
         };
-        Self { inner: Mutex::new(inner), routes: RwLock::new(Arc::new(Vec::new())), changes: watch::channel(0).0 }
+        Self { inner: Mutex::new(inner), store, routes: RwLock::new(Arc::new(Vec::new())), changes: watch::channel(0).0 }
     }
 
     /// Locks the registry. A poisoned lock (a panic while held) is recovered: every mutation
@@ -256,6 +260,11 @@ impl Fleet {
     pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
         let mut inner = self.lock();
         let out = f(&mut inner);
+        if let Some(store) = &self.store {
+            if let Err(e) = store.sync(&inner) {
+                tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
+            }
+        }
         let routes: Vec<Backend> = inner
             .engines
             .values()
@@ -271,6 +280,10 @@ impl Fleet {
     /// The engines the router may use now.
     pub fn routes(&self) -> Arc<Vec<Backend>> {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn store(&self) -> Option<&crate::store::Store> {
+        self.store.as_ref()
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {

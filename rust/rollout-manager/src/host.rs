@@ -152,6 +152,15 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
     Ok(EngineProcess { pid, stop_tx, exit_rx })
 }
 
+/// Start time of a process in clock ticks since boot (`/proc/<pid>/stat` field 22): with the
+/// pid, it identifies one process across pid reuse.
+pub fn process_start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 fn exit_info(status: io::Result<std::process::ExitStatus>, requested: bool) -> ExitInfo {
     use std::os::unix::process::ExitStatusExt;
     match status {

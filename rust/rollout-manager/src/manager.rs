@@ -46,12 +46,12 @@ pub enum EngineError {
 }
 
 impl Manager {
-    pub fn new(config: ServeConfig, launcher: EngineLauncher) -> Result<Arc<Self>, reqwest::Error> {
+    pub fn new(config: ServeConfig, launcher: EngineLauncher, store: Option<crate::store::Store>) -> Result<Arc<Self>, reqwest::Error> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_idle_timeout(Duration::from_secs(30))
             .build()?;
-        let fleet = Fleet::new(config.gpus, config.weight_version.clone());
+        let fleet = Fleet::new(config.gpus, config.weight_version.clone(), store);
         Ok(Arc::new(Self { config, fleet, launcher, http, tasks: TaskTracker::new(), shutdown: CancellationToken::new() }))
     }
 
@@ -99,7 +99,7 @@ impl Manager {
             created_by: Some(created_by.to_string()),
             restarts: 0,
         };
-        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0 };
+        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0, pid_start_ticks: None };
         inner.engines.insert(engine_id.clone(), engine);
         Ok(engine_id)
     }
@@ -129,7 +129,7 @@ impl Manager {
             created_by: Some(created_by.to_string()),
             restarts: 0,
         };
-        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0 };
+        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0, pid_start_ticks: None };
         inner.engines.insert(engine_id.clone(), engine);
         engine_id
     }
@@ -177,6 +177,7 @@ impl Manager {
             if moved.is_ok() {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.record.pid = Some(pid);
+                    e.pid_start_ticks = host::process_start_ticks(pid);
                     e.process = Some(process.clone());
                 }
             }
@@ -215,7 +216,7 @@ impl Manager {
             // Engines still being created are the scale-out's to handle; removed ones stay gone.
             if matches!(was, Some(EngineStatus::Active | EngineStatus::Unhealthy)) && manager.config.restart_failed_engines {
                 let m = manager.clone();
-                manager.tasks.spawn(async move { m.recover(&engine_id).await });
+                manager.tasks.spawn(async move { m.recover(&engine_id, Duration::from_secs(1)).await });
             }
         });
     }
@@ -223,13 +224,15 @@ impl Manager {
     /// Restarts a FAILED managed engine on its GPUs with the fleet's current weights, retrying
     /// with exponential backoff (1 s doubling to 60 s) until it is ACTIVE again, it is removed
     /// on purpose, or the manager shuts down.
-    async fn recover(self: &Arc<Self>, engine_id: &str) {
+    pub async fn recover(self: &Arc<Self>, engine_id: &str, first_delay: Duration) {
+        let mut delay = first_delay;
         let mut backoff = Duration::from_secs(1);
         loop {
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(delay) => {}
                 _ = self.shutdown.cancelled() => return,
             }
+            delay = backoff;
             backoff = (backoff * 2).min(Duration::from_secs(60));
             let restarted = self.fleet.update(|inner| {
                 let origin = inner.engines.get(engine_id).map(|e| e.record.origin);

@@ -116,7 +116,7 @@ fn busy(running: &RunningOp) -> ApiError {
     )
 }
 
-fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &'static str, version: &str) -> ScaleOutRecord {
+fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version: &str) -> ScaleOutRecord {
     let now = crate::clock::unix_now();
     ScaleOutRecord {
         request_id: id.to_string(),
@@ -131,7 +131,7 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &'static str, 
         error_message: None,
         weight_version: Some(version.to_string()),
         message: String::new(),
-        trigger,
+        trigger: trigger.to_string(),
         history: vec![crate::fleet::Transition { status: "PENDING".into(), at: now }],
     }
 }

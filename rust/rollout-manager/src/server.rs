@@ -27,6 +27,8 @@ pub enum StartError {
     Bind { flag: &'static str, addr: String, source: std::io::Error },
     #[error("cannot create --state-dir {path}: {source}")]
     StateDir { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
     #[error("cannot build the HTTP client: {0}")]
     Http(#[from] reqwest::Error),
 }
@@ -35,6 +37,8 @@ pub struct Server {
     manager: Arc<Manager>,
     control: TcpListener,
     data: TcpListener,
+    /// What `--state-dir` held at startup; empty on a first start.
+    snapshot: crate::store::Snapshot,
 }
 
 impl Server {
@@ -52,8 +56,10 @@ impl Server {
         if !is_loopback(&config.host) {
             tracing::warn!(host = %config.host, "the control API listens beyond loopback and has no authentication yet");
         }
-        let manager = Manager::new(config, launcher)?;
-        Ok(Self { manager, control, data })
+        let store = crate::store::Store::open(&config.state_dir)?;
+        let snapshot = store.load()?;
+        let manager = Manager::new(config, launcher, Some(store))?;
+        Ok(Self { manager, control, data, snapshot })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -66,7 +72,7 @@ impl Server {
 
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data } = self;
+        let Self { manager, control, data, snapshot } = self;
         let cancels = Arc::new(Cancels::default());
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() });
         let router = crate::router::router(manager.clone())?;
@@ -89,8 +95,13 @@ impl Server {
         }
         servers.close();
 
-        if let Err(e) = scaling::start_initial(&manager, &cancels) {
-            tracing::error!(error = %e, "cannot reserve the initial engines");
+        if snapshot.is_empty() {
+            if let Err(e) = scaling::start_initial(&manager, &cancels) {
+                tracing::error!(error = %e, "cannot reserve the initial engines");
+            }
+        } else {
+            tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
+            crate::restore::restore(&manager, snapshot);
         }
         crate::health::spawn_monitor(&manager);
 
