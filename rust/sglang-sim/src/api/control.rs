@@ -1,0 +1,245 @@
+//! Control endpoints: cache, abort, pause/continue, weight version and weight updates.
+
+use super::{handler_error, json_ok, parse_body, validation_error, AppState};
+use crate::engine::PauseMode;
+use crate::weights::{self, WeightsInfo};
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FlushQuery {
+    timeout: Option<f64>,
+}
+
+/// `/flush_cache`: empties the prefix cache; 400 while requests are running or queued (after
+/// waiting up to `timeout` seconds for them to drain).
+pub async fn flush_cache(
+    State(engine): State<AppState>,
+    q: Result<Query<FlushQuery>, QueryRejection>,
+) -> Response {
+    let timeout = match q {
+        Ok(Query(q)) => q.timeout.unwrap_or(0.0),
+        Err(e) => return validation_error(format!("Invalid query parameters: {e}")),
+    };
+    if timeout.is_finite() && timeout > 0.0 {
+        engine
+            .wait_flushable(Duration::from_secs_f64(timeout))
+            .await;
+    }
+    if engine.flush_cache() {
+        (
+            StatusCode::OK,
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running \
+             or waiting requests, the operation will not be performed.)\n",
+        )
+            .into_response()
+    } else {
+        handler_error(
+            StatusCode::BAD_REQUEST,
+            "Cache not flushed: there are running or waiting requests.",
+        )
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct AbortReq {
+    #[serde(default)]
+    rid: Option<String>,
+    #[serde(default)]
+    abort_all: Option<bool>,
+    #[serde(default)]
+    abort_message: Option<String>,
+}
+
+/// `/abort_request`: aborts one rid (or all); the aborted requests finish with
+/// `finish_reason.type == "abort"`. 200 with an empty body.
+pub async fn abort_request(State(engine): State<AppState>, body: Bytes) -> Response {
+    let req: AbortReq = match parse_body(&body, true) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let message = req
+        .abort_message
+        .unwrap_or_else(|| "Abort requested by /abort_request.".into());
+    if req.abort_all.unwrap_or(false) {
+        engine.abort_all(&message);
+    } else if let Some(rid) = req.rid.filter(|r| !r.is_empty()) {
+        engine.abort_rid(&rid, &message);
+    }
+    StatusCode::OK.into_response()
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PauseReq {
+    #[serde(default)]
+    mode: Option<String>,
+}
+
+/// `/pause_generation`: new `/generate` calls wait until `/continue_generation`.
+pub async fn pause_generation(State(engine): State<AppState>, body: Bytes) -> Response {
+    let req: PauseReq = match parse_body(&body, true) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let mode_name = req.mode.unwrap_or_else(|| "abort".into());
+    let Some(mode) = PauseMode::parse(&mode_name) else {
+        return validation_error(format!(
+            "Input should be 'abort', 'retract' or 'in_place', got {mode_name:?}"
+        ));
+    };
+    engine.pause(mode);
+    tracing::info!(port = engine.port, mode = mode_name, "generation paused");
+    json_ok(json!({"message": "Generation paused successfully.", "status": "ok"}))
+}
+
+/// `/continue_generation`.
+pub async fn continue_generation(State(engine): State<AppState>, body: Bytes) -> Response {
+    if let Err(e) = parse_body::<serde_json::Map<String, serde_json::Value>>(&body, true) {
+        return e.into_response();
+    }
+    engine.resume();
+    tracing::info!(port = engine.port, "generation continued");
+    json_ok(json!({"message": "Generation continued successfully.", "status": "ok"}))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct UpdateWeightVersionReq {
+    new_version: String,
+    #[serde(default)]
+    abort_all_requests: Option<bool>,
+}
+
+/// `/update_weight_version`.
+pub async fn update_weight_version(State(engine): State<AppState>, body: Bytes) -> Response {
+    let req: UpdateWeightVersionReq = match parse_body(&body, true) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if req.abort_all_requests.unwrap_or(true) {
+        engine.abort_all("Abort for weight version update.");
+    }
+    engine.shared.set_version(&req.new_version);
+    tracing::info!(
+        port = engine.port,
+        version = req.new_version,
+        "weight version updated"
+    );
+    json_ok(json!({
+        "success": true,
+        "message": format!("Weight version updated to {}", req.new_version),
+        "new_version": req.new_version,
+    }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct UpdateFromDiskReq {
+    model_path: String,
+    #[serde(default)]
+    load_format: Option<String>,
+    #[serde(default)]
+    abort_all_requests: Option<bool>,
+    #[serde(default)]
+    weight_version: Option<String>,
+    #[serde(default)]
+    flush_cache: Option<bool>,
+}
+
+/// `/update_weights_from_disk`: reads, validates and hashes the checkpoint at `model_path`.
+/// Unless generation is paused, it first waits for in-flight requests (and holds new ones).
+pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Bytes) -> Response {
+    let req: UpdateFromDiskReq = match parse_body(&body, true) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let started = Instant::now();
+    if req.abort_all_requests.unwrap_or(false) {
+        engine.abort_all("Abort for weight update.");
+    }
+    let paused = engine.shared.is_paused();
+    let num_paused_requests = if paused {
+        engine
+            .loads()
+            .iter()
+            .map(|l| l.num_running_reqs + l.num_waiting_reqs)
+            .sum::<usize>()
+    } else {
+        0
+    };
+    let _exclusive = if paused {
+        None
+    } else {
+        Some(engine.model_update_lock.write().await)
+    };
+    let load_format = req
+        .load_format
+        .as_deref()
+        .unwrap_or(&engine.cfg.load_format);
+    let result = if load_format == "dummy" {
+        Ok(WeightsInfo {
+            path: Some(req.model_path.clone()),
+            ..WeightsInfo::default()
+        })
+    } else {
+        let path = req.model_path.clone();
+        match tokio::task::spawn_blocking(move || weights::load_checkpoint(&path)).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("weight loading task failed: {e}")),
+        }
+    };
+    let info = match result {
+        Ok(info) => info,
+        Err(reason) => {
+            tracing::warn!(
+                port = engine.port,
+                path = req.model_path,
+                reason,
+                "weight update failed"
+            );
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({
+                    "success": false,
+                    "message": format!("Failed to update weights: {reason}. Rolling back to the old weights."),
+                    "num_paused_requests": num_paused_requests,
+                })),
+            )
+                .into_response();
+        }
+    };
+    if engine.cfg.weight_load_delay > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(engine.cfg.weight_load_delay)).await;
+    }
+    let checksum = info.checksum.clone();
+    engine.set_weights(info);
+    let mut message = String::from("Succeeded to update model weights.");
+    if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
+        message.push_str(" The cache was not flushed because requests are running or waiting.");
+    }
+    if let Some(v) = &req.weight_version {
+        engine.shared.set_version(v);
+        message.push_str(&format!(" Weight version updated to {v}."));
+    }
+    engine.metrics.set_weight_load_duration(started.elapsed());
+    tracing::info!(
+        port = engine.port,
+        path = req.model_path,
+        checksum = checksum.as_deref().unwrap_or("-"),
+        "weights updated from disk"
+    );
+    json_ok(json!({
+        "success": true,
+        "message": message,
+        "num_paused_requests": num_paused_requests,
+    }))
+}
+
+/// `/release_memory_occupation`, `/resume_memory_occupation`: accepted, no effect; 200 `null`.
+pub async fn memory_occupation() -> Response {
+    json_ok(serde_json::Value::Null)
+}

@@ -1,0 +1,356 @@
+//! One simulated engine (one `--instances` slot): its DP ranks, status, weight version,
+//! pause state, metrics and faults. HTTP handlers hold an `Arc<Engine>`.
+
+use crate::cli::Config;
+use crate::faults::Faults;
+use crate::generator::VersionInfo;
+use crate::metrics::Metrics;
+use crate::scheduler::{NewRequest, Rank, RankConfig, RankLoad, Update};
+use crate::weights::WeightsInfo;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Instant, SystemTime};
+use tokio::sync::{mpsc, watch, Notify};
+
+/// SGLang's `ServerStatus`, as reported by `/server_info`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Starting = 0,
+    Up = 1,
+    ShuttingDown = 2,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Starting => "Starting",
+            Status::Up => "Up",
+            Status::ShuttingDown => "ShuttingDown",
+        }
+    }
+}
+
+/// `pause_generation` modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    Abort,
+    Retract,
+    InPlace,
+}
+
+impl PauseMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "abort" => Some(PauseMode::Abort),
+            "retract" => Some(PauseMode::Retract),
+            "in_place" => Some(PauseMode::InPlace),
+            _ => None,
+        }
+    }
+}
+
+/// State the scheduler loops and the HTTP handlers both read.
+pub struct Shared {
+    status: AtomicU8,
+    version: RwLock<VersionInfo>,
+    /// True while generation is paused; `/generate` handlers wait for it to turn false.
+    paused: watch::Sender<bool>,
+    /// Set by the hang fault: nothing answers any more.
+    hung: AtomicBool,
+    /// Woken whenever a rank runs out of running and (non-retracted) queued requests.
+    pub idle: Notify,
+}
+
+impl Shared {
+    pub fn new(version: &str) -> Self {
+        Self {
+            status: AtomicU8::new(Status::Starting as u8),
+            version: RwLock::new(VersionInfo::new(version)),
+            paused: watch::Sender::new(false),
+            hung: AtomicBool::new(false),
+            idle: Notify::new(),
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        match self.status.load(Ordering::Acquire) {
+            0 => Status::Starting,
+            1 => Status::Up,
+            _ => Status::ShuttingDown,
+        }
+    }
+
+    pub fn set_status(&self, s: Status) {
+        self.status.store(s as u8, Ordering::Release);
+    }
+
+    pub fn version(&self) -> VersionInfo {
+        self.version
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn set_version(&self, v: &str) {
+        *self.version.write().unwrap_or_else(PoisonError::into_inner) = VersionInfo::new(v);
+    }
+
+    pub fn is_paused(&self) -> bool {
+        *self.paused.borrow()
+    }
+
+    pub fn set_paused(&self, p: bool) {
+        self.paused.send_replace(p);
+    }
+
+    /// Resolves once generation is not paused.
+    pub async fn wait_unpaused(&self) {
+        let mut rx = self.paused.subscribe();
+        // The sender lives as long as `self`, so this only fails if we are being torn down.
+        let _ = rx.wait_for(|p| !*p).await;
+    }
+
+    pub fn is_hung(&self) -> bool {
+        self.hung.load(Ordering::Acquire)
+    }
+
+    pub fn set_hung(&self) {
+        self.hung.store(true, Ordering::Release);
+    }
+}
+
+/// Static facts about the served model, read once at startup.
+#[derive(Debug, Clone, Default)]
+pub struct ModelMeta {
+    pub model_type: Option<String>,
+    pub architectures: Option<Vec<String>>,
+}
+
+/// One simulated SGLang server.
+pub struct Engine {
+    pub cfg: Arc<Config>,
+    /// Which `--instances` slot this is.
+    pub instance: usize,
+    pub port: u16,
+    pub shared: Arc<Shared>,
+    pub ranks: Vec<Arc<Rank>>,
+    pub metrics: Metrics,
+    pub faults: Faults,
+    pub weights: Mutex<WeightsInfo>,
+    pub model_meta: ModelMeta,
+    /// Held shared by every in-flight `/generate`, exclusively by a weight update that is not
+    /// run while paused (so the update waits for in-flight requests, like SGLang's
+    /// `model_update_lock`).
+    pub model_update_lock: Arc<tokio::sync::RwLock<()>>,
+    /// `/generate` calls currently waiting for `continue_generation`.
+    pub paused_waiters: AtomicUsize,
+    /// Round-robin cursor for DP rank choice.
+    next_rank: AtomicUsize,
+    pub started_at: SystemTime,
+    pub process_start: Instant,
+    /// Seconds from process start until this engine became ready (0 until then).
+    pub startup_secs: Mutex<f64>,
+}
+
+impl Engine {
+    pub fn new(
+        cfg: Arc<Config>,
+        instance: usize,
+        port: u16,
+        weights: WeightsInfo,
+        model_meta: ModelMeta,
+        process_start: Instant,
+    ) -> Self {
+        let shared = Arc::new(Shared::new(&cfg.weight_version));
+        let rank_cfg = RankConfig::from_config(&cfg);
+        let ranks = (0..cfg.dp_size as usize)
+            .map(|i| Arc::new(Rank::new(i, rank_cfg.clone(), shared.clone())))
+            .collect();
+        Self {
+            metrics: Metrics::new(&cfg),
+            faults: Faults::new(cfg.crash_after_requests, cfg.hang_after_requests),
+            cfg,
+            instance,
+            port,
+            shared,
+            ranks,
+            weights: Mutex::new(weights),
+            model_meta,
+            model_update_lock: Arc::new(tokio::sync::RwLock::new(())),
+            paused_waiters: AtomicUsize::new(0),
+            next_rank: AtomicUsize::new(0),
+            started_at: SystemTime::now(),
+            process_start,
+            startup_secs: Mutex::new(0.0),
+        }
+    }
+
+    /// Picks a DP rank: the requested one if valid, else round robin.
+    pub fn pick_rank(&self, requested: Option<i64>) -> Arc<Rank> {
+        let n = self.ranks.len().max(1);
+        let i = requested
+            .and_then(|r| usize::try_from(r).ok())
+            .filter(|r| *r < n)
+            .unwrap_or_else(|| self.next_rank.fetch_add(1, Ordering::Relaxed) % n);
+        self.ranks[i % self.ranks.len()].clone()
+    }
+
+    /// Queues a request on a rank; the handle aborts it if dropped before it finishes.
+    pub fn submit(&self, rank: Arc<Rank>, req: NewRequestParts) -> ReqHandle {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let key = rank.submit(NewRequest {
+            rid: req.rid,
+            prompt: req.prompt,
+            gen: req.gen,
+            stream: req.stream,
+            tx,
+        });
+        ReqHandle {
+            rank,
+            key,
+            rx,
+            done: false,
+        }
+    }
+
+    pub fn abort_all(&self, message: &str) -> usize {
+        self.ranks.iter().map(|r| r.abort_all(message)).sum()
+    }
+
+    pub fn abort_rid(&self, rid: &str, message: &str) -> usize {
+        self.ranks.iter().map(|r| r.abort_rid(rid, message)).sum()
+    }
+
+    pub fn loads(&self) -> Vec<RankLoad> {
+        self.ranks.iter().map(|r| r.load()).collect()
+    }
+
+    /// Flushes every rank's prefix cache; false (nothing flushed) if any request is queued or
+    /// running (see [`Rank::flush_cache`]).
+    fn can_flush(&self) -> bool {
+        self.ranks.iter().all(|r| r.can_flush())
+    }
+
+    pub fn flush_cache(&self) -> bool {
+        if !self.can_flush() {
+            return false;
+        }
+        self.ranks.iter().all(|r| r.flush_cache())
+    }
+
+    /// Waits up to `timeout` until the cache can be flushed (no running or queued requests
+    /// apart from retracted ones). True if it can.
+    pub async fn wait_flushable(&self, timeout: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.can_flush() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.can_flush();
+            }
+        }
+    }
+
+    pub fn pause(&self, mode: PauseMode) {
+        self.shared.set_paused(true);
+        match mode {
+            PauseMode::Abort => {
+                self.abort_all("Abort by pause_generation");
+            }
+            PauseMode::Retract => {
+                for r in &self.ranks {
+                    r.retract_all();
+                }
+            }
+            PauseMode::InPlace => {}
+        }
+    }
+
+    pub fn resume(&self) {
+        self.shared.set_paused(false);
+        for r in &self.ranks {
+            r.wake();
+        }
+    }
+
+    pub fn weights(&self) -> WeightsInfo {
+        self.weights
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn set_weights(&self, w: WeightsInfo) {
+        *self.weights.lock().unwrap_or_else(PoisonError::into_inner) = w;
+    }
+
+    pub fn startup_secs(&self) -> f64 {
+        *self
+            .startup_secs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Marks the engine ready and logs SGLang's readiness line.
+    pub fn mark_up(&self) {
+        *self
+            .startup_secs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = self.process_start.elapsed().as_secs_f64();
+        self.shared.set_status(Status::Up);
+        tracing::info!(
+            port = self.port,
+            "The server is fired up and ready to roll!"
+        );
+    }
+}
+
+/// The parts of a request the API layer prepares.
+pub struct NewRequestParts {
+    pub rid: String,
+    pub prompt: Vec<u32>,
+    pub gen: crate::generator::GenState,
+    pub stream: bool,
+}
+
+/// A submitted request. Dropping it before it finished aborts the request (the client went
+/// away), as SGLang does on disconnect.
+pub struct ReqHandle {
+    rank: Arc<Rank>,
+    key: u64,
+    rx: mpsc::UnboundedReceiver<Update>,
+    done: bool,
+}
+
+impl ReqHandle {
+    /// Next update; `None` only if the scheduler went away.
+    pub async fn recv(&mut self) -> Option<Update> {
+        let u = self.rx.recv().await;
+        if matches!(u, Some(Update::Finished(_)) | None) {
+            self.done = true;
+        }
+        u
+    }
+
+    /// Waits for the final state, skipping token updates.
+    pub async fn finish(mut self) -> Option<Box<crate::scheduler::Finished>> {
+        loop {
+            match self.recv().await? {
+                Update::Finished(f) => return Some(f),
+                Update::Tokens { .. } => {}
+            }
+        }
+    }
+}
+
+impl Drop for ReqHandle {
+    fn drop(&mut self) {
+        if !self.done {
+            self.rank.abort(self.key, "The client disconnected.");
+        }
+    }
+}

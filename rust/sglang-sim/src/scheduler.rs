@@ -1,0 +1,701 @@
+//! One DP rank's scheduler: a continuous-batching loop over a FIFO waiting queue and a
+//! running batch, on top of the KV pool.
+//!
+//! Expected flow of a request: `submit` puts it in the waiting queue; a *prefill step* admits
+//! queued requests whose prompts (minus cached prefix) and reserved completion tokens fit in
+//! the pool, and gives each its first token; *decode steps* then give every running request
+//! one token each. A finished request's KV moves into the prefix cache. When decoding runs
+//! out of KV slots, the newest running requests are retracted to the front of the queue and
+//! re-prefilled later (as SGLang does).
+//!
+//! Step costs (see `docs/sglang-sim.md`): prefill = base + per-1k-uncached-tokens; decode =
+//! base + per-running-request * n + per-1k-context-tokens. Every cost is multiplied by
+//! `--time-scale`. The loop sleeps until an absolute deadline so that tokio's 1 ms timer
+//! granularity does not distort the average rate at tiny time scales.
+//!
+//! All state sits behind one std `Mutex`: it is never held across an `.await`.
+
+use crate::engine::Shared;
+use crate::generator::{FinishReason, GenState, VersionInfo};
+use crate::kv::{extend_block_hashes, KvPool, BLOCK};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch, Notify};
+
+/// Timing model and limits of one rank, copied from the config.
+#[derive(Debug, Clone)]
+pub struct RankConfig {
+    pub capacity: usize,
+    pub max_running: usize,
+    pub chunked_prefill_size: usize,
+    pub cache_enabled: bool,
+    pub time_scale: f64,
+    pub prefill_base_ms: f64,
+    pub prefill_ms_per_1k_tokens: f64,
+    pub decode_step_base_ms: f64,
+    pub decode_step_ms_per_req: f64,
+    pub decode_step_ms_per_1k_ctx: f64,
+}
+
+impl RankConfig {
+    pub fn from_config(c: &crate::cli::Config) -> Self {
+        Self {
+            capacity: c.max_total_tokens,
+            max_running: c.max_running_requests,
+            chunked_prefill_size: c.chunked_prefill_size,
+            cache_enabled: !c.disable_radix_cache,
+            time_scale: c.time_scale,
+            prefill_base_ms: c.prefill_base_ms,
+            prefill_ms_per_1k_tokens: c.prefill_ms_per_1k_tokens,
+            decode_step_base_ms: c.decode_step_base_ms,
+            decode_step_ms_per_req: c.decode_step_ms_per_req,
+            decode_step_ms_per_1k_ctx: c.decode_step_ms_per_1k_ctx,
+        }
+    }
+}
+
+/// Share of a request's remaining completion budget reserved at admission: starts high,
+/// decays per decode step, resets on retraction (SGLang's `new_token_ratio`).
+const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
+const MIN_NEW_TOKEN_RATIO: f64 = 0.1;
+const NEW_TOKEN_RATIO_DECAY: f64 = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600.0;
+/// gen_throughput is recomputed after this many decode steps or this much wall time.
+const THROUGHPUT_WINDOW_STEPS: u32 = 40;
+const THROUGHPUT_WINDOW: Duration = Duration::from_millis(500);
+/// How far behind its deadline the step loop may run before it stops catching up.
+const MAX_LAG: Duration = Duration::from_millis(20);
+
+/// A request handed to [`Rank::submit`].
+pub struct NewRequest {
+    pub rid: String,
+    pub prompt: Vec<u32>,
+    pub gen: GenState,
+    /// Send a `Tokens` update after every token (streaming); otherwise only `Finished`.
+    pub stream: bool,
+    pub tx: mpsc::UnboundedSender<Update>,
+}
+
+/// What a request's owner hears from the scheduler.
+#[derive(Debug)]
+pub enum Update {
+    /// New output tokens (streaming requests only), with the prompt tokens found cached.
+    Tokens {
+        ids: Vec<u32>,
+        cached_tokens: usize,
+    },
+    Finished(Box<Finished>),
+}
+
+/// Final state of a request.
+#[derive(Debug)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub gen: GenState,
+    pub cached_tokens: usize,
+    pub queue_time: Option<Duration>,
+    pub time_to_first_token: Option<Duration>,
+    pub retractions: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Prefill,
+    Decode,
+}
+
+struct Req {
+    rid: String,
+    /// Prompt followed by the output so far.
+    seq: Vec<u32>,
+    gen: GenState,
+    /// Chained block hashes of `seq` (extended lazily).
+    hashes: Vec<u64>,
+    locked_blocks: usize,
+    private: usize,
+    cached_tokens: Option<usize>,
+    /// Bumped on retraction so a step planned before it ignores this request.
+    epoch: u32,
+    phase: Phase,
+    stream: bool,
+    tx: mpsc::UnboundedSender<Update>,
+    arrived: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    retractions: u32,
+}
+
+impl Req {
+    fn remaining_new(&self) -> usize {
+        (self.gen.max_new as usize).saturating_sub(self.gen.output.len())
+    }
+    fn kv_len(&self) -> usize {
+        (self.locked_blocks * BLOCK + self.private).min(self.seq.len())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Prefill,
+    Decode,
+}
+
+/// One planned step: which requests it serves and how long it takes (unscaled).
+#[derive(Debug)]
+pub struct StepPlan {
+    pub kind: StepKind,
+    batch: Vec<(u64, u32)>,
+    pub cost: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    gen_throughput: f64,
+    cache_hit_rate: f64,
+    window_start: Option<Instant>,
+    window_steps: u32,
+    window_tokens: u64,
+}
+
+/// Point-in-time load of one rank (`/v1/loads`, metrics).
+#[derive(Debug, Clone, Default)]
+pub struct RankLoad {
+    pub dp_rank: usize,
+    pub num_running_reqs: usize,
+    pub num_waiting_reqs: usize,
+    pub num_retracted_reqs: usize,
+    pub num_waiting_uncached_tokens: usize,
+    pub num_used_tokens: usize,
+    pub num_total_tokens: usize,
+    pub max_total_num_tokens: usize,
+    pub max_running_requests: usize,
+    pub token_usage: f64,
+    pub gen_throughput: f64,
+    pub cache_hit_rate: f64,
+    pub cached_tokens: usize,
+    pub evictable_tokens: usize,
+}
+
+struct Core {
+    pool: KvPool,
+    cache_enabled: bool,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    reqs: HashMap<u64, Req>,
+    new_token_ratio: f64,
+    stats: Stats,
+    next_key: u64,
+}
+
+/// One DP rank: its queue, batch and KV pool, driven by [`Rank::run`].
+pub struct Rank {
+    pub dp_rank: usize,
+    cfg: RankConfig,
+    core: Mutex<Core>,
+    /// Woken on new work, aborts that may unblock admission, and continue_generation.
+    wake: Notify,
+    shared: Arc<Shared>,
+}
+
+impl Rank {
+    pub fn new(dp_rank: usize, cfg: RankConfig, shared: Arc<Shared>) -> Self {
+        Self {
+            dp_rank,
+            core: Mutex::new(Core::new(&cfg)),
+            cfg,
+            wake: Notify::new(),
+            shared,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues a request; returns its key for [`Rank::abort`].
+    pub fn submit(&self, r: NewRequest) -> u64 {
+        let key = self.lock().enqueue(r);
+        self.wake.notify_one();
+        key
+    }
+
+    /// Aborts one request by key. False if it already finished.
+    pub fn abort(&self, key: u64, message: &str) -> bool {
+        let (found, idle) = {
+            let mut c = self.lock();
+            let found = c.finish(key, FinishReason::Abort(message.to_string()));
+            (found, c.can_flush())
+        };
+        self.after_abort(idle);
+        found
+    }
+
+    /// Aborts every request with this rid; returns how many.
+    pub fn abort_rid(&self, rid: &str, message: &str) -> usize {
+        let (n, idle) = {
+            let mut c = self.lock();
+            let keys: Vec<u64> = c
+                .reqs
+                .iter()
+                .filter(|(_, r)| r.rid == rid)
+                .map(|(k, _)| *k)
+                .collect();
+            for k in &keys {
+                c.finish(*k, FinishReason::Abort(message.to_string()));
+            }
+            (keys.len(), c.can_flush())
+        };
+        self.after_abort(idle);
+        n
+    }
+
+    /// Aborts everything queued or running; returns how many.
+    pub fn abort_all(&self, message: &str) -> usize {
+        let (n, idle) = {
+            let mut c = self.lock();
+            let keys: Vec<u64> = c.reqs.keys().copied().collect();
+            for k in &keys {
+                c.finish(*k, FinishReason::Abort(message.to_string()));
+            }
+            (keys.len(), c.can_flush())
+        };
+        self.after_abort(idle);
+        n
+    }
+
+    fn after_abort(&self, flushable: bool) {
+        self.wake.notify_one();
+        if flushable {
+            self.shared.idle.notify_waiters();
+        }
+    }
+
+    /// Moves every running request back to the front of the queue, freeing its KV
+    /// (`pause_generation` mode `retract`). Returns how many.
+    pub fn retract_all(&self) -> usize {
+        let mut c = self.lock();
+        let running = std::mem::take(&mut c.running);
+        for key in running.iter().rev() {
+            c.retract(*key);
+            c.waiting.push_front(*key);
+        }
+        if !running.is_empty() {
+            c.new_token_ratio = INIT_NEW_TOKEN_RATIO;
+        }
+        running.len()
+    }
+
+    /// Empties the prefix cache; false (nothing flushed) when requests are running or queued.
+    /// Requests retracted by `pause_generation` (mode retract) hold no KV and do not count,
+    /// as in SGLang where they sit in a separate queue while paused.
+    pub fn flush_cache(&self) -> bool {
+        let mut c = self.lock();
+        c.can_flush() && c.pool.flush()
+    }
+
+    pub fn can_flush(&self) -> bool {
+        self.lock().can_flush()
+    }
+
+    /// Wakes the step loop (after continue_generation).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    pub fn load(&self) -> RankLoad {
+        let c = self.lock();
+        let used = c.pool.used();
+        let mut waiting_tokens = 0;
+        let mut uncached = 0;
+        let mut retracted = 0;
+        for key in &c.waiting {
+            if let Some(r) = c.reqs.get(key) {
+                waiting_tokens += r.seq.len();
+                let max_blocks = r.seq.len().saturating_sub(1) / BLOCK;
+                let (m, _) = c.pool.peek_match(&r.hashes, max_blocks);
+                uncached += r.seq.len() - m * BLOCK;
+                if r.retractions > 0 {
+                    retracted += 1;
+                }
+            }
+        }
+        let usage = used as f64 / c.pool.capacity().max(1) as f64;
+        RankLoad {
+            dp_rank: self.dp_rank,
+            num_running_reqs: c.running.len(),
+            num_waiting_reqs: c.waiting.len(),
+            num_retracted_reqs: retracted,
+            num_waiting_uncached_tokens: uncached,
+            num_used_tokens: used,
+            num_total_tokens: used + waiting_tokens,
+            max_total_num_tokens: c.pool.capacity(),
+            max_running_requests: self.cfg.max_running,
+            token_usage: usage,
+            gen_throughput: if c.running.is_empty() {
+                0.0
+            } else {
+                c.stats.gen_throughput
+            },
+            cache_hit_rate: c.stats.cache_hit_rate,
+            cached_tokens: c.pool.cached_tokens(),
+            evictable_tokens: c.pool.evictable_tokens(),
+        }
+    }
+
+    /// The step loop. Returns when `shutdown` becomes true.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut deadline = Instant::now();
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let plan = if self.shared.is_paused() || self.shared.is_hung() {
+                None
+            } else {
+                self.lock().plan(&self.cfg)
+            };
+            let Some(plan) = plan else {
+                tokio::select! {
+                    _ = self.wake.notified() => {}
+                    _ = shutdown.changed() => {}
+                }
+                deadline = Instant::now();
+                continue;
+            };
+            let now = Instant::now();
+            let floor = now.checked_sub(MAX_LAG).unwrap_or(now);
+            deadline = deadline.max(floor) + plan.cost.mul_f64(self.cfg.time_scale);
+            if deadline > now {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline.into()) => {}
+                    _ = shutdown.changed() => return,
+                }
+            } else {
+                tokio::task::yield_now().await;
+            }
+            if self.shared.is_hung() {
+                continue;
+            }
+            let version = self.shared.version();
+            let idle = {
+                let mut c = self.lock();
+                c.complete(&plan, &version, Instant::now());
+                c.can_flush()
+            };
+            if idle {
+                self.shared.idle.notify_waiters();
+            }
+        }
+    }
+}
+
+impl Core {
+    fn new(cfg: &RankConfig) -> Self {
+        Self {
+            pool: KvPool::new(cfg.capacity, cfg.cache_enabled),
+            cache_enabled: cfg.cache_enabled,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            reqs: HashMap::new(),
+            new_token_ratio: INIT_NEW_TOKEN_RATIO,
+            stats: Stats::default(),
+            next_key: 1,
+        }
+    }
+
+    fn enqueue(&mut self, r: NewRequest) -> u64 {
+        let key = self.next_key;
+        self.next_key += 1;
+        let mut hashes = Vec::new();
+        if self.cache_enabled {
+            extend_block_hashes(&mut hashes, &r.prompt);
+        }
+        self.reqs.insert(
+            key,
+            Req {
+                rid: r.rid,
+                seq: r.prompt,
+                gen: r.gen,
+                hashes,
+                locked_blocks: 0,
+                private: 0,
+                cached_tokens: None,
+                epoch: 0,
+                phase: Phase::Waiting,
+                stream: r.stream,
+                tx: r.tx,
+                arrived: Instant::now(),
+                admitted: None,
+                first_token: None,
+                retractions: 0,
+            },
+        );
+        self.waiting.push_back(key);
+        key
+    }
+
+    #[cfg(test)]
+    fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    fn can_flush(&self) -> bool {
+        self.running.is_empty()
+            && self
+                .waiting
+                .iter()
+                .all(|k| self.reqs.get(k).is_none_or(|r| r.retractions > 0))
+    }
+
+    fn reserve(&self, r: &Req) -> usize {
+        (r.remaining_new() as f64 * self.new_token_ratio).ceil() as usize
+    }
+
+    /// Decides the next step, admitting requests (prefill) or growing the batch (decode).
+    fn plan(&mut self, cfg: &RankConfig) -> Option<StepPlan> {
+        if let Some(p) = self.plan_prefill(cfg) {
+            return Some(p);
+        }
+        self.plan_decode(cfg)
+    }
+
+    fn plan_prefill(&mut self, cfg: &RankConfig) -> Option<StepPlan> {
+        let mut reserved: usize = self
+            .running
+            .iter()
+            .filter_map(|k| self.reqs.get(k))
+            .map(|r| self.reserve(r))
+            .sum();
+        let mut batch = Vec::new();
+        let mut budget = cfg.chunked_prefill_size;
+        let (mut total, mut hit, mut uncached_total) = (0usize, 0usize, 0usize);
+        while let Some(&key) = self.waiting.front() {
+            if self.running.len() >= cfg.max_running {
+                break;
+            }
+            let Some(r) = self.reqs.get_mut(&key) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if cfg.cache_enabled {
+                extend_block_hashes(&mut r.hashes, &r.seq);
+            }
+            let len = r.seq.len();
+            let max_blocks = len.saturating_sub(1) / BLOCK;
+            let (matched, matched_evictable) = self.pool.peek_match(&r.hashes, max_blocks);
+            let uncached = len - matched * BLOCK;
+            if !batch.is_empty() && uncached > budget {
+                break;
+            }
+            let avail = self
+                .pool
+                .available()
+                .saturating_sub(matched_evictable * BLOCK);
+            let reserve = (r.remaining_new() as f64 * self.new_token_ratio).ceil() as usize;
+            let fits = if self.running.is_empty() {
+                uncached <= avail
+            } else {
+                uncached + reserve + reserved <= avail
+            };
+            if !fits {
+                break;
+            }
+            let hashes: Vec<u64> = r.hashes[..matched].to_vec();
+            self.pool.lock(&hashes);
+            if !self.pool.alloc(uncached) {
+                self.pool.unlock(&hashes);
+                break;
+            }
+            r.locked_blocks = matched;
+            r.private = uncached;
+            r.cached_tokens.get_or_insert(matched * BLOCK);
+            r.phase = Phase::Prefill;
+            r.admitted.get_or_insert_with(Instant::now);
+            batch.push((key, r.epoch));
+            self.waiting.pop_front();
+            self.running.push(key);
+            reserved += reserve;
+            budget = budget.saturating_sub(uncached);
+            total += len;
+            hit += matched * BLOCK;
+            uncached_total += uncached;
+        }
+        if batch.is_empty() {
+            return None;
+        }
+        self.stats.cache_hit_rate = if total == 0 {
+            0.0
+        } else {
+            hit as f64 / total as f64
+        };
+        let ms =
+            cfg.prefill_base_ms + cfg.prefill_ms_per_1k_tokens * uncached_total as f64 / 1000.0;
+        Some(StepPlan {
+            kind: StepKind::Prefill,
+            batch,
+            cost: Duration::from_secs_f64(ms / 1000.0),
+        })
+    }
+
+    fn plan_decode(&mut self, cfg: &RankConfig) -> Option<StepPlan> {
+        // Make room for one new token per running request, retracting the newest if needed.
+        let mut retracted_any = false;
+        while self.running.len() > 1 && self.pool.available() < self.running.len() {
+            if let Some(key) = self.running.pop() {
+                self.retract(key);
+                self.waiting.push_front(key);
+                retracted_any = true;
+            }
+        }
+        if retracted_any {
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO;
+        }
+        if self.running.is_empty() {
+            return None;
+        }
+        let n = self.running.len();
+        if !self.pool.alloc(n) {
+            // Only possible for one request that outgrew the pool; end it like a full context.
+            if let Some(&key) = self.running.first() {
+                let len = self.reqs.get(&key).map_or(0, |r| r.gen.output.len());
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                self.finish(key, FinishReason::Length(len));
+            }
+            return None;
+        }
+        let mut ctx = 0usize;
+        let mut batch = Vec::with_capacity(n);
+        for key in &self.running {
+            if let Some(r) = self.reqs.get_mut(key) {
+                r.private += 1;
+                ctx += r.kv_len();
+                batch.push((*key, r.epoch));
+            }
+        }
+        self.new_token_ratio =
+            (self.new_token_ratio - NEW_TOKEN_RATIO_DECAY).max(MIN_NEW_TOKEN_RATIO);
+        let ms = cfg.decode_step_base_ms
+            + cfg.decode_step_ms_per_req * n as f64
+            + cfg.decode_step_ms_per_1k_ctx * ctx as f64 / 1000.0;
+        Some(StepPlan {
+            kind: StepKind::Decode,
+            batch,
+            cost: Duration::from_secs_f64(ms / 1000.0),
+        })
+    }
+
+    /// Applies a finished step: every request still in it gets one token.
+    fn complete(&mut self, plan: &StepPlan, version: &VersionInfo, now: Instant) {
+        let mut emitted = 0u64;
+        for &(key, epoch) in &plan.batch {
+            let Some(r) = self.reqs.get_mut(&key) else {
+                continue;
+            };
+            if r.epoch != epoch || r.phase == Phase::Waiting {
+                continue;
+            }
+            r.phase = Phase::Decode;
+            if let Some(reason) = r.gen.finished_before_start() {
+                self.finish(key, reason);
+                continue;
+            }
+            r.first_token.get_or_insert(now);
+            let finished = r.gen.step(version);
+            let token = r.gen.output.last().copied().unwrap_or(0);
+            r.seq.push(token);
+            emitted += 1;
+            match finished {
+                Some(reason) => {
+                    self.finish(key, reason);
+                }
+                None if r.stream => {
+                    // A closed channel means the client left; its handle aborts the request.
+                    let _ = r.tx.send(Update::Tokens {
+                        ids: vec![token],
+                        cached_tokens: r.cached_tokens.unwrap_or(0),
+                    });
+                }
+                None => {}
+            }
+        }
+        if plan.kind == StepKind::Decode {
+            let s = &mut self.stats;
+            let start = *s.window_start.get_or_insert(now);
+            s.window_steps += 1;
+            s.window_tokens += emitted;
+            let elapsed = now.saturating_duration_since(start);
+            if s.window_steps >= THROUGHPUT_WINDOW_STEPS || elapsed >= THROUGHPUT_WINDOW {
+                if elapsed > Duration::ZERO {
+                    s.gen_throughput = s.window_tokens as f64 / elapsed.as_secs_f64();
+                }
+                s.window_start = Some(now);
+                s.window_steps = 0;
+                s.window_tokens = 0;
+            }
+        }
+        if self.running.is_empty() {
+            self.stats.window_start = None;
+            self.stats.window_steps = 0;
+            self.stats.window_tokens = 0;
+        }
+    }
+
+    /// Gives back a request's KV (its blocks go to the prefix cache) and resets it to waiting.
+    fn release_kv(&mut self, key: u64) {
+        let Some(r) = self.reqs.get_mut(&key) else {
+            return;
+        };
+        let kv_len = r.kv_len();
+        if self.cache_enabled {
+            extend_block_hashes(&mut r.hashes, &r.seq[..kv_len]);
+        }
+        let full = (kv_len / BLOCK).min(r.hashes.len());
+        let (locked, private) = (r.locked_blocks, r.private);
+        let hashes = r.hashes[..full].to_vec();
+        r.locked_blocks = 0;
+        r.private = 0;
+        self.pool.finish_request(&hashes, locked, private);
+    }
+
+    fn retract(&mut self, key: u64) {
+        self.release_kv(key);
+        if let Some(r) = self.reqs.get_mut(&key) {
+            r.phase = Phase::Waiting;
+            r.epoch += 1;
+            r.retractions += 1;
+        }
+    }
+
+    /// Ends a request wherever it is and tells its owner. False if unknown.
+    fn finish(&mut self, key: u64, reason: FinishReason) -> bool {
+        if !self.reqs.contains_key(&key) {
+            return false;
+        }
+        self.release_kv(key);
+        let Some(r) = self.reqs.remove(&key) else {
+            return false;
+        };
+        match r.phase {
+            Phase::Waiting => self.waiting.retain(|k| *k != key),
+            Phase::Prefill | Phase::Decode => self.running.retain(|k| *k != key),
+        }
+        let finished = Finished {
+            reason,
+            cached_tokens: r.cached_tokens.unwrap_or(0),
+            queue_time: r.admitted.map(|a| a.saturating_duration_since(r.arrived)),
+            time_to_first_token: r
+                .first_token
+                .map(|t| t.saturating_duration_since(r.arrived)),
+            retractions: r.retractions,
+            gen: r.gen,
+        };
+        // A closed channel means the client left; nothing more to do.
+        let _ = r.tx.send(Update::Finished(Box::new(finished)));
+        true
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;
