@@ -24,6 +24,7 @@ pub struct ApiState {
 pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/openapi.json", get(openapi))
         .route("/rollout/engines", get(engines))
         .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
         .route("/rollout/scale_out/{id}", get(get_scale_out))
@@ -134,4 +135,12 @@ async fn cancel_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> 
 async fn cancel_many(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
     scaling::cancel_many(&s.manager, &s.cancels, &req).map(Json)
+}
+
+/// The OpenAPI document of this API, kept beside the docs and checked by the tests.
+const OPENAPI: &str = include_str!("../../../docs/openapi.json");
+
+async fn openapi() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    ([("content-type", "application/json")], OPENAPI).into_response()
 }

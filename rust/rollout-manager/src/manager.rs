@@ -31,7 +31,7 @@ pub struct Manager {
 pub enum EngineError {
     #[error("{0}")]
     Launch(String),
-    #[error("engine process exited before it became healthy ({0}); see its log")]
+    #[error("engine exited before it became healthy ({0}); see its log")]
     Exited(String),
     #[error("engine was not healthy within {0:?}")]
     StartupTimeout(Duration),
@@ -298,25 +298,32 @@ impl Manager {
         }
     }
 
-    fn process_of(&self, engine_id: &str) -> Option<EngineProcess> {
-        self.fleet.lock().engines.get(engine_id).and_then(|e| e.process.clone())
-    }
-
     fn url_of(&self, engine_id: &str) -> Option<String> {
         self.fleet.lock().engines.get(engine_id).map(|e| e.record.url.clone())
     }
 
-    /// Waits until the engine's `/health` answers 200, its process dies, the startup deadline
-    /// passes, or `cancel` fires. Probes back off from 50 ms to 1 s.
+    /// Waits until the engine's `/health` answers 200, the engine fails (its process exits),
+    /// the startup deadline passes, or `cancel` fires. Probes back off from 50 ms to 1 s; a
+    /// change of the fleet (such as the process exiting) wakes the wait at once.
     pub async fn wait_healthy(&self, engine_id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
-        let process = self.process_of(engine_id);
         let deadline = Duration::from_secs_f64(self.config.engine_startup_timeout);
+        let mut changes = self.fleet.subscribe();
         let probe = async {
             let mut backoff = Duration::from_millis(50);
             loop {
-                if let Some(info) = process.as_ref().and_then(EngineProcess::exit_info) {
-                    return Err(EngineError::Exited(info.to_string()));
+                let failed = {
+                    let inner = self.fleet.lock();
+                    match inner.engines.get(engine_id) {
+                        None => Some("the engine left the fleet".to_string()),
+                        Some(e) if e.record.status == EngineStatus::Failed => {
+                            Some(e.record.last_error.clone().unwrap_or_else(|| "failed".into()))
+                        }
+                        Some(_) => None,
+                    }
+                };
+                if let Some(why) = failed {
+                    return Err(EngineError::Exited(why));
                 }
                 let ok = self
                     .http
@@ -329,15 +336,9 @@ impl Manager {
                 if ok {
                     return Ok(());
                 }
-                let exited = async {
-                    match &process {
-                        Some(p) => p.wait().await,
-                        None => std::future::pending().await,
-                    }
-                };
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    info = exited => return Err(EngineError::Exited(info.to_string())),
+                    _ = changes.changed() => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
