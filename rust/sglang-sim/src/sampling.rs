@@ -175,7 +175,7 @@ impl RawSamplingParams {
                     .unwrap_or(false);
                 if !ok {
                     return Err(format!(
-                        "logit_bias must has keys in [0, {}], got {key}.",
+                        "logit_bias key {key} is not a token id between 0 and {}.",
                         VOCAB_FOR_BIAS - 1
                     ));
                 }
@@ -186,7 +186,7 @@ impl RawSamplingParams {
             .filter(|g| g.is_some())
             .count();
         if grammars > 1 {
-            return Err("Only one of regex, json_schema, or ebnf can be set.".into());
+            return Err("set at most one of regex, json_schema and ebnf.".into());
         }
         if n < 1 {
             return Err(format!("n must be at least 1, got {n}."));

@@ -167,7 +167,7 @@ async fn run_instance(
         tokio::spawn(rank.clone().run(shutdown.clone()));
     }
     tracing::info!(
-        "Uvicorn running on http://{}:{port} (Press CTRL+C to quit)",
+        "sglang-sim listening on http://{}:{port}",
         cfg.host
     );
     tokio::spawn(warm_up(engine.clone(), shutdown.clone()));
