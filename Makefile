@@ -51,6 +51,8 @@ run: build-release
 	  --engine-arg=--time-scale=0.1
 
 lint:
+	@$(CARGO) fmt --version >/dev/null 2>&1 && $(CARGO) clippy --version >/dev/null 2>&1 || rustup component add rustfmt clippy
+	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 test: venv build lint

@@ -11,6 +11,6 @@ pub mod state;
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig};
 pub use placement::{GpuPool, PlacementError};
 pub use state::{
-    EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus,
-    ScaleOutEvent, ScaleOutStatus,
+    EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
+    ScaleOutStatus,
 };

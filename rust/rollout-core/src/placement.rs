@@ -62,7 +62,11 @@ impl GpuPool {
     /// Marks specific GPUs as used (when re-adopting engines that already hold them).
     pub fn claim(&mut self, gpus: &[u32]) -> Result<(), PlacementError> {
         if gpus.iter().any(|g| *g >= self.total || self.used.contains(g)) {
-            return Err(PlacementError::Insufficient { needed: gpus.len() as u32, free: self.free(), total: self.total });
+            return Err(PlacementError::Insufficient {
+                needed: gpus.len() as u32,
+                free: self.free(),
+                total: self.total,
+            });
         }
         self.used.extend(gpus.iter().copied());
         Ok(())

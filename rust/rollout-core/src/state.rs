@@ -101,10 +101,7 @@ impl EngineStatus {
     pub fn is_starting(self) -> bool {
         matches!(
             self,
-            EngineStatus::Creating
-                | EngineStatus::HealthChecking
-                | EngineStatus::WeightSyncing
-                | EngineStatus::Ready
+            EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing | EngineStatus::Ready
         )
     }
 
@@ -173,10 +170,7 @@ impl ScaleOutStatus {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            ScaleOutStatus::Active
-                | ScaleOutStatus::Failed
-                | ScaleOutStatus::Cancelled
-                | ScaleOutStatus::Noop
+            ScaleOutStatus::Active | ScaleOutStatus::Failed | ScaleOutStatus::Cancelled | ScaleOutStatus::Noop
         )
     }
 

@@ -59,13 +59,8 @@ const IN_STATES: [ScaleInStatus; 6] = [
     ScaleInStatus::Failed,
     ScaleInStatus::Noop,
 ];
-const IN_EVENTS: [ScaleInEvent; 5] = [
-    ScaleInEvent::StartDraining,
-    ScaleInEvent::Drained,
-    ScaleInEvent::Removed,
-    ScaleInEvent::Noop,
-    ScaleInEvent::Fail,
-];
+const IN_EVENTS: [ScaleInEvent; 5] =
+    [ScaleInEvent::StartDraining, ScaleInEvent::Drained, ScaleInEvent::Removed, ScaleInEvent::Noop, ScaleInEvent::Fail];
 
 #[test]
 fn engine_happy_path_and_scale_in() {
@@ -147,10 +142,8 @@ fn scale_out_flows() {
 #[test]
 fn scale_in_flows() {
     use ScaleInEvent as E;
-    let s = [E::StartDraining, E::Drained, E::Removed]
-        .iter()
-        .try_fold(ScaleInStatus::Pending, |s, e| s.on(*e))
-        .unwrap();
+    let s =
+        [E::StartDraining, E::Drained, E::Removed].iter().try_fold(ScaleInStatus::Pending, |s, e| s.on(*e)).unwrap();
     assert_eq!(s, ScaleInStatus::Completed);
     assert!(ScaleInStatus::Completed.on(E::Fail).is_err());
     assert!(ScaleInStatus::Pending.on(E::Drained).is_err());

@@ -220,10 +220,7 @@ impl Config {
             non_negative("slow-health", s)?;
         }
         if !(0.0..=1.0).contains(&self.eos_prob) {
-            return Err(format!(
-                "--eos-prob must be in [0, 1], got {}",
-                self.eos_prob
-            ));
+            return Err(format!("--eos-prob must be in [0, 1], got {}", self.eos_prob));
         }
         if let Some(tps) = self.decode_tokens_per_sec {
             if !(tps.is_finite() && tps > 0.0) {
@@ -235,10 +232,7 @@ impl Config {
             return Err("--instances must be at least 1".into());
         }
         if u32::from(self.port) + u32::from(self.instances) - 1 > u32::from(u16::MAX) {
-            return Err(format!(
-                "--port {} with --instances {} runs past port 65535",
-                self.port, self.instances
-            ));
+            return Err(format!("--port {} with --instances {} runs past port 65535", self.port, self.instances));
         }
         if self.port == 0 && self.instances > 1 {
             return Err("--port 0 cannot be combined with --instances > 1".into());
@@ -247,10 +241,7 @@ impl Config {
             return Err("--tp-size, --dp-size and --pp-size must be at least 1".into());
         }
         if self.max_total_tokens < 64 {
-            return Err(format!(
-                "--max-total-tokens must be at least 64, got {}",
-                self.max_total_tokens
-            ));
+            return Err(format!("--max-total-tokens must be at least 64, got {}", self.max_total_tokens));
         }
         if self.max_running_requests == 0 {
             return Err("--max-running-requests must be at least 1".into());
@@ -269,9 +260,7 @@ impl Config {
 
     /// The name clients see in `/v1/models` and metric labels.
     pub fn served_model_name(&self) -> &str {
-        self.served_model_name
-            .as_deref()
-            .unwrap_or(&self.model_path)
+        self.served_model_name.as_deref().unwrap_or(&self.model_path)
     }
 
     /// The tokenizer path reported by `/model_info` (defaults to the model path, as in SGLang).
@@ -281,9 +270,7 @@ impl Config {
 
     /// Longest request (prompt + completion) one DP rank accepts, as SGLang computes it.
     pub fn max_req_len(&self) -> usize {
-        self.context_length
-            .min(self.max_total_tokens)
-            .saturating_sub(1)
+        self.context_length.min(self.max_total_tokens).saturating_sub(1)
     }
 
     /// Longest prompt one DP rank accepts.
@@ -300,9 +287,7 @@ mod tests {
     fn parse(args: &[&str]) -> Result<Config, String> {
         let mut full = vec!["sglang-sim"];
         full.extend_from_slice(args);
-        Config::try_parse_from(full)
-            .map_err(|e| e.to_string())?
-            .validate()
+        Config::try_parse_from(full).map_err(|e| e.to_string())?.validate()
     }
 
     #[test]
@@ -316,15 +301,7 @@ mod tests {
 
     #[test]
     fn model_alias_and_parallel_aliases() {
-        let c = parse(&[
-            "--model",
-            "m",
-            "--tensor-parallel-size",
-            "2",
-            "--data-parallel-size",
-            "3",
-        ])
-        .unwrap();
+        let c = parse(&["--model", "m", "--tensor-parallel-size", "2", "--data-parallel-size", "3"]).unwrap();
         assert_eq!(c.model_path, "m");
         assert_eq!(c.tp_size, 2);
         assert_eq!(c.dp_size, 3);
@@ -338,15 +315,7 @@ mod tests {
 
     #[test]
     fn repeated_flag_overrides_like_argparse() {
-        let c = parse(&[
-            "--model-path",
-            "m",
-            "--time-scale",
-            "0.5",
-            "--time-scale",
-            "2",
-        ])
-        .unwrap();
+        let c = parse(&["--model-path", "m", "--time-scale", "0.5", "--time-scale", "2"]).unwrap();
         assert_eq!(c.time_scale, 2.0);
     }
 

@@ -85,10 +85,7 @@ impl Shared {
     }
 
     pub fn version(&self) -> VersionInfo {
-        self.version
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.version.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     pub fn set_version(&self, v: &str) {
@@ -163,9 +160,8 @@ impl Engine {
     ) -> Self {
         let shared = Arc::new(Shared::new(&cfg.weight_version));
         let rank_cfg = RankConfig::from_config(&cfg);
-        let ranks = (0..cfg.dp_size as usize)
-            .map(|i| Arc::new(Rank::new(i, rank_cfg.clone(), shared.clone())))
-            .collect();
+        let ranks =
+            (0..cfg.dp_size as usize).map(|i| Arc::new(Rank::new(i, rank_cfg.clone(), shared.clone()))).collect();
         Self {
             metrics: Metrics::new(&cfg),
             faults: Faults::new(cfg.crash_after_requests, cfg.hang_after_requests),
@@ -198,19 +194,8 @@ impl Engine {
     /// Queues a request on a rank; the handle aborts it if dropped before it finishes.
     pub fn submit(&self, rank: Arc<Rank>, req: NewRequestParts) -> ReqHandle {
         let (tx, rx) = mpsc::unbounded_channel();
-        let key = rank.submit(NewRequest {
-            rid: req.rid,
-            prompt: req.prompt,
-            gen: req.gen,
-            stream: req.stream,
-            tx,
-        });
-        ReqHandle {
-            rank,
-            key,
-            rx,
-            done: false,
-        }
+        let key = rank.submit(NewRequest { rid: req.rid, prompt: req.prompt, gen: req.gen, stream: req.stream, tx });
+        ReqHandle { rank, key, rx, done: false }
     }
 
     pub fn abort_all(&self, message: &str) -> usize {
@@ -278,10 +263,7 @@ impl Engine {
     }
 
     pub fn weights(&self) -> WeightsInfo {
-        self.weights
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.weights.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     pub fn set_weights(&self, w: WeightsInfo) {
@@ -289,23 +271,14 @@ impl Engine {
     }
 
     pub fn startup_secs(&self) -> f64 {
-        *self
-            .startup_secs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        *self.startup_secs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Marks the engine ready and logs SGLang's readiness line.
     pub fn mark_up(&self) {
-        *self
-            .startup_secs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = self.process_start.elapsed().as_secs_f64();
+        *self.startup_secs.lock().unwrap_or_else(PoisonError::into_inner) = self.process_start.elapsed().as_secs_f64();
         self.shared.set_status(Status::Up);
-        tracing::info!(
-            port = self.port,
-            "The server is fired up and ready to roll!"
-        );
+        tracing::info!(port = self.port, "The server is fired up and ready to roll!");
     }
 }
 

@@ -40,11 +40,7 @@ pub struct Faults {
 
 impl Faults {
     pub fn new(crash_after: Option<u64>, hang_after: Option<u64>) -> Self {
-        Self {
-            crash_after,
-            hang_after,
-            count: AtomicU64::new(0),
-        }
+        Self { crash_after, hang_after, count: AtomicU64::new(0) }
     }
 
     /// Counts one `/generate` request and says how to treat it.
@@ -53,13 +49,10 @@ impl Faults {
             return Admission::Normal;
         }
         let n = self.count.fetch_add(1, Ordering::AcqRel) + 1;
-        let first = [
-            self.crash_after.map(|c| (c, FaultKind::Crash)),
-            self.hang_after.map(|h| (h, FaultKind::Hang)),
-        ]
-        .into_iter()
-        .flatten()
-        .min_by_key(|(limit, _)| *limit);
+        let first = [self.crash_after.map(|c| (c, FaultKind::Crash)), self.hang_after.map(|h| (h, FaultKind::Hang))]
+            .into_iter()
+            .flatten()
+            .min_by_key(|(limit, _)| *limit);
         match first {
             Some((limit, kind)) if n == limit => Admission::ServeThenFire(kind),
             Some((limit, _)) if n > limit => Admission::Doomed,

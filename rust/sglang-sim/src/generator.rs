@@ -21,8 +21,7 @@ pub fn mix64(mut x: u64) -> u64 {
 
 /// Hash of a token sequence.
 pub fn hash_ids(ids: &[u32]) -> u64 {
-    ids.iter()
-        .fold(0x51_7cc1_b727_220a, |h, id| mix64(h ^ u64::from(*id)))
+    ids.iter().fold(0x51_7cc1_b727_220a, |h, id| mix64(h ^ u64::from(*id)))
 }
 
 /// A weight version and its hash (computed once per version change).
@@ -34,10 +33,7 @@ pub struct VersionInfo {
 
 impl VersionInfo {
     pub fn new(name: &str) -> Self {
-        Self {
-            name: Arc::from(name),
-            hash: tokenizer::fnv1a(name.as_bytes()),
-        }
+        Self { name: Arc::from(name), hash: tokenizer::fnv1a(name.as_bytes()) }
     }
 }
 
@@ -101,13 +97,7 @@ pub struct GenState {
 impl GenState {
     /// `max_new` is the already clipped completion budget; `sample_index` separates the `n`
     /// parallel samples of one prompt.
-    pub fn new(
-        prompt: &[u32],
-        params: &SamplingParams,
-        sample_index: u32,
-        max_new: u32,
-        eos_prob: f64,
-    ) -> Self {
+    pub fn new(prompt: &[u32], params: &SamplingParams, sample_index: u32, max_new: u32, eos_prob: f64) -> Self {
         Self {
             prompt_hash: hash_ids(prompt),
             last_prompt_id: prompt.last().copied().unwrap_or(0),
@@ -137,10 +127,8 @@ impl GenState {
     pub fn step(&mut self, version: &VersionInfo) -> Option<FinishReason> {
         let pos = u32::try_from(self.output.len()).unwrap_or(u32::MAX);
         let prev = self.output.last().copied().unwrap_or(self.last_prompt_id);
-        let h = mix64(
-            self.prompt_hash
-                ^ mix64(self.seed ^ mix64(version.hash ^ (u64::from(pos) << 32) ^ u64::from(prev))),
-        );
+        let h =
+            mix64(self.prompt_hash ^ mix64(self.seed ^ mix64(version.hash ^ (u64::from(pos) << 32) ^ u64::from(prev))));
         let past_min = pos >= self.min_new;
         let eos_draw = (mix64(h ^ 0x00e0_5e05) >> 11) as f64 / (1u64 << 53) as f64;
         let token = if !self.ignore_eos && past_min && eos_draw < self.eos_prob {
@@ -152,11 +140,7 @@ impl GenState {
         self.output.push(token);
         match self.spans.last_mut() {
             Some(s) if *s.version == *version.name => s.end = pos + 1,
-            _ => self.spans.push(VersionSpan {
-                version: version.name.clone(),
-                start: pos,
-                end: pos + 1,
-            }),
+            _ => self.spans.push(VersionSpan { version: version.name.clone(), start: pos, end: pos + 1 }),
         }
 
         if token == EOS_ID {
@@ -242,10 +226,7 @@ mod tests {
     use serde_json::json;
 
     fn params(v: Value) -> SamplingParams {
-        RawSamplingParams::from_value(v)
-            .unwrap()
-            .validate()
-            .unwrap()
+        RawSamplingParams::from_value(v).unwrap().validate().unwrap()
     }
 
     fn run(prompt: &[u32], p: &SamplingParams, v: &VersionInfo, max_new: u32) -> GenState {
@@ -264,12 +245,7 @@ mod tests {
         assert_eq!(a.output.len(), 50);
         let c = run(&[5, 6, 7], &p, &VersionInfo::new("v2"), 50);
         assert_ne!(a.output, c.output);
-        let d = run(
-            &[5, 6, 7],
-            &params(json!({"ignore_eos": true, "sampling_seed": 3})),
-            &v1,
-            50,
-        );
+        let d = run(&[5, 6, 7], &params(json!({"ignore_eos": true, "sampling_seed": 3})), &v1, 50);
         assert_ne!(a.output, d.output);
     }
 
@@ -295,29 +271,14 @@ mod tests {
         let v = VersionInfo::new("default");
         let base = run(&[9, 9], &params(json!({"ignore_eos": true})), &v, 10);
         let third = base.output[2];
-        let g = run(
-            &[9, 9],
-            &params(json!({"ignore_eos": true, "stop_token_ids": [third]})),
-            &v,
-            10,
-        );
+        let g = run(&[9, 9], &params(json!({"ignore_eos": true, "stop_token_ids": [third]})), &v, 10);
         assert_eq!(g.output.len(), 3);
         let word = tokenizer::token_text(base.output[4]);
-        let g = run(
-            &[9, 9],
-            &params(json!({"ignore_eos": true, "stop": word.clone()})),
-            &v,
-            10,
-        );
+        let g = run(&[9, 9], &params(json!({"ignore_eos": true, "stop": word.clone()})), &v, 10);
         assert_eq!(g.output.len(), 5);
         assert!(!g.text().contains(&word));
         assert_eq!(g.text(), tokenizer::decode(&base.output[..4], true) + " ");
-        let g = run(
-            &[9, 9],
-            &params(json!({"ignore_eos": true, "stop": word.clone(), "no_stop_trim": true})),
-            &v,
-            10,
-        );
+        let g = run(&[9, 9], &params(json!({"ignore_eos": true, "stop": word.clone(), "no_stop_trim": true})), &v, 10);
         assert!(g.text().ends_with(&word));
     }
 

@@ -93,8 +93,7 @@ impl KvPool {
     }
 
     fn free(&self) -> usize {
-        self.capacity
-            .saturating_sub(self.private + self.blocks.len() * BLOCK)
+        self.capacity.saturating_sub(self.private + self.blocks.len() * BLOCK)
     }
 
     /// How many leading blocks of `hashes` (at most `max_blocks`) are cached, and how many of
@@ -198,14 +197,7 @@ impl KvPool {
                     continue;
                 }
                 let depth = u32::try_from(i).unwrap_or(u32::MAX);
-                self.blocks.insert(
-                    *h,
-                    Block {
-                        refs: 0,
-                        tick: self.tick,
-                        depth,
-                    },
-                );
+                self.blocks.insert(*h, Block { refs: 0, tick: self.tick, depth });
                 self.evictable.insert((self.tick, Reverse(depth), *h));
                 private -= BLOCK;
                 self.private = self.private.saturating_sub(BLOCK);

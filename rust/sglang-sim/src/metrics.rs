@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0,
-    40.0, 60.0, 80.0, 100.0, 200.0, 400.0, 600.0, 1200.0, 1800.0, 2400.0,
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0,
+    100.0, 200.0, 400.0, 600.0, 1200.0, 1800.0, 2400.0,
 ];
 
 /// A histogram with fixed buckets, safe to observe from many threads.
@@ -35,11 +35,7 @@ impl Histogram {
 
     pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
-        let i = self
-            .bounds
-            .iter()
-            .position(|b| secs <= *b)
-            .unwrap_or(self.bounds.len());
+        let i = self.bounds.iter().position(|b| secs <= *b).unwrap_or(self.bounds.len());
         self.buckets[i].fetch_add(1, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
         let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
@@ -50,14 +46,8 @@ impl Histogram {
         let mut cumulative = 0;
         for (i, b) in self.buckets.iter().enumerate() {
             cumulative += b.load(Ordering::Relaxed);
-            let le = self
-                .bounds
-                .get(i)
-                .map_or_else(|| "+Inf".to_string(), |v| format!("{v:?}"));
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative:?}.0"
-            );
+            let le = self.bounds.get(i).map_or_else(|| "+Inf".to_string(), |v| format!("{v:?}"));
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative:?}.0");
         }
         let count = self.count.load(Ordering::Relaxed);
         let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
@@ -88,9 +78,7 @@ pub struct Metrics {
 }
 
 fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 /// A finished request, as far as metrics care.
@@ -149,8 +137,7 @@ impl Metrics {
     }
 
     pub fn set_weight_load_duration(&self, d: Duration) {
-        self.weight_load_secs
-            .store(d.as_secs_f64().to_bits(), Ordering::Relaxed);
+        self.weight_load_secs.store(d.as_secs_f64().to_bits(), Ordering::Relaxed);
     }
 
     /// Renders the Prometheus text exposition.
@@ -165,33 +152,15 @@ impl Metrics {
         };
         type Getter = fn(&RankLoad) -> f64;
         let gauges: [(&str, &str, Getter); 7] = [
-            ("num_running_reqs", "The number of running requests.", |l| {
-                l.num_running_reqs as f64
+            ("num_running_reqs", "The number of running requests.", |l| l.num_running_reqs as f64),
+            ("num_queue_reqs", "The number of requests in the waiting queue.", |l| l.num_waiting_reqs as f64),
+            ("num_used_tokens", "The number of used tokens.", |l| l.num_used_tokens as f64),
+            ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", |l| {
+                l.max_total_num_tokens as f64
             }),
-            (
-                "num_queue_reqs",
-                "The number of requests in the waiting queue.",
-                |l| l.num_waiting_reqs as f64,
-            ),
-            ("num_used_tokens", "The number of used tokens.", |l| {
-                l.num_used_tokens as f64
-            }),
-            (
-                "max_total_num_tokens",
-                "Maximum total number of tokens in the KV cache pool.",
-                |l| l.max_total_num_tokens as f64,
-            ),
-            ("token_usage", "The token usage.", |l| {
-                (l.token_usage * 100.0).round() / 100.0
-            }),
-            (
-                "gen_throughput",
-                "The generation throughput (token/s).",
-                |l| l.gen_throughput,
-            ),
-            ("cache_hit_rate", "The prefix cache hit rate.", |l| {
-                l.cache_hit_rate
-            }),
+            ("token_usage", "The token usage.", |l| (l.token_usage * 100.0).round() / 100.0),
+            ("gen_throughput", "The generation throughput (token/s).", |l| l.gen_throughput),
+            ("cache_hit_rate", "The prefix cache hit rate.", |l| l.cache_hit_rate),
         ];
         for (name, help, get) in gauges {
             let _ = writeln!(out, "# HELP sglang:{name} {help}");
@@ -200,20 +169,10 @@ impl Metrics {
                 let _ = writeln!(out, "sglang:{name}{{{}}} {:?}", rank_labels(l), get(l));
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP sglang:num_paused_reqs The number of paused requests."
-        );
+        let _ = writeln!(out, "# HELP sglang:num_paused_reqs The number of paused requests.");
         let _ = writeln!(out, "# TYPE sglang:num_paused_reqs gauge");
-        let _ = writeln!(
-            out,
-            "sglang:num_paused_reqs{{{}}} {:?}",
-            self.sched_labels, paused_reqs as f64
-        );
-        let _ = writeln!(
-            out,
-            "# HELP sglang:weight_load_duration_seconds Duration of the last weight update."
-        );
+        let _ = writeln!(out, "sglang:num_paused_reqs{{{}}} {:?}", self.sched_labels, paused_reqs as f64);
+        let _ = writeln!(out, "# HELP sglang:weight_load_duration_seconds Duration of the last weight update.");
         let _ = writeln!(out, "# TYPE sglang:weight_load_duration_seconds gauge");
         let _ = writeln!(
             out,
@@ -234,12 +193,7 @@ impl Metrics {
                 );
             }
         };
-        by_stream(
-            &mut out,
-            "prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            &self.prompt_tokens,
-        );
+        by_stream(&mut out, "prompt_tokens_total", "Number of prefill tokens processed.", &self.prompt_tokens);
         by_stream(
             &mut out,
             "generation_tokens_total",
@@ -247,51 +201,22 @@ impl Metrics {
             &self.generation_tokens,
         );
         let plain: [(&str, &str, &AtomicU64); 3] = [
-            (
-                "cached_tokens_total",
-                "Number of cached prompt tokens.",
-                &self.cached_tokens,
-            ),
-            (
-                "num_requests_total",
-                "Number of requests processed.",
-                &self.num_requests,
-            ),
-            (
-                "num_aborted_requests_total",
-                "Number of requests aborted.",
-                &self.num_aborted,
-            ),
+            ("cached_tokens_total", "Number of cached prompt tokens.", &self.cached_tokens),
+            ("num_requests_total", "Number of requests processed.", &self.num_requests),
+            ("num_aborted_requests_total", "Number of requests aborted.", &self.num_aborted),
         ];
         for (name, help, c) in plain {
             let _ = writeln!(out, "# HELP sglang:{name} {help}");
             let _ = writeln!(out, "# TYPE sglang:{name} counter");
-            let _ = writeln!(
-                out,
-                "sglang:{name}{{{}}} {:?}",
-                self.tok_labels,
-                c.load(Ordering::Relaxed) as f64
-            );
+            let _ = writeln!(out, "sglang:{name}{{{}}} {:?}", self.tok_labels, c.load(Ordering::Relaxed) as f64);
         }
 
-        let _ = writeln!(
-            out,
-            "# HELP sglang:queue_time_seconds Histogram of time spent in the waiting queue."
-        );
+        let _ = writeln!(out, "# HELP sglang:queue_time_seconds Histogram of time spent in the waiting queue.");
         let _ = writeln!(out, "# TYPE sglang:queue_time_seconds histogram");
-        self.queue_time
-            .render(&mut out, "sglang:queue_time_seconds", &self.tok_labels);
+        self.queue_time.render(&mut out, "sglang:queue_time_seconds", &self.tok_labels);
         for (name, help, h) in [
-            (
-                "time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-                &self.ttft,
-            ),
-            (
-                "e2e_request_latency_seconds",
-                "Histogram of End-to-end request latency in seconds",
-                &self.e2e,
-            ),
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", &self.ttft),
+            ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", &self.e2e),
         ] {
             let _ = writeln!(out, "# HELP sglang:{name} {help}");
             let _ = writeln!(out, "# TYPE sglang:{name} histogram");
@@ -324,19 +249,17 @@ mod tests {
             queue_time: Some(Duration::from_millis(1)),
             ttft: Some(Duration::from_millis(20)),
         });
-        let text = m.render(
-            &[RankLoad {
-                max_total_num_tokens: 100,
-                ..RankLoad::default()
-            }],
-            0,
+        let text = m.render(&[RankLoad { max_total_num_tokens: 100, ..RankLoad::default() }], 0);
+        assert!(
+            text.contains(
+                "sglang:prompt_tokens_total{engine_type=\"unified\",model_name=\"m\",is_streaming=\"false\"} 5.0"
+            ),
+            "{text}"
         );
-        assert!(text.contains("sglang:prompt_tokens_total{engine_type=\"unified\",model_name=\"m\",is_streaming=\"false\"} 5.0"), "{text}");
         assert!(text.contains("sglang:max_total_num_tokens{engine_type=\"unified\",model_name=\"m\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"} 100.0"));
         assert!(text.contains("sglang:e2e_request_latency_seconds_bucket{engine_type=\"unified\",model_name=\"m\",is_streaming=\"false\",le=\"0.4\"} 1.0"));
         assert!(text.contains("sglang:e2e_request_latency_seconds_bucket{engine_type=\"unified\",model_name=\"m\",is_streaming=\"false\",le=\"0.2\"} 0.0"));
         assert!(text.contains("le=\"+Inf\"} 1.0"));
-        assert!(text
-            .contains("sglang:num_requests_total{engine_type=\"unified\",model_name=\"m\"} 1.0"));
+        assert!(text.contains("sglang:num_requests_total{engine_type=\"unified\",model_name=\"m\"} 1.0"));
     }
 }

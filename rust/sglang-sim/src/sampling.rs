@@ -117,9 +117,7 @@ impl RawSamplingParams {
         let n = self.n.unwrap_or(1);
 
         if !temperature.is_finite() || temperature < 0.0 {
-            return Err(format!(
-                "temperature must be a non-negative finite number, got {temperature}."
-            ));
+            return Err(format!("temperature must be a non-negative finite number, got {temperature}."));
         }
         let greedy = temperature < SAMPLING_EPS;
         if !(top_p > 0.0 && top_p <= 1.0) {
@@ -129,29 +127,19 @@ impl RawSamplingParams {
             return Err(format!("min_p must be in [0, 1], got {min_p}."));
         }
         if top_k != -1 && top_k < 1 {
-            return Err(format!(
-                "top_k must be -1 (disable) or at least 1, got {top_k}."
-            ));
+            return Err(format!("top_k must be -1 (disable) or at least 1, got {top_k}."));
         }
         if !(-2.0..=2.0).contains(&frequency_penalty) {
-            return Err(format!(
-                "frequency_penalty must be in [-2, 2], got {frequency_penalty}."
-            ));
+            return Err(format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}."));
         }
         if !(-2.0..=2.0).contains(&presence_penalty) {
-            return Err(format!(
-                "presence_penalty must be in [-2, 2], got {presence_penalty}."
-            ));
+            return Err(format!("presence_penalty must be in [-2, 2], got {presence_penalty}."));
         }
         if !(repetition_penalty > 0.0 && repetition_penalty <= 2.0) {
-            return Err(format!(
-                "repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}."
-            ));
+            return Err(format!("repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}."));
         }
         if min_new_tokens < 0 {
-            return Err(format!(
-                "min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}."
-            ));
+            return Err(format!("min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}."));
         }
         let max_new_tokens = match self.max_new_tokens {
             None => Some(i64::from(DEFAULT_MAX_NEW_TOKENS)),
@@ -162,17 +150,12 @@ impl RawSamplingParams {
                 return Err(format!("max_new_tokens must be at least 0, got {m}."));
             }
             if min_new_tokens > m {
-                return Err(format!(
-                    "min_new_tokens must be in [0, max_new_tokens({m})], got {min_new_tokens}."
-                ));
+                return Err(format!("min_new_tokens must be in [0, max_new_tokens({m})], got {min_new_tokens}."));
             }
         }
         if let Some(bias) = &self.logit_bias {
             for key in bias.keys() {
-                let ok = key
-                    .parse::<i64>()
-                    .map(|id| (0..VOCAB_FOR_BIAS).contains(&id))
-                    .unwrap_or(false);
+                let ok = key.parse::<i64>().map(|id| (0..VOCAB_FOR_BIAS).contains(&id)).unwrap_or(false);
                 if !ok {
                     return Err(format!(
                         "logit_bias key {key} is not a token id between 0 and {}.",
@@ -181,10 +164,7 @@ impl RawSamplingParams {
                 }
             }
         }
-        let grammars = [&self.json_schema, &self.regex, &self.ebnf]
-            .iter()
-            .filter(|g| g.is_some())
-            .count();
+        let grammars = [&self.json_schema, &self.regex, &self.ebnf].iter().filter(|g| g.is_some()).count();
         if grammars > 1 {
             return Err("set at most one of regex, json_schema and ebnf.".into());
         }
@@ -243,12 +223,7 @@ mod tests {
         assert!(p.skip_special_tokens);
         assert_eq!(p.n, 1);
         assert_eq!(parse(serde_json::Value::Null).unwrap(), p);
-        assert_eq!(
-            parse(json!({"max_new_tokens": null}))
-                .unwrap()
-                .max_new_tokens,
-            None
-        );
+        assert_eq!(parse(json!({"max_new_tokens": null})).unwrap().max_new_tokens, None);
     }
 
     #[test]

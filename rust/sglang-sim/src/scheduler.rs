@@ -200,13 +200,7 @@ pub struct Rank {
 
 impl Rank {
     pub fn new(dp_rank: usize, cfg: RankConfig, shared: Arc<Shared>) -> Self {
-        Self {
-            dp_rank,
-            core: Mutex::new(Core::new(&cfg)),
-            cfg,
-            wake: Notify::new(),
-            shared,
-        }
+        Self { dp_rank, core: Mutex::new(Core::new(&cfg)), cfg, wake: Notify::new(), shared }
     }
 
     fn lock(&self) -> MutexGuard<'_, Core> {
@@ -235,12 +229,7 @@ impl Rank {
     pub fn abort_rid(&self, rid: &str, message: &str) -> usize {
         let (n, idle) = {
             let mut c = self.lock();
-            let keys: Vec<u64> = c
-                .reqs
-                .iter()
-                .filter(|(_, r)| r.rid == rid)
-                .map(|(k, _)| *k)
-                .collect();
+            let keys: Vec<u64> = c.reqs.iter().filter(|(_, r)| r.rid == rid).map(|(k, _)| *k).collect();
             for k in &keys {
                 c.finish(*k, FinishReason::Abort(message.to_string()));
             }
@@ -332,11 +321,7 @@ impl Rank {
             max_total_num_tokens: c.pool.capacity(),
             max_running_requests: self.cfg.max_running,
             token_usage: usage,
-            gen_throughput: if c.running.is_empty() {
-                0.0
-            } else {
-                c.stats.gen_throughput
-            },
+            gen_throughput: if c.running.is_empty() { 0.0 } else { c.stats.gen_throughput },
             cache_hit_rate: c.stats.cache_hit_rate,
             cached_tokens: c.pool.cached_tokens(),
             evictable_tokens: c.pool.evictable_tokens(),
@@ -350,11 +335,8 @@ impl Rank {
             if *shutdown.borrow() {
                 return;
             }
-            let plan = if self.shared.is_paused() || self.shared.is_hung() {
-                None
-            } else {
-                self.lock().plan(&self.cfg)
-            };
+            let plan =
+                if self.shared.is_paused() || self.shared.is_hung() { None } else { self.lock().plan(&self.cfg) };
             let Some(plan) = plan else {
                 tokio::select! {
                     _ = self.wake.notified() => {}
@@ -441,11 +423,7 @@ impl Core {
     }
 
     fn can_flush(&self) -> bool {
-        self.running.is_empty()
-            && self
-                .waiting
-                .iter()
-                .all(|k| self.reqs.get(k).is_none_or(|r| r.retractions > 0))
+        self.running.is_empty() && self.waiting.iter().all(|k| self.reqs.get(k).is_none_or(|r| r.retractions > 0))
     }
 
     fn reserve(&self, r: &Req) -> usize {
@@ -461,12 +439,7 @@ impl Core {
     }
 
     fn plan_prefill(&mut self, cfg: &RankConfig) -> Option<StepPlan> {
-        let mut reserved: usize = self
-            .running
-            .iter()
-            .filter_map(|k| self.reqs.get(k))
-            .map(|r| self.reserve(r))
-            .sum();
+        let mut reserved: usize = self.running.iter().filter_map(|k| self.reqs.get(k)).map(|r| self.reserve(r)).sum();
         let mut batch = Vec::new();
         let mut budget = cfg.chunked_prefill_size;
         let (mut total, mut hit, mut uncached_total) = (0usize, 0usize, 0usize);
@@ -488,16 +461,9 @@ impl Core {
             if !batch.is_empty() && uncached > budget {
                 break;
             }
-            let avail = self
-                .pool
-                .available()
-                .saturating_sub(matched_evictable * BLOCK);
+            let avail = self.pool.available().saturating_sub(matched_evictable * BLOCK);
             let reserve = (r.remaining_new() as f64 * self.new_token_ratio).ceil() as usize;
-            let fits = if self.running.is_empty() {
-                uncached <= avail
-            } else {
-                uncached + reserve + reserved <= avail
-            };
+            let fits = if self.running.is_empty() { uncached <= avail } else { uncached + reserve + reserved <= avail };
             if !fits {
                 break;
             }
@@ -524,18 +490,9 @@ impl Core {
         if batch.is_empty() {
             return None;
         }
-        self.stats.cache_hit_rate = if total == 0 {
-            0.0
-        } else {
-            hit as f64 / total as f64
-        };
-        let ms =
-            cfg.prefill_base_ms + cfg.prefill_ms_per_1k_tokens * uncached_total as f64 / 1000.0;
-        Some(StepPlan {
-            kind: StepKind::Prefill,
-            batch,
-            cost: Duration::from_secs_f64(ms / 1000.0),
-        })
+        self.stats.cache_hit_rate = if total == 0 { 0.0 } else { hit as f64 / total as f64 };
+        let ms = cfg.prefill_base_ms + cfg.prefill_ms_per_1k_tokens * uncached_total as f64 / 1000.0;
+        Some(StepPlan { kind: StepKind::Prefill, batch, cost: Duration::from_secs_f64(ms / 1000.0) })
     }
 
     fn plan_decode(&mut self, cfg: &RankConfig) -> Option<StepPlan> {
@@ -573,16 +530,11 @@ impl Core {
                 batch.push((*key, r.epoch));
             }
         }
-        self.new_token_ratio =
-            (self.new_token_ratio - NEW_TOKEN_RATIO_DECAY).max(MIN_NEW_TOKEN_RATIO);
+        self.new_token_ratio = (self.new_token_ratio - NEW_TOKEN_RATIO_DECAY).max(MIN_NEW_TOKEN_RATIO);
         let ms = cfg.decode_step_base_ms
             + cfg.decode_step_ms_per_req * n as f64
             + cfg.decode_step_ms_per_1k_ctx * ctx as f64 / 1000.0;
-        Some(StepPlan {
-            kind: StepKind::Decode,
-            batch,
-            cost: Duration::from_secs_f64(ms / 1000.0),
-        })
+        Some(StepPlan { kind: StepKind::Decode, batch, cost: Duration::from_secs_f64(ms / 1000.0) })
     }
 
     /// Applies a finished step: every request still in it gets one token.
@@ -611,10 +563,7 @@ impl Core {
                 }
                 None if r.stream => {
                     // A closed channel means the client left; its handle aborts the request.
-                    let _ = r.tx.send(Update::Tokens {
-                        ids: vec![token],
-                        cached_tokens: r.cached_tokens.unwrap_or(0),
-                    });
+                    let _ = r.tx.send(Update::Tokens { ids: vec![token], cached_tokens: r.cached_tokens.unwrap_or(0) });
                 }
                 None => {}
             }
@@ -684,9 +633,7 @@ impl Core {
             reason,
             cached_tokens: r.cached_tokens.unwrap_or(0),
             queue_time: r.admitted.map(|a| a.saturating_duration_since(r.arrived)),
-            time_to_first_token: r
-                .first_token
-                .map(|t| t.saturating_duration_since(r.arrived)),
+            time_to_first_token: r.first_token.map(|t| t.saturating_duration_since(r.arrived)),
             retractions: r.retractions,
             gen: r.gen,
         };

@@ -21,24 +21,11 @@ fn cfg(capacity: usize) -> RankConfig {
     }
 }
 
-fn request(
-    core: &mut Core,
-    prompt: Vec<u32>,
-    max_new: u32,
-) -> (u64, mpsc::UnboundedReceiver<Update>) {
-    let params = RawSamplingParams::from_value(json!({"ignore_eos": true}))
-        .unwrap()
-        .validate()
-        .unwrap();
+fn request(core: &mut Core, prompt: Vec<u32>, max_new: u32) -> (u64, mpsc::UnboundedReceiver<Update>) {
+    let params = RawSamplingParams::from_value(json!({"ignore_eos": true})).unwrap().validate().unwrap();
     let gen = GenState::new(&prompt, &params, 0, max_new, 0.0);
     let (tx, rx) = mpsc::unbounded_channel();
-    let key = core.enqueue(NewRequest {
-        rid: format!("r{}", core.next_key),
-        prompt,
-        gen,
-        stream: false,
-        tx,
-    });
+    let key = core.enqueue(NewRequest { rid: format!("r{}", core.next_key), prompt, gen, stream: false, tx });
     (key, rx)
 }
 
@@ -69,10 +56,7 @@ fn one_request_runs_to_length_and_frees_its_kv() {
     let mut core = Core::new(&c);
     let (_, mut rx) = request(&mut core, (0..40).collect(), 10);
     let steps = drain(&mut core, &c);
-    assert_eq!(
-        steps, 10,
-        "one prefill step gives the first token, then 9 decode steps"
-    );
+    assert_eq!(steps, 10, "one prefill step gives the first token, then 9 decode steps");
     let f = finished(&mut rx);
     assert_eq!(f.reason, FinishReason::Length(10));
     assert_eq!(f.gen.output.len(), 10);
@@ -106,10 +90,7 @@ fn queue_waits_for_room_and_everything_finishes() {
     }
     let plan = core.plan(&c).unwrap();
     assert_eq!(plan.kind, StepKind::Prefill);
-    assert!(
-        plan.batch.len() < 10,
-        "the pool cannot hold every prompt at once"
-    );
+    assert!(plan.batch.len() < 10, "the pool cannot hold every prompt at once");
     assert!(!core.waiting.is_empty());
     core.complete(&plan, &VersionInfo::new("v"), Instant::now());
     drain(&mut core, &c);
@@ -166,9 +147,7 @@ fn abort_frees_kv_and_reports_abort() {
 fn decode_cost_grows_with_batch_size() {
     let c = cfg(10_000);
     let mut core = Core::new(&c);
-    let _rx: Vec<_> = (0..20u32)
-        .map(|i| request(&mut core, vec![i; 8], 50).1)
-        .collect();
+    let _rx: Vec<_> = (0..20u32).map(|i| request(&mut core, vec![i; 8], 50).1).collect();
     let v = VersionInfo::new("v");
     let prefill = core.plan(&c).unwrap();
     core.complete(&prefill, &v, Instant::now());

@@ -35,10 +35,7 @@ pub enum StartupError {
     #[error("failed to load weights from {path}: {source}")]
     Weights { path: String, source: WeightsError },
     #[error("failed to bind {addr}: {source}")]
-    Bind {
-        addr: String,
-        source: std::io::Error,
-    },
+    Bind { addr: String, source: std::io::Error },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -54,12 +51,7 @@ pub async fn run(cfg: Arc<Config>) -> Result<(), StartupError> {
     });
     let mut set = tokio::task::JoinSet::new();
     for i in 0..cfg.instances {
-        set.spawn(run_instance(
-            cfg.clone(),
-            i,
-            process_start,
-            shutdown_rx.clone(),
-        ));
+        set.spawn(run_instance(cfg.clone(), i, process_start, shutdown_rx.clone()));
     }
     while let Some(joined) = set.join_next().await {
         match joined {
@@ -117,14 +109,10 @@ async fn load_initial_weights(cfg: &Config) -> Result<WeightsInfo, StartupError>
             Ok(info)
         }
         // A local directory without weights (e.g. only a config.json) is fine for a simulator.
-        Err(WeightsError::NoFiles(_)) => Ok(WeightsInfo {
-            path: Some(cfg.model_path.clone()),
-            ..WeightsInfo::default()
-        }),
-        Err(source) => Err(StartupError::Weights {
-            path: cfg.model_path.clone(),
-            source,
-        }),
+        Err(WeightsError::NoFiles(_)) => {
+            Ok(WeightsInfo { path: Some(cfg.model_path.clone()), ..WeightsInfo::default() })
+        }
+        Err(source) => Err(StartupError::Weights { path: cfg.model_path.clone(), source }),
     }
 }
 
@@ -147,29 +135,13 @@ async fn run_instance(
     let addr = format!("{}:{port}", cfg.host);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .map_err(|source| StartupError::Bind {
-            addr: addr.clone(),
-            source,
-        })?;
-    let port = listener
-        .local_addr()
-        .map_err(|e| StartupError::Internal(e.to_string()))?
-        .port();
-    let engine = Arc::new(Engine::new(
-        cfg.clone(),
-        usize::from(index),
-        port,
-        weights,
-        meta,
-        process_start,
-    ));
+        .map_err(|source| StartupError::Bind { addr: addr.clone(), source })?;
+    let port = listener.local_addr().map_err(|e| StartupError::Internal(e.to_string()))?.port();
+    let engine = Arc::new(Engine::new(cfg.clone(), usize::from(index), port, weights, meta, process_start));
     for rank in &engine.ranks {
         tokio::spawn(rank.clone().run(shutdown.clone()));
     }
-    tracing::info!(
-        "sglang-sim listening on http://{}:{port}",
-        cfg.host
-    );
+    tracing::info!("sglang-sim listening on http://{}:{port}", cfg.host);
     tokio::spawn(warm_up(engine.clone(), shutdown.clone()));
 
     let drain_engine = engine.clone();
@@ -178,13 +150,12 @@ async fn run_instance(
         // Small request/response pairs: do not wait for Nagle.
         let _ = tcp.set_nodelay(true);
     });
-    let server =
-        axum::serve(listener, api::router(engine.clone())).with_graceful_shutdown(async move {
-            shutdown_requested(drain_signal).await;
-            drain_engine.shared.set_status(Status::ShuttingDown);
-            drain_engine.shared.set_paused(false);
-            drain_engine.abort_all("The server is shutting down.");
-        });
+    let server = axum::serve(listener, api::router(engine.clone())).with_graceful_shutdown(async move {
+        shutdown_requested(drain_signal).await;
+        drain_engine.shared.set_status(Status::ShuttingDown);
+        drain_engine.shared.set_paused(false);
+        drain_engine.abort_all("The server is shutting down.");
+    });
     let deadline = async {
         shutdown_requested(shutdown.clone()).await;
         tokio::time::sleep(SHUTDOWN_GRACE).await;

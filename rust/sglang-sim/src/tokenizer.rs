@@ -54,9 +54,7 @@ fn parse_canonical(word: &str) -> Option<u32> {
         }
         value = value * SYLLABLES + digit;
     }
-    (FIRST_WORD_ID..VOCAB_SIZE)
-        .contains(&value)
-        .then_some(value)
+    (FIRST_WORD_ID..VOCAB_SIZE).contains(&value).then_some(value)
 }
 
 /// Id of one word.

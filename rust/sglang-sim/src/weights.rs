@@ -31,10 +31,7 @@ pub enum WeightsError {
     #[error("No *.safetensors files found in {0}.")]
     NoFiles(String),
     #[error("Failed to read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("Invalid safetensors file {path}: {reason}")]
     Invalid { path: String, reason: String },
 }
@@ -53,10 +50,7 @@ fn checkpoint_files(path: &Path) -> Result<Vec<PathBuf>, WeightsError> {
     if !path.is_dir() {
         return Err(WeightsError::NotFound(shown));
     }
-    let io = |source| WeightsError::Io {
-        path: shown.clone(),
-        source,
-    };
+    let io = |source| WeightsError::Io { path: shown.clone(), source };
     let mut files = Vec::new();
     for entry in std::fs::read_dir(path).map_err(io)? {
         let p = entry.map_err(io)?.path();
@@ -72,45 +66,23 @@ fn checkpoint_files(path: &Path) -> Result<Vec<PathBuf>, WeightsError> {
 }
 
 /// Checks one safetensors file's header; returns its tensor count.
-fn validate_header(
-    path: &Path,
-    file_len: u64,
-    f: &mut std::fs::File,
-) -> Result<usize, WeightsError> {
+fn validate_header(path: &Path, file_len: u64, f: &mut std::fs::File) -> Result<usize, WeightsError> {
     let shown = path.display().to_string();
-    let invalid = |reason: String| WeightsError::Invalid {
-        path: shown.clone(),
-        reason,
-    };
+    let invalid = |reason: String| WeightsError::Invalid { path: shown.clone(), reason };
     if file_len < 8 {
-        return Err(invalid(format!(
-            "file is {file_len} bytes, shorter than the 8-byte header length"
-        )));
+        return Err(invalid(format!("file is {file_len} bytes, shorter than the 8-byte header length")));
     }
     let mut len_bytes = [0u8; 8];
-    f.read_exact(&mut len_bytes)
-        .map_err(|source| WeightsError::Io {
-            path: shown.clone(),
-            source,
-        })?;
+    f.read_exact(&mut len_bytes).map_err(|source| WeightsError::Io { path: shown.clone(), source })?;
     let header_len = u64::from_le_bytes(len_bytes);
     if header_len == 0 || header_len > MAX_HEADER || header_len > file_len - 8 {
-        return Err(invalid(format!(
-            "header length {header_len} does not fit in a {file_len}-byte file"
-        )));
+        return Err(invalid(format!("header length {header_len} does not fit in a {file_len}-byte file")));
     }
-    let mut header =
-        vec![0u8; usize::try_from(header_len).map_err(|_| invalid("header too large".into()))?];
-    f.read_exact(&mut header)
-        .map_err(|source| WeightsError::Io {
-            path: shown.clone(),
-            source,
-        })?;
+    let mut header = vec![0u8; usize::try_from(header_len).map_err(|_| invalid("header too large".into()))?];
+    f.read_exact(&mut header).map_err(|source| WeightsError::Io { path: shown.clone(), source })?;
     let json: serde_json::Value =
         serde_json::from_slice(&header).map_err(|e| invalid(format!("header is not JSON: {e}")))?;
-    let obj = json
-        .as_object()
-        .ok_or_else(|| invalid("header is not a JSON object".into()))?;
+    let obj = json.as_object().ok_or_else(|| invalid("header is not a JSON object".into()))?;
     let data_len = file_len - 8 - header_len;
     let mut tensors = 0;
     for (name, t) in obj {
@@ -118,23 +90,17 @@ fn validate_header(
             continue;
         }
         let dtype_ok = t.get("dtype").is_some_and(|d| d.is_string());
-        let shape_ok = t
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .is_some_and(|s| s.iter().all(|d| d.is_u64()));
-        let offsets = t
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .and_then(|o| match o.as_slice() {
-                [a, b] => Some((a.as_u64()?, b.as_u64()?)),
-                _ => None,
-            });
+        let shape_ok = t.get("shape").and_then(|s| s.as_array()).is_some_and(|s| s.iter().all(|d| d.is_u64()));
+        let offsets = t.get("data_offsets").and_then(|o| o.as_array()).and_then(|o| match o.as_slice() {
+            [a, b] => Some((a.as_u64()?, b.as_u64()?)),
+            _ => None,
+        });
         match (dtype_ok, shape_ok, offsets) {
             (true, true, Some((begin, end))) if begin <= end && end <= data_len => tensors += 1,
             _ => {
                 return Err(invalid(format!(
-                "tensor {name:?} needs dtype, shape and data_offsets within {data_len} data bytes"
-            )))
+                    "tensor {name:?} needs dtype, shape and data_offsets within {data_len} data bytes"
+                )))
             }
         }
     }
@@ -149,17 +115,11 @@ pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
     }
     let files = checkpoint_files(root)?;
     let mut hasher = Sha256::new();
-    let mut info = WeightsInfo {
-        path: Some(path.to_string()),
-        ..WeightsInfo::default()
-    };
+    let mut info = WeightsInfo { path: Some(path.to_string()), ..WeightsInfo::default() };
     let mut buf = vec![0u8; 1 << 20];
     for file in &files {
         let shown = file.display().to_string();
-        let io = |source| WeightsError::Io {
-            path: shown.clone(),
-            source,
-        };
+        let io = |source| WeightsError::Io { path: shown.clone(), source };
         let mut f = std::fs::File::open(file).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
         info.num_tensors += validate_header(file, len, &mut f)?;
@@ -172,19 +132,9 @@ pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
             hasher.update(&buf[..n]);
         }
         info.total_bytes += len;
-        info.files.push(
-            file.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        );
+        info.files.push(file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
     }
-    info.checksum = Some(
-        hasher
-            .finalize()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
-    );
+    info.checksum = Some(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect());
     Ok(info)
 }
 
@@ -203,15 +153,11 @@ pub fn read_model_config(path: &str) -> crate::engine::ModelMeta {
         return crate::engine::ModelMeta::default();
     };
     crate::engine::ModelMeta {
-        model_type: v
-            .get("model_type")
-            .and_then(|m| m.as_str())
-            .map(String::from),
-        architectures: v.get("architectures").and_then(|a| a.as_array()).map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_str().map(String::from))
-                .collect()
-        }),
+        model_type: v.get("model_type").and_then(|m| m.as_str()).map(String::from),
+        architectures: v
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()),
     }
 }
 
@@ -237,21 +183,13 @@ mod tests {
     #[test]
     fn valid_directory_is_hashed_in_name_order() {
         let d = tmpdir("ok");
-        let a = safetensors(
-            r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
-            &[1; 8],
-        );
-        let b = safetensors(
-            r#"{"__metadata__":{"x":"y"},"v":{"dtype":"BF16","shape":[],"data_offsets":[0,2]}}"#,
-            &[2; 2],
-        );
+        let a = safetensors(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, &[1; 8]);
+        let b =
+            safetensors(r#"{"__metadata__":{"x":"y"},"v":{"dtype":"BF16","shape":[],"data_offsets":[0,2]}}"#, &[2; 2]);
         std::fs::write(d.join("b.safetensors"), &b).unwrap();
         std::fs::write(d.join("a.safetensors"), &a).unwrap();
-        std::fs::write(
-            d.join("config.json"),
-            r#"{"model_type":"llama","architectures":["LlamaForCausalLM"]}"#,
-        )
-        .unwrap();
+        std::fs::write(d.join("config.json"), r#"{"model_type":"llama","architectures":["LlamaForCausalLM"]}"#)
+            .unwrap();
         let info = load_checkpoint(d.to_str().unwrap()).unwrap();
         assert_eq!(info.files, vec!["a.safetensors", "b.safetensors"]);
         assert_eq!(info.num_tensors, 2);
@@ -271,20 +209,11 @@ mod tests {
         let err = load_checkpoint(d.to_str().unwrap()).unwrap_err();
         assert!(matches!(err, WeightsError::Invalid { .. }), "{err}");
         let d2 = tmpdir("offsets");
-        let bad = safetensors(
-            r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,80]}}"#,
-            &[0; 8],
-        );
+        let bad = safetensors(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,80]}}"#, &[0; 8]);
         std::fs::write(d2.join("x.safetensors"), bad).unwrap();
         assert!(load_checkpoint(d2.to_str().unwrap()).is_err());
-        assert!(matches!(
-            load_checkpoint("/no/such/path"),
-            Err(WeightsError::NotFound(_))
-        ));
+        assert!(matches!(load_checkpoint("/no/such/path"), Err(WeightsError::NotFound(_))));
         let empty = tmpdir("empty");
-        assert!(matches!(
-            load_checkpoint(empty.to_str().unwrap()),
-            Err(WeightsError::NoFiles(_))
-        ));
+        assert!(matches!(load_checkpoint(empty.to_str().unwrap()), Err(WeightsError::NoFiles(_))));
     }
 }

@@ -25,29 +25,16 @@ async fn flush_cache_refuses_while_running_and_abort_ends_the_request() {
     let sim = Sim::start(&["--time-scale", "1"]).await;
     assert_eq!(sim.get("/flush_cache").await.status(), 200);
     let long = spawn_long(&sim, "long-1");
-    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1)
-        .await;
+    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1).await;
 
-    let r = sim
-        .client
-        .post(sim.url("/flush_cache"))
-        .send()
-        .await
-        .unwrap();
+    let r = sim.client.post(sim.url("/flush_cache")).send().await.unwrap();
     assert_eq!(r.status(), 400);
     assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
 
     // abort_request needs a body.
-    let r = sim
-        .client
-        .post(sim.url("/abort_request"))
-        .send()
-        .await
-        .unwrap();
+    let r = sim.client.post(sim.url("/abort_request")).send().await.unwrap();
     assert_eq!(r.status(), 400);
-    let (status, _) = sim
-        .post_json("/abort_request", json!({"rid": "long-1"}))
-        .await;
+    let (status, _) = sim.post_json("/abort_request", json!({"rid": "long-1"})).await;
     assert_eq!(status, 200);
     let (status, out) = within("aborted request", long).await.unwrap();
     assert_eq!(status, 200);
@@ -61,47 +48,27 @@ async fn flush_cache_refuses_while_running_and_abort_ends_the_request() {
 #[tokio::test]
 async fn pause_in_place_holds_new_requests_until_continue() {
     let sim = Sim::start(&[]).await;
-    let r = sim
-        .client
-        .post(sim.url("/pause_generation"))
-        .send()
-        .await
-        .unwrap();
+    let r = sim.client.post(sim.url("/pause_generation")).send().await.unwrap();
     assert_eq!(r.status(), 400, "an empty body is a validation error");
-    let (status, out) = sim
-        .post_json("/pause_generation", json!({"mode": "in_place"}))
-        .await;
+    let (status, out) = sim.post_json("/pause_generation", json!({"mode": "in_place"})).await;
     assert_eq!(status, 200);
-    assert_eq!(
-        out,
-        json!({"message": "Generation paused successfully.", "status": "ok"})
-    );
+    assert_eq!(out, json!({"message": "Generation paused successfully.", "status": "ok"}));
     assert_eq!(sim.get("/ready").await.status(), 503);
     assert_eq!(sim.get("/health").await.status(), 200);
 
     let client = sim.client.clone();
     let url = sim.url("/generate");
     let waiting = tokio::spawn(async move {
-        let r = client
-            .post(url)
-            .json(&gen_body("paused", 4))
-            .send()
-            .await
-            .unwrap();
+        let r = client.post(url).json(&gen_body("paused", 4)).send().await.unwrap();
         (r.status().as_u16(), r.json::<Value>().await.unwrap())
     });
-    let l = sim
-        .wait_load("the request to be held", |l| l["queues"]["paused"] == 1)
-        .await;
+    let l = sim.wait_load("the request to be held", |l| l["queues"]["paused"] == 1).await;
     assert_eq!(l["num_running_reqs"], 0);
     assert!(!waiting.is_finished(), "a paused engine must not answer");
 
     let (status, out) = sim.post_json("/continue_generation", json!({})).await;
     assert_eq!(status, 200);
-    assert_eq!(
-        out,
-        json!({"message": "Generation continued successfully.", "status": "ok"})
-    );
+    assert_eq!(out, json!({"message": "Generation continued successfully.", "status": "ok"}));
     let (status, out) = within("request after continue", waiting).await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(out["meta_info"]["completion_tokens"], 4);
@@ -112,11 +79,8 @@ async fn pause_in_place_holds_new_requests_until_continue() {
 async fn pause_abort_mode_aborts_running_requests() {
     let sim = Sim::start(&["--time-scale", "1"]).await;
     let long = spawn_long(&sim, "long-2");
-    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1)
-        .await;
-    let (status, _) = sim
-        .post_json("/pause_generation", json!({"mode": "abort"}))
-        .await;
+    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1).await;
+    let (status, _) = sim.post_json("/pause_generation", json!({"mode": "abort"})).await;
     assert_eq!(status, 200);
     let (_, out) = within("aborted by pause", long).await.unwrap();
     assert_eq!(out["meta_info"]["finish_reason"]["type"], "abort");
@@ -130,25 +94,11 @@ async fn pause_retract_mode_requeues_and_resumes() {
     let url = sim.url("/generate");
     let req = tokio::spawn(async move {
         let body = json!({"text": "retract me", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": true}});
-        client
-            .post(url)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
+        client.post(url).json(&body).send().await.unwrap().json::<Value>().await.unwrap()
     });
-    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1)
-        .await;
-    sim.post_json("/pause_generation", json!({"mode": "retract"}))
-        .await;
-    let l = sim
-        .wait_load("the request to be retracted", |l| {
-            l["num_waiting_reqs"] == 1
-        })
-        .await;
+    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1).await;
+    sim.post_json("/pause_generation", json!({"mode": "retract"})).await;
+    let l = sim.wait_load("the request to be retracted", |l| l["num_waiting_reqs"] == 1).await;
     assert_eq!(l["num_running_reqs"], 0);
     assert_eq!(l["queues"]["retracted"], 1);
     assert_eq!(l["num_used_tokens"], 0, "retracted requests hold no KV");
@@ -187,10 +137,7 @@ async fn update_weights_from_disk_reads_and_checks_files() {
     let info = sim.get_json("/server_info").await;
     assert_eq!(info["weights_checksum"], expected);
     assert_eq!(info["weight_version"], "disk-1");
-    assert_eq!(
-        sim.get_json("/model_info").await["weight_version"],
-        "disk-1"
-    );
+    assert_eq!(sim.get_json("/model_info").await["weight_version"], "disk-1");
     let (_, g) = sim.generate(gen_body("after update", 2)).await;
     assert_eq!(g["meta_info"]["weight_version"], "disk-1");
 
@@ -205,24 +152,13 @@ async fn update_weights_from_disk_reads_and_checks_files() {
         .await;
     assert_eq!(status, 400);
     assert_eq!(out["success"], false);
-    assert!(
-        out["message"]
-            .as_str()
-            .unwrap()
-            .contains("Invalid safetensors"),
-        "{out}"
-    );
+    assert!(out["message"].as_str().unwrap().contains("Invalid safetensors"), "{out}");
     let info = sim.get_json("/server_info").await;
     assert_eq!(info["weights_checksum"], expected);
     assert_eq!(info["weight_version"], "disk-1");
 
     // A missing path fails; a missing model_path is a validation error.
-    let (status, out) = sim
-        .post_json(
-            "/update_weights_from_disk",
-            json!({"model_path": "/no/such/ckpt"}),
-        )
-        .await;
+    let (status, out) = sim.post_json("/update_weights_from_disk", json!({"model_path": "/no/such/ckpt"})).await;
     assert_eq!((status, out["success"].clone()), (400, json!(false)));
     let (status, out) = sim.post_json("/update_weights_from_disk", json!({})).await;
     assert_eq!(status, 400);
@@ -238,23 +174,11 @@ async fn weight_update_waits_for_in_flight_requests() {
     let url = sim.url("/generate");
     let req = tokio::spawn(async move {
         let body = json!({"text": "in flight", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": true}});
-        client
-            .post(url)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
+        client.post(url).json(&body).send().await.unwrap().json::<Value>().await.unwrap()
     });
-    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1)
-        .await;
+    sim.wait_load("a running request", |l| l["num_running_reqs"] == 1).await;
     let (status, out) = sim
-        .post_json(
-            "/update_weights_from_disk",
-            json!({"model_path": dir.to_str().unwrap(), "weight_version": "w2"}),
-        )
+        .post_json("/update_weights_from_disk", json!({"model_path": dir.to_str().unwrap(), "weight_version": "w2"}))
         .await;
     assert_eq!(status, 200, "{out}");
     // The update waited: the in-flight request finished entirely under the old version.

@@ -15,10 +15,7 @@ async fn generate_response_has_sglang_shape() {
     assert!(out["text"].is_string());
     assert_eq!(out["output_ids"].as_array().unwrap().len(), 16);
     let meta = &out["meta_info"];
-    assert_eq!(
-        meta["finish_reason"],
-        json!({"type": "length", "length": 16})
-    );
+    assert_eq!(meta["finish_reason"], json!({"type": "length", "length": 16}));
     assert_eq!(meta["prompt_tokens"], 5);
     assert_eq!(meta["completion_tokens"], 16);
     assert_eq!(meta["cached_tokens"], 0);
@@ -27,19 +24,15 @@ async fn generate_response_has_sglang_shape() {
     assert!(meta["e2e_latency"].as_f64().unwrap() >= 0.0);
 
     // Default max_new_tokens is 128 (EOS may come earlier without ignore_eos).
-    let (_, out) = sim
-        .generate(json!({"text": "x", "sampling_params": {"ignore_eos": true}}))
-        .await;
+    let (_, out) = sim.generate(json!({"text": "x", "sampling_params": {"ignore_eos": true}})).await;
     assert_eq!(out["meta_info"]["completion_tokens"], 128);
 
     // PUT works too, and input_ids is accepted; unknown top-level keys are ignored.
     let r = sim
         .client
         .put(sim.url("/generate"))
-        .json(
-            &json!({"input_ids": [5, 6, 7], "rid": "mine", "lora_path": null, "whatever": 1,
-                      "sampling_params": {"max_new_tokens": 2}}),
-        )
+        .json(&json!({"input_ids": [5, 6, 7], "rid": "mine", "lora_path": null, "whatever": 1,
+                      "sampling_params": {"max_new_tokens": 2}}))
         .send()
         .await
         .unwrap();
@@ -74,9 +67,8 @@ async fn batches_return_lists() {
     assert_eq!(out[1]["meta_info"]["completion_tokens"], 3);
 
     // n > 1 on one prompt gives n outputs.
-    let (_, out) = sim
-        .generate(json!({"text": "q", "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": true}}))
-        .await;
+    let (_, out) =
+        sim.generate(json!({"text": "q", "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": true}})).await;
     let list = out.as_array().unwrap();
     assert_eq!(list.len(), 2);
     assert_ne!(list[0]["output_ids"], list[1]["output_ids"]);
@@ -99,25 +91,14 @@ async fn streaming_sends_whole_output_so_far_then_done() {
         .collect();
     assert_eq!(chunks.len(), 5);
     for (i, c) in chunks.iter().enumerate() {
-        assert_eq!(
-            c["output_ids"].as_array().unwrap().len(),
-            i + 1,
-            "cumulative ids"
-        );
-        assert_eq!(
-            c["meta_info"]["output_token_logprobs"]
-                .as_array()
-                .unwrap()
-                .len(),
-            i + 1
-        );
+        assert_eq!(c["output_ids"].as_array().unwrap().len(), i + 1, "cumulative ids");
+        assert_eq!(c["meta_info"]["output_token_logprobs"].as_array().unwrap().len(), i + 1);
     }
     assert!(chunks[3]["meta_info"]["finish_reason"].is_null());
     assert_eq!(chunks[4]["meta_info"]["finish_reason"]["type"], "length");
     // The last chunk equals a non-streaming answer for the same request.
-    let (_, plain) = sim
-        .generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}}))
-        .await;
+    let (_, plain) =
+        sim.generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}})).await;
     assert_eq!(chunks[4]["output_ids"], plain["output_ids"]);
     assert_eq!(chunks[4]["text"], plain["text"]);
 }
@@ -125,22 +106,16 @@ async fn streaming_sends_whole_output_so_far_then_done() {
 #[tokio::test]
 async fn unknown_sampling_key_is_a_400_listing_allowed_keys() {
     let sim = Sim::start(&[]).await;
-    let (status, out) = sim
-        .generate(json!({"text": "x", "sampling_params": {"max_new_tokens": 4, "bogus_key": 1}}))
-        .await;
+    let (status, out) =
+        sim.generate(json!({"text": "x", "sampling_params": {"max_new_tokens": 4, "bogus_key": 1}})).await;
     assert_eq!(status, 400);
     assert_eq!(out["object"], "error");
     assert_eq!(out["code"], 400);
     let msg = out["message"].as_str().unwrap();
-    assert!(
-        msg.contains("bogus_key") && msg.contains("`sampling_seed`"),
-        "{msg}"
-    );
+    assert!(msg.contains("bogus_key") && msg.contains("`sampling_seed`"), "{msg}");
 
     // Range errors come back as handler errors.
-    let (status, out) = sim
-        .generate(json!({"text": "x", "sampling_params": {"top_p": 0}}))
-        .await;
+    let (status, out) = sim.generate(json!({"text": "x", "sampling_params": {"top_p": 0}})).await;
     assert_eq!(status, 400);
     assert!(out["error"]["message"].as_str().unwrap().contains("top_p"));
 
@@ -148,13 +123,7 @@ async fn unknown_sampling_key_is_a_400_listing_allowed_keys() {
     let (status, _) = sim.generate(json!({"sampling_params": {}})).await;
     assert_eq!(status, 400);
     // Not JSON.
-    let r = sim
-        .client
-        .post(sim.url("/generate"))
-        .body("{nope")
-        .send()
-        .await
-        .unwrap();
+    let r = sim.client.post(sim.url("/generate")).body("{nope").send().await.unwrap();
     assert_eq!(r.status(), 400);
 }
 
@@ -178,9 +147,7 @@ async fn slime_style_sampling_params_are_accepted() {
         }))
         .await;
     assert_eq!(status, 200, "{out}");
-    let lps = out["meta_info"]["output_token_logprobs"]
-        .as_array()
-        .unwrap();
+    let lps = out["meta_info"]["output_token_logprobs"].as_array().unwrap();
     assert_eq!(lps.len(), out["output_ids"].as_array().unwrap().len());
     assert!(lps[0][0].as_f64().unwrap() < 0.0);
     assert_eq!(lps[0][1], out["output_ids"][0]);
@@ -200,25 +167,16 @@ async fn outputs_are_deterministic_per_prompt_seed_and_weight_version() {
     assert_eq!(a["text"], b["text"]);
     assert_ne!(a["output_ids"], c["output_ids"]);
 
-    let (status, out) = sim
-        .post_json("/update_weight_version", json!({"new_version": "step-7"}))
-        .await;
+    let (status, out) = sim.post_json("/update_weight_version", json!({"new_version": "step-7"})).await;
     assert_eq!(status, 200);
-    assert_eq!(
-        out,
-        json!({"success": true, "message": "Weight version updated to step-7", "new_version": "step-7"})
-    );
+    assert_eq!(out, json!({"success": true, "message": "Weight version updated to step-7", "new_version": "step-7"}));
     let (_, d) = sim.generate(body(1)).await;
     assert_eq!(d["meta_info"]["weight_version"], "step-7");
     assert_ne!(a["output_ids"], d["output_ids"], "new weights, new tokens");
-    assert_eq!(
-        sim.get_json("/model_info").await["weight_version"],
-        "step-7"
-    );
+    assert_eq!(sim.get_json("/model_info").await["weight_version"], "step-7");
 
     // Back to the old version: the old tokens come back.
-    sim.post_json("/update_weight_version", json!({"new_version": "default"}))
-        .await;
+    sim.post_json("/update_weight_version", json!({"new_version": "default"})).await;
     let (_, e) = sim.generate(body(1)).await;
     assert_eq!(a["output_ids"], e["output_ids"]);
 
@@ -237,20 +195,14 @@ async fn stop_token_ids_and_stop_strings_end_generation() {
                          {"max_new_tokens": 10, "ignore_eos": true, "stop_token_ids": [third]}}))
         .await;
     assert_eq!(out["output_ids"].as_array().unwrap().len(), 3);
-    assert_eq!(
-        out["meta_info"]["finish_reason"],
-        json!({"type": "stop", "matched": third})
-    );
+    assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": third}));
 
     let words: Vec<&str> = base["text"].as_str().unwrap().split_whitespace().collect();
     let (_, out) = sim
         .generate(json!({"text": "stop test", "sampling_params":
                          {"max_new_tokens": 10, "ignore_eos": true, "stop": [words[5]]}}))
         .await;
-    assert_eq!(
-        out["meta_info"]["finish_reason"],
-        json!({"type": "stop", "matched": words[5]})
-    );
+    assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": words[5]}));
     assert!(!out["text"].as_str().unwrap().contains(words[5]));
 }
 
@@ -275,13 +227,7 @@ async fn identical_long_prompts_hit_the_prefix_cache() {
 async fn info_endpoints_have_the_sglang_fields() {
     let sim = Sim::start(&["--served-model-name", "sim-model", "--weight-version", "v0"]).await;
     let info = sim.get_json("/model_info").await;
-    for key in [
-        "model_path",
-        "tokenizer_path",
-        "is_generation",
-        "preferred_sampling_params",
-        "weight_version",
-    ] {
+    for key in ["model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"] {
         assert!(info.get(key).is_some(), "missing {key}");
     }
     assert_eq!(info["weight_version"], "v0");
@@ -293,21 +239,14 @@ async fn info_endpoints_have_the_sglang_fields() {
     assert_eq!(server["tp_size"], 1);
     assert_eq!(server["internal_states"].as_array().unwrap().len(), 1);
     assert!(server["version"].as_str().unwrap().ends_with("-sim"));
-    assert!(sim
-        .get_json("/get_server_info")
-        .await
-        .get("internal_states")
-        .is_some());
+    assert!(sim.get_json("/get_server_info").await.get("internal_states").is_some());
 
     let models = sim.get_json("/v1/models").await;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "sim-model");
     assert_eq!(models["data"][0]["owned_by"], "sglang");
     assert_eq!(sim.get("/v1/models/other").await.status(), 404);
-    assert_eq!(
-        sim.get_json("/v1/models/sim-model").await["id"],
-        "sim-model"
-    );
+    assert_eq!(sim.get_json("/v1/models/sim-model").await["id"], "sim-model");
 
     let loads = sim.get_json("/v1/loads").await;
     assert!(loads["timestamp"].is_string());
@@ -327,23 +266,12 @@ async fn info_endpoints_have_the_sglang_fields() {
     }
     let core_only = sim.get_json("/v1/loads?include=core").await;
     assert!(core_only["loads"][0].get("queues").is_none());
-    let prom = sim
-        .get("/v1/loads?format=prometheus")
-        .await
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        prom.contains("sglang_num_running_reqs{dp_rank=\"0\"} 0"),
-        "{prom}"
-    );
+    let prom = sim.get("/v1/loads?format=prometheus").await.text().await.unwrap();
+    assert!(prom.contains("sglang_num_running_reqs{dp_rank=\"0\"} 0"), "{prom}");
 
     let nf = sim.get("/no/such/route").await;
     assert_eq!(nf.status(), 404);
-    assert_eq!(
-        nf.json::<Value>().await.unwrap(),
-        json!({"detail": "Not Found"})
-    );
+    assert_eq!(nf.json::<Value>().await.unwrap(), json!({"detail": "Not Found"}));
     // The weight-update-group routes are absent, like an older SGLang.
     let (status, _) = sim.post_json("/init_weights_update_group", json!({})).await;
     assert_eq!(status, 404);
@@ -393,32 +321,14 @@ async fn api_key_guards_everything_but_health_ready_metrics() {
     assert_eq!(sim.get("/health").await.status(), 200);
     assert_eq!(sim.get("/ready").await.status(), 200);
     assert_eq!(sim.get("/metrics").await.status(), 200);
-    let r = sim
-        .client
-        .post(sim.url("/generate"))
-        .bearer_auth("sekret")
-        .json(&gen_body("x", 2))
-        .send()
-        .await
-        .unwrap();
+    let r = sim.client.post(sim.url("/generate")).bearer_auth("sekret").json(&gen_body("x", 2)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    let wrong = sim
-        .client
-        .get(sim.url("/model_info"))
-        .bearer_auth("nope")
-        .send()
-        .await
-        .unwrap();
+    let wrong = sim.client.get(sim.url("/model_info")).bearer_auth("nope").send().await.unwrap();
     assert_eq!(wrong.status(), 401);
 
     // With an admin key, admin routes take only that key.
     let sim = Sim::start(&["--api-key", "user", "--admin-api-key", "admin"]).await;
-    let flush = |key: &'static str| {
-        sim.client
-            .post(sim.url("/flush_cache"))
-            .bearer_auth(key)
-            .send()
-    };
+    let flush = |key: &'static str| sim.client.post(sim.url("/flush_cache")).bearer_auth(key).send();
     assert_eq!(flush("user").await.unwrap().status(), 401);
     assert_eq!(flush("admin").await.unwrap().status(), 200);
 }
@@ -434,19 +344,14 @@ async fn dp_ranks_have_their_own_pools_and_routed_dp_rank_picks_one() {
     let loads = sim.get_json("/v1/loads").await["loads"].clone();
     assert_eq!(loads.as_array().unwrap().len(), 2);
     assert_eq!(loads[0]["memory"]["cached_tokens"], 0);
-    assert!(
-        loads[1]["memory"]["cached_tokens"].as_u64().unwrap() >= 48,
-        "{loads}"
-    );
+    assert!(loads[1]["memory"]["cached_tokens"].as_u64().unwrap() >= 48, "{loads}");
     let one = sim.get_json("/v1/loads?dp_rank=1").await;
     assert_eq!(one["loads"].as_array().unwrap().len(), 1);
     assert_eq!(sim.get("/v1/loads?dp_rank=5").await.status(), 400);
 
     // A large batch body (over axum's default 2 MB limit) is accepted.
     let big: Vec<Vec<u32>> = (0..60).map(|i| vec![10_000 + i; 8000]).collect();
-    let (status, out) = sim
-        .generate(json!({"input_ids": big, "sampling_params": {"max_new_tokens": 1}}))
-        .await;
+    let (status, out) = sim.generate(json!({"input_ids": big, "sampling_params": {"max_new_tokens": 1}})).await;
     assert_eq!(status, 200);
     assert_eq!(out.as_array().unwrap().len(), 60);
 }

@@ -10,20 +10,10 @@ use std::time::Duration;
 
 #[tokio::test]
 async fn port_opens_after_startup_delay_then_health_turns_200_after_warmup() {
-    let mut sim = Sim::spawn(&[
-        "--startup-delay",
-        "1",
-        "--warmup-delay",
-        "2",
-        "--time-scale",
-        "0.01",
-    ]);
+    let mut sim = Sim::spawn(&["--startup-delay", "1", "--warmup-delay", "2", "--time-scale", "0.01"]);
     // Not bound yet: connections are refused.
     let early = sim.client.get(sim.url("/model_info")).send().await;
-    assert!(
-        early.is_err(),
-        "port must not be bound during the startup delay"
-    );
+    assert!(early.is_err(), "port must not be bound during the startup delay");
 
     // Wait for the port, then /model_info answers while /health is still 503.
     let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -39,9 +29,7 @@ async fn port_opens_after_startup_delay_then_health_turns_200_after_warmup() {
     assert_eq!(sim.get_json("/server_info").await["status"], "Starting");
     sim.wait_healthy().await;
     assert_eq!(sim.get_json("/server_info").await["status"], "Up");
-    assert!(sim
-        .logs()
-        .contains("The server is fired up and ready to roll!"));
+    assert!(sim.logs().contains("The server is fired up and ready to roll!"));
 }
 
 #[tokio::test]
@@ -62,14 +50,7 @@ async fn instances_are_independent_engines_on_consecutive_ports() {
     let version = |port: u16| {
         let c = sim.client.clone();
         async move {
-            let v: serde_json::Value = c
-                .get(url(port, "/model_info"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v: serde_json::Value = c.get(url(port, "/model_info")).send().await.unwrap().json().await.unwrap();
             v["weight_version"].as_str().unwrap().to_string()
         }
     };
@@ -79,22 +60,12 @@ async fn instances_are_independent_engines_on_consecutive_ports() {
     let ports: Vec<u64> = futures::future::join_all((0..3).map(|i| {
         let c = sim.client.clone();
         async move {
-            let v: serde_json::Value = c
-                .get(url(base + i, "/server_info"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v: serde_json::Value = c.get(url(base + i, "/server_info")).send().await.unwrap().json().await.unwrap();
             v["port"].as_u64().unwrap()
         }
     }))
     .await;
-    assert_eq!(
-        ports,
-        vec![u64::from(base), u64::from(base) + 1, u64::from(base) + 2]
-    );
+    assert_eq!(ports, vec![u64::from(base), u64::from(base) + 1, u64::from(base) + 2]);
 }
 
 #[tokio::test]
@@ -114,15 +85,9 @@ async fn hang_after_requests_stops_answering() {
     let sim = Sim::start(&["--hang-after-requests", "1"]).await;
     let (status, _) = sim.generate(gen_body("x", 2)).await;
     assert_eq!(status, 200);
-    let quick = reqwest::Client::builder()
-        .timeout(Duration::from_millis(700))
-        .build()
-        .unwrap();
+    let quick = reqwest::Client::builder().timeout(Duration::from_millis(700)).build().unwrap();
     let r = quick.get(sim.url("/health")).send().await;
-    assert!(
-        r.unwrap_err().is_timeout(),
-        "a hung engine must not answer /health"
-    );
+    assert!(r.unwrap_err().is_timeout(), "a hung engine must not answer /health");
     let r = quick.get(sim.url("/model_info")).send().await;
     assert!(r.is_err());
 }
@@ -138,10 +103,7 @@ async fn fail_startup_exits_1_with_a_message() {
 async fn sigterm_shuts_down_cleanly() {
     let mut sim = Sim::start(&[]).await;
     let pid = sim.child.id().unwrap();
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
+    let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
     assert!(status.success());
     assert_eq!(sim.wait_exit().await, Some(0));
 }
@@ -151,13 +113,7 @@ async fn unknown_flag_is_rejected_by_name() {
     let out = within(
         "sglang-sim with a bad flag",
         tokio::process::Command::new(BIN)
-            .args([
-                "--model-path",
-                "m",
-                "--port",
-                &free_port().to_string(),
-                "--frobnicate",
-            ])
+            .args(["--model-path", "m", "--port", &free_port().to_string(), "--frobnicate"])
             .output(),
     )
     .await
@@ -173,35 +129,15 @@ async fn unknown_flag_is_rejected_by_name() {
 
 #[tokio::test]
 async fn slow_health_delays_health_only() {
-    let sim = Sim::spawn(&[
-        "--slow-health",
-        "1.5",
-        "--time-scale",
-        "0.01",
-        "--skip-server-warmup",
-    ]);
+    let sim = Sim::spawn(&["--slow-health", "1.5", "--time-scale", "0.01", "--skip-server-warmup"]);
     let deadline = tokio::time::Instant::now() + DEADLINE;
     while sim.client.get(sim.url("/model_info")).send().await.is_err() {
         assert!(tokio::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let quick = reqwest::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .build()
-        .unwrap();
-    assert!(
-        quick.get(sim.url("/health")).send().await.is_err(),
-        "health is slow"
-    );
-    assert_eq!(
-        quick
-            .get(sim.url("/model_info"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    let quick = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().unwrap();
+    assert!(quick.get(sim.url("/health")).send().await.is_err(), "health is slow");
+    assert_eq!(quick.get(sim.url("/model_info")).send().await.unwrap().status(), 200);
     assert_eq!(sim.get("/health").await.status(), 200);
 }
 
@@ -215,11 +151,6 @@ async fn zero_cost_mode_answers_without_the_scheduler() {
     let timed = Sim::start(&[]).await;
     let (_, t) = timed.generate(gen_body("fast", 8)).await;
     assert_eq!(out["output_ids"], t["output_ids"]);
-    let r = sim
-        .post(
-            "/generate",
-            json!({"text": "s", "stream": true, "sampling_params": {"max_new_tokens": 2}}),
-        )
-        .await;
+    let r = sim.post("/generate", json!({"text": "s", "stream": true, "sampling_params": {"max_new_tokens": 2}})).await;
     assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
 }

@@ -19,18 +19,13 @@ pub struct FlushQuery {
 
 /// `/flush_cache`: empties the prefix cache; 400 while requests are running or queued (after
 /// waiting up to `timeout` seconds for them to drain).
-pub async fn flush_cache(
-    State(engine): State<AppState>,
-    q: Result<Query<FlushQuery>, QueryRejection>,
-) -> Response {
+pub async fn flush_cache(State(engine): State<AppState>, q: Result<Query<FlushQuery>, QueryRejection>) -> Response {
     let timeout = match q {
         Ok(Query(q)) => q.timeout.unwrap_or(0.0),
         Err(e) => return validation_error(format!("Invalid query parameters: {e}")),
     };
     if timeout.is_finite() && timeout > 0.0 {
-        engine
-            .wait_flushable(Duration::from_secs_f64(timeout))
-            .await;
+        engine.wait_flushable(Duration::from_secs_f64(timeout)).await;
     }
     if engine.flush_cache() {
         (
@@ -40,10 +35,7 @@ pub async fn flush_cache(
         )
             .into_response()
     } else {
-        handler_error(
-            StatusCode::BAD_REQUEST,
-            "Cache not flushed: there are running or waiting requests.",
-        )
+        handler_error(StatusCode::BAD_REQUEST, "Cache not flushed: there are running or waiting requests.")
     }
 }
 
@@ -64,9 +56,7 @@ pub async fn abort_request(State(engine): State<AppState>, body: Bytes) -> Respo
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let message = req
-        .abort_message
-        .unwrap_or_else(|| "Abort requested by /abort_request.".into());
+    let message = req.abort_message.unwrap_or_else(|| "Abort requested by /abort_request.".into());
     if req.abort_all.unwrap_or(false) {
         engine.abort_all(&message);
     } else if let Some(rid) = req.rid.filter(|r| !r.is_empty()) {
@@ -89,9 +79,7 @@ pub async fn pause_generation(State(engine): State<AppState>, body: Bytes) -> Re
     };
     let mode_name = req.mode.unwrap_or_else(|| "abort".into());
     let Some(mode) = PauseMode::parse(&mode_name) else {
-        return validation_error(format!(
-            "Input should be 'abort', 'retract' or 'in_place', got {mode_name:?}"
-        ));
+        return validation_error(format!("Input should be 'abort', 'retract' or 'in_place', got {mode_name:?}"));
     };
     engine.pause(mode);
     tracing::info!(port = engine.port, mode = mode_name, "generation paused");
@@ -125,11 +113,7 @@ pub async fn update_weight_version(State(engine): State<AppState>, body: Bytes) 
         engine.abort_all("Abort for weight version update.");
     }
     engine.shared.set_version(&req.new_version);
-    tracing::info!(
-        port = engine.port,
-        version = req.new_version,
-        "weight version updated"
-    );
+    tracing::info!(port = engine.port, version = req.new_version, "weight version updated");
     json_ok(json!({
         "success": true,
         "message": format!("Weight version updated to {}", req.new_version),
@@ -162,29 +146,12 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
         engine.abort_all("Abort for weight update.");
     }
     let paused = engine.shared.is_paused();
-    let num_paused_requests = if paused {
-        engine
-            .loads()
-            .iter()
-            .map(|l| l.num_running_reqs + l.num_waiting_reqs)
-            .sum::<usize>()
-    } else {
-        0
-    };
-    let _exclusive = if paused {
-        None
-    } else {
-        Some(engine.model_update_lock.write().await)
-    };
-    let load_format = req
-        .load_format
-        .as_deref()
-        .unwrap_or(&engine.cfg.load_format);
+    let num_paused_requests =
+        if paused { engine.loads().iter().map(|l| l.num_running_reqs + l.num_waiting_reqs).sum::<usize>() } else { 0 };
+    let _exclusive = if paused { None } else { Some(engine.model_update_lock.write().await) };
+    let load_format = req.load_format.as_deref().unwrap_or(&engine.cfg.load_format);
     let result = if load_format == "dummy" {
-        Ok(WeightsInfo {
-            path: Some(req.model_path.clone()),
-            ..WeightsInfo::default()
-        })
+        Ok(WeightsInfo { path: Some(req.model_path.clone()), ..WeightsInfo::default() })
     } else {
         let path = req.model_path.clone();
         match tokio::task::spawn_blocking(move || weights::load_checkpoint(&path)).await {
@@ -195,12 +162,7 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
     let info = match result {
         Ok(info) => info,
         Err(reason) => {
-            tracing::warn!(
-                port = engine.port,
-                path = req.model_path,
-                reason,
-                "weight update failed"
-            );
+            tracing::warn!(port = engine.port, path = req.model_path, reason, "weight update failed");
             return (
                 StatusCode::BAD_REQUEST,
                 axum::Json(json!({

@@ -61,11 +61,7 @@ impl<'a> OutputView<'a> {
 }
 
 fn logprob_entry(lp: Option<f64>, id: u32, with_text: bool) -> Value {
-    let text = if with_text {
-        Value::from(tokenizer::token_text(id))
-    } else {
-        Value::Null
-    };
+    let text = if with_text { Value::from(tokenizer::token_text(id)) } else { Value::Null };
     json!([lp, id, text])
 }
 
@@ -74,10 +70,7 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
     let completion = v.offset + v.ids.len();
     let mut meta = Map::new();
     meta.insert("id".into(), Value::from(item.rid.as_str()));
-    meta.insert(
-        "finish_reason".into(),
-        v.finish.map_or(Value::Null, FinishReason::to_json),
-    );
+    meta.insert("finish_reason".into(), v.finish.map_or(Value::Null, FinishReason::to_json));
     meta.insert("prompt_tokens".into(), Value::from(item.prompt.len()));
     meta.insert("completion_tokens".into(), Value::from(completion));
     meta.insert("cached_tokens".into(), Value::from(v.cached_tokens));
@@ -85,11 +78,8 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
     meta.insert("num_retractions".into(), Value::from(v.retractions));
     meta.insert("weight_version".into(), Value::from(v.version));
     if v.spans.len() > 1 {
-        let spans: Vec<Value> = v
-            .spans
-            .iter()
-            .map(|s| json!({"version": &*s.version, "start": s.start, "end": s.end}))
-            .collect();
+        let spans: Vec<Value> =
+            v.spans.iter().map(|s| json!({"version": &*s.version, "start": s.start, "end": s.end})).collect();
         meta.insert("weight_versions".into(), Value::Array(spans));
     }
     if let Some(e2e) = v.e2e {
@@ -102,20 +92,11 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
             .ids
             .iter()
             .enumerate()
-            .map(|(i, id)| {
-                (
-                    v.offset + i,
-                    *id,
-                    generator::output_logprob(ph, v.offset + i, *id),
-                )
-            })
+            .map(|(i, id)| (v.offset + i, *id, generator::output_logprob(ph, v.offset + i, *id)))
             .collect();
         meta.insert(
             "output_token_logprobs".into(),
-            out_lps
-                .iter()
-                .map(|(_, id, lp)| logprob_entry(Some(*lp), *id, with_text))
-                .collect(),
+            out_lps.iter().map(|(_, id, lp)| logprob_entry(Some(*lp), *id, with_text)).collect(),
         );
         let start = usize::try_from(item.logprob_start_len).ok();
         let input: Vec<(usize, u32, Option<f64>)> = match start {
@@ -133,10 +114,7 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
         };
         meta.insert(
             "input_token_logprobs".into(),
-            input
-                .iter()
-                .map(|(_, id, lp)| logprob_entry(*lp, *id, with_text))
-                .collect(),
+            input.iter().map(|(_, id, lp)| logprob_entry(*lp, *id, with_text)).collect(),
         );
         if item.top_logprobs_num > 0 {
             let k = item.top_logprobs_num;
@@ -148,17 +126,11 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
             };
             meta.insert(
                 "output_top_logprobs".into(),
-                out_lps
-                    .iter()
-                    .map(|(pos, id, lp)| top(ph ^ *pos as u64, *id, *lp))
-                    .collect(),
+                out_lps.iter().map(|(pos, id, lp)| top(ph ^ *pos as u64, *id, *lp)).collect(),
             );
             meta.insert(
                 "input_top_logprobs".into(),
-                input
-                    .iter()
-                    .map(|(pos, id, lp)| lp.map_or(Value::Null, |lp| top(*pos as u64, *id, lp)))
-                    .collect(),
+                input.iter().map(|(pos, id, lp)| lp.map_or(Value::Null, |lp| top(*pos as u64, *id, lp))).collect(),
             );
         }
     }
@@ -198,11 +170,7 @@ struct FaultSlot(std::sync::Mutex<Option<FaultKind>>);
 
 impl FaultSlot {
     fn fire(&self, engine: &Engine) {
-        let kind = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
+        let kind = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         if let Some(kind) = kind {
             fire(engine, kind);
         }
@@ -240,10 +208,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
         engine.shared.wait_unpaused().await;
     }
     if engine.shared.status() == crate::engine::Status::ShuttingDown {
-        return handler_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "The server is shutting down.",
-        );
+        return handler_error(StatusCode::SERVICE_UNAVAILABLE, "The server is shutting down.");
     }
     if engine.cfg.zero_cost {
         return serve_zero_cost(&engine, &plan, started);
@@ -254,21 +219,10 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
         .items
         .iter()
         .map(|it| {
-            let gen = GenState::new(
-                &it.prompt,
-                &it.params,
-                it.sample,
-                it.max_new,
-                engine.cfg.eos_prob,
-            );
+            let gen = GenState::new(&it.prompt, &it.params, it.sample, it.max_new, engine.cfg.eos_prob);
             engine.submit(
                 rank.clone(),
-                NewRequestParts {
-                    rid: it.rid.clone(),
-                    prompt: it.prompt.to_vec(),
-                    gen,
-                    stream: plan.stream,
-                },
+                NewRequestParts { rid: it.rid.clone(), prompt: it.prompt.to_vec(), gen, stream: plan.stream },
             )
         })
         .collect();
@@ -281,10 +235,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
     let mut outs = Vec::with_capacity(finals.len());
     for (item, f) in plan.items.iter().zip(finals) {
         let Some(f) = f else {
-            return handler_error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "The server is shutting down.",
-            );
+            return handler_error(StatusCode::SERVICE_UNAVAILABLE, "The server is shutting down.");
         };
         let e2e = started.elapsed();
         record(&engine, &plan, item, &f, false, e2e);
@@ -312,11 +263,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
 }
 
 fn respond(plan: &Plan, mut outs: Vec<Value>) -> Response {
-    let value = if plan.batch {
-        Value::Array(outs)
-    } else {
-        outs.pop().unwrap_or(Value::Null)
-    };
+    let value = if plan.batch { Value::Array(outs) } else { outs.pop().unwrap_or(Value::Null) };
     match serde_json::to_vec(&value) {
         Ok(b) => json_bytes(StatusCode::OK, b),
         Err(e) => handler_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -347,13 +294,7 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
     let mut outs = Vec::with_capacity(plan.items.len());
     let mut sse = String::new();
     for (i, item) in plan.items.iter().enumerate() {
-        let mut gen = GenState::new(
-            &item.prompt,
-            &item.params,
-            item.sample,
-            item.max_new,
-            engine.cfg.eos_prob,
-        );
+        let mut gen = GenState::new(&item.prompt, &item.params, item.sample, item.max_new, engine.cfg.eos_prob);
         let index = plan.batch.then_some(i);
         // Streaming: one chunk per token, as the scheduled engine sends.
         let mut text_so_far = String::new();
@@ -366,25 +307,10 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
                 }
                 if plan.stream {
                     let id = gen.output.last().copied().unwrap_or(0);
-                    tokenizer::push_token_text(
-                        &mut text_so_far,
-                        id,
-                        item.params.skip_special_tokens,
-                    );
-                    let (fi, ft) = if incremental {
-                        (sent_ids, sent_text)
-                    } else {
-                        (0, 0)
-                    };
+                    tokenizer::push_token_text(&mut text_so_far, id, item.params.skip_special_tokens);
+                    let (fi, ft) = if incremental { (sent_ids, sent_text) } else { (0, 0) };
                     let chunk = render(
-                        &OutputView::partial(
-                            item,
-                            &gen.output[fi..],
-                            fi,
-                            &text_so_far[ft..],
-                            &version.name,
-                            index,
-                        ),
+                        &OutputView::partial(item, &gen.output[fi..], fi, &text_so_far[ft..], &version.name, index),
                         plan,
                     );
                     push_sse(&mut sse, &chunk);
@@ -407,14 +333,7 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
                 finish: Some(&reason),
                 spans: &gen.spans,
                 e2e: Some(e2e.as_secs_f64()),
-                ..OutputView::partial(
-                    item,
-                    &gen.output[fi..],
-                    fi,
-                    &text[ft..],
-                    &version.name,
-                    index,
-                )
+                ..OutputView::partial(item, &gen.output[fi..], fi, &text[ft..], &version.name, index)
             },
             plan,
         );
@@ -448,10 +367,7 @@ fn push_sse(out: &mut String, chunk: &Value) {
 
 fn sse_response(body: Body) -> Response {
     let mut r = Response::new(body);
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r
 }
 
@@ -481,20 +397,14 @@ fn stream(
         let mut states: Vec<StreamState> = plan
             .items
             .iter()
-            .map(|_| StreamState {
-                ids: Vec::new(),
-                text: String::new(),
-                sent_ids: 0,
-                sent_text: 0,
-            })
+            .map(|_| StreamState { ids: Vec::new(), text: String::new(), sent_ids: 0, sent_text: 0 })
             .collect();
         let mut cached = vec![0usize; plan.items.len()];
-        let mut updates =
-            futures::stream::select_all(handles.into_iter().enumerate().map(|(i, h)| {
-                futures::stream::unfold(h, |mut h| async move { h.recv().await.map(|u| (u, h)) })
-                    .map(move |u| (i, u))
-                    .boxed()
-            }));
+        let mut updates = futures::stream::select_all(handles.into_iter().enumerate().map(|(i, h)| {
+            futures::stream::unfold(h, |mut h| async move { h.recv().await.map(|u| (u, h)) })
+                .map(move |u| (i, u))
+                .boxed()
+        }));
         while let Some((i, update)) = updates.next().await {
             let item = &plan.items[i];
             let st = &mut states[i];
@@ -503,11 +413,7 @@ fn stream(
                 Update::Tokens { ids, cached_tokens } => {
                     cached[i] = cached_tokens;
                     for id in &ids {
-                        tokenizer::push_token_text(
-                            &mut st.text,
-                            *id,
-                            item.params.skip_special_tokens,
-                        );
+                        tokenizer::push_token_text(&mut st.text, *id, item.params.skip_special_tokens);
                     }
                     st.ids.extend_from_slice(&ids);
                     (None, None)
@@ -521,19 +427,9 @@ fn stream(
                     (Some(e2e.as_secs_f64()), Some(f))
                 }
             };
-            let (from_ids, from_text) = if incremental {
-                (
-                    st.sent_ids.min(st.ids.len()),
-                    st.sent_text.min(st.text.len()),
-                )
-            } else {
-                (0, 0)
-            };
-            let text_from = if st.text.is_char_boundary(from_text) {
-                from_text
-            } else {
-                0
-            };
+            let (from_ids, from_text) =
+                if incremental { (st.sent_ids.min(st.ids.len()), st.sent_text.min(st.text.len())) } else { (0, 0) };
+            let text_from = if st.text.is_char_boundary(from_text) { from_text } else { 0 };
             let spans = finished.as_ref().map_or(&[][..], |f| &f.gen.spans[..]);
             let v = spans.last().map_or(&*version.name, |s| &*s.version);
             let out = render(
@@ -565,7 +461,5 @@ fn stream(
             slot.fire(&engine);
         }
     });
-    sse_response(Body::from_stream(
-        tokio_stream::wrappers::ReceiverStream::new(rx),
-    ))
+    sse_response(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
 }

@@ -83,9 +83,7 @@ pub(super) struct Plan {
 }
 
 fn to_ids(raw: Vec<i64>) -> Result<Vec<u32>, String> {
-    raw.into_iter()
-        .map(|id| u32::try_from(id).map_err(|_| format!("Invalid token id {id} in input_ids.")))
-        .collect()
+    raw.into_iter().map(|id| u32::try_from(id).map_err(|_| format!("Invalid token id {id} in input_ids."))).collect()
 }
 
 /// Validates the body; `Err` is the error response to send.
@@ -96,26 +94,12 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
         return Err(bad("input_embeds is not supported by sglang-sim.".into()));
     }
     let (prompts, batch): (Vec<Vec<u32>>, bool) = match (req.text, req.input_ids) {
-        (Some(_), Some(_)) => {
-            return Err(bad("Either text or input_ids should be provided.".into()))
-        }
-        (None, None) => {
-            return Err(bad(
-                "Either text, input_ids or input_embeds should be provided.".into(),
-            ))
-        }
+        (Some(_), Some(_)) => return Err(bad("Either text or input_ids should be provided.".into())),
+        (None, None) => return Err(bad("Either text, input_ids or input_embeds should be provided.".into())),
         (Some(TextInput::One(t)), None) => (vec![tokenizer::encode(&t)], false),
-        (Some(TextInput::Batch(ts)), None) => {
-            (ts.iter().map(|t| tokenizer::encode(t)).collect(), true)
-        }
+        (Some(TextInput::Batch(ts)), None) => (ts.iter().map(|t| tokenizer::encode(t)).collect(), true),
         (None, Some(IdsInput::One(ids))) => (vec![to_ids(ids).map_err(bad)?], false),
-        (None, Some(IdsInput::Batch(b))) => (
-            b.into_iter()
-                .map(to_ids)
-                .collect::<Result<_, _>>()
-                .map_err(bad)?,
-            true,
-        ),
+        (None, Some(IdsInput::Batch(b))) => (b.into_iter().map(to_ids).collect::<Result<_, _>>().map_err(bad)?, true),
     };
     if batch && prompts.is_empty() {
         return Err(bad("The batch is empty.".into()));
@@ -146,9 +130,7 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
     let cfg = &engine.cfg;
     let total: usize = params.iter().map(|p| p.n as usize).sum();
     let rids: Vec<String> = match &req.rid {
-        None => (0..total)
-            .map(|_| uuid::Uuid::new_v4().simple().to_string())
-            .collect(),
+        None => (0..total).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect(),
         Some(OneOrList::One(r)) if !batch && total == 1 => vec![r.clone()],
         Some(OneOrList::One(r)) => (0..total).map(|i| format!("{r}_{i}")).collect(),
         Some(OneOrList::List(list)) => {
@@ -195,16 +177,8 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
                 params: p.clone(),
                 sample,
                 max_new,
-                return_logprob: req
-                    .return_logprob
-                    .as_ref()
-                    .and_then(|r| r.get(i))
-                    .unwrap_or(false),
-                logprob_start_len: req
-                    .logprob_start_len
-                    .as_ref()
-                    .and_then(|r| r.get(i))
-                    .unwrap_or(-1),
+                return_logprob: req.return_logprob.as_ref().and_then(|r| r.get(i)).unwrap_or(false),
+                logprob_start_len: req.logprob_start_len.as_ref().and_then(|r| r.get(i)).unwrap_or(-1),
                 top_logprobs_num: req
                     .top_logprobs_num
                     .as_ref()

@@ -21,10 +21,9 @@ pub async fn health(State(engine): State<AppState>) -> Response {
     }
     match engine.shared.status() {
         Status::Up => StatusCode::OK.into_response(),
-        s => handler_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("The server is not ready (status {}).", s.as_str()),
-        ),
+        s => {
+            handler_error(StatusCode::SERVICE_UNAVAILABLE, format!("The server is not ready (status {}).", s.as_str()))
+        }
     }
 }
 
@@ -33,10 +32,9 @@ pub async fn ready(State(engine): State<AppState>) -> Response {
     match engine.shared.status() {
         Status::Up if !engine.shared.is_paused() => StatusCode::OK.into_response(),
         Status::Up => handler_error(StatusCode::SERVICE_UNAVAILABLE, "Generation is paused."),
-        s => handler_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("The server is not ready (status {}).", s.as_str()),
-        ),
+        s => {
+            handler_error(StatusCode::SERVICE_UNAVAILABLE, format!("The server is not ready (status {}).", s.as_str()))
+        }
     }
 }
 
@@ -68,10 +66,7 @@ pub async fn model_info(State(engine): State<AppState>) -> Response {
 }
 
 fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 fn internal_state(engine: &Engine, l: &RankLoad) -> Value {
@@ -126,28 +121,13 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
     if let Value::Object(a) = args {
         m.extend(a);
     }
-    m.insert(
-        "launch_command".into(),
-        Value::from(std::env::args().collect::<Vec<_>>().join(" ")),
-    );
-    m.insert(
-        "status".into(),
-        Value::from(engine.shared.status().as_str()),
-    );
-    m.insert(
-        "max_total_num_tokens".into(),
-        Value::from(cfg.max_total_tokens),
-    );
-    m.insert(
-        "max_req_input_len".into(),
-        Value::from(cfg.max_req_input_len()),
-    );
+    m.insert("launch_command".into(), Value::from(std::env::args().collect::<Vec<_>>().join(" ")));
+    m.insert("status".into(), Value::from(engine.shared.status().as_str()));
+    m.insert("max_total_num_tokens".into(), Value::from(cfg.max_total_tokens));
+    m.insert("max_req_input_len".into(), Value::from(cfg.max_req_input_len()));
     m.insert("startup_time".into(), Value::from(engine.startup_secs()));
     m.insert("kv_events".into(), Value::Null);
-    m.insert(
-        "internal_states".into(),
-        loads.iter().map(|l| internal_state(&engine, l)).collect(),
-    );
+    m.insert("internal_states".into(), loads.iter().map(|l| internal_state(&engine, l)).collect());
     m.insert("version".into(), Value::from(SIM_VERSION));
     m.insert("frontend".into(), Value::from("python"));
     m.insert("weights_checksum".into(), json!(w.checksum));
@@ -186,26 +166,14 @@ fn load_json(l: &RankLoad, include: &[&str], paused: usize) -> Map<String, Value
     m.insert("dp_rank".into(), json!(l.dp_rank));
     m.insert("num_running_reqs".into(), json!(l.num_running_reqs));
     m.insert("num_waiting_reqs".into(), json!(l.num_waiting_reqs));
-    m.insert(
-        "num_waiting_uncached_tokens".into(),
-        json!(l.num_waiting_uncached_tokens),
-    );
+    m.insert("num_waiting_uncached_tokens".into(), json!(l.num_waiting_uncached_tokens));
     m.insert("num_used_tokens".into(), json!(l.num_used_tokens));
     m.insert("num_total_tokens".into(), json!(l.num_total_tokens));
     m.insert("max_total_num_tokens".into(), json!(l.max_total_num_tokens));
     m.insert("max_running_requests".into(), json!(l.max_running_requests));
-    m.insert(
-        "token_usage".into(),
-        json!((l.token_usage * 1e4).round() / 1e4),
-    );
-    m.insert(
-        "gen_throughput".into(),
-        json!((l.gen_throughput * 100.0).round() / 100.0),
-    );
-    m.insert(
-        "cache_hit_rate".into(),
-        json!((l.cache_hit_rate * 1e4).round() / 1e4),
-    );
+    m.insert("token_usage".into(), json!((l.token_usage * 1e4).round() / 1e4));
+    m.insert("gen_throughput".into(), json!((l.gen_throughput * 100.0).round() / 100.0));
+    m.insert("cache_hit_rate".into(), json!((l.cache_hit_rate * 1e4).round() / 1e4));
     m.insert("utilization".into(), json!(0.0));
     if want("memory") {
         let kv_gb = l.max_total_num_tokens as f64 * 131_072.0 / 1e9;
@@ -240,10 +208,7 @@ fn load_json(l: &RankLoad, include: &[&str], paused: usize) -> Map<String, Value
 }
 
 /// `/v1/loads`.
-pub async fn loads(
-    State(engine): State<AppState>,
-    q: Result<Query<LoadsQuery>, QueryRejection>,
-) -> Response {
+pub async fn loads(State(engine): State<AppState>, q: Result<Query<LoadsQuery>, QueryRejection>) -> Response {
     let q = match q {
         Ok(Query(q)) => q,
         Err(e) => return validation_error(format!("Invalid query parameters: {e}")),
@@ -251,20 +216,12 @@ pub async fn loads(
     let include: Vec<&str> = q
         .include
         .as_deref()
-        .map(|s| {
-            s.split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .collect()
-        })
+        .map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).collect())
         .unwrap_or_default();
     if let Some(bad) = include.iter().find(|s| !SECTIONS.contains(s)) {
         return handler_error(
             StatusCode::BAD_REQUEST,
-            format!(
-                "Unknown include section {bad:?}; expected one of {}.",
-                SECTIONS.join(", ")
-            ),
+            format!("Unknown include section {bad:?}; expected one of {}.", SECTIONS.join(", ")),
         );
     }
     let mut loads = engine.loads();
@@ -278,25 +235,19 @@ pub async fn loads(
         loads.retain(|l| l.dp_rank == r);
     }
     let paused = engine.paused_waiters.load(Ordering::Acquire);
-    let rows: Vec<Map<String, Value>> = loads
-        .iter()
-        .map(|l| load_json(l, &include, paused))
-        .collect();
+    let rows: Vec<Map<String, Value>> = loads.iter().map(|l| load_json(l, &include, paused)).collect();
     if q.format.as_deref() == Some("prometheus") {
         let mut out = String::new();
         let mut samples: Vec<(String, Vec<(usize, f64)>)> = Vec::new();
         for row in &rows {
             let rank = row.get("dp_rank").and_then(Value::as_u64).unwrap_or(0) as usize;
             for (k, v) in row {
-                let mut push =
-                    |name: String, x: f64| match samples.iter_mut().find(|(n, _)| *n == name) {
-                        Some((_, s)) => s.push((rank, x)),
-                        None => samples.push((name, vec![(rank, x)])),
-                    };
+                let mut push = |name: String, x: f64| match samples.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, s)) => s.push((rank, x)),
+                    None => samples.push((name, vec![(rank, x)])),
+                };
                 match v {
-                    Value::Number(n) if k != "dp_rank" => {
-                        push(format!("sglang_{k}"), n.as_f64().unwrap_or(0.0))
-                    }
+                    Value::Number(n) if k != "dp_rank" => push(format!("sglang_{k}"), n.as_f64().unwrap_or(0.0)),
                     Value::Object(sub) => {
                         let prefix = match k.as_str() {
                             "speculative" => "spec",
@@ -320,10 +271,8 @@ pub async fn loads(
             }
         }
         let mut r = out.into_response();
-        r.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        );
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
         return r;
     }
     json_ok(json!({
@@ -352,12 +301,7 @@ fn iso8601_now() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{micros:06}+00:00",
-        sod / 3600,
-        (sod / 60) % 60,
-        sod % 60
-    )
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{micros:06}+00:00", sod / 3600, (sod / 60) % 60, sod % 60)
 }
 
 fn model_card(engine: &Engine, id: &str) -> Value {
@@ -379,10 +323,7 @@ pub async fn models(State(engine): State<AppState>) -> Response {
 }
 
 /// `/v1/models/{model}`.
-pub async fn model_card_route(
-    State(engine): State<AppState>,
-    Path(model): Path<String>,
-) -> Response {
+pub async fn model_card_route(State(engine): State<AppState>, Path(model): Path<String>) -> Response {
     if model != engine.cfg.served_model_name() {
         return (
             StatusCode::NOT_FOUND,
@@ -399,21 +340,11 @@ pub async fn model_card_route(
 /// `/metrics` (404 unless `--enable-metrics`).
 pub async fn metrics(State(engine): State<AppState>) -> Response {
     if !engine.cfg.enable_metrics {
-        return (
-            StatusCode::NOT_FOUND,
-            axum::Json(json!({"detail": "Not Found"})),
-        )
-            .into_response();
+        return (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))).into_response();
     }
-    let text = engine.metrics.render(
-        &engine.loads(),
-        engine.paused_waiters.load(Ordering::Acquire),
-    );
+    let text = engine.metrics.render(&engine.loads(), engine.paused_waiters.load(Ordering::Acquire));
     let mut r = text.into_response();
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
     r
 }
 

@@ -32,34 +32,16 @@ pub type AppState = Arc<Engine>;
 /// Builds the router of one engine.
 pub fn router(engine: Arc<Engine>) -> Router {
     let admin = Router::new()
-        .route(
-            "/flush_cache",
-            get(control::flush_cache).post(control::flush_cache),
-        )
+        .route("/flush_cache", get(control::flush_cache).post(control::flush_cache))
         .route("/abort_request", post(control::abort_request))
         .route("/pause_generation", post(control::pause_generation))
         .route("/continue_generation", post(control::continue_generation))
-        .route(
-            "/update_weight_version",
-            post(control::update_weight_version),
-        )
-        .route(
-            "/update_weights_from_disk",
-            post(control::update_weights_from_disk),
-        )
-        .route(
-            "/release_memory_occupation",
-            get(control::memory_occupation).post(control::memory_occupation),
-        )
-        .route(
-            "/resume_memory_occupation",
-            get(control::memory_occupation).post(control::memory_occupation),
-        );
+        .route("/update_weight_version", post(control::update_weight_version))
+        .route("/update_weights_from_disk", post(control::update_weights_from_disk))
+        .route("/release_memory_occupation", get(control::memory_occupation).post(control::memory_occupation))
+        .route("/resume_memory_occupation", get(control::memory_occupation).post(control::memory_occupation));
     Router::new()
-        .route(
-            "/generate",
-            post(generate::generate).put(generate::generate),
-        )
+        .route("/generate", post(generate::generate).put(generate::generate))
         .route("/health", get(info::health))
         .route("/health_generate", get(info::health))
         .route("/ready", get(info::ready))
@@ -118,11 +100,7 @@ async fn auth(State(engine): State<AppState>, req: Request, next: Next) -> Respo
         return next.run(req).await;
     }
     let required = if is_admin_path(path) {
-        engine
-            .cfg
-            .admin_api_key
-            .as_deref()
-            .or(engine.cfg.api_key.as_deref())
+        engine.cfg.admin_api_key.as_deref().or(engine.cfg.api_key.as_deref())
     } else {
         engine.cfg.api_key.as_deref()
     };
@@ -133,30 +111,18 @@ async fn auth(State(engine): State<AppState>, req: Request, next: Next) -> Respo
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if given != Some(key) {
-            return (
-                StatusCode::UNAUTHORIZED,
-                axum::Json(json!({"error": "Unauthorized"})),
-            )
-                .into_response();
+            return (StatusCode::UNAUTHORIZED, axum::Json(json!({"error": "Unauthorized"}))).into_response();
         }
     }
     next.run(req).await
 }
 
 async fn not_found() -> Response {
-    (
-        StatusCode::NOT_FOUND,
-        axum::Json(json!({"detail": "Not Found"})),
-    )
-        .into_response()
+    (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))).into_response()
 }
 
 async fn method_not_allowed() -> Response {
-    (
-        StatusCode::METHOD_NOT_ALLOWED,
-        axum::Json(json!({"detail": "Method Not Allowed"})),
-    )
-        .into_response()
+    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(json!({"detail": "Method Not Allowed"}))).into_response()
 }
 
 /// A request that cannot be served, rendered in one of SGLang's error shapes.
@@ -202,11 +168,7 @@ pub fn validation_error(message: impl Into<String>) -> Response {
 
 /// An error raised inside a handler, in SGLang's `{"error":{"message"}}` shape.
 pub fn handler_error(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        axum::Json(json!({"error": {"message": message.into()}})),
-    )
-        .into_response()
+    (status, axum::Json(json!({"error": {"message": message.into()}}))).into_response()
 }
 
 /// 200 with a JSON body.
@@ -218,28 +180,20 @@ pub fn json_ok(v: serde_json::Value) -> Response {
 pub fn json_bytes(status: StatusCode, body: Vec<u8>) -> Response {
     let mut r = Response::new(Body::from(body));
     *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
 
 /// Parses a JSON request body. SGLang's body models need a body even when every field has a
 /// default, so an empty body is a validation error when `required`.
-pub fn parse_body<T: DeserializeOwned + Default>(
-    body: &Bytes,
-    required: bool,
-) -> Result<T, ApiError> {
+pub fn parse_body<T: DeserializeOwned + Default>(body: &Bytes, required: bool) -> Result<T, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         if required {
             return Err(ApiError::Validation(
-                "[{'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}]"
-                    .into(),
+                "[{'type': 'missing', 'loc': ('body',), 'msg': 'Field required', 'input': None}]".into(),
             ));
         }
         return Ok(T::default());
     }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::Validation(format!("Invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| ApiError::Validation(format!("Invalid request body: {e}")))
 }

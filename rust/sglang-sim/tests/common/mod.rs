@@ -17,11 +17,7 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// `n` consecutive free ports; returns the first.
@@ -75,15 +71,7 @@ impl Sim {
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        Sim {
-            child,
-            port,
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .unwrap(),
-            log,
-        }
+        Sim { child, port, client: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(), log }
     }
 
     /// Starts the simulator (fast time scale unless `args` set one) and waits for /health 200.
@@ -113,10 +101,7 @@ impl Sim {
                 }
             }
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "sglang-sim exited ({status}) before becoming healthy; log:\n{}",
-                    self.logs()
-                );
+                panic!("sglang-sim exited ({status}) before becoming healthy; log:\n{}", self.logs());
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
@@ -133,12 +118,7 @@ impl Sim {
     }
 
     pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
-        self.client
-            .post(self.url(path))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
+        self.client.post(self.url(path)).json(&body).send().await.unwrap()
     }
 
     pub async fn get_json(&self, path: &str) -> Value {
@@ -151,10 +131,7 @@ impl Sim {
         let r = self.post(path, body).await;
         let status = r.status().as_u16();
         let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
     }
 
     /// POST /generate and return (status, body).
@@ -175,20 +152,14 @@ impl Sim {
             if pred(&l) {
                 return l;
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for {what}: {l}"
-            );
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {l}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
     /// Waits for the process to exit; returns its exit code.
     pub async fn wait_exit(&mut self) -> Option<i32> {
-        let status = tokio::time::timeout(DEADLINE, self.child.wait())
-            .await
-            .expect("process did not exit")
-            .unwrap();
+        let status = tokio::time::timeout(DEADLINE, self.child.wait()).await.expect("process did not exit").unwrap();
         status.code()
     }
 }
@@ -216,9 +187,7 @@ pub async fn wait_healthy(client: &reqwest::Client, port: u16, log: &std::path::
 
 /// Awaits `f` with the test deadline.
 pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
-    tokio::time::timeout(DEADLINE, f)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
+    tokio::time::timeout(DEADLINE, f).await.unwrap_or_else(|_| panic!("timed out: {what}"))
 }
 
 /// A generate body with `ignore_eos` so the output length is exactly `max_new_tokens`.
@@ -228,10 +197,7 @@ pub fn gen_body(text: &str, max_new_tokens: u64) -> Value {
 
 /// A minimal valid safetensors file with one F32 tensor of `n` elements.
 pub fn safetensors_bytes(n: usize, fill: u8) -> Vec<u8> {
-    let header = format!(
-        r#"{{"w":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
-        n * 4
-    );
+    let header = format!(r#"{{"w":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#, n * 4);
     let mut out = (header.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(header.as_bytes());
     out.extend(std::iter::repeat_n(fill, n * 4));
