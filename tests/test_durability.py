@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, wait_until
+from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, http, wait_until
 from conftest import start_manager
 
 from elastic_rollout import RolloutApiError
@@ -114,3 +114,43 @@ def test_second_manager_on_same_state_dir_is_refused(manager_bin: Path, tmp_path
     assert first.client.engines().total_engines == INITIAL_ENGINES
     with pytest.raises(RolloutApiError):
         first.client.scale_out_status("no-such-id")
+
+
+def test_live_engines_are_readopted_without_restart(manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]) -> None:
+    state = tmp_path / "state"
+    keep = ("--reattach-grace-secs", "60")
+    first = start_manager(manager_bin, state, keep)
+    managers.append(first)
+    first.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    first.client.wait_for_operation("scale_out", first.client.scale_out(num_replicas=3).request_id, STARTUP_TIMEOUT)
+    before = {e.engine_id: e for e in first.wait_engines(3).engines}
+    first.track_children()  # the keepers
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=10)
+    # The engines outlive the killed manager (within the grace period)...
+    assert all(first.engine_processes[e.pid].alive() for e in before.values() if e.pid is not None)
+
+    second = start_manager(manager_bin, state, keep)
+    managers.append(second)
+    after = {e.engine_id: e for e in second.wait_engines(3, "ACTIVE", STARTUP_TIMEOUT).engines}
+    # ... and are re-adopted: same processes, never restarted.
+    assert {k: (e.pid, e.restarts) for k, e in after.items()} == {k: (e.pid, e.restarts) for k, e in before.items()}
+    for _ in range(6):
+        assert http("POST", f"{second.router_url}/generate", {"text": "still here", "sampling_params": {"max_new_tokens": 2}}).status == 200
+    # Scale-in of a re-adopted engine stops it through its keeper.
+    removal = second.client.scale_in(num_replicas=2)
+    assert second.client.wait_for_operation("scale_in", removal.request_id, STARTUP_TIMEOUT).status == "COMPLETED"
+    victim = next(e for e in before.values() if e.origin == "dynamic")
+    wait_until(lambda: not first.engine_processes[victim.pid].alive(), 15, "the removed engine's process to exit")  # type: ignore[index]
+
+
+def test_unclaimed_engines_die_after_the_grace_period(manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]) -> None:
+    handle = start_manager(manager_bin, tmp_path / "state", ("--reattach-grace-secs", "1"))
+    managers.append(handle)
+    handle.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    handle.engines()
+    handle.track_children()
+    assert len(handle.engine_processes) == 2 * INITIAL_ENGINES  # engines and their keepers
+    handle.process.send_signal(signal.SIGKILL)
+    handle.process.wait(timeout=10)
+    wait_until(lambda: not handle.surviving_engines(), 20, lambda: f"orphans to die after the grace: {handle.surviving_engines()}")

@@ -108,6 +108,11 @@ pub struct ServeConfig {
     /// weights, on the same GPUs, with exponential backoff).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub restart_failed_engines: bool,
+    /// How long local engines outlive a manager that died without stopping them, waiting for a
+    /// restarted manager to re-adopt them (each engine then runs under a small keeper process).
+    /// 0: engines die with the manager.
+    #[arg(long, default_value_t = 0.0, value_name = "SECS")]
+    pub reattach_grace_secs: f64,
     /// Engine endpoint used by health probes.
     #[arg(long, default_value = "/health_generate")]
     pub health_check_endpoint: String,
@@ -170,7 +175,13 @@ impl ServeConfig {
             ));
         }
         if self.rollout_num_gpus_per_engine > self.gpus {
-            return Err(bad("--gpus", format!("the pool has {} GPUs, fewer than one engine needs ({})", self.gpus, self.rollout_num_gpus_per_engine)));
+            return Err(bad(
+                "--gpus",
+                format!(
+                    "the pool has {} GPUs, fewer than one engine needs ({})",
+                    self.gpus, self.rollout_num_gpus_per_engine
+                ),
+            ));
         }
         if self.initial_engines() > self.max_engines {
             return Err(bad(
@@ -189,6 +200,12 @@ impl ServeConfig {
         }
         if self.engine_args.iter().any(|a| a.contains('\0')) {
             return Err(bad("--engine-arg", "must not contain NUL bytes"));
+        }
+        if !(self.reattach_grace_secs.is_finite() && self.reattach_grace_secs >= 0.0) {
+            return Err(bad(
+                "--reattach-grace-secs",
+                format!("{} is not a number of seconds >= 0", self.reattach_grace_secs),
+            ));
         }
         positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
         positive_secs("--scale-in-drain-timeout", self.scale_in_drain_timeout)?;

@@ -32,7 +32,9 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_out_cancel", post(cancel_many))
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
-        .fallback(|| async { ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API") })
+        .fallback(|| async {
+            ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API")
+        })
         .with_state(state)
 }
 
@@ -41,7 +43,8 @@ pub fn router(state: ApiState) -> Router {
 /// `curl -d '{...}'` (which sends form encoding) works as people expect.
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
 }
 
 async fn engines(State(s): State<ApiState>) -> Json<Value> {
@@ -98,10 +101,12 @@ async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) 
 
 async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let record = inner
-        .scale_outs
-        .get(&id)
-        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-out request with id {id}; list them with GET /rollout/scale_out")))?;
+    let record = inner.scale_outs.get(&id).ok_or_else(|| {
+        ApiError::not_found(
+            "unknown_request",
+            format!("no scale-out request with id {id}; list them with GET /rollout/scale_out"),
+        )
+    })?;
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     // Per-engine progress, for engines still in the fleet.
     let engines: Vec<Value> = record
@@ -118,14 +123,19 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
 
 async fn get_scale_in(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let record = inner
-        .scale_ins
-        .get(&id)
-        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-in request with id {id}; list them with GET /rollout/scale_in")))?;
+    let record = inner.scale_ins.get(&id).ok_or_else(|| {
+        ApiError::not_found(
+            "unknown_request",
+            format!("no scale-in request with id {id}; list them with GET /rollout/scale_in"),
+        )
+    })?;
     serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
-async fn cancel_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<(StatusCode, Json<Value>), ApiError> {
+async fn cancel_scale_out(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     let record = scaling::cancel_scale_out(&s.manager, &s.cancels, &id)?;
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     value["message"] = json!("cancellation requested; created engines are being stopped");

@@ -7,8 +7,8 @@
 use crate::clock::unix_now;
 use crate::host::EngineProcess;
 use rollout_core::{
-    EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent,
-    ScaleInStatus, ScaleOutEvent, ScaleOutStatus,
+    EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
+    ScaleOutStatus,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
@@ -103,6 +103,8 @@ pub struct Engine {
     pub probe_failures: u32,
     /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
     pub pid_start_ticks: Option<u64>,
+    /// Socket of the engine's keeper, when engines outlive the manager.
+    pub keeper_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -247,7 +249,12 @@ impl Fleet {
             running: None,
             weight_version,
         };
-        Self { inner: Mutex::new(inner), store, routes: RwLock::new(Arc::new(Vec::new())), changes: watch::channel(0).0 }
+        Self {
+            inner: Mutex::new(inner),
+            store,
+            routes: RwLock::new(Arc::new(Vec::new())),
+            changes: watch::channel(0).0,
+        }
     }
 
     /// Locks the registry. A poisoned lock (a panic while held) is recovered: every mutation

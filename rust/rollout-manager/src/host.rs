@@ -68,6 +68,8 @@ pub enum HostError {
 #[derive(Debug, Clone)]
 pub struct EngineProcess {
     pub pid: u32,
+    /// Start time of the process (see [`process_start_ticks`]), its identity beside the pid.
+    pub start_ticks: Option<u64>,
     /// Ask the supervisor to stop the process with this grace period.
     stop_tx: mpsc::Sender<Duration>,
     /// `None` while running, then how it ended.
@@ -75,6 +77,17 @@ pub struct EngineProcess {
 }
 
 impl EngineProcess {
+    /// A process supervised elsewhere (by a keeper): stop requests go to `stop_tx`, and
+    /// `exit_rx` says when it ended.
+    pub fn from_parts(
+        pid: u32,
+        start_ticks: Option<u64>,
+        stop_tx: mpsc::Sender<Duration>,
+        exit_rx: watch::Receiver<Option<ExitInfo>>,
+    ) -> Self {
+        Self { pid, start_ticks, stop_tx, exit_rx }
+    }
+
     /// Stops the process group (SIGTERM, then SIGKILL after `grace`) and waits until it is
     /// reaped. Returns at once if it already exited.
     pub async fn stop(&self, grace: Duration) -> ExitInfo {
@@ -130,26 +143,50 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
         .stderr(Stdio::from(log_err))
         .process_group(0)
         .kill_on_drop(true);
-    let parent = nix::unistd::getpid();
-    #[expect(unsafe_code, reason = "pre_exec runs between fork and exec to set PDEATHSIG")]
-    // SAFETY: the closure only calls async-signal-safe functions (prctl, getppid).
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
-            // The parent may have died between fork and prctl; then no signal would come.
-            if nix::unistd::getppid() != parent {
-                // No allocation between fork and exec: a raw errno is enough.
-                return Err(io::Error::from(nix::errno::Errno::ESRCH));
-            }
-            Ok(())
-        });
-    }
+    die_with_parent(&mut cmd);
     let child = cmd.spawn().map_err(|source| HostError::Spawn { program: spec.program.clone(), source })?;
     let pid = child.id().ok_or_else(|| HostError::NoPid { program: spec.program.clone() })?;
     let (stop_tx, stop_rx) = mpsc::channel(1);
     let (exit_tx, exit_rx) = watch::channel(None);
     tokio::spawn(supervise(child, pid, stop_rx, exit_tx));
-    Ok(EngineProcess { pid, stop_tx, exit_rx })
+    Ok(EngineProcess { pid, start_ticks: process_start_ticks(pid), stop_tx, exit_rx })
+}
+
+/// Makes the child get SIGKILL when its parent thread exits (PR_SET_PDEATHSIG).
+pub fn die_with_parent(cmd: &mut Command) {
+    let parent = nix::unistd::getpid();
+    #[expect(unsafe_code, reason = "pre_exec runs between fork and exec to set PDEATHSIG")]
+    // SAFETY: the closure only calls async-signal-safe functions (prctl, getppid) and does not
+    // allocate.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
+            // The parent may have died between fork and prctl; then no signal would come.
+            if nix::unistd::getppid() != parent {
+                return Err(io::Error::from(nix::errno::Errno::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Starts a process in a session of its own that outlives the manager (an engine keeper).
+/// The caller owns the returned child and must reap it.
+pub fn spawn_detached(spec: &LaunchSpec) -> Result<Child, HostError> {
+    let log = open_log(&spec.log_path)?;
+    let log_err = log.try_clone().map_err(|source| HostError::Log { path: spec.log_path.clone(), source })?;
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err));
+    #[expect(unsafe_code, reason = "pre_exec runs between fork and exec to start a new session")]
+    // SAFETY: setsid is async-signal-safe and nothing is allocated.
+    unsafe {
+        cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(io::Error::from));
+    }
+    cmd.spawn().map_err(|source| HostError::Spawn { program: spec.program.clone(), source })
 }
 
 /// Start time of a process in clock ticks since boot (`/proc/<pid>/stat` field 22): with the
@@ -247,9 +284,7 @@ mod tests {
         let p = spawn(&spec(&dir, &script)).unwrap();
         let grandchild: u32 = wait_for_file(&pidfile).await.trim().parse().unwrap();
         assert!(alive(grandchild));
-        let info = tokio::time::timeout(Duration::from_secs(10), p.stop(Duration::from_millis(200)))
-            .await
-            .unwrap();
+        let info = tokio::time::timeout(Duration::from_secs(10), p.stop(Duration::from_millis(200))).await.unwrap();
         assert!(info.requested);
         assert_eq!(info.signal, Some(9));
         assert!(!alive(p.pid));

@@ -64,7 +64,14 @@ impl EngineLauncher {
     }
 
     /// The full launch of one engine.
-    pub fn spec(&self, config: &ServeConfig, port: u16, gpu_ids: &[u32], weight_version: &str, log_path: PathBuf) -> LaunchSpec {
+    pub fn spec(
+        &self,
+        config: &ServeConfig,
+        port: u16,
+        gpu_ids: &[u32],
+        weight_version: &str,
+        log_path: PathBuf,
+    ) -> LaunchSpec {
         let mut args = self.prefix.clone();
         args.extend([
             "--model-path".to_string(),
@@ -120,12 +127,22 @@ mod tests {
 
     #[test]
     fn sglang_argv_is_a_list_with_gpus_in_env() {
-        let config = Cli::try_parse_from(["m", "--model-path", "/models/q; rm -rf /", "--engine-arg=--mem-fraction-static=0.8"]).unwrap().serve;
-        let launcher = EngineLauncher { program: "/usr/bin/python3".into(), prefix: vec!["-m".into(), "sglang.launch_server".into()], kind: EngineKind::Sglang };
+        let config =
+            Cli::try_parse_from(["m", "--model-path", "/models/q; rm -rf /", "--engine-arg=--mem-fraction-static=0.8"])
+                .unwrap()
+                .serve;
+        let launcher = EngineLauncher {
+            program: "/usr/bin/python3".into(),
+            prefix: vec!["-m".into(), "sglang.launch_server".into()],
+            kind: EngineKind::Sglang,
+        };
         let spec = launcher.spec(&config, 31000, &[2, 3], "v7", "/tmp/e.log".into());
         assert_eq!(&spec.args[..4], ["-m", "sglang.launch_server", "--model-path", "/models/q; rm -rf /"]);
         let joined = spec.args.join(" ");
-        assert!(joined.contains("--port 31000 --tp-size 2 --weight-version v7 --enable-metrics --mem-fraction-static=0.8"), "{joined}");
+        assert!(
+            joined.contains("--port 31000 --tp-size 2 --weight-version v7 --enable-metrics --mem-fraction-static=0.8"),
+            "{joined}"
+        );
         assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
     }
 }

@@ -8,6 +8,7 @@ pub mod error;
 pub mod fleet;
 pub mod health;
 pub mod host;
+pub mod keeper;
 pub mod launch;
 pub mod manager;
 pub mod restore;

@@ -15,15 +15,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the manager: control API, router, and the engines on this machine.
-    Serve(ServeConfig),
+    Serve(Box<ServeConfig>),
+    /// Internal: keep one engine alive across a manager restart (see `--reattach-grace-secs`).
+    #[command(hide = true)]
+    Keeper(rollout_manager::keeper::KeeperArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
@@ -34,7 +35,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let Command::Serve(config) = cli.command;
+    let config = match cli.command {
+        Command::Serve(config) => *config,
+        Command::Keeper(args) => {
+            return match runtime.block_on(rollout_manager::keeper::run_keeper(args)) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: keeper: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+    };
     runtime.block_on(async move {
         let server = match Server::build(config).await {
             Ok(s) => s,

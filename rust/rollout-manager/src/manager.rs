@@ -46,13 +46,24 @@ pub enum EngineError {
 }
 
 impl Manager {
-    pub fn new(config: ServeConfig, launcher: EngineLauncher, store: Option<crate::store::Store>) -> Result<Arc<Self>, reqwest::Error> {
+    pub fn new(
+        config: ServeConfig,
+        launcher: EngineLauncher,
+        store: Option<crate::store::Store>,
+    ) -> Result<Arc<Self>, reqwest::Error> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_idle_timeout(Duration::from_secs(30))
             .build()?;
         let fleet = Fleet::new(config.gpus, config.weight_version.clone(), store);
-        Ok(Arc::new(Self { config, fleet, launcher, http, tasks: TaskTracker::new(), shutdown: CancellationToken::new() }))
+        Ok(Arc::new(Self {
+            config,
+            fleet,
+            launcher,
+            http,
+            tasks: TaskTracker::new(),
+            shutdown: CancellationToken::new(),
+        }))
     }
 
     pub fn shutdown_grace(&self) -> Duration {
@@ -99,7 +110,15 @@ impl Manager {
             created_by: Some(created_by.to_string()),
             restarts: 0,
         };
-        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0, pid_start_ticks: None };
+        let engine = Engine {
+            seq,
+            record,
+            process: None,
+            load: Arc::new(InFlight::default()),
+            probe_failures: 0,
+            pid_start_ticks: None,
+            keeper_socket: None,
+        };
         inner.engines.insert(engine_id.clone(), engine);
         Ok(engine_id)
     }
@@ -129,7 +148,15 @@ impl Manager {
             created_by: Some(created_by.to_string()),
             restarts: 0,
         };
-        let engine = Engine { seq, record, process: None, load: Arc::new(InFlight::default()), probe_failures: 0, pid_start_ticks: None };
+        let engine = Engine {
+            seq,
+            record,
+            process: None,
+            load: Arc::new(InFlight::default()),
+            probe_failures: 0,
+            pid_start_ticks: None,
+            keeper_socket: None,
+        };
         inner.engines.insert(engine_id.clone(), engine);
         engine_id
     }
@@ -154,12 +181,27 @@ impl Manager {
         if model != self.config.model_path {
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
         }
-        self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Launched)).map_err(|e| EngineError::Launch(e.to_string()))?;
+        self.fleet
+            .update(|inner| inner.engine_event(engine_id, EngineEvent::Launched))
+            .map_err(|e| EngineError::Launch(e.to_string()))?;
         Ok(())
     }
 
     /// Starts the process of a reserved engine and moves it to HEALTH_CHECKING.
-    pub fn launch(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
+    ///
+    /// Cancel-safe: the work runs in its own task, so a caller that stops waiting (a cancelled
+    /// scale-out) cannot leave a started process unregistered; a process whose engine left the
+    /// fleet meanwhile is stopped.
+    pub async fn launch(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
+        let m = self.clone();
+        let id = engine_id.to_string();
+        self.tasks
+            .spawn(async move { m.launch_now(&id).await })
+            .await
+            .unwrap_or_else(|e| Err(EngineError::Launch(format!("launch task failed: {e}"))))
+    }
+
+    async fn launch_now(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
         let weight_version = self.fleet.lock().weight_version.clone();
         let (port, gpu_ids, log_path) = {
             let inner = self.fleet.lock();
@@ -169,7 +211,15 @@ impl Manager {
         };
         let spec = self.launcher.spec(&self.config, port, &gpu_ids, &weight_version, log_path);
         tracing::info!(engine_id, program = %spec.program.display(), args = ?spec.args, "launching engine");
-        let process = host::spawn(&spec).map_err(|e| EngineError::Launch(e.to_string()))?;
+        let grace = self.config.reattach_grace_secs;
+        let (process, keeper_socket) = if grace > 0.0 {
+            let socket = keeper_socket_path(&self.config.state_dir, engine_id)
+                .map_err(|e| EngineError::Launch(e.to_string()))?;
+            let p = crate::keeper::spawn_kept(&spec, &socket, Duration::from_secs_f64(grace)).await;
+            (p.map_err(|e| EngineError::Launch(e.to_string()))?, Some(socket))
+        } else {
+            (host::spawn(&spec).map_err(|e| EngineError::Launch(e.to_string()))?, None)
+        };
         let pid = process.pid;
         let registered = self.fleet.update(|inner| {
             // The engine may have been removed (scale-in, cancel) while we were forking.
@@ -177,8 +227,9 @@ impl Manager {
             if moved.is_ok() {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.record.pid = Some(pid);
-                    e.pid_start_ticks = host::process_start_ticks(pid);
+                    e.pid_start_ticks = process.start_ticks;
                     e.process = Some(process.clone());
+                    e.keeper_socket = keeper_socket.clone();
                 }
             }
             moved
@@ -195,7 +246,7 @@ impl Manager {
 
     /// Marks the engine FAILED when its process exits without being asked to, and schedules
     /// its recovery if it had been serving.
-    fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
+    pub fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
         let manager = self.clone();
         self.tasks.spawn(async move {
             let info = process.wait().await;
@@ -214,7 +265,9 @@ impl Manager {
                 was
             });
             // Engines still being created are the scale-out's to handle; removed ones stay gone.
-            if matches!(was, Some(EngineStatus::Active | EngineStatus::Unhealthy)) && manager.config.restart_failed_engines {
+            if matches!(was, Some(EngineStatus::Active | EngineStatus::Unhealthy))
+                && manager.config.restart_failed_engines
+            {
                 let m = manager.clone();
                 manager.tasks.spawn(async move { m.recover(&engine_id, Duration::from_secs(1)).await });
             }
@@ -260,19 +313,22 @@ impl Manager {
             }
             tracing::info!(engine_id, "restarting failed engine");
             let result = async {
-                self.launch(engine_id)?;
+                self.launch(engine_id).await?;
                 self.wait_healthy(engine_id, &self.shutdown).await?;
-                self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy)).map_err(|e| EngineError::Launch(e.to_string()))?;
+                self.fleet
+                    .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
+                    .map_err(|e| EngineError::Launch(e.to_string()))?;
                 let version = self.check_weights(engine_id).await?;
-                self.fleet.update(|inner| {
-                    if let Some(e) = inner.engines.get_mut(engine_id) {
-                        e.record.weight_version = Some(version);
-                        e.record.last_error = None;
-                    }
-                    inner.engine_event(engine_id, EngineEvent::WeightsSynced)?;
-                    inner.engine_event(engine_id, EngineEvent::Activated)
-                })
-                .map_err(|e| EngineError::Launch(e.to_string()))?;
+                self.fleet
+                    .update(|inner| {
+                        if let Some(e) = inner.engines.get_mut(engine_id) {
+                            e.record.weight_version = Some(version);
+                            e.record.last_error = None;
+                        }
+                        inner.engine_event(engine_id, EngineEvent::WeightsSynced)?;
+                        inner.engine_event(engine_id, EngineEvent::Activated)
+                    })
+                    .map_err(|e| EngineError::Launch(e.to_string()))?;
                 Ok::<(), EngineError>(())
             }
             .await;
@@ -427,6 +483,19 @@ impl Manager {
         let grace = self.shutdown_grace();
         futures::future::join_all(processes.iter().map(|p| p.stop(grace))).await;
     }
+}
+
+/// Where an engine's keeper listens: a short path (Unix socket paths are limited to ~107
+/// bytes) in a private directory under the system temp dir, named after the state directory.
+fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &str) -> std::io::Result<std::path::PathBuf> {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf()).hash(&mut h);
+    let dir = std::env::temp_dir().join(format!("rollout-{:016x}", h.finish()));
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    Ok(dir.join(format!("{engine_id}.sock")))
 }
 
 /// The host part of an engine URL: IPv6 literals need brackets.

@@ -6,23 +6,83 @@
 //! - a scale-out that was in flight ends FAILED, and the engines it had not yet activated are
 //!   rolled back (initial engines are started again instead: they must exist);
 //! - a scale-in that was in flight finishes: its victims are removed, and it ends COMPLETED;
-//! - a managed engine that was serving (or had crashed) is started again on its GPUs with the
-//!   fleet's weight version, through the same recovery path as a crash. Local engines die with
-//!   the manager (PDEATHSIG), so there is no live process to adopt; should one still run, it is
-//!   identified by pid *and* start time and killed, so no engine process exists without a record;
+//! - a managed engine whose keeper still runs (`--reattach-grace-secs`) is re-adopted without a
+//!   restart once the keeper's pid and process start time match the record, `/health` passes
+//!   and it serves the fleet's weight version; engines to be dropped are stopped through it;
+//! - any other managed engine that was serving (or had crashed) is started again on its GPUs
+//!   with the fleet's weight version, through the same recovery path as a crash. Should its old
+//!   process still run (same pid *and* start time), it is killed first, so no engine process
+//!   exists without a record;
 //! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes.
 
-use crate::fleet::Engine;
-use crate::fleet::InFlight;
+use crate::fleet::{Engine, InFlight};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
-use crate::store::Snapshot;
-use rollout_core::{EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
+use crate::store::{Snapshot, StoredEngine};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
 use std::collections::HashSet;
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-pub fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
-    let mut to_recover = Vec::new();
+/// What happens to one stored engine.
+enum Fate {
+    /// Keep it: re-adopt its live process, or start it again.
+    Keep,
+    /// It was being removed or rolled back: make sure its process is gone.
+    Drop,
+}
+
+pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
+    // Re-attach to live keepers first, so nothing adoptable gets killed below.
+    let mut adopted = Vec::new();
+    for stored in &snapshot.engines {
+        if let Some(socket) = &stored.keeper_socket {
+            if let Some(process) = adopt(stored, socket).await {
+                adopted.push((stored.record.engine_id.clone(), process));
+            }
+        }
+    }
+    let (keep, drop_live) = rebuild(manager, snapshot, &adopted);
+    for (id, process) in drop_live {
+        tracing::info!(engine_id = %id, pid = process.pid, "stopping a re-attached engine that was being removed");
+        process.stop(manager.shutdown_grace()).await;
+    }
+    for (id, process) in keep {
+        let m = manager.clone();
+        manager.tasks.spawn(async move {
+            match process {
+                Some(p) => readopt(&m, &id, p).await,
+                None => m.recover(&id, Duration::ZERO).await,
+            }
+        });
+    }
+}
+
+/// Connects to an engine's keeper and checks it is the recorded process.
+async fn adopt(stored: &StoredEngine, socket: &Path) -> Option<crate::host::EngineProcess> {
+    let process = crate::keeper::attach(socket).await.ok()?;
+    let same = Some(process.pid) == stored.record.pid
+        && process.start_ticks.is_some()
+        && process.start_ticks == stored.pid_start_ticks;
+    if same {
+        return Some(process);
+    }
+    tracing::warn!(engine_id = %stored.record.engine_id, pid = process.pid, "keeper's engine is not the recorded process; stopping it");
+    process.stop(Duration::from_secs(5)).await;
+    None
+}
+
+type Keep = Vec<(String, Option<crate::host::EngineProcess>)>;
+type DropLive = Vec<(String, crate::host::EngineProcess)>;
+
+fn rebuild(
+    manager: &Arc<Manager>,
+    snapshot: Snapshot,
+    adopted: &[(String, crate::host::EngineProcess)],
+) -> (Keep, DropLive) {
+    let mut keep = Vec::new();
+    let mut drop_live = Vec::new();
     manager.fleet.update(|inner| {
         if let Some(meta) = &snapshot.meta {
             inner.weight_version = meta.weight_version.clone();
@@ -30,7 +90,6 @@ pub fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
         }
         inner.next_seq = inner.next_seq.max(snapshot.engines.iter().map(|e| e.seq + 1).max().unwrap_or(0));
 
-        // Engines of operations that were cut short.
         let mut rolled_back: HashSet<String> = HashSet::new();
         let mut scale_in_victims: HashSet<String> = HashSet::new();
         for mut op in snapshot.scale_outs.clone() {
@@ -65,50 +124,109 @@ pub fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
         for stored in snapshot.engines {
             let mut record = stored.record;
             let id = record.engine_id.clone();
-            // A process still running under the recorded identity is ours: stop it.
-            if let (Some(pid), Some(ticks)) = (record.pid, stored.pid_start_ticks) {
-                if record.origin != EngineOrigin::External && process_start_ticks(pid) == Some(ticks) {
-                    tracing::warn!(engine_id = %id, pid, "a recorded engine process is still running; stopping it before restarting the engine");
-                    let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
-                }
-            }
+            let live = adopted.iter().find(|(a, _)| a == &id).map(|(_, p)| p.clone());
             let initial = record.origin == EngineOrigin::Initial;
-            let gone = scale_in_victims.contains(&id)
+            let fate = if scale_in_victims.contains(&id)
                 || (rolled_back.contains(&id) && !initial)
                 || matches!(record.status, EngineStatus::Removing | EngineStatus::Removed)
-                || (record.status == EngineStatus::Draining && !initial);
-            if gone {
+                || (record.status == EngineStatus::Draining && !initial)
+            {
+                Fate::Drop
+            } else {
+                Fate::Keep
+            };
+            if live.is_none() && record.origin != EngineOrigin::External {
+                // Not adoptable: a process still running under the recorded identity is ours.
+                if let (Some(pid), Some(ticks)) = (record.pid, stored.pid_start_ticks) {
+                    if process_start_ticks(pid) == Some(ticks) {
+                        tracing::warn!(engine_id = %id, pid, "a recorded engine process still runs; stopping it");
+                        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+                    }
+                }
+            }
+            if let Fate::Drop = fate {
                 tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
+                if let Some(p) = live {
+                    drop_live.push((id, p));
+                }
                 continue;
             }
-            record.pid = None;
             record.in_flight = 0;
             record.is_healthy = false;
             if record.origin == EngineOrigin::External {
+                record.pid = None;
                 record.status = EngineStatus::Unhealthy;
                 record.last_error = Some("manager restarted; waiting for a passing health probe".into());
             } else {
                 if let Err(e) = inner.gpus.claim(&record.gpu_ids) {
                     tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
+                    if let Some(p) = live {
+                        drop_live.push((id, p));
+                    }
                     continue;
                 }
-                record.status = EngineStatus::Failed;
-                record.last_error = Some("manager restarted; starting the engine again".into());
-                to_recover.push(id.clone());
+                if let Some(port) = record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                    inner.ports_in_use.insert(port);
+                }
+                if live.is_some() {
+                    record.status = EngineStatus::HealthChecking;
+                    record.last_error = None;
+                } else {
+                    record.pid = None;
+                    record.status = EngineStatus::Failed;
+                    record.last_error = Some("manager restarted; starting the engine again".into());
+                }
+                keep.push((id.clone(), live.clone()));
             }
             let engine = Engine {
                 seq: stored.seq,
                 record,
-                process: None,
+                pid_start_ticks: live.as_ref().and_then(|p| p.start_ticks),
+                process: live,
                 load: Arc::new(InFlight::default()),
                 probe_failures: 0,
-                pid_start_ticks: None,
+                keeper_socket: stored.keeper_socket,
             };
             inner.engines.insert(id, engine);
         }
     });
-    for id in to_recover {
-        let m = manager.clone();
-        manager.tasks.spawn(async move { m.recover(&id, std::time::Duration::ZERO).await });
+    (keep, drop_live)
+}
+
+/// Takes a re-attached engine back into service: healthy and on the fleet's version -> ACTIVE
+/// (no restart); otherwise it is stopped and recovered like a crash.
+async fn readopt(manager: &Arc<Manager>, engine_id: &str, process: crate::host::EngineProcess) {
+    manager.watch_exit(engine_id.to_string(), process.clone());
+    let checked = async {
+        manager.wait_healthy(engine_id, &manager.shutdown).await?;
+        manager.check_weights(engine_id).await
+    };
+    match tokio::time::timeout(Duration::from_secs(60), checked).await {
+        Ok(Ok(version)) => {
+            manager.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.weight_version = Some(version);
+                }
+                for event in [EngineEvent::Healthy, EngineEvent::WeightsSynced, EngineEvent::Activated] {
+                    let _ = inner.engine_event(engine_id, event);
+                }
+            });
+            tracing::info!(engine_id, pid = process.pid, "re-adopted engine without restart");
+        }
+        outcome => {
+            let why = match outcome {
+                Ok(Err(e)) => e.to_string(),
+                _ => "no answer within 60 s".to_string(),
+            };
+            tracing::warn!(engine_id, error = %why, "re-adopted engine is not usable; restarting it");
+            manager.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.last_error = Some(format!("after restart: {why}"));
+                }
+                let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+            });
+            process.stop(manager.shutdown_grace()).await;
+            manager.recover(engine_id, Duration::ZERO).await;
+        }
     }
 }

@@ -58,14 +58,23 @@ pub fn router(manager: Arc<crate::manager::Manager>) -> Result<Router, reqwest::
 async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
     let n = state.fleet.fleet().routes().len();
     let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(serde_json::json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n}))).into_response()
+    (status, Json(serde_json::json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n})))
+        .into_response()
 }
 
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
-        "connection" | "keep-alive" | "proxy-authenticate" | "proxy-authorization" | "te" | "trailer"
-            | "transfer-encoding" | "upgrade" | "host" | "content-length"
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
     )
 }
 
@@ -82,14 +91,24 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
         Ok(b) => b,
         Err(e) => {
-            return (StatusCode::PAYLOAD_TOO_LARGE, Json(error_body("body_too_large", &format!("request body rejected: {e}; the limit is {MAX_BODY_BYTES} bytes")))).into_response();
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Json(error_body(
+                    "body_too_large",
+                    &format!("request body rejected: {e}; the limit is {MAX_BODY_BYTES} bytes"),
+                )),
+            )
+                .into_response();
         }
     };
     let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").to_string();
     let headers = end_to_end(&parts.headers);
     let routes = state.fleet.fleet().routes();
     if routes.is_empty() {
-        return unavailable("no_engine_available", "no ACTIVE engine can take this request; see GET /rollout/engines on the control port");
+        return unavailable(
+            "no_engine_available",
+            "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
+        );
     }
     let start = state.next.fetch_add(1, Ordering::Relaxed);
     let mut last_error = String::new();
@@ -126,7 +145,11 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
             Err(e) => {
                 tracing::warn!(engine_id = %backend.engine_id, error = %e, "engine request failed");
-                return (StatusCode::BAD_GATEWAY, Json(error_body("engine_error", &format!("{} failed: {e}", backend.engine_id)))).into_response();
+                return (
+                    StatusCode::BAD_GATEWAY,
+                    Json(error_body("engine_error", &format!("{} failed: {e}", backend.engine_id))),
+                )
+                    .into_response();
             }
         }
     }

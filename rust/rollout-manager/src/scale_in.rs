@@ -22,15 +22,24 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     if req.model_name != manager.config.model_name {
         return Err(ApiError::bad_request(
             "unknown_model",
-            format!("model_name {:?} is not served here; this fleet serves {:?}", req.model_name, manager.config.model_name),
+            format!(
+                "model_name {:?} is not served here; this fleet serves {:?}",
+                req.model_name, manager.config.model_name
+            ),
         ));
     }
     if req.num_replicas < 0 {
-        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {} must be >= 0", req.num_replicas)));
+        return Err(ApiError::bad_request(
+            "invalid_num_replicas",
+            format!("num_replicas {} must be >= 0", req.num_replicas),
+        ));
     }
     if let Some(t) = req.timeout_secs {
         if !(t.is_finite() && t > 0.0) {
-            return Err(ApiError::bad_request("invalid_timeout", format!("timeout_secs {t} must be a positive number of seconds")));
+            return Err(ApiError::bad_request(
+                "invalid_timeout",
+                format!("timeout_secs {t} must be a positive number of seconds"),
+            ));
         }
     }
     if req.num_replicas == 0 && req.engine_urls.is_empty() {
@@ -71,13 +80,20 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             candidates.retain(|e| e.record.origin != EngineOrigin::Initial);
             // LIFO: the newest engine leaves first.
             candidates.sort_by_key(|e| std::cmp::Reverse(e.seq));
-            candidates.into_iter().take(live.saturating_sub(target) as usize).map(|e| e.record.engine_id.clone()).collect()
+            candidates
+                .into_iter()
+                .take(live.saturating_sub(target) as usize)
+                .map(|e| e.record.engine_id.clone())
+                .collect()
         } else {
             let mut ids = Vec::new();
             for url in &req.engine_urls {
                 let want = url.trim_end_matches('/');
                 let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
-                    ApiError::bad_request("unknown_engine_url", format!("no engine with url {url} is in the fleet; see GET /rollout/engines"))
+                    ApiError::bad_request(
+                        "unknown_engine_url",
+                        format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
+                    )
                 })?;
                 if engine.record.origin == EngineOrigin::Initial {
                     return Err(ApiError::bad_request(
@@ -116,7 +132,8 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         if victims.is_empty() {
             let _ = record.apply(ScaleInEvent::Noop);
             record.message = format!("fleet already has {} engines or fewer; nothing to remove", req.num_replicas);
-            let answer = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            let answer =
+                Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
             inner.scale_ins.insert(request_id.clone(), record);
             return Ok((ScaleInAnswer::Accepted(answer), None));
         }
@@ -130,7 +147,8 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         }
         let _ = record.apply(ScaleInEvent::StartDraining);
         record.message = format!("scale-in accepted: removing {}", victims.join(", "));
-        let answer = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        let answer =
+            Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
         inner.scale_ins.insert(request_id.clone(), record);
         inner.running = Some(RunningOp { kind: "scale_in", request_id: request_id.clone() });
         Ok((ScaleInAnswer::Accepted(answer), Some(victims)))
@@ -138,7 +156,11 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     let (answer, plan) = result;
     if let Some(victims) = plan {
         let m = manager.clone();
-        let drain = if req.force { Duration::ZERO } else { Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_in_drain_timeout)) };
+        let drain = if req.force {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_in_drain_timeout))
+        };
         manager.tasks.spawn(async move { run_scale_in(&m, &request_id, victims, drain).await });
     }
     Ok(answer)
@@ -150,7 +172,9 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         let inner = manager.fleet.lock();
         victims
             .iter()
-            .filter_map(|id| inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone(), e.record.origin)))
+            .filter_map(|id| {
+                inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone(), e.record.origin))
+            })
             .collect()
     };
     let drained = futures::future::join_all(loads.iter().map(|(id, url, load, origin)| async move {
@@ -178,7 +202,10 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     });
     // REMOVING: stop processes and release resources. Partial success: what was removed stays
     // removed; failures are reported.
-    let results = futures::future::join_all(victims.iter().map(|id| async move { (id.clone(), manager.remove_engine(id).await) })).await;
+    let results = futures::future::join_all(
+        victims.iter().map(|id| async move { (id.clone(), manager.remove_engine(id).await) }),
+    )
+    .await;
     manager.fleet.update(|inner| {
         if let Some(r) = inner.scale_ins.get_mut(request_id) {
             // Removal always ends with the process reaped (SIGKILL after the grace period).

@@ -99,9 +99,10 @@ fn check_model(manager: &Manager, model_name: &str) -> Result<(), ApiError> {
 
 fn check_timeout(timeout: Option<f64>) -> Result<(), ApiError> {
     match timeout {
-        Some(t) if !(t.is_finite() && t > 0.0) => {
-            Err(ApiError::bad_request("invalid_timeout", format!("timeout_secs {t} must be a positive number of seconds")))
-        }
+        Some(t) if !(t.is_finite() && t > 0.0) => Err(ApiError::bad_request(
+            "invalid_timeout",
+            format!("timeout_secs {t} must be a positive number of seconds"),
+        )),
         _ => Ok(()),
     }
 }
@@ -141,7 +142,10 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
     check_model(manager, &req.model_name)?;
     check_timeout(req.timeout_secs)?;
     if req.num_replicas < 0 {
-        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {} must be >= 0", req.num_replicas)));
+        return Err(ApiError::bad_request(
+            "invalid_num_replicas",
+            format!("num_replicas {} must be >= 0", req.num_replicas),
+        ));
     }
     if req.num_replicas == 0 {
         if req.engine_urls.is_empty() {
@@ -245,7 +249,9 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
         let known: Vec<&str> = inner
             .engines
             .values()
-            .filter(|e| !matches!(e.record.status, rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed))
+            .filter(|e| {
+                !matches!(e.record.status, rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed)
+            })
             .map(|e| e.record.url.as_str())
             .collect();
         let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
@@ -253,7 +259,8 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
         if fresh.is_empty() {
             let _ = record.apply(ScaleOutEvent::Noop);
             record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
-            let accepted = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            let accepted =
+                Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
             inner.scale_outs.insert(request_id.clone(), record);
             return Ok((accepted, None));
         }
@@ -261,7 +268,11 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
         if inner.live_count() + fresh.len() as u32 > max {
             return Err(ApiError::bad_request(
                 "above_max_engines",
-                format!("attaching {} engines would exceed --max-engines {max} (the fleet has {})", fresh.len(), inner.live_count()),
+                format!(
+                    "attaching {} engines would exceed --max-engines {max} (the fleet has {})",
+                    fresh.len(),
+                    inner.live_count()
+                ),
             ));
         }
         let ids: Vec<String> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
@@ -271,7 +282,8 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
             ids.len(),
             if skipped > 0 { format!(" ({skipped} already in the fleet, skipped)") } else { String::new() }
         );
-        let accepted = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        let accepted =
+            Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
         inner.scale_outs.insert(request_id.clone(), record);
         inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
         Ok((accepted, Some(ids)))
@@ -284,7 +296,13 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
 }
 
 /// Reserves `n` engines; on a failure part-way, releases what it reserved.
-fn reserve(manager: &Manager, inner: &mut FleetInner, n: u32, origin: EngineOrigin, op: &str) -> Result<Vec<String>, String> {
+fn reserve(
+    manager: &Manager,
+    inner: &mut FleetInner,
+    n: u32,
+    origin: EngineOrigin,
+    op: &str,
+) -> Result<Vec<String>, String> {
     let mut ids = Vec::new();
     for _ in 0..n {
         match manager.reserve_engine(inner, origin, op) {
@@ -309,7 +327,12 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
         return Ok(None);
     }
     let request_id = uuid::Uuid::new_v4().to_string();
-    let req = ScaleOutRequest { model_name: manager.config.model_name.clone(), num_replicas: i64::from(n), engine_urls: vec![], timeout_secs: None };
+    let req = ScaleOutRequest {
+        model_name: manager.config.model_name.clone(),
+        num_replicas: i64::from(n),
+        engine_urls: vec![],
+        timeout_secs: None,
+    };
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
         let version = inner.weight_version.clone();
         let mut record = new_scale_out_record(&request_id, &req, "initial", &version);
@@ -397,7 +420,11 @@ async fn run_scale_out(
                 if let Some(r) = inner.scale_outs.get_mut(request_id) {
                     r.failed_engines = failed_list.clone();
                     if !failed_list.is_empty() {
-                        r.error_message = Some(format!("{} of {} engines failed and were kept out (keep_partial)", failed_list.len(), r.engine_ids.len()));
+                        r.error_message = Some(format!(
+                            "{} of {} engines failed and were kept out (keep_partial)",
+                            failed_list.len(),
+                            r.engine_ids.len()
+                        ));
                     }
                 }
             });
@@ -405,13 +432,21 @@ async fn run_scale_out(
         Err(abort) => {
             // Roll back every engine of this request that is not already gone.
             let (event, message) = match &abort {
-                Abort::Cancelled => (ScaleOutEvent::Cancel, "cancelled by request; created engines were stopped".to_string()),
-                Abort::TimedOut => (ScaleOutEvent::Fail, format!("timed out after {timeout:?}; created engines were stopped")),
+                Abort::Cancelled => {
+                    (ScaleOutEvent::Cancel, "cancelled by request; created engines were stopped".to_string())
+                }
+                Abort::TimedOut => {
+                    (ScaleOutEvent::Fail, format!("timed out after {timeout:?}; created engines were stopped"))
+                }
                 Abort::Failed(m) => (ScaleOutEvent::Fail, m.clone()),
             };
             let doomed: Vec<String> = ids.clone();
             futures::future::join_all(doomed.iter().map(|id| {
-                let reason = failed_list.iter().find(|f| &f.engine_id == id).map(|f| f.error.clone()).unwrap_or_else(|| message.clone());
+                let reason = failed_list
+                    .iter()
+                    .find(|f| &f.engine_id == id)
+                    .map(|f| f.error.clone())
+                    .unwrap_or_else(|| message.clone());
                 async move { cleanup(manager, id, initial, &reason).await }
             }))
             .await;
@@ -481,17 +516,24 @@ async fn phases(
     if external {
         op_event(manager, request_id, ScaleOutEvent::StartConnecting);
         let ids = current();
-        let connected = futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.connect(id).await) })).await;
+        let connected =
+            futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.connect(id).await) }))
+                .await;
         record_failures(connected)?;
     } else {
         op_event(manager, request_id, ScaleOutEvent::StartCreating);
-        let launched: Vec<_> = current().into_iter().map(|id| { let r = manager.launch(&id); (id, r) }).collect();
+        let ids = current();
+        let launched =
+            futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.launch(id).await) })).await;
         record_failures(launched)?;
     }
     op_event(manager, request_id, ScaleOutEvent::Launched);
 
     let ids = current();
-    let health = futures::future::join_all(ids.iter().map(|id| async move { (id.clone(), manager.wait_healthy(id, cancel).await) })).await;
+    let health = futures::future::join_all(
+        ids.iter().map(|id| async move { (id.clone(), manager.wait_healthy(id, cancel).await) }),
+    )
+    .await;
     if cancel.is_cancelled() {
         return Err(Abort::Cancelled);
     }
@@ -537,13 +579,10 @@ async fn phases(
 
 /// Cancels a running scale-out. Its task rolls back what it created.
 pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, ApiError> {
-    let record = manager
-        .fleet
-        .lock()
-        .scale_outs
-        .get(request_id)
-        .cloned()
-        .ok_or_else(|| ApiError::not_found("unknown_request", format!("no scale-out request with id {request_id}")))?;
+    let record =
+        manager.fleet.lock().scale_outs.get(request_id).cloned().ok_or_else(|| {
+            ApiError::not_found("unknown_request", format!("no scale-out request with id {request_id}"))
+        })?;
     if record.status.is_terminal() {
         return Err(ApiError::conflict(
             "already_finished",
@@ -552,7 +591,12 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
     }
     match cancels.get(request_id) {
         Some(token) => token.cancel(),
-        None => return Err(ApiError::conflict("already_finished", format!("scale-out {request_id} is finishing; nothing to cancel"))),
+        None => {
+            return Err(ApiError::conflict(
+                "already_finished",
+                format!("scale-out {request_id} is finishing; nothing to cancel"),
+            ))
+        }
     }
     Ok(record)
 }
@@ -572,14 +616,28 @@ pub struct BatchCancelRequest {
 }
 
 /// Cancels every running scale-out that matches the filter.
-pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<serde_json::Value, ApiError> {
+pub fn cancel_many(
+    manager: &Manager,
+    cancels: &Cancels,
+    req: &BatchCancelRequest,
+) -> Result<serde_json::Value, ApiError> {
     let filter = match req.status_filter.as_deref() {
         None => None,
         Some(raw) => {
             let status: ScaleOutStatus = serde_json::from_value(serde_json::Value::String(raw.to_ascii_uppercase()))
-                .map_err(|_| ApiError::bad_request("invalid_status_filter", format!("status_filter {raw:?} is not a scale-out status (e.g. PENDING, CREATING, HEALTH_CHECKING)")))?;
+                .map_err(|_| {
+                    ApiError::bad_request(
+                        "invalid_status_filter",
+                        format!(
+                            "status_filter {raw:?} is not a scale-out status (e.g. PENDING, CREATING, HEALTH_CHECKING)"
+                        ),
+                    )
+                })?;
             if status.is_terminal() {
-                return Err(ApiError::bad_request("invalid_status_filter", format!("status_filter {raw:?} is a terminal status; nothing in it can be cancelled")));
+                return Err(ApiError::bad_request(
+                    "invalid_status_filter",
+                    format!("status_filter {raw:?} is a terminal status; nothing in it can be cancelled"),
+                ));
             }
             Some(status)
         }

@@ -101,7 +101,7 @@ impl Server {
             }
         } else {
             tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
-            crate::restore::restore(&manager, snapshot);
+            crate::restore::restore(&manager, snapshot).await;
         }
         crate::health::spawn_monitor(&manager);
 

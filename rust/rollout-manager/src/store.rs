@@ -39,6 +39,9 @@ pub struct StoredEngine {
     /// Start time of its process in clock ticks since boot (`/proc/<pid>/stat` field 22), so a
     /// restarted manager can tell the recorded process from a later one with the same pid.
     pub pid_start_ticks: Option<u64>,
+    /// Socket of the engine's keeper (`--reattach-grace-secs`), to re-adopt it.
+    #[serde(default)]
+    pub keeper_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -95,26 +98,37 @@ impl Store {
     pub fn load(&self) -> Result<Snapshot, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
-        let mut rows = |name: &'static str, t: TableDefinition<&str, &str>| -> Result<Vec<(String, String)>, StoreError> {
-            let table = txn.open_table(t).map_err(|e| self.err(e))?;
-            let mut out = Vec::new();
-            for row in table.iter().map_err(|e| self.err(e))? {
-                let (k, v) = row.map_err(|e| self.err(e))?;
-                let (k, v) = (k.value().to_string(), v.value().to_string());
-                written.insert((name, k.clone()), v.clone());
-                out.push((k, v));
-            }
-            Ok(out)
-        };
-        fn decode<T: serde::de::DeserializeOwned>(path: &Path, rows: Vec<(String, String)>) -> Result<Vec<T>, StoreError> {
+        let mut rows =
+            |name: &'static str, t: TableDefinition<&str, &str>| -> Result<Vec<(String, String)>, StoreError> {
+                let table = txn.open_table(t).map_err(|e| self.err(e))?;
+                let mut out = Vec::new();
+                for row in table.iter().map_err(|e| self.err(e))? {
+                    let (k, v) = row.map_err(|e| self.err(e))?;
+                    let (k, v) = (k.value().to_string(), v.value().to_string());
+                    written.insert((name, k.clone()), v.clone());
+                    out.push((k, v));
+                }
+                Ok(out)
+            };
+        fn decode<T: serde::de::DeserializeOwned>(
+            path: &Path,
+            rows: Vec<(String, String)>,
+        ) -> Result<Vec<T>, StoreError> {
             rows.into_iter()
-                .map(|(k, v)| serde_json::from_str(&v).map_err(|source| StoreError::Decode { path: path.to_path_buf(), key: k, source }))
+                .map(|(k, v)| {
+                    serde_json::from_str(&v).map_err(|source| StoreError::Decode {
+                        path: path.to_path_buf(),
+                        key: k,
+                        source,
+                    })
+                })
                 .collect()
         }
         let engines = decode(&self.path, rows("engines", ENGINES)?)?;
         let scale_outs = decode(&self.path, rows("scale_outs", SCALE_OUTS)?)?;
         let scale_ins = decode(&self.path, rows("scale_ins", SCALE_INS)?)?;
-        let meta = decode::<Meta>(&self.path, rows("meta", META)?.into_iter().filter(|(k, _)| k == "fleet").collect())?.pop();
+        let meta =
+            decode::<Meta>(&self.path, rows("meta", META)?.into_iter().filter(|(k, _)| k == "fleet").collect())?.pop();
         Ok(Snapshot { engines, scale_outs, scale_ins, meta })
     }
 
@@ -122,7 +136,12 @@ impl Store {
     pub fn sync(&self, inner: &FleetInner) -> Result<(), StoreError> {
         let mut desired: HashMap<(&'static str, String), String> = HashMap::new();
         for e in inner.engines.values() {
-            let stored = StoredEngine { seq: e.seq, record: e.record.clone(), pid_start_ticks: e.pid_start_ticks };
+            let stored = StoredEngine {
+                seq: e.seq,
+                record: e.record.clone(),
+                pid_start_ticks: e.pid_start_ticks,
+                keeper_socket: e.keeper_socket.clone(),
+            };
             desired.insert(("engines", e.record.engine_id.clone()), to_json(&stored));
         }
         for r in inner.scale_outs.values() {
@@ -160,4 +179,3 @@ impl Store {
         Ok(())
     }
 }
-

@@ -100,7 +100,8 @@ async fn serves_a_fleet_and_shuts_down_in_order() {
     assert_eq!(served_by.len(), 2, "round robin must use both engines: {served_by:?}");
 
     // The GPU pool is full: a third engine is refused with a message naming the flag.
-    let resp = client.post(format!("{control}/rollout/scale_out")).json(&json!({"num_replicas": 3})).send().await.unwrap();
+    let resp =
+        client.post(format!("{control}/rollout/scale_out")).json(&json!({"num_replicas": 3})).send().await.unwrap();
     assert_eq!(resp.status(), 400);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["code"], "insufficient_gpus");
