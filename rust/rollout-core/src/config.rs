@@ -18,9 +18,11 @@ pub enum EngineKind {
     Sglang,
 }
 
-/// What to keep when some engines of a scale-out fail.
+/// What to keep when some engines of a scale-out fail. Spelled as in the seed's flag
+/// (`rollback_all`, `keep_partial`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum PartialSuccessPolicy {
     /// Stop every engine the request created.
     RollbackAll,
@@ -264,6 +266,14 @@ mod tests {
             assert_eq!(err.flag, flag, "{args:?}");
             assert!(err.to_string().contains(flag));
         }
+    }
+
+    #[test]
+    fn partial_success_policy_is_spelled_as_in_the_seed() {
+        let c = parse(&["--scale-out-partial-success-policy", "keep_partial"]);
+        assert_eq!(c.scale_out_partial_success_policy, PartialSuccessPolicy::KeepPartial);
+        let c = parse(&["--scale-out-partial-success-policy", "rollback_all"]);
+        assert_eq!(c.scale_out_partial_success_policy, PartialSuccessPolicy::RollbackAll);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod manager;
 pub mod restore;
 pub mod router;
 pub mod scale_in;
+pub mod scale_out;
 pub mod scaling;
 pub mod server;
 pub mod store;

@@ -25,6 +25,9 @@ use std::time::Duration;
 /// Largest request body the router accepts (prompts with long contexts and images fit).
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
+/// Most engines one request is tried on.
+const MAX_ATTEMPTS: usize = 3;
+
 pub struct RouterState {
     fleet: Arc<FleetHandle>,
     client: reqwest::Client,
@@ -112,7 +115,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     }
     let start = state.next.fetch_add(1, Ordering::Relaxed);
     let mut last_error = String::new();
-    for attempt in 0..routes.len() {
+    for attempt in 0..routes.len().min(MAX_ATTEMPTS) {
         let backend: &Backend = &routes[(start + attempt) % routes.len()];
         let guard = backend.load.enter();
         let sent = state
@@ -122,36 +125,43 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             .body(body.clone())
             .send()
             .await;
-        match sent {
-            Ok(resp) => {
-                let mut builder = Response::builder().status(resp.status());
-                if let Some(h) = builder.headers_mut() {
-                    *h = end_to_end(resp.headers());
-                    if let Ok(v) = backend.engine_id.parse() {
-                        h.insert("x-rollout-engine-id", v);
-                    }
-                }
-                // The guard lives as long as the body stream, so drains see streaming requests.
-                let stream = futures::stream::unfold((resp.bytes_stream(), guard), |(mut s, g)| async move {
-                    s.next().await.map(|item| (item, (s, g)))
-                });
-                return builder.body(Body::from_stream(stream)).unwrap_or_else(|e| {
-                    (StatusCode::BAD_GATEWAY, Json(error_body("bad_engine_response", &e.to_string()))).into_response()
-                });
+        let resp = match sent {
+            Ok(resp)
+                if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < routes.len().min(MAX_ATTEMPTS) =>
+            {
+                tracing::warn!(engine_id = %backend.engine_id, "engine answered 503; retrying on another");
+                last_error = format!("{}: 503", backend.engine_id);
+                continue;
             }
-            Err(e) if e.is_connect() => {
-                tracing::warn!(engine_id = %backend.engine_id, error = %e, "engine unreachable; retrying on another");
-                last_error = format!("{}: {e}", backend.engine_id);
-            }
+            Ok(resp) => resp,
             Err(e) => {
-                tracing::warn!(engine_id = %backend.engine_id, error = %e, "engine request failed");
-                return (
-                    StatusCode::BAD_GATEWAY,
-                    Json(error_body("engine_error", &format!("{} failed: {e}", backend.engine_id))),
-                )
-                    .into_response();
+                // No response came, so nothing reached the client: safe to try another engine.
+                tracing::warn!(engine_id = %backend.engine_id, error = %e, "engine gave no response; retrying on another");
+                last_error = format!("{}: {e}", backend.engine_id);
+                continue;
+            }
+        };
+        let mut builder = Response::builder().status(resp.status());
+        if let Some(h) = builder.headers_mut() {
+            *h = end_to_end(resp.headers());
+            if let Ok(v) = backend.engine_id.parse() {
+                h.insert("x-rollout-engine-id", v);
             }
         }
+        // The guard lives as long as the body stream, so drains see streaming requests.
+        let stream = futures::stream::unfold((resp.bytes_stream(), guard), |(mut s, g)| async move {
+            s.next().await.map(|item| (item, (s, g)))
+        });
+        return builder.body(Body::from_stream(stream)).unwrap_or_else(|e| {
+            (StatusCode::BAD_GATEWAY, Json(error_body("bad_engine_response", &e.to_string()))).into_response()
+        });
     }
-    unavailable("no_engine_reachable", &format!("every ACTIVE engine refused the connection (last: {last_error})"))
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(error_body(
+            "no_engine_answered",
+            &format!("no engine answered this request (last: {last_error}); see GET /rollout/engines"),
+        )),
+    )
+        .into_response()
 }

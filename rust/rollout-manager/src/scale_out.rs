@@ -1,0 +1,261 @@
+//! Running one scale-out: every engine goes through its own pipeline (launch or connect ->
+//! health check -> weight check -> READY) concurrently; the operation's status follows the
+//! slowest engine still in the race; READY engines are activated together at the end.
+//!
+//! Outcome rules:
+//! - all engines READY -> all activated, `ACTIVE`;
+//! - an engine fails, policy `rollback_all` -> stop at once, roll back every engine, `FAILED`;
+//! - an engine fails, policy `keep_partial` -> the others go on; at the end the READY ones are
+//!   activated and the operation is `ACTIVE` with `failed_engines` and an `error_message`
+//!   (`FAILED` if none is left);
+//! - timeout -> like a failure of every engine not yet READY, under the same policy;
+//! - cancel (any non-terminal state) or manager shutdown -> roll back everything.
+//!
+//! Rolled-back dynamic and external engines are removed (processes stopped, GPUs returned);
+//! initial engines are stopped but stay listed as FAILED.
+
+use crate::fleet::FailedEngine;
+use crate::manager::{EngineError, Manager};
+use futures::stream::{FuturesUnordered, StreamExt};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How far an engine (or the operation) has come, for "the slowest engine" bookkeeping.
+fn engine_rank(s: EngineStatus) -> Option<u8> {
+    match s {
+        EngineStatus::Creating => Some(0),
+        EngineStatus::HealthChecking => Some(1),
+        EngineStatus::WeightSyncing => Some(2),
+        EngineStatus::Ready | EngineStatus::Active => Some(3),
+        _ => None,
+    }
+}
+
+fn op_rank(s: ScaleOutStatus) -> Option<u8> {
+    match s {
+        ScaleOutStatus::Pending => None,
+        ScaleOutStatus::Creating | ScaleOutStatus::Connecting => Some(0),
+        ScaleOutStatus::HealthChecking => Some(1),
+        ScaleOutStatus::WeightSyncing => Some(2),
+        _ => Some(3),
+    }
+}
+
+/// Phase of the slowest engine still in the race.
+fn slowest(inner: &crate::fleet::FleetInner, racing: &[String]) -> Option<u8> {
+    racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| engine_rank(e.record.status))).min()
+}
+
+/// Applies the operation's forward events until it has reached phase `target`.
+fn advance_to(op: &mut crate::fleet::ScaleOutRecord, target: u8) {
+    while op_rank(op.status).is_some_and(|r| r < target) {
+        let event = match op.status {
+            ScaleOutStatus::Creating | ScaleOutStatus::Connecting => ScaleOutEvent::Launched,
+            ScaleOutStatus::HealthChecking => ScaleOutEvent::Healthy,
+            _ => ScaleOutEvent::WeightsSynced,
+        };
+        if op.apply(event).is_err() {
+            return;
+        }
+    }
+}
+
+/// Moves the operation forward to the phase of its slowest engine still in the race. Takes the
+/// write path (which wakes fleet watchers) only when there is something to move.
+fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String]) {
+    let behind = {
+        let inner = manager.fleet.lock();
+        let current = inner.scale_outs.get(request_id).and_then(|op| op_rank(op.status));
+        matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
+    };
+    if behind {
+        manager.fleet.update(|inner| {
+            if let Some(target) = slowest(inner, racing) {
+                if let Some(op) = inner.scale_outs.get_mut(request_id) {
+                    advance_to(op, target);
+                }
+            }
+        });
+    }
+}
+
+/// Brings one engine from CREATING to READY.
+async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
+    let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record.origin == EngineOrigin::External);
+    if external {
+        manager.connect(id).await?;
+    } else {
+        manager.launch(id).await?;
+    }
+    manager.wait_healthy(id, cancel).await?;
+    manager
+        .fleet
+        .update(|inner| inner.engine_event(id, EngineEvent::Healthy))
+        .map_err(|e| EngineError::Launch(e.to_string()))?;
+    let version = manager.check_weights(id).await?;
+    manager
+        .fleet
+        .update(|inner| {
+            if let Some(e) = inner.engines.get_mut(id) {
+                e.record.weight_version = Some(version);
+            }
+            inner.engine_event(id, EngineEvent::WeightsSynced)
+        })
+        .map_err(|e| EngineError::Launch(e.to_string()))?;
+    Ok(())
+}
+
+enum End {
+    /// Every pipeline finished (some may have failed).
+    Done,
+    TimedOut,
+    Cancelled,
+    ShuttingDown,
+    /// A failure under rollback_all.
+    RollBack,
+}
+
+pub async fn run(
+    manager: &Arc<Manager>,
+    request_id: &str,
+    ids: Vec<String>,
+    timeout: Duration,
+    policy: PartialSuccessPolicy,
+    cancel: CancellationToken,
+) {
+    let external = manager
+        .fleet
+        .lock()
+        .engines
+        .values()
+        .any(|e| ids.contains(&e.record.engine_id) && e.record.origin == EngineOrigin::External);
+    let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
+    manager.fleet.update(|inner| {
+        if let Some(op) = inner.scale_outs.get_mut(request_id) {
+            let _ = op.apply(start);
+        }
+    });
+
+    let mut racing: Vec<String> = ids.clone();
+    let mut failed: Vec<FailedEngine> = Vec::new();
+    let cancel_ref = &cancel;
+    let mut pipelines: FuturesUnordered<_> =
+        ids.iter().map(|id| async move { (id.clone(), bring_up(manager, id, cancel_ref).await) }).collect();
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut changes = manager.fleet.subscribe();
+    let end = loop {
+        tokio::select! {
+            // Cancel and shutdown first: the pipelines see the same token and would otherwise
+            // report the cancellation as an engine failure.
+            biased;
+            _ = cancel.cancelled() => break End::Cancelled,
+            _ = manager.shutdown.cancelled() => break End::ShuttingDown,
+            _ = tokio::time::sleep_until(deadline) => break End::TimedOut,
+            Ok(()) = changes.changed() => follow_slowest(manager, request_id, &racing),
+            next = pipelines.next() => match next {
+                None => break End::Done,
+                Some((id, result)) => {
+                    if let Err(e) = result {
+                        tracing::warn!(engine_id = %id, error = %e, request_id, "engine failed during scale-out");
+                        let url = manager.fleet.lock().engines.get(&id).map(|en| en.record.url.clone()).unwrap_or_default();
+                        racing.retain(|r| r != &id);
+                        failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
+                        if policy == PartialSuccessPolicy::RollbackAll {
+                            break End::RollBack;
+                        }
+                    }
+                    follow_slowest(manager, request_id, &racing);
+                }
+            },
+        }
+    };
+    drop(pipelines);
+
+    let ready: Vec<String> = {
+        let inner = manager.fleet.lock();
+        racing
+            .iter()
+            .filter(|id| inner.engines.get(*id).is_some_and(|e| e.record.status == EngineStatus::Ready))
+            .cloned()
+            .collect()
+    };
+    let keep_ready = matches!(end, End::Done | End::TimedOut) && policy == PartialSuccessPolicy::KeepPartial;
+    let keep: Vec<String> =
+        if keep_ready || matches!(end, End::Done) && failed.is_empty() { ready } else { Vec::new() };
+    if let End::TimedOut = end {
+        for id in racing.iter().filter(|id| !keep.contains(id)) {
+            failed.push(FailedEngine {
+                engine_id: id.clone(),
+                url: String::new(),
+                error: format!("not ready within {timeout:?}"),
+            });
+        }
+    }
+    let initial = manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == "initial");
+    let doomed: Vec<(String, String)> = ids
+        .iter()
+        .filter(|id| !keep.contains(id))
+        .map(|id| {
+            let why = failed
+                .iter()
+                .find(|f| &f.engine_id == id)
+                .map(|f| f.error.clone())
+                .unwrap_or_else(|| "rolled back".into());
+            (id.clone(), why)
+        })
+        .collect();
+    futures::future::join_all(doomed.iter().map(|(id, why)| cleanup(manager, id, initial, why))).await;
+
+    let (event, message) = match end {
+        End::Cancelled => {
+            (ScaleOutEvent::Cancel, Some("cancelled by request; created engines were stopped".to_string()))
+        }
+        End::ShuttingDown => {
+            (ScaleOutEvent::Fail, Some("the manager shut down; created engines were stopped".to_string()))
+        }
+        _ if keep.is_empty() => {
+            let why = match end {
+                End::TimedOut => format!("timed out after {timeout:?}"),
+                _ => failed.iter().map(|f| format!("{}: {}", f.engine_id, f.error)).collect::<Vec<_>>().join("; "),
+            };
+            (ScaleOutEvent::Fail, Some(format!("{why}; created engines were rolled back")))
+        }
+        _ => {
+            let note = (!failed.is_empty())
+                .then(|| format!("{} of {} engines failed and were removed (keep_partial)", failed.len(), ids.len()));
+            (ScaleOutEvent::Activated, note)
+        }
+    };
+    manager.fleet.update(|inner| {
+        if event == ScaleOutEvent::Activated {
+            for id in &keep {
+                let _ = inner.engine_event(id, EngineEvent::Activated);
+            }
+        }
+        if let Some(op) = inner.scale_outs.get_mut(request_id) {
+            op.failed_engines = failed.clone();
+            op.error_message = message.clone();
+            if event == ScaleOutEvent::Activated {
+                // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
+                advance_to(op, 3);
+            }
+            if let Err(e) = op.apply(event) {
+                tracing::error!(%e, "scale_out");
+            }
+        }
+        if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+            inner.running = None;
+        }
+    });
+}
+
+/// Initial engines stay listed as FAILED; dynamic and external ones are removed.
+async fn cleanup(manager: &Manager, engine_id: &str, keep_listed: bool, reason: &str) {
+    if keep_listed {
+        manager.fail_engine(engine_id, reason).await;
+    } else {
+        manager.remove_engine(engine_id).await;
+    }
+}

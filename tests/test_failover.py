@@ -1,0 +1,71 @@
+"""Failures under load: requests in flight on an engine that dies are retried elsewhere when
+nothing was sent to the client yet; scale-out with keep_partial keeps the engines that came up."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from _support import STARTUP_TIMEOUT, StartManager, wait_until
+from test_drain import in_flight, start_long_requests
+
+
+def test_requests_on_a_dying_engine_are_retried(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--engine-arg=--time-scale=0.1", "--restart-failed-engines", "false")
+    victim, survivor = fleet.engines().engines
+    threads, results = start_long_requests(fleet, 4)
+    wait_until(lambda: in_flight(fleet, victim.engine_id) >= 1, 30, "requests in flight on the victim")
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 4
+    for engine, body in results:
+        # Every request completed, on the survivor for those that were on the victim.
+        assert isinstance(body, dict), (engine, body)
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+        assert engine == survivor.engine_id
+    assert fleet.engines().by_id(victim.engine_id).status == "FAILED"  # type: ignore[union-attr]
+
+
+def test_keep_partial_keeps_the_engines_that_came_up(start_fleet: StartManager) -> None:
+    fleet = start_fleet(
+        "--engine-arg=--startup-delay=2",
+        "--scale-out-partial-success-policy",
+        "keep_partial",
+        "--restart-failed-engines",
+        "false",
+    )
+    accepted = fleet.client.scale_out(num_replicas=4)
+
+    def starting() -> list[int] | None:
+        new = [e for e in fleet.engines().engines if e.origin == "dynamic" and e.pid is not None]
+        return [e.pid for e in new if e.pid is not None] if len(new) == 2 else None
+
+    pids = wait_until(starting, STARTUP_TIMEOUT, "two dynamic engines to be starting")
+    fleet.track_children()
+    os.kill(pids[0], signal.SIGKILL)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, STARTUP_TIMEOUT)
+    assert op.status == "ACTIVE", op.raw
+    assert len(op.raw["failed_engines"]) == 1
+    assert "keep_partial" in op.raw["error_message"]
+    view = fleet.wait_engines(3)
+    assert all(e.pid != pids[0] for e in view.engines)
+
+
+def test_rollback_all_removes_every_new_engine_when_one_fails(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--engine-arg=--startup-delay=2", "--restart-failed-engines", "false")
+    accepted = fleet.client.scale_out(num_replicas=4)
+
+    def starting() -> list[int] | None:
+        new = [e for e in fleet.engines().engines if e.origin == "dynamic" and e.pid is not None]
+        return [e.pid for e in new if e.pid is not None] if len(new) == 2 else None
+
+    pids = wait_until(starting, STARTUP_TIMEOUT, "two dynamic engines to be starting")
+    fleet.track_children()
+    os.kill(pids[0], signal.SIGKILL)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, STARTUP_TIMEOUT)
+    assert op.status == "FAILED"
+    assert fleet.wait_engines(2).total_engines == 2
+    assert all(p in fleet.engine_processes for p in pids)
+    wait_until(lambda: not any(fleet.engine_processes[p].alive() for p in pids), 15, "rolled-back engines to exit")
