@@ -124,10 +124,11 @@ def http(
     raw_body: bytes | None = None,
     content_type: str = "application/json",
     timeout: float = 30.0,
+    headers: dict[str, str] | None = None,
 ) -> HttpResult:
     """One HTTP request that returns error statuses instead of raising."""
     data = raw_body if raw_body is not None else (None if body is None else json.dumps(body).encode())
-    headers = {"Content-Type": content_type} if data is not None else {}
+    headers = {**({"Content-Type": content_type} if data is not None else {}), **(headers or {})}
     req = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

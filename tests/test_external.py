@@ -70,7 +70,8 @@ def test_attach_route_and_detach(start_fleet: StartManager, external_engine: Sta
 
     # The router sends traffic to the external engines too (round robin over 4 engines).
     for _ in range(8):
-        assert http("POST", f"{fleet.router_url}/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status == 200
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+        assert http("POST", f"{fleet.router_url}/generate", body, headers={"x-routing-policy": "round_robin"}).status == 200
     served = sum(metric_total(http("GET", f"{u}/metrics").body.decode(), "sglang:num_requests_total") for u in (url_a, url_b))
     assert served >= 4, f"external engines served {served} of 8 round-robin requests"
 

@@ -115,6 +115,19 @@ pub struct ServeConfig {
     /// 0: engines die with the manager.
     #[arg(long, default_value_t = 0.0, value_name = "SECS")]
     pub reattach_grace_secs: f64,
+    /// How the router picks an engine (a request can override it with `x-routing-policy`).
+    #[arg(long, value_enum, default_value_t = crate::routing::Policy::Capacity)]
+    pub routing_policy: crate::routing::Policy,
+    /// How long a request pinned to a weight version waits for an engine serving it.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub version_wait_secs: f64,
+    /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage).
+    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    pub load_poll_interval_secs: f64,
+    /// Also register every ACTIVE engine with an external SGLang router, e.g.
+    /// `smg=http://127.0.0.1:30100` (its `/workers` API), and unregister it before it drains.
+    #[arg(long = "router", value_name = "KIND=URL")]
+    pub external_router: Option<String>,
     /// Engine endpoint used by health probes.
     #[arg(long, default_value = "/health_generate")]
     pub health_check_endpoint: String,
@@ -210,12 +223,36 @@ impl ServeConfig {
             ));
         }
         positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
+        positive_secs("--load-poll-interval-secs", self.load_poll_interval_secs)?;
+        if !(self.version_wait_secs.is_finite() && self.version_wait_secs >= 0.0) {
+            return Err(bad(
+                "--version-wait-secs",
+                format!("{} is not a number of seconds >= 0", self.version_wait_secs),
+            ));
+        }
+        if let Some(spec) = &self.external_router {
+            self.external_router_url().ok_or_else(|| {
+                bad(
+                    "--router",
+                    format!(
+                        "{spec:?} is not KIND=URL with KIND smg and an http(s) URL, e.g. smg=http://127.0.0.1:30100"
+                    ),
+                )
+            })?;
+        }
         positive_secs("--scale-in-drain-timeout", self.scale_in_drain_timeout)?;
         positive_secs("--scale-in-shutdown-timeout", self.scale_in_shutdown_timeout)?;
         positive_secs("--engine-startup-timeout", self.engine_startup_timeout)?;
         positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
         positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
         Ok(())
+    }
+
+    /// The base URL of the external router given with `--router smg=URL`.
+    pub fn external_router_url(&self) -> Option<&str> {
+        let (kind, url) = self.external_router.as_deref()?.split_once('=')?;
+        let ok = kind == "smg" && (url.starts_with("http://") || url.starts_with("https://")) && url.len() > 8;
+        ok.then(|| url.trim_end_matches('/'))
     }
 
     /// Number of engines started at boot.
@@ -253,7 +290,9 @@ mod tests {
 
     #[test]
     fn errors_name_the_flag() {
-        let cases: [(&[&str], &str); 6] = [
+        let cases: [(&[&str], &str); 8] = [
+            (&["--router", "nginx=http://x"], "--router"),
+            (&["--load-poll-interval-secs", "0"], "--load-poll-interval-secs"),
             (&["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "3"], "--rollout-num-gpus-per-engine"),
             (&["--rollout-num-gpus", "8", "--gpus", "4"], "--gpus"),
             (&["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine"),

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod placement;
+pub mod routing;
 pub mod state;
 
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig};

@@ -25,6 +25,7 @@ pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
         .route("/rollout/engines", get(engines))
         .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
         .route("/rollout/scale_out/{id}", get(get_scale_out))
@@ -153,4 +154,11 @@ const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 async fn openapi() -> axum::response::Response {
     use axum::response::IntoResponse;
     ([("content-type", "application/json")], OPENAPI).into_response()
+}
+
+/// Prometheus metrics of the router and of each routable engine's load.
+async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let text = s.manager.router_metrics.render(&s.manager.fleet.routes());
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }

@@ -13,7 +13,7 @@ use rollout_core::{
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use tokio::sync::{watch, Notify};
 
@@ -22,25 +22,64 @@ use tokio::sync::{watch, Notify};
 pub struct Backend {
     pub engine_id: String,
     pub url: String,
-    pub load: Arc<InFlight>,
+    /// Host and port of `url`, for the router's connection pool.
+    pub authority: String,
+    pub weight_version: Option<String>,
+    pub load: Arc<EngineLoad>,
 }
 
-/// Requests in flight to one engine, with a notification when it drains to zero.
+/// Live load of one engine as the router sees it: requests and estimated KV tokens in flight
+/// (exact, counted by the router), and the engine's last report of its KV pool (refreshed by
+/// the load poller). A notification fires when the last in-flight request ends.
 #[derive(Debug, Default)]
-pub struct InFlight {
+pub struct EngineLoad {
     count: AtomicUsize,
+    est_tokens: AtomicU64,
+    capacity: AtomicU64,
+    reported_tokens: AtomicU64,
+    est_at_report: AtomicU64,
+    /// Requests ever sent to this engine by the router.
+    served: AtomicU64,
     idle: Notify,
 }
 
-impl InFlight {
+impl EngineLoad {
     pub fn get(&self) -> usize {
         self.count.load(Ordering::Acquire)
     }
 
-    /// Counts one request until the guard drops.
-    pub fn enter(self: &Arc<Self>) -> InFlightGuard {
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    pub fn est_tokens(&self) -> u64 {
+        self.est_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request of `tokens` estimated KV tokens until the guard drops.
+    pub fn enter(self: &Arc<Self>, tokens: u64) -> InFlightGuard {
         self.count.fetch_add(1, Ordering::AcqRel);
-        InFlightGuard(self.clone())
+        self.served.fetch_add(1, Ordering::Relaxed);
+        self.est_tokens.fetch_add(tokens, Ordering::Relaxed);
+        InFlightGuard { load: self.clone(), tokens }
+    }
+
+    /// Records the engine's own report: KV pool size and tokens in use or queued.
+    pub fn report(&self, capacity: u64, used: u64) {
+        self.est_at_report.store(self.est_tokens(), Ordering::Relaxed);
+        self.reported_tokens.store(used, Ordering::Relaxed);
+        self.capacity.store(capacity, Ordering::Relaxed);
+    }
+
+    /// A consistent-enough snapshot for a routing decision.
+    pub fn snapshot(&self) -> rollout_core::routing::Load {
+        rollout_core::routing::Load {
+            in_flight: self.get() as u64,
+            est_tokens: self.est_tokens(),
+            capacity: self.capacity.load(Ordering::Relaxed),
+            reported_tokens: self.reported_tokens.load(Ordering::Relaxed),
+            est_at_report: self.est_at_report.load(Ordering::Relaxed),
+        }
     }
 
     /// Resolves once no request is in flight.
@@ -56,12 +95,16 @@ impl InFlight {
 }
 
 #[derive(Debug)]
-pub struct InFlightGuard(Arc<InFlight>);
+pub struct InFlightGuard {
+    load: Arc<EngineLoad>,
+    tokens: u64,
+}
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
+        self.load.est_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        if self.load.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.load.idle.notify_waiters();
         }
     }
 }
@@ -98,7 +141,7 @@ pub struct Engine {
     pub seq: u64,
     pub record: EngineRecord,
     pub process: Option<EngineProcess>,
-    pub load: Arc<InFlight>,
+    pub load: Arc<EngineLoad>,
     /// Consecutive failed health probes.
     pub probe_failures: u32,
     /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
@@ -276,7 +319,13 @@ impl Fleet {
             .engines
             .values()
             .filter(|e| e.record.status.is_routable())
-            .map(|e| Backend { engine_id: e.record.engine_id.clone(), url: e.record.url.clone(), load: e.load.clone() })
+            .map(|e| Backend {
+                engine_id: e.record.engine_id.clone(),
+                authority: e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string(),
+                url: e.record.url.clone(),
+                weight_version: e.record.weight_version.clone(),
+                load: e.load.clone(),
+            })
             .collect();
         drop(inner);
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);
@@ -287,6 +336,12 @@ impl Fleet {
     /// The engines the router may use now.
     pub fn routes(&self) -> Arc<Vec<Backend>> {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Weight versions the fleet has served, oldest first (orders non-numeric versions for
+    /// `min_version` pins).
+    pub fn version_history(&self) -> Vec<String> {
+        vec![self.lock().weight_version.clone()]
     }
 
     pub fn store(&self) -> Option<&crate::store::Store> {

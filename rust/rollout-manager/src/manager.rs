@@ -5,7 +5,7 @@
 //! ([`crate::health`]) watches what they produced.
 
 use crate::clock::unix_now;
-use crate::fleet::{Engine, EngineRecord, Fleet, InFlight};
+use crate::fleet::{Engine, EngineLoad, EngineRecord, Fleet};
 use crate::host::{self, EngineProcess, ExitInfo};
 use crate::launch::{free_port, EngineLauncher};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ServeConfig};
@@ -24,6 +24,10 @@ pub struct Manager {
     pub tasks: TaskTracker,
     /// Cancelled when the manager shuts down.
     pub shutdown: CancellationToken,
+    /// The data plane's counters, served on the control port's `/metrics`.
+    pub router_metrics: Arc<crate::router::metrics::RouterMetrics>,
+    /// Engines registered with an external router (`--router smg=URL`).
+    pub smg: crate::router::smg::SmgRegistry,
 }
 
 /// Why bringing up one engine failed.
@@ -63,6 +67,8 @@ impl Manager {
             http,
             tasks: TaskTracker::new(),
             shutdown: CancellationToken::new(),
+            router_metrics: Arc::default(),
+            smg: Default::default(),
         }))
     }
 
@@ -114,7 +120,7 @@ impl Manager {
             seq,
             record,
             process: None,
-            load: Arc::new(InFlight::default()),
+            load: Arc::new(EngineLoad::default()),
             probe_failures: 0,
             pid_start_ticks: None,
             keeper_socket: None,
@@ -152,7 +158,7 @@ impl Manager {
             seq,
             record,
             process: None,
-            load: Arc::new(InFlight::default()),
+            load: Arc::new(EngineLoad::default()),
             probe_failures: 0,
             pid_start_ticks: None,
             keeper_socket: None,

@@ -15,7 +15,7 @@
 //!   exists without a record;
 //! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes.
 
-use crate::fleet::{Engine, InFlight};
+use crate::fleet::{Engine, EngineLoad};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
 use crate::store::{Snapshot, StoredEngine};
@@ -183,7 +183,7 @@ fn rebuild(
                 record,
                 pid_start_ticks: live.as_ref().and_then(|p| p.start_ticks),
                 process: live,
-                load: Arc::new(InFlight::default()),
+                load: Arc::new(EngineLoad::default()),
                 probe_failures: 0,
                 keeper_socket: stored.keeper_socket,
             };

@@ -167,6 +167,12 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
 }
 
 async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<String>, drain: Duration) {
+    // An external router must stop sending them work before the drain starts.
+    let urls: Vec<String> = {
+        let inner = manager.fleet.lock();
+        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record.url.clone())).collect()
+    };
+    crate::router::smg::unregister_urls(manager, &urls).await;
     // DRAINING: wait for in-flight requests, up to the drain timeout, then abort the rest.
     let loads: Vec<_> = {
         let inner = manager.fleet.lock();

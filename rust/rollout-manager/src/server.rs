@@ -75,7 +75,7 @@ impl Server {
         let Self { manager, control, data, snapshot } = self;
         let cancels = Arc::new(Cancels::default());
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() });
-        let router = crate::router::router(manager.clone())?;
+        let router = crate::router::router(manager.clone());
 
         let stop = manager.shutdown.clone();
         manager.tasks.spawn(async move {
@@ -104,6 +104,8 @@ impl Server {
             crate::restore::restore(&manager, snapshot).await;
         }
         crate::health::spawn_monitor(&manager);
+        crate::router::loads::spawn_poller(&manager);
+        crate::router::smg::spawn_reconciler(&manager);
 
         manager.shutdown.cancelled().await;
         // Streams still open get a bounded time to finish before their servers are dropped.

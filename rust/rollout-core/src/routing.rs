@@ -1,0 +1,235 @@
+//! Routing decisions of the data plane, as pure functions over a snapshot of each engine's load.
+//!
+//! The router keeps, per engine, its own exact count of requests and of estimated KV tokens in
+//! flight (prompt + expected output of every request it forwarded and that has not finished),
+//! and the engine's last reported KV pool size and usage. From these:
+//!
+//! - `round_robin` cycles;
+//! - `least_requests` takes the engine with the fewest requests in flight;
+//! - `capacity` (default) takes the engine with the most free KV tokens, where used tokens are
+//!   the engine's last report plus what the router sent it since (see [`Load::used`]), so a
+//!   burst between two reports is still spread correctly; a request
+//!   whose prompt prefix was recently sent to an engine goes back there (GRPO siblings share a
+//!   prompt, so its KV is cached) unless that engine fails the imbalance gate;
+//! - `session`: requests with the same session key stay on one engine while it passes the gate,
+//!   and are re-pinned to the `capacity` choice when it does not.
+//!
+//! The imbalance gate: an engine may keep affine traffic while its utilisation after taking the
+//! request stays below `max_utilisation` and at most `spill_factor` times the fleet's mean plus
+//! `spill_slack` (so an idle fleet does not spill on the first request). This is what keeps a hot
+//! session or prompt from piling a whole batch onto one engine.
+
+use serde::{Deserialize, Serialize};
+
+/// A routing policy, chosen by `--routing-policy` or per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum Policy {
+    RoundRobin,
+    LeastRequests,
+    Capacity,
+    Session,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "round_robin" => Ok(Self::RoundRobin),
+            "least_requests" => Ok(Self::LeastRequests),
+            "capacity" => Ok(Self::Capacity),
+            "session" => Ok(Self::Session),
+            other => {
+                Err(format!("unknown routing policy {other:?}; use round_robin, least_requests, capacity or session"))
+            }
+        }
+    }
+}
+
+/// What the router knows about one engine at decision time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    /// Requests the router has in flight there.
+    pub in_flight: u64,
+    /// The router's estimate of KV tokens its in-flight requests hold or will hold.
+    pub est_tokens: u64,
+    /// KV pool size reported by the engine; 0 when not known yet.
+    pub capacity: u64,
+    /// KV tokens in use plus queued prompt tokens, as last reported by the engine.
+    pub reported_tokens: u64,
+    /// The router's `est_tokens` at the moment of that report.
+    pub est_at_report: u64,
+}
+
+/// Pool size assumed for an engine that has not reported one yet.
+pub const UNKNOWN_CAPACITY: u64 = 1 << 20;
+
+impl Load {
+    pub fn capacity(&self) -> u64 {
+        if self.capacity == 0 {
+            UNKNOWN_CAPACITY
+        } else {
+            self.capacity
+        }
+    }
+
+    /// Tokens in use: the engine's last report plus what the router sent since (its estimate's
+    /// growth since the report), or the router's estimate alone before any report. So the
+    /// engine's numbers correct the router's drift, and bursts between reports still count.
+    pub fn used(&self) -> u64 {
+        if self.capacity == 0 {
+            return self.est_tokens;
+        }
+        self.reported_tokens + self.est_tokens.saturating_sub(self.est_at_report)
+    }
+
+    /// Free KV tokens (negative when over-committed: the engine will queue).
+    pub fn free(&self) -> i64 {
+        self.capacity() as i64 - self.used() as i64
+    }
+
+    /// Utilisation after taking `need` more tokens.
+    pub fn utilisation_with(&self, need: u64) -> f64 {
+        (self.used() + need) as f64 / self.capacity() as f64
+    }
+}
+
+/// Knobs of the imbalance gate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gate {
+    pub max_utilisation: f64,
+    pub spill_factor: f64,
+    pub spill_slack: f64,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self { max_utilisation: 0.9, spill_factor: 1.5, spill_slack: 0.1 }
+    }
+}
+
+/// Mean utilisation of the fleet.
+pub fn mean_utilisation(loads: &[Load]) -> f64 {
+    if loads.is_empty() {
+        return 0.0;
+    }
+    loads.iter().map(|l| l.utilisation_with(0)).sum::<f64>() / loads.len() as f64
+}
+
+/// Whether engine `i` may take an affine request of `need` tokens.
+pub fn passes_gate(loads: &[Load], i: usize, need: u64, gate: &Gate) -> bool {
+    let Some(l) = loads.get(i) else { return false };
+    let after = l.utilisation_with(need);
+    after <= gate.max_utilisation && after <= gate.spill_factor * mean_utilisation(loads) + gate.spill_slack
+}
+
+/// Index with the most free KV tokens; ties go to fewer requests in flight, then to the first
+/// index at or after `rotor` (so equal engines share work).
+pub fn most_free(loads: &[Load], rotor: usize) -> Option<usize> {
+    let n = loads.len();
+    (0..n).map(|k| (rotor + k) % n).max_by(|&a, &b| {
+        let (la, lb) = (&loads[a], &loads[b]);
+        la.free().cmp(&lb.free()).then(lb.in_flight.cmp(&la.in_flight)).then_with(|| {
+            // Earlier in rotation order wins: reverse positional order for max_by.
+            let pa = (a + n - rotor % n) % n;
+            let pb = (b + n - rotor % n) % n;
+            pb.cmp(&pa)
+        })
+    })
+}
+
+/// Index with the fewest requests in flight; ties rotate.
+pub fn least_requests(loads: &[Load], rotor: usize) -> Option<usize> {
+    let n = loads.len();
+    (0..n).map(|k| (rotor + k) % n).min_by_key(|&i| loads[i].in_flight)
+}
+
+/// The choice for one request.
+///
+/// `affine` is the engine the request's session or prompt prefix was last sent to, if any and
+/// still routable. Returns the index and whether the affine engine was kept.
+pub fn choose(
+    policy: Policy,
+    loads: &[Load],
+    need: u64,
+    affine: Option<usize>,
+    rotor: usize,
+    gate: &Gate,
+) -> Option<(usize, bool)> {
+    if loads.is_empty() {
+        return None;
+    }
+    match policy {
+        Policy::RoundRobin => Some((rotor % loads.len(), false)),
+        Policy::LeastRequests => least_requests(loads, rotor).map(|i| (i, false)),
+        Policy::Capacity | Policy::Session => {
+            if let Some(a) = affine {
+                if passes_gate(loads, a, need, gate) {
+                    return Some((a, true));
+                }
+            }
+            most_free(loads, rotor).map(|i| (i, false))
+        }
+    }
+}
+
+/// Estimated KV tokens of a request: its prompt plus the output it may produce. Without a
+/// tokenizer, text is counted at 4 bytes a token (a common average for English BPE vocabularies);
+/// `input_ids` are exact. Expected output is `max_new_tokens` (SGLang's default 128), capped by
+/// `output_cap` when the router has learned typical lengths.
+pub fn estimate_tokens(
+    prompt_bytes: usize,
+    prompt_ids: Option<usize>,
+    max_new_tokens: Option<u64>,
+    output_cap: Option<u64>,
+) -> u64 {
+    let prompt = prompt_ids.map(|n| n as u64).unwrap_or_else(|| (prompt_bytes as u64).div_ceil(4));
+    let output = max_new_tokens.unwrap_or(128);
+    let output = output_cap.map_or(output, |cap| output.min(cap));
+    prompt + output
+}
+
+/// Weight-version requirement of a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VersionPin {
+    Exact(String),
+    AtLeast(String),
+}
+
+/// Orders weight versions: integers (optionally with a `v` or `step` prefix, e.g. `v12`,
+/// `step_40`) numerically, otherwise by position in `history` (oldest first). Unknown, unordered
+/// versions compare as `None`.
+pub fn version_cmp(a: &str, b: &str, history: &[String]) -> Option<std::cmp::Ordering> {
+    fn number(v: &str) -> Option<u64> {
+        let digits = v.trim_start_matches(|c: char| !c.is_ascii_digit());
+        let prefix = &v[..v.len() - digits.len()];
+        if !matches!(prefix, "" | "v" | "V" | "step" | "step_" | "step-") {
+            return None;
+        }
+        digits.parse().ok()
+    }
+    if a == b {
+        return Some(std::cmp::Ordering::Equal);
+    }
+    if let (Some(x), Some(y)) = (number(a), number(b)) {
+        return Some(x.cmp(&y));
+    }
+    let pos = |v: &str| history.iter().position(|h| h == v);
+    Some(pos(a)?.cmp(&pos(b)?))
+}
+
+impl VersionPin {
+    /// Whether an engine serving `version` satisfies the pin.
+    pub fn allows(&self, version: Option<&str>, history: &[String]) -> bool {
+        let Some(v) = version else { return false };
+        match self {
+            VersionPin::Exact(want) => v == want,
+            VersionPin::AtLeast(min) => version_cmp(v, min, history).is_some_and(|o| o != std::cmp::Ordering::Less),
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "routing_tests.rs"]
+mod tests;

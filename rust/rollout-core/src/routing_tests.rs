@@ -1,0 +1,106 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use proptest::prelude::*;
+
+fn load(in_flight: u64, est: u64, cap: u64) -> Load {
+    Load { in_flight, est_tokens: est, capacity: cap, reported_tokens: 0, est_at_report: 0 }
+}
+
+#[test]
+fn capacity_takes_the_most_free_engine() {
+    let loads = [load(1, 9000, 10000), load(5, 2000, 10000), load(0, 0, 4000)];
+    // 1: 8000 free; 2: 4000 free.
+    assert_eq!(choose(Policy::Capacity, &loads, 100, None, 0, &Gate::default()), Some((1, false)));
+}
+
+#[test]
+fn engine_reports_correct_the_estimate() {
+    // The router thinks engine 0 is empty, but the engine reports it nearly full.
+    let mut a = load(0, 0, 10000);
+    a.reported_tokens = 9500;
+    let b = load(2, 3000, 10000);
+    assert_eq!(most_free(&[a, b], 0), Some(1));
+    // And the other way: the router over-estimated (max_new_tokens is an upper bound), the
+    // engine reports less; requests sent since the report still count.
+    let c = Load { in_flight: 4, est_tokens: 9000, capacity: 10000, reported_tokens: 1000, est_at_report: 8000 };
+    assert_eq!(c.used(), 2000);
+}
+
+#[test]
+fn ties_rotate() {
+    let loads = [load(0, 0, 100), load(0, 0, 100), load(0, 0, 100)];
+    let picks: Vec<_> = (0..3).map(|r| most_free(&loads, r).unwrap()).collect();
+    assert_eq!(picks, vec![0, 1, 2]);
+    let picks: Vec<_> = (0..3).map(|r| least_requests(&loads, r).unwrap()).collect();
+    assert_eq!(picks, vec![0, 1, 2]);
+}
+
+#[test]
+fn affinity_holds_until_the_gate_trips() {
+    let gate = Gate::default();
+    let idle = [load(0, 0, 10000), load(0, 0, 10000)];
+    assert_eq!(choose(Policy::Session, &idle, 500, Some(1), 0, &gate), Some((1, true)));
+    // Engine 1 holds 80% while engine 0 is empty: taking more would exceed 1.5x the mean + 0.1.
+    let skewed = [load(0, 0, 10000), load(8, 8000, 10000)];
+    assert_eq!(choose(Policy::Session, &skewed, 500, Some(1), 0, &gate), Some((0, false)));
+    // Over max utilisation: spill even when the fleet is evenly full.
+    let full = [load(9, 8900, 10000), load(9, 8900, 10000)];
+    assert!(!passes_gate(&full, 0, 500, &gate));
+}
+
+#[test]
+fn round_robin_and_least_requests() {
+    let loads = [load(3, 0, 0), load(1, 0, 0), load(2, 0, 0)];
+    assert_eq!(choose(Policy::RoundRobin, &loads, 1, Some(0), 4, &Gate::default()), Some((1, false)));
+    assert_eq!(choose(Policy::LeastRequests, &loads, 1, None, 0, &Gate::default()), Some((1, false)));
+    assert_eq!(choose(Policy::Capacity, &[], 1, None, 0, &Gate::default()), None);
+}
+
+#[test]
+fn estimates() {
+    assert_eq!(estimate_tokens(400, None, Some(50), None), 150);
+    assert_eq!(estimate_tokens(400, Some(7), None, None), 7 + 128);
+    assert_eq!(estimate_tokens(0, Some(7), Some(4096), Some(300)), 307);
+}
+
+#[test]
+fn version_ordering() {
+    let history = vec!["alpha".to_string(), "beta".to_string()];
+    assert_eq!(version_cmp("v2", "v10", &history), Some(std::cmp::Ordering::Less));
+    assert_eq!(version_cmp("12", "step_3", &history), Some(std::cmp::Ordering::Greater));
+    assert_eq!(version_cmp("beta", "alpha", &history), Some(std::cmp::Ordering::Greater));
+    assert_eq!(version_cmp("gamma", "alpha", &history), None);
+    let pin = VersionPin::AtLeast("v3".into());
+    assert!(pin.allows(Some("v3"), &[]) && pin.allows(Some("v4"), &[]) && !pin.allows(Some("v2"), &[]));
+    assert!(!pin.allows(None, &[]));
+    assert!(VersionPin::Exact("x".into()).allows(Some("x"), &[]));
+    assert!(!VersionPin::Exact("x".into()).allows(Some("y"), &[]));
+}
+
+#[test]
+fn policy_names() {
+    assert_eq!("capacity".parse::<Policy>(), Ok(Policy::Capacity));
+    assert!("cache_aware".parse::<Policy>().unwrap_err().contains("round_robin"));
+}
+
+proptest! {
+    /// The capacity choice is never an engine with strictly less free space than another.
+    #[test]
+    fn capacity_is_maximal(raw in proptest::collection::vec((0u64..50, 0u64..20000, 1u64..20000, 0u64..20000), 1..12), rotor in 0usize..100) {
+        let loads: Vec<Load> = raw.iter().map(|&(f, e, c, r)| Load { in_flight: f, est_tokens: e, capacity: c, reported_tokens: r, est_at_report: 0 }).collect();
+        let (i, _) = choose(Policy::Capacity, &loads, 10, None, rotor, &Gate::default()).unwrap();
+        prop_assert!(loads.iter().all(|l| l.free() <= loads[i].free()));
+    }
+
+    /// An affine engine is kept only when it passes the gate.
+    #[test]
+    fn affinity_respects_gate(raw in proptest::collection::vec((0u64..20000, 1u64..20000), 1..8), a in 0usize..8, need in 0u64..4000) {
+        let loads: Vec<Load> = raw.iter().map(|&(e, c)| Load { in_flight: 0, est_tokens: e, capacity: c, reported_tokens: 0, est_at_report: 0 }).collect();
+        let a = a % loads.len();
+        let gate = Gate::default();
+        let (i, kept) = choose(Policy::Session, &loads, need, Some(a), 0, &gate).unwrap();
+        if kept { prop_assert_eq!(i, a); prop_assert!(passes_gate(&loads, a, need, &gate)); }
+        else { prop_assert!(!passes_gate(&loads, a, need, &gate)); }
+    }
+}

@@ -1,0 +1,325 @@
+//! The data plane: an SGLang-compatible proxy in front of the fleet's ACTIVE engines.
+//!
+//! Every path other than the router's own health routes is forwarded unchanged (method, path,
+//! query, body, end-to-end headers) to one engine chosen by the routing policy
+//! (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
+//! `session`, set by `--routing-policy` or per request with the `x-routing-policy` header.
+//! Responses, server-sent-event streams included, are streamed back frame by frame as they
+//! arrive, over pooled HTTP/1.1 connections to the engines.
+//!
+//! Version pinning: a request with `weight_version` in its body (`"v3"`, `{"exact_version":
+//! "v3"}` or `{"min_version": "v3"}`) or an `x-weight-version` / `x-min-weight-version` header
+//! only goes to engines serving an allowed version; if none does yet it waits up to
+//! `--version-wait-secs` for one, then fails with 503 `version_unavailable`. The field is
+//! removed before the body reaches the engine.
+//!
+//! Retries: a request that got no response from its engine (refused, reset, the engine died)
+//! or a 503 is retried on another engine, up to [`MAX_ATTEMPTS`] engines, with a short backoff;
+//! nothing is retried once response headers were forwarded, so a client never sees two answers.
+//!
+//! Each forwarded request counts in its engine's in-flight load (requests and estimated KV
+//! tokens) until its response body ends: routing decisions and scale-in's drain both use it.
+
+mod affinity;
+pub mod loads;
+pub mod metrics;
+mod peek;
+pub mod smg;
+
+use crate::error::error_body;
+use crate::fleet::{Backend, InFlightGuard};
+use crate::manager::Manager;
+use affinity::Affinity;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use metrics::{ErrorKind, RouterMetrics};
+use rollout_core::routing::{choose, Gate, Policy, VersionPin};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+/// Largest request body the router accepts (prompts with long contexts and images fit).
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// Most engines one request is tried on.
+pub const MAX_ATTEMPTS: usize = 3;
+
+type EngineClient = Client<HttpConnector, Full<Bytes>>;
+
+pub struct RouterState {
+    manager: Arc<Manager>,
+    client: EngineClient,
+    rotor: AtomicUsize,
+    affinity: Affinity,
+    gate: Gate,
+}
+
+pub fn router(manager: Arc<Manager>) -> Router {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    let client = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(1024)
+        .build(connector);
+    let state = Arc::new(RouterState {
+        manager,
+        client,
+        rotor: AtomicUsize::new(0),
+        affinity: Affinity::new(100_000),
+        gate: Gate::default(),
+    });
+    Router::new()
+        .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/health", get(readiness))
+        .route("/readiness", get(readiness))
+        .fallback(proxy)
+        .with_state(state)
+}
+
+async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
+    let n = state.manager.fleet.routes().len();
+    let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n});
+    (status, Json(body)).into_response()
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+            | "x-routing-policy"
+            | "x-session-id"
+            | "x-weight-version"
+            | "x-min-weight-version"
+    )
+}
+
+fn end_to_end(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (k, v) in headers {
+        if !is_hop_by_hop(k) {
+            out.append(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response {
+    (status, Json(error_body(code, message))).into_response()
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
+async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Vec<Backend>, Response> {
+    let fleet = &state.manager.fleet;
+    let wait = Duration::from_secs_f64(state.manager.config.version_wait_secs);
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut changes = fleet.subscribe();
+    loop {
+        let routes = fleet.routes();
+        let Some(pin) = pin else {
+            if routes.is_empty() {
+                state.manager.router_metrics.error(ErrorKind::NoEngine);
+                return Err(error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no_engine_available",
+                    "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
+                ));
+            }
+            return Ok(routes.to_vec());
+        };
+        let history = fleet.version_history();
+        let matching: Vec<Backend> =
+            routes.iter().filter(|b| pin.allows(b.weight_version.as_deref(), &history)).cloned().collect();
+        if !matching.is_empty() {
+            return Ok(matching);
+        }
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { break },
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    state.manager.router_metrics.error(ErrorKind::VersionUnavailable);
+    let serving: Vec<String> = fleet.routes().iter().filter_map(|b| b.weight_version.clone()).collect();
+    let wanted = match pin {
+        Some(VersionPin::Exact(v)) => format!("exactly {v:?}"),
+        Some(VersionPin::AtLeast(v)) => format!("at least {v:?}"),
+        None => "any".into(),
+    };
+    Err(error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "version_unavailable",
+        &format!(
+            "no ACTIVE engine serves weight version {wanted} after waiting {wait:?}; engines serve {serving:?}. \
+             Retry later, or relax the pin"
+        ),
+    ))
+}
+
+async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Response {
+    let metrics = &state.manager.router_metrics;
+    metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(e) => {
+            metrics.error(ErrorKind::BadRequest);
+            let msg = format!("request body rejected: {e}; the limit is {MAX_BODY_BYTES} bytes");
+            return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &msg);
+        }
+    };
+    let policy = match header(&parts.headers, "x-routing-policy").map(str::parse::<Policy>) {
+        None => state.manager.config.routing_policy,
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            metrics.error(ErrorKind::BadRequest);
+            return error(StatusCode::BAD_REQUEST, "invalid_routing_policy", &format!("x-routing-policy: {e}"));
+        }
+    };
+    let pin_header = peek::pin_from_headers(
+        header(&parts.headers, "x-weight-version"),
+        header(&parts.headers, "x-min-weight-version"),
+    );
+    let session_header = header(&parts.headers, "x-session-id").or_else(|| header(&parts.headers, "x-smg-routing-key"));
+    let info = match peek::peek(&body, session_header, pin_header) {
+        Ok(info) => info,
+        Err(e) => {
+            metrics.error(ErrorKind::BadRequest);
+            return error(StatusCode::BAD_REQUEST, "invalid_weight_version", &e.0);
+        }
+    };
+    let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
+    let routes = match candidates(&state, info.pin.as_ref()).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let affinity_key = match policy {
+        Policy::Session => info.session.as_deref().map(affinity::session_key).or(info.prompt_hash),
+        Policy::Capacity => info.prompt_hash,
+        _ => None,
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let headers = end_to_end(&parts.headers);
+    let mut tried: Vec<usize> = Vec::with_capacity(MAX_ATTEMPTS);
+    let mut last_error = String::new();
+    for attempt in 0..MAX_ATTEMPTS.min(routes.len()) {
+        let open: Vec<usize> = (0..routes.len()).filter(|i| !tried.contains(i)).collect();
+        let loads: Vec<_> = open.iter().map(|&i| routes[i].load.snapshot()).collect();
+        let affine = affinity_key
+            .and_then(|k| state.affinity.get(k))
+            .and_then(|id| open.iter().position(|&i| *routes[i].engine_id == *id));
+        let rotor = state.rotor.fetch_add(1, Ordering::Relaxed);
+        let Some((pos, kept)) = choose(policy, &loads, info.tokens, affine, rotor, &state.gate) else { break };
+        let index = open[pos];
+        let backend = &routes[index];
+        if affine.is_some() {
+            let counter = if kept { &metrics.affinity_kept } else { &metrics.affinity_moved };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        if let (Some(k), false) = (affinity_key, kept) {
+            state.affinity.put(k, &backend.engine_id);
+        }
+        tried.push(index);
+        if attempt > 0 {
+            metrics.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+        }
+        let guard = backend.load.enter(info.tokens);
+        let uri = match Uri::try_from(format!("http://{}{}", backend.authority, path)) {
+            Ok(u) => u,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", &format!("cannot forward {path:?}: {e}")),
+        };
+        let mut req = hyper::Request::new(Full::new(body.clone()));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers.clone();
+        let started = Instant::now();
+        match state.client.request(req).await {
+            Ok(resp)
+                if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < MAX_ATTEMPTS.min(routes.len()) =>
+            {
+                tracing::debug!(engine_id = %backend.engine_id, "engine answered 503; trying another");
+                last_error = format!("{}: 503", backend.engine_id);
+            }
+            Ok(resp) => {
+                metrics.first_byte.observe(started.elapsed());
+                metrics.response(resp.status().as_u16());
+                let (mut head, incoming) = resp.into_parts();
+                let clean = end_to_end(&head.headers);
+                head.headers = clean;
+                if let Ok(v) = HeaderValue::from_str(&backend.engine_id) {
+                    head.headers.insert("x-rollout-engine-id", v);
+                }
+                let tracked =
+                    Tracked { inner: incoming, _guard: guard, started, metrics: state.manager.router_metrics.clone() };
+                return Response::from_parts(head, Body::new(tracked));
+            }
+            Err(e) => {
+                tracing::warn!(engine_id = %backend.engine_id, error = %e, "engine gave no response; trying another");
+                last_error = format!("{}: {e}", backend.engine_id);
+            }
+        }
+    }
+    metrics.error(ErrorKind::NoAnswer);
+    let msg = format!("no engine answered this request (last: {last_error}); see GET /rollout/engines");
+    error(StatusCode::BAD_GATEWAY, "no_engine_answered", &msg)
+}
+
+/// An engine's response body on its way to the client: holds the engine's in-flight count until
+/// the body ends (or the client goes away), then records the request's duration.
+struct Tracked {
+    inner: hyper::body::Incoming,
+    _guard: InFlightGuard,
+    started: Instant,
+    metrics: Arc<RouterMetrics>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.metrics.duration.observe(self.started.elapsed());
+    }
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

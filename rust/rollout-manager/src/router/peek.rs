@@ -1,0 +1,223 @@
+//! What the router reads from a request body before choosing an engine, without copying it:
+//! the size of the prompt (to estimate KV tokens), the output budget, the session key, a hash
+//! of the prompt (GRPO siblings share one, so their KV is cached on the same engine), and a
+//! weight-version pin.
+//!
+//! Borrowed `RawValue`s point into the body; only the small fields are decoded.
+
+use rollout_core::routing::{estimate_tokens, VersionPin};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::hash::{Hash, Hasher};
+
+#[derive(Deserialize, Default)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input_ids: Option<&'a RawValue>,
+    /// OpenAI completions.
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    /// OpenAI chat.
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    sampling_params: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    routing_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    session_params: Option<Session<'a>>,
+    #[serde(borrow, default)]
+    weight_version: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Session<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Sampling {
+    #[serde(default)]
+    max_new_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Pin<'a> {
+    Exact(#[serde(borrow)] Cow<'a, str>),
+    Spec {
+        #[serde(borrow, default)]
+        exact_version: Option<Cow<'a, str>>,
+        #[serde(borrow, default)]
+        min_version: Option<Cow<'a, str>>,
+    },
+}
+
+/// What routing needs to know about one request.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct RequestInfo {
+    /// Estimated KV tokens (prompt + output budget).
+    pub tokens: u64,
+    pub session: Option<String>,
+    /// Hash of the prompt, for prefix affinity.
+    pub prompt_hash: Option<u64>,
+    pub pin: Option<VersionPin>,
+    /// Whether the body carried a `weight_version` field (stripped before forwarding).
+    pub pin_in_body: bool,
+}
+
+/// Why a request was refused before routing.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PeekError(pub String);
+
+fn hash_bytes(b: &[u8]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    b.hash(&mut h);
+    h.finish()
+}
+
+/// Reads a request body. Bodies that are not JSON objects get defaults (routed by load only).
+pub fn peek(
+    body: &[u8],
+    session_header: Option<&str>,
+    pin_header: Option<VersionPin>,
+) -> Result<RequestInfo, PeekError> {
+    let parsed: Body<'_> = match body.first() {
+        Some(b'{') => serde_json::from_slice(body).unwrap_or_default(),
+        _ => Body::default(),
+    };
+    let (prompt_raw, ids) = match (parsed.input_ids, parsed.text.or(parsed.prompt).or(parsed.messages)) {
+        (Some(ids), _) => (Some(ids.get()), true),
+        (None, Some(t)) => (Some(t.get()), false),
+        (None, None) => (None, false),
+    };
+    let prompt_bytes = prompt_raw.map_or(0, str::len);
+    let prompt_ids = ids.then(|| prompt_raw.map_or(0, |r| r.bytes().filter(|b| *b == b',').count() + 1));
+    let max_new = match parsed.sampling_params.map(RawValue::get) {
+        Some(raw) if raw.starts_with('{') => serde_json::from_str::<Sampling>(raw).ok().and_then(|s| s.max_new_tokens),
+        Some(raw) if raw.starts_with('[') => serde_json::from_str::<Vec<Sampling>>(raw)
+            .ok()
+            .map(|v| v.iter().map(|s| s.max_new_tokens.unwrap_or(128)).sum()),
+        _ => None,
+    }
+    .or(parsed.max_completion_tokens)
+    .or(parsed.max_tokens);
+    let pin = match parsed.weight_version {
+        None => pin_header,
+        Some(raw) => Some(parse_pin(raw.get())?),
+    };
+    let session = session_header
+        .map(str::to_string)
+        .or_else(|| parsed.session_params.and_then(|s| s.id).map(Cow::into_owned))
+        .or_else(|| parsed.routing_key.map(Cow::into_owned));
+    Ok(RequestInfo {
+        tokens: estimate_tokens(prompt_bytes, prompt_ids, max_new, None),
+        session,
+        prompt_hash: prompt_raw.map(|r| hash_bytes(r.as_bytes())),
+        pin,
+        pin_in_body: parsed.weight_version.is_some(),
+    })
+}
+
+fn parse_pin(raw: &str) -> Result<VersionPin, PeekError> {
+    let bad = || {
+        PeekError(format!(
+            "weight_version {raw} is not understood: send \"v3\", {{\"exact_version\": \"v3\"}} or {{\"min_version\": \"v3\"}}"
+        ))
+    };
+    match serde_json::from_str::<Pin<'_>>(raw).map_err(|_| bad())? {
+        Pin::Exact(v) => Ok(VersionPin::Exact(v.into_owned())),
+        Pin::Spec { exact_version: Some(v), min_version: None } => Ok(VersionPin::Exact(v.into_owned())),
+        Pin::Spec { exact_version: None, min_version: Some(v) } => Ok(VersionPin::AtLeast(v.into_owned())),
+        Pin::Spec { .. } => Err(bad()),
+    }
+}
+
+/// A pin from the `x-weight-version` (exact) or `x-min-weight-version` headers.
+pub fn pin_from_headers(exact: Option<&str>, min: Option<&str>) -> Option<VersionPin> {
+    exact.map(|v| VersionPin::Exact(v.to_string())).or_else(|| min.map(|v| VersionPin::AtLeast(v.to_string())))
+}
+
+/// The body without its `weight_version` field (SGLang's engines do not know it).
+pub fn strip_pin(body: &[u8]) -> Option<Vec<u8>> {
+    let mut map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
+    map.remove("weight_version")?;
+    serde_json::to_vec(&map).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn generate_body() {
+        let body =
+            br#"{"text": "0123456789abcdef", "sampling_params": {"max_new_tokens": 10, "top_k": -1}, "rid": "g1-3"}"#;
+        let info = peek(body, None, None).unwrap();
+        // "0123456789abcdef" with quotes is 18 bytes -> 5 tokens, plus 10.
+        assert_eq!(info.tokens, 15);
+        assert!(info.prompt_hash.is_some() && info.session.is_none() && info.pin.is_none());
+    }
+
+    #[test]
+    fn ids_batches_and_openai() {
+        let info = peek(br#"{"input_ids": [1,2,3,4], "sampling_params": {"max_new_tokens": 1}}"#, None, None).unwrap();
+        assert_eq!(info.tokens, 5);
+        let info =
+            peek(br#"{"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 3}, {}]}"#, None, None).unwrap();
+        assert_eq!(info.tokens, (r#"["a", "b"]"#.len() as u64).div_ceil(4) + 3 + 128);
+        let info = peek(br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}"#, None, None).unwrap();
+        assert!(info.tokens > 7);
+    }
+
+    #[test]
+    fn siblings_share_a_prompt_hash() {
+        let a = peek(br#"{"text": "same prompt", "sampling_params": {"sampling_seed": 1}}"#, None, None).unwrap();
+        let b = peek(br#"{"text": "same prompt", "sampling_params": {"sampling_seed": 2}}"#, None, None).unwrap();
+        let c = peek(br#"{"text": "other prompt"}"#, None, None).unwrap();
+        assert_eq!(a.prompt_hash, b.prompt_hash);
+        assert_ne!(a.prompt_hash, c.prompt_hash);
+    }
+
+    #[test]
+    fn session_keys_in_order_of_precedence() {
+        let body = br#"{"text": "x", "session_params": {"id": "s-body"}, "routing_key": "rk"}"#;
+        assert_eq!(peek(body, Some("s-header"), None).unwrap().session.as_deref(), Some("s-header"));
+        assert_eq!(peek(body, None, None).unwrap().session.as_deref(), Some("s-body"));
+        assert_eq!(peek(br#"{"routing_key": "rk"}"#, None, None).unwrap().session.as_deref(), Some("rk"));
+    }
+
+    #[test]
+    fn pins() {
+        let exact = peek(br#"{"text": "x", "weight_version": "v3"}"#, None, None).unwrap();
+        assert_eq!(exact.pin, Some(VersionPin::Exact("v3".into())));
+        assert!(exact.pin_in_body);
+        let min = peek(br#"{"weight_version": {"min_version": "v2"}}"#, None, None).unwrap();
+        assert_eq!(min.pin, Some(VersionPin::AtLeast("v2".into())));
+        let slime = peek(br#"{"weight_version": {"exact_version": "7"}}"#, None, None).unwrap();
+        assert_eq!(slime.pin, Some(VersionPin::Exact("7".into())));
+        let err = peek(br#"{"weight_version": {"exact_version": "1", "min_version": "2"}}"#, None, None).unwrap_err();
+        assert!(err.0.contains("min_version"));
+        assert!(peek(br#"{"weight_version": 5}"#, None, None).is_err());
+        let header = peek(b"{}", None, pin_from_headers(None, Some("v1"))).unwrap();
+        assert_eq!(header.pin, Some(VersionPin::AtLeast("v1".into())));
+        let stripped = strip_pin(br#"{"text": "x", "weight_version": "v3"}"#).unwrap();
+        assert_eq!(stripped, br#"{"text":"x"}"#);
+    }
+
+    #[test]
+    fn non_json_bodies_route_by_load() {
+        assert_eq!(peek(b"", None, None).unwrap().tokens, 128);
+        assert_eq!(peek(b"not json", None, None).unwrap().prompt_hash, None);
+    }
+}

@@ -1,0 +1,145 @@
+//! Registration of the fleet's engines with an external SGLang router (`--router smg=URL`).
+//!
+//! A reconciler keeps smg's worker list equal to the fleet's ACTIVE engines: it registers each
+//! engine that becomes ACTIVE (`POST /workers {"url"}`) and unregisters every other one it had
+//! registered (`DELETE /workers/{id}`), on every fleet change and every few seconds (so a
+//! restarted smg is repopulated). Scale-in also unregisters its victims explicitly before it
+//! waits for their drain, so smg stops sending them work first. Errors are logged and retried
+//! on the next pass; they never block the fleet.
+
+use crate::manager::Manager;
+use rollout_core::EngineStatus;
+use serde::Deserialize;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Default)]
+pub struct SmgRegistry {
+    /// Engine URL -> smg worker id, for what this manager registered.
+    registered: Mutex<HashMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+struct Accepted {
+    worker_id: String,
+}
+
+#[derive(Deserialize)]
+struct WorkerList {
+    #[serde(default)]
+    workers: Vec<WorkerInfo>,
+}
+
+#[derive(Deserialize)]
+struct WorkerInfo {
+    id: String,
+    url: String,
+}
+
+impl SmgRegistry {
+    fn ids(&self) -> HashMap<String, String> {
+        self.registered.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, url: &str, id: Option<String>) {
+        let mut map = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        match id {
+            Some(id) => map.insert(url.to_string(), id),
+            None => map.remove(url),
+        };
+    }
+}
+
+/// smg's current workers: URL -> id.
+async fn list(manager: &Manager, base: &str) -> Option<HashMap<String, String>> {
+    let resp = manager.http.get(format!("{base}/workers")).timeout(Duration::from_secs(5)).send().await.ok()?;
+    let list: WorkerList = resp.error_for_status().ok()?.json().await.ok()?;
+    Some(list.workers.into_iter().map(|w| (w.url.trim_end_matches('/').to_string(), w.id)).collect())
+}
+
+async fn register(manager: &Manager, base: &str, url: &str) -> Option<String> {
+    let body = serde_json::json!({ "url": url, "worker_type": "regular" });
+    let resp = manager.http.post(format!("{base}/workers")).json(&body).timeout(Duration::from_secs(10)).send().await;
+    match resp {
+        Ok(r) if r.status().is_success() => r.json::<Accepted>().await.ok().map(|a| a.worker_id),
+        // Already registered (by us before a restart, or by someone else): adopt its id.
+        Ok(r) if r.status() == reqwest::StatusCode::CONFLICT => list(manager, base).await?.remove(url),
+        Ok(r) => {
+            tracing::warn!(url, status = %r.status(), "smg refused to register the engine");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(url, error = %e, "cannot reach smg to register the engine");
+            None
+        }
+    }
+}
+
+async fn unregister(manager: &Manager, base: &str, id: &str) -> bool {
+    let resp = manager.http.delete(format!("{base}/workers/{id}")).timeout(Duration::from_secs(10)).send().await;
+    matches!(resp, Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND)
+}
+
+/// Unregisters these engine URLs now (scale-in calls this before draining).
+pub async fn unregister_urls(manager: &Manager, urls: &[String]) {
+    let Some(base) = manager.config.external_router_url() else { return };
+    let ids = manager.smg.ids();
+    for url in urls {
+        if let Some(id) = ids.get(url) {
+            if unregister(manager, base, id).await {
+                manager.smg.set(url, None);
+                tracing::info!(url, "unregistered from smg before draining");
+            }
+        }
+    }
+}
+
+async fn reconcile(manager: &Manager, base: &str) {
+    let active: HashSet<String> = manager
+        .fleet
+        .lock()
+        .engines
+        .values()
+        .filter(|e| e.record.status == EngineStatus::Active)
+        .map(|e| e.record.url.clone())
+        .collect();
+    let registered = manager.smg.ids();
+    // smg may have restarted and forgotten our workers.
+    let present = list(manager, base).await;
+    for url in &active {
+        let known = registered.contains_key(url) && present.as_ref().is_none_or(|p| p.contains_key(url));
+        if !known {
+            if let Some(id) = register(manager, base, url).await {
+                tracing::info!(url, worker_id = %id, "registered engine with smg");
+                manager.smg.set(url, Some(id));
+            }
+        }
+    }
+    for (url, id) in registered {
+        if !active.contains(&url) && unregister(manager, base, &id).await {
+            tracing::info!(url, "unregistered engine from smg");
+            manager.smg.set(&url, None);
+        }
+    }
+}
+
+pub fn spawn_reconciler(manager: &Arc<Manager>) {
+    let Some(base) = manager.config.external_router_url().map(str::to_string) else { return };
+    let m = manager.clone();
+    manager.tasks.spawn(async move {
+        let mut changes = m.fleet.subscribe();
+        let mut ticker = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            reconcile(&m, &base).await;
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = ticker.tick() => {}
+                _ = m.shutdown.cancelled() => break,
+            }
+        }
+        // Leave smg without engines that are about to stop.
+        let urls: Vec<String> = m.smg.ids().into_keys().collect();
+        unregister_urls(&m, &urls).await;
+    });
+}
