@@ -48,7 +48,7 @@ def test_batch_cancel_by_status(start_fleet: StartManager) -> None:
 
 def test_engines_that_fail_to_start_are_reported_and_cleaned_up(start_fleet: StartManager) -> None:
     # Every engine exits with an error during startup.
-    broken = start_fleet("--engine-arg=--fail-startup", wait=False)
+    broken = start_fleet("--engine-arg=--fail-startup", "--restart-failed-engines", "false", wait=False)
     initial_op = wait_until(
         lambda: next(iter(broken.client.scale_out_requests()), None),
         STARTUP_TIMEOUT,

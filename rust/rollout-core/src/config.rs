@@ -145,11 +145,23 @@ fn bad(flag: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError { flag, message: message.into() }
 }
 
+/// Longest duration any flag accepts: 30 days (longer ones are typos, and would overflow
+/// deadlines).
+pub const MAX_SECS: f64 = 30.0 * 24.0 * 3600.0;
+
 fn positive_secs(flag: &'static str, v: f64) -> Result<(), ConfigError> {
-    if v.is_finite() && v > 0.0 {
+    if v.is_finite() && v > 0.0 && v <= MAX_SECS {
         Ok(())
     } else {
-        Err(bad(flag, format!("{v} is not a positive number of seconds")))
+        Err(bad(flag, format!("{v} is not a number of seconds in (0, {MAX_SECS}]")))
+    }
+}
+
+fn secs_or_zero(flag: &'static str, v: f64) -> Result<(), ConfigError> {
+    if v == 0.0 {
+        Ok(())
+    } else {
+        positive_secs(flag, v)
     }
 }
 
@@ -216,20 +228,13 @@ impl ServeConfig {
         if self.engine_args.iter().any(|a| a.contains('\0')) {
             return Err(bad("--engine-arg", "must not contain NUL bytes"));
         }
-        if !(self.reattach_grace_secs.is_finite() && self.reattach_grace_secs >= 0.0) {
-            return Err(bad(
-                "--reattach-grace-secs",
-                format!("{} is not a number of seconds >= 0", self.reattach_grace_secs),
-            ));
+        secs_or_zero("--reattach-grace-secs", self.reattach_grace_secs)?;
+        if self.max_engines > 100_000 {
+            return Err(bad("--max-engines", format!("{} is above the supported 100000", self.max_engines)));
         }
         positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
         positive_secs("--load-poll-interval-secs", self.load_poll_interval_secs)?;
-        if !(self.version_wait_secs.is_finite() && self.version_wait_secs >= 0.0) {
-            return Err(bad(
-                "--version-wait-secs",
-                format!("{} is not a number of seconds >= 0", self.version_wait_secs),
-            ));
-        }
+        secs_or_zero("--version-wait-secs", self.version_wait_secs)?;
         if let Some(spec) = &self.external_router {
             self.external_router_url().ok_or_else(|| {
                 bad(
@@ -290,7 +295,9 @@ mod tests {
 
     #[test]
     fn errors_name_the_flag() {
-        let cases: [(&[&str], &str); 8] = [
+        let cases: [(&[&str], &str); 10] = [
+            (&["--scale-out-timeout", "1e20"], "--scale-out-timeout"),
+            (&["--reattach-grace-secs=-1"], "--reattach-grace-secs"),
             (&["--router", "nginx=http://x"], "--router"),
             (&["--load-poll-interval-secs", "0"], "--load-poll-interval-secs"),
             (&["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "3"], "--rollout-num-gpus-per-engine"),

@@ -11,8 +11,11 @@
 //!   burst between two reports is still spread correctly; a request
 //!   whose prompt prefix was recently sent to an engine goes back there (GRPO siblings share a
 //!   prompt, so its KV is cached) unless that engine fails the imbalance gate;
-//! - `session`: requests with the same session key stay on one engine while it passes the gate,
-//!   and are re-pinned to the `capacity` choice when it does not.
+//!   A session key (header `x-session-id`, or the body's `session_params.id` / `routing_key`)
+//!   takes the place of the prompt when the request has one;
+//! - `session`: like `capacity` but affine by session key only (no prompt affinity): requests
+//!   with the same key stay on one engine while it passes the gate, and are re-pinned to the
+//!   most-free engine when it does not.
 //!
 //! The imbalance gate: an engine may keep affine traffic while its utilisation after taking the
 //! request stays below `max_utilisation` and at most `spill_factor` times the fleet's mean plus

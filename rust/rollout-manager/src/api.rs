@@ -6,6 +6,7 @@ use crate::manager::Manager;
 use crate::scale_in::{self, ScaleInAnswer};
 use crate::scaling::{self, Accepted, Cancels, ScaleInRequest, ScaleOutRequest};
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
@@ -42,7 +43,14 @@ pub fn router(state: ApiState) -> Router {
 /// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
 /// which names the field. An empty body means `{}`. The content type is not checked, so
 /// `curl -d '{...}'` (which sends form encoding) works as people expect.
-fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return Err(ApiError::TooLarge { code: "body_too_large", message: format!("{e}; the limit is 2 MB") })
+        }
+        Err(e) => return Err(ApiError::bad_request("invalid_body", e.to_string())),
+    };
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
@@ -58,12 +66,15 @@ async fn engines(State(s): State<ApiState>) -> Json<Value> {
     }))
 }
 
-async fn scale_out(State(s): State<ApiState>, body: Bytes) -> Result<Json<Accepted>, ApiError> {
+async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {
     let req: ScaleOutRequest = parse_body(&body)?;
     scaling::scale_out(&s.manager, &s.cancels, req).map(Json)
 }
 
-async fn scale_in(State(s): State<ApiState>, body: Bytes) -> Result<Json<ScaleInAnswer>, ApiError> {
+async fn scale_in(
+    State(s): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<ScaleInAnswer>, ApiError> {
     let req: ScaleInRequest = parse_body(&body)?;
     scale_in::scale_in(&s.manager, req).map(Json)
 }
@@ -74,30 +85,45 @@ struct ListFilter {
     model_name: Option<String>,
 }
 
-async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Json<Value> {
+/// Parses a `?status=` filter into the operation's status type; unknown names are 400.
+fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Option<S>, ApiError> {
+    raw.map(|st| {
+        serde_json::from_value(Value::String(st.to_ascii_uppercase())).map_err(|_| {
+            ApiError::bad_request(
+                "invalid_status_filter",
+                format!("status {st:?} is not a status of this operation kind"),
+            )
+        })
+    })
+    .transpose()
+}
+
+async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
+    let wanted: Option<rollout_core::ScaleOutStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let mut requests: Vec<_> = inner
         .scale_outs
         .values()
-        .filter(|r| f.status.as_deref().is_none_or(|st| r.status.to_string().eq_ignore_ascii_case(st)))
+        .filter(|r| wanted.is_none_or(|w| r.status == w))
         .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
         .cloned()
         .collect();
     requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
-    Json(json!({ "requests": requests, "total": requests.len() }))
+    Ok(Json(json!({ "requests": requests, "total": requests.len() })))
 }
 
-async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Json<Value> {
+async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
+    let wanted: Option<rollout_core::ScaleInStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let mut requests: Vec<_> = inner
         .scale_ins
         .values()
-        .filter(|r| f.status.as_deref().is_none_or(|st| r.status.to_string().eq_ignore_ascii_case(st)))
+        .filter(|r| wanted.is_none_or(|w| r.status == w))
         .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
         .cloned()
         .collect();
     requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
-    Json(json!({ "requests": requests, "total": requests.len() }))
+    Ok(Json(json!({ "requests": requests, "total": requests.len() })))
 }
 
 async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
@@ -143,7 +169,7 @@ async fn cancel_scale_out(
     Ok((StatusCode::OK, Json(value)))
 }
 
-async fn cancel_many(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
     scaling::cancel_many(&s.manager, &s.cancels, &req).map(Json)
 }

@@ -18,6 +18,10 @@ pub enum ApiError {
     #[error("{message}")]
     Unavailable { code: &'static str, message: String },
     #[error("{message}")]
+    TooLarge { code: &'static str, message: String },
+    #[error("{message}")]
+    MethodNotAllowed { code: &'static str, message: String },
+    #[error("{message}")]
     Internal { code: &'static str, message: String },
 }
 
@@ -44,6 +48,8 @@ impl ApiError {
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
             Self::Conflict { .. } => StatusCode::CONFLICT,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -54,6 +60,8 @@ impl ApiError {
             | Self::NotFound { code, .. }
             | Self::Conflict { code, .. }
             | Self::Unavailable { code, .. }
+            | Self::TooLarge { code, .. }
+            | Self::MethodNotAllowed { code, .. }
             | Self::Internal { code, .. } => code,
         }
     }

@@ -241,6 +241,9 @@ pub struct FleetInner {
     pub running: Option<RunningOp>,
     /// The weight version every routable engine must serve.
     pub weight_version: String,
+    /// Whether FAILED engines count towards the fleet's size: yes when they are restarted
+    /// (`--restart-failed-engines`), since they come back; no otherwise.
+    pub count_failed: bool,
 }
 
 impl FleetInner {
@@ -262,11 +265,16 @@ impl FleetInner {
         Ok(to)
     }
 
-    /// Engines that count towards the fleet size (every one not being removed).
+    /// Engines that count towards the fleet size: every one not being removed, except FAILED
+    /// engines that will not be restarted.
     pub fn live_count(&self) -> u32 {
         self.engines
             .values()
-            .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+            .filter(|e| match e.record.status {
+                EngineStatus::Removing | EngineStatus::Removed => false,
+                EngineStatus::Failed => self.count_failed,
+                _ => true,
+            })
             .count() as u32
     }
 }
@@ -281,7 +289,7 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    pub fn new(gpus: u32, weight_version: String, store: Option<crate::store::Store>) -> Self {
+    pub fn new(gpus: u32, weight_version: String, count_failed: bool, store: Option<crate::store::Store>) -> Self {
         let inner = FleetInner {
             engines: BTreeMap::new(),
             next_seq: 0,
@@ -291,6 +299,7 @@ impl Fleet {
             scale_ins: BTreeMap::new(),
             running: None,
             weight_version,
+            count_failed,
         };
         Self {
             inner: Mutex::new(inner),
@@ -306,7 +315,10 @@ impl Fleet {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs `f` under the lock, then republishes the routing table and wakes waiters.
+    /// Runs `f` under the lock, persists the change, republishes the routing table and wakes
+    /// waiters. The table is replaced before the lock is released, so tables are published in
+    /// the order of the updates that made them (a slow update can never put back an engine a
+    /// later one took out of routing).
     pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
         let mut inner = self.lock();
         let out = f(&mut inner);
@@ -327,10 +339,15 @@ impl Fleet {
                 load: e.load.clone(),
             })
             .collect();
-        drop(inner);
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);
+        drop(inner);
         self.changes.send_modify(|v| *v += 1);
         out
+    }
+
+    /// Whether the engine owning `load` is routable in the current table.
+    pub fn is_routable(&self, load: &Arc<EngineLoad>) -> bool {
+        self.routes().iter().any(|b| Arc::ptr_eq(&b.load, load))
     }
 
     /// The engines the router may use now.

@@ -1,13 +1,21 @@
-//! Periodic health probes of routable engines.
+//! Periodic health probes of serving engines.
 //!
 //! Every `--health-check-interval-secs`, each ACTIVE or UNHEALTHY engine is probed at
-//! `--health-check-endpoint`. After `--health-failure-threshold` consecutive failures an ACTIVE
-//! engine becomes UNHEALTHY and leaves routing; one successful probe brings it back. Engines
-//! whose process exits are marked FAILED by the process watcher, not here.
-//! Recovery of crashed engines (restart with current weights) is not implemented yet.
+//! `--health-check-endpoint`:
+//! - after `--health-failure-threshold` consecutive failures an ACTIVE engine becomes
+//!   UNHEALTHY and leaves routing;
+//! - an UNHEALTHY engine whose probe passes comes back only if it still serves the fleet's
+//!   weight version (`/model_info`), so a rejoining engine never serves stale weights;
+//! - a managed engine still failing after three times the threshold (alive but hung) is
+//!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
+//!   engines are only re-probed.
+//!
+//! Engines whose process exits are marked FAILED by the process watcher (`manager.rs`), which
+//! also restarts them. Probe counters are kept under the registry lock without publishing a new
+//! routing table; only status changes go through `Fleet::update`.
 
 use crate::manager::Manager;
-use rollout_core::{EngineEvent, EngineStatus};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +32,12 @@ pub fn spawn_monitor(manager: &Arc<Manager>) {
             }
         }
     });
+}
+
+enum Verdict {
+    TakeOut(u32),
+    TryBack,
+    Restart,
 }
 
 async fn probe_all(manager: &Arc<Manager>) {
@@ -46,28 +60,82 @@ async fn probe_all(manager: &Arc<Manager>) {
             .await
             .map(|r| r.status().is_success())
             .unwrap_or(false);
-        (id, ok)
+        (id.clone(), ok)
     }))
     .await;
     let threshold = manager.config.health_failure_threshold;
-    manager.fleet.update(|inner| {
+    let verdicts: Vec<(String, Verdict)> = {
+        let mut inner = manager.fleet.lock();
+        let mut out = Vec::new();
         for (id, ok) in results {
-            let Some(engine) = inner.engines.get_mut(id.as_str()) else { continue };
-            let status = engine.record.status;
-            if ok {
-                engine.probe_failures = 0;
-                if status == EngineStatus::Unhealthy {
-                    let _ = inner.engine_event(id, EngineEvent::ProbeRecovered);
+            let Some(engine) = inner.engines.get_mut(&id) else { continue };
+            let managed = engine.record.origin != EngineOrigin::External;
+            engine.probe_failures = if ok { 0 } else { engine.probe_failures.saturating_add(1) };
+            let failures = engine.probe_failures;
+            let verdict = match (engine.record.status, ok) {
+                (EngineStatus::Active, false) if failures >= threshold => Some(Verdict::TakeOut(failures)),
+                (EngineStatus::Unhealthy, true) => Some(Verdict::TryBack),
+                (EngineStatus::Unhealthy, false)
+                    if managed && manager.config.restart_failed_engines && failures == threshold.saturating_mul(3) =>
+                {
+                    Some(Verdict::Restart)
                 }
-            } else {
-                engine.probe_failures += 1;
-                let failures = engine.probe_failures;
-                if status == EngineStatus::Active && failures >= threshold {
-                    engine.record.last_error = Some(format!("{failures} consecutive failed health probes"));
-                    tracing::warn!(engine_id = %id, failures, "engine unhealthy; taken out of routing");
-                    let _ = inner.engine_event(id, EngineEvent::ProbeFailed);
-                }
+                _ => None,
+            };
+            if let Some(v) = verdict {
+                out.push((id, v));
             }
         }
-    });
+        out
+    };
+    for (id, verdict) in verdicts {
+        match verdict {
+            Verdict::TakeOut(failures) => {
+                tracing::warn!(engine_id = %id, failures, "engine unhealthy; taken out of routing");
+                manager.fleet.update(|inner| {
+                    if let Some(e) = inner.engines.get_mut(&id) {
+                        e.record.last_error = Some(format!("{failures} consecutive failed health probes"));
+                    }
+                    let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
+                });
+            }
+            Verdict::TryBack => match manager.check_weights(&id).await {
+                Ok(version) => {
+                    tracing::info!(engine_id = %id, "engine healthy again; back in routing");
+                    manager.fleet.update(|inner| {
+                        if let Some(e) = inner.engines.get_mut(&id) {
+                            e.record.weight_version = Some(version);
+                            e.record.last_error = None;
+                        }
+                        let _ = inner.engine_event(&id, EngineEvent::ProbeRecovered);
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(engine_id = %id, error = %e, "engine answers but cannot rejoin routing");
+                    manager.fleet.update(|inner| {
+                        if let Some(en) = inner.engines.get_mut(&id) {
+                            en.record.last_error = Some(format!("cannot rejoin: {e}"));
+                        }
+                    });
+                }
+            },
+            Verdict::Restart => {
+                tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
+                let process = manager.fleet.update(|inner| {
+                    if let Some(e) = inner.engines.get_mut(&id) {
+                        e.record.last_error = Some("hung: failed health probes; restarting".into());
+                    }
+                    let _ = inner.engine_event(&id, EngineEvent::Fail);
+                    inner.engines.get(&id).and_then(|e| e.process.clone())
+                });
+                let m = manager.clone();
+                manager.tasks.spawn(async move {
+                    if let Some(p) = process {
+                        p.stop(m.shutdown_grace()).await;
+                    }
+                    m.recover(&id, Duration::ZERO).await;
+                });
+            }
+        }
+    }
 }

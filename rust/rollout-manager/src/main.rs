@@ -15,6 +15,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the manager: control API, router, and the engines on this machine.
+    /// A flag given twice takes its last value (as launch scripts that append overrides expect).
+    #[command(args_override_self = true)]
     Serve(Box<ServeConfig>),
     /// Internal: keep one engine alive across a manager restart (see `--reattach-grace-secs`).
     #[command(hide = true)]

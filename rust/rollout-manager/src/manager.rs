@@ -59,7 +59,7 @@ impl Manager {
             .connect_timeout(Duration::from_secs(2))
             .pool_idle_timeout(Duration::from_secs(30))
             .build()?;
-        let fleet = Fleet::new(config.gpus, config.weight_version.clone(), store);
+        let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
         Ok(Arc::new(Self {
             config,
             fleet,
@@ -344,7 +344,7 @@ impl Manager {
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(engine_id, error = %e, ?backoff, "engine recovery failed; will retry");
+                    tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
                     let process = self.fleet.update(|inner| {
                         if let Some(en) = inner.engines.get_mut(engine_id) {
                             en.record.last_error = Some(format!("recovery failed: {e}"));
@@ -455,9 +455,10 @@ impl Manager {
                     if let Err(err) = inner.gpus.release(&gpus) {
                         tracing::error!(engine_id, %err, "GPU accounting mismatch on removal");
                     }
-                }
-                if let Some(port) = port {
-                    inner.ports_in_use.remove(&port);
+                    // Only local engines hold a port of ours; an external URL's port is not.
+                    if let Some(port) = port {
+                        inner.ports_in_use.remove(&port);
+                    }
                 }
             }
             let _ = inner.engine_event(engine_id, EngineEvent::Removed);

@@ -28,28 +28,16 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             ),
         ));
     }
-    if req.num_replicas < 0 {
-        return Err(ApiError::bad_request(
-            "invalid_num_replicas",
-            format!("num_replicas {} must be >= 0", req.num_replicas),
-        ));
-    }
-    if let Some(t) = req.timeout_secs {
-        if !(t.is_finite() && t > 0.0) {
-            return Err(ApiError::bad_request(
-                "invalid_timeout",
-                format!("timeout_secs {t} must be a positive number of seconds"),
-            ));
-        }
-    }
-    if req.num_replicas == 0 && req.engine_urls.is_empty() {
+    let target = crate::scaling::replicas(req.num_replicas, u32::MAX)?;
+    let drain = crate::scaling::timeout(req.timeout_secs, manager.config.scale_in_drain_timeout)?;
+    if target == 0 && req.engine_urls.is_empty() {
         return Err(ApiError::bad_request(
             "missing_target",
             "give num_replicas > 0 (engines to keep) or engine_urls (engines to remove)",
         ));
     }
     let initial = manager.config.initial_engines();
-    if req.num_replicas > 0 && (req.num_replicas as u32) < initial {
+    if target > 0 && target < initial {
         return Err(ApiError::bad_request(
             "below_initial_engines",
             format!(
@@ -74,12 +62,12 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             .values()
             .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
             .collect();
-        let victims: Vec<String> = if req.num_replicas > 0 {
-            let target = req.num_replicas as u32;
+        let victims: Vec<String> = if target > 0 {
             let live = candidates.len() as u32;
             candidates.retain(|e| e.record.origin != EngineOrigin::Initial);
+            // Engines that serve nothing (failed, unhealthy, still starting) leave first, then
             // LIFO: the newest engine leaves first.
-            candidates.sort_by_key(|e| std::cmp::Reverse(e.seq));
+            candidates.sort_by_key(|e| (e.record.status == EngineStatus::Active, std::cmp::Reverse(e.seq)));
             candidates
                 .into_iter()
                 .take(live.saturating_sub(target) as usize)
@@ -88,7 +76,8 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         } else {
             let mut ids = Vec::new();
             for url in &req.engine_urls {
-                let want = url.trim_end_matches('/');
+                let normal = crate::scaling::validate_engine_url(url)?;
+                let want = normal.as_str();
                 let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
                     ApiError::bad_request(
                         "unknown_engine_url",
@@ -117,7 +106,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             request_id: request_id.clone(),
             status: ScaleInStatus::Pending,
             model_name: req.model_name.clone(),
-            num_replicas: req.num_replicas as u32,
+            num_replicas: target,
             engine_urls: req.engine_urls.clone(),
             force: req.force,
             engine_ids: victims.clone(),
@@ -131,7 +120,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         };
         if victims.is_empty() {
             let _ = record.apply(ScaleInEvent::Noop);
-            record.message = format!("fleet already has {} engines or fewer; nothing to remove", req.num_replicas);
+            record.message = format!("fleet already has {target} engines or fewer; nothing to remove");
             let answer =
                 Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
             inner.scale_ins.insert(request_id.clone(), record);
@@ -156,12 +145,12 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     let (answer, plan) = result;
     if let Some(victims) = plan {
         let m = manager.clone();
-        let drain = if req.force {
-            Duration::ZERO
-        } else {
-            Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_in_drain_timeout))
-        };
-        manager.tasks.spawn(async move { run_scale_in(&m, &request_id, victims, drain).await });
+        let drain = if req.force { Duration::ZERO } else { drain };
+        manager.tasks.spawn(async move {
+            let _guard =
+                crate::scaling::OpGuard { manager: m.clone(), kind: "scale_in", request_id: request_id.clone() };
+            run_scale_in(&m, &request_id, victims, drain).await
+        });
     }
     Ok(answer)
 }

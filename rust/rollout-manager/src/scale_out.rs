@@ -172,20 +172,10 @@ pub async fn run(
         }
     };
     drop(pipelines);
-
-    let ready: Vec<String> = {
-        let inner = manager.fleet.lock();
-        racing
-            .iter()
-            .filter(|id| inner.engines.get(*id).is_some_and(|e| e.record.status == EngineStatus::Ready))
-            .cloned()
-            .collect()
-    };
-    let keep_ready = matches!(end, End::Done | End::TimedOut) && policy == PartialSuccessPolicy::KeepPartial;
-    let keep: Vec<String> =
-        if keep_ready || matches!(end, End::Done) && failed.is_empty() { ready } else { Vec::new() };
+    // A cancel that raced with the last pipeline still wins: nothing is active yet.
+    let end = if cancel.is_cancelled() { End::Cancelled } else { end };
     if let End::TimedOut = end {
-        for id in racing.iter().filter(|id| !keep.contains(id)) {
+        for id in &racing {
             failed.push(FailedEngine {
                 engine_id: id.clone(),
                 url: String::new(),
@@ -193,17 +183,44 @@ pub async fn run(
             });
         }
     }
+
+    // Decide and activate in one registry update, so an engine that died after READY is seen:
+    // under rollback_all every engine must still be READY, under keep_partial each READY one
+    // is kept and the others are recorded as failed.
+    let may_keep = match end {
+        End::Done => policy == PartialSuccessPolicy::KeepPartial || failed.is_empty(),
+        End::TimedOut => policy == PartialSuccessPolicy::KeepPartial,
+        _ => false,
+    };
+    let keep: Vec<String> = manager.fleet.update(|inner| {
+        if !may_keep {
+            return Vec::new();
+        }
+        let candidates: Vec<String> =
+            ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
+        let (ready, lost): (Vec<String>, Vec<String>) = candidates
+            .into_iter()
+            .partition(|id| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready));
+        for id in &lost {
+            let url = inner.engines.get(id).map(|e| e.record.url.clone()).unwrap_or_default();
+            failed.push(FailedEngine { engine_id: id.clone(), url, error: "failed after it was ready".into() });
+        }
+        if ready.is_empty() || (!lost.is_empty() && policy == PartialSuccessPolicy::RollbackAll) {
+            return Vec::new();
+        }
+        for id in &ready {
+            let _ = inner.engine_event(id, EngineEvent::Activated);
+        }
+        ready
+    });
+
     let initial = manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == "initial");
     let doomed: Vec<(String, String)> = ids
         .iter()
         .filter(|id| !keep.contains(id))
         .map(|id| {
-            let why = failed
-                .iter()
-                .find(|f| &f.engine_id == id)
-                .map(|f| f.error.clone())
-                .unwrap_or_else(|| "rolled back".into());
-            (id.clone(), why)
+            let why = failed.iter().find(|f| &f.engine_id == id).map(|f| f.error.clone());
+            (id.clone(), why.unwrap_or_else(|| "rolled back".into()))
         })
         .collect();
     futures::future::join_all(doomed.iter().map(|(id, why)| cleanup(manager, id, initial, why))).await;
@@ -229,11 +246,6 @@ pub async fn run(
         }
     };
     manager.fleet.update(|inner| {
-        if event == ScaleOutEvent::Activated {
-            for id in &keep {
-                let _ = inner.engine_event(id, EngineEvent::Activated);
-            }
-        }
         if let Some(op) = inner.scale_outs.get_mut(request_id) {
             op.failed_engines = failed.clone();
             op.error_message = message.clone();
@@ -249,6 +261,13 @@ pub async fn run(
             inner.running = None;
         }
     });
+    // The fleet needs its initial engines: those that failed are restarted like crashed ones.
+    if initial && manager.config.restart_failed_engines && !matches!(end, End::ShuttingDown) {
+        for (id, _) in doomed {
+            let m = manager.clone();
+            manager.tasks.spawn(async move { m.recover(&id, Duration::from_secs(1)).await });
+        }
+    }
 }
 
 /// Initial engines stay listed as FAILED; dynamic and external ones are removed.

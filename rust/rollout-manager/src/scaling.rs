@@ -97,14 +97,34 @@ fn check_model(manager: &Manager, model_name: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_timeout(timeout: Option<f64>) -> Result<(), ApiError> {
-    match timeout {
-        Some(t) if !(t.is_finite() && t > 0.0) => Err(ApiError::bad_request(
+/// Longest `timeout_secs` accepted: 30 days.
+pub const MAX_TIMEOUT_SECS: f64 = 30.0 * 24.0 * 3600.0;
+
+/// The operation's deadline: `timeout_secs` if given (a positive number of seconds, at most
+/// [`MAX_TIMEOUT_SECS`]), else the flag's default. Checked before anything is reserved.
+pub fn timeout(requested: Option<f64>, default: f64) -> Result<Duration, ApiError> {
+    let secs = requested.unwrap_or(default);
+    if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+        return Err(ApiError::bad_request(
             "invalid_timeout",
-            format!("timeout_secs {t} must be a positive number of seconds"),
-        )),
-        _ => Ok(()),
+            format!("timeout_secs {secs} must be a positive number of seconds, at most {MAX_TIMEOUT_SECS}"),
+        ));
     }
+    Duration::try_from_secs_f64(secs)
+        .map_err(|e| ApiError::bad_request("invalid_timeout", format!("timeout_secs {secs}: {e}")))
+}
+
+/// `num_replicas` as a count: not negative, not beyond `--max-engines`.
+pub fn replicas(n: i64, max_engines: u32) -> Result<u32, ApiError> {
+    if n < 0 {
+        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {n} must be >= 0")));
+    }
+    u32::try_from(n).ok().filter(|v| *v <= max_engines).ok_or_else(|| {
+        ApiError::bad_request(
+            "above_max_engines",
+            format!("num_replicas {n} is above --max-engines {max_engines}; ask for at most {max_engines}"),
+        )
+    })
 }
 
 fn busy(running: &RunningOp) -> ApiError {
@@ -123,7 +143,7 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version:
         request_id: id.to_string(),
         status: ScaleOutStatus::Pending,
         model_name: req.model_name.clone(),
-        num_replicas: req.num_replicas.max(0) as u32,
+        num_replicas: u32::try_from(req.num_replicas.max(0)).unwrap_or(u32::MAX),
         engine_urls: req.engine_urls.clone(),
         engine_ids: Vec::new(),
         failed_engines: Vec::new(),
@@ -140,29 +160,16 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version:
 /// Validates and records a scale-out, then starts it in the background.
 pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
     check_model(manager, &req.model_name)?;
-    check_timeout(req.timeout_secs)?;
-    if req.num_replicas < 0 {
-        return Err(ApiError::bad_request(
-            "invalid_num_replicas",
-            format!("num_replicas {} must be >= 0", req.num_replicas),
-        ));
-    }
-    if req.num_replicas == 0 {
+    let deadline = timeout(req.timeout_secs, manager.config.scale_out_timeout)?;
+    let target = replicas(req.num_replicas, manager.config.max_engines)?;
+    if target == 0 {
         if req.engine_urls.is_empty() {
             return Err(ApiError::bad_request(
                 "missing_target",
                 "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
             ));
         }
-        return attach_external(manager, cancels, req);
-    }
-    let target = req.num_replicas as u32;
-    let max = manager.config.max_engines;
-    if target > max {
-        return Err(ApiError::bad_request(
-            "above_max_engines",
-            format!("num_replicas {target} is above --max-engines {max}; ask for at most {max}"),
-        ));
+        return attach_external(manager, cancels, req, deadline);
     }
     let request_id = uuid::Uuid::new_v4().to_string();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
@@ -180,7 +187,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
             inner.scale_outs.insert(request_id.clone(), record);
             return Ok((accepted, None));
         }
-        let needed = (target - current) * manager.config.rollout_num_gpus_per_engine;
+        let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
         if needed > inner.gpus.free() {
             return Err(ApiError::bad_request(
                 "insufficient_gpus",
@@ -201,8 +208,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = plan {
-        let timeout = Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_out_timeout));
-        spawn_scale_out(manager, cancels, request_id, ids, timeout, manager.config.scale_out_partial_success_policy);
+        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
     }
     Ok(accepted)
 }
@@ -231,7 +237,12 @@ pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
 
 /// External mode: attach engines someone else started. URLs already in the fleet (or being
 /// attached) are filtered out; if none is left the request is a NOOP.
-fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+fn attach_external(
+    manager: &Arc<Manager>,
+    cancels: &Arc<Cancels>,
+    req: ScaleOutRequest,
+    deadline: Duration,
+) -> Result<Accepted, ApiError> {
     let mut urls: Vec<String> = Vec::new();
     for raw in &req.engine_urls {
         let url = validate_engine_url(raw)?;
@@ -289,8 +300,7 @@ fn attach_external(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOut
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = ids {
-        let timeout = Duration::from_secs_f64(req.timeout_secs.unwrap_or(manager.config.scale_out_timeout));
-        spawn_scale_out(manager, cancels, request_id, ids, timeout, manager.config.scale_out_partial_success_policy);
+        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
     }
     Ok(accepted)
 }
@@ -311,6 +321,9 @@ fn reserve(
                 for id in &ids {
                     if let Some(engine) = inner.engines.remove(id) {
                         let _ = inner.gpus.release(&engine.record.gpu_ids);
+                        if let Some(port) = engine.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                            inner.ports_in_use.remove(&port);
+                        }
                     }
                 }
                 return Err(e);
@@ -360,9 +373,58 @@ fn spawn_scale_out(
     let cancel = cancels.insert(&request_id);
     let (m, c) = (manager.clone(), cancels.clone());
     manager.tasks.spawn(async move {
+        let _guard = OpGuard { manager: m.clone(), kind: "scale_out", request_id: request_id.clone() };
         crate::scale_out::run(&m, &request_id, ids, timeout, policy, cancel).await;
         c.remove(&request_id);
     });
+}
+
+/// Ends an operation its task left unfinished (a bug that panicked): marks it FAILED, frees
+/// the one-operation lock, and stops the engines it had not activated, so one failure never
+/// wedges the fleet. A no-op when the operation finished normally.
+pub struct OpGuard {
+    pub manager: Arc<Manager>,
+    pub kind: &'static str,
+    pub request_id: String,
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        let id = self.request_id.as_str();
+        let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
+        let leftovers = self.manager.fleet.update(|inner| {
+            let mut engines = Vec::new();
+            if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
+                op.error_message = Some(why.clone());
+                let _ = op.apply(ScaleOutEvent::Fail);
+                engines = op.engine_ids.clone();
+            }
+            if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
+                op.error_message = Some(why.clone());
+                let _ = op.apply(rollout_core::ScaleInEvent::Fail);
+                engines = op.engine_ids.clone();
+            }
+            if inner.running.as_ref().is_some_and(|r| r.request_id == id) {
+                inner.running = None;
+            }
+            engines.retain(|e| {
+                inner.engines.get(e).is_some_and(|en| en.record.status != rollout_core::EngineStatus::Active)
+            });
+            engines
+        });
+        if leftovers.is_empty() {
+            return;
+        }
+        tracing::error!(kind = self.kind, request_id = id, "operation task ended unexpectedly; cleaning up");
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let m = self.manager.clone();
+            rt.spawn(async move {
+                for e in leftovers {
+                    m.remove_engine(&e).await;
+                }
+            });
+        }
+    }
 }
 
 /// Cancels a running scale-out. Its task rolls back what it created.
@@ -375,6 +437,12 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
         return Err(ApiError::conflict(
             "already_finished",
             format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
+        ));
+    }
+    if record.trigger == "initial" {
+        return Err(ApiError::conflict(
+            "initial_bring_up",
+            format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
         ));
     }
     match cancels.get(request_id) {
@@ -435,7 +503,7 @@ pub fn cancel_many(
         .lock()
         .scale_outs
         .values()
-        .filter(|r| !r.status.is_terminal())
+        .filter(|r| !r.status.is_terminal() && r.trigger != "initial")
         .filter(|r| filter.is_none_or(|f| r.status == f))
         .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
         .map(|r| r.request_id.clone())

@@ -83,6 +83,16 @@ impl Server {
             tracing::info!("shutdown requested");
             stop.cancel();
         });
+        // The registry is rebuilt (or the initial bring-up reserved) before any request is
+        // served, so no API call can race with it. Connections wait in the listen backlog.
+        if snapshot.is_empty() {
+            if let Err(e) = scaling::start_initial(&manager, &cancels) {
+                tracing::error!(error = %e, "cannot reserve the initial engines");
+            }
+        } else {
+            tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
+            crate::restore::restore(&manager, snapshot).await;
+        }
         let servers = tokio_util::task::TaskTracker::new();
         for (listener, app) in [(control, api), (data, router)] {
             let stop = manager.shutdown.clone();
@@ -95,14 +105,6 @@ impl Server {
         }
         servers.close();
 
-        if snapshot.is_empty() {
-            if let Err(e) = scaling::start_initial(&manager, &cancels) {
-                tracing::error!(error = %e, "cannot reserve the initial engines");
-            }
-        } else {
-            tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
-            crate::restore::restore(&manager, snapshot).await;
-        }
         crate::health::spawn_monitor(&manager);
         crate::router::loads::spawn_poller(&manager);
         crate::router::smg::spawn_reconciler(&manager);

@@ -41,11 +41,15 @@ pub fn spawn_poller(manager: &Arc<Manager>) {
         let period = Duration::from_secs_f64(m.config.load_poll_interval_secs);
         let mut ticker = tokio::time::interval(period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut changes = m.fleet.subscribe();
         loop {
             tokio::select! {
-                _ = ticker.tick() => poll_all(&m, period).await,
+                _ = ticker.tick() => {}
+                // A new routable engine gets its pool size read at once, not a period later.
+                Ok(()) = changes.changed() => {}
                 _ = m.shutdown.cancelled() => return,
             }
+            poll_all(&m, period.max(Duration::from_millis(500))).await;
         }
     });
 }

@@ -84,6 +84,8 @@ pub fn router(manager: Arc<Manager>) -> Router {
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/health", get(readiness))
         .route("/readiness", get(readiness))
+        .route("/abort_request", axum::routing::post(fan_out))
+        .route("/flush_cache", axum::routing::post(fan_out).get(fan_out))
         .fallback(proxy)
         .with_state(state)
 }
@@ -134,7 +136,7 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
-async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Vec<Backend>, Response> {
+async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc<Vec<Backend>>, Response> {
     let fleet = &state.manager.fleet;
     let wait = Duration::from_secs_f64(state.manager.config.version_wait_secs);
     let deadline = tokio::time::Instant::now() + wait;
@@ -150,13 +152,13 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Vec
                     "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
                 ));
             }
-            return Ok(routes.to_vec());
+            return Ok(routes);
         };
         let history = fleet.version_history();
         let matching: Vec<Backend> =
             routes.iter().filter(|b| pin.allows(b.weight_version.as_deref(), &history)).cloned().collect();
         if !matching.is_empty() {
-            return Ok(matching);
+            return Ok(Arc::new(matching));
         }
         tokio::select! {
             changed = changes.changed() => if changed.is_err() { break },
@@ -180,9 +182,78 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Vec
     ))
 }
 
+/// Engine routes that change an engine's weights or lifecycle. The manager owns those, so the
+/// router does not forward them (one engine changed behind the manager's back would serve a
+/// version the fleet does not know). `/abort_request` and `/flush_cache` are fanned out instead.
+const ADMIN_ROUTES: [&str; 20] = [
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/update_weights_from_ipc",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/start_profile",
+    "/stop_profile",
+    "/pd_role_switch",
+];
+
+/// Sends the request to every routable engine (abort and cache flush concern them all) and
+/// answers 200 when all succeeded, else 502, with each engine's status.
+async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the body is limited to 1 MiB");
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let routes = state.manager.fleet.routes();
+    let client = &state.client;
+    let results = futures::future::join_all(routes.iter().map(|b| {
+        let mut req = hyper::Request::new(Full::new(body.clone()));
+        *req.method_mut() = parts.method.clone();
+        *req.headers_mut() = end_to_end(&parts.headers);
+        let uri = Uri::try_from(format!("http://{}{}", b.authority, path));
+        async move {
+            let status = match uri {
+                Ok(u) => {
+                    *req.uri_mut() = u;
+                    client.request(req).await.map(|r| r.status().as_u16()).unwrap_or(0)
+                }
+                Err(_) => 0,
+            };
+            (b.engine_id.clone(), status)
+        }
+    }))
+    .await;
+    let ok = results.iter().all(|(_, s)| (200..300).contains(s));
+    let engines: serde_json::Map<String, serde_json::Value> =
+        results.into_iter().map(|(id, s)| (id, serde_json::json!(s))).collect();
+    let status = if ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
+    (status, Json(serde_json::json!({"success": ok, "engines": engines}))).into_response()
+}
+
 async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Response {
     let metrics = &state.manager.router_metrics;
     metrics.requests.fetch_add(1, Ordering::Relaxed);
+    if ADMIN_ROUTES.contains(&request.uri().path()) {
+        metrics.error(ErrorKind::BadRequest);
+        let msg = format!(
+            "{} changes an engine's weights or lifecycle, which the manager owns; the router does not forward it. \
+             Use the manager's control API (weights, scale) or call an engine directly",
+            request.uri().path()
+        );
+        return error(StatusCode::FORBIDDEN, "admin_route", &msg);
+    }
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
         Ok(b) => b,
@@ -213,29 +284,36 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         }
     };
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
-    let routes = match candidates(&state, info.pin.as_ref()).await {
-        Ok(r) => r,
-        Err(resp) => return resp,
-    };
+    // capacity: a session key if the request has one, else its prompt (GRPO siblings);
+    // session: the session key only.
+    let session_key = info.session.as_deref().map(affinity::session_key);
     let affinity_key = match policy {
-        Policy::Session => info.session.as_deref().map(affinity::session_key).or(info.prompt_hash),
-        Policy::Capacity => info.prompt_hash,
+        Policy::Capacity => session_key.or(info.prompt_hash),
+        Policy::Session => session_key,
         _ => None,
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let headers = end_to_end(&parts.headers);
-    let mut tried: Vec<usize> = Vec::with_capacity(MAX_ATTEMPTS);
+    let mut tried: Vec<Arc<crate::fleet::EngineLoad>> = Vec::with_capacity(MAX_ATTEMPTS);
     let mut last_error = String::new();
-    for attempt in 0..MAX_ATTEMPTS.min(routes.len()) {
-        let open: Vec<usize> = (0..routes.len()).filter(|i| !tried.contains(i)).collect();
+    for attempt in 0..MAX_ATTEMPTS {
+        // Each attempt reads the current table: engines may have left routing meanwhile.
+        let routes = match candidates(&state, info.pin.as_ref()).await {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        let open: Vec<usize> =
+            (0..routes.len()).filter(|&i| !tried.iter().any(|t| Arc::ptr_eq(t, &routes[i].load))).collect();
+        if open.is_empty() {
+            break;
+        }
         let loads: Vec<_> = open.iter().map(|&i| routes[i].load.snapshot()).collect();
         let affine = affinity_key
             .and_then(|k| state.affinity.get(k))
-            .and_then(|id| open.iter().position(|&i| *routes[i].engine_id == *id));
+            .and_then(|id| open.iter().position(|&i| routes[i].engine_id.as_str() == &*id));
         let rotor = state.rotor.fetch_add(1, Ordering::Relaxed);
         let Some((pos, kept)) = choose(policy, &loads, info.tokens, affine, rotor, &state.gate) else { break };
-        let index = open[pos];
-        let backend = &routes[index];
+        let backend = &routes[open[pos]];
         if affine.is_some() {
             let counter = if kept { &metrics.affinity_kept } else { &metrics.affinity_moved };
             counter.fetch_add(1, Ordering::Relaxed);
@@ -243,12 +321,18 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         if let (Some(k), false) = (affinity_key, kept) {
             state.affinity.put(k, &backend.engine_id);
         }
-        tried.push(index);
+        tried.push(backend.load.clone());
         if attempt > 0 {
             metrics.retries.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
         }
         let guard = backend.load.enter(info.tokens);
+        // Counted first, then checked: a scale-in that took the engine out of routing before
+        // this request was counted sees it in its drain; one that did after, we see here.
+        if !state.manager.fleet.is_routable(&backend.load) {
+            drop(guard);
+            continue;
+        }
         let uri = match Uri::try_from(format!("http://{}{}", backend.authority, path)) {
             Ok(u) => u,
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", &format!("cannot forward {path:?}: {e}")),

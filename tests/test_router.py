@@ -1,0 +1,151 @@
+"""The data plane: routing policies, session and prompt affinity, version pins, admin routes,
+fan-out, and the router's Prometheus metrics. Real manager, real sglang-sim engines."""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any
+
+import pytest
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, metric_total, wait_until
+
+
+def generate(fleet: ManagerHandle, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[str, Any]:
+    resp = http("POST", f"{fleet.router_url}/generate", body, headers=headers)
+    assert resp.status == 200, (resp.status, resp.body)
+    return resp.headers["x-rollout-engine-id"], resp.json()
+
+
+@pytest.fixture
+def four(start_fleet: StartManager) -> ManagerHandle:
+    fleet = start_fleet("--rollout-num-gpus", "4", "--weight-version", "v3", "--version-wait-secs", "1", wait=False)
+    fleet.wait_engines(4, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    return fleet
+
+
+def test_round_robin_and_least_requests_use_every_engine(four: ManagerHandle) -> None:
+    for policy in ("round_robin", "least_requests"):
+        seen = collections.Counter(
+            generate(four, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 1}}, {"x-routing-policy": policy})[0]
+            for i in range(8)
+        )
+        assert len(seen) == 4, (policy, seen)
+
+
+def test_unknown_policy_is_a_clear_400(four: ManagerHandle) -> None:
+    resp = http("POST", f"{four.router_url}/generate", {"text": "x"}, headers={"x-routing-policy": "cache_aware"})
+    assert resp.status == 400
+    assert "round_robin" in resp.json()["error"]["message"]
+
+
+def test_session_requests_stay_on_one_engine(four: ManagerHandle) -> None:
+    homes = {}
+    for session in ("alice", "bob", "carol"):
+        engines = {
+            generate(four, {"text": f"turn {t}", "sampling_params": {"max_new_tokens": 2}}, {"x-session-id": session})[0]
+            for t in range(5)
+        }
+        assert len(engines) == 1, (session, engines)
+        homes[session] = engines.pop()
+    # The body's session_params.id works the same way.
+    engines = {
+        generate(four, {"text": f"t{t}", "session_params": {"id": "dave"}, "sampling_params": {"max_new_tokens": 1}}, {"x-routing-policy": "session"})[0]
+        for t in range(4)
+    }
+    assert len(engines) == 1
+
+
+def test_grpo_siblings_share_an_engine_until_it_fills(start_fleet: StartManager) -> None:
+    # Small KV pools so one prompt group can fill an engine.
+    fleet = start_fleet("--engine-arg=--max-total-tokens=2048", "--engine-arg=--time-scale=0.2")
+    wait_until(
+        lambda: metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens") == 2 * 2048,
+        STARTUP_TIMEOUT,
+        "the engines' KV pool sizes to be polled",
+    )
+    prompt = "solve: " + "x " * 50
+    sibling = {"text": prompt, "sampling_params": {"max_new_tokens": 8}}
+    first = {generate(fleet, sibling)[0] for _ in range(4)}
+    assert len(first) == 1, f"sequential siblings of one prompt should share an engine: {first}"
+    # A burst of long siblings exceeds one engine's pool: the gate spills them to the other.
+    burst = {"text": prompt, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+    seen: list[str] = []
+    threads = [threading.Thread(target=lambda: seen.append(generate(fleet, burst)[0])) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(seen) == 6 and len(set(seen)) == 2, collections.Counter(seen)
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_affinity_total{outcome="kept"}') >= 3
+    assert metric_total(metrics, 'rollout_router_affinity_total{outcome="moved"}') >= 1
+
+
+def test_capacity_spreads_a_burst_by_tokens(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--engine-arg=--time-scale=0.2")
+    long = {"sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
+    seen: list[str] = []
+    threads = [
+        threading.Thread(target=lambda i=i: seen.append(generate(fleet, {"text": f"distinct prompt {i}", **long})[0]))
+        for i in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    counts = collections.Counter(seen)
+    assert len(counts) == 2 and max(counts.values()) - min(counts.values()) <= 2, counts
+
+
+def test_version_pins(four: ManagerHandle) -> None:
+    for pin in ("v3", {"exact_version": "v3"}, {"min_version": "v2"}, {"min_version": "v3"}):
+        _, body = generate(four, {"text": "x", "weight_version": pin, "sampling_params": {"max_new_tokens": 1}})
+        assert body["meta_info"]["weight_version"] == "v3"
+    _, body = generate(four, {"text": "x"}, {"x-min-weight-version": "v1"})
+    assert body["meta_info"]["weight_version"] == "v3"
+    for pin in ({"exact_version": "v4"}, {"min_version": "v10"}):
+        resp = http("POST", f"{four.router_url}/generate", {"text": "x", "weight_version": pin})
+        assert resp.status == 503
+        err = resp.json()["error"]
+        assert err["code"] == "version_unavailable" and "v3" in err["message"], err
+    bad = http("POST", f"{four.router_url}/generate", {"text": "x", "weight_version": {"newest": True}})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_weight_version"
+
+
+def test_pinned_request_waits_for_a_serving_engine(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--engine-arg=--startup-delay=1", "--weight-version", "7", wait=False)
+    # No engine is ACTIVE yet: an unpinned request fails at once, a pinned one waits.
+    assert http("POST", f"{fleet.router_url}/generate", {"text": "x"}).status == 503
+    _, body = generate(fleet, {"text": "x", "weight_version": {"min_version": "7"}, "sampling_params": {"max_new_tokens": 1}})
+    assert body["meta_info"]["weight_version"] == "7"
+
+
+def test_admin_routes_are_not_forwarded_and_abort_fans_out(four: ManagerHandle) -> None:
+    resp = http("POST", f"{four.router_url}/update_weights_from_disk", {"model_path": "/tmp/x"})
+    assert resp.status == 403 and resp.json()["error"]["code"] == "admin_route"
+    resp = http("POST", f"{four.router_url}/abort_request", {"abort_all": True})
+    assert resp.status == 200
+    body = resp.json()
+    assert body["success"] is True and len(body["engines"]) == 4
+
+
+def test_router_metrics(four: ManagerHandle) -> None:
+    before = metric_total(http("GET", f"{four.control_url}/metrics").body.decode(), "rollout_router_requests_total")
+    for i in range(5):
+        generate(four, {"text": f"m{i}", "sampling_params": {"max_new_tokens": 1}})
+    resp = http("GET", f"{four.control_url}/metrics")
+    assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = resp.body.decode()
+    assert metric_total(text, "rollout_router_requests_total") == before + 5
+    assert metric_total(text, 'rollout_router_responses_total{class="2xx"}') >= 5
+    assert metric_total(text, "rollout_engine_served_total") >= 5
+    assert metric_total(text, "rollout_router_request_duration_seconds_count") >= 5
+    # The load poller has read every engine's KV pool size.
+    wait_until(
+        lambda: metric_total(http("GET", f"{four.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens") >= 4 * 65536,
+        STARTUP_TIMEOUT,
+        "the engines' KV pool sizes to be polled",
+    )
+    assert json.loads(http("GET", f"{four.router_url}/readiness").body)["routable_engines"] == 4
