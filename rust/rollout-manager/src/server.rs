@@ -114,6 +114,9 @@ impl Server {
         if tokio::time::timeout(Duration::from_secs(5), servers.wait()).await.is_err() {
             tracing::warn!("HTTP connections still open after 5 s; closing them");
         }
+        // An external router stops sending work to the engines before they stop.
+        let urls: Vec<String> = manager.fleet.routes().iter().map(|b| b.url.clone()).collect();
+        crate::router::smg::unregister_urls(&manager, &urls).await;
         manager.stop_all().await;
         manager.tasks.close();
         let grace = manager.shutdown_grace() + Duration::from_secs(5);
