@@ -128,6 +128,11 @@ pub struct ServeConfig {
     /// `smg=http://127.0.0.1:30100` (its `/workers` API), and unregister it before it drains.
     #[arg(long = "router", value_name = "KIND=URL")]
     pub external_router: Option<String>,
+    /// File holding the API token (mode 0600). When set (or when ROLLOUT_MANAGER_API_TOKEN
+    /// is), every mutating control request needs `Authorization: Bearer <token>`.
+    #[arg(long, value_name = "PATH")]
+    #[serde(default)]
+    pub api_token_file: Option<PathBuf>,
     /// Engine endpoint used by health probes.
     #[arg(long, default_value = "/health_generate")]
     pub health_check_endpoint: String,

@@ -138,6 +138,8 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        // The API token is the manager's secret, not the engines'.
+        .env_remove(crate::auth::TOKEN_ENV)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err))
@@ -178,6 +180,8 @@ pub fn spawn_detached(spec: &LaunchSpec) -> Result<Child, HostError> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        // The API token is the manager's secret, not the engines'.
+        .env_remove(crate::auth::TOKEN_ENV)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err));

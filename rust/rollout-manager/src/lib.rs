@@ -3,6 +3,7 @@
 //! See `docs/architecture.md` for the picture; each module's docs say what it owns.
 
 pub mod api;
+pub mod auth;
 pub mod clock;
 pub mod error;
 pub mod fleet;

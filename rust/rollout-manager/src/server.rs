@@ -29,6 +29,8 @@ pub enum StartError {
     StateDir { path: String, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Token(#[from] crate::auth::TokenError),
     #[error("cannot build the HTTP client: {0}")]
     Http(#[from] reqwest::Error),
 }
@@ -37,6 +39,8 @@ pub struct Server {
     manager: Arc<Manager>,
     control: TcpListener,
     data: TcpListener,
+    /// The API token, if configured.
+    token: Option<Arc<str>>,
     /// What `--state-dir` held at startup; empty on a first start.
     snapshot: crate::store::Snapshot,
 }
@@ -53,13 +57,18 @@ impl Server {
         };
         let control = bind("--port", config.port).await?;
         let data = bind("--router-port", config.router_port).await?;
-        if !is_loopback(&config.host) {
-            tracing::warn!(host = %config.host, "the control API listens beyond loopback and has no authentication yet");
+        let token = crate::auth::load(config.api_token_file.as_deref())?;
+        if !is_loopback(&config.host) && token.is_none() {
+            tracing::warn!(
+                host = %config.host,
+                "the control API listens beyond loopback without a token: anyone who reaches it can scale the fleet; \
+                 set --api-token-file"
+            );
         }
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
         let manager = Manager::new(config, launcher, Some(store))?;
-        Ok(Self { manager, control, data, snapshot })
+        Ok(Self { manager, control, data, snapshot, token })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -72,10 +81,11 @@ impl Server {
 
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data, snapshot } = self;
+        let Self { manager, control, data, snapshot, token } = self;
         let cancels = Arc::new(Cancels::default());
-        let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() });
-        let router = crate::router::router(manager.clone());
+        let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
+            .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token));
+        let router = crate::router::router(manager.clone(), token);
 
         let stop = manager.shutdown.clone();
         manager.tasks.spawn(async move {

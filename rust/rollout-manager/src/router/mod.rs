@@ -65,7 +65,9 @@ pub struct RouterState {
     gate: Gate,
 }
 
-pub fn router(manager: Arc<Manager>) -> Router {
+/// The data plane. `token`, when set, guards the fan-out routes (`/abort_request`,
+/// `/flush_cache`), which act on every engine; generation needs none.
+pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -84,8 +86,17 @@ pub fn router(manager: Arc<Manager>) -> Router {
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/health", get(readiness))
         .route("/readiness", get(readiness))
-        .route("/abort_request", axum::routing::post(fan_out))
-        .route("/flush_cache", axum::routing::post(fan_out).get(fan_out))
+        .route(
+            "/abort_request",
+            axum::routing::post(fan_out)
+                .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token)),
+        )
+        .route(
+            "/flush_cache",
+            axum::routing::post(fan_out)
+                .get(fan_out)
+                .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token)),
+        )
         .fallback(proxy)
         .with_state(state)
 }
