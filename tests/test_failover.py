@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from _support import STARTUP_TIMEOUT, StartManager, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, wait_until
 from test_drain import in_flight, start_long_requests
 
 
@@ -28,6 +28,12 @@ def test_requests_on_a_dying_engine_are_retried(start_fleet: StartManager) -> No
     assert fleet.engines().by_id(victim.engine_id).status == "FAILED"  # type: ignore[union-attr]
 
 
+def starting_pids(fleet: ManagerHandle) -> list[int] | None:
+    """The pids of the two dynamic engines a scale-out from 2 to 4 is starting, once both run."""
+    pids = [e.pid for e in fleet.engines().engines if e.origin == "dynamic" and e.pid is not None]
+    return pids if len(pids) == 2 else None
+
+
 def test_keep_partial_keeps_the_engines_that_came_up(start_fleet: StartManager) -> None:
     fleet = start_fleet(
         "--engine-arg=--startup-delay=2",
@@ -37,12 +43,7 @@ def test_keep_partial_keeps_the_engines_that_came_up(start_fleet: StartManager) 
         "false",
     )
     accepted = fleet.client.scale_out(num_replicas=4)
-
-    def starting() -> list[int] | None:
-        new = [e for e in fleet.engines().engines if e.origin == "dynamic" and e.pid is not None]
-        return [e.pid for e in new if e.pid is not None] if len(new) == 2 else None
-
-    pids = wait_until(starting, STARTUP_TIMEOUT, "two dynamic engines to be starting")
+    pids = wait_until(lambda: starting_pids(fleet), STARTUP_TIMEOUT, "two dynamic engines to be starting")
     fleet.track_children()
     os.kill(pids[0], signal.SIGKILL)
     op = fleet.client.wait_for_operation("scale_out", accepted.request_id, STARTUP_TIMEOUT)
@@ -56,12 +57,7 @@ def test_keep_partial_keeps_the_engines_that_came_up(start_fleet: StartManager) 
 def test_rollback_all_removes_every_new_engine_when_one_fails(start_fleet: StartManager) -> None:
     fleet = start_fleet("--engine-arg=--startup-delay=2", "--restart-failed-engines", "false")
     accepted = fleet.client.scale_out(num_replicas=4)
-
-    def starting() -> list[int] | None:
-        new = [e for e in fleet.engines().engines if e.origin == "dynamic" and e.pid is not None]
-        return [e.pid for e in new if e.pid is not None] if len(new) == 2 else None
-
-    pids = wait_until(starting, STARTUP_TIMEOUT, "two dynamic engines to be starting")
+    pids = wait_until(lambda: starting_pids(fleet), STARTUP_TIMEOUT, "two dynamic engines to be starting")
     fleet.track_children()
     os.kill(pids[0], signal.SIGKILL)
     op = fleet.client.wait_for_operation("scale_out", accepted.request_id, STARTUP_TIMEOUT)

@@ -133,6 +133,20 @@ fn open_log(path: &Path) -> Result<std::fs::File, HostError> {
 /// delivers PDEATHSIG when the *thread* that forked the child exits, so forking from a
 /// short-lived blocking thread would kill engines early.
 pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
+    let mut cmd = command(spec)?;
+    cmd.process_group(0).kill_on_drop(true);
+    die_with_parent(&mut cmd);
+    let child = cmd.spawn().map_err(|source| HostError::Spawn { program: spec.program.clone(), source })?;
+    let pid = child.id().ok_or_else(|| HostError::NoPid { program: spec.program.clone() })?;
+    let (stop_tx, stop_rx) = mpsc::channel(1);
+    let (exit_tx, exit_rx) = watch::channel(None);
+    tokio::spawn(supervise(child, pid, stop_rx, exit_tx));
+    Ok(EngineProcess { pid, start_ticks: process_start_ticks(pid), stop_tx, exit_rx })
+}
+
+/// The command of a spec: argv, environment (without the manager's API token), no stdin,
+/// stdout and stderr appended to the log file.
+fn command(spec: &LaunchSpec) -> Result<Command, HostError> {
     let log = open_log(&spec.log_path)?;
     let log_err = log.try_clone().map_err(|source| HostError::Log { path: spec.log_path.clone(), source })?;
     let mut cmd = Command::new(&spec.program);
@@ -142,16 +156,8 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
         .env_remove(crate::auth::TOKEN_ENV)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err))
-        .process_group(0)
-        .kill_on_drop(true);
-    die_with_parent(&mut cmd);
-    let child = cmd.spawn().map_err(|source| HostError::Spawn { program: spec.program.clone(), source })?;
-    let pid = child.id().ok_or_else(|| HostError::NoPid { program: spec.program.clone() })?;
-    let (stop_tx, stop_rx) = mpsc::channel(1);
-    let (exit_tx, exit_rx) = watch::channel(None);
-    tokio::spawn(supervise(child, pid, stop_rx, exit_tx));
-    Ok(EngineProcess { pid, start_ticks: process_start_ticks(pid), stop_tx, exit_rx })
+        .stderr(Stdio::from(log_err));
+    Ok(cmd)
 }
 
 /// Makes the child get SIGKILL when its parent thread exits (PR_SET_PDEATHSIG).
@@ -175,16 +181,7 @@ pub fn die_with_parent(cmd: &mut Command) {
 /// Starts a process in a session of its own that outlives the manager (an engine keeper).
 /// The caller owns the returned child and must reap it.
 pub fn spawn_detached(spec: &LaunchSpec) -> Result<Child, HostError> {
-    let log = open_log(&spec.log_path)?;
-    let log_err = log.try_clone().map_err(|source| HostError::Log { path: spec.log_path.clone(), source })?;
-    let mut cmd = Command::new(&spec.program);
-    cmd.args(&spec.args)
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        // The API token is the manager's secret, not the engines'.
-        .env_remove(crate::auth::TOKEN_ENV)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err));
+    let mut cmd = command(spec)?;
     #[expect(unsafe_code, reason = "pre_exec runs between fork and exec to start a new session")]
     // SAFETY: setsid is async-signal-safe and nothing is allocated.
     unsafe {

@@ -94,13 +94,34 @@ impl Manager {
             }
         };
         inner.ports_in_use.insert(port);
+        let url = format!("http://{}:{port}", url_host(&self.config.engine_host));
+        Ok(self.register(inner, url, origin, gpu_ids, created_by))
+    }
+
+    /// Registers an external engine (started by someone else) in CREATING. Nothing is contacted
+    /// yet; [`Manager::connect`] does that.
+    pub fn reserve_external(&self, inner: &mut crate::fleet::FleetInner, url: &str, created_by: &str) -> String {
+        self.register(inner, url.to_string(), EngineOrigin::External, Vec::new(), created_by)
+    }
+
+    /// Adds a new engine record in CREATING under the next id.
+    fn register(
+        &self,
+        inner: &mut crate::fleet::FleetInner,
+        url: String,
+        origin: EngineOrigin,
+        gpu_ids: Vec<u32>,
+        created_by: &str,
+    ) -> String {
         let seq = inner.next_seq;
         inner.next_seq += 1;
         let engine_id = format!("engine_{seq}");
         let now = unix_now();
+        let log_path = (origin != EngineOrigin::External)
+            .then(|| self.config.state_dir.join("logs").join(format!("{engine_id}.log")));
         let record = EngineRecord {
             engine_id: engine_id.clone(),
-            url: format!("http://{}:{port}", url_host(&self.config.engine_host)),
+            url,
             status: EngineStatus::Creating,
             is_healthy: false,
             origin,
@@ -110,45 +131,7 @@ impl Manager {
             pid: None,
             started_at: now,
             updated_at: now,
-            log_path: Some(self.config.state_dir.join("logs").join(format!("{engine_id}.log"))),
-            in_flight: 0,
-            last_error: None,
-            created_by: Some(created_by.to_string()),
-            restarts: 0,
-        };
-        let engine = Engine {
-            seq,
-            record,
-            process: None,
-            load: Arc::new(EngineLoad::default()),
-            probe_failures: 0,
-            pid_start_ticks: None,
-            keeper_socket: None,
-        };
-        inner.engines.insert(engine_id.clone(), engine);
-        Ok(engine_id)
-    }
-
-    /// Registers an external engine (started by someone else) in CREATING. Nothing is contacted
-    /// yet; [`Manager::connect`] does that.
-    pub fn reserve_external(&self, inner: &mut crate::fleet::FleetInner, url: &str, created_by: &str) -> String {
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
-        let engine_id = format!("engine_{seq}");
-        let now = unix_now();
-        let record = EngineRecord {
-            engine_id: engine_id.clone(),
-            url: url.to_string(),
-            status: EngineStatus::Creating,
-            is_healthy: false,
-            origin: EngineOrigin::External,
-            model_name: self.config.model_name.clone(),
-            weight_version: None,
-            gpu_ids: Vec::new(),
-            pid: None,
-            started_at: now,
-            updated_at: now,
-            log_path: None,
+            log_path,
             in_flight: 0,
             last_error: None,
             created_by: Some(created_by.to_string()),
