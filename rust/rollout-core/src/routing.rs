@@ -6,9 +6,10 @@
 //!
 //! - `round_robin` cycles;
 //! - `least_requests` takes the engine with the fewest requests in flight;
-//! - `capacity` (default) takes the engine with the most free KV tokens, where used tokens are
-//!   the engine's last report plus what the router sent it since (see [`Load::used`]), so a
-//!   burst between two reports is still spread correctly; a request
+//! - `capacity` (default) takes the engine with the fewest committed tokens relative to its pool:
+//!   the router's exact account of what it sent and is unfinished (prompt + output budget), or
+//!   the engine's own report when larger (see [`Load::used`]), so a burst between two reports is
+//!   still spread correctly; a request
 //!   whose prompt prefix was recently sent to an engine goes back there (GRPO siblings share a
 //!   prompt, so its KV is cached) unless that engine fails the imbalance gate;
 //!   A session key (header `x-session-id`, or the body's `session_params.id` / `routing_key`)
@@ -17,10 +18,13 @@
 //!   with the same key stay on one engine while it passes the gate, and are re-pinned to the
 //!   most-free engine when it does not.
 //!
-//! The imbalance gate: an engine may keep affine traffic while its utilisation after taking the
-//! request stays below `max_utilisation` and at most `spill_factor` times the fleet's mean plus
-//! `spill_slack` (so an idle fleet does not spill on the first request). This is what keeps a hot
-//! session or prompt from piling a whole batch onto one engine.
+//! The imbalance gate: an engine may keep affine traffic while, after taking the request, (1) its
+//! committed tokens relative to its pool stay at most `spill_factor` times the fleet's mean plus
+//! `spill_slack`, and (2) its requests in flight stay at most `spill_factor` times the fleet's
+//! mean plus `spill_requests` (tokens alone miss engines that queue on compute while their pool
+//! is mostly free). The gate is relative: a busy fleet keeps its affinity as long as it is
+//! balanced. This is what keeps a hot session or prompt from piling a whole batch onto one
+//! engine.
 
 use serde::{Deserialize, Serialize};
 
@@ -61,8 +65,6 @@ pub struct Load {
     pub capacity: u64,
     /// KV tokens in use plus queued prompt tokens, as last reported by the engine.
     pub reported_tokens: u64,
-    /// The router's `est_tokens` at the moment of that report.
-    pub est_at_report: u64,
 }
 
 /// Pool size assumed for an engine that has not reported one yet.
@@ -77,14 +79,11 @@ impl Load {
         }
     }
 
-    /// Tokens in use: the engine's last report plus what the router sent since (its estimate's
-    /// growth since the report), or the router's estimate alone before any report. So the
-    /// engine's numbers correct the router's drift, and bursts between reports still count.
+    /// Tokens committed on the engine: the router's own exact account of its in-flight requests
+    /// (prompt + output budget, until they finish), or the engine's report when that is larger
+    /// (work the router did not send, or a budget it under-estimated).
     pub fn used(&self) -> u64 {
-        if self.capacity == 0 {
-            return self.est_tokens;
-        }
-        self.reported_tokens + self.est_tokens.saturating_sub(self.est_at_report)
+        self.est_tokens.max(self.reported_tokens)
     }
 
     /// Free KV tokens (negative when over-committed: the engine will queue).
@@ -101,14 +100,14 @@ impl Load {
 /// Knobs of the imbalance gate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gate {
-    pub max_utilisation: f64,
     pub spill_factor: f64,
     pub spill_slack: f64,
+    pub spill_requests: f64,
 }
 
 impl Default for Gate {
     fn default() -> Self {
-        Self { max_utilisation: 0.9, spill_factor: 1.5, spill_slack: 0.1 }
+        Self { spill_factor: 1.5, spill_slack: 0.1, spill_requests: 2.0 }
     }
 }
 
@@ -124,7 +123,10 @@ pub fn mean_utilisation(loads: &[Load]) -> f64 {
 pub fn passes_gate(loads: &[Load], i: usize, need: u64, gate: &Gate) -> bool {
     let Some(l) = loads.get(i) else { return false };
     let after = l.utilisation_with(need);
-    after <= gate.max_utilisation && after <= gate.spill_factor * mean_utilisation(loads) + gate.spill_slack
+    let kv_ok = after <= gate.spill_factor * mean_utilisation(loads) + gate.spill_slack;
+    let mean_requests = loads.iter().map(|l| l.in_flight as f64).sum::<f64>() / loads.len() as f64;
+    let requests_ok = (l.in_flight + 1) as f64 <= gate.spill_factor * mean_requests + gate.spill_requests;
+    kv_ok && requests_ok
 }
 
 /// Index with the most free KV tokens; ties go to fewer requests in flight, then to the first

@@ -4,7 +4,7 @@ use super::*;
 use proptest::prelude::*;
 
 fn load(in_flight: u64, est: u64, cap: u64) -> Load {
-    Load { in_flight, est_tokens: est, capacity: cap, reported_tokens: 0, est_at_report: 0 }
+    Load { in_flight, est_tokens: est, capacity: cap, reported_tokens: 0 }
 }
 
 #[test]
@@ -21,10 +21,10 @@ fn engine_reports_correct_the_estimate() {
     a.reported_tokens = 9500;
     let b = load(2, 3000, 10000);
     assert_eq!(most_free(&[a, b], 0), Some(1));
-    // And the other way: the router over-estimated (max_new_tokens is an upper bound), the
-    // engine reports less; requests sent since the report still count.
-    let c = Load { in_flight: 4, est_tokens: 9000, capacity: 10000, reported_tokens: 1000, est_at_report: 8000 };
-    assert_eq!(c.used(), 2000);
+    // The engine reporting less than the router's account changes nothing: budgets not yet
+    // generated still count.
+    let c = Load { in_flight: 4, est_tokens: 9000, capacity: 10000, reported_tokens: 1000 };
+    assert_eq!(c.used(), 9000);
 }
 
 #[test]
@@ -44,9 +44,14 @@ fn affinity_holds_until_the_gate_trips() {
     // Engine 1 holds 80% while engine 0 is empty: taking more would exceed 1.5x the mean + 0.1.
     let skewed = [load(0, 0, 10000), load(8, 8000, 10000)];
     assert_eq!(choose(Policy::Session, &skewed, 500, Some(1), 0, &gate), Some((0, false)));
-    // Over max utilisation: spill even when the fleet is evenly full.
+    // A busy but balanced fleet keeps its affinity.
     let full = [load(9, 8900, 10000), load(9, 8900, 10000)];
-    assert!(!passes_gate(&full, 0, 500, &gate));
+    assert!(passes_gate(&full, 0, 500, &gate));
+    // Requests queue on an engine whose KV pool is nearly empty: spill on request count too.
+    let queued = [load(20, 2000, 65536), load(0, 0, 65536), load(0, 0, 65536), load(0, 0, 65536)];
+    assert!(!passes_gate(&queued, 0, 100, &gate));
+    let even = [load(6, 2000, 65536), load(5, 2000, 65536), load(5, 0, 65536), load(6, 0, 65536)];
+    assert!(passes_gate(&even, 0, 100, &gate));
 }
 
 #[test]
@@ -88,7 +93,7 @@ proptest! {
     /// The capacity choice is never an engine with strictly less free space than another.
     #[test]
     fn capacity_is_maximal(raw in proptest::collection::vec((0u64..50, 0u64..20000, 1u64..20000, 0u64..20000), 1..12), rotor in 0usize..100) {
-        let loads: Vec<Load> = raw.iter().map(|&(f, e, c, r)| Load { in_flight: f, est_tokens: e, capacity: c, reported_tokens: r, est_at_report: 0 }).collect();
+        let loads: Vec<Load> = raw.iter().map(|&(f, e, c, r)| Load { in_flight: f, est_tokens: e, capacity: c, reported_tokens: r }).collect();
         let (i, _) = choose(Policy::Capacity, &loads, 10, None, rotor, &Gate::default()).unwrap();
         prop_assert!(loads.iter().all(|l| l.free() <= loads[i].free()));
     }
@@ -96,7 +101,7 @@ proptest! {
     /// An affine engine is kept only when it passes the gate.
     #[test]
     fn affinity_respects_gate(raw in proptest::collection::vec((0u64..20000, 1u64..20000), 1..8), a in 0usize..8, need in 0u64..4000) {
-        let loads: Vec<Load> = raw.iter().map(|&(e, c)| Load { in_flight: 0, est_tokens: e, capacity: c, reported_tokens: 0, est_at_report: 0 }).collect();
+        let loads: Vec<Load> = raw.iter().map(|&(e, c)| Load { in_flight: 0, est_tokens: e, capacity: c, reported_tokens: 0 }).collect();
         let a = a % loads.len();
         let gate = Gate::default();
         let (i, kept) = choose(Policy::Session, &loads, need, Some(a), 0, &gate).unwrap();

@@ -37,7 +37,6 @@ pub struct EngineLoad {
     est_tokens: AtomicU64,
     capacity: AtomicU64,
     reported_tokens: AtomicU64,
-    est_at_report: AtomicU64,
     /// Requests ever sent to this engine by the router.
     served: AtomicU64,
     idle: Notify,
@@ -66,7 +65,6 @@ impl EngineLoad {
 
     /// Records the engine's own report: KV pool size and tokens in use or queued.
     pub fn report(&self, capacity: u64, used: u64) {
-        self.est_at_report.store(self.est_tokens(), Ordering::Relaxed);
         self.reported_tokens.store(used, Ordering::Relaxed);
         self.capacity.store(capacity, Ordering::Relaxed);
     }
@@ -78,7 +76,6 @@ impl EngineLoad {
             est_tokens: self.est_tokens(),
             capacity: self.capacity.load(Ordering::Relaxed),
             reported_tokens: self.reported_tokens.load(Ordering::Relaxed),
-            est_at_report: self.est_at_report.load(Ordering::Relaxed),
         }
     }
 

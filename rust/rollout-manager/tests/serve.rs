@@ -90,7 +90,13 @@ async fn serves_a_fleet_and_shuts_down_in_order() {
     let body = json!({"text": "hello fleet", "sampling_params": {"max_new_tokens": 4}});
     let mut served_by = std::collections::BTreeSet::new();
     for _ in 0..4 {
-        let resp = client.post(format!("{router}/generate")).json(&body).send().await.unwrap();
+        let resp = client
+            .post(format!("{router}/generate"))
+            .header("x-routing-policy", "round_robin")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         served_by.insert(resp.headers()["x-rollout-engine-id"].to_str().unwrap().to_string());
         let out: Value = resp.json().await.unwrap();
