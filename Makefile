@@ -57,6 +57,8 @@ lint:
 
 test: venv build lint
 	$(CARGO) test --workspace
+	@# The monitor's test drives it in tmux, as a person would.
+	@command -v tmux >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -qq tmux || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq tmux; }; }
 	$(PY) -m pytest tests -q
 
 clean:

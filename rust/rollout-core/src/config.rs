@@ -128,6 +128,11 @@ pub struct ServeConfig {
     /// `smg=http://127.0.0.1:30100` (its `/workers` API), and unregister it before it drains.
     #[arg(long = "router", value_name = "KIND=URL")]
     pub external_router: Option<String>,
+    /// YAML file of the autoscaler (see docs/autoscaler.md). Without it the autoscaler still
+    /// collects metrics and serves `/autoscaler/*`, but is disabled until `POST /autoscaler/enable`.
+    #[arg(long, value_name = "PATH")]
+    #[serde(default)]
+    pub autoscaler_config: Option<PathBuf>,
     /// File holding the API token (mode 0600). When set (or when ROLLOUT_MANAGER_API_TOKEN
     /// is), every mutating control request needs `Authorization: Bearer <token>`.
     #[arg(long, value_name = "PATH")]

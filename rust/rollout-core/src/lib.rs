@@ -4,6 +4,7 @@
 //! and scale operations, GPU placement on a local pool, and the configuration of the manager with
 //! its validation. The service crate (`rollout-manager`) performs the effects these types decide.
 
+pub mod autoscaler;
 pub mod config;
 pub mod placement;
 pub mod routing;

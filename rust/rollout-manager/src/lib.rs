@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod autoscaler;
 pub mod clock;
 pub mod error;
 pub mod fleet;

@@ -21,6 +21,10 @@ enum Command {
     /// Internal: keep one engine alive across a manager restart (see `--reattach-grace-secs`).
     #[command(hide = true)]
     Keeper(rollout_manager::keeper::KeeperArgs),
+    /// Live terminal view of the engines and the autoscaler (`q` quits, `r` refreshes).
+    Monitor(rollout_manager::autoscaler::monitor::MonitorArgs),
+    /// Replay a recorded metrics trace through the autoscaler's decide() with a YAML config.
+    AutoscalerReplay(rollout_manager::autoscaler::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +43,16 @@ fn main() -> ExitCode {
     };
     let config = match cli.command {
         Command::Serve(config) => *config,
+        Command::Monitor(args) => {
+            return exit("monitor", runtime.block_on(rollout_manager::autoscaler::monitor::run(args)))
+        }
+        Command::AutoscalerReplay(args) => {
+            let summary = rollout_manager::autoscaler::replay::run(&args, &mut std::io::stdout().lock());
+            if let Ok(s) = &summary {
+                eprintln!("{} decisions: {} scale-outs, {} scale-ins", s.evaluations, s.scale_outs, s.scale_ins);
+            }
+            return exit("autoscaler-replay", summary);
+        }
         Command::Keeper(args) => {
             return match runtime.block_on(rollout_manager::keeper::run_keeper(args)) {
                 Ok(_) => ExitCode::SUCCESS,
@@ -71,4 +85,15 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// Exit code of a subcommand: 0, or 1 with the error on stderr.
+fn exit<T, E: std::fmt::Display>(what: &str, result: Result<T, E>) -> ExitCode {
+    match result {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {what}: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -37,6 +37,13 @@ pub struct ScaleOutRequest {
     pub engine_urls: Vec<String>,
     #[serde(default)]
     pub timeout_secs: Option<f64>,
+    /// Who asked: `user` for the API, `autoscaler` for the autoscaler (not part of the body).
+    #[serde(skip, default = "user_trigger")]
+    pub trigger: &'static str,
+}
+
+fn user_trigger() -> &'static str {
+    "user"
 }
 
 /// Body of `POST /rollout/scale_in`.
@@ -178,7 +185,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
             return Err(busy(running));
         }
         let version = inner.weight_version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, "user", &version);
+        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let current = inner.live_count();
         if target <= current {
             let _ = record.apply(ScaleOutEvent::Noop);
@@ -256,7 +263,7 @@ fn attach_external(
             return Err(busy(running));
         }
         let version = inner.weight_version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, "user", &version);
+        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let known: Vec<&str> = inner
             .engines
             .values()
@@ -345,6 +352,7 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
         num_replicas: i64::from(n),
         engine_urls: vec![],
         timeout_secs: None,
+        trigger: "initial",
     };
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
         let version = inner.weight_version.clone();

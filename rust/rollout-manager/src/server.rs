@@ -39,10 +39,12 @@ pub struct Server {
     manager: Arc<Manager>,
     control: TcpListener,
     data: TcpListener,
-    /// The API token, if configured.
-    token: Option<Arc<str>>,
     /// What `--state-dir` held at startup; empty on a first start.
     snapshot: crate::store::Snapshot,
+    /// The API token, if configured.
+    token: Option<Arc<str>>,
+    /// `--autoscaler-config`, read and validated (None without the flag).
+    autoscaler: Option<(std::path::PathBuf, rollout_core::autoscaler::AutoscalerConfig)>,
 }
 
 impl Server {
@@ -67,8 +69,9 @@ impl Server {
         }
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
+        let autoscaler = crate::autoscaler::load_config(config.autoscaler_config.as_deref())?;
         let manager = Manager::new(config, launcher, Some(store))?;
-        Ok(Self { manager, control, data, snapshot, token })
+        Ok(Self { manager, control, data, snapshot, autoscaler, token })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -81,9 +84,11 @@ impl Server {
 
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data, snapshot, token } = self;
+        let Self { manager, control, data, snapshot, autoscaler, token } = self;
         let cancels = Arc::new(Cancels::default());
+        let autoscaler = crate::autoscaler::Autoscaler::new(manager.clone(), cancels.clone(), autoscaler);
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
+            .merge(crate::autoscaler::routes(autoscaler.clone()))
             .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token));
         let router = crate::router::router(manager.clone(), token);
 
@@ -116,6 +121,7 @@ impl Server {
         servers.close();
 
         crate::health::spawn_monitor(&manager);
+        autoscaler.spawn();
         crate::router::loads::spawn_poller(&manager);
         crate::router::smg::spawn_reconciler(&manager);
 

@@ -1,0 +1,140 @@
+//! The RL pipeline signal.
+//!
+//! In fully-async RL the rollout engines are always busy (rollout generates until its
+//! staleness limit stops it), so serving metrics say little about whether the fleet has the
+//! right size. What matters is the balance between rollout and training, which the trainer
+//! sees at every step: how long it waited for rollout data (rollout too slow: add engines) and
+//! how long rollout was held back by the staleness limit (rollout too fast: remove engines).
+
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// Body of `POST /rollout/pipeline`: one trainer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineReport {
+    /// The trainer's step number (a lower number than the last one starts a new run).
+    pub step: u64,
+    /// Seconds of this step the trainer spent waiting for rollout data.
+    pub trainer_wait_secs: f64,
+    /// Seconds of this step rollout was paused by its staleness limit.
+    pub rollout_throttled_secs: f64,
+    /// Wall-clock length of the step (training plus waiting).
+    pub step_secs: f64,
+}
+
+impl PipelineReport {
+    /// Checks the numbers; the error names the field.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if !(self.step_secs.is_finite() && self.step_secs > 0.0) {
+            return Err(("step_secs", format!("{} must be a positive number of seconds", self.step_secs)));
+        }
+        for (field, v) in
+            [("trainer_wait_secs", self.trainer_wait_secs), ("rollout_throttled_secs", self.rollout_throttled_secs)]
+        {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err((field, format!("{v} must be a number of seconds >= 0")));
+            }
+            if v > self.step_secs * (1.0 + 1e-9) {
+                return Err((field, format!("{v} is longer than the step itself (step_secs {})", self.step_secs)));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn wait_fraction(&self) -> f64 {
+        (self.trainer_wait_secs / self.step_secs).clamp(0.0, 1.0)
+    }
+
+    pub fn throttled_fraction(&self) -> f64 {
+        (self.rollout_throttled_secs / self.step_secs).clamp(0.0, 1.0)
+    }
+}
+
+/// A report with the time it arrived (on the autoscaler's clock).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReceivedReport {
+    pub at: f64,
+    #[serde(flatten)]
+    pub report: PipelineReport,
+}
+
+/// The latest reports, newest last, one per step.
+#[derive(Debug, Clone, Default)]
+pub struct PipelineWindow {
+    reports: VecDeque<ReceivedReport>,
+}
+
+/// How many reports are kept.
+const KEEP: usize = 64;
+
+impl PipelineWindow {
+    /// Adds a report: the same step again replaces it; an older step starts a new run.
+    pub fn push(&mut self, at: f64, report: PipelineReport) {
+        match self.reports.back() {
+            Some(last) if report.step == last.report.step => {
+                self.reports.pop_back();
+            }
+            Some(last) if report.step < last.report.step => self.reports.clear(),
+            _ => {}
+        }
+        self.reports.push_back(ReceivedReport { at, report });
+        while self.reports.len() > KEEP {
+            self.reports.pop_front();
+        }
+    }
+
+    /// Newest first.
+    pub fn recent(&self) -> impl Iterator<Item = &ReceivedReport> {
+        self.reports.iter().rev()
+    }
+
+    pub fn latest(&self) -> Option<&ReceivedReport> {
+        self.reports.back()
+    }
+
+    pub fn len(&self) -> usize {
+        self.reports.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reports.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn report(step: u64, wait: f64) -> PipelineReport {
+        PipelineReport { step, trainer_wait_secs: wait, rollout_throttled_secs: 0.0, step_secs: 10.0 }
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        assert_eq!(report(1, 11.0).validate().unwrap_err().0, "trainer_wait_secs");
+        assert_eq!(PipelineReport { step_secs: 0.0, ..report(1, 0.0) }.validate().unwrap_err().0, "step_secs");
+        assert_eq!(
+            PipelineReport { rollout_throttled_secs: f64::NAN, ..report(1, 0.0) }.validate().unwrap_err().0,
+            "rollout_throttled_secs"
+        );
+        report(1, 10.0).validate().unwrap();
+    }
+
+    #[test]
+    fn same_step_replaces_and_older_step_restarts() {
+        let mut w = PipelineWindow::default();
+        w.push(0.0, report(1, 1.0));
+        w.push(1.0, report(2, 1.0));
+        w.push(2.0, report(2, 5.0));
+        assert_eq!(w.len(), 2);
+        assert_eq!(w.latest().unwrap().report.trainer_wait_secs, 5.0);
+        w.push(3.0, report(0, 0.0));
+        assert_eq!(w.len(), 1);
+        for step in 1..200 {
+            w.push(f64::from(step as u32), report(step, 0.0));
+        }
+        assert_eq!(w.len(), KEEP);
+    }
+}
