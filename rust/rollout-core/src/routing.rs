@@ -19,8 +19,9 @@
 //!   most-free engine when it does not.
 //!
 //! The imbalance gate: an engine may keep affine traffic while, after taking the request, (1) its
-//! committed tokens relative to its pool stay at most `spill_factor` times the fleet's mean plus
-//! `spill_slack`, and (2) its requests in flight stay at most `spill_factor` times the fleet's
+//! committed tokens relative to its pool stay within `spill_slack` of the least-loaded other
+//! engine's (balance first: a cached prefix saves a prefill, a long tail on one engine costs the
+//! whole batch), and (2) its requests in flight stay at most `spill_factor` times the fleet's
 //! mean plus `spill_requests` (tokens alone miss engines that queue on compute while their pool
 //! is mostly free). The gate is relative: a busy fleet keeps its affinity as long as it is
 //! balanced. This is what keeps a hot session or prompt from piling a whole batch onto one
@@ -107,7 +108,7 @@ pub struct Gate {
 
 impl Default for Gate {
     fn default() -> Self {
-        Self { spill_factor: 1.5, spill_slack: 0.1, spill_requests: 2.0 }
+        Self { spill_factor: 1.5, spill_slack: 0.05, spill_requests: 2.0 }
     }
 }
 
@@ -119,11 +120,20 @@ pub fn mean_utilisation(loads: &[Load]) -> f64 {
     loads.iter().map(|l| l.utilisation_with(0)).sum::<f64>() / loads.len() as f64
 }
 
-/// Whether engine `i` may take an affine request of `need` tokens.
+/// Whether engine `i` may take an affine request of `need` tokens: after taking it, its
+/// utilisation must stay within `spill_slack` of what the least-loaded other engine would have
+/// with the same request (balance first; the cache hit is the tie-breaker), and its requests in
+/// flight within `spill_factor` times the fleet's mean plus `spill_requests`.
 pub fn passes_gate(loads: &[Load], i: usize, need: u64, gate: &Gate) -> bool {
     let Some(l) = loads.get(i) else { return false };
     let after = l.utilisation_with(need);
-    let kv_ok = after <= gate.spill_factor * mean_utilisation(loads) + gate.spill_slack;
+    let best_other = loads
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != i)
+        .map(|(_, o)| o.utilisation_with(need))
+        .fold(f64::INFINITY, f64::min);
+    let kv_ok = after <= best_other + gate.spill_slack;
     let mean_requests = loads.iter().map(|l| l.in_flight as f64).sum::<f64>() / loads.len() as f64;
     let requests_ok = (l.in_flight + 1) as f64 <= gate.spill_factor * mean_requests + gate.spill_requests;
     kv_ok && requests_ok
