@@ -153,19 +153,7 @@ impl Manager {
     /// Connects to an external engine: its `/model_info` must answer and name the fleet's model.
     /// Moves it to HEALTH_CHECKING.
     pub async fn connect(&self, engine_id: &str) -> Result<(), EngineError> {
-        let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
-        let unreachable = |detail: String| EngineError::Unreachable { path: "/model_info", detail };
-        let info: serde_json::Value = self
-            .http
-            .get(format!("{url}/model_info"))
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| unreachable(e.to_string()))?
-            .json()
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let info = self.model_info(engine_id).await?;
         let model = info.get("model_path").and_then(|v| v.as_str()).unwrap_or("");
         if model != self.config.model_path {
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
@@ -394,13 +382,11 @@ impl Manager {
         }
     }
 
-    /// Reads `/model_info` and checks the engine serves the fleet's weight version.
-    pub async fn check_weights(&self, engine_id: &str) -> Result<String, EngineError> {
+    /// The engine's `/model_info`.
+    async fn model_info(&self, engine_id: &str) -> Result<serde_json::Value, EngineError> {
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
-        let expected = self.fleet.lock().weight_version.clone();
         let unreachable = |detail: String| EngineError::Unreachable { path: "/model_info", detail };
-        let info: serde_json::Value = self
-            .http
+        self.http
             .get(format!("{url}/model_info"))
             .timeout(Duration::from_secs(10))
             .send()
@@ -409,7 +395,13 @@ impl Manager {
             .map_err(|e| unreachable(e.to_string()))?
             .json()
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(e.to_string()))
+    }
+
+    /// Reads `/model_info` and checks the engine serves the fleet's weight version.
+    pub async fn check_weights(&self, engine_id: &str) -> Result<String, EngineError> {
+        let expected = self.fleet.lock().weight_version.clone();
+        let info = self.model_info(engine_id).await?;
         let found = info.get("weight_version").and_then(|v| v.as_str()).unwrap_or("").to_string();
         if found != expected {
             return Err(EngineError::WrongVersion { expected, found });
