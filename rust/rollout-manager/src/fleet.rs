@@ -262,6 +262,25 @@ impl FleetInner {
         Ok(to)
     }
 
+    /// Forgets the oldest finished operations beyond `keep` of each kind, so a long run (an
+    /// autoscaler acting for days) holds a bounded history in memory and in the store.
+    pub fn prune_operations(&mut self, keep: usize) {
+        fn prune<R>(ops: &mut BTreeMap<String, R>, keep: usize, finished: impl Fn(&R) -> bool, at: impl Fn(&R) -> f64) {
+            if ops.len() <= keep {
+                return;
+            }
+            let mut done: Vec<(f64, String)> =
+                ops.iter().filter(|(_, r)| finished(r)).map(|(k, r)| (at(r), k.clone())).collect();
+            done.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let excess = ops.len() - keep;
+            for (_, k) in done.into_iter().take(excess) {
+                ops.remove(&k);
+            }
+        }
+        prune(&mut self.scale_outs, keep, |r| r.status.is_terminal(), |r| r.created_at);
+        prune(&mut self.scale_ins, keep, |r| r.status.is_terminal(), |r| r.created_at);
+    }
+
     /// Engines that count towards the fleet size: every one not being removed, except FAILED
     /// engines that will not be restarted.
     pub fn live_count(&self) -> u32 {
@@ -275,6 +294,9 @@ impl FleetInner {
             .count() as u32
     }
 }
+
+/// Finished operations of each kind kept in memory and in the store.
+pub const KEEP_OPERATIONS: usize = 1000;
 
 pub struct Fleet {
     inner: Mutex<FleetInner>,
@@ -319,6 +341,7 @@ impl Fleet {
     pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
         let mut inner = self.lock();
         let out = f(&mut inner);
+        inner.prune_operations(KEEP_OPERATIONS);
         if let Some(store) = &self.store {
             if let Err(e) = store.sync(&inner) {
                 tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
@@ -380,5 +403,46 @@ impl Fleet {
                 r
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn prunes_only_the_oldest_finished_operations() {
+        let fleet = Fleet::new(1, "v".into(), true, None);
+        fleet.update(|inner| {
+            for i in 0..5 {
+                let now = i as f64;
+                let status = if i == 0 { ScaleOutStatus::Pending } else { ScaleOutStatus::Active };
+                inner.scale_outs.insert(
+                    format!("op{i}"),
+                    ScaleOutRecord {
+                        request_id: format!("op{i}"),
+                        status,
+                        model_name: "default".into(),
+                        num_replicas: 1,
+                        engine_urls: vec![],
+                        engine_ids: vec![],
+                        failed_engines: vec![],
+                        created_at: now,
+                        updated_at: now,
+                        error_message: None,
+                        weight_version: None,
+                        message: String::new(),
+                        trigger: "user".into(),
+                        history: vec![],
+                    },
+                );
+            }
+            inner.prune_operations(3);
+            let mut left: Vec<_> = inner.scale_outs.keys().cloned().collect();
+            left.sort();
+            // The running op0 stays although it is the oldest; op1 and op2 go.
+            assert_eq!(left, vec!["op0", "op3", "op4"]);
+        });
     }
 }
