@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
+from _support import DEFAULT_ARGS, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
+from conftest import start_manager, stop_manager
 from test_openapi import check
 
 #: Seconds instead of minutes, so a whole cycle fits in a test.
@@ -197,12 +198,14 @@ def test_pipeline_signal_scales_out_when_the_trainer_starves(start_fleet: StartM
         check(http("GET", f"{fleet.control_url}/openapi.json").json(), "PipelineAccepted", answer)
         return answer
 
-    # The trainer waits half of every step for rollout data.
-    assert report(1, 5.0, 0.0)["signal"] == "pipeline"
-    assert report(2, 5.0, 0.0)["trainer_starved"] is True
+    # The trainer waits 40% of every step for rollout data: below the severe threshold (0.5),
+    # so it takes min_steps (2) such steps.
+    first = report(1, 4.0, 0.0)
+    assert first["signal"] == "pipeline" and first["trainer_starved"] is False
+    assert report(2, 4.0, 0.0)["trainer_starved"] is True
     out = wait_until(lambda: finished(fleet, "scale_out", "ACTIVE"), 60, "a scale-out for the starving trainer")
     assert out["triggered_conditions"] == ["trainer_starved"] and out["signal"] == "pipeline"
-    assert out["to_engines"] == 3  # 2 / (1 - 0.5) = 4 wanted, max_engines 3
+    assert out["to_engines"] == 3  # ceil(2 / (1 - 0.4)) = 4 wanted, max_engines 3
 
     # Now rollout runs ahead and waits on its staleness limit: one engine goes.
     step = 3
@@ -237,3 +240,29 @@ def test_replay_runs_the_example_trace(manager_bin: Path) -> None:
         [*argv[:2], "--config", str(bad), "--trace", argv[5]], capture_output=True, text=True, check=False
     )
     assert done.returncode == 1 and "cannot read" in done.stderr
+
+
+def test_one_severe_step_scales_out_and_the_history_survives_a_restart(
+    manager_bin: Path, tmp_path: Path, start_fleet: StartManager
+) -> None:
+    fleet = start(start_fleet, tmp_path)
+    body = {"step": 1, "trainer_wait_secs": 8.0, "rollout_throttled_secs": 0.0, "step_secs": 10.0}
+    answer = http("POST", f"{fleet.control_url}/rollout/pipeline", body).json()
+    assert answer["trainer_starved"] is True  # one step, 80% waiting: no need for min_steps (2)
+    out = wait_until(lambda: finished(fleet, "scale_out", "ACTIVE"), 60, "a scale-out after one severe step")
+    assert out["triggered_conditions"] == ["trainer_starved"]
+    learned = get(fleet, "/autoscaler/status")["expected_time_to_ready_secs"]
+    assert learned is not None
+
+    # Restart on the same state directory: the history and the learned time to ready are back.
+    state_dir, argv = fleet.state_dir, fleet.process.args
+    stop_manager(fleet)
+    extra = tuple(argv[argv.index("--state-dir") + 2 + len(DEFAULT_ARGS) :])
+    again = start_manager(manager_bin, state_dir, extra)
+    try:
+        entries = history(again, action="scale_out")
+        assert [(h["request_id"], h["status"]) for h in entries] == [(out["request_id"], "ACTIVE")]
+        assert entries[0]["triggered_conditions"] == ["trainer_starved"]
+        assert get(again, "/autoscaler/status")["expected_time_to_ready_secs"] == learned
+    finally:
+        stop_manager(again)

@@ -86,6 +86,9 @@ pub struct PipelinePolicy {
     pub rollout_throttled_fraction_threshold: f64,
     /// How many of the latest steps must all show the condition.
     pub min_steps: u32,
+    /// `trainer_starved` at once: one step where the trainer waited at least this fraction is
+    /// enough (a wait that large is not noise, and every further starving step is lost work).
+    pub severe_wait_fraction_threshold: f64,
     /// Reports older than this are ignored; without fresh reports the serving metrics decide.
     pub report_max_age_secs: f64,
 }
@@ -143,6 +146,7 @@ impl Default for PipelinePolicy {
             trainer_wait_fraction_threshold: 0.2,
             rollout_throttled_fraction_threshold: 0.2,
             min_steps: 3,
+            severe_wait_fraction_threshold: 0.5,
             report_max_age_secs: 300.0,
         }
     }
@@ -276,6 +280,16 @@ impl AutoscalerConfig {
         if p.min_steps == 0 {
             return Err(bad("pipeline_policy.min_steps", "must be at least 1"));
         }
+        fraction("pipeline_policy.severe_wait_fraction_threshold", p.severe_wait_fraction_threshold)?;
+        if p.severe_wait_fraction_threshold < p.trainer_wait_fraction_threshold {
+            return Err(bad(
+                "pipeline_policy.severe_wait_fraction_threshold",
+                format!(
+                    "{} must be at least pipeline_policy.trainer_wait_fraction_threshold {}",
+                    p.severe_wait_fraction_threshold, p.trainer_wait_fraction_threshold
+                ),
+            ));
+        }
         positive("pipeline_policy.report_max_age_secs", p.report_max_age_secs)?;
         Ok(())
     }
@@ -359,6 +373,10 @@ scale_in_policy:
             ("scale_out_policy: {max_delta: 0}", "scale_out_policy.max_delta"),
             ("scale_in_policy: {token_usage_threshold: 0.9}", "scale_in_policy.token_usage_threshold"),
             ("scale_in_policy: {max_delta: 2}", "scale_in_policy.max_delta"),
+            (
+                "pipeline_policy: {trainer_wait_fraction_threshold: 0.6, severe_wait_fraction_threshold: 0.5}",
+                "pipeline_policy.severe_wait_fraction_threshold",
+            ),
             ("scale_in_policy: {projected_usage_max: 0.9}", "scale_in_policy.projected_usage_max"),
             ("scale_in_policy: {queue_depth_threshold: 10}", "scale_in_policy.queue_depth_threshold"),
             ("pipeline_policy: {min_steps: 0}", "pipeline_policy.min_steps"),

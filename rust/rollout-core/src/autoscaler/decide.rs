@@ -338,7 +338,10 @@ pub fn decide(
         (!reports.is_empty()).then(|| reports.iter().map(|r| f(r)).sum::<f64>() / reports.len() as f64)
     };
     let wait_mean = mean(|r| r.report.wait_fraction());
-    let starved = enough && reports.iter().all(|r| r.report.wait_fraction() > p.trainer_wait_fraction_threshold);
+    let severe =
+        p.enabled && reports.first().is_some_and(|r| r.report.wait_fraction() >= p.severe_wait_fraction_threshold);
+    let starved =
+        severe || (enough && reports.iter().all(|r| r.report.wait_fraction() > p.trainer_wait_fraction_threshold));
     let throttled = enough
         && reports.iter().all(|r| {
             r.report.throttled_fraction() > p.rollout_throttled_fraction_threshold

@@ -279,8 +279,22 @@ fn decision_table() {
         ..case("a balanced pipeline overrides busy engines", window(2, 200, busy), 200.0, ("none", None), "pipeline")
     });
     cases.push(Case {
-        pipeline: pipeline(&[(180.0, report(1, 5.0, 0.0)), (190.0, report(2, 5.0, 0.0))]),
+        pipeline: pipeline(&[(180.0, report(1, 3.0, 0.0)), (190.0, report(2, 3.0, 0.0))]),
         ..case("two starving steps are not enough", window(2, 200, idle), 200.0, ("none", None), "")
+    });
+    cases.push(Case {
+        pipeline: pipeline(&[(190.0, report(1, 7.5, 0.0))]),
+        ..case(
+            "one severely starving step is enough: wait 75% -> 4x engines, capped by max_delta",
+            window(2, 200, idle),
+            200.0,
+            ("scale_out", Some(2 + cfg().scale_out_policy.max_delta)),
+            "trainer_starved",
+        )
+    });
+    cases.push(Case {
+        pipeline: pipeline(&[(150.0, report(1, 7.5, 0.0)), (190.0, report(2, 0.0, 0.0))]),
+        ..case("only the newest step counts as severe", window(2, 200, idle), 200.0, ("none", None), "")
     });
     for c in cases {
         let ev = decide(&c.window, &c.pipeline, &c.fleet, &c.memory, &c.config, c.now);

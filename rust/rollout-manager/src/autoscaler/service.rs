@@ -6,8 +6,11 @@
 //!
 //! Expected flow: tick -> (fleet, engines) under the registry lock -> HTTP reads (no lock) ->
 //! finished operations folded into the history -> `on_tick` -> maybe act. Cancelled with the
-//! manager's shutdown token. The history is kept in memory (the last [`HISTORY_KEEP`] entries)
-//! and is lost when the manager restarts.
+//! manager's shutdown token. The history (the last [`HISTORY_KEEP`] entries) is kept in memory
+//! and written to `<state-dir>/autoscaler-history.json` (a temporary file renamed over it)
+//! whenever an entry is added or finishes, so a restarted manager shows the same history and
+//! starts with the time-to-ready it had learned. Cooldowns run on the autoscaler's own clock and
+//! start afresh after a restart.
 
 use super::collector::{fleet_state, Collector};
 use crate::clock::unix_now;
@@ -18,7 +21,7 @@ use crate::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
 use rollout_core::autoscaler::{
     Action, AutoscalerConfig, AutoscalerState, Evaluation, FleetMetrics, FleetState, PipelineReport, Tick, TraceLine,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -29,9 +32,12 @@ use tokio::io::AsyncWriteExt;
 /// How many history entries are kept.
 pub const HISTORY_KEEP: usize = 1000;
 
+/// The file the history is kept in, inside the state directory.
+pub const HISTORY_FILE: &str = "autoscaler-history.json";
+
 /// One operation the autoscaler started (or tried to), as `GET /autoscaler/scale_history`
 /// shows it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HistoryEntry {
     /// The scale API's request id; null when the API refused the request.
     pub request_id: Option<String>,
@@ -50,9 +56,17 @@ pub struct HistoryEntry {
     pub error_message: Option<String>,
     /// `serving` or `pipeline`.
     pub signal: String,
-    /// When it was triggered on the autoscaler's clock (for time-to-ready).
+    /// Triggered by this process (false for an entry read back after a restart, whose
+    /// completion then teaches nothing about time to ready).
     #[serde(skip)]
-    triggered_clock: f64,
+    this_run: bool,
+}
+
+/// What the history file holds.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct HistoryFile {
+    total_count: usize,
+    history: VecDeque<HistoryEntry>,
 }
 
 impl HistoryEntry {
@@ -111,20 +125,28 @@ impl Autoscaler {
             }
             None => (None, AutoscalerConfig::default(), false),
         };
+        let saved = load_history(&manager.config.state_dir.join(HISTORY_FILE));
+        let mut core = AutoscalerState::new(config);
+        // Oldest first, so the newest times to ready are the ones kept.
+        for h in saved.history.iter().filter(|h| h.action == "scale_out" && h.status == "ACTIVE") {
+            if let Some(done) = h.completed_at.filter(|done| *done >= h.triggered_at) {
+                core.memory.record_time_to_ready(done - h.triggered_at);
+            }
+        }
         Arc::new(Self {
             manager,
             cancels,
             source,
             started: tokio::time::Instant::now(),
             shared: Mutex::new(Shared {
-                core: AutoscalerState::new(config),
+                core,
                 enabled,
                 running: false,
                 latest: None,
                 last_decision: None,
                 fleet: FleetState::default(),
-                history: VecDeque::new(),
-                total_count: 0,
+                history: saved.history,
+                total_count: saved.total_count,
                 collect: CollectStatus::default(),
                 evaluations: 0,
                 trace_backlog: Vec::new(),
@@ -249,7 +271,7 @@ impl Autoscaler {
         let act = s.enabled && !matches!(evaluation.action, Action::None { .. });
         drop(s);
         if act {
-            self.act(evaluation, now);
+            self.act(evaluation);
         }
         trace
     }
@@ -268,15 +290,27 @@ impl Autoscaler {
             return Vec::new();
         }
         let inner = self.manager.fleet.lock();
+        let lost = |id: String| {
+            let why = "the manager no longer knows this operation (it was pruned from the store)";
+            (id, "UNKNOWN".to_string(), Some(why.to_string()), true)
+        };
         pending
             .into_iter()
-            .filter_map(|(id, action)| {
-                if action == "scale_out" {
-                    let r = inner.scale_outs.get(&id)?;
-                    Some((id, r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
+            .map(|(id, action)| {
+                let found = if action == "scale_out" {
+                    inner
+                        .scale_outs
+                        .get(&id)
+                        .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
                 } else {
-                    let r = inner.scale_ins.get(&id)?;
-                    Some((id, r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
+                    inner
+                        .scale_ins
+                        .get(&id)
+                        .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
+                };
+                match found {
+                    Some((status, error, terminal)) => (id, status, error, terminal),
+                    None => lost(id),
                 }
             })
             .collect()
@@ -284,17 +318,38 @@ impl Autoscaler {
 
     fn finish(&self, s: &mut Shared, request_id: &str, status: String, error: Option<String>, now: f64) {
         let Some(entry) = s.history.iter_mut().find(|h| h.request_id.as_deref() == Some(request_id)) else { return };
-        entry.completed_at = Some(unix_now());
+        let completed = unix_now();
+        entry.completed_at = Some(completed);
         entry.error_message = error.or(entry.error_message.take());
-        let (action, triggered) = (entry.action.clone(), entry.triggered_clock);
+        // Time to ready as the history shows it (and as a restart reads it back).
+        let took = (completed - entry.triggered_at).max(0.0);
+        let (action, fresh) = (entry.action.clone(), entry.this_run);
         tracing::info!(request_id, action, status, "autoscaler operation finished");
         let ready = status == "ACTIVE";
         entry.status = status;
-        s.core.on_finished(&action, triggered, now, ready);
+        s.core.on_finished(&action, now, now, false);
+        if ready && fresh {
+            s.core.memory.record_time_to_ready(took);
+        }
+        self.save(s);
+    }
+
+    /// Writes the history file (best effort: a failure is logged, the history stays in memory).
+    fn save(&self, s: &Shared) {
+        let path = self.manager.config.state_dir.join(HISTORY_FILE);
+        let file = HistoryFile { total_count: s.total_count, history: s.history.clone() };
+        let result = serde_json::to_vec(&file).map_err(std::io::Error::other).and_then(|bytes| {
+            let tmp = path.with_extension("json.tmp");
+            std::fs::write(&tmp, bytes)?;
+            std::fs::rename(&tmp, &path)
+        });
+        if let Err(e) = result {
+            tracing::warn!(error = %e, path = %path.display(), "cannot write the autoscaler history");
+        }
     }
 
     /// Calls the scale API and records the outcome.
-    fn act(&self, evaluation: Evaluation, now: f64) {
+    fn act(&self, evaluation: Evaluation) {
         let (name, delta, from, to, reason, conditions) = match &evaluation.action {
             Action::ScaleOut { delta, from_engines, to_engines, reason, triggered_conditions } => {
                 ("scale_out", delta, from_engines, to_engines, reason, triggered_conditions)
@@ -350,7 +405,7 @@ impl Autoscaler {
                 .ok()
                 .and_then(|v| v.as_str().map(String::from))
                 .unwrap_or_default(),
-            triggered_clock: now,
+            this_run: true,
         };
         let mut s = self.lock();
         match result {
@@ -376,6 +431,35 @@ impl Autoscaler {
         s.total_count += 1;
         while s.history.len() > HISTORY_KEEP {
             s.history.pop_front();
+        }
+        self.save(&s);
+    }
+}
+
+/// Reads the history file; a missing file is an empty history, a damaged one is logged and
+/// set aside (renamed `.bad`) so the manager still starts.
+fn load_history(path: &std::path::Path) -> HistoryFile {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return HistoryFile::default(),
+        Err(e) => {
+            tracing::warn!(error = %e, path = %path.display(), "cannot read the autoscaler history; starting empty");
+            return HistoryFile::default();
+        }
+    };
+    match serde_json::from_slice::<HistoryFile>(&bytes) {
+        Ok(mut f) => {
+            while f.history.len() > HISTORY_KEEP {
+                f.history.pop_front();
+            }
+            f.total_count = f.total_count.max(f.history.len());
+            f
+        }
+        Err(e) => {
+            let aside = path.with_extension("json.bad");
+            tracing::warn!(error = %e, path = %path.display(), aside = %aside.display(), "damaged autoscaler history set aside; starting empty");
+            let _ = std::fs::rename(path, &aside);
+            HistoryFile::default()
         }
     }
 }
