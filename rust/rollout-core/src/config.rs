@@ -141,6 +141,21 @@ pub struct ServeConfig {
     /// Engine endpoint used by health probes.
     #[arg(long, default_value = "/health_generate")]
     pub health_check_endpoint: String,
+    /// Networks external engines may be attached from (repeatable), e.g. `10.0.0.0/8`; a
+    /// scale-out naming an engine elsewhere is refused with 400. Host names must resolve to
+    /// allowed addresses only. Without the flag any address is accepted.
+    #[arg(long = "external-allow-cidr", value_name = "CIDR")]
+    #[serde(default)]
+    pub external_allow_cidr: Vec<String>,
+    /// Longest time the router waits for an engine's whole answer (headers and body, streams
+    /// included) before it gives up on it: 504 before the headers, a cut stream after.
+    #[arg(long, default_value_t = 1800.0, value_name = "SECS")]
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_secs: f64,
+}
+
+fn default_request_timeout() -> f64 {
+    1800.0
 }
 
 /// A configuration error, naming the flag to fix.
@@ -154,6 +169,9 @@ pub struct ConfigError {
 fn bad(flag: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError { flag, message: message.into() }
 }
+
+/// Largest `--gpus` (a pool larger than any machine; the bound keeps placement's work small).
+pub const MAX_GPUS: u32 = 100_000;
 
 /// Longest duration any flag accepts: 30 days (longer ones are typos, and would overflow
 /// deadlines).
@@ -189,6 +207,9 @@ impl ServeConfig {
         }
         if self.model_name.trim().is_empty() {
             return Err(bad("--model-name", "must not be empty"));
+        }
+        if self.gpus > MAX_GPUS {
+            return Err(bad("--gpus", format!("{} is above the supported {MAX_GPUS}", self.gpus)));
         }
         if self.rollout_num_gpus_per_engine == 0 {
             return Err(bad("--rollout-num-gpus-per-engine", "must be at least 1"));
@@ -260,7 +281,17 @@ impl ServeConfig {
         positive_secs("--engine-startup-timeout", self.engine_startup_timeout)?;
         positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
         positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
+        positive_secs("--request-timeout-secs", self.request_timeout_secs)?;
+        self.external_allow_list()?;
         Ok(())
+    }
+
+    /// The networks of `--external-allow-cidr`, parsed (empty: no restriction).
+    pub fn external_allow_list(&self) -> Result<Vec<crate::cidr::Cidr>, ConfigError> {
+        self.external_allow_cidr
+            .iter()
+            .map(|c| c.parse().map_err(|e| bad("--external-allow-cidr", format!("{e}; e.g. 10.0.0.0/8 or fd00::/8"))))
+            .collect()
     }
 
     /// The base URL of the external router given with `--router smg=URL`.
@@ -305,7 +336,10 @@ mod tests {
 
     #[test]
     fn errors_name_the_flag() {
-        let cases: [(&[&str], &str); 10] = [
+        let cases: [(&[&str], &str); 13] = [
+            (&["--gpus", "4000000000"], "--gpus"),
+            (&["--external-allow-cidr", "10.0.0.0/40"], "--external-allow-cidr"),
+            (&["--request-timeout-secs", "0"], "--request-timeout-secs"),
             (&["--scale-out-timeout", "1e20"], "--scale-out-timeout"),
             (&["--reattach-grace-secs=-1"], "--reattach-grace-secs"),
             (&["--router", "nginx=http://x"], "--router"),

@@ -5,7 +5,10 @@
 //! its validation. The service crate (`rollout-manager`) performs the effects these types decide.
 
 pub mod autoscaler;
+pub mod cidr;
 pub mod config;
+#[cfg(test)]
+mod fuzz_tests;
 pub mod placement;
 pub mod routing;
 pub mod state;

@@ -87,14 +87,16 @@ impl Load {
         self.est_tokens.max(self.reported_tokens)
     }
 
-    /// Free KV tokens (negative when over-committed: the engine will queue).
+    /// Free KV tokens (negative when over-committed: the engine will queue). Saturates, so an
+    /// engine reporting absurd numbers looks full or empty, never wraps around.
     pub fn free(&self) -> i64 {
-        self.capacity() as i64 - self.used() as i64
+        let signed = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        signed(self.capacity()).saturating_sub(signed(self.used()))
     }
 
     /// Utilisation after taking `need` more tokens.
     pub fn utilisation_with(&self, need: u64) -> f64 {
-        (self.used() + need) as f64 / self.capacity() as f64
+        self.used().saturating_add(need) as f64 / self.capacity() as f64
     }
 }
 
@@ -135,7 +137,7 @@ pub fn passes_gate(loads: &[Load], i: usize, need: u64, gate: &Gate) -> bool {
         .fold(f64::INFINITY, f64::min);
     let kv_ok = after <= best_other + gate.spill_slack;
     let mean_requests = loads.iter().map(|l| l.in_flight as f64).sum::<f64>() / loads.len() as f64;
-    let requests_ok = (l.in_flight + 1) as f64 <= gate.spill_factor * mean_requests + gate.spill_requests;
+    let requests_ok = l.in_flight.saturating_add(1) as f64 <= gate.spill_factor * mean_requests + gate.spill_requests;
     kv_ok && requests_ok
 }
 
@@ -143,7 +145,7 @@ pub fn passes_gate(loads: &[Load], i: usize, need: u64, gate: &Gate) -> bool {
 /// index at or after `rotor` (so equal engines share work).
 pub fn most_free(loads: &[Load], rotor: usize) -> Option<usize> {
     let n = loads.len();
-    (0..n).map(|k| (rotor + k) % n).max_by(|&a, &b| {
+    (0..n).map(|k| (rotor % n + k) % n).max_by(|&a, &b| {
         let (la, lb) = (&loads[a], &loads[b]);
         la.free().cmp(&lb.free()).then(lb.in_flight.cmp(&la.in_flight)).then_with(|| {
             // Earlier in rotation order wins: reverse positional order for max_by.
@@ -157,7 +159,7 @@ pub fn most_free(loads: &[Load], rotor: usize) -> Option<usize> {
 /// Index with the fewest requests in flight; ties rotate.
 pub fn least_requests(loads: &[Load], rotor: usize) -> Option<usize> {
     let n = loads.len();
-    (0..n).map(|k| (rotor + k) % n).min_by_key(|&i| loads[i].in_flight)
+    (0..n).map(|k| (rotor % n + k) % n).min_by_key(|&i| loads[i].in_flight)
 }
 
 /// The choice for one request.
@@ -202,8 +204,14 @@ pub fn estimate_tokens(
     let prompt = prompt_ids.map(|n| n as u64).unwrap_or_else(|| (prompt_bytes as u64).div_ceil(4));
     let output = max_new_tokens.unwrap_or(128);
     let output = output_cap.map_or(output, |cap| output.min(cap));
-    prompt + output
+    // A client may ask for any max_new_tokens; the engine will refuse absurd ones, and the
+    // router's sums of estimates must not overflow meanwhile.
+    prompt.saturating_add(output).min(MAX_ESTIMATE_TOKENS)
 }
+
+/// Largest estimate of one request (2^40 tokens): far above any context window, and small
+/// enough that millions of them in flight sum without overflow.
+pub const MAX_ESTIMATE_TOKENS: u64 = 1 << 40;
 
 /// Weight-version requirement of a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

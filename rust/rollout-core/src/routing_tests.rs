@@ -109,3 +109,32 @@ proptest! {
         else { prop_assert!(!passes_gate(&loads, a, need, &gate)); }
     }
 }
+
+proptest! {
+    /// Engines report whatever they like (`/v1/loads` numbers up to u64::MAX) and clients ask for
+    /// any budget: every policy still picks an index in range, without overflow panics, and an
+    /// engine reporting itself fuller than another with the same pool is never preferred by
+    /// `capacity`.
+    #[test]
+    fn extreme_reports_never_panic(
+        raw in proptest::collection::vec((any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()), 1..6),
+        need in any::<u64>(), rotor in any::<usize>(), affine in proptest::option::of(0usize..6),
+        prompt_bytes in any::<usize>(), ids in proptest::option::of(any::<usize>()),
+        max_new in proptest::option::of(any::<u64>()), cap in proptest::option::of(any::<u64>()),
+    ) {
+        let loads: Vec<Load> = raw.iter()
+            .map(|&(in_flight, est_tokens, capacity, reported_tokens)| Load { in_flight, est_tokens, capacity, reported_tokens })
+            .collect();
+        let estimate = estimate_tokens(prompt_bytes, ids, max_new, cap);
+        prop_assert!(estimate <= MAX_ESTIMATE_TOKENS);
+        let affine = affine.filter(|a| *a < loads.len());
+        for policy in [Policy::Capacity, Policy::Session, Policy::LeastRequests, Policy::RoundRobin] {
+            let (i, _) = choose(policy, &loads, need, affine, rotor, &Gate::default()).unwrap();
+            prop_assert!(i < loads.len());
+        }
+        let _ = mean_utilisation(&loads);
+        let full = Load { in_flight: 0, est_tokens: 0, capacity: 1000, reported_tokens: u64::MAX };
+        let empty = Load { in_flight: 0, est_tokens: 0, capacity: 1000, reported_tokens: 0 };
+        prop_assert_eq!(most_free(&[full, empty], rotor), Some(1));
+    }
+}

@@ -68,6 +68,9 @@ async fn engines(State(s): State<ApiState>) -> Json<Value> {
 
 async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {
     let req: ScaleOutRequest = parse_body(&body)?;
+    if req.num_replicas <= 0 {
+        scaling::check_external_allowed(&s.manager, &req.engine_urls).await?;
+    }
     scaling::scale_out(&s.manager, &s.cancels, req).map(Json)
 }
 

@@ -370,6 +370,51 @@ impl Fleet {
         self.routes().iter().any(|b| Arc::ptr_eq(&b.load, load))
     }
 
+    /// Whether a request sent to `engine_id` (whose load is `load`) can no longer expect an
+    /// answer: the engine left routing because it failed its probes (UNHEALTHY), its process
+    /// exited (FAILED), it is being restarted, or it is gone. Engines that left routing to drain
+    /// (DRAINING, REMOVING) are not lost: their requests finish there.
+    pub fn is_lost(&self, engine_id: &str, load: &Arc<EngineLoad>) -> bool {
+        if self.is_routable(load) {
+            return false;
+        }
+        let inner = self.lock();
+        match inner.engines.get(engine_id) {
+            Some(e) if Arc::ptr_eq(&e.load, load) => {
+                !matches!(e.record.status, EngineStatus::Draining | EngineStatus::Removing | EngineStatus::Removed)
+            }
+            _ => true,
+        }
+    }
+
+    /// Runs `request` (a request sent to `engine_id`, up to its response headers) unless the
+    /// engine is lost first (see [`Fleet::is_lost`]); then the request is dropped, which closes
+    /// its connection, and the error says so. The router retries such a request on another
+    /// engine, so a client whose request sat on a hung engine gets its answer from a healthy one
+    /// as soon as the health probes take the hung one out, instead of waiting for its restart.
+    pub async fn unless_lost<T, E: std::fmt::Display>(
+        &self,
+        engine_id: &str,
+        load: &Arc<EngineLoad>,
+        request: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, String> {
+        let mut changes = self.subscribe();
+        tokio::pin!(request);
+        loop {
+            tokio::select! {
+                answer = &mut request => return answer.map_err(|e| e.to_string()),
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return request.await.map_err(|e| e.to_string());
+                    }
+                    if self.is_lost(engine_id, load) {
+                        return Err("the engine left routing (failed health probes or exited) before answering".into());
+                    }
+                }
+            }
+        }
+    }
+
     /// The engines the router may use now.
     pub fn routes(&self) -> Arc<Vec<Backend>> {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()

@@ -35,7 +35,8 @@ pub fn spawn_monitor(manager: &Arc<Manager>) {
 }
 
 enum Verdict {
-    TakeOut(u32),
+    /// Consecutive failures, and the last one's reason.
+    TakeOut(u32, String),
     TryBack,
     Restart,
 }
@@ -51,29 +52,33 @@ async fn probe_all(manager: &Arc<Manager>) {
         .collect();
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
     let endpoint = &manager.config.health_check_endpoint;
+    // Only the status is read: the body of a probe (of any size) is never buffered, and
+    // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
     let results = futures::future::join_all(targets.iter().map(|(id, url)| async move {
-        let ok = manager
-            .http
-            .get(format!("{url}{endpoint}"))
-            .timeout(timeout)
-            .send()
-            .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false);
-        (id.clone(), ok)
+        let answer = manager.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await;
+        let failure = match answer {
+            Ok(r) if r.status().is_success() => None,
+            Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
+            Err(e) if e.is_timeout() => Some(format!("{endpoint} timed out after {timeout:?}")),
+            Err(e) => Some(format!("{endpoint}: {}", crate::engine_http::describe(e))),
+        };
+        (id.clone(), failure)
     }))
     .await;
     let threshold = manager.config.health_failure_threshold;
     let verdicts: Vec<(String, Verdict)> = {
         let mut inner = manager.fleet.lock();
         let mut out = Vec::new();
-        for (id, ok) in results {
+        for (id, failure) in results {
+            let ok = failure.is_none();
             let Some(engine) = inner.engines.get_mut(&id) else { continue };
             let managed = engine.record.origin != EngineOrigin::External;
             engine.probe_failures = if ok { 0 } else { engine.probe_failures.saturating_add(1) };
             let failures = engine.probe_failures;
             let verdict = match (engine.record.status, ok) {
-                (EngineStatus::Active, false) if failures >= threshold => Some(Verdict::TakeOut(failures)),
+                (EngineStatus::Active, false) if failures >= threshold => {
+                    Some(Verdict::TakeOut(failures, failure.unwrap_or_default()))
+                }
                 (EngineStatus::Unhealthy, true) => Some(Verdict::TryBack),
                 (EngineStatus::Unhealthy, false)
                     if managed && manager.config.restart_failed_engines && failures == threshold.saturating_mul(3) =>
@@ -90,11 +95,12 @@ async fn probe_all(manager: &Arc<Manager>) {
     };
     for (id, verdict) in verdicts {
         match verdict {
-            Verdict::TakeOut(failures) => {
-                tracing::warn!(engine_id = %id, failures, "engine unhealthy; taken out of routing");
+            Verdict::TakeOut(failures, why) => {
+                tracing::warn!(engine_id = %id, failures, reason = %why, "engine unhealthy; taken out of routing");
                 manager.fleet.update(|inner| {
                     if let Some(e) = inner.engines.get_mut(&id) {
-                        e.record.last_error = Some(format!("{failures} consecutive failed health probes"));
+                        e.record.last_error =
+                            Some(format!("{failures} consecutive failed health probes (last: {why})"));
                     }
                     let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
                 });

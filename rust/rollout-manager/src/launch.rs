@@ -97,6 +97,35 @@ impl EngineLauncher {
     }
 }
 
+/// Flags whose value is a secret (SGLang's `--api-key`, `--admin-api-key`, tokens, passwords).
+fn is_secret_flag(flag: &str) -> bool {
+    let name = flag.trim_start_matches('-').to_ascii_lowercase();
+    flag.starts_with("--")
+        && ["key", "token", "secret", "password", "passwd", "credential"].iter().any(|s| name.contains(s))
+}
+
+/// An engine's argv for the log: the values of secret flags (`--api-key X`, `--api-key=X`)
+/// replaced by `<redacted>`. The process itself gets the real argv.
+pub fn redacted(args: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut hide_next = false;
+    for arg in args {
+        if std::mem::take(&mut hide_next) && !arg.starts_with("--") {
+            out.push("<redacted>".to_string());
+            continue;
+        }
+        match arg.split_once('=') {
+            Some((flag, _)) if is_secret_flag(flag) => out.push(format!("{flag}=<redacted>")),
+            Some(_) => out.push(arg.clone()),
+            None => {
+                hide_next = is_secret_flag(arg);
+                out.push(arg.clone());
+            }
+        }
+    }
+    out
+}
+
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
@@ -144,5 +173,16 @@ mod tests {
             "{joined}"
         );
         assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
+    }
+
+    #[test]
+    fn secret_values_are_redacted_for_the_log() {
+        let args: Vec<String> =
+            ["--port", "1", "--api-key", "sk-1", "--admin-api-key=sk-2", "--hf-token", "--tp-size", "2"]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+        let shown = redacted(&args).join(" ");
+        assert_eq!(shown, "--port 1 --api-key <redacted> --admin-api-key=<redacted> --hf-token --tp-size 2");
     }
 }

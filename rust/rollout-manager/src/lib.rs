@@ -6,6 +6,7 @@ pub mod api;
 pub mod auth;
 pub mod autoscaler;
 pub mod clock;
+pub mod engine_http;
 pub mod error;
 pub mod fleet;
 pub mod health;

@@ -45,6 +45,9 @@ pub enum EngineError {
     WrongModel { expected: String, found: String },
     #[error("engine did not answer {path}: {detail}")]
     Unreachable { path: &'static str, detail: String },
+    /// It answered, but not with what SGLang answers (garbage, too large, wrong shape).
+    #[error("engine gave an unusable answer to {path}: {detail}")]
+    BadAnswer { path: &'static str, detail: String },
     #[error("cancelled")]
     Cancelled,
 }
@@ -55,9 +58,12 @@ impl Manager {
         launcher: EngineLauncher,
         store: Option<crate::store::Store>,
     ) -> Result<Arc<Self>, reqwest::Error> {
+        // Redirects are not followed: an engine (external ones are run by someone else) must
+        // not be able to point the manager's probes at another address.
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_idle_timeout(Duration::from_secs(30))
+            .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
         Ok(Arc::new(Self {
@@ -154,7 +160,7 @@ impl Manager {
     /// Moves it to HEALTH_CHECKING.
     pub async fn connect(&self, engine_id: &str) -> Result<(), EngineError> {
         let info = self.model_info(engine_id).await?;
-        let model = info.get("model_path").and_then(|v| v.as_str()).unwrap_or("");
+        let (model, _) = crate::engine_http::model_info_fields(&info);
         if model != self.config.model_path {
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
         }
@@ -187,7 +193,8 @@ impl Manager {
             (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default())
         };
         let spec = self.launcher.spec(&self.config, port, &gpu_ids, &weight_version, log_path);
-        tracing::info!(engine_id, program = %spec.program.display(), args = ?spec.args, "launching engine");
+        let args = crate::launch::redacted(&spec.args);
+        tracing::info!(engine_id, program = %spec.program.display(), ?args, "launching engine");
         let grace = self.config.reattach_grace_secs;
         let (process, keeper_socket) = if grace > 0.0 {
             let socket = keeper_socket_path(&self.config.state_dir, engine_id)
@@ -382,27 +389,24 @@ impl Manager {
         }
     }
 
-    /// The engine's `/model_info`.
+    /// The engine's `/model_info`: a JSON object of at most 1 MiB, read within 10 s.
     async fn model_info(&self, engine_id: &str) -> Result<serde_json::Value, EngineError> {
+        use crate::engine_http::{get_json, ReadError};
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
-        let unreachable = |detail: String| EngineError::Unreachable { path: "/model_info", detail };
-        self.http
-            .get(format!("{url}/model_info"))
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| unreachable(e.to_string()))?
-            .json()
-            .await
-            .map_err(|e| unreachable(e.to_string()))
+        let path = "/model_info";
+        get_json(&self.http, &format!("{url}{path}"), Duration::from_secs(10)).await.map_err(|e| match e {
+            ReadError::Request(_) | ReadError::Timeout(_) => EngineError::Unreachable { path, detail: e.to_string() },
+            ReadError::Status(_) | ReadError::TooLarge { .. } | ReadError::Invalid(_) => {
+                EngineError::BadAnswer { path, detail: e.to_string() }
+            }
+        })
     }
 
     /// Reads `/model_info` and checks the engine serves the fleet's weight version.
     pub async fn check_weights(&self, engine_id: &str) -> Result<String, EngineError> {
         let expected = self.fleet.lock().weight_version.clone();
         let info = self.model_info(engine_id).await?;
-        let found = info.get("weight_version").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let found = crate::engine_http::model_info_fields(&info).1.to_string();
         if found != expected {
             return Err(EngineError::WrongVersion { expected, found });
         }
@@ -469,13 +473,24 @@ impl Manager {
 
 /// Where an engine's keeper listens: a short path (Unix socket paths are limited to ~107
 /// bytes) in a private directory under the system temp dir, named after the state directory.
-fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &str) -> std::io::Result<std::path::PathBuf> {
+///
+/// The directory is ours alone (mode 0700, owned by this user, not a symlink: a name in a
+/// shared temp dir could have been planted by someone else), so nobody else can reach or
+/// replace a keeper's socket, which is itself 0600.
+pub fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &str) -> std::io::Result<std::path::PathBuf> {
     use std::hash::{Hash, Hasher};
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf()).hash(&mut h);
     let dir = std::env::temp_dir().join(format!("rollout-{:016x}", h.finish()));
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.file_type().is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} is not a directory owned by this user; remove it and retry", dir.display()),
+        ));
+    }
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
     Ok(dir.join(format!("{engine_id}.sock")))
 }

@@ -4,7 +4,10 @@
 //! Expected flow, per kind of record:
 //! - finished operations are kept as they were, history included;
 //! - a scale-out that was in flight ends FAILED, and the engines it had not yet activated are
-//!   rolled back (initial engines are started again instead: they must exist);
+//!   rolled back (initial engines are started again instead: they must exist); the engines it
+//!   had activated stay, and the error message names them. If it had activated all of them
+//!   (the manager died between activating the engines and recording the operation's end), it
+//!   ends ACTIVE instead, so an operation never reads FAILED while all its engines serve;
 //! - a scale-in that was in flight finishes: its victims are removed, and it ends COMPLETED;
 //! - a managed engine whose keeper still runs (`--reattach-grace-secs`) is re-adopted without a
 //!   restart once the keeper's pid and process start time match the record, `/health` passes
@@ -94,14 +97,26 @@ fn rebuild(
         let mut scale_in_victims: HashSet<String> = HashSet::new();
         for mut op in snapshot.scale_outs.clone() {
             if !op.status.is_terminal() {
-                for id in &op.engine_ids {
-                    let active = snapshot.engines.iter().any(|e| &e.record.engine_id == id && e.record.status == EngineStatus::Active);
-                    if !active {
-                        rolled_back.insert(id.clone());
-                    }
+                let is_active = |id: &String| {
+                    snapshot.engines.iter().any(|e| &e.record.engine_id == id && e.record.status == EngineStatus::Active)
+                };
+                let (activated, pending): (Vec<String>, Vec<String>) = op.engine_ids.iter().cloned().partition(is_active);
+                if !activated.is_empty() && pending.is_empty() {
+                    crate::scale_out::advance_to(&mut op, 3);
+                    op.message = format!("{} (completed after a manager restart)", op.message);
+                    let _ = op.apply(ScaleOutEvent::Activated);
+                } else {
+                    let kept = if activated.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; the engines it had activated were kept: {}", activated.join(", "))
+                    };
+                    op.error_message = Some(format!(
+                        "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
+                    ));
+                    rolled_back.extend(pending);
+                    let _ = op.apply(ScaleOutEvent::Fail);
                 }
-                op.error_message = Some("the manager restarted while this operation was in flight; engines it had not activated were rolled back".into());
-                let _ = op.apply(ScaleOutEvent::Fail);
             }
             inner.scale_outs.insert(op.request_id.clone(), op);
         }

@@ -49,7 +49,7 @@ fn slowest(inner: &crate::fleet::FleetInner, racing: &[String]) -> Option<u8> {
 }
 
 /// Applies the operation's forward events until it has reached phase `target`.
-fn advance_to(op: &mut crate::fleet::ScaleOutRecord, target: u8) {
+pub(crate) fn advance_to(op: &mut crate::fleet::ScaleOutRecord, target: u8) {
     while op_rank(op.status).is_some_and(|r| r < target) {
         let event = match op.status {
             ScaleOutStatus::Creating | ScaleOutStatus::Connecting => ScaleOutEvent::Launched,

@@ -242,6 +242,61 @@ pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
     Ok(format!("{}://{}:{port}", url.scheme(), if host.contains(':') { format!("[{host}]") } else { host.to_string() }))
 }
 
+/// With `--external-allow-cidr`, every external engine URL must point into an allowed network:
+/// an IP literal directly, a host name through every address it resolves to now (within 5 s).
+/// The engine is contacted later by name again, so a name whose records change after this
+/// check (DNS rebinding) is not covered; allow-list IP literals where that matters.
+pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> Result<(), ApiError> {
+    let allowed = manager.config.external_allow_list().map_err(|e| ApiError::internal("config", e.to_string()))?;
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = allowed.iter().map(ToString::to_string).collect();
+    for raw in raw_urls {
+        let url = validate_engine_url(raw)?;
+        let parsed =
+            reqwest::Url::parse(&url).map_err(|e| ApiError::bad_request("invalid_engine_url", e.to_string()))?;
+        let port = parsed.port_or_known_default().unwrap_or(80);
+        let host = parsed.host_str().unwrap_or("");
+        let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
+        let addrs: Vec<std::net::IpAddr> = match literal {
+            Ok(ip) => vec![ip],
+            Err(_) => {
+                let lookup = tokio::net::lookup_host((host, port));
+                match tokio::time::timeout(Duration::from_secs(5), lookup).await {
+                    Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+                    Ok(Err(e)) => {
+                        return Err(ApiError::bad_request(
+                            "invalid_engine_url",
+                            format!("engine url {raw:?}: cannot resolve {host:?} ({e}) to check it against --external-allow-cidr"),
+                        ))
+                    }
+                    Err(_) => {
+                        return Err(ApiError::bad_request(
+                            "invalid_engine_url",
+                            format!("engine url {raw:?}: resolving {host:?} took over 5 s"),
+                        ))
+                    }
+                }
+            }
+        };
+        let outside: Vec<String> =
+            addrs.iter().filter(|ip| !allowed.iter().any(|net| net.contains(**ip))).map(ToString::to_string).collect();
+        if addrs.is_empty() || !outside.is_empty() {
+            return Err(ApiError::bad_request(
+                "engine_url_not_allowed",
+                format!(
+                    "engine url {raw:?} points to {} outside the networks of --external-allow-cidr ({}); attach engines \
+                     inside them, or ask the operator to allow the network",
+                    if outside.is_empty() { "no address".to_string() } else { outside.join(", ") },
+                    shown.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// External mode: attach engines someone else started. URLs already in the fleet (or being
 /// attached) are filtered out; if none is left the request is a NOOP.
 fn attach_external(

@@ -67,6 +67,14 @@ impl Server {
                  set --api-token-file"
             );
         }
+        if !is_loopback(&config.engine_host) {
+            tracing::warn!(
+                engine_host = %config.engine_host,
+                "engines listen beyond loopback: SGLang's own API (weight updates, pause, abort) has no \
+                 authentication of ours, so anyone who reaches an engine's port can change it; keep them on a \
+                 private network"
+            );
+        }
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
         let autoscaler = crate::autoscaler::load_config(config.autoscaler_config.as_deref())?;

@@ -192,6 +192,9 @@ pub struct Config {
     /// Exit with code 1 and a message on stderr once the startup delay has passed.
     #[arg(long, help_heading = "Fault injection")]
     pub fail_startup: bool,
+    /// Serve `POST /sim/faults` (slow health checks, hang) to break this engine while it runs.
+    #[arg(long, help_heading = "Fault injection")]
+    pub enable_fault_api: bool,
 }
 
 /// The simulator's version string, reported where SGLang reports `__version__`.

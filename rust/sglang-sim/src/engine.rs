@@ -164,7 +164,7 @@ impl Engine {
             (0..cfg.dp_size as usize).map(|i| Arc::new(Rank::new(i, rank_cfg.clone(), shared.clone()))).collect();
         Self {
             metrics: Metrics::new(&cfg),
-            faults: Faults::new(cfg.crash_after_requests, cfg.hang_after_requests),
+            faults: Faults::new(cfg.crash_after_requests, cfg.hang_after_requests, cfg.slow_health),
             cfg,
             instance,
             port,

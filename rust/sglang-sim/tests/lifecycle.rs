@@ -154,3 +154,30 @@ async fn zero_cost_mode_answers_without_the_scheduler() {
     let r = sim.post("/generate", json!({"text": "s", "stream": true, "sampling_params": {"max_new_tokens": 2}})).await;
     assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
 }
+
+#[tokio::test]
+async fn fault_api_slows_health_then_hangs_the_engine() {
+    let plain = Sim::start(&[]).await;
+    assert_eq!(plain.post("/sim/faults", json!({"hang": true})).await.status(), 404, "off without the flag");
+    assert_eq!(plain.get("/health").await.status(), 200);
+
+    let sim = Sim::start(&["--enable-fault-api"]).await;
+    let (status, out) = sim.post_json("/sim/faults", json!({"slow_health": 1.5})).await;
+    assert_eq!((status, out), (200, json!({"slow_health": 1.5, "hung": false})));
+    let quick = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().unwrap();
+    assert!(quick.get(sim.url("/health")).send().await.is_err(), "health is slow");
+    assert_eq!(quick.get(sim.url("/model_info")).send().await.unwrap().status(), 200);
+    // Bad values and unknown fields are refused and change nothing.
+    let (status, _) = sim.post_json("/sim/faults", json!({"slow_health": -1})).await;
+    assert_eq!(status, 400);
+    let (status, _) = sim.post_json("/sim/faults", json!({"slow": 1})).await;
+    assert_eq!(status, 400);
+    let (status, out) = sim.post_json("/sim/faults", json!({"slow_health": 0})).await;
+    assert_eq!((status, out), (200, json!({"slow_health": null, "hung": false})));
+    assert_eq!(quick.get(sim.url("/health")).send().await.unwrap().status(), 200);
+
+    let (status, out) = sim.post_json("/sim/faults", json!({"hang": true})).await;
+    assert_eq!((status, out["hung"].clone()), (200, json!(true)));
+    assert!(quick.get(sim.url("/health")).send().await.unwrap_err().is_timeout(), "a hung engine answers nothing");
+    assert!(quick.post(sim.url("/generate")).json(&gen_body("x", 2)).send().await.is_err());
+}

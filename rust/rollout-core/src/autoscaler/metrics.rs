@@ -305,6 +305,11 @@ pub fn sample_from_loads(body: &serde_json::Value) -> Result<EngineSample, Strin
         usage += required("token_usage")?;
     }
     s.token_usage = usage / loads.len() as f64;
+    // Each number is finite, but an engine can still report sums beyond f64.
+    let sums = [s.num_running_reqs, s.num_queue_reqs, s.num_used_tokens, s.max_total_num_tokens, s.gen_throughput];
+    if !(s.token_usage.is_finite() && sums.iter().all(|v| v.is_finite())) {
+        return Err("the loads' sums are out of range".into());
+    }
     Ok(s)
 }
 

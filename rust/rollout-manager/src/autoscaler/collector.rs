@@ -2,6 +2,7 @@
 //! without `--enable-metrics`), `/metrics` for the latency histograms (and for the gauges
 //! when an engine has no `/v1/loads`). One read of the fleet is one [`Tick`].
 
+use crate::engine_http;
 use crate::manager::Manager;
 use rollout_core::autoscaler::{metrics::sample_from_loads, prom, FleetState, Observation, Tick};
 use rollout_core::{EngineOrigin, EngineStatus};
@@ -73,7 +74,9 @@ impl Collector {
 /// One engine: the observation, and whether `/v1/loads` turned out to be missing (404).
 async fn read_engine(http: &reqwest::Client, url: &str, use_loads: bool, timeout: Duration) -> (Observation, bool) {
     let metrics = async {
-        let text = get_text(http, &format!("{url}/metrics"), timeout).await?;
+        let text = engine_http::get_text(http, &format!("{url}/metrics"), timeout, engine_http::MAX_METRICS_BYTES)
+            .await
+            .map_err(|e| format!("/metrics: {e}"))?;
         let samples = prom::parse(&text).map_err(|e| format!("/metrics: {e}"))?;
         Ok::<_, String>(samples)
     };
@@ -87,17 +90,10 @@ async fn read_engine(http: &reqwest::Client, url: &str, use_loads: bool, timeout
         };
     }
     let loads = async {
-        let resp = http
-            .get(format!("{url}/v1/loads"))
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| (false, format!("/v1/loads: {e}")))?;
-        if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Err((true, "/v1/loads: 404".to_string()));
-        }
-        let resp = resp.error_for_status().map_err(|e| (false, format!("/v1/loads: {e}")))?;
-        let body: serde_json::Value = resp.json().await.map_err(|e| (false, format!("/v1/loads: {e}")))?;
+        let body = engine_http::get_json(http, &format!("{url}/v1/loads"), timeout).await.map_err(|e| match e {
+            engine_http::ReadError::Status(404) => (true, "/v1/loads: 404".to_string()),
+            e => (false, format!("/v1/loads: {e}")),
+        })?;
         sample_from_loads(&body).map_err(|e| (false, format!("/v1/loads: {e}")))
     };
     let (loads, metrics) = tokio::join!(loads, metrics);
@@ -116,19 +112,6 @@ async fn read_engine(http: &reqwest::Client, url: &str, use_loads: bool, timeout
             Err(e) => (Observation::Missing { missing: format!("{loads_error}; {e}") }, not_found),
         },
     }
-}
-
-async fn get_text(http: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {
-    let what = url.rsplit_once('/').map_or(url, |(_, p)| p);
-    http.get(url)
-        .timeout(timeout)
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| format!("/{what}: {e}"))?
-        .text()
-        .await
-        .map_err(|e| format!("/{what}: {e}"))
 }
 
 #[cfg(test)]

@@ -24,14 +24,18 @@ struct RankLoad {
     max_total_num_tokens: u64,
 }
 
-/// Sums an engine's DP ranks: (pool size, tokens used or queued).
+/// Sums an engine's DP ranks: (pool size, tokens used or queued). Sums saturate: an engine
+/// that reports absurd numbers looks full, it does not overflow the router.
 fn parse(body: &[u8]) -> Option<(u64, u64)> {
     let loads: Loads = serde_json::from_slice(body).ok()?;
     if loads.loads.is_empty() {
         return None;
     }
-    let cap = loads.loads.iter().map(|l| l.max_total_num_tokens).sum();
-    let used = loads.loads.iter().map(|l| l.num_used_tokens + l.num_waiting_uncached_tokens).sum();
+    let cap = loads.loads.iter().fold(0u64, |acc, l| acc.saturating_add(l.max_total_num_tokens));
+    let used = loads
+        .loads
+        .iter()
+        .fold(0u64, |acc, l| acc.saturating_add(l.num_used_tokens).saturating_add(l.num_waiting_uncached_tokens));
     Some((cap, used))
 }
 
@@ -57,9 +61,11 @@ pub fn spawn_poller(manager: &Arc<Manager>) {
 async fn poll_all(manager: &Manager, timeout: Duration) {
     let routes = manager.fleet.routes();
     futures::future::join_all(routes.iter().map(|b| async move {
-        let resp = manager.http.get(format!("{}/v1/loads?include=core", b.url)).timeout(timeout).send().await;
-        let Ok(resp) = resp else { return };
-        let Ok(body) = resp.bytes().await else { return };
+        let url = format!("{}/v1/loads?include=core", b.url);
+        let Ok(body) = crate::engine_http::get(&manager.http, &url, timeout, crate::engine_http::MAX_JSON_BYTES).await
+        else {
+            return;
+        };
         if let Some((cap, used)) = parse(&body) {
             b.load.report(cap, used);
         }
@@ -71,6 +77,7 @@ async fn poll_all(manager: &Manager, timeout: Duration) {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn sums_ranks() {
@@ -80,5 +87,36 @@ mod tests {
         assert_eq!(parse(body), Some((2000, 155)));
         assert_eq!(parse(b"{}"), None);
         assert_eq!(parse(b"garbage"), None);
+        let max = u64::MAX;
+        let body = format!(
+            r#"{{"loads": [{{"num_used_tokens": {max}, "num_waiting_uncached_tokens": {max}, "max_total_num_tokens": {max}}},
+                            {{"num_used_tokens": {max}, "max_total_num_tokens": 1}}]}}"#
+        );
+        assert_eq!(parse(body.as_bytes()), Some((max, max)));
+    }
+
+    proptest! {
+        /// Whatever an engine answers: a report or nothing, never a panic.
+        #[test]
+        fn any_answer_is_read_without_panic(body in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse(&body);
+        }
+
+        /// Any u64 in any field is summed without overflow.
+        #[test]
+        fn any_numbers_are_read_without_overflow(
+            ranks in proptest::collection::vec(
+                (any::<u64>(), any::<u64>(), any::<u64>(),
+                 any::<f64>()), 0..6)
+        ) {
+            let loads: Vec<String> = ranks.iter().map(|(a, b, c, f)| format!(
+                r#"{{"num_used_tokens": {a}, "num_waiting_uncached_tokens": {b}, "max_total_num_tokens": {c}, "token_usage": {f:?}}}"#
+            )).collect();
+            let body = format!(r#"{{"loads": [{}]}}"#, loads.join(","));
+            let parsed = parse(body.as_bytes());
+            // "NaN"/"inf" are not JSON: those bodies are refused; the others are read.
+            let json_ok = ranks.iter().all(|r| r.3.is_finite());
+            prop_assert_eq!(parsed.is_some(), json_ok && !ranks.is_empty());
+        }
     }
 }

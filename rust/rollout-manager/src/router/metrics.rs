@@ -50,6 +50,8 @@ pub enum ErrorKind {
     VersionUnavailable,
     NoAnswer,
     BadRequest,
+    /// The engine's answer did not end within `--request-timeout-secs`.
+    Timeout,
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +64,7 @@ pub struct RouterMetrics {
     pub errors_version: AtomicU64,
     pub errors_no_answer: AtomicU64,
     pub errors_bad_request: AtomicU64,
+    pub errors_timeout: AtomicU64,
     /// Requests kept on their session's or prompt's engine / moved off it by the gate.
     pub affinity_kept: AtomicU64,
     pub affinity_moved: AtomicU64,
@@ -78,6 +81,7 @@ impl RouterMetrics {
             ErrorKind::VersionUnavailable => &self.errors_version,
             ErrorKind::NoAnswer => &self.errors_no_answer,
             ErrorKind::BadRequest => &self.errors_bad_request,
+            ErrorKind::Timeout => &self.errors_timeout,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -108,6 +112,7 @@ impl RouterMetrics {
             ("version_unavailable", &self.errors_version),
             ("no_answer", &self.errors_no_answer),
             ("bad_request", &self.errors_bad_request),
+            ("timeout", &self.errors_timeout),
         ] {
             let _ = writeln!(out, "rollout_router_errors_total{{kind=\"{kind}\"}} {}", c.load(Ordering::Relaxed));
         }

@@ -15,7 +15,16 @@
 //!
 //! Retries: a request that got no response from its engine (refused, reset, the engine died)
 //! or a 503 is retried on another engine, up to [`MAX_ATTEMPTS`] engines, with a short backoff;
+//! so is one whose engine is taken out of routing as failed (UNHEALTHY, FAILED) before it sent
+//! response headers (`Fleet::unless_lost`: a hung engine holds no request past its detection);
 //! nothing is retried once response headers were forwarded, so a client never sees two answers.
+//!
+//! Time: an engine's whole answer (headers and body, streams included) must end within
+//! `--request-timeout-secs`; before the headers the client gets 504 `engine_timeout` (not
+//! retried: the engine may be doing the work), after them the stream is cut. A hung or lying
+//! engine therefore holds a request, and its in-flight count, for a bounded time. Response
+//! bodies are streamed, never buffered, so their size costs the router no memory; fan-out
+//! calls (`/abort_request`, `/flush_cache`) wait at most [`FAN_OUT_TIMEOUT`] for each engine.
 //!
 //! Each forwarded request counts in its engine's in-flight load (requests and estimated KV
 //! tokens) until its response body ends: routing decisions and scale-in's drain both use it.
@@ -43,6 +52,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics::{ErrorKind, RouterMetrics};
 use rollout_core::routing::{choose, Gate, Policy, VersionPin};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -51,6 +61,9 @@ use std::time::{Duration, Instant};
 
 /// Largest request body the router accepts (prompts with long contexts and images fit).
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// How long a fan-out call waits for each engine's answer.
+pub const FAN_OUT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Most engines one request is tried on.
 pub const MAX_ATTEMPTS: usize = 3;
@@ -238,7 +251,10 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
             let status = match uri {
                 Ok(u) => {
                     *req.uri_mut() = u;
-                    client.request(req).await.map(|r| r.status().as_u16()).unwrap_or(0)
+                    match tokio::time::timeout(FAN_OUT_TIMEOUT, client.request(req)).await {
+                        Ok(Ok(r)) => r.status().as_u16(),
+                        _ => 0,
+                    }
                 }
                 Err(_) => 0,
             };
@@ -305,6 +321,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let headers = end_to_end(&parts.headers);
+    let timeout = Duration::from_secs_f64(state.manager.config.request_timeout_secs);
     let mut tried: Vec<Arc<crate::fleet::EngineLoad>> = Vec::with_capacity(MAX_ATTEMPTS);
     let mut last_error = String::new();
     for attempt in 0..MAX_ATTEMPTS {
@@ -353,7 +370,23 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         *req.uri_mut() = uri;
         *req.headers_mut() = headers.clone();
         let started = Instant::now();
-        match state.client.request(req).await {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let Ok(answer) = tokio::time::timeout_at(
+            deadline,
+            state.manager.fleet.unless_lost(&backend.engine_id, &backend.load, state.client.request(req)),
+        )
+        .await
+        else {
+            metrics.error(ErrorKind::Timeout);
+            tracing::warn!(engine_id = %backend.engine_id, ?timeout, "engine sent no response headers in time");
+            let msg = format!(
+                "engine {} did not answer within --request-timeout-secs ({timeout:?}); the request was not retried \
+                 because the engine may still be working on it",
+                backend.engine_id
+            );
+            return error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &msg);
+        };
+        match answer {
             Ok(resp)
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < MAX_ATTEMPTS.min(routes.len()) =>
             {
@@ -369,8 +402,14 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 if let Ok(v) = HeaderValue::from_str(&backend.engine_id) {
                     head.headers.insert("x-rollout-engine-id", v);
                 }
-                let tracked =
-                    Tracked { inner: incoming, _guard: guard, started, metrics: state.manager.router_metrics.clone() };
+                let tracked = Tracked {
+                    inner: incoming,
+                    _guard: guard,
+                    started,
+                    metrics: state.manager.router_metrics.clone(),
+                    deadline: Box::pin(tokio::time::sleep_until(deadline)),
+                    timeout,
+                };
                 return Response::from_parts(head, Body::new(tracked));
             }
             Err(e) => {
@@ -385,12 +424,16 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
 }
 
 /// An engine's response body on its way to the client: holds the engine's in-flight count until
-/// the body ends (or the client goes away), then records the request's duration.
+/// the body ends (or the client goes away, or the deadline passes and the stream is cut), then
+/// records the request's duration.
 struct Tracked {
     inner: hyper::body::Incoming,
     _guard: InFlightGuard,
     started: Instant,
     metrics: Arc<RouterMetrics>,
+    /// When the whole answer must have ended (`--request-timeout-secs` after it was sent).
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    timeout: Duration,
 }
 
 impl Drop for Tracked {
@@ -401,13 +444,22 @@ impl Drop for Tracked {
 
 impl http_body::Body for Tracked {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = axum::BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            self.metrics.error(ErrorKind::Timeout);
+            tracing::warn!(timeout = ?self.timeout, "engine's answer did not end within --request-timeout-secs; cut");
+            let cut = format!("the engine's answer did not end within --request-timeout-secs ({:?})", self.timeout);
+            return Poll::Ready(Some(Err(cut.into())));
+        }
+        Poll::Pending
     }
 
     fn is_end_stream(&self) -> bool {

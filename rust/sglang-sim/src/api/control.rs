@@ -205,3 +205,28 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
 pub async fn memory_occupation() -> Response {
     json_ok(serde_json::Value::Null)
 }
+
+/// `POST /sim/faults` (only with `--enable-fault-api`): changes this engine's faults while it
+/// runs (see [`crate::faults::FaultRequest`]) and answers the faults now in force.
+pub async fn set_faults(State(engine): State<AppState>, body: Bytes) -> Response {
+    let req: crate::faults::FaultRequest = match parse_body(&body, true) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if let Some(secs) = req.slow_health {
+        if !(secs.is_finite() && secs >= 0.0) {
+            return handler_error(
+                StatusCode::BAD_REQUEST,
+                format!("slow_health must be a finite number >= 0, got {secs}"),
+            );
+        }
+        engine.faults.set_slow_health(Some(secs));
+    }
+    if req.hang == Some(true) {
+        tracing::warn!(port = engine.port, "simulated hang (POST /sim/faults)");
+        engine.shared.set_hung();
+    }
+    let slow = engine.faults.slow_health().map(|d| d.as_secs_f64());
+    // This answer still goes out: the hang gate holds only requests that arrive after it.
+    json_ok(json!({"slow_health": slow, "hung": engine.shared.is_hung()}))
+}

@@ -11,13 +11,13 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// `/health` and `/health_generate`: 503 while starting or shutting down, 200 when up.
 /// (A hung engine never gets here: the hang gate holds every request.)
 pub async fn health(State(engine): State<AppState>) -> Response {
-    if let Some(secs) = engine.cfg.slow_health {
-        tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    if let Some(delay) = engine.faults.slow_health() {
+        tokio::time::sleep(delay).await;
     }
     match engine.shared.status() {
         Status::Up => StatusCode::OK.into_response(),

@@ -40,6 +40,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/update_weights_from_disk", post(control::update_weights_from_disk))
         .route("/release_memory_occupation", get(control::memory_occupation).post(control::memory_occupation))
         .route("/resume_memory_occupation", get(control::memory_occupation).post(control::memory_occupation));
+    // Only with --enable-fault-api: otherwise the route does not exist (404 like any other).
+    let admin = if engine.cfg.enable_fault_api { admin.route("/sim/faults", post(control::set_faults)) } else { admin };
     Router::new()
         .route("/generate", post(generate::generate).put(generate::generate))
         .route("/health", get(info::health))
@@ -84,6 +86,7 @@ fn is_admin_path(path: &str) -> bool {
             | "/update_weights_from_disk"
             | "/release_memory_occupation"
             | "/resume_memory_occupation"
+            | "/sim/faults"
     ) || path.starts_with("/update_weights")
         || path.ends_with("weights_update_group")
         || path.ends_with("_weight_update")

@@ -1,0 +1,87 @@
+"""Chaos under load (short CI version of benches/chaos.py; the harness is tests/_chaos.py).
+
+Eight simulated engines serve a steady mix of streaming and non-streaming requests through the
+router while a seeded chaos loop kills engines with -9, hangs one, freezes one (SIGSTOP), slows
+one's health checks, scales out and in (and publishes weight versions once that API exists).
+Asserted: no client-visible failure of a request that had not started streaming while an engine
+was routable, no answer from an older weight version than the fleet's, every broken engine back,
+and no process left behind once the manager stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from _chaos import Chaos, Load, Report, Watcher, chaos_args, leaked_processes, resume_frozen
+from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT, ManagerHandle, wait_until
+from conftest import start_manager, stop_manager
+
+ENGINES = 8
+SPARE = 2
+ACTIONS = 18
+SECONDS_BETWEEN_ACTIONS = 2.5
+
+
+def test_chaos_under_load(manager_bin: Path, tmp_path: Path) -> None:
+    seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 100_000))
+    print(f"chaos seed {seed} (rerun with CHAOS_SEED={seed})")
+    fleet = start_manager(manager_bin, tmp_path / "chaos", chaos_args(ENGINES, SPARE, 0.1))
+    watcher: Watcher | None = None
+    chaos: Chaos | None = None
+    try:
+        fleet.wait_engines(ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        watcher = Watcher(fleet)
+        watcher.start()
+        chaos = Chaos(fleet, watcher, seed, ENGINES, ENGINES + SPARE)
+        load = Load(fleet.router_url, threads=6, seed=seed, fleet_version=chaos.fleet_version)
+        load.start()
+        try:
+            for action in chaos.schedule(ACTIONS):
+                time.sleep(SECONDS_BETWEEN_ACTIONS)
+                chaos.step(action)
+            chaos.clear_slow_health(force=True)
+            # Every broken engine comes back (restarted by the manager) while the load goes on.
+            wait_until(lambda: not chaos.broken(), 60, lambda: f"broken engines to recover: {chaos.broken()}")  # type: ignore[union-attr]
+        finally:
+            load.stop()
+            watcher.stop()
+        report = Report.from_run(load, watcher, chaos)
+        print(report.describe())
+        for when, action, detail in chaos.log:
+            print(f"  {when - chaos.log[0][0]:7.2f}s {action}: {detail}")
+        assert report.requests > 100, report.describe()
+        assert {"kill", "hang", "freeze", "slow_health"} <= report.actions.keys(), report.describe()
+        assert not report.unexcused, report.describe()
+        assert not report.wrong_version, report.describe()
+        assert not report.unrecovered, report.describe()
+    finally:
+        if chaos is not None:
+            resume_frozen(chaos)
+        if watcher is not None:
+            watcher.stop()
+        leaks = shut_down(fleet)
+    assert fleet.process.returncode == 0, f"manager exit code {fleet.process.returncode}\n{fleet.stderr_tail()}"
+    assert not leaks, f"processes outlived the manager: {leaks}"
+
+
+def shut_down(fleet: ManagerHandle) -> list[str]:
+    """SIGTERM the manager and wait for it; returns the processes still alive 15 s later."""
+    try:
+        fleet.engines()
+        fleet.track_children()
+    except OSError:
+        pass
+    fleet.signal(signal.SIGTERM)
+    try:
+        fleet.process.wait(timeout=SHUTDOWN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 15
+    while (leaks := leaked_processes(fleet, {})) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop_manager(fleet, check=False)  # kills whatever is left, so a failing run leaks nothing
+    return leaks
