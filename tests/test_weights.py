@@ -245,3 +245,22 @@ def test_manager_restart_keeps_the_version(manager_bin: Path, tmp_path: Path) ->
             assert argv[argv.index("--model-path") + 1] == str(tmp_path / "v1"), argv
     finally:
         stop_manager(second)
+
+
+def test_relay_transport_stages_on_node_local_storage(start_fleet: StartManager, tmp_path: Path) -> None:
+    relay_dir = tmp_path / "shm"
+    fleet = start_fleet("--weight-transport", "relay", "--relay-dir", str(relay_dir))
+    sums = {v: write_checkpoint(tmp_path / v, seed) for seed, v in enumerate(["v1", "v2"], start=1)}
+    for version in ("v1", "v2"):
+        update = run_update(fleet, version, tmp_path / version)
+        assert update["transport"] == "relay", update
+        staged = Path(update["engine_path"])
+        assert staged.parent == relay_dir and staged.name == f"{version}-{sums[version][:16]}", staged
+        assert fleet.client.weights()["transport"] == "relay"
+        assert_fleet_on(fleet, version, sums[version], INITIAL_ENGINES)
+        for engine in fleet.engines().engines:
+            # The engine loaded the node-local copy, not the published directory.
+            loaded = http("GET", f"{engine.url}/server_info").json()["weights"]
+            assert loaded["path"] == str(staged) and loaded["checksum"] == sums[version], loaded
+    # Only the version in use stays staged.
+    assert sorted(p.name for p in relay_dir.iterdir()) == [f"v2-{sums['v2'][:16]}"]

@@ -24,6 +24,8 @@ pub enum EngineKind {
 pub enum WeightTransportKind {
     /// Engines load the published directory itself (shared storage, or one node).
     Disk,
+    /// The version is relayed once to node-local storage (`--relay-dir`) and loaded from there.
+    Relay,
 }
 
 /// What to keep when some engines of a scale-out fail. Spelled as in the seed's flag
@@ -85,9 +87,13 @@ pub struct ServeConfig {
     /// (`/update_weights_from_disk`), in seconds.
     #[arg(long, default_value_t = 600.0, value_name = "SECS")]
     pub weight_update_timeout_secs: f64,
-    /// How published versions reach the engines: `disk` (engines read the published directory).
+    /// How published versions reach the engines: `disk` (engines read the published directory)
+    /// or `relay` (copied once to node-local `--relay-dir`, loaded from there).
     #[arg(long, value_enum, default_value_t = WeightTransportKind::Disk)]
     pub weight_transport: WeightTransportKind,
+    /// Node-local directory where the relay transport stages versions.
+    #[arg(long, default_value = "/dev/shm/elastic-rollout")]
+    pub relay_dir: PathBuf,
     /// Directory for engine logs and the manager's state.
     #[arg(long, default_value = ".rollout-state")]
     pub state_dir: PathBuf,

@@ -66,6 +66,12 @@ impl Manager {
             .pool_idle_timeout(Duration::from_secs(30))
             .build()?;
         let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
+        let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
+            rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
+            rollout_core::WeightTransportKind::Relay => {
+                Arc::new(crate::weights::transport::Relay::new(config.relay_dir.clone()))
+            }
+        };
         Ok(Arc::new(Self {
             config,
             fleet,
@@ -75,7 +81,7 @@ impl Manager {
             shutdown: CancellationToken::new(),
             router_metrics: Arc::default(),
             smg: Default::default(),
-            transport: Arc::new(crate::weights::transport::Disk),
+            transport,
         }))
     }
 

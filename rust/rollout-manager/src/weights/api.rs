@@ -58,15 +58,17 @@ fn default_strategy() -> UpdateStrategy {
 }
 
 fn check_version_name(v: &str) -> Result<(), ApiError> {
+    // Versions name directories (relay staging), so no separators and no `..`.
     let ok = !v.is_empty()
         && v.len() <= 128
-        && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+' | ':' | '/'));
+        && !v.contains("..")
+        && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+'));
     if ok {
         return Ok(());
     }
     Err(ApiError::bad_request(
         "invalid_version",
-        format!("version {v:?} must be 1 to 128 characters of letters, digits and . _ - + : /"),
+        format!("version {v:?} must be 1 to 128 letters, digits and . _ - + (no '..')"),
     ))
 }
 

@@ -270,7 +270,7 @@ async fn turn(
 
 /// Moves the fleet version to `want` if every READY or ACTIVE engine serves it.
 fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
-    manager.fleet.update(|inner| {
+    let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
             matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
                 && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
@@ -297,7 +297,17 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
         inner.weight_version = want.version.clone();
         tracing::info!(update_id, version = %want.version, "fleet weight version committed");
         true
-    })
+    });
+    if committed {
+        retain_current(manager);
+    }
+    committed
+}
+
+/// Lets the transport drop staged copies the fleet no longer uses.
+fn retain_current(manager: &Manager) {
+    let keep: Vec<String> = manager.fleet.lock().weights.current_engine_path.iter().cloned().collect();
+    manager.transport.retain(&keep);
 }
 
 /// Ends the update FAILED: the fleet stays on its current version; engines FAILED by the update
@@ -336,6 +346,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
         }
         out
     });
+    retain_current(manager);
     for (id, process) in restart {
         let m = manager.clone();
         manager.tasks.spawn(async move {
