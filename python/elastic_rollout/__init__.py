@@ -8,6 +8,7 @@ from elastic_rollout._find import BinaryNotFoundError, find_binary
 from elastic_rollout.client import (
     SCALE_IN_TERMINAL,
     SCALE_OUT_TERMINAL,
+    WEIGHT_UPDATE_TERMINAL,
     Engine,
     EnginesView,
     OperationKind,
@@ -20,6 +21,7 @@ from elastic_rollout.client import (
 __all__ = [
     "SCALE_IN_TERMINAL",
     "SCALE_OUT_TERMINAL",
+    "WEIGHT_UPDATE_TERMINAL",
     "BinaryNotFoundError",
     "Engine",
     "EnginesView",

@@ -98,6 +98,8 @@ class Engine:
     model_name: str = "default"
     origin: str | None = None
     weight_version: str | None = None
+    #: SHA-256 of the weights the engine reports it loaded (when it reports one).
+    weights_checksum: str | None = None
     gpu_ids: tuple[int, ...] = ()
     pid: int | None = None
     started_at: float | None = None
@@ -116,6 +118,7 @@ class Engine:
             model_name=str(data.get("model_name") or model_name),
             origin=_opt_str(data.get("origin")),
             weight_version=_opt_str(data.get("weight_version")),
+            weights_checksum=_opt_str(data.get("weights_checksum")),
             gpu_ids=tuple(int(gpu) for gpu in data.get("gpu_ids") or ()),
             pid=_opt_int(data.get("pid")),
             started_at=_opt_float(data.get("started_at")),
@@ -399,6 +402,64 @@ class RolloutClient:
                 seen = ", ".join(f"{e.engine_id}={e.status}" for e in view.engines) or "no engines"
                 raise TimeoutError(f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen}")
             time.sleep(poll_interval)
+
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def weights(self) -> JsonObject:
+        """``GET /rollout/weights``: the fleet's version, the update in flight, each engine's
+        version and checksum, and the history of updates."""
+        result: JsonObject = self.request("GET", "/rollout/weights")
+        return result
+
+    def publish_weights(
+        self,
+        version: str,
+        path: str,
+        strategy: str = "rolling",
+        max_unavailable: int | None = None,
+        checksum: str | None = None,
+        pause_mode: str | None = None,
+    ) -> JsonObject:
+        """``POST /rollout/weights/publish``: make the fleet converge to the checkpoint directory
+        ``path`` as ``version``. Returns ``{update_id, status, version, checksum, message}``
+        (the existing update when the same version, path and checksum were published before)."""
+        body: JsonObject = {"version": version, "path": path, "strategy": strategy}
+        if max_unavailable is not None:
+            body["max_unavailable"] = max_unavailable
+        if checksum is not None:
+            body["checksum"] = checksum
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
+        result: JsonObject = self.request("POST", "/rollout/weights/publish", body)
+        return result
+
+    def weight_update(self, update_id: str) -> JsonObject:
+        """``GET /rollout/weights/updates/{id}``: one update with per-engine progress."""
+        result: JsonObject = self.request("GET", f"/rollout/weights/updates/{_quote(update_id)}")
+        return result
+
+    def wait_for_weight_update(self, update_id: str, timeout: float, poll_interval: float = 0.1) -> JsonObject:
+        """Poll an update until it is COMPLETED or FAILED and return its record (a FAILED one
+        is returned, not raised).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds; names the last status.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            update = self.weight_update(update_id)
+            if update.get("status") in WEIGHT_UPDATE_TERMINAL:
+                return update
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"weight update {update_id} not finished after {timeout:g}s; last status {update.get('status')}"
+                )
+            time.sleep(poll_interval)
+
+
+#: Statuses in which a weight update has ended.
+WEIGHT_UPDATE_TERMINAL = frozenset({"COMPLETED", "FAILED"})
 
 
 def _quote(segment: str) -> str:

@@ -18,6 +18,16 @@ pub enum EngineKind {
     Sglang,
 }
 
+/// How published weight versions reach the engines (`--weight-transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightTransportKind {
+    /// Engines load the published directory itself (shared storage, or one node).
+    Disk,
+    /// The version is relayed once to node-local storage (`--relay-dir`) and loaded from there.
+    Relay,
+}
+
 /// What to keep when some engines of a scale-out fail. Spelled as in the seed's flag
 /// (`rollback_all`, `keep_partial`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -73,6 +83,17 @@ pub struct ServeConfig {
     /// Weight version the fleet starts from (passed as `--weight-version`).
     #[arg(long, default_value = "default")]
     pub weight_version: String,
+    /// How long one engine may take to load a published version
+    /// (`/update_weights_from_disk`), in seconds.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    pub weight_update_timeout_secs: f64,
+    /// How published versions reach the engines: `disk` (engines read the published directory)
+    /// or `relay` (copied once to node-local `--relay-dir`, loaded from there).
+    #[arg(long, value_enum, default_value_t = WeightTransportKind::Disk)]
+    pub weight_transport: WeightTransportKind,
+    /// Node-local directory where the relay transport stages versions.
+    #[arg(long, default_value = "/dev/shm/elastic-rollout")]
+    pub relay_dir: PathBuf,
     /// Directory for engine logs and the manager's state.
     #[arg(long, default_value = ".rollout-state")]
     pub state_dir: PathBuf,
@@ -266,6 +287,7 @@ impl ServeConfig {
         positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
         positive_secs("--load-poll-interval-secs", self.load_poll_interval_secs)?;
         secs_or_zero("--version-wait-secs", self.version_wait_secs)?;
+        positive_secs("--weight-update-timeout-secs", self.weight_update_timeout_secs)?;
         if let Some(spec) = &self.external_router {
             self.external_router_url().ok_or_else(|| {
                 bad(

@@ -12,8 +12,9 @@ mod fuzz_tests;
 pub mod placement;
 pub mod routing;
 pub mod state;
+pub mod weights;
 
-pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig};
+pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig, WeightTransportKind};
 pub use placement::{GpuPool, PlacementError};
 pub use state::{
     EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,

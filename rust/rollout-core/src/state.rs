@@ -41,7 +41,9 @@ pub enum EngineOrigin {
 ///
 /// Expected flow: `CREATING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> READY -> ACTIVE`, then on
 /// scale-in `DRAINING -> REMOVING -> REMOVED`. An ACTIVE engine that fails health probes becomes
-/// `UNHEALTHY` (out of routing) and returns to ACTIVE when probes pass again. A process that
+/// `UNHEALTHY` (out of routing) and returns to ACTIVE when probes pass again. A fleet weight
+/// update takes an ACTIVE engine back to `WEIGHT_SYNCING` (out of routing) until it is verified
+/// on the new version, then `READY -> ACTIVE` again. A process that
 /// exits unexpectedly makes the engine `FAILED` from any live state; recovery restarts a FAILED
 /// engine from `CREATING`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -84,6 +86,9 @@ pub enum EngineEvent {
     Fail,
     /// Start a failed engine again (recovery), on the same GPUs.
     Restart,
+    /// A fleet weight update takes this engine out of routing to load a new version; it comes
+    /// back through WEIGHT_SYNCING -> READY -> ACTIVE once the version is verified.
+    UpdateWeights,
 }
 
 impl EngineStatus {
@@ -119,6 +124,7 @@ impl EngineStatus {
             (s, E::Remove) if s != S::Removing && s != S::Removed => S::Removing,
             (S::Removing, E::Removed) => S::Removed,
             (S::Failed, E::Restart) => S::Creating,
+            (S::Active, E::UpdateWeights) => S::WeightSyncing,
             (s, E::Fail) if s != S::Removing && s != S::Removed && s != S::Failed => S::Failed,
             (s, e) => return Err(illegal("engine", s, e)),
         };

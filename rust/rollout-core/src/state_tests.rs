@@ -15,7 +15,7 @@ const ENGINE_STATES: [EngineStatus; 10] = [
     EngineStatus::Removed,
     EngineStatus::Failed,
 ];
-const ENGINE_EVENTS: [EngineEvent; 11] = [
+const ENGINE_EVENTS: [EngineEvent; 12] = [
     EngineEvent::Launched,
     EngineEvent::Healthy,
     EngineEvent::WeightsSynced,
@@ -27,6 +27,7 @@ const ENGINE_EVENTS: [EngineEvent; 11] = [
     EngineEvent::Removed,
     EngineEvent::Fail,
     EngineEvent::Restart,
+    EngineEvent::UpdateWeights,
 ];
 const OUT_STATES: [ScaleOutStatus; 10] = [
     ScaleOutStatus::Pending,
@@ -88,6 +89,7 @@ fn engine_edge_table() {
         (S::WeightSyncing, E::WeightsSynced, Some(S::Ready)),
         (S::Ready, E::Activated, Some(S::Active)),
         (S::Active, E::ProbeFailed, Some(S::Unhealthy)),
+        (S::Active, E::UpdateWeights, Some(S::WeightSyncing)),
         (S::Unhealthy, E::ProbeRecovered, Some(S::Active)),
         (S::Unhealthy, E::Drain, Some(S::Draining)),
         (S::Draining, E::Remove, Some(S::Removing)),
@@ -105,6 +107,9 @@ fn engine_edge_table() {
         (S::Draining, E::Activated, None),
         (S::Active, E::Restart, None),
         (S::Removed, E::Restart, None),
+        (S::Unhealthy, E::UpdateWeights, None),
+        (S::WeightSyncing, E::UpdateWeights, None),
+        (S::Ready, E::UpdateWeights, None),
     ];
     for (from, event, expected) in table {
         let got = from.on(event).ok();

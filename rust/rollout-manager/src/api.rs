@@ -34,6 +34,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_out_cancel", post(cancel_many))
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
+        .merge(crate::weights::api::routes())
         .fallback(|| async {
             ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API")
         })
@@ -43,7 +44,7 @@ pub fn router(state: ApiState) -> Router {
 /// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
 /// which names the field. An empty body means `{}`. The content type is not checked, so
 /// `curl -d '{...}'` (which sends form encoding) works as people expect.
-fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = match body {
         Ok(b) => b,
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
@@ -59,9 +60,13 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Resu
 async fn engines(State(s): State<ApiState>) -> Json<Value> {
     let records = s.manager.fleet.engine_records();
     let total = records.len();
-    let version = s.manager.fleet.lock().weight_version.clone();
+    let (version, checksum) = {
+        let inner = s.manager.fleet.lock();
+        (inner.weight_version.clone(), inner.weights.current.checksum.clone())
+    };
     Json(json!({
-        "models": { s.manager.config.model_name.clone(): { "engines": records, "weight_version": version } },
+        "models": { s.manager.config.model_name.clone(): {
+            "engines": records, "weight_version": version, "weights_checksum": checksum } },
         "total_engines": total,
     }))
 }
@@ -89,7 +94,7 @@ struct ListFilter {
 }
 
 /// Parses a `?status=` filter into the operation's status type; unknown names are 400.
-fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Option<S>, ApiError> {
+pub(crate) fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Option<S>, ApiError> {
     raw.map(|st| {
         serde_json::from_value(Value::String(st.to_ascii_uppercase())).map_err(|_| {
             ApiError::bad_request(

@@ -116,6 +116,10 @@ pub struct EngineRecord {
     pub origin: EngineOrigin,
     pub model_name: String,
     pub weight_version: Option<String>,
+    /// SHA-256 of the weights the engine reports it loaded (`sglang-sim`'s `weights_checksum`),
+    /// when known; checked against the published checksum before the engine is routable.
+    #[serde(default)]
+    pub weights_checksum: Option<String>,
     pub gpu_ids: Vec<u32>,
     pub pid: Option<u32>,
     pub started_at: f64,
@@ -236,8 +240,11 @@ pub struct FleetInner {
     pub scale_ins: BTreeMap<String, ScaleInRecord>,
     /// Mutual exclusion: at most one scale operation runs.
     pub running: Option<RunningOp>,
-    /// The weight version every routable engine must serve.
+    /// The fleet's committed weight version (`weights.current.version`): every routable engine
+    /// serves it, or the target of the update in flight.
     pub weight_version: String,
+    /// Published versions, the update in flight and its history.
+    pub weights: crate::weights::WeightsState,
     /// Whether FAILED engines count towards the fleet's size: yes when they are restarted
     /// (`--restart-failed-engines`), since they come back; no otherwise.
     pub count_failed: bool,
@@ -317,6 +324,7 @@ impl Fleet {
             scale_outs: BTreeMap::new(),
             scale_ins: BTreeMap::new(),
             running: None,
+            weights: crate::weights::WeightsState::new(&weight_version),
             weight_version,
             count_failed,
         };
@@ -423,7 +431,12 @@ impl Fleet {
     /// Weight versions the fleet has served, oldest first (orders non-numeric versions for
     /// `min_version` pins).
     pub fn version_history(&self) -> Vec<String> {
-        vec![self.lock().weight_version.clone()]
+        self.lock().weights.version_order()
+    }
+
+    /// Whether a fleet weight update is in flight (engines may be out of routing for it).
+    pub fn weights_updating(&self) -> bool {
+        self.lock().weights.running.is_some()
     }
 
     pub fn store(&self) -> Option<&crate::store::Store> {

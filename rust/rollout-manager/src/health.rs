@@ -4,8 +4,9 @@
 //! `--health-check-endpoint`:
 //! - after `--health-failure-threshold` consecutive failures an ACTIVE engine becomes
 //!   UNHEALTHY and leaves routing;
-//! - an UNHEALTHY engine whose probe passes comes back only if it still serves the fleet's
-//!   weight version (`/model_info`), so a rejoining engine never serves stale weights;
+//! - an UNHEALTHY engine whose probe passes comes back only once it serves the fleet's weight
+//!   version and checksum (`/model_info`; loaded first if it does not), so a rejoining engine
+//!   never serves stale weights;
 //! - a managed engine still failing after three times the threshold (alive but hung) is
 //!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
 //!   engines are only re-probed.
@@ -105,16 +106,10 @@ async fn probe_all(manager: &Arc<Manager>) {
                     let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
                 });
             }
-            Verdict::TryBack => match manager.check_weights(&id).await {
-                Ok(version) => {
+            // Back into routing only on the version it must serve (loaded now if needed).
+            Verdict::TryBack => match manager.sync_weights(&id, &[EngineEvent::ProbeRecovered]).await {
+                Ok(_) => {
                     tracing::info!(engine_id = %id, "engine healthy again; back in routing");
-                    manager.fleet.update(|inner| {
-                        if let Some(e) = inner.engines.get_mut(&id) {
-                            e.record.weight_version = Some(version);
-                            e.record.last_error = None;
-                        }
-                        let _ = inner.engine_event(&id, EngineEvent::ProbeRecovered);
-                    });
                 }
                 Err(e) => {
                     tracing::warn!(engine_id = %id, error = %e, "engine answers but cannot rejoin routing");

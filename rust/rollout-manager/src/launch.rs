@@ -64,9 +64,12 @@ impl EngineLauncher {
     }
 
     /// The full launch of one engine.
+    /// `model_path` is the checkpoint the engine starts on (the fleet's current or newest
+    /// published version, else `--model-path`); the tokenizer stays `--model-path`'s.
     pub fn spec(
         &self,
         config: &ServeConfig,
+        model_path: &str,
         port: u16,
         gpu_ids: &[u32],
         weight_version: &str,
@@ -75,7 +78,7 @@ impl EngineLauncher {
         let mut args = self.prefix.clone();
         args.extend([
             "--model-path".to_string(),
-            config.model_path.clone(),
+            model_path.to_string(),
             "--host".into(),
             config.engine_host.clone(),
             "--port".into(),
@@ -87,6 +90,10 @@ impl EngineLauncher {
             "--enable-metrics".into(),
         ]);
         args.extend(config.engine_args.iter().cloned());
+        let tokenizer_given = config.engine_args.iter().any(|a| a.starts_with("--tokenizer-path"));
+        if model_path != config.model_path && !tokenizer_given {
+            args.extend(["--tokenizer-path".to_string(), config.model_path.clone()]);
+        }
         let visible = gpu_ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
         let mut env = vec![("CUDA_VISIBLE_DEVICES".to_string(), visible)];
         if self.kind == EngineKind::Sglang {
@@ -165,7 +172,7 @@ mod tests {
             prefix: vec!["-m".into(), "sglang.launch_server".into()],
             kind: EngineKind::Sglang,
         };
-        let spec = launcher.spec(&config, 31000, &[2, 3], "v7", "/tmp/e.log".into());
+        let spec = launcher.spec(&config, &config.model_path, 31000, &[2, 3], "v7", "/tmp/e.log".into());
         assert_eq!(&spec.args[..4], ["-m", "sglang.launch_server", "--model-path", "/models/q; rm -rf /"]);
         let joined = spec.args.join(" ");
         assert!(
@@ -173,6 +180,12 @@ mod tests {
             "{joined}"
         );
         assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
+        assert!(!joined.contains("--tokenizer-path"), "{joined}");
+        // On a published checkpoint the engine keeps the base model's tokenizer.
+        let spec = launcher.spec(&config, "/ckpt/v8", 31000, &[2], "v8", "/tmp/e.log".into());
+        let joined = spec.args.join(" ");
+        assert!(joined.contains("--model-path /ckpt/v8 ") && joined.contains("--weight-version v8 "), "{joined}");
+        assert!(joined.ends_with("--tokenizer-path /models/q; rm -rf /"), "{joined}");
     }
 
     #[test]

@@ -21,3 +21,4 @@ pub mod scale_out;
 pub mod scaling;
 pub mod server;
 pub mod store;
+pub mod weights;

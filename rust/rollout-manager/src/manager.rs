@@ -28,6 +28,8 @@ pub struct Manager {
     pub router_metrics: Arc<crate::router::metrics::RouterMetrics>,
     /// Engines registered with an external router (`--router smg=URL`).
     pub smg: crate::router::smg::SmgRegistry,
+    /// How published weight versions reach the engines (`--weight-transport`).
+    pub transport: Arc<dyn crate::weights::transport::WeightTransport>,
 }
 
 /// Why bringing up one engine failed.
@@ -41,6 +43,10 @@ pub enum EngineError {
     StartupTimeout(Duration),
     #[error("engine serves weight version {found:?}, the fleet is on {expected:?}")]
     WrongVersion { expected: String, found: String },
+    #[error("engine serves version {version:?} with checksum {found:?}, the published checksum is {expected:?}")]
+    WrongChecksum { version: String, expected: String, found: String },
+    #[error("engine could not load weights {path}: {detail}")]
+    WeightLoad { path: String, detail: String },
     #[error("engine serves model {found:?}, the fleet serves {expected:?} (--model-path)")]
     WrongModel { expected: String, found: String },
     #[error("engine did not answer {path}: {detail}")]
@@ -66,6 +72,12 @@ impl Manager {
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
+        let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
+            rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
+            rollout_core::WeightTransportKind::Relay => {
+                Arc::new(crate::weights::transport::Relay::new(config.relay_dir.clone()))
+            }
+        };
         Ok(Arc::new(Self {
             config,
             fleet,
@@ -75,6 +87,7 @@ impl Manager {
             shutdown: CancellationToken::new(),
             router_metrics: Arc::default(),
             smg: Default::default(),
+            transport,
         }))
     }
 
@@ -133,6 +146,7 @@ impl Manager {
             origin,
             model_name: self.config.model_name.clone(),
             weight_version: None,
+            weights_checksum: None,
             gpu_ids,
             pid: None,
             started_at: now,
@@ -185,14 +199,16 @@ impl Manager {
     }
 
     async fn launch_now(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
-        let weight_version = self.fleet.lock().weight_version.clone();
+        // Engines start on the newest version: an update's target, else the current one.
+        let (version, engine_path) = self.fleet.lock().weights.desired();
+        let model_path = engine_path.unwrap_or_else(|| self.config.model_path.clone());
         let (port, gpu_ids, log_path) = {
             let inner = self.fleet.lock();
             let e = inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
             let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
             (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default())
         };
-        let spec = self.launcher.spec(&self.config, port, &gpu_ids, &weight_version, log_path);
+        let spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &version.version, log_path);
         let args = crate::launch::redacted(&spec.args);
         tracing::info!(engine_id, program = %spec.program.display(), ?args, "launching engine");
         let grace = self.config.reattach_grace_secs;
@@ -302,17 +318,7 @@ impl Manager {
                 self.fleet
                     .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
                     .map_err(|e| EngineError::Launch(e.to_string()))?;
-                let version = self.check_weights(engine_id).await?;
-                self.fleet
-                    .update(|inner| {
-                        if let Some(e) = inner.engines.get_mut(engine_id) {
-                            e.record.weight_version = Some(version);
-                            e.record.last_error = None;
-                        }
-                        inner.engine_event(engine_id, EngineEvent::WeightsSynced)?;
-                        inner.engine_event(engine_id, EngineEvent::Activated)
-                    })
-                    .map_err(|e| EngineError::Launch(e.to_string()))?;
+                self.sync_weights(engine_id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]).await?;
                 Ok::<(), EngineError>(())
             }
             .await;
@@ -402,15 +408,63 @@ impl Manager {
         })
     }
 
-    /// Reads `/model_info` and checks the engine serves the fleet's weight version.
-    pub async fn check_weights(&self, engine_id: &str) -> Result<String, EngineError> {
-        let expected = self.fleet.lock().weight_version.clone();
+    /// The weight version and checksum an engine reports in `/model_info` (the checksum is
+    /// `sglang-sim`'s `weights_checksum`; real SGLang reports none).
+    pub async fn served_weights(&self, engine_id: &str) -> Result<(Option<String>, Option<String>), EngineError> {
         let info = self.model_info(engine_id).await?;
-        let found = crate::engine_http::model_info_fields(&info).1.to_string();
-        if found != expected {
-            return Err(EngineError::WrongVersion { expected, found });
+        let text = |k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
+        Ok((text("weight_version"), text("weights_checksum")))
+    }
+
+    /// WEIGHT_SYNCING: makes sure the engine serves the version it must serve to be routable
+    /// (the running update's target, else the fleet's current version), loading it with
+    /// `/update_weights_from_disk` if it does not, then records the verified version and
+    /// checksum and applies `events` in one registry update, against the target at that instant:
+    /// if a publish moved the target meanwhile, the engine is synced again.
+    pub async fn sync_weights(&self, engine_id: &str, events: &[EngineEvent]) -> Result<String, EngineError> {
+        let mut last = None;
+        for _ in 0..3 {
+            let (want, engine_path) = self.fleet.lock().weights.desired();
+            let (mut found, mut checksum) = self.served_weights(engine_id).await?;
+            if !want.served_by(found.as_deref(), checksum.as_deref()) {
+                let Some(path) = engine_path else {
+                    // The startup version has no checkpoint to load: the engine must come with it.
+                    return Err(EngineError::WrongVersion {
+                        expected: want.version.clone(),
+                        found: found.unwrap_or_default(),
+                    });
+                };
+                let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
+                crate::weights::update::load_from_disk(self, &url, &path, &want.version, false).await?;
+                (found, checksum) = self.served_weights(engine_id).await?;
+                crate::weights::update::verify(&want, found.as_deref(), checksum.as_deref())?;
+            }
+            let synced = self.fleet.update(|inner| {
+                if inner.weights.desired().0 != want {
+                    return Ok(false);
+                }
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.weight_version = found.clone();
+                    e.record.weights_checksum = checksum.clone();
+                    e.record.last_error = None;
+                }
+                if let Some(u) = inner.weights.running_update_mut() {
+                    u.engine(engine_id, rollout_core::weights::EngineUpdateEvent::Verified, None);
+                }
+                for event in events {
+                    inner.engine_event(engine_id, *event).map_err(|e| EngineError::Launch(e.to_string()))?;
+                }
+                Ok(true)
+            })?;
+            if synced {
+                return Ok(want.version);
+            }
+            last = Some(want.version);
         }
-        Ok(found)
+        Err(EngineError::Launch(format!(
+            "the fleet's weight version kept changing while this engine synced (last {:?}); retry",
+            last.unwrap_or_default()
+        )))
     }
 
     /// Stops an engine's process (SIGTERM, then SIGKILL after the shutdown grace), releases

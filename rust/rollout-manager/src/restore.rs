@@ -91,6 +91,11 @@ fn rebuild(
             inner.weight_version = meta.weight_version.clone();
             inner.next_seq = meta.next_seq;
         }
+        if let Some(weights) = &snapshot.weights {
+            inner.weights = weights.clone();
+            inner.weights.after_restart();
+            inner.weight_version = inner.weights.current.version.clone();
+        }
         inner.next_seq = inner.next_seq.max(snapshot.engines.iter().map(|e| e.seq + 1).max().unwrap_or(0));
 
         let mut rolled_back: HashSet<String> = HashSet::new();
@@ -214,18 +219,12 @@ async fn readopt(manager: &Arc<Manager>, engine_id: &str, process: crate::host::
     manager.watch_exit(engine_id.to_string(), process.clone());
     let checked = async {
         manager.wait_healthy(engine_id, &manager.shutdown).await?;
-        manager.check_weights(engine_id).await
+        manager
+            .sync_weights(engine_id, &[EngineEvent::Healthy, EngineEvent::WeightsSynced, EngineEvent::Activated])
+            .await
     };
     match tokio::time::timeout(Duration::from_secs(60), checked).await {
-        Ok(Ok(version)) => {
-            manager.fleet.update(|inner| {
-                if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.weight_version = Some(version);
-                }
-                for event in [EngineEvent::Healthy, EngineEvent::WeightsSynced, EngineEvent::Activated] {
-                    let _ = inner.engine_event(engine_id, event);
-                }
-            });
+        Ok(Ok(_)) => {
             tracing::info!(engine_id, pid = process.pid, "re-adopted engine without restart");
         }
         outcome => {

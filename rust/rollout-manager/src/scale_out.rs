@@ -94,16 +94,7 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
         .fleet
         .update(|inner| inner.engine_event(id, EngineEvent::Healthy))
         .map_err(|e| EngineError::Launch(e.to_string()))?;
-    let version = manager.check_weights(id).await?;
-    manager
-        .fleet
-        .update(|inner| {
-            if let Some(e) = inner.engines.get_mut(id) {
-                e.record.weight_version = Some(version);
-            }
-            inner.engine_event(id, EngineEvent::WeightsSynced)
-        })
-        .map_err(|e| EngineError::Launch(e.to_string()))?;
+    manager.sync_weights(id, &[EngineEvent::WeightsSynced]).await?;
     Ok(())
 }
 

@@ -109,6 +109,14 @@ impl Server {
         // The registry is rebuilt (or the initial bring-up reserved) before any request is
         // served, so no API call can race with it. Connections wait in the listen backlog.
         if snapshot.is_empty() {
+            // A fleet with no engine left still remembers its published version.
+            if let Some(mut weights) = snapshot.weights {
+                weights.after_restart();
+                manager.fleet.update(|inner| {
+                    inner.weight_version = weights.current.version.clone();
+                    inner.weights = weights;
+                });
+            }
             if let Err(e) = scaling::start_initial(&manager, &cancels) {
                 tracing::error!(error = %e, "cannot reserve the initial engines");
             }

@@ -57,6 +57,8 @@ pub struct Snapshot {
     pub scale_outs: Vec<ScaleOutRecord>,
     pub scale_ins: Vec<ScaleInRecord>,
     pub meta: Option<Meta>,
+    /// Published versions and updates (`meta` key `weights`).
+    pub weights: Option<crate::weights::WeightsState>,
 }
 
 impl Snapshot {
@@ -127,9 +129,11 @@ impl Store {
         let engines = decode(&self.path, rows("engines", ENGINES)?)?;
         let scale_outs = decode(&self.path, rows("scale_outs", SCALE_OUTS)?)?;
         let scale_ins = decode(&self.path, rows("scale_ins", SCALE_INS)?)?;
-        let meta =
-            decode::<Meta>(&self.path, rows("meta", META)?.into_iter().filter(|(k, _)| k == "fleet").collect())?.pop();
-        Ok(Snapshot { engines, scale_outs, scale_ins, meta })
+        let meta_rows = rows("meta", META)?;
+        let pick = |key: &str| meta_rows.iter().filter(|(k, _)| k == key).cloned().collect::<Vec<_>>();
+        let meta = decode::<Meta>(&self.path, pick("fleet"))?.pop();
+        let weights = decode::<crate::weights::WeightsState>(&self.path, pick("weights"))?.pop();
+        Ok(Snapshot { engines, scale_outs, scale_ins, meta, weights })
     }
 
     /// Commits the registry's current contents, writing only what changed since the last sync.
@@ -152,6 +156,7 @@ impl Store {
         }
         let meta = Meta { next_seq: inner.next_seq, weight_version: inner.weight_version.clone() };
         desired.insert(("meta", "fleet".to_string()), to_json(&meta));
+        desired.insert(("meta", "weights".to_string()), to_json(&inner.weights));
 
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
         let upserts: Vec<_> = desired.iter().filter(|(k, v)| written.get(*k) != Some(*v)).collect();

@@ -168,7 +168,12 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
     loop {
         let routes = fleet.routes();
         let Some(pin) = pin else {
-            if routes.is_empty() {
+            if !routes.is_empty() {
+                return Ok(routes);
+            }
+            // While a weight update has every engine out of routing (all_at_once), requests
+            // wait for them like pinned ones do, instead of failing at once.
+            if !fleet.weights_updating() {
                 state.manager.router_metrics.error(ErrorKind::NoEngine);
                 return Err(error(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -176,7 +181,11 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
                     "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
                 ));
             }
-            return Ok(routes);
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { break },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+            continue;
         };
         let history = fleet.version_history();
         let matching: Vec<Backend> =

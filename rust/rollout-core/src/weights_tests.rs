@@ -1,0 +1,136 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+
+fn v(version: &str, path: Option<&str>, checksum: Option<&str>) -> WeightVersion {
+    WeightVersion {
+        version: version.into(),
+        path: path.map(String::from),
+        checksum: checksum.map(String::from),
+        published_seq: 1,
+    }
+}
+
+#[test]
+fn engine_update_edge_table() {
+    use EngineUpdateEvent as E;
+    use EngineUpdateStatus as S;
+    let table = [
+        (S::Pending, E::Start, Some(S::Updating)),
+        (S::Pending, E::Verified, Some(S::Verified)),
+        (S::Updating, E::Verified, Some(S::Verified)),
+        (S::Pending, E::Fail, Some(S::Failed)),
+        (S::Updating, E::Fail, Some(S::Failed)),
+        (S::Pending, E::Skip, Some(S::Skipped)),
+        // Illegal: terminal states stay terminal; an engine cannot start twice.
+        (S::Updating, E::Start, None),
+        (S::Updating, E::Skip, None),
+        (S::Verified, E::Fail, None),
+        (S::Verified, E::Start, None),
+        (S::Failed, E::Verified, None),
+        (S::Skipped, E::Start, None),
+    ];
+    for (from, event, expected) in table {
+        assert_eq!(from.on(event).ok(), expected, "{from:?} --{event:?}-->");
+    }
+    for s in [S::Verified, S::Failed, S::Skipped] {
+        assert!(s.is_terminal());
+    }
+}
+
+#[test]
+fn update_edge_table() {
+    use WeightUpdateEvent as E;
+    use WeightUpdateStatus as S;
+    let table = [
+        (S::Pending, E::Start, Some(S::Updating)),
+        (S::Updating, E::Commit, Some(S::Completed)),
+        (S::Pending, E::Fail, Some(S::Failed)),
+        (S::Updating, E::Fail, Some(S::Failed)),
+        (S::Pending, E::Commit, None),
+        (S::Completed, E::Fail, None),
+        (S::Failed, E::Commit, None),
+        (S::Completed, E::Start, None),
+    ];
+    for (from, event, expected) in table {
+        assert_eq!(from.on(event).ok(), expected, "{from:?} --{event:?}-->");
+    }
+    let err = S::Completed.on(E::Fail).unwrap_err().to_string();
+    assert!(err.contains("Completed") && err.contains("Fail"), "{err}");
+}
+
+#[test]
+fn wave_sizes() {
+    use UpdateStrategy::*;
+    let table = [
+        (AllAtOnce, None, 6, 6),
+        (AllAtOnce, Some(1), 6, 6),
+        (Rolling, None, 1, 1),
+        (Rolling, None, 3, 1),
+        (Rolling, None, 8, 2),
+        (Rolling, None, 16, 4),
+        (Rolling, Some(1), 16, 1),
+        (Rolling, Some(3), 16, 3),
+        (Rolling, Some(40), 16, 16),
+        (Rolling, Some(0), 16, 1),
+        (Rolling, None, 0, 1),
+    ];
+    for (strategy, max, fleet, want) in table {
+        assert_eq!(wave_size(strategy, max, fleet), want, "{strategy} max={max:?} fleet={fleet}");
+    }
+}
+
+#[test]
+fn next_wave_takes_serving_engines_off_target_in_order() {
+    let e = |id: &str, serving: bool, on_target: bool| EngineView { engine_id: id.into(), serving, on_target };
+    let engines =
+        [e("a", true, true), e("b", true, false), e("c", false, false), e("d", true, false), e("f", true, false)];
+    assert_eq!(next_wave(&engines, 2), vec!["b", "d"]);
+    assert_eq!(next_wave(&engines, 10), vec!["b", "d", "f"]);
+    assert!(next_wave(&[e("a", true, true), e("c", false, false)], 4).is_empty());
+}
+
+#[test]
+fn served_by_compares_version_and_checksum_when_both_known() {
+    let want = v("v2", Some("/ck"), Some("abc"));
+    assert!(want.served_by(Some("v2"), Some("abc")));
+    assert!(want.served_by(Some("v2"), None), "real SGLang reports no checksum");
+    assert!(!want.served_by(Some("v2"), Some("abd")));
+    assert!(!want.served_by(Some("v1"), Some("abc")));
+    assert!(!want.served_by(None, Some("abc")));
+    assert!(WeightVersion::startup("v0").served_by(Some("v0"), Some("anything")));
+}
+
+#[test]
+fn publish_checks() {
+    let known = [WeightVersion::startup("v0"), v("v1", Some("/a"), Some("c1"))];
+    assert_eq!(check_publish(&known, "v2", "/b", "c2"), PublishCheck::New);
+    assert_eq!(check_publish(&known, "v1", "/a", "c1"), PublishCheck::Same);
+    let PublishCheck::Conflict(why) = check_publish(&known, "v1", "/a", "c9") else { panic!() };
+    assert!(why.contains("c1") && why.contains("c9"), "{why}");
+    assert!(matches!(check_publish(&known, "v1", "/other", "c1"), PublishCheck::Conflict(_)));
+    assert!(matches!(check_publish(&known, "v0", "/a", "c1"), PublishCheck::Conflict(_)));
+}
+
+#[test]
+fn checksum_is_sha256_of_concatenated_bytes() {
+    let mut c = Checksum::default();
+    c.update(b"ab");
+    c.update(b"c");
+    // SHA-256("abc")
+    assert_eq!(c.finish(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+#[test]
+fn safetensors_headers() {
+    let ok = br#"{"__metadata__":{"a":"b"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    assert_eq!(safetensors_header(ok, 8), Ok(1));
+    assert!(safetensors_header(ok, 4).is_err(), "offsets beyond the data");
+    assert!(safetensors_header(b"not json", 8).is_err());
+    assert!(safetensors_header(b"[1]", 8).is_err());
+    assert!(safetensors_header(br#"{"w":{"dtype":"F32","data_offsets":[0,8]}}"#, 8).is_err());
+    assert_eq!(safetensors_header_len(10u64.to_le_bytes(), 30), Ok(10));
+    assert!(safetensors_header_len(10u64.to_le_bytes(), 12).is_err());
+    assert!(safetensors_header_len(0u64.to_le_bytes(), 12).is_err());
+    assert!(safetensors_header_len([0; 8], 4).is_err());
+}

@@ -1,0 +1,235 @@
+//! Weight versions of the fleet: what it serves, what it is moving to, and how.
+//!
+//! Expected flow of a publish (`POST /rollout/weights/publish`, [`api`]): the manager reads and
+//! checksums the checkpoint directory ([`checkpoint`]), stages it through the configured
+//! [`transport::WeightTransport`], records an update (PENDING) with the new version as the
+//! fleet's *target*, and runs it in the background ([`update`]): waves of ACTIVE engines leave
+//! routing (WEIGHT_SYNCING), drain or pause, load the version with `/update_weights_from_disk`,
+//! and come back (READY -> ACTIVE) only once `/model_info` reports the new version and checksum.
+//!
+//! Guarantees:
+//! - **The fleet version moves when the update commits**: when every READY or ACTIVE engine
+//!   serves the target (for `rolling` that is the last wave; the router's version pins keep
+//!   requests on one version meanwhile). Until then `GET /rollout/weights` shows the old version
+//!   as current and the new one as the update's target.
+//! - **New engines start on the newest version**: a launch uses the target (or current)
+//!   checkpoint as `--model-path` with its `--weight-version`, and WEIGHT_SYNCING checks (and if
+//!   needed loads) that version before the engine is routable. The check and the engine's state
+//!   change happen under the registry lock against the target at that instant, so a publish that
+//!   races a scale-out either reaches the new engine at WEIGHT_SYNCING or finds it READY/ACTIVE on
+//!   the old version and updates it in a later wave; the update commits only after that.
+//! - **An engine never serves a wrong version silently**: an engine that fails to load or verify
+//!   leaves routing (FAILED) and is restarted on the fleet's current checkpoint; the update is
+//!   FAILED with the reason, and engines that already moved to the failed version are restarted
+//!   on the current one too.
+//! - One update runs at a time (409 otherwise); publishing the same version, path and checksum
+//!   again is answered with the existing update; a version name never changes its bytes (409).
+//! - The state is persisted in the store, so a restarted manager knows the version and its
+//!   checkpoint; an update in flight at a crash ends FAILED and the engines converge back.
+
+pub mod api;
+pub mod checkpoint;
+pub mod transport;
+pub mod update;
+
+use crate::clock::unix_now;
+use crate::fleet::Transition;
+use rollout_core::weights::{
+    EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
+};
+use rollout_core::IllegalTransition;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Updates kept in memory and in the store (the oldest finished ones are forgotten first).
+pub const KEEP_UPDATES: usize = 100;
+
+/// One engine's part in an update.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineUpdate {
+    pub status: EngineUpdateStatus,
+    pub error: Option<String>,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+}
+
+/// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UpdateRecord {
+    pub update_id: String,
+    pub version: String,
+    pub path: String,
+    pub checksum: String,
+    /// Where engines load it from (the published path for `disk`, the staged copy for `relay`).
+    pub engine_path: String,
+    pub previous_version: String,
+    pub strategy: UpdateStrategy,
+    /// Engines updated together (`max_unavailable`; the whole fleet for `all_at_once`).
+    pub max_unavailable: Option<u32>,
+    /// `/pause_generation` mode used by `all_at_once`.
+    pub pause_mode: String,
+    pub transport: String,
+    pub status: WeightUpdateStatus,
+    pub engines: BTreeMap<String, EngineUpdate>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub finished_at: Option<f64>,
+    pub error_message: Option<String>,
+    pub message: String,
+    pub history: Vec<Transition>,
+}
+
+impl UpdateRecord {
+    pub fn apply(&mut self, event: WeightUpdateEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(update_id = %self.update_id, version = %self.version, from = %self.status, to = %next, "weight_update");
+        self.status = next;
+        self.updated_at = unix_now();
+        if next.is_terminal() {
+            self.finished_at = Some(self.updated_at);
+        }
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+
+    /// Moves one engine's progress; engines not yet listed start as PENDING. Illegal moves are
+    /// ignored (an engine already VERIFIED stays so).
+    pub fn engine(&mut self, engine_id: &str, event: EngineUpdateEvent, error: Option<String>) {
+        let now = unix_now();
+        let e = self.engines.entry(engine_id.to_string()).or_insert(EngineUpdate {
+            status: EngineUpdateStatus::Pending,
+            error: None,
+            started_at: None,
+            finished_at: None,
+        });
+        if let Ok(next) = e.status.on(event) {
+            e.status = next;
+            if event == EngineUpdateEvent::Start {
+                e.started_at = Some(now);
+            }
+            if next.is_terminal() {
+                e.finished_at = Some(now);
+            }
+            if error.is_some() {
+                e.error = error;
+            }
+        }
+    }
+
+    fn version_record(&self) -> WeightVersion {
+        WeightVersion {
+            version: self.version.clone(),
+            path: Some(self.path.clone()),
+            checksum: Some(self.checksum.clone()),
+            published_seq: 0,
+        }
+    }
+}
+
+/// The fleet's weights: persisted as one record in the store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WeightsState {
+    /// The version every routable engine serves once no update runs.
+    pub current: WeightVersion,
+    /// Where engines load `current` from (None: the startup `--model-path`).
+    pub current_engine_path: Option<String>,
+    /// `startup` (the `--weight-version` flag) or `publish`.
+    pub source: String,
+    /// When `current` became the fleet's version.
+    pub current_since: f64,
+    /// The update that made `current`, if any.
+    pub current_update: Option<String>,
+    /// The update in flight: its target is what new engines start on.
+    pub running: Option<String>,
+    pub updates: BTreeMap<String, UpdateRecord>,
+    pub next_seq: u64,
+}
+
+impl WeightsState {
+    pub fn new(startup_version: &str) -> Self {
+        Self {
+            current: WeightVersion::startup(startup_version),
+            current_engine_path: None,
+            source: "startup".into(),
+            current_since: unix_now(),
+            current_update: None,
+            running: None,
+            updates: BTreeMap::new(),
+            next_seq: 1,
+        }
+    }
+
+    pub fn running_update(&self) -> Option<&UpdateRecord> {
+        self.running.as_ref().and_then(|id| self.updates.get(id))
+    }
+
+    pub fn running_update_mut(&mut self) -> Option<&mut UpdateRecord> {
+        let id = self.running.clone()?;
+        self.updates.get_mut(&id)
+    }
+
+    /// The version engines must serve to become routable: the running update's target, else
+    /// the current version; with the path they load it from (None: the startup model path).
+    pub fn desired(&self) -> (WeightVersion, Option<String>) {
+        match self.running_update() {
+            Some(u) => (u.version_record(), Some(u.engine_path.clone())),
+            None => (self.current.clone(), self.current_engine_path.clone()),
+        }
+    }
+
+    /// Versions in publication order, oldest first (orders non-numeric versions for pins).
+    pub fn version_order(&self) -> Vec<String> {
+        let mut done: Vec<&UpdateRecord> =
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).collect();
+        done.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        let mut out = Vec::new();
+        if self.source == "startup" || !done.iter().any(|u| u.version == self.current.version) {
+            out.push(self.current.version.clone());
+        }
+        for u in done {
+            if !out.contains(&u.version) {
+                out.push(u.version.clone());
+            }
+        }
+        out
+    }
+
+    /// Versions whose name is taken: the current one and every update that did not fail.
+    pub fn known_versions(&self) -> Vec<WeightVersion> {
+        let mut out = vec![self.current.clone()];
+        out.extend(
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).map(|u| u.version_record()),
+        );
+        out
+    }
+
+    /// Forgets the oldest finished updates beyond [`KEEP_UPDATES`]; running ones stay.
+    pub fn prune(&mut self) {
+        if self.updates.len() <= KEEP_UPDATES {
+            return;
+        }
+        let mut done: Vec<(f64, String)> = self
+            .updates
+            .iter()
+            .filter(|(id, u)| u.status.is_terminal() && self.current_update.as_ref() != Some(id))
+            .map(|(id, u)| (u.created_at, id.clone()))
+            .collect();
+        done.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let excess = self.updates.len() - KEEP_UPDATES;
+        for (_, id) in done.into_iter().take(excess) {
+            self.updates.remove(&id);
+        }
+    }
+
+    /// After a manager restart: an update that was in flight ends FAILED (its engines are
+    /// checked against the current version again as they come back).
+    pub fn after_restart(&mut self) {
+        if let Some(u) = self.running_update_mut() {
+            u.error_message = Some(
+                "the manager restarted while this update was in flight; the fleet stays on the previous version".into(),
+            );
+            let _ = u.apply(WeightUpdateEvent::Fail);
+        }
+        self.running = None;
+    }
+}

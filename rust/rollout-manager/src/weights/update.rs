@@ -1,0 +1,361 @@
+//! Running one fleet update (see the module docs of [`crate::weights`] for the guarantees).
+//!
+//! Expected flow: the update turns UPDATING, then repeats until nothing is left:
+//! 1. under the registry lock, pick the next wave ([`rollout_core::weights::next_wave`]): ACTIVE
+//!    engines not yet on the target, at most the wave size; they leave routing at once
+//!    (ACTIVE -> WEIGHT_SYNCING), so no new request (pinned or not) reaches them;
+//! 2. each engine of the wave, concurrently: `rolling` waits for its in-flight requests to end
+//!    (up to `--scale-in-drain-timeout`, then the load aborts what is left); `all_at_once` sends
+//!    `/pause_generation` with the update's mode instead, and `/continue_generation` after;
+//!    then `/update_weights_from_disk {model_path, weight_version}`, then `/model_info` must
+//!    report the target version and checksum; then READY -> ACTIVE with the new version;
+//! 3. when no wave is left and every READY or ACTIVE engine serves the target, the fleet
+//!    version moves to it and the update is COMPLETED (engines still starting were synced to the
+//!    target at WEIGHT_SYNCING, see [`crate::manager::Manager::sync_weights`]).
+//!
+//! Errors: an engine that fails to load or verify is marked FAILED (out of routing) and the
+//! update ends FAILED with its reason; then every engine on the failed version is restarted, and
+//! failed engines are recovered, on the fleet's current checkpoint. An engine that leaves the
+//! fleet during its turn (scale-in) is SKIPPED. A manager shutdown fails the update.
+
+use crate::manager::{EngineError, Manager};
+use rollout_core::weights::{
+    next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
+};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How one engine's turn ended.
+enum Turn {
+    Verified,
+    Skipped,
+    Failed(String),
+}
+
+/// Checks what an engine reports against the version it should serve.
+pub fn verify(want: &WeightVersion, found: Option<&str>, checksum: Option<&str>) -> Result<(), EngineError> {
+    if found != Some(want.version.as_str()) {
+        return Err(EngineError::WrongVersion { expected: want.version.clone(), found: found.unwrap_or("").into() });
+    }
+    match (want.checksum.as_deref(), checksum) {
+        (Some(expected), Some(got)) if expected != got => Err(EngineError::WrongChecksum {
+            version: want.version.clone(),
+            expected: expected.into(),
+            found: got.into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// `POST /update_weights_from_disk` (SGLang 0.5: `model_path`, `weight_version`,
+/// `abort_all_requests`; it answers `{success, message}`, 400 on failure).
+pub async fn load_from_disk(
+    manager: &Manager,
+    url: &str,
+    path: &str,
+    version: &str,
+    abort_all: bool,
+) -> Result<(), EngineError> {
+    let failed = |detail: String| EngineError::WeightLoad { path: path.to_string(), detail };
+    let body = json!({"model_path": path, "weight_version": version, "abort_all_requests": abort_all});
+    let response = manager
+        .http
+        .post(format!("{url}/update_weights_from_disk"))
+        .json(&body)
+        .timeout(Duration::from_secs_f64(manager.config.weight_update_timeout_secs))
+        .send()
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let status = response.status();
+    let answer: serde_json::Value = response.json().await.unwrap_or_default();
+    let message = answer.get("message").and_then(|m| m.as_str()).unwrap_or("").to_string();
+    if !status.is_success() || answer.get("success").and_then(|s| s.as_bool()) != Some(true) {
+        return Err(failed(format!("HTTP {status}: {message}")));
+    }
+    Ok(())
+}
+
+/// A control call with a JSON body (`/pause_generation`, `/continue_generation`).
+async fn control(manager: &Manager, url: &str, path: &'static str, body: serde_json::Value) -> Result<(), EngineError> {
+    manager
+        .http
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map(|_| ())
+        .map_err(|e| EngineError::Unreachable { path, detail: e.to_string() })
+}
+
+/// Runs the update to its end. Never panics; every outcome is recorded on the update.
+pub async fn run(manager: Arc<Manager>, update_id: String) {
+    let plan = manager.fleet.update(|inner| {
+        let u = inner.weights.updates.get_mut(&update_id)?;
+        let _ = u.apply(WeightUpdateEvent::Start);
+        let want = WeightVersion {
+            version: u.version.clone(),
+            path: Some(u.path.clone()),
+            checksum: Some(u.checksum.clone()),
+            published_seq: 0,
+        };
+        Some((want, u.engine_path.clone(), u.strategy, u.max_unavailable, u.pause_mode.clone()))
+    });
+    let Some((want, path, strategy, max_unavailable, pause_mode)) = plan else { return };
+    let outcome = converge(&manager, &update_id, &want, &path, strategy, max_unavailable, &pause_mode).await;
+    if let Err(why) = outcome {
+        fail(&manager, &update_id, &want, &why).await;
+    }
+}
+
+/// Waves until every serving engine is on `want`, then commits. Err: why the update failed.
+async fn converge(
+    manager: &Arc<Manager>,
+    update_id: &str,
+    want: &WeightVersion,
+    path: &str,
+    strategy: UpdateStrategy,
+    max_unavailable: Option<u32>,
+    pause_mode: &str,
+) -> Result<(), String> {
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        if manager.shutdown.is_cancelled() {
+            return Err("the manager shut down during the update".into());
+        }
+        let wave: Vec<(String, String, Arc<crate::fleet::EngineLoad>)> = manager.fleet.update(|inner| {
+            let mut engines: Vec<&crate::fleet::Engine> = inner.engines.values().collect();
+            engines.sort_by_key(|e| e.seq);
+            let views: Vec<EngineView> = engines
+                .iter()
+                .map(|e| EngineView {
+                    engine_id: e.record.engine_id.clone(),
+                    serving: e.record.status == EngineStatus::Active,
+                    on_target: want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref()),
+                })
+                .collect();
+            let serving = views.iter().filter(|v| v.serving).count();
+            let ids = next_wave(&views, wave_size(strategy, max_unavailable, serving));
+            let mut out = Vec::new();
+            for id in ids {
+                if inner.engine_event(&id, EngineEvent::UpdateWeights).is_err() {
+                    continue;
+                }
+                if let Some(e) = inner.engines.get(&id) {
+                    out.push((id.clone(), e.record.url.clone(), e.load.clone()));
+                }
+                if let Some(u) = inner.weights.updates.get_mut(update_id) {
+                    u.engine(&id, EngineUpdateEvent::Start, None);
+                }
+            }
+            out
+        });
+        if wave.is_empty() {
+            if commit(manager, update_id, want) {
+                return Ok(());
+            }
+            // Engines READY on an older version (a scale-out racing the publish) become ACTIVE
+            // soon and then take their turn; wake on the next fleet change.
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = manager.shutdown.cancelled() => {}
+            }
+            continue;
+        }
+        tracing::info!(update_id, version = %want.version, engines = ?wave.iter().map(|w| &w.0).collect::<Vec<_>>(), "weight update wave");
+        let turns = futures::future::join_all(
+            wave.iter().map(|(id, url, load)| turn(manager, id, url, load, want, path, strategy, pause_mode)),
+        )
+        .await;
+        let mut failures = Vec::new();
+        manager.fleet.update(|inner| {
+            for ((id, _, _), result) in wave.iter().zip(&turns) {
+                let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
+                match result {
+                    Turn::Verified => u.engine(id, EngineUpdateEvent::Verified, None),
+                    Turn::Skipped => {
+                        u.engine(id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
+                    }
+                    Turn::Failed(why) => {
+                        u.engine(id, EngineUpdateEvent::Fail, Some(why.clone()));
+                        failures.push(format!("{id}: {why}"));
+                    }
+                }
+            }
+        });
+        if !failures.is_empty() {
+            return Err(failures.join("; "));
+        }
+    }
+}
+
+/// One engine's turn: drain or pause, load, verify, back into routing.
+#[expect(clippy::too_many_arguments, reason = "the turn needs the engine, the version and the plan")]
+async fn turn(
+    manager: &Arc<Manager>,
+    id: &str,
+    url: &str,
+    load: &crate::fleet::EngineLoad,
+    want: &WeightVersion,
+    path: &str,
+    strategy: UpdateStrategy,
+    pause_mode: &str,
+) -> Turn {
+    let result = async {
+        let mut abort = false;
+        if strategy == UpdateStrategy::Rolling {
+            let drain = Duration::from_secs_f64(manager.config.scale_in_drain_timeout);
+            abort = tokio::time::timeout(drain, load.wait_idle()).await.is_err();
+        } else {
+            control(manager, url, "/pause_generation", json!({"mode": pause_mode})).await?;
+        }
+        let loaded = load_from_disk(manager, url, path, &want.version, abort).await;
+        if strategy == UpdateStrategy::AllAtOnce {
+            // Resume even after a failed load: SGLang keeps the old weights then.
+            control(manager, url, "/continue_generation", json!({})).await?;
+        }
+        loaded?;
+        let (found, checksum) = manager.served_weights(id).await?;
+        verify(want, found.as_deref(), checksum.as_deref())?;
+        Ok::<_, EngineError>((found, checksum))
+    }
+    .await;
+    let left = |inner: &crate::fleet::FleetInner| {
+        inner.engines.get(id).is_none_or(|e| matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+    };
+    match result {
+        Ok((found, checksum)) => manager.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(id) {
+                e.record.weight_version = found;
+                e.record.weights_checksum = checksum;
+            }
+            let back = inner
+                .engine_event(id, EngineEvent::WeightsSynced)
+                .and_then(|_| inner.engine_event(id, EngineEvent::Activated));
+            match back {
+                Ok(_) => Turn::Verified,
+                Err(_) if left(inner) => Turn::Skipped,
+                Err(e) => Turn::Failed(format!("verified but could not return to routing: {e}")),
+            }
+        }),
+        Err(e) => {
+            let why = e.to_string();
+            let process = manager.fleet.update(|inner| {
+                if left(inner) {
+                    return None;
+                }
+                if let Some(en) = inner.engines.get_mut(id) {
+                    en.record.last_error = Some(format!("weight update to {} failed: {why}", want.version));
+                }
+                let _ = inner.engine_event(id, EngineEvent::Fail);
+                Some(inner.engines.get(id).and_then(|en| en.process.clone()))
+            });
+            match process {
+                None => Turn::Skipped,
+                Some(p) => {
+                    tracing::warn!(engine_id = id, error = %why, "engine failed its weight update; out of routing");
+                    if let Some(p) = p {
+                        p.stop(manager.shutdown_grace()).await;
+                    }
+                    Turn::Failed(why)
+                }
+            }
+        }
+    }
+}
+
+/// Moves the fleet version to `want` if every READY or ACTIVE engine serves it.
+fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
+    let committed = manager.fleet.update(|inner| {
+        let behind = inner.engines.values().any(|e| {
+            matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
+                && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+        });
+        if behind {
+            return false;
+        }
+        let w = &mut inner.weights;
+        let Some(u) = w.updates.get_mut(update_id) else { return false };
+        let pending: Vec<String> =
+            u.engines.iter().filter(|(_, e)| !e.status.is_terminal()).map(|(id, _)| id.clone()).collect();
+        for id in pending {
+            u.engine(&id, EngineUpdateEvent::Skip, Some("left the fleet before its turn".into()));
+        }
+        u.message = format!("the fleet serves {}", u.version);
+        let _ = u.apply(WeightUpdateEvent::Commit);
+        w.current = WeightVersion { published_seq: w.next_seq, ..want.clone() };
+        w.next_seq += 1;
+        w.current_engine_path = Some(u.engine_path.clone());
+        w.source = "publish".into();
+        w.current_since = crate::clock::unix_now();
+        w.current_update = Some(update_id.to_string());
+        w.running = None;
+        inner.weight_version = want.version.clone();
+        tracing::info!(update_id, version = %want.version, "fleet weight version committed");
+        true
+    });
+    if committed {
+        retain_current(manager);
+    }
+    committed
+}
+
+/// Lets the transport drop staged copies the fleet no longer uses.
+fn retain_current(manager: &Manager) {
+    let keep: Vec<String> = manager.fleet.lock().weights.current_engine_path.iter().cloned().collect();
+    manager.transport.retain(&keep);
+}
+
+/// Ends the update FAILED: the fleet stays on its current version; engines FAILED by the update
+/// and engines already serving the failed version are restarted on the current checkpoint.
+async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why: &str) {
+    tracing::warn!(update_id, version = %want.version, error = why, "weight update failed");
+    let restart: Vec<(String, Option<crate::host::EngineProcess>)> = manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
+            let _ = u.apply(WeightUpdateEvent::Fail);
+        }
+        if inner.weights.running.as_deref() == Some(update_id) {
+            inner.weights.running = None;
+        }
+        let current = inner.weights.current.clone();
+        let mut out = Vec::new();
+        let ids: Vec<String> = inner.engines.keys().cloned().collect();
+        for id in ids {
+            let Some(e) = inner.engines.get_mut(&id) else { continue };
+            if e.record.origin == EngineOrigin::External {
+                continue;
+            }
+            let failed_here = e.record.status == EngineStatus::Failed
+                && e.record.last_error.as_deref().is_some_and(|m| m.starts_with("weight update to "));
+            let on_failed = matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
+                && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
+            if on_failed {
+                e.record.last_error =
+                    Some(format!("serves {} from a failed update; restarting on {}", want.version, current.version));
+                let process = e.process.clone();
+                let _ = inner.engine_event(&id, EngineEvent::Fail);
+                out.push((id, process));
+            } else if failed_here {
+                out.push((id, None));
+            }
+        }
+        out
+    });
+    retain_current(manager);
+    for (id, process) in restart {
+        let m = manager.clone();
+        manager.tasks.spawn(async move {
+            if let Some(p) = process {
+                p.stop(m.shutdown_grace()).await;
+            }
+            if m.config.restart_failed_engines {
+                m.recover(&id, Duration::ZERO).await;
+            }
+        });
+    }
+}

@@ -1,0 +1,196 @@
+//! What a version is made of: its files, their sizes and SHA-256s, and the whole-version
+//! checksum.
+//!
+//! The version checksum is the rule `sglang-sim` (and the manager) use for a loaded checkpoint:
+//! lowercase hex SHA-256 over the bytes of every `*.safetensors` file, concatenated in
+//! byte-wise sorted file-name order. Files are listed (and sent) in that same order, so a
+//! receiver computes both the per-file and the version hashes in one pass as chunks arrive.
+//!
+//! Only regular files directly in the version directory are part of it (checkpoints are flat);
+//! subdirectories are skipped and named in [`Manifest::skipped`].
+
+use crate::protocol::{name_problem, MAX_FILES};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::Path;
+
+/// One file of a version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub name: String,
+    pub size: u64,
+    /// Lowercase hex SHA-256 of the file's bytes.
+    pub sha256: String,
+}
+
+/// A version's contents, sent ahead of its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub version: String,
+    /// Sorted by name (byte-wise).
+    pub files: Vec<FileEntry>,
+    /// SHA-256 over the `*.safetensors` files in name order (see the module docs).
+    pub checksum: String,
+    /// Names of directory entries that were not included (subdirectories, special files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<String>,
+}
+
+/// Why a manifest cannot be built or accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("invalid name: {0}")]
+    BadName(String),
+    #[error("{0} files exceed the limit of {MAX_FILES}")]
+    TooManyFiles(usize),
+    #[error("files are not in sorted order or repeat a name: {0:?}")]
+    Order(String),
+    #[error("manifest checksum {0:?} is not 64 lowercase hex digits")]
+    BadChecksum(String),
+    #[error("{path} is not a directory of files")]
+    NotADirectory { path: String },
+}
+
+/// Lowercase hex of a digest.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether a file takes part in the version checksum.
+pub fn in_version_checksum(name: &str) -> bool {
+    name.ends_with(".safetensors")
+}
+
+fn is_hex64(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+impl Manifest {
+    /// Lists and hashes `dir` (blocking IO: call from `spawn_blocking`). One read of every file.
+    pub fn build(version: &str, dir: &Path) -> Result<Manifest, ManifestError> {
+        if let Some(p) = name_problem(version) {
+            return Err(ManifestError::BadName(format!("version: {p}")));
+        }
+        let shown = dir.display().to_string();
+        let io = |source| ManifestError::Io { path: shown.clone(), source };
+        if !dir.is_dir() {
+            return Err(ManifestError::NotADirectory { path: shown });
+        }
+        let mut names = Vec::new();
+        let mut skipped = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // Follows symlinks: a checkpoint directory of links to a shared store is fine.
+            match std::fs::metadata(entry.path()) {
+                Ok(m) if m.is_file() => names.push(name),
+                _ => skipped.push(name),
+            }
+        }
+        names.sort();
+        skipped.sort();
+        if names.len() > MAX_FILES {
+            return Err(ManifestError::TooManyFiles(names.len()));
+        }
+        let mut files = Vec::with_capacity(names.len());
+        let mut version_hash = Sha256::new();
+        let mut buf = vec![0u8; 4 << 20];
+        for name in names {
+            if let Some(p) = name_problem(&name) {
+                return Err(ManifestError::BadName(p));
+            }
+            let path = dir.join(&name);
+            let shown = path.display().to_string();
+            let io = |source| ManifestError::Io { path: shown.clone(), source };
+            let mut f = std::fs::File::open(&path).map_err(io)?;
+            let mut file_hash = Sha256::new();
+            let mut size = 0u64;
+            let counted = in_version_checksum(&name);
+            loop {
+                let n = f.read(&mut buf).map_err(io)?;
+                if n == 0 {
+                    break;
+                }
+                file_hash.update(&buf[..n]);
+                if counted {
+                    version_hash.update(&buf[..n]);
+                }
+                size += n as u64;
+            }
+            files.push(FileEntry { name, size, sha256: hex(&file_hash.finalize()) });
+        }
+        Ok(Manifest { version: version.to_string(), files, checksum: hex(&version_hash.finalize()), skipped })
+    }
+
+    /// Checks a manifest that came over the wire: names, limits, order, hash shapes.
+    pub fn validate(&self) -> Result<(), ManifestError> {
+        if let Some(p) = name_problem(&self.version) {
+            return Err(ManifestError::BadName(format!("version: {p}")));
+        }
+        if self.version.ends_with(".partial") {
+            return Err(ManifestError::BadName("version names may not end in .partial".into()));
+        }
+        if self.files.len() > MAX_FILES {
+            return Err(ManifestError::TooManyFiles(self.files.len()));
+        }
+        for (i, f) in self.files.iter().enumerate() {
+            if let Some(p) = name_problem(&f.name) {
+                return Err(ManifestError::BadName(p));
+            }
+            if !is_hex64(&f.sha256) {
+                return Err(ManifestError::BadChecksum(f.sha256.clone()));
+            }
+            if i > 0 && self.files[i - 1].name >= f.name {
+                return Err(ManifestError::Order(f.name.clone()));
+            }
+        }
+        if !is_hex64(&self.checksum) {
+            return Err(ManifestError::BadChecksum(self.checksum.clone()));
+        }
+        Ok(())
+    }
+
+    /// Sum of the file sizes.
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn build_hashes_files_and_the_safetensors_in_name_order() {
+        let d = std::env::temp_dir().join(format!("relay-manifest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        std::fs::write(d.join("b.safetensors"), b"bbbb").unwrap();
+        std::fs::write(d.join("a.safetensors"), b"aa").unwrap();
+        std::fs::write(d.join("config.json"), b"{}").unwrap();
+        let m = Manifest::build("v1", &d).unwrap();
+        let names: Vec<_> = m.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["a.safetensors", "b.safetensors", "config.json"]);
+        assert_eq!(m.skipped, ["sub"]);
+        assert_eq!(m.files[0].sha256, hex(&Sha256::digest(b"aa")));
+        assert_eq!(m.checksum, hex(&Sha256::digest(b"aabbbb")), "config.json is not part of the checksum");
+        assert_eq!(m.total_bytes(), 8);
+        m.validate().unwrap();
+
+        let mut bad = m.clone();
+        bad.files[2].name = "../config.json".into();
+        assert!(matches!(bad.validate(), Err(ManifestError::BadName(_))));
+        let mut unsorted = m.clone();
+        unsorted.files.swap(0, 1);
+        assert!(matches!(unsorted.validate(), Err(ManifestError::Order(_))));
+        let mut partial = m;
+        partial.version = "v1.partial".into();
+        assert!(partial.validate().is_err());
+        assert!(Manifest::build("../v", &d).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

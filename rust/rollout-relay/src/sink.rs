@@ -1,0 +1,294 @@
+//! The local copy of a version on one receiver: written under `<dest>/<version>.partial/`,
+//! renamed to `<dest>/<version>/` only after every file's SHA-256 and the version checksum
+//! match the manifest.
+//!
+//! Guarantees: a `<version>` directory exists only complete and verified; a failed, cancelled
+//! or abandoned transfer leaves nothing behind (the partial directory is removed when the sink
+//! is dropped unfinished). A version that already exists is never rewritten: versions are
+//! immutable by name.
+
+use crate::manifest::{hex, in_version_checksum, Manifest};
+use crate::protocol::HopResult;
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::mpsc;
+
+/// Chunks queued between the network and the disk writer.
+const WRITE_QUEUE: usize = 8;
+
+/// Versions being received right now, shared by every connection of one receiver (two
+/// transfers of one version to one directory would write the same partial directory).
+#[derive(Debug, Clone, Default)]
+pub struct InProgress(Arc<Mutex<HashSet<String>>>);
+
+impl InProgress {
+    fn claim(&self, version: &str) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).insert(version.to_string())
+    }
+
+    fn release(&self, version: &str) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).remove(version);
+    }
+}
+
+/// Tracks which byte must come next, so chunks out of order, overlapping, past the end of a
+/// file or missing are refused.
+#[derive(Debug)]
+pub struct Sequencer {
+    sizes: Vec<u64>,
+    file: usize,
+    offset: u64,
+}
+
+impl Sequencer {
+    pub fn new(manifest: &Manifest) -> Sequencer {
+        Sequencer { sizes: manifest.files.iter().map(|f| f.size).collect(), file: 0, offset: 0 }
+    }
+
+    fn skip_complete(&mut self) {
+        while self.file < self.sizes.len() && self.offset == self.sizes[self.file] {
+            self.file += 1;
+            self.offset = 0;
+        }
+    }
+
+    /// Accepts the next chunk or says what was expected instead.
+    pub fn accept(&mut self, file: u32, offset: u64, len: usize) -> Result<(), String> {
+        self.skip_complete();
+        let len = len as u64;
+        if self.file >= self.sizes.len() {
+            return Err(format!("chunk for file {file} at offset {offset} after the last byte of the version"));
+        }
+        if file as usize != self.file || offset != self.offset {
+            return Err(format!(
+                "chunk for file {file} at offset {offset}, expected file {} at offset {}",
+                self.file, self.offset
+            ));
+        }
+        if len == 0 || offset + len > self.sizes[self.file] {
+            return Err(format!(
+                "chunk of {len} bytes at offset {offset} does not fit file {file} of {} bytes",
+                self.sizes[self.file]
+            ));
+        }
+        self.offset += len;
+        Ok(())
+    }
+
+    /// Whether every byte of every file arrived.
+    pub fn complete(&mut self) -> bool {
+        self.skip_complete();
+        self.file == self.sizes.len()
+    }
+}
+
+/// Where a version goes on this receiver.
+pub fn final_dir(dest: &Path, version: &str) -> PathBuf {
+    dest.join(version)
+}
+
+pub fn partial_dir(dest: &Path, version: &str) -> PathBuf {
+    dest.join(format!("{version}.partial"))
+}
+
+/// The local copy being written (or skipped, when the version is already present).
+pub struct Sink {
+    version: String,
+    dest: PathBuf,
+    already_present: bool,
+    in_progress: InProgress,
+    tx: Option<mpsc::Sender<(u32, Bytes)>>,
+    writer: Option<tokio::task::JoinHandle<Result<u64, String>>>,
+    /// True once the partial directory was renamed (or never created).
+    done: bool,
+}
+
+impl Sink {
+    /// Starts the local copy. Errors name what is wrong (already being received, cannot create
+    /// the directory).
+    pub fn open(dest: &Path, manifest: &Manifest, in_progress: &InProgress) -> Result<Sink, String> {
+        let version = manifest.version.clone();
+        if final_dir(dest, &version).is_dir() {
+            return Ok(Sink {
+                version,
+                dest: dest.to_path_buf(),
+                already_present: true,
+                in_progress: in_progress.clone(),
+                tx: None,
+                writer: None,
+                done: true,
+            });
+        }
+        if !in_progress.claim(&version) {
+            return Err(format!("version {version} is being received by another transfer on this receiver"));
+        }
+        let partial = partial_dir(dest, &version);
+        let _ = std::fs::remove_dir_all(&partial);
+        if let Err(e) = std::fs::create_dir_all(&partial) {
+            in_progress.release(&version);
+            return Err(format!("cannot create {}: {e}", partial.display()));
+        }
+        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
+        let m = manifest.clone();
+        let dir = partial.clone();
+        let writer = tokio::task::spawn_blocking(move || write_files(&m, &dir, rx));
+        Ok(Sink {
+            version,
+            dest: dest.to_path_buf(),
+            already_present: false,
+            in_progress: in_progress.clone(),
+            tx: Some(tx),
+            writer: Some(writer),
+            done: false,
+        })
+    }
+
+    pub fn already_present(&self) -> bool {
+        self.already_present
+    }
+
+    /// Queues one chunk (in manifest order); false if the writer already stopped (its error
+    /// comes out of [`Sink::finish`]).
+    pub async fn write(&mut self, file: u32, data: Bytes) -> bool {
+        match &self.tx {
+            Some(tx) => tx.send((file, data)).await.is_ok(),
+            None => true,
+        }
+    }
+
+    /// Waits for the writer, verifies, and publishes the version. The result's `addr` is left
+    /// empty for the upstream hop to fill in.
+    pub async fn finish(mut self) -> HopResult {
+        if self.already_present {
+            return HopResult { addr: String::new(), ok: true, bytes: 0, already_present: true, error: None };
+        }
+        self.tx = None;
+        let written = match self.writer.take() {
+            Some(w) => w.await.unwrap_or_else(|e| Err(format!("writer task failed: {e}"))),
+            None => Err("no writer".into()),
+        };
+        let outcome = written.and_then(|bytes| {
+            let from = partial_dir(&self.dest, &self.version);
+            let to = final_dir(&self.dest, &self.version);
+            std::fs::rename(&from, &to)
+                .map(|()| bytes)
+                .map_err(|e| format!("cannot rename {} to {}: {e}", from.display(), to.display()))
+        });
+        match outcome {
+            Ok(bytes) => {
+                self.done = true;
+                tracing::info!(version = self.version, bytes, "version received and verified");
+                HopResult { addr: String::new(), ok: true, bytes, already_present: false, error: None }
+            }
+            Err(e) => {
+                tracing::warn!(version = self.version, error = e, "version rejected");
+                HopResult::failed("", e)
+            }
+        }
+    }
+}
+
+impl Drop for Sink {
+    fn drop(&mut self) {
+        if !self.already_present {
+            if !self.done {
+                // Unfinished (failed, abandoned or cancelled): nothing partial may stay visible.
+                let _ = std::fs::remove_dir_all(partial_dir(&self.dest, &self.version));
+            }
+            self.in_progress.release(&self.version);
+        }
+    }
+}
+
+/// The writer thread: files in manifest order, each hashed as written; then the checks.
+fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
+    let mut version_hash = Sha256::new();
+    let mut total = 0u64;
+    for (i, entry) in manifest.files.iter().enumerate() {
+        let path = dir.join(&entry.name);
+        let file = std::fs::File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        let mut file_hash = Sha256::new();
+        let counted = in_version_checksum(&entry.name);
+        let mut written = 0u64;
+        while written < entry.size {
+            let Some((idx, data)) = rx.blocking_recv() else {
+                return Err(format!("transfer ended after {written} of {} bytes of {}", entry.size, entry.name));
+            };
+            if idx as usize != i {
+                return Err(format!("chunk for file {idx} while writing file {i}"));
+            }
+            out.write_all(&data).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            file_hash.update(&data);
+            if counted {
+                version_hash.update(&data);
+            }
+            written += data.len() as u64;
+        }
+        out.flush().map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        let got = hex(&file_hash.finalize());
+        if got != entry.sha256 {
+            return Err(format!("{} has SHA-256 {got}, the manifest says {}", entry.name, entry.sha256));
+        }
+        total += written;
+    }
+    if rx.blocking_recv().is_some() {
+        return Err("data after the last byte of the version".into());
+    }
+    let got = hex(&version_hash.finalize());
+    if got != manifest.checksum {
+        return Err(format!("version checksum {got} does not match the manifest's {}", manifest.checksum));
+    }
+    Ok(total)
+}
+
+/// Removes partial directories left by a crashed receiver (at startup, before serving).
+pub fn remove_stale_partials(dest: &Path) {
+    let Ok(entries) = std::fs::read_dir(dest) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".partial") {
+            tracing::info!(path = %e.path().display(), "removing a partial version left by an earlier run");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::manifest::FileEntry;
+
+    fn manifest(sizes: &[u64]) -> Manifest {
+        Manifest {
+            version: "v".into(),
+            files: sizes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| FileEntry { name: format!("f{i}"), size: *s, sha256: "0".repeat(64) })
+                .collect(),
+            checksum: "0".repeat(64),
+            skipped: vec![],
+        }
+    }
+
+    #[test]
+    fn sequencer_accepts_only_the_next_byte() {
+        let mut s = Sequencer::new(&manifest(&[4, 0, 2]));
+        assert!(s.accept(0, 0, 2).is_ok());
+        assert!(s.accept(0, 0, 2).is_err(), "a repeated chunk");
+        assert!(s.accept(0, 2, 3).is_err(), "past the end of the file");
+        assert!(s.accept(0, 2, 2).is_ok());
+        assert!(!s.complete());
+        assert!(s.accept(1, 0, 1).is_err(), "an empty file takes no chunk");
+        assert!(s.accept(2, 0, 2).is_ok());
+        assert!(s.complete());
+        assert!(s.accept(2, 2, 1).is_err());
+    }
+}

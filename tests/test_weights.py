@@ -1,0 +1,266 @@
+"""Weight versions: publish, fleet-wide updates, fresh weights for new engines, restarts.
+
+Real manager, real ``sglang-sim`` engines on loopback, checkpoints written as tiny safetensors
+files; every engine's loaded checksum is read back from the engine itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _checkpoints import corrupt, write_checkpoint
+from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
+from conftest import start_manager, stop_manager
+
+from elastic_rollout import RolloutApiError
+
+UPDATE_TIMEOUT = 60.0
+
+
+def model_info(engine_url: str) -> dict[str, Any]:
+    result = http("GET", f"{engine_url}/model_info", timeout=10)
+    assert result.status == 200, result.body[:300]
+    info: dict[str, Any] = result.json()
+    return info
+
+
+def publish(fleet: ManagerHandle, version: str, path: Path, **kwargs: Any) -> dict[str, Any]:
+    answer = fleet.client.publish_weights(version, str(path), **kwargs)
+    assert answer["version"] == version, answer
+    return answer
+
+
+def assert_fleet_on(fleet: ManagerHandle, version: str, checksum: str, engines: int) -> None:
+    """The fleet's version, every ACTIVE engine's record, and each engine's own report agree."""
+    weights = fleet.client.weights()
+    assert weights["version"] == version, weights
+    assert weights["checksum"] == checksum, weights
+    assert weights["update"] is None, weights
+    view = fleet.wait_engines(engines)
+    assert view.raw["models"]["default"]["weight_version"] == version
+    for engine in view.with_status("ACTIVE"):
+        assert engine.weight_version == version, engine
+        assert engine.weights_checksum == checksum, engine
+        info = model_info(engine.url)
+        assert info["weight_version"] == version, (engine.engine_id, info)
+        assert info["weights_checksum"] == checksum, (engine.engine_id, info)
+
+
+def run_update(fleet: ManagerHandle, version: str, path: Path, **kwargs: Any) -> dict[str, Any]:
+    answer = publish(fleet, version, path, **kwargs)
+    assert answer["status"] == "PENDING", answer
+    update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
+    assert update["status"] == "COMPLETED", json.dumps(update, indent=1)
+    return update
+
+
+def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path: Path) -> None:
+    sums = {v: write_checkpoint(tmp_path / v, seed) for seed, v in enumerate(["v1", "v2", "v3"], start=1)}
+    assert fleet.client.weights()["version"] == "default"
+
+    update = run_update(fleet, "v1", tmp_path / "v1", strategy="rolling", max_unavailable=1)
+    assert update["checksum"] == sums["v1"] and update["previous_version"] == "default"
+    assert {e["status"] for e in update["engines"].values()} == {"VERIFIED"}, update["engines"]
+    assert len(update["engines"]) == INITIAL_ENGINES
+    assert [h["status"] for h in update["history"]] == ["PENDING", "UPDATING", "COMPLETED"]
+    assert_fleet_on(fleet, "v1", sums["v1"], INITIAL_ENGINES)
+
+    run_update(fleet, "v2", tmp_path / "v2", strategy="all_at_once")
+    assert_fleet_on(fleet, "v2", sums["v2"], INITIAL_ENGINES)
+
+    v3 = run_update(fleet, "v3", tmp_path / "v3", strategy="rolling", max_unavailable=2, checksum=sums["v3"])
+    assert_fleet_on(fleet, "v3", sums["v3"], INITIAL_ENGINES)
+
+    # The same version, path and checksum again: nothing to do, the existing update answers.
+    again = fleet.client.publish_weights("v3", str(tmp_path / "v3"))
+    assert again["update_id"] == v3["update_id"] and again["status"] == "COMPLETED", again
+    # A version name never changes its bytes.
+    write_checkpoint(tmp_path / "v3-other", 99)
+    with pytest.raises(RolloutApiError) as err:
+        fleet.client.publish_weights("v3", str(tmp_path / "v3-other"))
+    assert err.value.status == 409 and err.value.code == "version_conflict", err.value
+
+    weights = fleet.client.weights()
+    assert [h["version"] for h in weights["history"]] == ["v3", "v2", "v1"]
+    assert [h["strategy"] for h in weights["history"]] == ["rolling", "all_at_once", "rolling"]
+    assert weights["source"] == "publish" and weights["path"] == str(tmp_path / "v3")
+    assert {e["weight_version"] for e in weights["engines"]} == {"v3"}
+
+
+def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    checksum = write_checkpoint(good, 1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = tmp_path / "bad"
+    write_checkpoint(bad, 2)
+    corrupt(bad)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"version": "v1", "path": str(tmp_path / "missing")}, "invalid_checkpoint"),
+        ({"version": "v1", "path": str(empty)}, "invalid_checkpoint"),
+        ({"version": "v1", "path": str(bad)}, "invalid_checkpoint"),
+        ({"version": "v1", "path": "relative/dir"}, "invalid_path"),
+        ({"version": "v1", "path": str(good), "checksum": "0" * 64}, "checksum_mismatch"),
+        ({"version": "v 1", "path": str(good)}, "invalid_version"),
+        ({"version": "v1", "path": str(good), "strategy": "sideways"}, "invalid_body"),
+        ({"version": "v1", "path": str(good), "max_unavailable": 0}, "invalid_max_unavailable"),
+        ({"version": "v1", "path": str(good), "pause_mode": "nap"}, "invalid_pause_mode"),
+        ({"version": "v1", "path": str(good), "colour": "red"}, "invalid_body"),
+        ({"path": str(good)}, "invalid_body"),
+        ({"version": "default", "path": str(good)}, "version_conflict"),
+    ]
+    for body, code in cases:
+        result = http("POST", f"{fleet.control_url}/rollout/weights/publish", body)
+        expected = 409 if code == "version_conflict" else 400
+        assert result.status == expected, (body, result.status, result.body[:400])
+        error = result.json()["error"]
+        assert error["code"] == code and error["message"], (body, error)
+    assert "SHA-256" in http("POST", f"{fleet.control_url}/rollout/weights/publish",
+                              {"version": "v1", "path": str(good), "checksum": "0" * 64}).json()["error"]["message"]
+    weights = fleet.client.weights()
+    assert weights["version"] == "default" and weights["update"] is None and weights["history"] == []
+    assert http("GET", f"{fleet.control_url}/rollout/weights/updates/nope").status == 404
+    for engine in fleet.wait_engines(INITIAL_ENGINES).engines:
+        assert model_info(engine.url)["weight_version"] == "default"
+    # The good checkpoint still publishes afterwards.
+    run_update(fleet, "v1", good)
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
+
+
+def test_second_publish_while_one_runs_is_409(start_fleet: StartManager, tmp_path: Path) -> None:
+    fleet = start_fleet("--engine-arg=--weight-load-delay=1")
+    write_checkpoint(tmp_path / "v1", 1)
+    write_checkpoint(tmp_path / "v2", 2)
+    first = publish(fleet, "v1", tmp_path / "v1")
+    with pytest.raises(RolloutApiError) as err:
+        fleet.client.publish_weights("v2", str(tmp_path / "v2"))
+    assert err.value.status == 409 and err.value.code == "update_in_progress", err.value
+    assert first["update_id"] in err.value.message
+    # Publishing the running version again is not a conflict: it answers with that update.
+    again = fleet.client.publish_weights("v1", str(tmp_path / "v1"))
+    assert again["update_id"] == first["update_id"]
+    assert fleet.client.wait_for_weight_update(first["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
+
+
+def test_engine_that_cannot_load_is_taken_out_and_recovered(start_fleet: StartManager, tmp_path: Path) -> None:
+    # Each load takes 3 s after the files are read, so the second engine reads the files well
+    # after the first one did: corrupting them in between makes exactly the second engine fail.
+    fleet = start_fleet("--engine-arg=--weight-load-delay=3")
+    good = write_checkpoint(tmp_path / "v1", 1)
+    run_update(fleet, "v1", tmp_path / "v1")
+    write_checkpoint(tmp_path / "v2", 2)
+    answer = publish(fleet, "v2", tmp_path / "v2", strategy="rolling", max_unavailable=1)
+    update_id = answer["update_id"]
+
+    def first_loading() -> str | None:
+        engines = fleet.client.weight_update(update_id)["engines"]
+        started = [eid for eid, e in engines.items() if e["status"] == "UPDATING"]
+        return started[0] if started else None
+
+    first = wait_until(first_loading, 30, "the first engine to start loading v2")
+    time.sleep(1.0)
+    corrupt(tmp_path / "v2")
+    update = fleet.client.wait_for_weight_update(update_id, UPDATE_TIMEOUT)
+    assert update["status"] == "FAILED", json.dumps(update, indent=1)
+    failed = [eid for eid, e in update["engines"].items() if e["status"] == "FAILED"]
+    assert len(failed) == 1 and failed[0] != first, update["engines"]
+    assert "safetensors" in (update["engines"][failed[0]]["error"] or ""), update["engines"]
+    assert "stays on v1" in update["error_message"], update
+
+    # The failed engine never served v2; the one that did is restarted; both come back on v1.
+    def recovered() -> bool:
+        view = fleet.engines()
+        active = view.with_status("ACTIVE")
+        return len(active) == INITIAL_ENGINES and all(
+            e.weight_version == "v1" and e.weights_checksum == good for e in active
+        )
+
+    wait_until(recovered, STARTUP_TIMEOUT, lambda: f"both engines back on v1: {fleet.engines().engines}")
+    assert_fleet_on(fleet, "v1", good, INITIAL_ENGINES)
+    for engine in fleet.engines().engines:
+        assert engine.restarts == 1, engine
+    weights = fleet.client.weights()
+    assert [h["status"] for h in weights["history"]] == ["FAILED", "COMPLETED"]
+    # The failed version may be published again once fixed.
+    fixed = write_checkpoint(tmp_path / "v2-fixed", 3)
+    run_update(fleet, "v2", tmp_path / "v2-fixed")
+    assert_fleet_on(fleet, "v2", fixed, INITIAL_ENGINES)
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_scale_out_after_publish_starts_on_the_new_version(fleet: ManagerHandle, tmp_path: Path) -> None:
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    run_update(fleet, "v1", tmp_path / "v1")
+    op = fleet.client.scale_out(num_replicas=3)
+    done = fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT)
+    assert done.status == "ACTIVE", done.raw
+    assert_fleet_on(fleet, "v1", checksum, 3)
+    (new,) = [e for e in fleet.engines().engines if e.origin == "dynamic"]
+    assert new.pid is not None
+    argv = cmdline(new.pid)
+    # Launched on the published checkpoint itself, not loaded after start.
+    assert argv[argv.index("--model-path") + 1] == str(tmp_path / "v1"), argv
+    assert argv[argv.index("--weight-version") + 1] == "v1", argv
+
+
+def test_publish_while_scale_out_runs(start_fleet: StartManager, tmp_path: Path) -> None:
+    fleet = start_fleet()
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    op = fleet.client.scale_out(num_replicas=4)
+    # Publish while the new engines are still starting.
+    answer = publish(fleet, "v1", tmp_path / "v1")
+    status = fleet.client.scale_out_status(op.request_id).status
+    update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
+    assert update["status"] == "COMPLETED", update
+    done = fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT)
+    assert done.status == "ACTIVE", (status, done.raw)
+    assert_fleet_on(fleet, "v1", checksum, 4)
+
+
+def test_manager_restart_keeps_the_version(manager_bin: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    first = start_manager(manager_bin, state)
+    try:
+        first.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        run_update(first, "v1", tmp_path / "v1")
+    finally:
+        stop_manager(first)
+    second = start_manager(manager_bin, state)
+    try:
+        second.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT)
+        weights = second.client.weights()
+        assert weights["version"] == "v1" and weights["path"] == str(tmp_path / "v1"), weights
+        assert_fleet_on(second, "v1", checksum, INITIAL_ENGINES)
+        for engine in second.engines().engines:
+            assert engine.pid is not None
+            argv = cmdline(engine.pid)
+            assert argv[argv.index("--model-path") + 1] == str(tmp_path / "v1"), argv
+    finally:
+        stop_manager(second)
+
+
+def test_relay_transport_stages_on_node_local_storage(start_fleet: StartManager, tmp_path: Path) -> None:
+    relay_dir = tmp_path / "shm"
+    fleet = start_fleet("--weight-transport", "relay", "--relay-dir", str(relay_dir))
+    sums = {v: write_checkpoint(tmp_path / v, seed) for seed, v in enumerate(["v1", "v2"], start=1)}
+    for version in ("v1", "v2"):
+        update = run_update(fleet, version, tmp_path / version)
+        assert update["transport"] == "relay", update
+        staged = Path(update["engine_path"])
+        assert staged.parent == relay_dir and staged.name == f"{version}-{sums[version][:16]}", staged
+        assert fleet.client.weights()["transport"] == "relay"
+        assert_fleet_on(fleet, version, sums[version], INITIAL_ENGINES)
+        for engine in fleet.engines().engines:
+            # The engine loaded the node-local copy, not the published directory.
+            loaded = http("GET", f"{engine.url}/server_info").json()["weights"]
+            assert loaded["path"] == str(staged) and loaded["checksum"] == sums[version], loaded
+    # Only the version in use stays staged.
+    assert sorted(p.name for p in relay_dir.iterdir()) == [f"v2-{sums['v2'][:16]}"]
