@@ -107,7 +107,7 @@ impl Drop for InFlightGuard {
 }
 
 /// One engine as reported by `GET /rollout/engines`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineRecord {
     pub engine_id: String,
     pub url: String,
@@ -147,20 +147,20 @@ pub struct Engine {
     pub keeper_socket: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transition {
     pub status: String,
     pub at: f64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FailedEngine {
     pub engine_id: String,
     pub url: String,
     pub error: String,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleOutRecord {
     pub request_id: String,
     pub status: ScaleOutStatus,
@@ -179,7 +179,7 @@ pub struct ScaleOutRecord {
     pub history: Vec<Transition>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleInRecord {
     pub request_id: String,
     pub status: ScaleInStatus,
