@@ -228,6 +228,8 @@ class Breakage:
     recovered_at: float | None = None
     went_down_at: float | None = None
     identity: ProcessIdentity | None = None
+    #: when the chaos loop turned a slow-health fault off again
+    cleared_at: float | None = None
 
 
 def publish_weights(fleet: ManagerHandle, version: str) -> bool:
@@ -286,7 +288,11 @@ class Chaos:
                     b.went_down_at = s.at
                 if status != "ACTIVE":
                     continue
-                if b.action == "slow_health" and b.went_down_at is not None and s.at > b.went_down_at:
+                if b.action == "slow_health" and (
+                    (b.went_down_at is not None and s.at > b.went_down_at)
+                    or (b.cleared_at is not None and s.at > b.cleared_at)
+                ):
+                    # Back after being taken out, or never taken out before the fault ended.
                     b.recovered_at = s.at
                     break
                 if b.action != "slow_health" and pid is not None and pid != b.pid:
@@ -327,7 +333,7 @@ class Chaos:
             else:
                 result = http("POST", f"{url}/sim/faults", {"slow_health": 3.0}, timeout=5)
                 assert result.status == 200, (result.status, result.body)
-                self._slow.append((time.monotonic() + 3.0, breakage, url))
+                self._slow.append((time.monotonic() + 4.0, breakage, url))
             self.breakages.append(breakage)
             self.note(action, f"{engine_id} pid {pid}")
         elif action == "scale_out":
@@ -365,6 +371,7 @@ class Chaos:
                 http("POST", f"{url}/sim/faults", {"slow_health": 0}, timeout=5)
             except OSError:
                 pass  # restarted meanwhile: the new process has no fault
+            breakage.cleared_at = time.monotonic()
         self._slow = keep
 
     def schedule(self, count: int) -> list[str]:

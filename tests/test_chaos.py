@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from _chaos import Chaos, Load, Report, Watcher, chaos_args, leaked_processes, resume_frozen
-from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT, ManagerHandle, wait_until
+from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT, ManagerHandle, http, metric_total, wait_until
 from conftest import start_manager, stop_manager
 
 ENGINES = 8
@@ -58,6 +58,13 @@ def test_chaos_under_load(manager_bin: Path, tmp_path: Path) -> None:
         assert not report.unexcused, report.describe()
         assert not report.wrong_version, report.describe()
         assert not report.unrecovered, report.describe()
+        # The fleet metrics saw it too: every crash, hang and freeze cost a restart.
+        metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+        restarted = sum(report.actions.get(a, 0) for a in ("kill", "hang", "freeze"))
+        assert metric_total(metrics, "rollout_engine_restarts") >= restarted - len(scaled_in(chaos)), metrics
+        active = len(watcher.latest().engines)
+        assert f'rollout_engines{{status="ACTIVE"}} {active}' in metrics, metrics
+        assert "rollout_store_write_failures_total 0" in metrics, metrics
     finally:
         if chaos is not None:
             resume_frozen(chaos)
@@ -66,6 +73,12 @@ def test_chaos_under_load(manager_bin: Path, tmp_path: Path) -> None:
         leaks = shut_down(fleet)
     assert fleet.process.returncode == 0, f"manager exit code {fleet.process.returncode}\n{fleet.stderr_tail()}"
     assert not leaks, f"processes outlived the manager: {leaks}"
+
+
+def scaled_in(chaos: Chaos) -> list[str]:
+    """Engines broken by the chaos loop that were removed before they recovered (their
+    restarts left the registry with them)."""
+    return [b.engine_id for b in chaos.breakages if b.recovered_at is not None and b.recovered_at != b.recovered_at]
 
 
 def shut_down(fleet: ManagerHandle) -> list[str]:

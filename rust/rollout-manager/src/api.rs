@@ -42,8 +42,10 @@ pub fn router(state: ApiState) -> Router {
 }
 
 /// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
-/// which names the field. An empty body means `{}`. The content type is not checked, so
-/// `curl -d '{...}'` (which sends form encoding) works as people expect.
+/// which names the field; the body must be a JSON object (serde would also fill a struct from
+/// an array, by position); a body over the 2 MB limit is 413. An empty body means `{}`. The
+/// content type is not checked, so `curl -d '{...}'` (which sends form encoding) works as
+/// people expect.
 pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = match body {
         Ok(b) => b,
@@ -53,6 +55,12 @@ pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejectio
         Err(e) => return Err(ApiError::bad_request("invalid_body", e.to_string())),
     };
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            "invalid_body",
+            "the request body must be a JSON object, e.g. {\"num_replicas\": 4}",
+        ));
+    }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
 }
@@ -193,6 +201,7 @@ async fn openapi() -> axum::response::Response {
 /// Prometheus metrics of the router and of each routable engine's load.
 async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let text = s.manager.router_metrics.render(&s.manager.fleet.routes());
+    let mut text = s.manager.router_metrics.render(&s.manager.fleet.routes());
+    s.manager.fleet.render_metrics(&mut text);
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }

@@ -49,6 +49,18 @@ pub fn load(file: Option<&Path>) -> Result<Option<Arc<str>>, TokenError> {
     Ok(std::env::var(TOKEN_ENV).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).map(Arc::from))
 }
 
+/// Whether `headers` carry this manager's own token (`Authorization: Bearer <token>`). The
+/// router uses it to keep the token from engines: external ones are run by someone else.
+pub fn carries_token(headers: &axum::http::HeaderMap, token: Option<&str>) -> bool {
+    let Some(token) = token else { return false };
+    headers
+        .get_all("authorization")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .filter_map(|v| v.strip_prefix("Bearer "))
+        .any(|given| same(given.as_bytes(), token.as_bytes()))
+}
+
 /// Equality in time independent of where the bytes differ.
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -87,6 +99,17 @@ mod tests {
         assert!(!same(b"secret", b"secreT"));
         assert!(!same(b"secret", b"secret2"));
         assert!(!same(b"", b"x"));
+    }
+
+    #[test]
+    fn finds_only_this_token() {
+        let mut h = axum::http::HeaderMap::new();
+        assert!(!carries_token(&h, Some("t0k")));
+        h.append("authorization", "Bearer engine-key".parse().unwrap());
+        assert!(!carries_token(&h, Some("t0k")));
+        assert!(!carries_token(&h, None));
+        h.append("authorization", "Bearer t0k".parse().unwrap());
+        assert!(carries_token(&h, Some("t0k")));
     }
 
     #[test]

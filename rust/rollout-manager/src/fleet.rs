@@ -107,7 +107,7 @@ impl Drop for InFlightGuard {
 }
 
 /// One engine as reported by `GET /rollout/engines`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineRecord {
     pub engine_id: String,
     pub url: String,
@@ -151,20 +151,20 @@ pub struct Engine {
     pub keeper_socket: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transition {
     pub status: String,
     pub at: f64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FailedEngine {
     pub engine_id: String,
     pub url: String,
     pub error: String,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleOutRecord {
     pub request_id: String,
     pub status: ScaleOutStatus,
@@ -183,7 +183,7 @@ pub struct ScaleOutRecord {
     pub history: Vec<Transition>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleInRecord {
     pub request_id: String,
     pub status: ScaleInStatus,
@@ -312,6 +312,8 @@ pub struct Fleet {
     routes: RwLock<Arc<Vec<Backend>>>,
     /// Bumped on every change, so waiters can wake without polling.
     changes: watch::Sender<u64>,
+    /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
+    store_failures: AtomicU64,
 }
 
 impl Fleet {
@@ -333,6 +335,7 @@ impl Fleet {
             store,
             routes: RwLock::new(Arc::new(Vec::new())),
             changes: watch::channel(0).0,
+            store_failures: AtomicU64::new(0),
         }
     }
 
@@ -352,6 +355,7 @@ impl Fleet {
         inner.prune_operations(KEEP_OPERATIONS);
         if let Some(store) = &self.store {
             if let Err(e) = store.sync(&inner) {
+                self.store_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
             }
         }
@@ -445,6 +449,67 @@ impl Fleet {
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
+    }
+
+    /// Appends the fleet's Prometheus metrics: engines by status, restarts per engine, running
+    /// operations, store write failures (what the alerts in docs/operations.md watch).
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        const STATUSES: [EngineStatus; 10] = [
+            EngineStatus::Creating,
+            EngineStatus::HealthChecking,
+            EngineStatus::WeightSyncing,
+            EngineStatus::Ready,
+            EngineStatus::Active,
+            EngineStatus::Unhealthy,
+            EngineStatus::Draining,
+            EngineStatus::Removing,
+            EngineStatus::Removed,
+            EngineStatus::Failed,
+        ];
+        let inner = self.lock();
+        let mut counts = [0u64; STATUSES.len()];
+        let mut restarts = String::new();
+        for e in inner.engines.values() {
+            if let Some(i) = STATUSES.iter().position(|s| *s == e.record.status) {
+                counts[i] += 1;
+            }
+            if e.record.status != EngineStatus::Removed {
+                let _ = writeln!(
+                    restarts,
+                    "rollout_engine_restarts{{engine_id=\"{}\"}} {}",
+                    e.record.engine_id, e.record.restarts
+                );
+            }
+        }
+        let scale_out_running = inner.scale_outs.values().filter(|o| !o.status.is_terminal()).count();
+        let scale_in_running = inner.scale_ins.values().filter(|o| !o.status.is_terminal()).count();
+        drop(inner);
+        let _ =
+            writeln!(out, "# HELP rollout_engines Engines in the registry, by status.\n# TYPE rollout_engines gauge");
+        for (status, n) in STATUSES.iter().zip(counts) {
+            let _ = writeln!(out, "rollout_engines{{status=\"{status}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP rollout_engine_restarts Times the manager restarted the engine (crash, hang, manager restart).\n\
+             # TYPE rollout_engine_restarts gauge"
+        );
+        out.push_str(&restarts);
+        let _ = writeln!(
+            out,
+            "# HELP rollout_operations_running Scale operations in flight, by kind.\n\
+             # TYPE rollout_operations_running gauge\n\
+             rollout_operations_running{{kind=\"scale_out\"}} {scale_out_running}\n\
+             rollout_operations_running{{kind=\"scale_in\"}} {scale_in_running}"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP rollout_store_write_failures_total Registry changes the state store could not commit.\n\
+             # TYPE rollout_store_write_failures_total counter\n\
+             rollout_store_write_failures_total {}",
+            self.store_failures.load(Ordering::Relaxed)
+        );
     }
 
     /// Snapshot of every engine not yet removed, oldest first.

@@ -239,7 +239,8 @@ pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
         return Err(bad("must not have a query or fragment"));
     }
     let port = url.port_or_known_default().unwrap_or(80);
-    Ok(format!("{}://{}:{port}", url.scheme(), if host.contains(':') { format!("[{host}]") } else { host.to_string() }))
+    // `host_str` writes IPv6 addresses in brackets already.
+    Ok(format!("{}://{host}:{port}", url.scheme()))
 }
 
 /// With `--external-allow-cidr`, every external engine URL must point into an allowed network:
@@ -581,4 +582,22 @@ pub fn cancel_many(
         }
     }
     Ok(serde_json::json!({ "dry_run": req.dry_run, "cancelled": cancelled, "total": cancelled.len() }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::validate_engine_url;
+
+    #[test]
+    fn engine_urls_are_normalised_or_refused() {
+        assert_eq!(validate_engine_url("http://127.0.0.1:30000/").unwrap(), "http://127.0.0.1:30000");
+        assert_eq!(validate_engine_url("https://e.example").unwrap(), "https://e.example:443");
+        assert_eq!(validate_engine_url("http://[::1]:9").unwrap(), "http://[::1]:9");
+        assert_eq!(validate_engine_url("http://[::ffff:127.0.0.1]:9").unwrap(), "http://[::ffff:7f00:1]:9");
+        for bad in ["ftp://h:1", "http://u:p@h:1", "http://h:1/generate", "http://h:1/?a=1", "http://h:1/#f", "h:1", ""]
+        {
+            assert_eq!(validate_engine_url(bad).unwrap_err().code(), "invalid_engine_url", "{bad}");
+        }
+    }
 }

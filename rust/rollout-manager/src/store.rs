@@ -6,8 +6,11 @@
 //! toolchain, and its copy-on-write commits survive `kill -9` at any instant (a commit is either
 //! fully on disk or not at all).
 //!
-//! Writes are incremental: [`Store::sync`] compares each record's JSON with what was last
-//! written and commits only the differences, in one transaction.
+//! Writes are incremental: [`Store::sync`] compares each record with a copy of what was last
+//! written (field by field, no serialisation) and serialises and commits only the differences,
+//! in one transaction. (Comparing JSON made every registry change serialise every engine and
+//! every kept operation under the registry lock: O(fleet) work per change, O(fleet^2) to attach
+//! a fleet.)
 
 use crate::fleet::{EngineRecord, FleetInner, ScaleInRecord, ScaleOutRecord};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
@@ -32,7 +35,7 @@ pub enum StoreError {
 }
 
 /// An engine as persisted: its record plus what the registry needs to rebuild it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredEngine {
     pub seq: u64,
     pub record: EngineRecord,
@@ -44,7 +47,7 @@ pub struct StoredEngine {
     pub keeper_socket: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Meta {
     pub next_seq: u64,
     pub weight_version: String,
@@ -70,8 +73,23 @@ impl Snapshot {
 pub struct Store {
     db: redb::Database,
     path: PathBuf,
-    /// What was last committed, per table and key, to write only changes.
-    written: Mutex<HashMap<(&'static str, String), String>>,
+    /// What was last committed, to write only changes.
+    written: Mutex<Written>,
+}
+
+/// A copy of every record as last committed, by table and key.
+#[derive(Default)]
+struct Written {
+    engines: HashMap<String, StoredEngine>,
+    scale_outs: HashMap<String, ScaleOutRecord>,
+    scale_ins: HashMap<String, ScaleInRecord>,
+    meta: Option<Meta>,
+    weights: Option<crate::weights::WeightsState>,
+}
+
+/// The keys of `written` that `current` no longer has.
+fn gone<V, W>(written: &HashMap<String, V>, current: &std::collections::BTreeMap<String, W>) -> Vec<String> {
+    written.keys().filter(|k| !current.contains_key(k.as_str())).cloned().collect()
 }
 
 fn to_json<T: Serialize>(v: &T) -> String {
@@ -89,7 +107,7 @@ impl Store {
             txn.open_table(t).map_err(|e| db_err(e.into()))?;
         }
         txn.commit().map_err(|e| db_err(e.into()))?;
-        Ok(Self { db, path, written: Mutex::new(HashMap::new()) })
+        Ok(Self { db, path, written: Mutex::new(Written::default()) })
     }
 
     fn err(&self, source: impl Into<redb::Error>) -> StoreError {
@@ -99,19 +117,15 @@ impl Store {
     /// Reads everything, and remembers it as written.
     pub fn load(&self) -> Result<Snapshot, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
-        let mut rows =
-            |name: &'static str, t: TableDefinition<&str, &str>| -> Result<Vec<(String, String)>, StoreError> {
-                let table = txn.open_table(t).map_err(|e| self.err(e))?;
-                let mut out = Vec::new();
-                for row in table.iter().map_err(|e| self.err(e))? {
-                    let (k, v) = row.map_err(|e| self.err(e))?;
-                    let (k, v) = (k.value().to_string(), v.value().to_string());
-                    written.insert((name, k.clone()), v.clone());
-                    out.push((k, v));
-                }
-                Ok(out)
-            };
+        let rows = |t: TableDefinition<&str, &str>| -> Result<Vec<(String, String)>, StoreError> {
+            let table = txn.open_table(t).map_err(|e| self.err(e))?;
+            let mut out = Vec::new();
+            for row in table.iter().map_err(|e| self.err(e))? {
+                let (k, v) = row.map_err(|e| self.err(e))?;
+                out.push((k.value().to_string(), v.value().to_string()));
+            }
+            Ok(out)
+        };
         fn decode<T: serde::de::DeserializeOwned>(
             path: &Path,
             rows: Vec<(String, String)>,
@@ -126,60 +140,126 @@ impl Store {
                 })
                 .collect()
         }
-        let engines = decode(&self.path, rows("engines", ENGINES)?)?;
-        let scale_outs = decode(&self.path, rows("scale_outs", SCALE_OUTS)?)?;
-        let scale_ins = decode(&self.path, rows("scale_ins", SCALE_INS)?)?;
-        let meta_rows = rows("meta", META)?;
+        let engines: Vec<StoredEngine> = decode(&self.path, rows(ENGINES)?)?;
+        let scale_outs: Vec<ScaleOutRecord> = decode(&self.path, rows(SCALE_OUTS)?)?;
+        let scale_ins: Vec<ScaleInRecord> = decode(&self.path, rows(SCALE_INS)?)?;
+        let meta_rows = rows(META)?;
         let pick = |key: &str| meta_rows.iter().filter(|(k, _)| k == key).cloned().collect::<Vec<_>>();
         let meta = decode::<Meta>(&self.path, pick("fleet"))?.pop();
         let weights = decode::<crate::weights::WeightsState>(&self.path, pick("weights"))?.pop();
+        // Remember it as written. (A record stored under another key than its id is rewritten
+        // under its id by the next sync, and the stray key stays: harmless, never read.)
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        written.engines = engines.iter().map(|e| (e.record.engine_id.clone(), e.clone())).collect();
+        written.scale_outs = scale_outs.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
+        written.scale_ins = scale_ins.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
+        written.meta = meta.clone();
+        written.weights = weights.clone();
         Ok(Snapshot { engines, scale_outs, scale_ins, meta, weights })
     }
 
     /// Commits the registry's current contents, writing only what changed since the last sync.
     pub fn sync(&self, inner: &FleetInner) -> Result<(), StoreError> {
-        let mut desired: HashMap<(&'static str, String), String> = HashMap::new();
-        for e in inner.engines.values() {
-            let stored = StoredEngine {
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let engines: Vec<StoredEngine> = inner
+            .engines
+            .values()
+            .filter(|e| {
+                written.engines.get(e.record.engine_id.as_str()).is_none_or(|w| {
+                    w.seq != e.seq
+                        || w.pid_start_ticks != e.pid_start_ticks
+                        || w.keeper_socket != e.keeper_socket
+                        || w.record != e.record
+                })
+            })
+            .map(|e| StoredEngine {
                 seq: e.seq,
                 record: e.record.clone(),
                 pid_start_ticks: e.pid_start_ticks,
                 keeper_socket: e.keeper_socket.clone(),
-            };
-            desired.insert(("engines", e.record.engine_id.clone()), to_json(&stored));
-        }
-        for r in inner.scale_outs.values() {
-            desired.insert(("scale_outs", r.request_id.clone()), to_json(r));
-        }
-        for r in inner.scale_ins.values() {
-            desired.insert(("scale_ins", r.request_id.clone()), to_json(r));
-        }
+            })
+            .collect();
+        let scale_outs: Vec<&ScaleOutRecord> =
+            inner.scale_outs.values().filter(|r| written.scale_outs.get(r.request_id.as_str()) != Some(*r)).collect();
+        let scale_ins: Vec<&ScaleInRecord> =
+            inner.scale_ins.values().filter(|r| written.scale_ins.get(r.request_id.as_str()) != Some(*r)).collect();
         let meta = Meta { next_seq: inner.next_seq, weight_version: inner.weight_version.clone() };
-        desired.insert(("meta", "fleet".to_string()), to_json(&meta));
-        desired.insert(("meta", "weights".to_string()), to_json(&inner.weights));
-
-        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
-        let upserts: Vec<_> = desired.iter().filter(|(k, v)| written.get(*k) != Some(*v)).collect();
-        let deletes: Vec<_> = written.keys().filter(|k| !desired.contains_key(*k)).cloned().collect();
-        if upserts.is_empty() && deletes.is_empty() {
+        let meta_changed = written.meta.as_ref() != Some(&meta);
+        let weights_changed = written.weights.as_ref() != Some(&inner.weights);
+        let deletes = [
+            ("engines", gone(&written.engines, &inner.engines)),
+            ("scale_outs", gone(&written.scale_outs, &inner.scale_outs)),
+            ("scale_ins", gone(&written.scale_ins, &inner.scale_ins)),
+        ];
+        let nothing_deleted = deletes.iter().all(|(_, keys)| keys.is_empty());
+        if engines.is_empty() && scale_outs.is_empty() && scale_ins.is_empty() && !meta_changed
+            && !weights_changed
+            && nothing_deleted
+        {
             return Ok(());
         }
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        for (name, t) in TABLES {
-            let mut table = txn.open_table(t).map_err(|e| self.err(e))?;
-            for ((_, k), v) in upserts.iter().filter(|((tn, _), _)| *tn == name) {
-                table.insert(k.as_str(), v.as_str()).map_err(|e| self.err(e))?;
+        // One table open at a time (redb refuses a second handle on an open table).
+        let upserts: [(TableDefinition<&str, &str>, Vec<(&str, String)>); 4] = [
+            (ENGINES, engines.iter().map(|e| (e.record.engine_id.as_str(), to_json(e))).collect()),
+            (SCALE_OUTS, scale_outs.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
+            (SCALE_INS, scale_ins.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
+            (
+                META,
+                [
+                    meta_changed.then(|| ("fleet", to_json(&meta))),
+                    weights_changed.then(|| ("weights", to_json(&inner.weights))),
+                ]
+                .into_iter()
+                .flatten()
+                .collect(),
+            ),
+        ];
+        for (t, rows) in &upserts {
+            if rows.is_empty() {
+                continue;
             }
-            for (_, k) in deletes.iter().filter(|(tn, _)| *tn == name) {
+            let mut table = txn.open_table(*t).map_err(|e| self.err(e))?;
+            for (k, v) in rows {
+                table.insert(*k, v.as_str()).map_err(|e| self.err(e))?;
+            }
+        }
+        for (name, keys) in &deletes {
+            let Some((_, t)) = TABLES.iter().find(|(n, _)| n == name) else { continue };
+            if keys.is_empty() {
+                continue;
+            }
+            let mut table = txn.open_table(*t).map_err(|e| self.err(e))?;
+            for k in keys {
                 table.remove(k.as_str()).map_err(|e| self.err(e))?;
             }
         }
+        drop(upserts);
         txn.commit().map_err(|e| self.err(e))?;
-        for (k, v) in upserts {
-            written.insert(k.clone(), v.clone());
+        for e in engines {
+            written.engines.insert(e.record.engine_id.clone(), e);
         }
-        for k in deletes {
-            written.remove(&k);
+        for r in scale_outs {
+            written.scale_outs.insert(r.request_id.clone(), r.clone());
+        }
+        for r in scale_ins {
+            written.scale_ins.insert(r.request_id.clone(), r.clone());
+        }
+        if meta_changed {
+            written.meta = Some(meta);
+        }
+        if weights_changed {
+            written.weights = Some(inner.weights.clone());
+        }
+        let [(_, e), (_, o), (_, i)] = deletes;
+        for k in e {
+            written.engines.remove(&k);
+        }
+        for k in o {
+            written.scale_outs.remove(&k);
+        }
+        for k in i {
+            written.scale_ins.remove(&k);
         }
         Ok(())
     }

@@ -2,6 +2,7 @@
 //! fields where they help; errors are `{"error": {"code", "message"}}` ([`ApiError`]).
 
 use super::service::{metrics_view, Autoscaler};
+use crate::api::parse_body;
 use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::{Query, State};
@@ -9,7 +10,6 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use rollout_core::autoscaler::{Action, Evaluation, Observation, PipelineReport};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -26,12 +26,8 @@ pub fn routes(autoscaler: Arc<Autoscaler>) -> Router {
         .with_state(autoscaler)
 }
 
-/// Strict JSON body: unknown fields and wrong types are 400; an empty body is `{}`.
-fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
-}
+/// A request body; parsed strictly, as on every control route (see [`crate::api::parse_body`]).
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
 fn decision_view(a: &Autoscaler, e: &Evaluation) -> Value {
     let (delta, conditions) = match &e.action {
@@ -86,7 +82,7 @@ struct EnableRequest {
     enabled: bool,
 }
 
-async fn enable(State(a): State<Arc<Autoscaler>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn enable(State(a): State<Arc<Autoscaler>>, body: Body) -> Result<Json<Value>, ApiError> {
     let req: EnableRequest = parse_body(&body)?;
     a.set_enabled(req.enabled);
     let word = if req.enabled { "enabled" } else { "disabled" };
@@ -180,7 +176,7 @@ async fn history(
     Ok(Json(json!({"history": history, "total_count": total, "action_filter": action, "limit": limit})))
 }
 
-async fn pipeline_report(State(a): State<Arc<Autoscaler>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn pipeline_report(State(a): State<Arc<Autoscaler>>, body: Body) -> Result<Json<Value>, ApiError> {
     let report: PipelineReport = parse_body(&body)?;
     report
         .validate()

@@ -72,6 +72,9 @@ type EngineClient = Client<HttpConnector, Full<Bytes>>;
 
 pub struct RouterState {
     manager: Arc<Manager>,
+    /// The manager's API token: a request's `Authorization` carrying it is for us, and is not
+    /// forwarded to engines (an engine's own `--api-key` credential is).
+    token: Option<Arc<str>>,
     client: EngineClient,
     rotor: AtomicUsize,
     affinity: Affinity,
@@ -90,6 +93,7 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         .build(connector);
     let state = Arc::new(RouterState {
         manager,
+        token: token.clone(),
         client,
         rotor: AtomicUsize::new(0),
         affinity: Affinity::new(100_000),
@@ -147,6 +151,16 @@ fn end_to_end(headers: &HeaderMap) -> HeaderMap {
         if !is_hop_by_hop(k) {
             out.append(k.clone(), v.clone());
         }
+    }
+    out
+}
+
+/// The headers of a client's request as an engine gets them: end-to-end ones only, and never
+/// this manager's own token.
+fn to_engine(headers: &HeaderMap, token: Option<&str>) -> HeaderMap {
+    let mut out = end_to_end(headers);
+    if crate::auth::carries_token(&out, token) {
+        out.remove("authorization");
     }
     out
 }
@@ -254,7 +268,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     let results = futures::future::join_all(routes.iter().map(|b| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
         *req.method_mut() = parts.method.clone();
-        *req.headers_mut() = end_to_end(&parts.headers);
+        *req.headers_mut() = to_engine(&parts.headers, state.token.as_deref());
         let uri = Uri::try_from(format!("http://{}{}", b.authority, path));
         async move {
             let status = match uri {
@@ -329,7 +343,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         _ => None,
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
-    let headers = end_to_end(&parts.headers);
+    let headers = to_engine(&parts.headers, state.token.as_deref());
     let timeout = Duration::from_secs_f64(state.manager.config.request_timeout_secs);
     let mut tried: Vec<Arc<crate::fleet::EngineLoad>> = Vec::with_capacity(MAX_ATTEMPTS);
     let mut last_error = String::new();

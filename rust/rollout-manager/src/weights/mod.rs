@@ -45,7 +45,7 @@ use std::collections::BTreeMap;
 pub const KEEP_UPDATES: usize = 100;
 
 /// One engine's part in an update.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineUpdate {
     pub status: EngineUpdateStatus,
     pub error: Option<String>,
@@ -54,7 +54,7 @@ pub struct EngineUpdate {
 }
 
 /// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UpdateRecord {
     pub update_id: String,
     pub version: String,
@@ -127,7 +127,7 @@ impl UpdateRecord {
 }
 
 /// The fleet's weights: persisted as one record in the store.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightsState {
     /// The version every routable engine serves once no update runs.
     pub current: WeightVersion,

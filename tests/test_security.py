@@ -1,0 +1,187 @@
+"""Security measures that docs/security.md promises: the allow-list of external engine networks,
+the warnings when something listens beyond loopback, private keeper sockets, and no secret in
+the manager's log even at the most verbose level."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _support import STARTUP_TIMEOUT, StartManager, file_tail, http, wait_until
+
+from elastic_rollout import RolloutApiError
+from elastic_rollout._find import find_binary
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def sim_on(tmp_path: Path) -> Iterator:
+    """Starts a standalone sglang-sim on a given loopback address (someone else's engine)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(host: str) -> str:
+        port = free_port(host)
+        log = open(tmp_path / f"sim-{host}-{port}.log", "ab")  # noqa: SIM115 - closed with the process
+        argv = [str(find_binary("sglang-sim")), "--model-path", "sim-model", "--host", host, "--port", str(port), "--time-scale", "0.01"]
+        started.append(subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+        url = f"http://{host}:{port}"
+
+        def up() -> bool:
+            try:
+                return http("GET", f"{url}/health", timeout=5).status == 200
+            except OSError:
+                return False
+
+        wait_until(up, 30, f"sglang-sim on {url}")
+        return url
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_external_engines_only_from_allowed_networks(start_fleet: StartManager, sim_on) -> None:
+    fleet = start_fleet("--external-allow-cidr", "127.0.0.2/32", "--external-allow-cidr", "fd00::/8")
+    allowed = sim_on("127.0.0.2")
+    refused_port = free_port()
+    for url, shown in [
+        (f"http://127.0.0.1:{refused_port}", "127.0.0.1"),
+        (f"http://localhost:{refused_port}", "127.0.0.1"),  # a name: every address it resolves to
+        (f"http://[::ffff:127.0.0.1]:{refused_port}", "127.0.0.1"),  # IPv4-mapped IPv6 is IPv4
+        ("http://10.0.0.7:30000", "10.0.0.7"),
+    ]:
+        with pytest.raises(RolloutApiError) as err:
+            fleet.client.scale_out(engine_urls=[url])
+        assert err.value.status == 400, url
+        assert err.value.code == "engine_url_not_allowed", (url, err.value.message)
+        assert shown in err.value.message and "127.0.0.2/32" in err.value.message, err.value.message
+    # Malformed URLs are still refused for what they are.
+    with pytest.raises(RolloutApiError) as err:
+        fleet.client.scale_out(engine_urls=["http://user:pw@127.0.0.2:1"])
+    assert err.value.code == "invalid_engine_url"
+    # Nothing was attached, and an engine inside the allowed network is.
+    assert fleet.engines().total_engines == 2
+    op = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(engine_urls=[allowed]).request_id, timeout=STARTUP_TIMEOUT
+    )
+    assert op.status == "ACTIVE", op.raw
+    assert allowed in {e.url for e in fleet.engines().engines}
+
+
+def test_bad_allow_list_is_refused_naming_the_flag(manager_bin: Path, tmp_path: Path) -> None:
+    argv = [str(manager_bin), "serve", "--port", "0", "--router-port", "0", "--state-dir", str(tmp_path),
+            "--external-allow-cidr", "10.0.0.0/33"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, timeout=20, stdin=subprocess.DEVNULL, check=False)
+    assert result.returncode == 2
+    assert "--external-allow-cidr" in result.stderr.decode(), result.stderr
+
+
+def test_warnings_when_listening_beyond_loopback(start_fleet: StartManager, tmp_path: Path) -> None:
+    exposed = start_fleet("--host", "0.0.0.0", "--engine-host", "0.0.0.0", "--rollout-num-gpus", "0", wait=False)
+    wait_until(lambda: "beyond loopback" in exposed.stderr_tail(), 20, lambda: f"the warnings; {exposed.stderr_tail()}")
+    text = exposed.stderr_tail(100_000)
+    assert "the control API listens beyond loopback without a token" in text
+    assert "engines listen beyond loopback" in text
+    # With a token the control API warning goes; loopback engines give no engine warning.
+    token = tmp_path / "token"
+    token.write_text("t0ken-value\n")
+    token.chmod(0o600)
+    guarded = start_fleet("--host", "0.0.0.0", "--api-token-file", str(token), "--rollout-num-gpus", "0", wait=False)
+    wait_until(lambda: "listening" in guarded.stdout_path.read_text(), 20, "the guarded manager to listen")
+    assert "beyond loopback" not in guarded.stderr_tail(100_000), guarded.stderr_tail()
+    quiet = start_fleet("--rollout-num-gpus", "0", wait=False)
+    wait_until(lambda: "listening" in quiet.stdout_path.read_text(), 20, "the loopback manager to listen")
+    assert "beyond loopback" not in quiet.stderr_tail(100_000)
+
+
+def keeper_sockets() -> list[Path]:
+    """Sockets named on the command lines of running keepers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"keeper" in argv and b"--socket" in argv:
+            found.append(Path(argv[argv.index(b"--socket") + 1].decode()))
+    return found
+
+
+def test_keeper_sockets_are_private(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--reattach-grace-secs", "5")
+    pids = {e.pid for e in fleet.engines().engines}
+    sockets = [s for s in keeper_sockets() if s.exists()]
+    ours = [s for s in sockets if s.parent.name.startswith("rollout-")]
+    assert len(ours) >= 2, (sockets, pids)
+    for sock in ours:
+        mode = sock.stat().st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (sock, oct(mode))
+        parent = sock.parent.stat()
+        assert stat.S_IMODE(parent.st_mode) == 0o700 and parent.st_uid == os.geteuid(), (sock.parent, oct(parent.st_mode))
+
+
+def test_secrets_never_reach_the_log(start_fleet: StartManager, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("tok-9f8e7d6c5b4a\n")
+    token.chmod(0o600)
+    os.environ["RUST_LOG"] = "trace"
+    try:
+        fleet = start_fleet("--api-token-file", str(token), "--engine-arg=--admin-api-key=adm-1a2b3c4d5e")
+    finally:
+        del os.environ["RUST_LOG"]
+    # Requests that carry the token, a wrong token, and secrets in bodies and query strings.
+    auth = {"Authorization": "Bearer tok-9f8e7d6c5b4a"}
+    assert http("POST", f"{fleet.control_url}/rollout/scale_out", {"num_replicas": 2}, headers=auth).status == 200
+    wrong = {"Authorization": "Bearer wrong-7x7x7x7x"}
+    assert http("POST", f"{fleet.control_url}/rollout/scale_in", {"num_replicas": 2}, headers=wrong).status == 401
+    assert http("POST", f"{fleet.router_url}/abort_request", {"rid": "x"}, headers=wrong).status == 401
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    assert http("POST", f"{fleet.router_url}/generate", body, headers=auth).status == 200
+    log = file_tail(fleet.stderr_path, 50_000_000)
+    assert "TRACE" in log or "DEBUG" in log, "RUST_LOG=trace did not take effect"
+    for secret in ("tok-9f8e7d6c5b4a", "wrong-7x7x7x7x", "adm-1a2b3c4d5e"):
+        assert secret not in log, f"{secret} found in the manager's log"
+    assert "--admin-api-key=<redacted>" in log
+
+
+def test_the_manager_token_is_not_forwarded_to_engines(start_fleet: StartManager, tmp_path: Path) -> None:
+    from _hostile import HostileEngine
+
+    token = tmp_path / "token"
+    token.write_text("tok-for-the-manager\n")
+    token.chmod(0o600)
+    fleet = start_fleet("--api-token-file", str(token), "--routing-policy", "round_robin")
+    engine = HostileEngine()
+    try:
+        auth = {"Authorization": "Bearer tok-for-the-manager"}
+        accepted = http("POST", f"{fleet.control_url}/rollout/scale_out", {"engine_urls": [engine.url]}, headers=auth)
+        op = fleet.client.wait_for_operation("scale_out", accepted.json()["request_id"], timeout=STARTUP_TIMEOUT)
+        assert op.status == "ACTIVE", op.raw
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+        # A client that sends the manager's token (e.g. one client for both ports), and one that
+        # sends an engine's own key: the first never reaches the engine, the second does.
+        for headers in (auth, {"Authorization": "Bearer engine-own-key"}):
+            wait_until(
+                lambda h=headers: http("POST", f"{fleet.router_url}/generate", body, headers=h).headers.get("x-rollout-engine-id") == op.raw["engine_ids"][0],
+                30,
+                "a request routed to the external engine",
+            )
+        assert http("POST", f"{fleet.router_url}/abort_request", {"rid": "x"}, headers=auth).status == 200
+        assert engine.hits["/abort_request"] >= 1
+        assert "Bearer tok-for-the-manager" not in engine.authorizations
+        assert "Bearer engine-own-key" in engine.authorizations
+    finally:
+        engine.close()
