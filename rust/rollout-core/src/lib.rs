@@ -10,7 +10,7 @@ pub mod placement;
 pub mod routing;
 pub mod state;
 
-pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig};
+pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig};
 pub use placement::{GpuPool, PlacementError};
 pub use state::{
     EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
