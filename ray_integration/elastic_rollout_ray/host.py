@@ -23,8 +23,11 @@ __all__ = ["EngineHostImpl", "agent_work_dir"]
 
 
 def agent_work_dir(namespace: str, engine_id: str) -> Path:
-    """Per-engine directory for the agent's ready file, state and engine logs (node-local)."""
-    return Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / namespace / engine_id
+    """A new node-local directory (0700) for one host's agent: ready file, state, engine logs.
+    Unique per host, so fleets and restarts never share one."""
+    parent = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / namespace
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix=f"{engine_id}-", dir=parent))
 
 
 def _read_url(ready_file: Path) -> str | None:
@@ -52,7 +55,6 @@ class EngineHostImpl:
         self.node_id = node_id
         self.gpu_ids = gpu_ids
         work = agent_work_dir(namespace, engine_id)
-        work.mkdir(parents=True, exist_ok=True)
         self.ready_file = work / "agent.ready.json"
         self.ready_file.unlink(missing_ok=True)
         argv = [

@@ -208,10 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import ray
 
+    ray.init(address=launch.options.ray_address, namespace=launch.options.namespace, log_to_driver=True)
+    # After ray.init, which installs a SIGTERM handler of its own that would end the process
+    # before the teardown below ran.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(address=launch.options.ray_address, namespace=launch.options.namespace, log_to_driver=True)
     fleet = Fleet(launch)
     status = 0
     try:

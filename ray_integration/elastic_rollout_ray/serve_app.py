@@ -9,8 +9,6 @@ the manager's node (the socket is node-local); the launcher pins it there. The d
 (``/generate``) stays on the manager's router port.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 import httpx
@@ -76,7 +74,7 @@ class RolloutIngress:
         return await self._forward(request)
 
 
-def build_app(api_socket: str, node_ip: str) -> Any:
+def build_app(api_socket: str, node_ip: str) -> Any:  # noqa: ANN401
     """The Serve application, its replica pinned to ``node_ip`` (where the socket is)."""
     return RolloutIngress.options(ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}).bind(
         api_socket
