@@ -30,7 +30,7 @@ $(VENV)/.ok: python/pyproject.toml ray_integration/pyproject.toml
 	$(PY) -m pip install -q 'maturin>=1.9,<2' 'ray[serve]==2.60.*' 'httpx>=0.27'
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation -e 'python[test]'
 	$(PY) -m pip install -q -e ray_integration
-	@touch $@
+	@touch $@ $(VENV)/.native
 
 # Rebuild the native module when its Rust sources change (the venv itself is kept).
 NATIVE_SRC := $(wildcard rust/rollout-py/Cargo.toml rust/rollout-py/src/*.rs rust/rollout-core/src/*.rs rust/rollout-core/src/*/*.rs)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from _support import ProcessIdentity, http, wait_until
 from _ray_support import HEAD_GPUS, RayCluster, free_port
-from elastic_rollout import RolloutClient
+from elastic_rollout import RolloutApiError, RolloutClient
 
 NAMESPACE = "er-test"
 STARTUP = 180.0
@@ -245,7 +245,8 @@ def test_a_killed_manager_is_restarted_and_readopts_every_engine(fleet: RayFleet
     def readopted() -> dict[str, int] | None:
         try:
             now = {e["engine_id"]: e["pid"] for e in fleet.active()}
-        except OSError:
+        except RolloutApiError as err:  # 503 from Serve while the manager restarts
+            assert err.status == 503, err
             return None
         return now if len(now) == 4 else None
 
@@ -281,11 +282,16 @@ def test_scale_out_beyond_the_cluster_waits_for_a_node(fleet: RayFleet) -> None:
     accepted = fleet.client.scale_out(num_replicas=want)
 
     def pending() -> list[dict[str, Any]] | None:
-        waiting = [e for e in fleet.engines() if "PENDING_RESOURCES" in json.dumps(e)]
-        return waiting or None
+        engines = fleet.engines()
+        waiting = [e for e in engines if "PENDING_RESOURCES" in json.dumps(e)]
+        # The new ones that got GPUs wait in READY for the rest of their scale-out (rollback_all).
+        running = [e for e in engines if e["status"] in ("ACTIVE", "READY") and e["pid"]]
+        # The cluster's 4 GPUs are in use and one engine waits for a fifth.
+        return waiting if len(running) == HEAD_GPUS and len(waiting) == 1 else None
 
-    waiting = wait_until(pending, STARTUP, lambda: f"an engine waiting for resources; {fleet.engines()}")
-    assert len(waiting) == 1 and waiting[0]["status"] == "PENDING"
+    waiting = wait_until(pending, STARTUP, lambda: f"4 running and 1 waiting for resources; {fleet.engines()}")
+    assert waiting[0]["status"] == "PENDING"
+    assert gpus_taken() == HEAD_GPUS
     op = fleet.client.operation("scale_out", accepted.request_id)
     assert not op.is_terminal and "PENDING_RESOURCES" in json.dumps(op.raw)
     request = wait_until(lambda: (r := requested_bundles()) and len(r) == want and r, 60, "a resource request")
