@@ -134,6 +134,7 @@ class Fleet:
         self.manager: Any = None
         self.reconciler: Any = None
         self.serve_started = False
+        self._reconciler_args: tuple[Any, ...] = ()
 
     def start(self) -> dict[str, Any]:
         import ray
@@ -160,10 +161,8 @@ class Fleet:
             env=env,
         )
         info = ray.get(self.manager.info.remote())
-        self.reconciler = Reconciler.options(name="er-reconciler", resources=here).remote(
-            launch.api_socket, binary, launch.options.namespace, token
-        )
-        ray.get(self.reconciler.status.remote())
+        self._reconciler_args = (here, launch.api_socket, binary, launch.options.namespace, token)
+        self.start_reconciler()
         serve.start(http_options={"host": launch.options.serve_host, "port": launch.options.serve_port})
         self.serve_started = True
         serve.run(build_app(launch.api_socket, node_ip), name=APP_NAME, route_prefix="/")
@@ -175,6 +174,39 @@ class Fleet:
             "state_dir": launch.state_dir,
             "namespace": launch.options.namespace,
         }
+
+    def start_reconciler(self) -> None:
+        """(Re)start the reconciler; a new one adopts what Ray still holds (it is idempotent)."""
+        import ray
+
+        from elastic_rollout_ray.actors import Reconciler
+
+        here, api_socket, binary, namespace, token = self._reconciler_args
+        self.reconciler = Reconciler.options(name="er-reconciler", resources=here).remote(
+            api_socket, binary, namespace, token
+        )
+        ray.get(self.reconciler.status.remote())
+
+    def check(self) -> bool:
+        """False when the manager actor is gone; a dead reconciler is replaced."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            ray.get(self.manager.info.remote(), timeout=30)
+        except GetTimeoutError:
+            pass
+        except RayActorError as err:
+            print(f"error: the manager actor is gone ({err!r}); tearing down", file=sys.stderr)
+            return False
+        try:
+            ray.get(self.reconciler.status.remote(), timeout=30)
+        except GetTimeoutError:
+            pass
+        except RayActorError as err:
+            print(f"warning: the reconciler actor died ({err!r}); starting a new one", file=sys.stderr, flush=True)
+            self.start_reconciler()
+        return True
 
     def teardown(self) -> None:
         import ray
@@ -223,11 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  router (data plane):     {where['router_url']}/generate")
         print(f"  manager socket:          {where['api_socket']} (state in {where['state_dir']})")
         print("ELASTIC_ROLLOUT_READY " + json.dumps(where), flush=True)
-        while not stop.wait(5.0):
-            try:
-                ray.get(fleet.manager.info.remote(), timeout=30)
-            except Exception as err:
-                print(f"error: the manager actor is gone ({err!r}); tearing down", file=sys.stderr)
+        while not stop.wait(2.0):
+            if not fleet.check():
                 status = 1
                 break
     except Exception as err:

@@ -265,6 +265,27 @@ def test_scale_in_to_2_returns_the_gpus(fleet: RayFleet) -> None:
     wait_until(lambda: gpus_taken() == 2, 60, "2 GPUs back")
 
 
+def test_a_killed_reconciler_is_replaced_and_the_fleet_rebuilt(fleet: RayFleet) -> None:
+    import ray
+
+    before = {p["engine_id"]: p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]}
+    assert len(before) == 2
+    old = ray.get_actor("er-reconciler", namespace=NAMESPACE)
+    ray.kill(old, no_restart=True)  # its host actors (and their agents and engines) die with it
+
+    def rebuilt() -> dict[str, str] | None:
+        placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+        agents = {p["engine_id"]: (p["agent"] or {}).get("url") for p in placements}
+        if set(agents) != set(before) or any(agents[e] in (None, before[e]) for e in agents):
+            return None
+        return agents if len(fleet.active()) == 2 else None
+
+    wait_until(rebuilt, STARTUP, lambda: f"2 engines re-bound to new agents; {fleet.engines()}\n{fleet.job_logs()}")
+    assert ray.get_actor("er-reconciler", namespace=NAMESPACE)._actor_id != old._actor_id
+    wait_until(lambda: len(er_placement_groups()) == 2, 60, "2 PGs")
+    wait_until(lambda: gpus_taken() == 2, 60, "2 GPUs taken")
+
+
 def requested_bundles() -> list[dict[str, float]] | None:
     """What the autoscaler was asked for (request_resources), as Ray stored it."""
     from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
