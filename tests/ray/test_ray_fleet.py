@@ -82,9 +82,16 @@ def manager_info() -> dict[str, Any]:
     return info
 
 
+#: The fleet runs with an API token: the reconciler must send it, and Serve must pass it through.
+TOKEN = "ray-test-token-0123456789"
+
+
 def launch_args(state_dir: Path, serve_port: int) -> list[str]:
+    token_file = state_dir / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     return [
-        "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+        "--api-token-file", str(token_file), "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
         "--namespace", NAMESPACE, "--serve-port", str(serve_port), "--router-port", "0",
         "--state-dir", str(state_dir), "--api-socket", str(state_dir / "api.sock"), "--engine-arg=--time-scale=0.01", "--health-check-interval-secs", "1",
     ]  # fmt: skip
@@ -114,7 +121,7 @@ def fleet(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> 
 
     where = wait_until(ready, STARTUP, lambda: f"the launcher's ready line; logs:\n{fleet.job_logs()}", interval=1)
     fleet.control_url, fleet.router_url = where["control_url"], where["router_url"]
-    fleet.client = RolloutClient(fleet.control_url)
+    fleet.client = RolloutClient(fleet.control_url, token=TOKEN)
     try:
         yield fleet
     finally:
@@ -184,15 +191,20 @@ def test_serve_forwards_answers_as_the_manager_gives_them(fleet: RayFleet) -> No
         ("GET", "/rollout/scale_out/no-such-request", None),
         ("GET", "/rollout/placements?after=0", None),
     ]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     for method, path, body in cases:
         raw = None if body is None else json.dumps(body).encode()
-        via_serve = http(method, fleet.control_url + path, raw_body=raw)
-        via_socket = direct.request(method, path, content=raw, headers={"Content-Type": "application/json"} if raw else {})
+        via_serve = http(method, fleet.control_url + path, raw_body=raw, headers=auth)
+        via_socket = direct.request(method, path, content=raw, headers={"Content-Type": "application/json", **auth})
         assert via_serve.status == via_socket.status_code, (path, via_serve.body)
         assert via_serve.headers["content-type"] == via_socket.headers["content-type"]
         if via_serve.status >= 400:
             assert via_serve.json() == via_socket.json() and via_serve.json()["error"]["message"]
     direct.close()
+    # Without the token a mutating request is refused by the manager, through Serve too.
+    refused = http("POST", fleet.control_url + "/rollout/scale_out", {"num_replicas": 2})
+    assert refused.status == 401 and "Bearer" in refused.json()["error"]["message"]
+    assert fleet.client.scale_out(num_replicas=2).status  # with it, accepted (a no-op at 2 engines)
 
 
 def test_scale_out_to_4_through_serve_takes_4_gpus(fleet: RayFleet) -> None:
