@@ -11,7 +11,9 @@ pub mod routing;
 pub mod state;
 
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig};
-pub use placement::{GpuPool, PlacementError};
+pub use placement::{
+    AgentBinding, BindOutcome, Desired, GpuPool, Placement, PlacementConflict, PlacementError, PlacementStatus,
+};
 pub use state::{
     EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
     ScaleOutStatus,

@@ -34,6 +34,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_out_cancel", post(cancel_many))
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
+        .merge(crate::placements::routes())
         .fallback(|| async {
             ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API")
         })
@@ -43,7 +44,7 @@ pub fn router(state: ApiState) -> Router {
 /// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
 /// which names the field. An empty body means `{}`. The content type is not checked, so
 /// `curl -d '{...}'` (which sends form encoding) works as people expect.
-fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = match body {
         Ok(b) => b,
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
@@ -140,7 +141,7 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
         .engine_ids
         .iter()
         .map(|eid| match inner.engines.get(eid) {
-            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy}),
+            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy, "detail": e.record.detail}),
             None => json!({"engine_id": eid, "status": "REMOVED"}),
         })
         .collect();

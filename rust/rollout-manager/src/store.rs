@@ -20,8 +20,15 @@ const ENGINES: TableDefinition<&str, &str> = TableDefinition::new("engines");
 const SCALE_OUTS: TableDefinition<&str, &str> = TableDefinition::new("scale_outs");
 const SCALE_INS: TableDefinition<&str, &str> = TableDefinition::new("scale_ins");
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
-const TABLES: [(&str, TableDefinition<&str, &str>); 4] =
-    [("engines", ENGINES), ("scale_outs", SCALE_OUTS), ("scale_ins", SCALE_INS), ("meta", META)];
+/// Ray mode: each engine's placement, with the agent bound to it.
+const PLACEMENTS: TableDefinition<&str, &str> = TableDefinition::new("placements");
+const TABLES: [(&str, TableDefinition<&str, &str>); 5] = [
+    ("engines", ENGINES),
+    ("scale_outs", SCALE_OUTS),
+    ("scale_ins", SCALE_INS),
+    ("meta", META),
+    ("placements", PLACEMENTS),
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -48,6 +55,8 @@ pub struct StoredEngine {
 pub struct Meta {
     pub next_seq: u64,
     pub weight_version: String,
+    #[serde(default)]
+    pub placement_revision: u64,
 }
 
 /// Everything the store held at startup.
@@ -56,12 +65,13 @@ pub struct Snapshot {
     pub engines: Vec<StoredEngine>,
     pub scale_outs: Vec<ScaleOutRecord>,
     pub scale_ins: Vec<ScaleInRecord>,
+    pub placements: Vec<rollout_core::Placement>,
     pub meta: Option<Meta>,
 }
 
 impl Snapshot {
     pub fn is_empty(&self) -> bool {
-        self.engines.is_empty() && self.scale_outs.is_empty() && self.scale_ins.is_empty()
+        self.engines.is_empty() && self.scale_outs.is_empty() && self.scale_ins.is_empty() && self.placements.is_empty()
     }
 }
 
@@ -127,9 +137,10 @@ impl Store {
         let engines = decode(&self.path, rows("engines", ENGINES)?)?;
         let scale_outs = decode(&self.path, rows("scale_outs", SCALE_OUTS)?)?;
         let scale_ins = decode(&self.path, rows("scale_ins", SCALE_INS)?)?;
+        let placements = decode(&self.path, rows("placements", PLACEMENTS)?)?;
         let meta =
             decode::<Meta>(&self.path, rows("meta", META)?.into_iter().filter(|(k, _)| k == "fleet").collect())?.pop();
-        Ok(Snapshot { engines, scale_outs, scale_ins, meta })
+        Ok(Snapshot { engines, scale_outs, scale_ins, placements, meta })
     }
 
     /// Commits the registry's current contents, writing only what changed since the last sync.
@@ -150,7 +161,14 @@ impl Store {
         for r in inner.scale_ins.values() {
             desired.insert(("scale_ins", r.request_id.clone()), to_json(r));
         }
-        let meta = Meta { next_seq: inner.next_seq, weight_version: inner.weight_version.clone() };
+        for p in inner.placements.values() {
+            desired.insert(("placements", p.engine_id.clone()), to_json(p));
+        }
+        let meta = Meta {
+            next_seq: inner.next_seq,
+            weight_version: inner.weight_version.clone(),
+            placement_revision: inner.placement_revision,
+        };
         desired.insert(("meta", "fleet".to_string()), to_json(&meta));
 
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
