@@ -337,6 +337,32 @@ def test_scale_out_beyond_the_cluster_waits_for_a_node(fleet: RayFleet) -> None:
     wait_until(lambda: requested_bundles() == [], 60, "the resource request reset")
 
 
+def test_cancelling_a_scale_out_that_waits_for_resources_releases_its_placement(fleet: RayFleet) -> None:
+    have = len(wait_engines(fleet, HEAD_GPUS + 1))
+    accepted = fleet.client.scale_out(num_replicas=have + 1)
+    waiting = wait_until(
+        lambda: [e for e in fleet.engines() if "PENDING_RESOURCES" in json.dumps(e)],
+        STARTUP, lambda: f"an engine waiting for resources; {fleet.engines()}",
+    )  # fmt: skip
+    engine_id = waiting[0]["engine_id"]
+    wait_until(lambda: f"er-{engine_id}" in er_placement_groups(), 60, "its placement group (pending)")
+    assert er_placement_groups()[f"er-{engine_id}"]["state"] == "PENDING"
+    wait_until(lambda: (r := requested_bundles()) is not None and len(r) == have + 1, 60, "a resource request")
+    fleet.client.cancel_scale_out(accepted.request_id)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, timeout=STARTUP)
+    assert op.status == "CANCELLED", op
+    wait_until(lambda: f"er-{engine_id}" not in er_placement_groups(), 60, "the pending PG removed")
+
+    def forgotten() -> bool:
+        placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+        return engine_id not in {p["engine_id"] for p in placements}
+
+    wait_until(forgotten, 60, "the placement released")
+    wait_until(lambda: requested_bundles() == [], 60, "the resource request reset")
+    wait_engines(fleet, have)
+    assert gpus_taken() == have
+
+
 def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
     import ray
 
