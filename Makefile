@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test setup venv build build-release lint clean
+.PHONY: run test setup venv build build-release wheel lint clean
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -45,6 +45,12 @@ build:
 
 build-release:
 	$(CARGO) build --release --workspace --bins
+
+# A wheel of python/ that carries the binaries (elastic_rollout/_bin/, where find_binary looks).
+wheel: build-release venv
+	mkdir -p python/elastic_rollout/_bin
+	cp target/release/rollout-manager target/release/sglang-sim python/elastic_rollout/_bin/
+	cd python && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" maturin build --release --out $(CURDIR)/dist
 
 setup: venv build
 
