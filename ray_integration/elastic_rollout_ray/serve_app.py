@@ -1,5 +1,5 @@
-"""Ray Serve ingress: ``/rollout/*`` and ``/autoscaler/*`` on Serve's HTTP port, forwarded to the
-manager's Unix socket.
+"""Ray Serve ingress: ``/rollout/*``, ``/autoscaler/*``, ``/metrics``, ``/health`` and
+``/openapi.json`` on Serve's HTTP port, forwarded to the manager's Unix socket.
 
 Each request is passed on as it came (method, path, query, body, ``Content-Type`` and
 ``Authorization``), and the manager's answer (status, body, ``Content-Type``) is returned as it
@@ -25,7 +25,8 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 #: Longer than the longest long-poll the manager allows (60 s).
 TIMEOUT = 75.0
 
-app = FastAPI(title="Elastic Rollout control API (via Ray Serve)")
+# FastAPI's own docs would describe only the catch-all routes: /openapi.json is the manager's.
+app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=256)
@@ -71,6 +72,14 @@ class RolloutIngress:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.get("/health")
+    async def health(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.get("/openapi.json")
+    async def openapi(self, request: Request) -> Response:
         return await self._forward(request)
 
 

@@ -190,6 +190,8 @@ def test_serve_forwards_answers_as_the_manager_gives_them(fleet: RayFleet) -> No
         ("POST", "/rollout/scale_in", {"num_replicas": 0, "engine_urls": ["ftp://x"]}),
         ("GET", "/rollout/scale_out/no-such-request", None),
         ("GET", "/rollout/placements?after=0", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/health", None),
     ]
     auth = {"Authorization": f"Bearer {TOKEN}"}
     for method, path, body in cases:
