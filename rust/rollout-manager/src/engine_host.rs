@@ -404,3 +404,83 @@ impl EngineHost for AgentHost {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    async fn start_agent(dir: &std::path::Path) -> String {
+        let args = crate::agent::AgentArgs {
+            listen: "127.0.0.1:0".into(),
+            ready_file: Some(dir.join("ready.json")),
+            state_dir: Some(dir.join("state")),
+        };
+        tokio::spawn(crate::agent::run(args));
+        for _ in 0..500 {
+            if let Ok(text) = std::fs::read_to_string(dir.join("ready.json")) {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                return v["url"].as_str().unwrap().to_string();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("agent never wrote its ready file");
+    }
+
+    fn alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .unwrap_or(false)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn agent_host_launches_reports_exits_readopts_and_stops() {
+        let dir = std::env::temp_dir().join(format!("rm-agent-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = start_agent(&dir).await;
+        let host = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new());
+        let spec = LaunchSpec {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), "echo port={port} host={host}; exec sleep 1000".into()],
+            env: vec![],
+            log_path: PathBuf::new(),
+        };
+        let at = Location::Agent { agent_url: url.clone() };
+        let hosted = host.launch("engine_7", &spec, &at).await.unwrap();
+        let port = hosted.url.rsplit(':').next().unwrap().to_string();
+        assert!(hosted.url.starts_with("http://127.0.0.1:"), "{}", hosted.url);
+        let log = hosted.log_path.clone().unwrap();
+        let mut text = String::new();
+        for _ in 0..200 {
+            text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains('\n') {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(text.trim(), format!("port={port} host=127.0.0.1"));
+
+        // A crash reaches the manager through the Events stream, not on request.
+        let pid = hosted.process.pid;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), hosted.process.wait()).await.unwrap();
+        assert_eq!(exit, ExitInfo { code: None, signal: Some(9), requested: false });
+
+        // Launch again; a second host (a restarted manager) re-adopts it by Status, checking the
+        // identity; stop goes through the agent and the engine is gone afterwards.
+        let again = host.launch("engine_7", &spec, &at).await.unwrap();
+        assert_ne!(again.process.pid, pid);
+        let restarted = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new());
+        let pid2 = again.process.pid;
+        assert!(restarted.status("engine_7", &at, Some(pid2), Some(pid2 as u64 + 1)).await.is_none());
+        let adopted = restarted.status("engine_7", &at, Some(pid2), again.process.start_ticks).await.unwrap();
+        assert_eq!(adopted.pid, pid2);
+        let stopped = tokio::time::timeout(Duration::from_secs(10), adopted.stop(Duration::from_millis(500))).await;
+        assert!(stopped.unwrap().requested);
+        assert!(!alive(pid2));
+        assert!(restarted.status("engine_7", &at, Some(pid2), None).await.is_none());
+        assert!(AgentHost::is_live(&url).await);
+        assert!(!AgentHost::is_live("http://127.0.0.1:1").await);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
