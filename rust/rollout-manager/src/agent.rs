@@ -17,6 +17,11 @@
 //! - an exited engine stays listed (not running, with its exit) until Stop or a new Launch, so
 //!   a manager that reconnects learns of exits it missed.
 //!
+//! Auth: with `--api-token-file` (or `ROLLOUT_MANAGER_API_TOKEN`, the manager's token) every call
+//! must carry `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); the token is never
+//! passed to engines. Without one, an agent listening beyond loopback warns that anyone who
+//! reaches it can start programs.
+//!
 //! Errors are gRPC statuses: INVALID_ARGUMENT for a bad request (naming the field),
 //! NOT_FOUND for an unknown engine, INTERNAL when the process cannot be started.
 
@@ -44,6 +49,10 @@ pub struct AgentArgs {
     /// Directory of engine logs (default: a private directory under the system temp dir).
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// File (mode 0600) with the manager's API token; then every call needs it. Default: the
+    /// environment variable ROLLOUT_MANAGER_API_TOKEN, if set.
+    #[arg(long, value_name = "PATH")]
+    pub api_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +67,8 @@ pub enum AgentError {
     ReadyFile { path: String, source: std::io::Error },
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Token(#[from] crate::auth::TokenError),
 }
 
 /// One engine hosted here.
@@ -235,6 +246,24 @@ impl Agent for AgentService {
     }
 }
 
+/// Lets a call through when no token is configured or it carries `authorization: Bearer <token>`.
+fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Status> {
+    let Some(token) = token else { return Ok(req) };
+    let given = req
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if crate::auth::same(given.as_bytes(), token.as_bytes()) {
+        Ok(req)
+    } else {
+        Err(Status::unauthenticated(
+            "this agent needs authorization: Bearer <token> (the manager's --api-token-file or ROLLOUT_MANAGER_API_TOKEN)",
+        ))
+    }
+}
+
 /// Publishes READY once the engine's health path answers 200 and EXITED when it ends.
 async fn watch_engine(state: Arc<AgentState>, engine_id: String, process: EngineProcess, health: String, log: PathBuf) {
     let probe = async {
@@ -316,6 +345,15 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         .unwrap_or_else(|| std::env::temp_dir().join(format!("rollout-agent-{}", std::process::id())));
     std::fs::create_dir_all(state_dir.join("logs"))
         .map_err(|source| AgentError::StateDir { path: state_dir.display().to_string(), source })?;
+    let token = crate::auth::load(args.api_token_file.as_deref())?;
+    let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if token.is_none() && !loopback {
+        tracing::warn!(
+            %host,
+            "the agent listens beyond loopback without a token: anyone who reaches it can start programs; \
+             give it the manager's token (--api-token-file or ROLLOUT_MANAGER_API_TOKEN)"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|source| AgentError::Bind { addr: args.listen.clone(), source })?;
@@ -345,7 +383,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     });
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tonic::transport::Server::builder()
-        .add_service(AgentServer::new(AgentService(state.clone())))
+        .add_service(AgentServer::with_interceptor(AgentService(state.clone()), move |req: Request<()>| {
+            check_token(token.as_deref(), req)
+        }))
         .serve_with_incoming_shutdown(incoming, state.stopping.clone().cancelled_owned());
     // Requests in flight get a bounded time to finish once stopping.
     let served = tokio::select! {

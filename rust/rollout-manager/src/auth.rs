@@ -50,7 +50,7 @@ pub fn load(file: Option<&Path>) -> Result<Option<Arc<str>>, TokenError> {
 }
 
 /// Equality in time independent of where the bytes differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

@@ -14,7 +14,9 @@
 //! tonic reconnects it). A task per agent follows its Events stream; after every (re)subscribe
 //! it reads `List` to learn exits it missed while disconnected. An agent unreachable for
 //! [`AGENT_LOST`] is taken for dead: every engine it hosted is reported exited (agents take their
-//! engines with them), so crash recovery starts them again once an agent is bound.
+//! engines with them), so crash recovery starts them again once an agent is bound. With an API
+//! token (`--api-token-file` / `ROLLOUT_MANAGER_API_TOKEN`) every call carries it as
+//! `authorization: Bearer <token>`; agents started with the same token refuse calls without it.
 
 use crate::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
 use rollout_proto::agent as pb;
@@ -27,7 +29,29 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+
+/// Adds the manager's API token to every agent call.
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl Bearer {
+    pub fn new(token: Option<&str>) -> Self {
+        Self(token.and_then(|t| format!("Bearer {t}").parse().ok()))
+    }
+}
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(request)
+    }
+}
+
+type Client = AgentClient<InterceptedService<Channel, Bearer>>;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -133,7 +157,7 @@ impl EngineHost for LocalHost {
 
 /// One agent: its channel and the exit watches of the engines it hosts for us.
 struct AgentConn {
-    client: AgentClient<Channel>,
+    client: Client,
     exits: Mutex<HashMap<String, watch::Sender<Option<ExitInfo>>>>,
 }
 
@@ -171,6 +195,7 @@ pub struct AgentHost {
     /// Ends the per-agent event tasks.
     shutdown: CancellationToken,
     tasks: tokio_util::task::TaskTracker,
+    bearer: Bearer,
 }
 
 fn agent_error(url: &str, what: &str, e: impl std::fmt::Display) -> HostError {
@@ -181,8 +206,8 @@ fn agent_error(url: &str, what: &str, e: impl std::fmt::Display) -> HostError {
 }
 
 impl AgentHost {
-    pub fn new(shutdown: CancellationToken, tasks: tokio_util::task::TaskTracker) -> Self {
-        Self { conns: Mutex::new(HashMap::new()), shutdown, tasks }
+    pub fn new(shutdown: CancellationToken, tasks: tokio_util::task::TaskTracker, token: Option<&str>) -> Self {
+        Self { conns: Mutex::new(HashMap::new()), shutdown, tasks, bearer: Bearer::new(token) }
     }
 
     fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, HostError> {
@@ -198,18 +223,19 @@ impl AgentHost {
             return Ok(c.clone());
         }
         let channel = Self::endpoint(url)?.connect_lazy();
-        let conn = Arc::new(AgentConn { client: AgentClient::new(channel), exits: Mutex::new(HashMap::new()) });
+        let client = AgentClient::with_interceptor(channel, self.bearer.clone());
+        let conn = Arc::new(AgentConn { client, exits: Mutex::new(HashMap::new()) });
         conns.insert(url.to_string(), conn.clone());
         self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.shutdown.clone()));
         Ok(conn)
     }
 
     /// Whether an agent answers at `url` within 2 s (a fresh connection, not the cached one).
-    pub async fn is_live(url: &str) -> bool {
+    pub async fn is_live(&self, url: &str) -> bool {
         let Ok(endpoint) = Self::endpoint(url) else { return false };
         let check = async {
             let channel = endpoint.connect().await.ok()?;
-            AgentClient::new(channel).list(pb::ListRequest {}).await.ok()
+            AgentClient::with_interceptor(channel, self.bearer.clone()).list(pb::ListRequest {}).await.ok()
         };
         matches!(tokio::time::timeout(Duration::from_secs(2), check).await, Ok(Some(_)))
     }
@@ -410,11 +436,12 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    async fn start_agent(dir: &std::path::Path) -> String {
+    async fn start_agent(dir: &std::path::Path, token_file: Option<PathBuf>) -> String {
         let args = crate::agent::AgentArgs {
             listen: "127.0.0.1:0".into(),
             ready_file: Some(dir.join("ready.json")),
             state_dir: Some(dir.join("state")),
+            api_token_file: token_file,
         };
         tokio::spawn(crate::agent::run(args));
         for _ in 0..500 {
@@ -437,8 +464,8 @@ mod tests {
     async fn agent_host_launches_reports_exits_readopts_and_stops() {
         let dir = std::env::temp_dir().join(format!("rm-agent-test-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
-        let url = start_agent(&dir).await;
-        let host = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new());
+        let url = start_agent(&dir, None).await;
+        let host = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new(), None);
         let spec = LaunchSpec {
             program: "/bin/sh".into(),
             args: vec!["-c".into(), "echo port={port} host={host}; exec sleep 1000".into()],
@@ -470,7 +497,7 @@ mod tests {
         // identity; stop goes through the agent and the engine is gone afterwards.
         let again = host.launch("engine_7", &spec, &at).await.unwrap();
         assert_ne!(again.process.pid, pid);
-        let restarted = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new());
+        let restarted = AgentHost::new(CancellationToken::new(), tokio_util::task::TaskTracker::new(), None);
         let pid2 = again.process.pid;
         assert!(restarted.status("engine_7", &at, Some(pid2), Some(pid2 as u64 + 1)).await.is_none());
         let adopted = restarted.status("engine_7", &at, Some(pid2), again.process.start_ticks).await.unwrap();
@@ -479,8 +506,35 @@ mod tests {
         assert!(stopped.unwrap().requested);
         assert!(!alive(pid2));
         assert!(restarted.status("engine_7", &at, Some(pid2), None).await.is_none());
-        assert!(AgentHost::is_live(&url).await);
-        assert!(!AgentHost::is_live("http://127.0.0.1:1").await);
+        assert!(host.is_live(&url).await);
+        assert!(!host.is_live("http://127.0.0.1:1").await);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_with_a_token_refuses_calls_without_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("rm-agent-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "agent-s3cret\n").unwrap();
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let url = start_agent(&dir, Some(token)).await;
+        let spec = LaunchSpec { program: "/bin/true".into(), args: vec![], env: vec![], log_path: PathBuf::new() };
+        let at = Location::Agent { agent_url: url.clone() };
+        let (stop, tasks) = (CancellationToken::new(), tokio_util::task::TaskTracker::new());
+        let anonymous = AgentHost::new(stop.clone(), tasks.clone(), None);
+        assert!(!anonymous.is_live(&url).await);
+        let err = anonymous.launch("engine_1", &spec, &at).await.unwrap_err().to_string();
+        assert!(err.contains("authorization"), "{err}");
+        let wrong = AgentHost::new(stop.clone(), tasks.clone(), Some("nope"));
+        assert!(!wrong.is_live(&url).await);
+        let manager = AgentHost::new(stop.clone(), tasks.clone(), Some("agent-s3cret"));
+        assert!(manager.is_live(&url).await);
+        let hosted = manager.launch("engine_1", &spec, &at).await.unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), hosted.process.wait()).await.unwrap();
+        assert_eq!(exit.code, Some(0));
+        stop.cancel();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

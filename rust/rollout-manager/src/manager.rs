@@ -67,6 +67,7 @@ impl Manager {
         config: ServeConfig,
         launcher: EngineLauncher,
         store: Option<crate::store::Store>,
+        token: Option<&str>,
     ) -> Result<Arc<Self>, reqwest::Error> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
@@ -75,7 +76,7 @@ impl Manager {
         let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
-        let agents = AgentHost::new(shutdown.clone(), tasks.clone());
+        let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
         Ok(Arc::new(Self {
             config,
             fleet,

@@ -14,7 +14,6 @@
 //! a restarted manager keeps the placements and their agents.
 
 use crate::api::ApiState;
-use crate::engine_host::AgentHost;
 use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -159,7 +158,7 @@ async fn bind(
     };
     // Only a live agent keeps its placement; asked outside the lock.
     let previous_live = match &previous {
-        Some(url) => AgentHost::is_live(url).await,
+        Some(url) => s.manager.agents.is_live(url).await,
         None => false,
     };
     let binding = AgentBinding { url: agent_url.clone(), node_id: req.node_id.clone(), gpu_ids: req.gpu_ids.clone() };

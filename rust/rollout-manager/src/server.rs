@@ -78,7 +78,7 @@ impl Server {
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
         let autoscaler = crate::autoscaler::load_config(config.autoscaler_config.as_deref())?;
-        let manager = Manager::new(config, launcher, Some(store))?;
+        let manager = Manager::new(config, launcher, Some(store), token.as_deref())?;
         Ok(Self { manager, control, data, socket, snapshot, autoscaler, token })
     }
 
