@@ -12,10 +12,12 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test setup venv build build-release lint clean
+.PHONY: run test setup venv build build-release wheel lint clean
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
-$(VENV)/.ok: python/pyproject.toml
+# python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
+# ray_integration/ is the Ray shim (Ray 2.60 with Serve).
+$(VENV)/.ok: python/pyproject.toml ray_integration/pyproject.toml
 	@if ! $(PYTHON) -m venv --clear $(VENV) >/dev/null 2>&1; then \
 	  echo "python3 -m venv failed; installing Debian's python3-venv"; \
 	  if command -v apt-get >/dev/null; then \
@@ -25,16 +27,30 @@ $(VENV)/.ok: python/pyproject.toml
 	  $(PYTHON) -m venv --clear $(VENV); \
 	fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e 'python[test]'
+	$(PY) -m pip install -q 'maturin>=1.9,<2' 'ray[serve]==2.60.*' 'httpx>=0.27'
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation -e 'python[test]'
+	$(PY) -m pip install -q -e ray_integration
+	@touch $@ $(VENV)/.native
+
+# Rebuild the native module when its Rust sources change (the venv itself is kept).
+NATIVE_SRC := $(wildcard rust/rollout-py/Cargo.toml rust/rollout-py/src/*.rs rust/rollout-core/src/*.rs rust/rollout-core/src/*/*.rs)
+$(VENV)/.native: $(VENV)/.ok $(NATIVE_SRC)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation --no-deps -e python
 	@touch $@
 
-venv: $(VENV)/.ok
+venv: $(VENV)/.ok $(VENV)/.native
 
 build:
 	$(CARGO) build --workspace --bins
 
 build-release:
 	$(CARGO) build --release --workspace --bins
+
+# A wheel of python/ that carries the binaries (elastic_rollout/_bin/, where find_binary looks).
+wheel: build-release venv
+	mkdir -p python/elastic_rollout/_bin
+	cp target/release/rollout-manager target/release/sglang-sim python/elastic_rollout/_bin/
+	cd python && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" maturin build --release --out $(CURDIR)/dist
 
 setup: venv build
 

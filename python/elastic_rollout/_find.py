@@ -50,7 +50,8 @@ def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = Non
        ``rollout-manager``, ``ELASTIC_ROLLOUT_SIM_BIN`` for ``sglang-sim``. If it is set, it
        must name an executable file; otherwise :class:`BinaryNotFoundError` names the variable
        (it is never skipped silently);
-    2. a binary bundled with the package: ``elastic_rollout/bin/<name>``;
+    2. a binary bundled with the package: ``elastic_rollout/_bin/<name>`` (where a wheel
+       carries it), then ``elastic_rollout/bin/<name>``;
     3. a cargo build in the source tree: ``<root>/target/release/<name>``, then
        ``<root>/target/debug/<name>``, where ``<root>`` is the nearest directory above the
        package that contains ``Cargo.toml`` (present for editable installs from a checkout);
@@ -80,7 +81,7 @@ def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = Non
     if env_var is not None:
         tried.append(f"${env_var} (not set)")
 
-    candidates = [base / "bin" / name]
+    candidates = [base / "_bin" / name, base / "bin" / name]
     root = _cargo_workspace_root(base)
     if root is not None:
         candidates += [root / "target" / "release" / name, root / "target" / "debug" / name]

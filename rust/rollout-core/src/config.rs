@@ -28,6 +28,18 @@ pub enum WeightTransportKind {
     Relay,
 }
 
+/// Where engines run: on this machine, or on node agents placed by Ray.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PlacementMode {
+    /// Local child processes on the `--gpus` pool of this machine.
+    #[default]
+    Local,
+    /// Node agents (`rollout-manager agent`) that the Ray shim starts in placement groups and
+    /// binds through `/rollout/placements` (see docs/ray.md).
+    Ray,
+}
+
 /// What to keep when some engines of a scale-out fail. Spelled as in the seed's flag
 /// (`rollback_all`, `keep_partial`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -173,6 +185,16 @@ pub struct ServeConfig {
     #[arg(long, default_value_t = 1800.0, value_name = "SECS")]
     #[serde(default = "default_request_timeout")]
     pub request_timeout_secs: f64,
+    /// Where engines run: `local` (child processes on `--gpus`) or `ray` (node agents that the
+    /// Ray shim starts and binds through `/rollout/placements`; `--gpus` is then not used).
+    #[arg(long, value_enum, default_value_t = PlacementMode::Local)]
+    #[serde(default)]
+    pub placement: PlacementMode,
+    /// Also serve the control API (`/rollout/*`, `/autoscaler/*`, `/metrics`) on this Unix
+    /// socket, created with mode 0600 (same token rules as the TCP port).
+    #[arg(long, value_name = "PATH")]
+    #[serde(default)]
+    pub api_socket: Option<PathBuf>,
 }
 
 fn default_request_timeout() -> f64 {
@@ -244,7 +266,21 @@ impl ServeConfig {
                 ),
             ));
         }
-        if self.rollout_num_gpus > self.gpus {
+        if let Some(path) = &self.api_socket {
+            if path.as_os_str().is_empty() {
+                return Err(bad("--api-socket", "must not be empty"));
+            }
+            // sockaddr_un holds 108 bytes, the last one a NUL.
+            if path.as_os_str().len() > 107 {
+                return Err(bad(
+                    "--api-socket",
+                    format!("{} is longer than the 107 bytes a Unix socket path may have", path.display()),
+                ));
+            }
+        }
+        // In ray mode the capacity comes from the Ray cluster, not from a local pool.
+        let local = self.placement == PlacementMode::Local;
+        if local && self.rollout_num_gpus > self.gpus {
             return Err(bad(
                 "--gpus",
                 format!(
@@ -253,7 +289,7 @@ impl ServeConfig {
                 ),
             ));
         }
-        if self.rollout_num_gpus_per_engine > self.gpus {
+        if local && self.rollout_num_gpus_per_engine > self.gpus {
             return Err(bad(
                 "--gpus",
                 format!(
@@ -358,10 +394,12 @@ mod tests {
 
     #[test]
     fn errors_name_the_flag() {
-        let cases: [(&[&str], &str); 13] = [
+        let long = format!("/tmp/{}", "s".repeat(120));
+        let cases: [(&[&str], &str); 14] = [
             (&["--gpus", "4000000000"], "--gpus"),
             (&["--external-allow-cidr", "10.0.0.0/40"], "--external-allow-cidr"),
             (&["--request-timeout-secs", "0"], "--request-timeout-secs"),
+            (&["--api-socket", long.as_str()], "--api-socket"),
             (&["--scale-out-timeout", "1e20"], "--scale-out-timeout"),
             (&["--reattach-grace-secs=-1"], "--reattach-grace-secs"),
             (&["--router", "nginx=http://x"], "--router"),
@@ -378,6 +416,18 @@ mod tests {
             assert_eq!(err.flag, flag, "{args:?}");
             assert!(err.to_string().contains(flag));
         }
+    }
+
+    #[test]
+    fn ray_placement_needs_no_local_gpu_pool() {
+        let args = ["--rollout-num-gpus", "8", "--gpus", "0", "--rollout-num-gpus-per-engine", "2"];
+        assert_eq!(parse(&args).validate().unwrap_err().flag, "--gpus");
+        let mut ray = args.to_vec();
+        ray.extend(["--placement", "ray"]);
+        let c = parse(&ray);
+        c.validate().unwrap();
+        assert_eq!(c.placement, PlacementMode::Ray);
+        assert_eq!(c.initial_engines(), 4);
     }
 
     #[test]

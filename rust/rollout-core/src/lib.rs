@@ -14,8 +14,10 @@ pub mod routing;
 pub mod state;
 pub mod weights;
 
-pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, ServeConfig, WeightTransportKind};
-pub use placement::{GpuPool, PlacementError};
+pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig, WeightTransportKind};
+pub use placement::{
+    AgentBinding, BindOutcome, Desired, GpuPool, Placement, PlacementConflict, PlacementError, PlacementStatus,
+};
 pub use state::{
     EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
     ScaleOutStatus,

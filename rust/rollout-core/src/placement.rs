@@ -1,10 +1,135 @@
-//! Placement of engines on the local pool of GPUs.
+//! Placement of engines: on the local pool of GPUs, or as Ray placements.
 //!
-//! The pool hands out GPU indices; an engine of tensor-parallel size K takes K of them. The
-//! lowest free indices are used first, and a block of consecutive indices is preferred so that
-//! a TP group shares a switch when the machine has one.
+//! Local (`--placement local`): the pool hands out GPU indices; an engine of tensor-parallel
+//! size K takes K of them. The lowest free indices are used first, and a block of consecutive
+//! indices is preferred so that a TP group shares a switch when the machine has one.
+//!
+//! Ray (`--placement ray`): every managed engine gets a [`Placement`], the manager's decision of
+//! what the Ray shim must create for it (one bundle with the engine's K GPUs, STRICT_PACK so an
+//! engine's TP ranks share a node) and whether it should exist. The shim reports back by binding
+//! an agent. The lifecycle is `PENDING_RESOURCES -> BOUND` while desired present, then
+//! `RELEASING` once the manager no longer wants it (the shim removes it and says released).
 
-use std::collections::BTreeSet;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Whether the manager wants a placement to exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Desired {
+    Present,
+    Absent,
+}
+
+/// Where a placement stands, as the shim and operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum PlacementStatus {
+    /// Wanted, no agent bound yet (Ray is finding or growing resources).
+    PendingResources,
+    /// An agent hosts (or will host) the engine.
+    Bound,
+    /// No longer wanted; the shim removes its placement group and reports it released.
+    Releasing,
+}
+
+/// The agent a placement is bound to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentBinding {
+    /// gRPC URL of the agent, `http://<node_ip>:<port>`.
+    pub url: String,
+    pub node_id: String,
+    /// GPU ids Ray assigned to the engine's actor (its `CUDA_VISIBLE_DEVICES`).
+    pub gpu_ids: Vec<String>,
+}
+
+/// One engine's placement in Ray mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Placement {
+    pub engine_id: String,
+    /// Resources of the engine's placement group, one map per bundle.
+    pub bundles: Vec<BTreeMap<String, u32>>,
+    pub strategy: String,
+    /// Part of the start-up fleet (`--rollout-num-gpus`) rather than a scale-out.
+    pub initial: bool,
+    pub desired: Desired,
+    pub status: PlacementStatus,
+    pub agent: Option<AgentBinding>,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// What a bind did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BindOutcome {
+    /// The placement was pending and is now bound.
+    Bound,
+    /// Already bound to this agent: nothing changed.
+    Same,
+    /// It was bound to another agent, which is replaced.
+    Replaced { previous: AgentBinding },
+}
+
+/// Why a bind or release was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementConflict {
+    #[error("placement {0} is no longer wanted (desired absent); remove its placement group and POST released")]
+    NotWanted(String),
+    #[error("placement {engine_id} is bound to another live agent {url}")]
+    BoundElsewhere { engine_id: String, url: String },
+    #[error("placement {0} is still wanted (desired present); scale in first")]
+    StillWanted(String),
+}
+
+impl Placement {
+    /// The plan for one engine of `gpus_per_engine` GPUs: one bundle holding all its GPUs and a
+    /// CPU, packed on one node.
+    pub fn plan(engine_id: &str, gpus_per_engine: u32, initial: bool) -> Self {
+        let bundle = BTreeMap::from([("GPU".to_string(), gpus_per_engine), ("CPU".to_string(), 1)]);
+        Self {
+            engine_id: engine_id.to_string(),
+            bundles: vec![bundle],
+            strategy: "STRICT_PACK".into(),
+            initial,
+            desired: Desired::Present,
+            status: PlacementStatus::PendingResources,
+            agent: None,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    /// Binds an agent. `previous_live` says whether a different agent already bound is still
+    /// reachable (only asked when there is one): a live one is never replaced.
+    pub fn bind(&mut self, binding: AgentBinding, previous_live: bool) -> Result<BindOutcome, PlacementConflict> {
+        if self.desired == Desired::Absent {
+            return Err(PlacementConflict::NotWanted(self.engine_id.clone()));
+        }
+        let outcome = match &self.agent {
+            Some(a) if a.url == binding.url => return Ok(BindOutcome::Same),
+            Some(a) if previous_live => {
+                return Err(PlacementConflict::BoundElsewhere { engine_id: self.engine_id.clone(), url: a.url.clone() })
+            }
+            Some(a) => BindOutcome::Replaced { previous: a.clone() },
+            None => BindOutcome::Bound,
+        };
+        self.agent = Some(binding);
+        self.status = PlacementStatus::Bound;
+        Ok(outcome)
+    }
+
+    /// The manager no longer wants it (its engine was stopped or never started).
+    pub fn unwant(&mut self) {
+        self.desired = Desired::Absent;
+        self.status = PlacementStatus::Releasing;
+    }
+
+    /// Checks that the shim may forget it.
+    pub fn check_released(&self) -> Result<(), PlacementConflict> {
+        match self.desired {
+            Desired::Absent => Ok(()),
+            Desired::Present => Err(PlacementConflict::StillWanted(self.engine_id.clone())),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlacementError {
@@ -101,6 +226,33 @@ mod tests {
         pool.allocate(1).unwrap();
         assert_eq!(pool.release(&[0, 1]), Err(PlacementError::NotAllocated(1)));
         assert_eq!(pool.free(), 1);
+    }
+
+    fn binding(url: &str) -> AgentBinding {
+        AgentBinding { url: url.into(), node_id: "n".into(), gpu_ids: vec!["0".into()] }
+    }
+
+    #[test]
+    fn placement_binds_once_and_replaces_only_a_dead_agent() {
+        let mut p = Placement::plan("engine_3", 2, false);
+        assert_eq!(p.bundles[0].get("GPU"), Some(&2));
+        assert_eq!((p.desired, p.status), (Desired::Present, PlacementStatus::PendingResources));
+        assert_eq!(p.check_released(), Err(PlacementConflict::StillWanted("engine_3".into())));
+        assert_eq!(p.bind(binding("http://a:1"), false), Ok(BindOutcome::Bound));
+        assert_eq!(p.status, PlacementStatus::Bound);
+        assert_eq!(p.bind(binding("http://a:1"), true), Ok(BindOutcome::Same));
+        let live = p.bind(binding("http://b:2"), true).unwrap_err();
+        assert!(live.to_string().contains("http://a:1"), "{live}");
+        assert_eq!(p.agent.as_ref().map(|a| a.url.as_str()), Some("http://a:1"));
+        assert_eq!(p.bind(binding("http://b:2"), false), Ok(BindOutcome::Replaced { previous: binding("http://a:1") }));
+        p.unwant();
+        assert_eq!(p.status, PlacementStatus::Releasing);
+        assert!(matches!(p.bind(binding("http://c:3"), false), Err(PlacementConflict::NotWanted(_))));
+        assert_eq!(p.check_released(), Ok(()));
+        let wire = serde_json::to_value(&p).unwrap();
+        assert_eq!(wire["status"], "RELEASING");
+        assert_eq!(wire["desired"], "absent");
+        assert_eq!(wire["strategy"], "STRICT_PACK");
     }
 
     proptest! {

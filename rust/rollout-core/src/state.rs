@@ -45,10 +45,12 @@ pub enum EngineOrigin {
 /// update takes an ACTIVE engine back to `WEIGHT_SYNCING` (out of routing) until it is verified
 /// on the new version, then `READY -> ACTIVE` again. A process that
 /// exits unexpectedly makes the engine `FAILED` from any live state; recovery restarts a FAILED
-/// engine from `CREATING`.
+/// engine from `CREATING`. In Ray mode an engine starts in `PENDING` (its placement waits for
+/// resources, PENDING_RESOURCES) and moves to `CREATING` when an agent is bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum EngineStatus {
+    Pending,
     Creating,
     HealthChecking,
     WeightSyncing,
@@ -64,6 +66,8 @@ pub enum EngineStatus {
 /// Something that happened to an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineEvent {
+    /// Ray mode: an agent was bound to the engine's placement.
+    Bound,
     /// The process was started (or the external URL answered).
     Launched,
     /// The engine passed its readiness health check.
@@ -106,7 +110,11 @@ impl EngineStatus {
     pub fn is_starting(self) -> bool {
         matches!(
             self,
-            EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing | EngineStatus::Ready
+            EngineStatus::Pending
+                | EngineStatus::Creating
+                | EngineStatus::HealthChecking
+                | EngineStatus::WeightSyncing
+                | EngineStatus::Ready
         )
     }
 
@@ -114,6 +122,7 @@ impl EngineStatus {
         use EngineEvent as E;
         use EngineStatus as S;
         let next = match (self, event) {
+            (S::Pending, E::Bound) => S::Creating,
             (S::Creating, E::Launched) => S::HealthChecking,
             (S::HealthChecking, E::Healthy) => S::WeightSyncing,
             (S::WeightSyncing, E::WeightsSynced) => S::Ready,

@@ -35,6 +35,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
         .merge(crate::weights::api::routes())
+        .merge(crate::placements::routes())
         .fallback(|| async {
             ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API")
         })
@@ -156,7 +157,7 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
         .engine_ids
         .iter()
         .map(|eid| match inner.engines.get(eid) {
-            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy}),
+            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy, "detail": e.record.detail}),
             None => json!({"engine_id": eid, "status": "REMOVED"}),
         })
         .collect();

@@ -62,7 +62,7 @@ pub fn carries_token(headers: &axum::http::HeaderMap, token: Option<&str>) -> bo
 }
 
 /// Equality in time independent of where the bytes differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

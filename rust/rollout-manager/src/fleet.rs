@@ -133,6 +133,10 @@ pub struct EngineRecord {
     pub created_by: Option<String>,
     /// How many times recovery restarted this engine.
     pub restarts: u32,
+    /// What the engine waits for, when that is not obvious from its status (Ray mode:
+    /// `PENDING_RESOURCES: ...` while its placement has no agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// An engine with its runtime handles.
@@ -248,9 +252,19 @@ pub struct FleetInner {
     /// Whether FAILED engines count towards the fleet's size: yes when they are restarted
     /// (`--restart-failed-engines`), since they come back; no otherwise.
     pub count_failed: bool,
+    /// Ray mode: the placement of every managed engine (and of removed ones until the shim says
+    /// released), by engine id.
+    pub placements: BTreeMap<String, rollout_core::Placement>,
+    /// Bumped on every placement change; what `GET /rollout/placements?after=` waits on.
+    pub placement_revision: u64,
 }
 
 impl FleetInner {
+    /// Records that the placements changed (wakes long polls through the fleet's change signal).
+    pub fn placements_changed(&mut self) {
+        self.placement_revision += 1;
+    }
+
     /// Moves an engine through its state machine; logs once; refuses illegal edges.
     pub fn engine_event(&mut self, engine_id: &str, event: EngineEvent) -> Result<EngineStatus, IllegalTransition> {
         let Some(engine) = self.engines.get_mut(engine_id) else {
@@ -329,6 +343,8 @@ impl Fleet {
             weights: crate::weights::WeightsState::new(&weight_version),
             weight_version,
             count_failed,
+            placements: BTreeMap::new(),
+            placement_revision: 0,
         };
         Self {
             inner: Mutex::new(inner),

@@ -104,6 +104,38 @@ impl EngineLauncher {
     }
 }
 
+impl EngineLauncher {
+    /// The launch of one engine on a node agent (Ray mode): the agent replaces `{host}` with
+    /// the address it listens on and `{port}` with a free port of its node; the GPUs are the
+    /// ones Ray assigned to the engine's host actor.
+    pub fn spec_on_agent(
+        &self,
+        config: &ServeConfig,
+        model_path: &str,
+        gpu_ids: &[String],
+        weight_version: &str,
+        log_path: PathBuf,
+    ) -> LaunchSpec {
+        let tp: Vec<u32> = (0..config.rollout_num_gpus_per_engine).collect();
+        let mut spec = self.spec(config, model_path, 0, &tp, weight_version, log_path);
+        let prefix = self.prefix.len();
+        // The fixed flags come first, so these are ours, not an --engine-arg's.
+        for (flag, value) in [("--host", "{host}"), ("--port", "{port}")] {
+            if let Some(i) = spec.args[prefix..].iter().position(|a| a == flag) {
+                if let Some(slot) = spec.args.get_mut(prefix + i + 1) {
+                    *slot = value.to_string();
+                }
+            }
+        }
+        for (k, v) in &mut spec.env {
+            if k == "CUDA_VISIBLE_DEVICES" {
+                *v = gpu_ids.join(",");
+            }
+        }
+        spec
+    }
+}
+
 /// Flags whose value is a secret (SGLang's `--api-key`, `--admin-api-key`, tokens, passwords).
 fn is_secret_flag(flag: &str) -> bool {
     let name = flag.trim_start_matches('-').to_ascii_lowercase();
@@ -181,6 +213,10 @@ mod tests {
         );
         assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
         assert!(!joined.contains("--tokenizer-path"), "{joined}");
+        let on_agent = launcher.spec_on_agent(&config, "/models/q", &["5".into()], "v7", "/tmp/e.log".into());
+        let joined = on_agent.args.join(" ");
+        assert!(joined.contains("--host {host} --port {port} --tp-size 1"), "{joined}");
+        assert!(on_agent.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "5".into())));
         // On a published checkpoint the engine keeps the base model's tokenizer.
         let spec = launcher.spec(&config, "/ckpt/v8", 31000, &[2], "v8", "/tmp/e.log".into());
         let joined = spec.args.join(" ");

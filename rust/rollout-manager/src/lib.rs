@@ -2,11 +2,13 @@
 //!
 //! See `docs/architecture.md` for the picture; each module's docs say what it owns.
 
+pub mod agent;
 pub mod api;
 pub mod auth;
 pub mod autoscaler;
 pub mod clock;
 pub mod engine_http;
+pub mod engine_host;
 pub mod error;
 pub mod fleet;
 pub mod health;
@@ -14,6 +16,7 @@ pub mod host;
 pub mod keeper;
 pub mod launch;
 pub mod manager;
+pub mod placements;
 pub mod restore;
 pub mod router;
 pub mod scale_in;

@@ -18,6 +18,9 @@ enum Command {
     /// A flag given twice takes its last value (as launch scripts that append overrides expect).
     #[command(args_override_self = true)]
     Serve(Box<ServeConfig>),
+    /// Node agent: host engine processes on this node for a manager elsewhere (Ray mode), over
+    /// gRPC. See docs/ray.md.
+    Agent(rollout_manager::agent::AgentArgs),
     /// Internal: keep one engine alive across a manager restart (see `--reattach-grace-secs`).
     #[command(hide = true)]
     Keeper(rollout_manager::keeper::KeeperArgs),
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
             }
             return exit("autoscaler-replay", summary);
         }
+        Command::Agent(args) => return exit("agent", runtime.block_on(rollout_manager::agent::run(args))),
         Command::Keeper(args) => {
             return match runtime.block_on(rollout_manager::keeper::run_keeper(args)) {
                 Ok(_) => ExitCode::SUCCESS,

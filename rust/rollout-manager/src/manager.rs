@@ -3,12 +3,18 @@
 //!
 //! Scale operations ([`crate::scaling`]) compose these steps; the health monitor
 //! ([`crate::health`]) watches what they produced.
+//!
+//! Processes are started through an [`EngineHost`]: the local one, or in Ray mode
+//! (`--placement ray`) the node agent bound to the engine's placement. In Ray mode an engine is
+//! reserved in PENDING with a placement in PENDING_RESOURCES; its launch waits until the shim
+//! binds an agent (PENDING -> CREATING), and its removal marks the placement desired absent.
 
 use crate::clock::unix_now;
+use crate::engine_host::{AgentHost, EngineHost, LocalHost, Location};
 use crate::fleet::{Engine, EngineLoad, EngineRecord, Fleet};
-use crate::host::{self, EngineProcess, ExitInfo};
+use crate::host::{EngineProcess, ExitInfo};
 use crate::launch::{free_port, EngineLauncher};
-use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ServeConfig};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +36,14 @@ pub struct Manager {
     pub smg: crate::router::smg::SmgRegistry,
     /// How published weight versions reach the engines (`--weight-transport`).
     pub transport: Arc<dyn crate::weights::transport::WeightTransport>,
+    /// Engines on this machine (`--placement local`).
+    pub local: LocalHost,
+    /// Engines on node agents (`--placement ray`).
+    pub agents: AgentHost,
 }
+
+/// What an engine shows while its placement waits for an agent.
+pub const PENDING_DETAIL: &str = "PENDING_RESOURCES: waiting for the Ray shim to place the engine and bind its agent";
 
 /// Why bringing up one engine failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -63,6 +76,7 @@ impl Manager {
         config: ServeConfig,
         launcher: EngineLauncher,
         store: Option<crate::store::Store>,
+        token: Option<&str>,
     ) -> Result<Arc<Self>, reqwest::Error> {
         // Redirects are not followed: an engine (external ones are run by someone else) must
         // not be able to point the manager's probes at another address.
@@ -78,17 +92,36 @@ impl Manager {
                 Arc::new(crate::weights::transport::Relay::new(config.relay_dir.clone()))
             }
         };
+        let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
+        let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
         Ok(Arc::new(Self {
             config,
             fleet,
             launcher,
             http,
-            tasks: TaskTracker::new(),
-            shutdown: CancellationToken::new(),
+            tasks,
+            shutdown,
             router_metrics: Arc::default(),
             smg: Default::default(),
             transport,
+            local,
+            agents,
         }))
+    }
+
+    /// Whether engines run on node agents placed by Ray.
+    pub fn ray(&self) -> bool {
+        self.config.placement == PlacementMode::Ray
+    }
+
+    /// The host of this fleet's managed engines.
+    pub fn host(&self) -> &dyn EngineHost {
+        if self.ray() {
+            &self.agents
+        } else {
+            &self.local
+        }
     }
 
     pub fn shutdown_grace(&self) -> Duration {
@@ -104,6 +137,17 @@ impl Manager {
         created_by: &str,
     ) -> Result<String, String> {
         let per_engine = self.config.rollout_num_gpus_per_engine;
+        if self.ray() {
+            // Ray finds the GPUs; the engine waits in PENDING until an agent is bound.
+            let id = self.register(inner, String::new(), origin, Vec::new(), created_by);
+            if let Some(e) = inner.engines.get_mut(&id) {
+                e.record.status = EngineStatus::Pending;
+                e.record.detail = Some(PENDING_DETAIL.into());
+            }
+            inner.placements.insert(id.clone(), Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
+            inner.placements_changed();
+            return Ok(id);
+        }
         let gpu_ids = inner.gpus.allocate(per_engine).map_err(|e| e.to_string())?;
         let port = match free_port(&self.config.engine_host, &inner.ports_in_use) {
             Ok(p) => p,
@@ -156,6 +200,7 @@ impl Manager {
             last_error: None,
             created_by: Some(created_by.to_string()),
             restarts: 0,
+            detail: None,
         };
         let engine = Engine {
             seq,
@@ -202,24 +247,36 @@ impl Manager {
         // Engines start on the newest version: an update's target, else the current one.
         let (version, engine_path) = self.fleet.lock().weights.desired();
         let model_path = engine_path.unwrap_or_else(|| self.config.model_path.clone());
-        let (port, gpu_ids, log_path) = {
-            let inner = self.fleet.lock();
-            let e = inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
-            let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
-            (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default())
-        };
-        let spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &version.version, log_path);
-        let args = crate::launch::redacted(&spec.args);
-        tracing::info!(engine_id, program = %spec.program.display(), ?args, "launching engine");
-        let grace = self.config.reattach_grace_secs;
-        let (process, keeper_socket) = if grace > 0.0 {
-            let socket = keeper_socket_path(&self.config.state_dir, engine_id)
-                .map_err(|e| EngineError::Launch(e.to_string()))?;
-            let p = crate::keeper::spawn_kept(&spec, &socket, Duration::from_secs_f64(grace)).await;
-            (p.map_err(|e| EngineError::Launch(e.to_string()))?, Some(socket))
+        let weight_version = version.version;
+        let (spec, at) = if self.ray() {
+            let binding = self.wait_bound(engine_id).await?;
+            let log_path = self.config.state_dir.join("logs").join(format!("{engine_id}.log"));
+            let spec =
+                self.launcher.spec_on_agent(&self.config, &model_path, &binding.gpu_ids, &weight_version, log_path);
+            (spec, Location::Agent { agent_url: binding.url })
         } else {
-            (host::spawn(&spec).map_err(|e| EngineError::Launch(e.to_string()))?, None)
+            let (port, gpu_ids, log_path, url) = {
+                let inner = self.fleet.lock();
+                let e =
+                    inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
+                let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
+                (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default(), e.record.url.clone())
+            };
+            let spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
+            let keeper_socket = if self.config.reattach_grace_secs > 0.0 {
+                Some(
+                    keeper_socket_path(&self.config.state_dir, engine_id)
+                        .map_err(|e| EngineError::Launch(e.to_string()))?,
+                )
+            } else {
+                None
+            };
+            (spec, Location::Local { url, keeper_socket })
         };
+        let args = crate::launch::redacted(&spec.args);
+        tracing::info!(engine_id, program = %spec.program.display(), ?args, at = ?at, "launching engine");
+        let hosted = self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Launch(e.to_string()))?;
+        let (process, keeper_socket) = (hosted.process, hosted.keeper_socket);
         let pid = process.pid;
         let registered = self.fleet.update(|inner| {
             // The engine may have been removed (scale-in, cancel) while we were forking.
@@ -230,6 +287,10 @@ impl Manager {
                     e.pid_start_ticks = process.start_ticks;
                     e.process = Some(process.clone());
                     e.keeper_socket = keeper_socket.clone();
+                    e.record.url = hosted.url.clone();
+                    if hosted.log_path.is_some() {
+                        e.record.log_path = hosted.log_path.clone();
+                    }
                 }
             }
             moved
@@ -242,6 +303,43 @@ impl Manager {
         }
         self.watch_exit(engine_id.to_string(), process);
         Ok(())
+    }
+
+    /// Ray mode: waits until the engine's placement has an agent (the engine is then past
+    /// PENDING), and returns the binding. Fails when the engine leaves the fleet or its placement
+    /// is no longer wanted, and on shutdown.
+    async fn wait_bound(&self, engine_id: &str) -> Result<rollout_core::AgentBinding, EngineError> {
+        let mut changes = self.fleet.subscribe();
+        loop {
+            let (bound, detail_stale) = {
+                let inner = self.fleet.lock();
+                let Some(engine) = inner.engines.get(engine_id) else {
+                    return Err(EngineError::Launch(format!("{engine_id} left the fleet before an agent was bound")));
+                };
+                let placement = inner.placements.get(engine_id).filter(|p| p.desired == rollout_core::Desired::Present);
+                let Some(placement) = placement else {
+                    return Err(EngineError::Launch(format!("the placement of {engine_id} is no longer wanted")));
+                };
+                let binding = placement.agent.clone();
+                let detail = binding.is_none().then(|| PENDING_DETAIL.to_string());
+                (binding, (engine.record.detail != detail).then_some(detail))
+            };
+            if let Some(detail) = detail_stale {
+                // Shown while waiting (after a restart of the manager, for instance).
+                self.fleet.update(|inner| {
+                    if let Some(e) = inner.engines.get_mut(engine_id) {
+                        e.record.detail = detail;
+                    }
+                });
+            }
+            if let Some(binding) = bound {
+                return Ok(binding);
+            }
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return Err(EngineError::Cancelled) },
+                () = self.shutdown.cancelled() => return Err(EngineError::Cancelled),
+            }
+        }
     }
 
     /// Marks the engine FAILED when its process exits without being asked to, and schedules
@@ -294,6 +392,15 @@ impl Manager {
                 }
                 if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
                     return false; // removed, or no longer FAILED
+                }
+                if self.ray() {
+                    // The agent picks the port; the placement keeps its agent.
+                    if let Some(e) = inner.engines.get_mut(engine_id) {
+                        e.record.restarts += 1;
+                        e.record.pid = None;
+                        e.probe_failures = 0;
+                    }
+                    return true;
                 }
                 let Ok(port) = free_port(&self.config.engine_host, &inner.ports_in_use) else { return true };
                 if let Some(e) = inner.engines.get_mut(engine_id) {
@@ -478,8 +585,18 @@ impl Manager {
             Some(p) => Some(p.stop(self.shutdown_grace()).await),
             None => None,
         };
+        let ray = self.ray();
         self.fleet.update(|inner| {
-            if let Some(e) = inner.engines.get_mut(engine_id) {
+            if ray {
+                // The shim removes the placement group now, then says released.
+                if let Some(p) = inner.placements.get_mut(engine_id) {
+                    p.unwant();
+                    inner.placements_changed();
+                }
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.process = None;
+                }
+            } else if let Some(e) = inner.engines.get_mut(engine_id) {
                 let gpus = std::mem::take(&mut e.record.gpu_ids);
                 let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
                 e.process = None;

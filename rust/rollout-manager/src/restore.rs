@@ -16,15 +16,19 @@
 //!   with the fleet's weight version, through the same recovery path as a crash. Should its old
 //!   process still run (same pid *and* start time), it is killed first, so no engine process
 //!   exists without a record;
-//! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes.
+//! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes;
+//! - Ray mode: placements are restored with their agents; an engine whose agent still runs it
+//!   (Status: same pid and start time) is re-adopted like a kept one; the others are started
+//!   again through their agent (or wait for one); placements of dropped engines become desired
+//!   absent so the shim releases them.
 
+use crate::engine_host::Location;
 use crate::fleet::{Engine, EngineLoad};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
-use crate::store::{Snapshot, StoredEngine};
+use crate::store::Snapshot;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
 use std::collections::HashSet;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,10 +44,22 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     // Re-attach to live keepers first, so nothing adoptable gets killed below.
     let mut adopted = Vec::new();
     for stored in &snapshot.engines {
-        if let Some(socket) = &stored.keeper_socket {
-            if let Some(process) = adopt(stored, socket).await {
-                adopted.push((stored.record.engine_id.clone(), process));
-            }
+        let id = &stored.record.engine_id;
+        let at = if manager.ray() {
+            let agent = snapshot.placements.iter().find(|p| &p.engine_id == id).and_then(|p| p.agent.as_ref());
+            agent.map(|a| Location::Agent { agent_url: a.url.clone() })
+        } else {
+            stored
+                .keeper_socket
+                .as_ref()
+                .map(|socket| Location::Local { url: stored.record.url.clone(), keeper_socket: Some(socket.clone()) })
+        };
+        let Some(at) = at else { continue };
+        if stored.record.pid.is_none() {
+            continue;
+        }
+        if let Some(process) = manager.host().status(id, &at, stored.record.pid, stored.pid_start_ticks).await {
+            adopted.push((id.clone(), process));
         }
     }
     let (keep, drop_live) = rebuild(manager, snapshot, &adopted);
@@ -62,20 +78,6 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     }
 }
 
-/// Connects to an engine's keeper and checks it is the recorded process.
-async fn adopt(stored: &StoredEngine, socket: &Path) -> Option<crate::host::EngineProcess> {
-    let process = crate::keeper::attach(socket).await.ok()?;
-    let same = Some(process.pid) == stored.record.pid
-        && process.start_ticks.is_some()
-        && process.start_ticks == stored.pid_start_ticks;
-    if same {
-        return Some(process);
-    }
-    tracing::warn!(engine_id = %stored.record.engine_id, pid = process.pid, "keeper's engine is not the recorded process; stopping it");
-    process.stop(Duration::from_secs(5)).await;
-    None
-}
-
 type Keep = Vec<(String, Option<crate::host::EngineProcess>)>;
 type DropLive = Vec<(String, crate::host::EngineProcess)>;
 
@@ -86,7 +88,13 @@ fn rebuild(
 ) -> (Keep, DropLive) {
     let mut keep = Vec::new();
     let mut drop_live = Vec::new();
+    let ray = manager.ray();
     manager.fleet.update(|inner| {
+        for p in &snapshot.placements {
+            inner.placements.insert(p.engine_id.clone(), p.clone());
+        }
+        // Past every revision a shim may have seen before the restart.
+        inner.placement_revision = snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1;
         if let Some(meta) = &snapshot.meta {
             inner.weight_version = meta.weight_version.clone();
             inner.next_seq = meta.next_seq;
@@ -155,7 +163,7 @@ fn rebuild(
             } else {
                 Fate::Keep
             };
-            if live.is_none() && record.origin != EngineOrigin::External {
+            if live.is_none() && record.origin != EngineOrigin::External && !ray {
                 // Not adoptable: a process still running under the recorded identity is ours.
                 if let (Some(pid), Some(ticks)) = (record.pid, stored.pid_start_ticks) {
                     if process_start_ticks(pid) == Some(ticks) {
@@ -178,14 +186,16 @@ fn rebuild(
                 record.status = EngineStatus::Unhealthy;
                 record.last_error = Some("manager restarted; waiting for a passing health probe".into());
             } else {
-                if let Err(e) = inner.gpus.claim(&record.gpu_ids) {
+                if ray {
+                    // Ray owns the GPUs; the agent owns the port.
+                } else if let Err(e) = inner.gpus.claim(&record.gpu_ids) {
                     tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
                     if let Some(p) = live {
                         drop_live.push((id, p));
                     }
                     continue;
                 }
-                if let Some(port) = record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                if let Some(port) = record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).filter(|_| !ray) {
                     inner.ports_in_use.insert(port);
                 }
                 if live.is_some() {
@@ -208,6 +218,16 @@ fn rebuild(
                 keeper_socket: stored.keeper_socket,
             };
             inner.engines.insert(id, engine);
+        }
+        // Placements whose engine is gone (removed, rolled back) are released by the shim.
+        let orphans: Vec<String> =
+            inner.placements.keys().filter(|id| !inner.engines.contains_key(*id)).cloned().collect();
+        for id in orphans {
+            if let Some(p) = inner.placements.get_mut(&id) {
+                if p.desired == rollout_core::Desired::Present {
+                    p.unwant();
+                }
+            }
         }
     });
     (keep, drop_live)

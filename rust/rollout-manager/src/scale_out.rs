@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 /// How far an engine (or the operation) has come, for "the slowest engine" bookkeeping.
 fn engine_rank(s: EngineStatus) -> Option<u8> {
     match s {
-        EngineStatus::Creating => Some(0),
+        EngineStatus::Pending | EngineStatus::Creating => Some(0),
         EngineStatus::HealthChecking => Some(1),
         EngineStatus::WeightSyncing => Some(2),
         EngineStatus::Ready | EngineStatus::Active => Some(3),
@@ -62,16 +62,30 @@ pub(crate) fn advance_to(op: &mut crate::fleet::ScaleOutRecord, target: u8) {
     }
 }
 
+/// Whether an engine still waits for its placement (Ray mode, PENDING_RESOURCES).
+fn any_pending(inner: &crate::fleet::FleetInner, racing: &[String]) -> bool {
+    racing.iter().any(|id| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Pending))
+}
+
 /// Moves the operation forward to the phase of its slowest engine still in the race. Takes the
-/// write path (which wakes fleet watchers) only when there is something to move.
-fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String]) {
+/// write path (which wakes fleet watchers) only when there is something to move. The operation
+/// stays PENDING while an engine waits for resources (Ray mode).
+fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start: ScaleOutEvent) {
     let behind = {
         let inner = manager.fleet.lock();
-        let current = inner.scale_outs.get(request_id).and_then(|op| op_rank(op.status));
-        matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
+        let status = inner.scale_outs.get(request_id).map(|op| op.status);
+        let current = status.and_then(op_rank);
+        let placed = status == Some(ScaleOutStatus::Pending) && !any_pending(&inner, racing);
+        placed || matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
     };
     if behind {
         manager.fleet.update(|inner| {
+            let pending = any_pending(inner, racing);
+            if let Some(op) = inner.scale_outs.get_mut(request_id).filter(|op| op.status == ScaleOutStatus::Pending) {
+                if !pending {
+                    let _ = op.apply(start);
+                }
+            }
             if let Some(target) = slowest(inner, racing) {
                 if let Some(op) = inner.scale_outs.get_mut(request_id) {
                     advance_to(op, target);
@@ -124,8 +138,16 @@ pub async fn run(
         .any(|e| ids.contains(&e.record.engine_id) && e.record.origin == EngineOrigin::External);
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
+        let pending = any_pending(inner, &ids);
         if let Some(op) = inner.scale_outs.get_mut(request_id) {
-            let _ = op.apply(start);
+            if pending {
+                op.message = format!(
+                    "{}; waiting for resources (PENDING_RESOURCES): the Ray shim places each engine and binds its agent",
+                    op.message
+                );
+            } else {
+                let _ = op.apply(start);
+            }
         }
     });
 
@@ -144,7 +166,7 @@ pub async fn run(
             _ = cancel.cancelled() => break End::Cancelled,
             _ = manager.shutdown.cancelled() => break End::ShuttingDown,
             _ = tokio::time::sleep_until(deadline) => break End::TimedOut,
-            Ok(()) = changes.changed() => follow_slowest(manager, request_id, &racing),
+            Ok(()) = changes.changed() => follow_slowest(manager, request_id, &racing, start),
             next = pipelines.next() => match next {
                 None => break End::Done,
                 Some((id, result)) => {
@@ -157,7 +179,7 @@ pub async fn run(
                             break End::RollBack;
                         }
                     }
-                    follow_slowest(manager, request_id, &racing);
+                    follow_slowest(manager, request_id, &racing, start);
                 }
             },
         }
@@ -240,6 +262,9 @@ pub async fn run(
         if let Some(op) = inner.scale_outs.get_mut(request_id) {
             op.failed_engines = failed.clone();
             op.error_message = message.clone();
+            if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
+                let _ = op.apply(start);
+            }
             if event == ScaleOutEvent::Activated {
                 // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
                 advance_to(op, 3);

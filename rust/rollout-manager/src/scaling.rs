@@ -195,7 +195,8 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
             return Ok((accepted, None));
         }
         let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
-        if needed > inner.gpus.free() {
+        // In Ray mode the cluster's capacity decides: engines wait in PENDING_RESOURCES.
+        if !manager.ray() && needed > inner.gpus.free() {
             return Err(ApiError::bad_request(
                 "insufficient_gpus",
                 format!(

@@ -33,12 +33,16 @@ pub enum StartError {
     Token(#[from] crate::auth::TokenError),
     #[error("cannot build the HTTP client: {0}")]
     Http(#[from] reqwest::Error),
+    #[error("--api-socket {path}: {message}")]
+    Socket { path: String, message: String },
 }
 
 pub struct Server {
     manager: Arc<Manager>,
     control: TcpListener,
     data: TcpListener,
+    /// `--api-socket`: the control API again, on a Unix socket (mode 0600).
+    socket: Option<(tokio::net::UnixListener, std::path::PathBuf)>,
     /// What `--state-dir` held at startup; empty on a first start.
     snapshot: crate::store::Snapshot,
     /// The API token, if configured.
@@ -59,6 +63,10 @@ impl Server {
         };
         let control = bind("--port", config.port).await?;
         let data = bind("--router-port", config.router_port).await?;
+        let socket = match &config.api_socket {
+            Some(path) => Some((bind_private_socket(path)?, path.clone())),
+            None => None,
+        };
         let token = crate::auth::load(config.api_token_file.as_deref())?;
         if !is_loopback(&config.host) && token.is_none() {
             tracing::warn!(
@@ -78,8 +86,8 @@ impl Server {
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
         let autoscaler = crate::autoscaler::load_config(config.autoscaler_config.as_deref())?;
-        let manager = Manager::new(config, launcher, Some(store))?;
-        Ok(Self { manager, control, data, snapshot, autoscaler, token })
+        let manager = Manager::new(config, launcher, Some(store), token.as_deref())?;
+        Ok(Self { manager, control, data, socket, snapshot, autoscaler, token })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -92,7 +100,7 @@ impl Server {
 
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data, snapshot, autoscaler, token } = self;
+        let Self { manager, control, data, socket, snapshot, autoscaler, token } = self;
         let cancels = Arc::new(Cancels::default());
         let autoscaler = crate::autoscaler::Autoscaler::new(manager.clone(), cancels.clone(), autoscaler);
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
@@ -125,6 +133,17 @@ impl Server {
             crate::restore::restore(&manager, snapshot).await;
         }
         let servers = tokio_util::task::TaskTracker::new();
+        if let Some((listener, path)) = socket {
+            let stop = manager.shutdown.clone();
+            let app = api.clone();
+            servers.spawn(async move {
+                let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+                if let Err(e) = served.await {
+                    tracing::error!(error = %e, "HTTP server on --api-socket failed");
+                }
+                let _ = std::fs::remove_file(&path);
+            });
+        }
         for (listener, app) in [(control, api), (data, router)] {
             let stop = manager.shutdown.clone();
             servers.spawn(async move {
@@ -160,6 +179,38 @@ impl Server {
         tracing::info!("shutdown complete");
         Ok(())
     }
+}
+
+/// Binds the control API's Unix socket so that it is never reachable with wider permissions
+/// than 0600: it is bound under a temporary name beside the final path, restricted, then
+/// renamed into place. A socket file left by a dead manager is removed; one that answers (a
+/// live manager) or a path that is not a socket is refused.
+fn bind_private_socket(path: &std::path::Path) -> Result<tokio::net::UnixListener, StartError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let fail = |message: String| StartError::Socket { path: path.display().to_string(), message };
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(fail("another process is listening on it; stop it or pick another path".into()));
+            }
+            std::fs::remove_file(path).map_err(|e| fail(format!("cannot remove the stale socket: {e}")))?;
+            tracing::info!(path = %path.display(), "removed a stale --api-socket left by an earlier run");
+        }
+        Ok(_) => return Err(fail("exists and is not a socket; remove it or pick another path".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail(e.to_string())),
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temp = dir.join(format!(".{name}.{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    let listener = tokio::net::UnixListener::bind(&temp).map_err(|e| fail(format!("cannot bind: {e}")))?;
+    let placed = std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&temp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temp);
+        return Err(fail(format!("cannot make it private: {e}")));
+    }
+    Ok(listener)
 }
 
 fn is_loopback(host: &str) -> bool {

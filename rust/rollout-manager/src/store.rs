@@ -23,8 +23,17 @@ const ENGINES: TableDefinition<&str, &str> = TableDefinition::new("engines");
 const SCALE_OUTS: TableDefinition<&str, &str> = TableDefinition::new("scale_outs");
 const SCALE_INS: TableDefinition<&str, &str> = TableDefinition::new("scale_ins");
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
-const TABLES: [(&str, TableDefinition<&str, &str>); 4] =
-    [("engines", ENGINES), ("scale_outs", SCALE_OUTS), ("scale_ins", SCALE_INS), ("meta", META)];
+/// Every table maps an id to a JSON record.
+type Table = TableDefinition<'static, &'static str, &'static str>;
+/// Ray mode: each engine's placement, with the agent bound to it.
+const PLACEMENTS: TableDefinition<&str, &str> = TableDefinition::new("placements");
+const TABLES: [(&str, TableDefinition<&str, &str>); 5] = [
+    ("engines", ENGINES),
+    ("scale_outs", SCALE_OUTS),
+    ("scale_ins", SCALE_INS),
+    ("meta", META),
+    ("placements", PLACEMENTS),
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -51,6 +60,8 @@ pub struct StoredEngine {
 pub struct Meta {
     pub next_seq: u64,
     pub weight_version: String,
+    #[serde(default)]
+    pub placement_revision: u64,
 }
 
 /// Everything the store held at startup.
@@ -59,6 +70,7 @@ pub struct Snapshot {
     pub engines: Vec<StoredEngine>,
     pub scale_outs: Vec<ScaleOutRecord>,
     pub scale_ins: Vec<ScaleInRecord>,
+    pub placements: Vec<rollout_core::Placement>,
     pub meta: Option<Meta>,
     /// Published versions and updates (`meta` key `weights`).
     pub weights: Option<crate::weights::WeightsState>,
@@ -66,7 +78,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn is_empty(&self) -> bool {
-        self.engines.is_empty() && self.scale_outs.is_empty() && self.scale_ins.is_empty()
+        self.engines.is_empty() && self.scale_outs.is_empty() && self.scale_ins.is_empty() && self.placements.is_empty()
     }
 }
 
@@ -83,6 +95,7 @@ struct Written {
     engines: HashMap<String, StoredEngine>,
     scale_outs: HashMap<String, ScaleOutRecord>,
     scale_ins: HashMap<String, ScaleInRecord>,
+    placements: HashMap<String, rollout_core::Placement>,
     meta: Option<Meta>,
     weights: Option<crate::weights::WeightsState>,
 }
@@ -143,6 +156,7 @@ impl Store {
         let engines: Vec<StoredEngine> = decode(&self.path, rows(ENGINES)?)?;
         let scale_outs: Vec<ScaleOutRecord> = decode(&self.path, rows(SCALE_OUTS)?)?;
         let scale_ins: Vec<ScaleInRecord> = decode(&self.path, rows(SCALE_INS)?)?;
+        let placements: Vec<rollout_core::Placement> = decode(&self.path, rows(PLACEMENTS)?)?;
         let meta_rows = rows(META)?;
         let pick = |key: &str| meta_rows.iter().filter(|(k, _)| k == key).cloned().collect::<Vec<_>>();
         let meta = decode::<Meta>(&self.path, pick("fleet"))?.pop();
@@ -153,9 +167,10 @@ impl Store {
         written.engines = engines.iter().map(|e| (e.record.engine_id.clone(), e.clone())).collect();
         written.scale_outs = scale_outs.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
         written.scale_ins = scale_ins.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
+        written.placements = placements.iter().map(|p| (p.engine_id.clone(), p.clone())).collect();
         written.meta = meta.clone();
         written.weights = weights.clone();
-        Ok(Snapshot { engines, scale_outs, scale_ins, meta, weights })
+        Ok(Snapshot { engines, scale_outs, scale_ins, placements, meta, weights })
     }
 
     /// Commits the registry's current contents, writing only what changed since the last sync.
@@ -183,16 +198,27 @@ impl Store {
             inner.scale_outs.values().filter(|r| written.scale_outs.get(r.request_id.as_str()) != Some(*r)).collect();
         let scale_ins: Vec<&ScaleInRecord> =
             inner.scale_ins.values().filter(|r| written.scale_ins.get(r.request_id.as_str()) != Some(*r)).collect();
-        let meta = Meta { next_seq: inner.next_seq, weight_version: inner.weight_version.clone() };
+        let placements: Vec<&rollout_core::Placement> =
+            inner.placements.values().filter(|p| written.placements.get(p.engine_id.as_str()) != Some(*p)).collect();
+        let meta = Meta {
+            next_seq: inner.next_seq,
+            weight_version: inner.weight_version.clone(),
+            placement_revision: inner.placement_revision,
+        };
         let meta_changed = written.meta.as_ref() != Some(&meta);
         let weights_changed = written.weights.as_ref() != Some(&inner.weights);
         let deletes = [
             ("engines", gone(&written.engines, &inner.engines)),
             ("scale_outs", gone(&written.scale_outs, &inner.scale_outs)),
             ("scale_ins", gone(&written.scale_ins, &inner.scale_ins)),
+            ("placements", gone(&written.placements, &inner.placements)),
         ];
         let nothing_deleted = deletes.iter().all(|(_, keys)| keys.is_empty());
-        if engines.is_empty() && scale_outs.is_empty() && scale_ins.is_empty() && !meta_changed
+        if engines.is_empty()
+            && scale_outs.is_empty()
+            && scale_ins.is_empty()
+            && placements.is_empty()
+            && !meta_changed
             && !weights_changed
             && nothing_deleted
         {
@@ -200,10 +226,11 @@ impl Store {
         }
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         // One table open at a time (redb refuses a second handle on an open table).
-        let upserts: [(TableDefinition<&str, &str>, Vec<(&str, String)>); 4] = [
+        let upserts: [(Table, Vec<(&str, String)>); 5] = [
             (ENGINES, engines.iter().map(|e| (e.record.engine_id.as_str(), to_json(e))).collect()),
             (SCALE_OUTS, scale_outs.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
             (SCALE_INS, scale_ins.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
+            (PLACEMENTS, placements.iter().map(|p| (p.engine_id.as_str(), to_json(p))).collect()),
             (
                 META,
                 [
@@ -245,13 +272,16 @@ impl Store {
         for r in scale_ins {
             written.scale_ins.insert(r.request_id.clone(), r.clone());
         }
+        for p in placements {
+            written.placements.insert(p.engine_id.clone(), p.clone());
+        }
         if meta_changed {
             written.meta = Some(meta);
         }
         if weights_changed {
             written.weights = Some(inner.weights.clone());
         }
-        let [(_, e), (_, o), (_, i)] = deletes;
+        let [(_, e), (_, o), (_, i), (_, p)] = deletes;
         for k in e {
             written.engines.remove(&k);
         }
@@ -260,6 +290,9 @@ impl Store {
         }
         for k in i {
             written.scale_ins.remove(&k);
+        }
+        for k in p {
+            written.placements.remove(&k);
         }
         Ok(())
     }

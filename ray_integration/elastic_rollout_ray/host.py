@@ -1,0 +1,109 @@
+"""The engine-host actor: runs ``rollout-manager agent`` on the GPUs Ray assigned to one engine.
+
+One host actor lives in each engine's placement group. It starts the agent with
+``--listen <node_ip>:0 --ready-file <f>`` and ``CUDA_VISIBLE_DEVICES`` set to the GPUs Ray gave
+the actor, waits for the ready file (the agent's bound URL), and reports ``{url, node_id,
+gpu_ids}`` for the manager's bind. If the agent exits, it is restarted on the same port (so the
+manager's stored URL stays valid and it sees the engines gone). The agent dies with the actor
+(parent-death signal) and stops its engines; :meth:`EngineHostImpl.stop` does the same politely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from elastic_rollout_ray.process import SupervisedProcess
+
+__all__ = ["EngineHostImpl", "agent_work_dir"]
+
+
+def agent_work_dir(namespace: str, engine_id: str) -> Path:
+    """A new node-local directory (0700) for one host's agent: ready file, state, engine logs.
+    Unique per host, so fleets and restarts never share one."""
+    parent = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / namespace
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix=f"{engine_id}-", dir=parent))
+
+
+def _read_url(ready_file: Path) -> str | None:
+    try:
+        url = json.loads(ready_file.read_text()).get("url")
+    except (OSError, ValueError):
+        return None
+    return url if isinstance(url, str) and url else None
+
+
+class EngineHostImpl:
+    """Holds one agent process; the Ray actor class is built from this in :mod:`.actors`."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        binary: str,
+        namespace: str,
+        node_ip: str,
+        node_id: str,
+        gpu_ids: list[str],
+        ready_timeout: float = 60.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.node_id = node_id
+        self.gpu_ids = gpu_ids
+        work = agent_work_dir(namespace, engine_id)
+        self.ready_file = work / "agent.ready.json"
+        self.ready_file.unlink(missing_ok=True)
+        argv = [
+            binary,
+            "agent",
+            "--listen",
+            f"{node_ip}:0",
+            "--ready-file",
+            str(self.ready_file),
+            "--state-dir",
+            str(work / "state"),
+        ]
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        self._process = SupervisedProcess(
+            argv,
+            log_path=work / "agent.log",
+            ready=lambda _p: _read_url(self.ready_file) is not None,
+            ready_timeout=ready_timeout,
+            restart=True,
+            restart_argv=self._restart_argv,
+            env=env,
+            name=f"agent of {engine_id}",
+        )
+        self._process.start()
+        url = _read_url(self.ready_file)
+        assert url is not None
+        self.url = url
+
+    def _restart_argv(self, process: SupervisedProcess) -> list[str]:
+        argv = list(process.argv)
+        argv[argv.index("--listen") + 1] = urlsplit(self.url).netloc
+        self.ready_file.unlink(missing_ok=True)
+        return argv
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "url": self.url,
+            "node_id": self.node_id,
+            "gpu_ids": self.gpu_ids,
+            "pid": self._process.pid,
+            "running": self._process.running(),
+            "restarts": self._process.restarts,
+            "log": str(self._process.log_path),
+        }
+
+    def alive(self) -> bool:
+        return self._process.running()
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        return self._process.stop(grace)

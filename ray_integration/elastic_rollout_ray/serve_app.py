@@ -1,0 +1,90 @@
+"""Ray Serve ingress: ``/rollout/*``, ``/autoscaler/*``, ``/metrics``, ``/health`` and
+``/openapi.json`` on Serve's HTTP port, forwarded to the manager's Unix socket.
+
+Each request is passed on as it came (method, path, query, body, ``Content-Type`` and
+``Authorization``), and the manager's answer (status, body, ``Content-Type``) is returned as it
+is, so the manager's validation, token auth and error model apply unchanged. If the manager cannot
+be reached the answer is 503 with a JSON error in the manager's own shape. The replica must run on
+the manager's node (the socket is node-local); the launcher pins it there. The data plane
+(``/generate``) stays on the manager's router port.
+"""
+
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from elastic_rollout_ray.uds import BASE_URL
+
+__all__ = ["RolloutIngress", "build_app"]
+
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+#: Longer than the longest long-poll the manager allows (60 s).
+TIMEOUT = 75.0
+
+# FastAPI's own docs would describe only the catch-all routes: /openapi.json is the manager's.
+app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=256)
+@serve.ingress(app)
+class RolloutIngress:
+    def __init__(self, api_socket: str) -> None:
+        self.api_socket = api_socket
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=api_socket), base_url=BASE_URL, timeout=TIMEOUT
+        )
+
+    async def _forward(self, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        try:
+            resp = await self.client.request(
+                request.method,
+                request.url.path,
+                params=request.url.query or None,
+                content=await request.body(),
+                headers=headers,
+            )
+        except httpx.HTTPError as err:
+            body = {
+                "error": {
+                    "code": "manager_unreachable",
+                    "message": f"the rollout manager does not answer on its socket ({err.__class__.__name__}); "
+                    "it may be restarting: retry in a few seconds",
+                }
+            }
+            return JSONResponse(body, status_code=503)
+        out_headers = {}
+        if "content-type" in resp.headers:
+            out_headers["content-type"] = resp.headers["content-type"]
+        return Response(content=resp.content, status_code=resp.status_code, headers=out_headers)
+
+    @app.api_route("/rollout/{rest:path}", methods=METHODS)
+    async def rollout(self, rest: str, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.api_route("/autoscaler/{rest:path}", methods=METHODS)
+    async def autoscaler(self, rest: str, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.get("/health")
+    async def health(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @app.get("/openapi.json")
+    async def openapi(self, request: Request) -> Response:
+        return await self._forward(request)
+
+
+def build_app(api_socket: str, node_ip: str) -> Any:  # noqa: ANN401
+    """The Serve application, its replica pinned to ``node_ip`` (where the socket is)."""
+    return RolloutIngress.options(ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}).bind(
+        api_socket
+    )

@@ -1,0 +1,203 @@
+//! The placements API of Ray mode (docs/ray.md): how the manager's placement decisions reach the
+//! Ray shim and how the shim reports back.
+//!
+//! - `GET /rollout/placements?after=<revision>&wait_secs=<n>`: every placement and the current
+//!   revision; a long poll when `after` is the current revision (up to `wait_secs`, at most 60).
+//! - `POST /rollout/placements/{engine_id}/bind`: an agent now hosts the engine's placement. The
+//!   engine leaves PENDING and is launched through that agent. Idempotent for the same agent;
+//!   409 when another agent that still answers is bound (a dead one is replaced, and the engine
+//!   is recovered through the new one).
+//! - `POST /rollout/placements/{engine_id}/released`: the shim removed the placement group of a
+//!   placement that is desired absent; the manager forgets it.
+//!
+//! Every change is committed to the store under the registry lock (as all fleet changes are), so
+//! a restarted manager keeps the placements and their agents.
+
+use crate::api::ApiState;
+use crate::error::ApiError;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use rollout_core::{AgentBinding, BindOutcome, EngineEvent, EngineStatus, PlacementConflict};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Longest long poll.
+pub const MAX_WAIT_SECS: f64 = 60.0;
+
+pub fn routes() -> Router<ApiState> {
+    Router::new()
+        .route("/rollout/placements", get(list))
+        .route("/rollout/placements/{engine_id}/bind", post(bind))
+        .route("/rollout/placements/{engine_id}/released", post(released))
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    after: Option<u64>,
+    wait_secs: Option<f64>,
+}
+
+fn snapshot(s: &ApiState) -> (u64, Value) {
+    let inner = s.manager.fleet.lock();
+    let placements: Vec<&rollout_core::Placement> = inner.placements.values().collect();
+    (inner.placement_revision, json!({ "revision": inner.placement_revision, "placements": placements }))
+}
+
+async fn list(
+    State(s): State<ApiState>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Query(q) = query.map_err(|e| {
+        ApiError::bad_request(
+            "invalid_query",
+            format!("{e}; use ?after=<revision>&wait_secs=<seconds>, both non-negative numbers"),
+        )
+    })?;
+    let wait = q.wait_secs.unwrap_or(0.0);
+    if !(wait.is_finite() && (0.0..=MAX_WAIT_SECS).contains(&wait)) {
+        return Err(ApiError::bad_request(
+            "invalid_wait_secs",
+            format!("wait_secs {wait} must be between 0 and {MAX_WAIT_SECS} seconds"),
+        ));
+    }
+    let mut changes = s.manager.fleet.subscribe();
+    let (revision, body) = snapshot(&s);
+    let Some(after) = q.after.filter(|a| *a >= revision) else { return Ok(Json(body)) };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
+    loop {
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { break },
+            () = tokio::time::sleep_until(deadline) => break,
+            () = s.manager.shutdown.cancelled() => break,
+        }
+        if s.manager.fleet.lock().placement_revision > after {
+            break;
+        }
+    }
+    Ok(Json(snapshot(&s).1))
+}
+
+/// Body of `POST /rollout/placements/{engine_id}/bind`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BindRequest {
+    agent_url: String,
+    #[serde(default)]
+    node_id: String,
+    #[serde(default)]
+    gpu_ids: Vec<String>,
+}
+
+fn unknown(engine_id: &str) -> ApiError {
+    ApiError::not_found(
+        "unknown_placement",
+        format!("no placement for engine {engine_id:?}; list them with GET /rollout/placements"),
+    )
+}
+
+fn conflict(e: &PlacementConflict) -> ApiError {
+    let code = match e {
+        PlacementConflict::NotWanted(_) => "placement_not_wanted",
+        PlacementConflict::BoundElsewhere { .. } => "placement_bound_elsewhere",
+        PlacementConflict::StillWanted(_) => "placement_still_wanted",
+    };
+    ApiError::conflict(code, e.to_string())
+}
+
+fn placement_json(s: &ApiState, engine_id: &str) -> Result<Json<Value>, ApiError> {
+    let inner = s.manager.fleet.lock();
+    let p = inner.placements.get(engine_id).ok_or_else(|| unknown(engine_id))?;
+    serde_json::to_value(p).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
+}
+
+/// Placements exist only in Ray mode.
+fn ray_only(s: &ApiState) -> Result<(), ApiError> {
+    if s.manager.ray() {
+        return Ok(());
+    }
+    Err(ApiError::conflict(
+        "not_ray_placement",
+        "this manager runs with --placement local and has no placements; start it with --placement ray",
+    ))
+}
+
+async fn bind(
+    State(s): State<ApiState>,
+    Path(engine_id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    ray_only(&s)?;
+    let req: BindRequest = crate::api::parse_body(&body)?;
+    let agent_url = crate::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
+        ApiError::bad_request(
+            "invalid_agent_url",
+            format!("agent_url {:?} must be the agent's base URL, http://<node_ip>:<port>", req.agent_url),
+        )
+    })?;
+    if req.gpu_ids.iter().any(|g| g.is_empty() || !g.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')) {
+        return Err(ApiError::bad_request(
+            "invalid_gpu_ids",
+            format!("gpu_ids {:?} must be GPU ids as Ray reports them (e.g. [\"0\", \"1\"])", req.gpu_ids),
+        ));
+    }
+    let per_engine = s.manager.config.rollout_num_gpus_per_engine as usize;
+    if !req.gpu_ids.is_empty() && req.gpu_ids.len() != per_engine {
+        return Err(ApiError::bad_request(
+            "invalid_gpu_ids",
+            format!("gpu_ids has {} ids but an engine takes {per_engine} GPUs", req.gpu_ids.len()),
+        ));
+    }
+    let previous = {
+        let inner = s.manager.fleet.lock();
+        let p = inner.placements.get(&engine_id).ok_or_else(|| unknown(&engine_id))?;
+        p.agent.as_ref().map(|a| a.url.clone()).filter(|u| *u != agent_url)
+    };
+    // Only a live agent keeps its placement; asked outside the lock.
+    let previous_live = match &previous {
+        Some(url) => s.manager.agents.is_live(url).await,
+        None => false,
+    };
+    let binding = AgentBinding { url: agent_url.clone(), node_id: req.node_id.clone(), gpu_ids: req.gpu_ids.clone() };
+    let outcome = s.manager.fleet.update(|inner| {
+        let p = inner.placements.get_mut(&engine_id).ok_or_else(|| unknown(&engine_id))?;
+        let outcome = p.bind(binding, previous_live).map_err(|e| conflict(&e))?;
+        if outcome != BindOutcome::Same {
+            inner.placements_changed();
+            if let Some(e) = inner.engines.get_mut(&engine_id) {
+                e.record.detail = None;
+                e.record.gpu_ids = req.gpu_ids.iter().filter_map(|g| g.parse().ok()).collect();
+            }
+            if inner.engines.get(&engine_id).is_some_and(|e| e.record.status == EngineStatus::Pending) {
+                let _ = inner.engine_event(&engine_id, EngineEvent::Bound);
+            }
+        }
+        Ok::<_, ApiError>(outcome)
+    })?;
+    match &outcome {
+        BindOutcome::Bound => tracing::info!(engine_id, agent = %agent_url, node_id = %req.node_id, "placement bound"),
+        BindOutcome::Same => {}
+        BindOutcome::Replaced { previous } => {
+            tracing::warn!(engine_id, old = %previous.url, new = %agent_url, "placement re-bound: the old agent is gone");
+            // Its engine went with the old agent: recover it through the new one.
+            s.manager.agents.forget(&previous.url, &engine_id);
+        }
+    }
+    placement_json(&s, &engine_id)
+}
+
+async fn released(State(s): State<ApiState>, Path(engine_id): Path<String>) -> Result<Json<Value>, ApiError> {
+    ray_only(&s)?;
+    s.manager.fleet.update(|inner| {
+        let p = inner.placements.get(&engine_id).ok_or_else(|| unknown(&engine_id))?;
+        p.check_released().map_err(|e| conflict(&e))?;
+        inner.placements.remove(&engine_id);
+        inner.placements_changed();
+        Ok::<_, ApiError>(())
+    })?;
+    tracing::info!(engine_id, "placement released");
+    Ok(Json(json!({ "engine_id": engine_id, "released": true })))
+}

@@ -1,0 +1,392 @@
+"""The whole Ray mode end to end, on a real local Ray cluster with logical GPUs.
+
+``ray job submit -- python -m elastic_rollout_ray.launch --fully-async ...`` starts the manager
+(real ``rollout-manager serve --placement ray``), the reconciler and the Serve ingress; engines are
+``sglang-sim`` processes hosted by real ``rollout-manager agent`` processes in Ray placement groups.
+The tests share one fleet and run in file order: start (2 engines), scale-out to 4, /generate,
+engine crash, manager crash, scale-in to 2, a scale-out beyond the cluster's GPUs that waits in
+PENDING_RESOURCES until a node joins, and finally ``ray job stop`` leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _support import ProcessIdentity, http, wait_until
+from _ray_support import HEAD_GPUS, RayCluster, free_port
+from elastic_rollout import RolloutApiError, RolloutClient
+
+NAMESPACE = "er-test"
+STARTUP = 180.0
+
+
+@dataclass
+class RayFleet:
+    job_id: str
+    control_url: str
+    router_url: str
+    client: RolloutClient
+    ray: RayCluster
+    seen: dict[int, ProcessIdentity]
+
+    def job_logs(self) -> str:
+        done = subprocess.run(
+            [*self.ray.ray_cli(), "job", "logs", self.job_id], capture_output=True, text=True, env=self.ray.env,
+            timeout=60, check=False,
+        )  # fmt: skip
+        return done.stdout[-6000:] + done.stderr[-2000:]
+
+    def engines(self) -> list[dict[str, Any]]:
+        view = self.client.engines()
+        for e in view.engines:
+            if e.pid:
+                ident = ProcessIdentity.of(e.pid)
+                if ident is not None:
+                    self.seen.setdefault(e.pid, ident)
+        return [e.raw for e in view.engines]
+
+    def active(self) -> list[dict[str, Any]]:
+        return [e for e in self.engines() if e["status"] == "ACTIVE"]
+
+
+def er_placement_groups() -> dict[str, dict[str, Any]]:
+    """Our placement groups that Ray has not removed, by name."""
+    from ray.util.placement_group import placement_group_table
+
+    return {
+        info["name"]: info
+        for info in placement_group_table().values()
+        if (info.get("name") or "").startswith("er-") and info.get("state") != "REMOVED"
+    }
+
+
+def gpus_taken() -> float:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0.0) - ray.available_resources().get("GPU", 0.0)
+
+
+def manager_info() -> dict[str, Any]:
+    import ray
+
+    info: dict[str, Any] = ray.get(ray.get_actor("er-manager", namespace=NAMESPACE).info.remote(), timeout=30)
+    return info
+
+
+#: The fleet runs with an API token: the reconciler must send it, and Serve must pass it through.
+TOKEN = "ray-test-token-0123456789"
+
+
+def launch_args(state_dir: Path, serve_port: int) -> list[str]:
+    token_file = state_dir / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    return [
+        "--api-token-file", str(token_file), "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+        "--namespace", NAMESPACE, "--serve-port", str(serve_port), "--router-port", "0",
+        "--state-dir", str(state_dir), "--api-socket", str(state_dir / "api.sock"), "--engine-arg=--time-scale=0.01", "--health-check-interval-secs", "1",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
+    state_dir = tmp_path_factory.mktemp("er-state")
+    serve_port = free_port()
+    job_id = f"er-test-{os.getpid()}"
+    entrypoint = [sys.executable, "-m", "elastic_rollout_ray.launch", *launch_args(state_dir, serve_port)]
+    submit = subprocess.run(
+        [*ray_cluster.ray_cli(), "job", "submit", "--no-wait", "--submission-id", job_id, "--", *entrypoint],
+        capture_output=True, text=True, env=ray_cluster.env, timeout=120, check=False,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    fleet = RayFleet(job_id, "", "", RolloutClient("http://127.0.0.1:1"), ray_cluster, {})
+
+    def ready() -> dict[str, Any] | None:
+        for line in fleet.job_logs().splitlines():
+            if line.startswith("ELASTIC_ROLLOUT_READY "):
+                found: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+                return found
+        status = job_status(ray_cluster, job_id)
+        assert status in ("PENDING", "RUNNING"), f"job {status}:\n{fleet.job_logs()}"
+        return None
+
+    where = wait_until(ready, STARTUP, lambda: f"the launcher's ready line; logs:\n{fleet.job_logs()}", interval=1)
+    fleet.control_url, fleet.router_url = where["control_url"], where["router_url"]
+    fleet.client = RolloutClient(fleet.control_url, token=TOKEN)
+    try:
+        yield fleet
+    finally:
+        if job_status(ray_cluster, job_id) in ("PENDING", "RUNNING"):
+            subprocess.run([*ray_cluster.ray_cli(), "job", "stop", job_id], env=ray_cluster.env, timeout=300, check=False)
+
+
+def job_status(ray_cluster: RayCluster, job_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return str(JobSubmissionClient(ray_cluster.dashboard_url).get_job_status(job_id).value)
+
+
+def wait_engines(fleet: RayFleet, count: int, timeout: float = STARTUP) -> list[dict[str, Any]]:
+    def check() -> list[dict[str, Any]] | None:
+        engines = fleet.engines()
+        active = [e for e in engines if e["status"] == "ACTIVE"]
+        return active if len(active) == count and len(engines) == count else None
+
+    return wait_until(check, timeout, lambda: f"{count} ACTIVE engines; engines: {fleet.engines()}\n{fleet.job_logs()}")
+
+
+# -- before anything runs ----------------------------------------------------------------------
+
+
+def test_launch_validates_before_touching_the_cluster(ray_cluster: RayCluster, manager_bin: Path) -> None:
+    launch = [sys.executable, "-m", "elastic_rollout_ray.launch"]
+    bad = subprocess.run([*launch, "--fully-async", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+                         capture_output=True, text=True, env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
+    assert bad.returncode == 2
+    # The manager's own message for the same flags.
+    direct = subprocess.run([str(manager_bin), "serve", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert direct.stderr.strip() and direct.stderr.strip() in bad.stderr
+    not_async = subprocess.run([*launch, "--rollout-num-gpus", "2"], capture_output=True, text=True,
+                               env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
+    assert not_async.returncode == 2 and "--fully-async" in not_async.stderr and "fully-async pipeline" in not_async.stderr
+    local = subprocess.run([*launch, "--fully-async", "--placement", "local"], capture_output=True, text=True,
+                           env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
+    assert local.returncode == 2 and "--placement" in local.stderr
+    assert er_placement_groups() == {}
+    assert gpus_taken() == 0
+
+
+# -- the fleet ----------------------------------------------------------------------------------
+
+
+def test_job_starts_the_initial_engines_in_placement_groups(fleet: RayFleet) -> None:
+    engines = wait_engines(fleet, 2)
+    pgs = wait_until(lambda: (p := er_placement_groups()) and len(p) == 2 and p, 60, "2 placement groups")
+    assert set(pgs) == {f"er-{e['engine_id']}" for e in engines}
+    assert all(p["strategy"] == "STRICT_PACK" and p["state"] == "CREATED" for p in pgs.values())
+    assert gpus_taken() == 2
+    placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    assert sorted(p["status"] for p in placements) == ["BOUND", "BOUND"]
+    assert all(p["initial"] and p["agent"]["url"].startswith("http://") for p in placements)
+
+
+def test_serve_forwards_answers_as_the_manager_gives_them(fleet: RayFleet) -> None:
+    import httpx
+
+    socket_path = manager_info()["api_socket"]
+    direct = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url="http://manager")
+    cases = [
+        ("POST", "/rollout/scale_out", {"num_replicas": "four"}),
+        ("POST", "/rollout/scale_in", {"num_replicas": 0, "engine_urls": ["ftp://x"]}),
+        ("GET", "/rollout/scale_out/no-such-request", None),
+        ("GET", "/rollout/placements?after=0", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/health", None),
+    ]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for method, path, body in cases:
+        raw = None if body is None else json.dumps(body).encode()
+        via_serve = http(method, fleet.control_url + path, raw_body=raw, headers=auth)
+        via_socket = direct.request(method, path, content=raw, headers={"Content-Type": "application/json", **auth})
+        assert via_serve.status == via_socket.status_code, (path, via_serve.body)
+        assert via_serve.headers["content-type"] == via_socket.headers["content-type"]
+        if via_serve.status >= 400:
+            assert via_serve.json() == via_socket.json() and via_serve.json()["error"]["message"]
+    direct.close()
+    # Without the token a mutating request is refused by the manager, through Serve too.
+    refused = http("POST", fleet.control_url + "/rollout/scale_out", {"num_replicas": 2})
+    assert refused.status == 401 and "Bearer" in refused.json()["error"]["message"]
+    assert fleet.client.scale_out(num_replicas=2).status  # with it, accepted (a no-op at 2 engines)
+
+
+def test_scale_out_to_4_through_serve_takes_4_gpus(fleet: RayFleet) -> None:
+    accepted = fleet.client.scale_out(num_replicas=4)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, timeout=STARTUP)
+    assert op.status == "ACTIVE", op
+    wait_engines(fleet, 4)
+    assert len(wait_until(lambda: len(er_placement_groups()) == 4 and er_placement_groups(), 60, "4 PGs")) == 4
+    assert gpus_taken() == 4
+
+
+def parent_cmdline(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    return Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_generate_through_the_router_reaches_agent_hosted_engines(fleet: RayFleet) -> None:
+    engines = fleet.active()
+    assert len(engines) == 4
+    for e in engines:  # every engine is a child of a node agent, not of the manager
+        assert " agent " in parent_cmdline(e["pid"]), parent_cmdline(e["pid"])
+    for _ in range(8):
+        resp = http("POST", fleet.router_url + "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+        assert resp.status == 200, resp.body
+        assert resp.json()["text"]
+
+
+def test_a_killed_engine_is_recovered_by_its_agent(fleet: RayFleet) -> None:
+    victim = next(e for e in fleet.active() if e["pid"])
+    ident = ProcessIdentity.of(victim["pid"])
+    assert ident is not None
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    def recovered() -> bool:
+        now = next((e for e in fleet.engines() if e["engine_id"] == victim["engine_id"]), None)
+        return bool(now and now["status"] == "ACTIVE" and now["pid"] and now["pid"] != victim["pid"])
+
+    wait_until(recovered, STARTUP, lambda: f"{victim['engine_id']} restarted; {fleet.engines()}")
+    assert not ident.alive()
+    wait_engines(fleet, 4)
+
+
+def test_a_killed_manager_is_restarted_and_readopts_every_engine(fleet: RayFleet) -> None:
+    before = {e["engine_id"]: e["pid"] for e in wait_engines(fleet, 4)}
+    info = manager_info()
+    os.kill(info["pid"], signal.SIGKILL)
+    wait_until(lambda: manager_info()["pid"] != info["pid"] and manager_info()["running"], 120, "a restarted manager")
+
+    def readopted() -> dict[str, int] | None:
+        try:
+            now = {e["engine_id"]: e["pid"] for e in fleet.active()}
+        except RolloutApiError as err:  # 503 from Serve while the manager restarts
+            assert err.status == 503, err
+            return None
+        return now if len(now) == 4 else None
+
+    after = wait_until(readopted, STARTUP, lambda: f"4 ACTIVE engines after the restart; {fleet.engines()}")
+    assert after == before  # the same engines, same processes: re-adopted, not restarted
+    assert manager_info()["router_url"] == info["router_url"]
+    assert len(er_placement_groups()) == 4
+
+
+def test_scale_in_to_2_returns_the_gpus(fleet: RayFleet) -> None:
+    accepted = fleet.client.scale_in(num_replicas=2)
+    op = fleet.client.wait_for_operation("scale_in", accepted.request_id, timeout=STARTUP)
+    assert op.status == "COMPLETED", op
+    wait_engines(fleet, 2)
+    wait_until(lambda: len(er_placement_groups()) == 2, 120, lambda: f"2 PGs; {er_placement_groups().keys()}")
+    wait_until(lambda: gpus_taken() == 2, 60, "2 GPUs back")
+
+
+def test_a_killed_reconciler_is_replaced_and_the_fleet_rebuilt(fleet: RayFleet) -> None:
+    import ray
+
+    before = {p["engine_id"]: p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]}
+    assert len(before) == 2
+    old = ray.get_actor("er-reconciler", namespace=NAMESPACE)
+    ray.kill(old, no_restart=True)  # its host actors (and their agents and engines) die with it
+
+    def rebuilt() -> dict[str, str] | None:
+        placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+        agents = {p["engine_id"]: (p["agent"] or {}).get("url") for p in placements}
+        if set(agents) != set(before) or any(agents[e] in (None, before[e]) for e in agents):
+            return None
+        return agents if len(fleet.active()) == 2 else None
+
+    wait_until(rebuilt, STARTUP, lambda: f"2 engines re-bound to new agents; {fleet.engines()}\n{fleet.job_logs()}")
+    assert ray.get_actor("er-reconciler", namespace=NAMESPACE)._actor_id != old._actor_id
+    wait_until(lambda: len(er_placement_groups()) == 2, 60, "2 PGs")
+    wait_until(lambda: gpus_taken() == 2, 60, "2 GPUs taken")
+
+
+def requested_bundles() -> list[dict[str, float]] | None:
+    """What the autoscaler was asked for (request_resources), as Ray stored it."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return None if raw is None else json.loads(raw)
+
+
+def test_scale_out_beyond_the_cluster_waits_for_a_node(fleet: RayFleet) -> None:
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    assert not is_autoscaler_v2(), "this test reads the v1 resource request channel"
+    want = HEAD_GPUS + 1
+    accepted = fleet.client.scale_out(num_replicas=want)
+
+    def pending() -> list[dict[str, Any]] | None:
+        engines = fleet.engines()
+        waiting = [e for e in engines if "PENDING_RESOURCES" in json.dumps(e)]
+        # The new ones that got GPUs wait in READY for the rest of their scale-out (rollback_all).
+        running = [e for e in engines if e["status"] in ("ACTIVE", "READY") and e["pid"]]
+        # The cluster's 4 GPUs are in use and one engine waits for a fifth.
+        return waiting if len(running) == HEAD_GPUS and len(waiting) == 1 else None
+
+    waiting = wait_until(pending, STARTUP, lambda: f"4 running and 1 waiting for resources; {fleet.engines()}")
+    assert waiting[0]["status"] == "PENDING"
+    assert gpus_taken() == HEAD_GPUS
+    op = fleet.client.operation("scale_out", accepted.request_id)
+    assert not op.is_terminal and "PENDING_RESOURCES" in json.dumps(op.raw)
+    request = wait_until(lambda: (r := requested_bundles()) and len(r) == want and r, 60, "a resource request")
+    assert all(b.get("GPU") == 1 for b in request)
+    fleet.ray.cluster.add_node(num_gpus=1, num_cpus=4)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, timeout=STARTUP)
+    assert op.status == "ACTIVE", op
+    wait_engines(fleet, want)
+    assert gpus_taken() == want
+    wait_until(lambda: requested_bundles() == [], 60, "the resource request reset")
+
+
+def test_cancelling_a_scale_out_that_waits_for_resources_releases_its_placement(fleet: RayFleet) -> None:
+    have = len(wait_engines(fleet, HEAD_GPUS + 1))
+    accepted = fleet.client.scale_out(num_replicas=have + 1)
+    waiting = wait_until(
+        lambda: [e for e in fleet.engines() if "PENDING_RESOURCES" in json.dumps(e)],
+        STARTUP, lambda: f"an engine waiting for resources; {fleet.engines()}",
+    )  # fmt: skip
+    engine_id = waiting[0]["engine_id"]
+    wait_until(lambda: f"er-{engine_id}" in er_placement_groups(), 60, "its placement group (pending)")
+    assert er_placement_groups()[f"er-{engine_id}"]["state"] == "PENDING"
+    wait_until(lambda: (r := requested_bundles()) is not None and len(r) == have + 1, 60, "a resource request")
+    fleet.client.cancel_scale_out(accepted.request_id)
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, timeout=STARTUP)
+    assert op.status == "CANCELLED", op
+    wait_until(lambda: f"er-{engine_id}" not in er_placement_groups(), 60, "the pending PG removed")
+
+    def forgotten() -> bool:
+        placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+        return engine_id not in {p["engine_id"] for p in placements}
+
+    wait_until(forgotten, 60, "the placement released")
+    wait_until(lambda: requested_bundles() == [], 60, "the resource request reset")
+    wait_engines(fleet, have)
+    assert gpus_taken() == have
+
+
+def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
+    import ray
+
+    engines = fleet.engines()
+    manager = manager_info()
+    pids = [ProcessIdentity.of(manager["pid"]), *(ProcessIdentity.of(e["pid"]) for e in engines if e["pid"])]
+    agents = [p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]]
+    assert len(agents) == len(engines) > 0
+    stop = subprocess.run([*fleet.ray.ray_cli(), "job", "stop", fleet.job_id], capture_output=True, text=True,
+                          env=fleet.ray.env, timeout=300, check=False)  # fmt: skip
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    wait_until(lambda: job_status(fleet.ray, fleet.job_id) == "STOPPED", 120, "the job stopped")
+    logs = fleet.job_logs()
+    assert "every actor and placement group it created is gone" in logs, logs
+    wait_until(lambda: er_placement_groups() == {}, 60, lambda: f"no PG left; {er_placement_groups()}")
+    wait_until(lambda: gpus_taken() == 0, 60, "every GPU free")
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    assert named == []
+    for ident in pids:
+        if ident is not None:
+            wait_until(lambda i=ident: not i.alive(), 60, f"pid {ident.pid} gone")  # type: ignore[misc]
+    for ident in fleet.seen.values():
+        wait_until(lambda i=ident: not i.alive(), 60, f"engine pid {ident.pid} gone")  # type: ignore[misc]
+    serve_actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
+    assert serve_actors == []  # the launcher started Serve for its app alone, and shut it down
