@@ -313,7 +313,7 @@ def test_pending_scale_out_is_cancellable(start_fleet: StartManager, shim: Shim)
 
 
 def test_restarted_manager_re_adopts_agent_engines(manager_bin: Path, tmp_path: Path, shim: Shim) -> None:
-    from conftest import start_manager, stop_manager
+    from _support import start_manager, stop_manager
 
     state = tmp_path / "state"
     first = start_manager(manager_bin, state, RAY_ARGS)

@@ -54,7 +54,7 @@ def test_token_file_readable_by_others_is_refused(manager_bin: Path, tmp_path: P
 
 
 def test_token_from_the_environment_is_not_inherited_by_engines(manager_bin: Path, tmp_path: Path) -> None:
-    from conftest import start_manager
+    from _support import start_manager
 
     os.environ["ROLLOUT_MANAGER_API_TOKEN"] = "env-s3cret"
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from _support import DEFAULT_ARGS, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
-from conftest import start_manager, stop_manager
+from _support import start_manager, stop_manager
 from test_openapi import check
 
 #: Seconds instead of minutes, so a whole cycle fits in a test.

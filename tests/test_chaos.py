@@ -18,7 +18,7 @@ from pathlib import Path
 
 from _chaos import Chaos, Load, Report, Watcher, chaos_args, leaked_processes, resume_frozen
 from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT, ManagerHandle, http, metric_total, wait_until
-from conftest import start_manager, stop_manager
+from _support import start_manager, stop_manager
 
 ENGINES = 8
 SPARE = 2

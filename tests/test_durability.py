@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, http, wait_until
-from conftest import start_manager
+from _support import start_manager
 
 from elastic_rollout import RolloutApiError
 

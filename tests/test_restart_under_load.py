@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, wait_until
-from conftest import start_manager
+from _support import start_manager
 
 GRACE = ("--reattach-grace-secs", "60")
 #: Engines take 1.5 s to open their port, so a scale-out spends a while in CREATING/HEALTH_CHECKING.

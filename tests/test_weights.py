@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from _checkpoints import corrupt, write_checkpoint
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
-from conftest import start_manager, stop_manager
+from _support import start_manager, stop_manager
 
 from elastic_rollout import RolloutApiError
 
