@@ -205,9 +205,9 @@ pub async fn run(
         End::TimedOut => policy == PartialSuccessPolicy::KeepPartial,
         _ => false,
     };
-    let keep: Vec<String> = manager.fleet.update(|inner| {
+    let (keep, concluded) = manager.fleet.update(|inner| {
         if !may_keep {
-            return Vec::new();
+            return (Vec::new(), false);
         }
         let candidates: Vec<String> =
             ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
@@ -219,12 +219,18 @@ pub async fn run(
             failed.push(FailedEngine { engine_id: id.clone(), url, error: "failed after it was ready".into() });
         }
         if ready.is_empty() || (!lost.is_empty() && policy == PartialSuccessPolicy::RollbackAll) {
-            return Vec::new();
+            return (Vec::new(), false);
         }
         for id in &ready {
             let _ = inner.engine_event(id, EngineEvent::Activated);
         }
-        ready
+        // Every engine made it: the operation ends in the same update, so nobody sees the new
+        // engines ACTIVE while the operation still holds the one-operation lock.
+        let concluded = ready.len() == ids.len();
+        if concluded {
+            conclude(inner, request_id, start, ScaleOutEvent::Activated, None, &failed);
+        }
+        (ready, concluded)
     });
 
     let initial = manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == "initial");
@@ -258,31 +264,43 @@ pub async fn run(
             (ScaleOutEvent::Activated, note)
         }
     };
-    manager.fleet.update(|inner| {
-        if let Some(op) = inner.scale_outs.get_mut(request_id) {
-            op.failed_engines = failed.clone();
-            op.error_message = message.clone();
-            if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
-                let _ = op.apply(start);
-            }
-            if event == ScaleOutEvent::Activated {
-                // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
-                advance_to(op, 3);
-            }
-            if let Err(e) = op.apply(event) {
-                tracing::error!(%e, "scale_out");
-            }
-        }
-        if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
-            inner.running = None;
-        }
-    });
+    if !concluded {
+        manager.fleet.update(|inner| conclude(inner, request_id, start, event, message, &failed));
+    }
     // The fleet needs its initial engines: those that failed are restarted like crashed ones.
     if initial && manager.config.restart_failed_engines && !matches!(end, End::ShuttingDown) {
         for (id, _) in doomed {
             let m = manager.clone();
             manager.tasks.spawn(async move { m.recover(&id, Duration::from_secs(1)).await });
         }
+    }
+}
+
+/// Ends the operation with `event` and frees the one-operation lock.
+fn conclude(
+    inner: &mut crate::fleet::FleetInner,
+    request_id: &str,
+    start: ScaleOutEvent,
+    event: ScaleOutEvent,
+    message: Option<String>,
+    failed: &[FailedEngine],
+) {
+    if let Some(op) = inner.scale_outs.get_mut(request_id) {
+        op.failed_engines = failed.to_vec();
+        op.error_message = message;
+        if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
+            let _ = op.apply(start);
+        }
+        if event == ScaleOutEvent::Activated {
+            // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
+            advance_to(op, 3);
+        }
+        if let Err(e) = op.apply(event) {
+            tracing::error!(%e, "scale_out");
+        }
+    }
+    if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+        inner.running = None;
     }
 }
 
