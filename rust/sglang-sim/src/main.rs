@@ -15,6 +15,7 @@ mod sampling;
 mod scheduler;
 mod server;
 mod tokenizer;
+mod weight_sync;
 mod weights;
 
 use clap::Parser;
