@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from _checkpoints import corrupt, write_checkpoint
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
@@ -19,6 +20,13 @@ from conftest import start_manager, stop_manager
 from elastic_rollout import RolloutApiError
 
 UPDATE_TIMEOUT = 60.0
+
+
+def check_schema(fleet: ManagerHandle, name: str, value: Any) -> None:
+    """``value`` matches the served OpenAPI document's schema ``name``."""
+    spec = http("GET", f"{fleet.control_url}/openapi.json").json()
+    schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
+    jsonschema.Draft202012Validator(schema).validate(value)
 
 
 def model_info(engine_url: str) -> dict[str, Any]:
@@ -68,6 +76,12 @@ def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path
     assert len(update["engines"]) == INITIAL_ENGINES
     assert [h["status"] for h in update["history"]] == ["PENDING", "UPDATING", "COMPLETED"]
     assert_fleet_on(fleet, "v1", sums["v1"], INITIAL_ENGINES)
+    check_schema(fleet, "WeightUpdate", update)
+    check_schema(fleet, "Weights", fleet.client.weights())
+    check_schema(fleet, "EnginesView", http("GET", f"{fleet.control_url}/rollout/engines").json())
+    check_schema(fleet, "WeightUpdateList", http("GET", f"{fleet.control_url}/rollout/weights/updates").json())
+    with pytest.raises(jsonschema.ValidationError):
+        check_schema(fleet, "PublishRequest", {"version": "v2", "path": "/x", "strategy": "sideways"})
 
     run_update(fleet, "v2", tmp_path / "v2", strategy="all_at_once")
     assert_fleet_on(fleet, "v2", sums["v2"], INITIAL_ENGINES)
@@ -78,6 +92,7 @@ def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path
     # The same version, path and checksum again: nothing to do, the existing update answers.
     again = fleet.client.publish_weights("v3", str(tmp_path / "v3"))
     assert again["update_id"] == v3["update_id"] and again["status"] == "COMPLETED", again
+    check_schema(fleet, "PublishAccepted", again)
     # A version name never changes its bytes.
     write_checkpoint(tmp_path / "v3-other", 99)
     with pytest.raises(RolloutApiError) as err:
@@ -123,11 +138,16 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
                               {"version": "v1", "path": str(good), "checksum": "0" * 64}).json()["error"]["message"]
     weights = fleet.client.weights()
     assert weights["version"] == "default" and weights["update"] is None and weights["history"] == []
-    assert http("GET", f"{fleet.control_url}/rollout/weights/updates/nope").status == 404
+    missing = http("GET", f"{fleet.control_url}/rollout/weights/updates/nope")
+    assert missing.status == 404 and missing.json()["error"]["code"] == "unknown_request"
+    bad_filter = http("GET", f"{fleet.control_url}/rollout/weights/updates?status=sleeping")
+    assert bad_filter.status == 400 and bad_filter.json()["error"]["code"] == "invalid_status_filter"
     for engine in fleet.wait_engines(INITIAL_ENGINES).engines:
         assert model_info(engine.url)["weight_version"] == "default"
     # The good checkpoint still publishes afterwards.
-    run_update(fleet, "v1", good)
+    accepted = publish(fleet, "v1", good)
+    check_schema(fleet, "PublishAccepted", accepted)
+    assert fleet.client.wait_for_weight_update(accepted["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
 
 
