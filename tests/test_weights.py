@@ -284,3 +284,21 @@ def test_relay_transport_stages_on_node_local_storage(start_fleet: StartManager,
             assert loaded["path"] == str(staged) and loaded["checksum"] == sums[version], loaded
     # Only the version in use stays staged.
     assert sorted(p.name for p in relay_dir.iterdir()) == [f"v2-{sums['v2'][:16]}"]
+
+
+def test_publish_needs_the_token(start_fleet: StartManager, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("w-token\n")
+    token.chmod(0o600)
+    fleet = start_fleet("--api-token-file", str(token))
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    body = {"version": "v1", "path": str(tmp_path / "v1")}
+    for headers in (None, {"Authorization": "Bearer wrong"}):
+        resp = http("POST", f"{fleet.control_url}/rollout/weights/publish", body, headers=headers)
+        assert resp.status == 401 and resp.json()["error"]["code"] == "unauthorized", resp.body
+    assert fleet.client.weights()["version"] == "default"  # reads stay open; nothing was published
+    authed = http("POST", f"{fleet.control_url}/rollout/weights/publish", body,
+                  headers={"Authorization": "Bearer w-token"})  # fmt: skip
+    assert authed.status == 202, authed.body
+    assert fleet.client.wait_for_weight_update(authed.json()["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
