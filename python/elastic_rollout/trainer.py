@@ -249,14 +249,17 @@ class DistributedWeightSync:
                 master_address=self.master_address,
                 master_port=port,
             )
-            body = lambda m: {  # noqa: E731 - one body per member
-                "master_address": layout.master_address,
-                "master_port": layout.master_port,
-                "rank_offset": m.rank_offset,
-                "world_size": layout.world_size,
-                "group_name": layout.group_name,
-                "backend": "nccl",
-            }
+
+            def body(m: GroupMember) -> dict[str, Any]:
+                return {
+                    "master_address": layout.master_address,
+                    "master_port": layout.master_port,
+                    "rank_offset": m.rank_offset,
+                    "world_size": layout.world_size,
+                    "group_name": layout.group_name,
+                    "backend": "nccl",
+                }
+
             with ThreadPoolExecutor(max_workers=1) as pool:
                 engines_side = pool.submit(self._on_all, "init_weights_update_group", layout.members,
                                            "/init_weights_update_group", body)
