@@ -16,6 +16,7 @@ import pytest
 from _checkpoints import corrupt, write_checkpoint
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
 from conftest import start_manager, stop_manager
+from test_external import StartEngine, external_engine  # noqa: F401 - the fixture
 
 from elastic_rollout import RolloutApiError
 
@@ -302,3 +303,15 @@ def test_publish_needs_the_token(start_fleet: StartManager, tmp_path: Path) -> N
     assert authed.status == 202, authed.body
     assert fleet.client.wait_for_weight_update(authed.json()["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
+
+
+def test_external_engines_are_updated_too(start_fleet: StartManager, external_engine: StartEngine, tmp_path: Path) -> None:
+    fleet = start_fleet()
+    url, _ = external_engine()
+    op = fleet.client.scale_out(engine_urls=[url])
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT).status == "ACTIVE"
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    update = run_update(fleet, "v1", tmp_path / "v1", strategy="all_at_once")
+    assert len(update["engines"]) == INITIAL_ENGINES + 1
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES + 1)
+    assert model_info(url)["weights_checksum"] == checksum
