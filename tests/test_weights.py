@@ -7,6 +7,7 @@ files; every engine's loaded checksum is read back from the engine itself.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,25 @@ def test_external_engines_are_updated_too(start_fleet: StartManager, external_en
     assert len(update["engines"]) == INITIAL_ENGINES + 1
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES + 1)
     assert model_info(url)["weights_checksum"] == checksum
+
+
+def test_relay_copy_lost_across_a_restart_is_staged_again(manager_bin: Path, tmp_path: Path) -> None:
+    state, relay_dir = tmp_path / "state", tmp_path / "shm"
+    args = ("--weight-transport", "relay", "--relay-dir", str(relay_dir))
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    first = start_manager(manager_bin, state, args)
+    try:
+        first.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        staged = Path(run_update(first, "v1", tmp_path / "v1")["engine_path"])
+    finally:
+        stop_manager(first)
+    shutil.rmtree(relay_dir)  # what a reboot does to /dev/shm
+    second = start_manager(manager_bin, state, args)
+    try:
+        second.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT)
+        assert_fleet_on(second, "v1", checksum, INITIAL_ENGINES)
+        assert sorted(relay_dir.iterdir()) == [staged]
+        for engine in second.engines().engines:
+            assert http("GET", f"{engine.url}/server_info").json()["weights"]["path"] == str(staged)
+    finally:
+        stop_manager(second)

@@ -233,3 +233,25 @@ impl WeightsState {
         self.running = None;
     }
 }
+
+/// After a restart: when the current version's engine copy is gone (a reboot emptied the relay's
+/// `/dev/shm`), stages it again from the published directory before any engine launches on it.
+pub async fn restage_if_missing(manager: &crate::manager::Manager) {
+    let (current, engine_path) = {
+        let inner = manager.fleet.lock();
+        (inner.weights.current.clone(), inner.weights.current_engine_path.clone())
+    };
+    let Some(engine_path) = engine_path else { return };
+    if current.path.is_none() || std::path::Path::new(&engine_path).exists() {
+        return;
+    }
+    tracing::warn!(version = %current.version, path = %engine_path, "the current version's engine copy is gone; staging it again");
+    match manager.transport.stage(&current).await {
+        Ok(path) => manager.fleet.update(|inner| {
+            if inner.weights.current.version == current.version {
+                inner.weights.current_engine_path = Some(path);
+            }
+        }),
+        Err(e) => tracing::error!(error = %e, "cannot stage the current version again; engines cannot start on it"),
+    }
+}
