@@ -11,6 +11,7 @@ mod faults;
 mod generator;
 mod kv;
 mod metrics;
+mod remote_instance;
 mod sampling;
 mod scheduler;
 mod server;

@@ -176,3 +176,48 @@ async fn weight_sync_routes_take_the_admin_key() {
     let r = sim.client.post(sim.url("/begin_weight_update")).bearer_auth("a").json(&json!({})).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
+
+#[tokio::test]
+async fn a_new_instance_loads_the_seeds_weights_through_the_remote_instance_routes() {
+    let dir = common::scratch_dir("seed-ckpt");
+    std::fs::write(dir.join("model.safetensors"), common::safetensors_bytes(8, 3)).unwrap();
+    let seed = Sim::start(&["--model-path", dir.to_str().unwrap(), "--tp-size", "2"]).await;
+    let seed_sum = seed.get_json("/server_info").await["weights_checksum"].clone();
+    assert!(seed_sum.is_string());
+    let seed_port = seed.port.to_string();
+    let args = |ports: &'static str| {
+        vec![
+            "--tp-size".to_string(),
+            "2".into(),
+            "--load-format".into(),
+            "remote_instance".into(),
+            "--remote-instance-weight-loader-seed-instance-ip".into(),
+            "127.0.0.1".into(),
+            "--remote-instance-weight-loader-seed-instance-service-port".into(),
+            seed_port.clone(),
+            "--remote-instance-weight-loader-send-weights-group-ports".into(),
+            ports.into(),
+            "--weight-version".into(),
+            "v4".into(),
+        ]
+    };
+    let a = args("[5000, 5001]");
+    let fresh = Sim::start(&a.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let info = fresh.get_json("/server_info").await;
+    assert_eq!(info["weights_checksum"], seed_sum, "the new instance holds the seed's weights");
+    assert_eq!(info["weight_version"], "v4");
+    let sent = seed.get_json("/server_info").await;
+    assert_eq!(sent["weight_sync"]["weight_send_groups"]["send_weights_127.0.0.1"]["sends"], 1);
+
+    // A port list that does not match tp_size is a usage error naming the flag.
+    let mut bad = Sim::spawn(&a.iter().map(String::as_str).chain(["--tp-size", "1"]).collect::<Vec<_>>());
+    assert_eq!(bad.wait_exit().await, Some(2));
+    assert!(bad.logs().contains("--remote-instance-weight-loader-send-weights-group-ports"), "{}", bad.logs());
+    // A seed that refuses (it has tp_size 2, this instance asks with one port) fails startup.
+    let one = args("[5000]");
+    let mut refused = Sim::spawn(
+        &one.iter().map(String::as_str).chain(["--tp-size", "1", "--time-scale", "0.01"]).collect::<Vec<_>>(),
+    );
+    assert_eq!(refused.wait_exit().await, Some(1));
+    assert!(refused.logs().contains("one port per TP rank"), "{}", refused.logs());
+}
