@@ -241,3 +241,48 @@ async fn shutting_down_mid_transfer_removes_the_partial_copy() {
     assert!(entries(&dest).is_empty(), "{:?}", entries(&dest));
     sending.abort();
 }
+
+/// Sends a NCCL-transport HELLO by hand and returns the receiver's ERROR message.
+async fn nccl_hello_refusal(addr: std::net::SocketAddr) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = Hello {
+        version: "v1".into(),
+        route: vec![],
+        token: None,
+        transport: Transport::Nccl,
+        nccl: Some(rollout_relay::protocol::NcclBootstrap { rank: 1, world_size: 2, chunk_size: 1 << 20 }),
+    };
+    s.write_all(&hello_frame(&hello)).await.unwrap();
+    let f = read_frame(&mut s).await.unwrap();
+    assert_eq!(f.kind, Kind::Error, "a receiver that cannot run NCCL must refuse in the handshake");
+    String::from_utf8_lossy(&f.payload()).into_owned()
+}
+
+#[cfg(not(feature = "nccl"))]
+#[tokio::test]
+async fn without_the_nccl_feature_both_sides_refuse_nccl_clearly() {
+    let dest = scratch("no-nccl");
+    let r = receiver(&dest).await;
+    let msg = nccl_hello_refusal(r.local_addr()).await;
+    assert!(msg.contains("built without the `nccl` feature"), "{msg}");
+    let o = SendOptions { transport: Transport::Nccl, ..opts() };
+    let err = send("v1", &checkpoint("no-nccl-src"), &[r.local_addr()], &o).await.unwrap_err();
+    assert!(err.to_string().contains("--features nccl"), "{err}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
+
+#[cfg(feature = "nccl")]
+#[tokio::test]
+async fn a_receiver_without_a_gpu_refuses_nccl_in_the_handshake() {
+    if rollout_relay::nccl::probe(0).is_ok() {
+        eprintln!("a GPU is present: this test covers the no-GPU path only");
+        return;
+    }
+    let dest = scratch("nccl-refuse");
+    let r = receiver(&dest).await;
+    let msg = nccl_hello_refusal(r.local_addr()).await;
+    assert!(msg.contains("cannot join over NCCL") && msg.contains("needs a GPU"), "{msg}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
