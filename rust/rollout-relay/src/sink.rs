@@ -123,6 +123,16 @@ impl Sink {
                 done: true,
             });
         }
+        let need = manifest.total_bytes();
+        if let Ok(st) = nix::sys::statvfs::statvfs(dest) {
+            let free = st.blocks_available().saturating_mul(st.fragment_size());
+            if need > free {
+                return Err(format!(
+                    "not enough space in {}: version {version} needs {need} bytes, {free} are free",
+                    dest.display()
+                ));
+            }
+        }
         if !in_progress.claim(&version) {
             return Err(format!("version {version} is being received by another transfer on this receiver"));
         }

@@ -286,3 +286,16 @@ async fn a_receiver_without_a_gpu_refuses_nccl_in_the_handshake() {
     assert!(entries(&dest).is_empty());
     r.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_version_that_cannot_fit_is_refused_before_anything_is_written() {
+    let dest = scratch("nospace");
+    let r = receiver(&dest).await;
+    let sha = "0".repeat(64);
+    let huge = serde_json::json!({"version": "v1", "checksum": sha,
+        "files": [{"name": "model.safetensors", "size": 1u64 << 60, "sha256": sha}]});
+    let msg = raw_manifest(r.local_addr(), "v1", huge).await;
+    assert!(msg.contains("not enough space"), "{msg}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
