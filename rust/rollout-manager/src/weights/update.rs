@@ -363,7 +363,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
             if let Some(p) = process {
                 p.stop(m.shutdown_grace()).await;
             }
-            if m.config.restart_failed_engines {
+            if m.config.restart_failed_engines && !m.shutdown.is_cancelled() {
                 m.recover(&id, Duration::ZERO).await;
             }
         });
