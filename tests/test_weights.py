@@ -233,12 +233,13 @@ def test_scale_out_after_publish_starts_on_the_new_version(fleet: ManagerHandle,
 
 
 def test_publish_while_scale_out_runs(start_fleet: StartManager, tmp_path: Path) -> None:
-    fleet = start_fleet()
+    # Engines take 1 s to start, so the publish lands while the new ones are still starting.
+    fleet = start_fleet("--engine-arg=--startup-delay=1")
     checksum = write_checkpoint(tmp_path / "v1", 1)
     op = fleet.client.scale_out(num_replicas=4)
-    # Publish while the new engines are still starting.
     answer = publish(fleet, "v1", tmp_path / "v1")
     status = fleet.client.scale_out_status(op.request_id).status
+    assert status in ("PENDING", "CREATING", "HEALTH_CHECKING"), status
     update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
     assert update["status"] == "COMPLETED", update
     done = fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT)
