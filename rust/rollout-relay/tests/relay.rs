@@ -299,3 +299,19 @@ async fn a_version_that_cannot_fit_is_refused_before_anything_is_written() {
     assert!(entries(&dest).is_empty());
     r.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_hop_that_already_holds_the_version_still_forwards_it() {
+    let src = checkpoint("srcpresent");
+    let dests: Vec<_> = (0..2).map(|i| scratch(&format!("destpresent-{i}"))).collect();
+    let r1 = receiver(&dests[0]).await;
+    let r2 = receiver(&dests[1]).await;
+    assert!(send("v1", &src, &[r1.local_addr()], &opts()).await.unwrap().all_ok());
+    let report = send("v1", &src, &[r1.local_addr(), r2.local_addr()], &opts()).await.unwrap();
+    assert!(report.all_ok(), "{report:?}");
+    assert!(report.receivers[0].already_present && report.receivers[0].bytes == 0);
+    assert!(!report.receivers[1].already_present && report.receivers[1].bytes == report.bytes);
+    assert_same_files(&src, &dests[1].join("v1"));
+    r1.shutdown().await;
+    r2.shutdown().await;
+}
