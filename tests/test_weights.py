@@ -7,18 +7,28 @@ files; every engine's loaded checksum is read back from the engine itself.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from _checkpoints import corrupt, write_checkpoint
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
 from _support import start_manager, stop_manager
+from test_external import StartEngine, external_engine  # noqa: F401 - the fixture
 
 from elastic_rollout import RolloutApiError
 
 UPDATE_TIMEOUT = 60.0
+
+
+def check_schema(fleet: ManagerHandle, name: str, value: Any) -> None:
+    """``value`` matches the served OpenAPI document's schema ``name``."""
+    spec = http("GET", f"{fleet.control_url}/openapi.json").json()
+    schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
+    jsonschema.Draft202012Validator(schema).validate(value)
 
 
 def model_info(engine_url: str) -> dict[str, Any]:
@@ -68,6 +78,12 @@ def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path
     assert len(update["engines"]) == INITIAL_ENGINES
     assert [h["status"] for h in update["history"]] == ["PENDING", "UPDATING", "COMPLETED"]
     assert_fleet_on(fleet, "v1", sums["v1"], INITIAL_ENGINES)
+    check_schema(fleet, "WeightUpdate", update)
+    check_schema(fleet, "Weights", fleet.client.weights())
+    check_schema(fleet, "EnginesView", http("GET", f"{fleet.control_url}/rollout/engines").json())
+    check_schema(fleet, "WeightUpdateList", http("GET", f"{fleet.control_url}/rollout/weights/updates").json())
+    with pytest.raises(jsonschema.ValidationError):
+        check_schema(fleet, "PublishRequest", {"version": "v2", "path": "/x", "strategy": "sideways"})
 
     run_update(fleet, "v2", tmp_path / "v2", strategy="all_at_once")
     assert_fleet_on(fleet, "v2", sums["v2"], INITIAL_ENGINES)
@@ -78,6 +94,7 @@ def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path
     # The same version, path and checksum again: nothing to do, the existing update answers.
     again = fleet.client.publish_weights("v3", str(tmp_path / "v3"))
     assert again["update_id"] == v3["update_id"] and again["status"] == "COMPLETED", again
+    check_schema(fleet, "PublishAccepted", again)
     # A version name never changes its bytes.
     write_checkpoint(tmp_path / "v3-other", 99)
     with pytest.raises(RolloutApiError) as err:
@@ -123,11 +140,16 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
                               {"version": "v1", "path": str(good), "checksum": "0" * 64}).json()["error"]["message"]
     weights = fleet.client.weights()
     assert weights["version"] == "default" and weights["update"] is None and weights["history"] == []
-    assert http("GET", f"{fleet.control_url}/rollout/weights/updates/nope").status == 404
+    missing = http("GET", f"{fleet.control_url}/rollout/weights/updates/nope")
+    assert missing.status == 404 and missing.json()["error"]["code"] == "unknown_request"
+    bad_filter = http("GET", f"{fleet.control_url}/rollout/weights/updates?status=sleeping")
+    assert bad_filter.status == 400 and bad_filter.json()["error"]["code"] == "invalid_status_filter"
     for engine in fleet.wait_engines(INITIAL_ENGINES).engines:
         assert model_info(engine.url)["weight_version"] == "default"
     # The good checkpoint still publishes afterwards.
-    run_update(fleet, "v1", good)
+    accepted = publish(fleet, "v1", good)
+    check_schema(fleet, "PublishAccepted", accepted)
+    assert fleet.client.wait_for_weight_update(accepted["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
 
 
@@ -211,12 +233,13 @@ def test_scale_out_after_publish_starts_on_the_new_version(fleet: ManagerHandle,
 
 
 def test_publish_while_scale_out_runs(start_fleet: StartManager, tmp_path: Path) -> None:
-    fleet = start_fleet()
+    # Engines take 1 s to start, so the publish lands while the new ones are still starting.
+    fleet = start_fleet("--engine-arg=--startup-delay=1")
     checksum = write_checkpoint(tmp_path / "v1", 1)
     op = fleet.client.scale_out(num_replicas=4)
-    # Publish while the new engines are still starting.
     answer = publish(fleet, "v1", tmp_path / "v1")
     status = fleet.client.scale_out_status(op.request_id).status
+    assert status in ("PENDING", "CREATING", "HEALTH_CHECKING"), status
     update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
     assert update["status"] == "COMPLETED", update
     done = fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT)
@@ -264,3 +287,55 @@ def test_relay_transport_stages_on_node_local_storage(start_fleet: StartManager,
             assert loaded["path"] == str(staged) and loaded["checksum"] == sums[version], loaded
     # Only the version in use stays staged.
     assert sorted(p.name for p in relay_dir.iterdir()) == [f"v2-{sums['v2'][:16]}"]
+
+
+def test_publish_needs_the_token(start_fleet: StartManager, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("w-token\n")
+    token.chmod(0o600)
+    fleet = start_fleet("--api-token-file", str(token))
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    body = {"version": "v1", "path": str(tmp_path / "v1")}
+    for headers in (None, {"Authorization": "Bearer wrong"}):
+        resp = http("POST", f"{fleet.control_url}/rollout/weights/publish", body, headers=headers)
+        assert resp.status == 401 and resp.json()["error"]["code"] == "unauthorized", resp.body
+    assert fleet.client.weights()["version"] == "default"  # reads stay open; nothing was published
+    authed = http("POST", f"{fleet.control_url}/rollout/weights/publish", body,
+                  headers={"Authorization": "Bearer w-token"})  # fmt: skip
+    assert authed.status == 202, authed.body
+    assert fleet.client.wait_for_weight_update(authed.json()["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
+
+
+def test_external_engines_are_updated_too(start_fleet: StartManager, external_engine: StartEngine, tmp_path: Path) -> None:
+    fleet = start_fleet()
+    url, _ = external_engine()
+    op = fleet.client.scale_out(engine_urls=[url])
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP_TIMEOUT).status == "ACTIVE"
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    update = run_update(fleet, "v1", tmp_path / "v1", strategy="all_at_once")
+    assert len(update["engines"]) == INITIAL_ENGINES + 1
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES + 1)
+    assert model_info(url)["weights_checksum"] == checksum
+
+
+def test_relay_copy_lost_across_a_restart_is_staged_again(manager_bin: Path, tmp_path: Path) -> None:
+    state, relay_dir = tmp_path / "state", tmp_path / "shm"
+    args = ("--weight-transport", "relay", "--relay-dir", str(relay_dir))
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    first = start_manager(manager_bin, state, args)
+    try:
+        first.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        staged = Path(run_update(first, "v1", tmp_path / "v1")["engine_path"])
+    finally:
+        stop_manager(first)
+    shutil.rmtree(relay_dir)  # what a reboot does to /dev/shm
+    second = start_manager(manager_bin, state, args)
+    try:
+        second.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT)
+        assert_fleet_on(second, "v1", checksum, INITIAL_ENGINES)
+        assert sorted(relay_dir.iterdir()) == [staged]
+        for engine in second.engines().engines:
+            assert http("GET", f"{engine.url}/server_info").json()["weights"]["path"] == str(staged)
+    finally:
+        stop_manager(second)

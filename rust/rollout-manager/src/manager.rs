@@ -456,8 +456,9 @@ impl Manager {
     }
 
     /// Waits until the engine's `/health` answers 200, the engine fails (its process exits),
-    /// the startup deadline passes, or `cancel` fires. Probes back off from 50 ms to 1 s; a
-    /// change of the fleet (such as the process exiting) wakes the wait at once.
+    /// the startup deadline passes, or `cancel` fires. Probes back off from 50 ms to 250 ms
+    /// (readiness noticed late is time added to every scale-out); a change of the fleet (such as
+    /// the process exiting) wakes the wait at once.
     pub async fn wait_healthy(&self, engine_id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
         let deadline = Duration::from_secs_f64(self.config.engine_startup_timeout);
@@ -493,7 +494,7 @@ impl Manager {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = changes.changed() => {}
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+                backoff = (backoff * 2).min(Duration::from_millis(250));
             }
         };
         tokio::select! {

@@ -63,6 +63,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
         }
     }
     let (keep, drop_live) = rebuild(manager, snapshot, &adopted);
+    crate::weights::restage_if_missing(manager).await;
     for (id, process) in drop_live {
         tracing::info!(engine_id = %id, pid = process.pid, "stopping a re-attached engine that was being removed");
         process.stop(manager.shutdown_grace()).await;

@@ -124,6 +124,7 @@ impl Server {
                     inner.weight_version = weights.current.version.clone();
                     inner.weights = weights;
                 });
+                crate::weights::restage_if_missing(&manager).await;
             }
             if let Err(e) = scaling::start_initial(&manager, &cancels) {
                 tracing::error!(error = %e, "cannot reserve the initial engines");

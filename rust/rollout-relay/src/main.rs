@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
 
 #[derive(Parser, Debug)]
 #[command(name = "rollout-relay", version, about = "Broadcast checkpoint versions to node-local storage.")]
@@ -115,11 +116,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     ..ReceiverOptions::default()
                 });
             let addr = receiver.local_addr()?;
+            // Handlers first: a parent may signal as soon as it read the line below.
+            let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+            let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+            let handle = receiver.spawn()?;
             // One line on stdout so a parent started with --listen 127.0.0.1:0 learns the port.
             println!("listening on {addr}");
             tracing::info!(%addr, dest = %dest.display(), "relay receiver ready");
-            let handle = receiver.spawn()?;
-            wait_for_signal().await;
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
             handle.shutdown().await;
             Ok(ExitCode::SUCCESS)
         }
@@ -139,21 +146,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("--version {version} --source {}", source.display()))?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(if report.all_ok() { ExitCode::SUCCESS } else { ExitCode::from(1) })
-        }
-    }
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }

@@ -123,6 +123,16 @@ impl Sink {
                 done: true,
             });
         }
+        let need = manifest.total_bytes();
+        if let Ok(st) = nix::sys::statvfs::statvfs(dest) {
+            let free = st.blocks_available().saturating_mul(st.fragment_size());
+            if need > free {
+                return Err(format!(
+                    "not enough space in {}: version {version} needs {need} bytes, {free} are free",
+                    dest.display()
+                ));
+            }
+        }
         if !in_progress.claim(&version) {
             return Err(format!("version {version} is being received by another transfer on this receiver"));
         }
@@ -204,9 +214,37 @@ impl Drop for Sink {
     }
 }
 
-/// The writer thread: files in manifest order, each hashed as written; then the checks.
+/// The writer thread: files in manifest order, each hashed as written; then the checks. The
+/// version checksum is computed by a second thread fed the same (shared, not copied) chunks,
+/// so the two SHA-256 passes run in parallel where there are cores for it.
 fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
-    let mut version_hash = Sha256::new();
+    let (vtx, vrx) = std::sync::mpsc::sync_channel::<Bytes>(WRITE_QUEUE);
+    let version_hasher = std::thread::Builder::new()
+        .name("relay-version-hash".into())
+        .spawn(move || {
+            let mut h = Sha256::new();
+            while let Ok(data) = vrx.recv() {
+                h.update(&data);
+            }
+            hex(&h.finalize())
+        })
+        .map_err(|e| format!("cannot start the hashing thread: {e}"))?;
+    let written = write_and_hash(manifest, dir, &mut rx, &vtx);
+    drop(vtx);
+    let got = version_hasher.join().map_err(|_| "the hashing thread panicked".to_string())?;
+    let total = written?;
+    if got != manifest.checksum {
+        return Err(format!("version checksum {got} does not match the manifest's {}", manifest.checksum));
+    }
+    Ok(total)
+}
+
+fn write_and_hash(
+    manifest: &Manifest,
+    dir: &Path,
+    rx: &mut mpsc::Receiver<(u32, Bytes)>,
+    version_tx: &std::sync::mpsc::SyncSender<Bytes>,
+) -> Result<u64, String> {
     let mut total = 0u64;
     for (i, entry) in manifest.files.iter().enumerate() {
         let path = dir.join(&entry.name);
@@ -222,11 +260,11 @@ fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Byt
             if idx as usize != i {
                 return Err(format!("chunk for file {idx} while writing file {i}"));
             }
+            if counted && version_tx.send(data.clone()).is_err() {
+                return Err("the hashing thread stopped".into());
+            }
             out.write_all(&data).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             file_hash.update(&data);
-            if counted {
-                version_hash.update(&data);
-            }
             written += data.len() as u64;
         }
         out.flush().map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -238,10 +276,6 @@ fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Byt
     }
     if rx.blocking_recv().is_some() {
         return Err("data after the last byte of the version".into());
-    }
-    let got = hex(&version_hash.finalize());
-    if got != manifest.checksum {
-        return Err(format!("version checksum {got} does not match the manifest's {}", manifest.checksum));
     }
     Ok(total)
 }

@@ -241,3 +241,77 @@ async fn shutting_down_mid_transfer_removes_the_partial_copy() {
     assert!(entries(&dest).is_empty(), "{:?}", entries(&dest));
     sending.abort();
 }
+
+/// Sends a NCCL-transport HELLO by hand and returns the receiver's ERROR message.
+async fn nccl_hello_refusal(addr: std::net::SocketAddr) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = Hello {
+        version: "v1".into(),
+        route: vec![],
+        token: None,
+        transport: Transport::Nccl,
+        nccl: Some(rollout_relay::protocol::NcclBootstrap { rank: 1, world_size: 2, chunk_size: 1 << 20 }),
+    };
+    s.write_all(&hello_frame(&hello)).await.unwrap();
+    let f = read_frame(&mut s).await.unwrap();
+    assert_eq!(f.kind, Kind::Error, "a receiver that cannot run NCCL must refuse in the handshake");
+    String::from_utf8_lossy(&f.payload()).into_owned()
+}
+
+#[cfg(not(feature = "nccl"))]
+#[tokio::test]
+async fn without_the_nccl_feature_both_sides_refuse_nccl_clearly() {
+    let dest = scratch("no-nccl");
+    let r = receiver(&dest).await;
+    let msg = nccl_hello_refusal(r.local_addr()).await;
+    assert!(msg.contains("built without the `nccl` feature"), "{msg}");
+    let o = SendOptions { transport: Transport::Nccl, ..opts() };
+    let err = send("v1", &checkpoint("no-nccl-src"), &[r.local_addr()], &o).await.unwrap_err();
+    assert!(err.to_string().contains("--features nccl"), "{err}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
+
+#[cfg(feature = "nccl")]
+#[tokio::test]
+async fn a_receiver_without_a_gpu_refuses_nccl_in_the_handshake() {
+    if rollout_relay::nccl::probe(0).is_ok() {
+        eprintln!("a GPU is present: this test covers the no-GPU path only");
+        return;
+    }
+    let dest = scratch("nccl-refuse");
+    let r = receiver(&dest).await;
+    let msg = nccl_hello_refusal(r.local_addr()).await;
+    assert!(msg.contains("cannot join over NCCL") && msg.contains("needs a GPU"), "{msg}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_version_that_cannot_fit_is_refused_before_anything_is_written() {
+    let dest = scratch("nospace");
+    let r = receiver(&dest).await;
+    let sha = "0".repeat(64);
+    let huge = serde_json::json!({"version": "v1", "checksum": sha,
+        "files": [{"name": "model.safetensors", "size": 1u64 << 60, "sha256": sha}]});
+    let msg = raw_manifest(r.local_addr(), "v1", huge).await;
+    assert!(msg.contains("not enough space"), "{msg}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_hop_that_already_holds_the_version_still_forwards_it() {
+    let src = checkpoint("srcpresent");
+    let dests: Vec<_> = (0..2).map(|i| scratch(&format!("destpresent-{i}"))).collect();
+    let r1 = receiver(&dests[0]).await;
+    let r2 = receiver(&dests[1]).await;
+    assert!(send("v1", &src, &[r1.local_addr()], &opts()).await.unwrap().all_ok());
+    let report = send("v1", &src, &[r1.local_addr(), r2.local_addr()], &opts()).await.unwrap();
+    assert!(report.all_ok(), "{report:?}");
+    assert!(report.receivers[0].already_present && report.receivers[0].bytes == 0);
+    assert!(!report.receivers[1].already_present && report.receivers[1].bytes == report.bytes);
+    assert_same_files(&src, &dests[1].join("v1"));
+    r1.shutdown().await;
+    r2.shutdown().await;
+}

@@ -76,9 +76,22 @@ pub struct Config {
     /// Become ready right after the port opens (ignores `--warmup-delay`).
     #[arg(long)]
     pub skip_server_warmup: bool,
-    /// Weight format. `dummy` skips reading weight files.
+    /// Weight format. `dummy` skips reading weight files; `remote_instance` loads from the seed
+    /// engine named by the `--remote-instance-weight-loader-*` flags.
     #[arg(long, default_value = "auto")]
     pub load_format: String,
+    /// Seed engine's address for `--load-format remote_instance`.
+    #[arg(long)]
+    pub remote_instance_weight_loader_seed_instance_ip: Option<String>,
+    /// Seed engine's HTTP port for `--load-format remote_instance`.
+    #[arg(long)]
+    pub remote_instance_weight_loader_seed_instance_service_port: Option<u16>,
+    /// One port per TP rank for the send groups (`[p0,p1]` or `p0,p1`).
+    #[arg(long)]
+    pub remote_instance_weight_loader_send_weights_group_ports: Option<String>,
+    /// `nccl` (default), `transfer_engine` or `modelexpress`; only `nccl` is simulated.
+    #[arg(long, default_value = "nccl")]
+    pub remote_instance_weight_loader_backend: String,
     /// Accepted and reported.
     #[arg(long, default_value_t = 0)]
     pub base_gpu_id: u32,
@@ -239,6 +252,9 @@ impl Config {
         }
         if self.port == 0 && self.instances > 1 {
             return Err("--port 0 cannot be combined with --instances > 1".into());
+        }
+        if self.load_format == "remote_instance" {
+            crate::remote_instance::check_flags(&self)?;
         }
         if self.dp_size == 0 || self.tp_size == 0 || self.pp_size == 0 {
             return Err("--tp-size, --dp-size and --pp-size must be at least 1".into());

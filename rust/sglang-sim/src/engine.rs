@@ -147,6 +147,8 @@ pub struct Engine {
     pub process_start: Instant,
     /// Seconds from process start until this engine became ready (0 until then).
     pub startup_secs: Mutex<f64>,
+    /// Weight-update groups, the update session and remote-instance send groups.
+    pub weight_sync: crate::weight_sync::WeightSync,
 }
 
 impl Engine {
@@ -178,6 +180,7 @@ impl Engine {
             started_at: SystemTime::now(),
             process_start,
             startup_secs: Mutex::new(0.0),
+            weight_sync: Default::default(),
         }
     }
 

@@ -11,10 +11,12 @@ mod faults;
 mod generator;
 mod kv;
 mod metrics;
+mod remote_instance;
 mod sampling;
 mod scheduler;
 mod server;
 mod tokenizer;
+mod weight_sync;
 mod weights;
 
 use clap::Parser;

@@ -34,6 +34,8 @@ pub enum StartupError {
     Simulated(u16),
     #[error("failed to load weights from {path}: {source}")]
     Weights { path: String, source: WeightsError },
+    #[error("failed to load weights from the seed instance: {0}")]
+    RemoteInstance(String),
     #[error("failed to bind {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
     #[error("internal error: {0}")]
@@ -90,7 +92,10 @@ async fn shutdown_requested(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|v| *v).await;
 }
 
-async fn load_initial_weights(cfg: &Config) -> Result<WeightsInfo, StartupError> {
+async fn load_initial_weights(cfg: &Config, port: u16) -> Result<WeightsInfo, StartupError> {
+    if cfg.load_format == "remote_instance" {
+        return crate::remote_instance::load_from_seed(cfg, port).await.map_err(StartupError::RemoteInstance);
+    }
     if cfg.load_format == "dummy" || !weights::is_local(&cfg.model_path) {
         return Ok(WeightsInfo::default());
     }
@@ -130,7 +135,7 @@ async fn run_instance(
     if cfg.fail_startup {
         return Err(StartupError::Simulated(port));
     }
-    let weights = load_initial_weights(&cfg).await?;
+    let weights = load_initial_weights(&cfg, port).await?;
     let meta = weights::read_model_config(&cfg.model_path);
     let addr = format!("{}:{port}", cfg.host);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -272,9 +272,9 @@ async fn info_endpoints_have_the_sglang_fields() {
     let nf = sim.get("/no/such/route").await;
     assert_eq!(nf.status(), 404);
     assert_eq!(nf.json::<Value>().await.unwrap(), json!({"detail": "Not Found"}));
-    // The weight-update-group routes are absent, like an older SGLang.
-    let (status, _) = sim.post_json("/init_weights_update_group", json!({})).await;
-    assert_eq!(status, 404);
+    // The weight-update-group routes exist (tests/weight_sync.rs); their fields are required.
+    let (status, out) = sim.post_json("/init_weights_update_group", json!({})).await;
+    assert_eq!((status, out["object"].as_str()), (400, Some("error")), "{out}");
     assert_eq!(sim.get("/get_weight_version").await.status(), 404);
 }
 

@@ -235,12 +235,15 @@ fn decide(w: &super::WeightsState, version: &str, path: &str, checksum: &str) ->
 }
 
 async fn weights(State(s): State<ApiState>) -> Json<Value> {
-    let records = s.manager.fleet.engine_records();
+    // One lock for everything, so the engines and the fleet version are one consistent view.
     let inner = s.manager.fleet.lock();
     let w = &inner.weights;
-    let engines: Vec<Value> = records
+    let mut listed: Vec<&crate::fleet::Engine> = inner.engines.values().collect();
+    listed.sort_by_key(|e| e.seq);
+    let engines: Vec<Value> = listed
         .iter()
-        .map(|r| {
+        .map(|e| {
+            let r = &e.record;
             json!({"engine_id": r.engine_id, "status": r.status, "weight_version": r.weight_version,
                    "weights_checksum": r.weights_checksum})
         })
@@ -290,7 +293,7 @@ async fn get_update(State(s): State<ApiState>, Path(id): Path<String>) -> Result
     let inner = s.manager.fleet.lock();
     let u = inner.weights.updates.get(&id).ok_or_else(|| {
         ApiError::not_found(
-            "unknown_update",
+            "unknown_request",
             format!("no weight update with id {id}; list them with GET /rollout/weights/updates"),
         )
     })?;

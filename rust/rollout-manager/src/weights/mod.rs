@@ -233,3 +233,111 @@ impl WeightsState {
         self.running = None;
     }
 }
+
+/// After a restart: when the current version's engine copy is gone (a reboot emptied the relay's
+/// `/dev/shm`), stages it again from the published directory before any engine launches on it.
+pub async fn restage_if_missing(manager: &crate::manager::Manager) {
+    let (current, engine_path) = {
+        let inner = manager.fleet.lock();
+        (inner.weights.current.clone(), inner.weights.current_engine_path.clone())
+    };
+    let Some(engine_path) = engine_path else { return };
+    if current.path.is_none() || std::path::Path::new(&engine_path).exists() {
+        return;
+    }
+    tracing::warn!(version = %current.version, path = %engine_path, "the current version's engine copy is gone; staging it again");
+    match manager.transport.stage(&current).await {
+        Ok(path) => manager.fleet.update(|inner| {
+            if inner.weights.current.version == current.version {
+                inner.weights.current_engine_path = Some(path);
+            }
+        }),
+        Err(e) => tracing::error!(error = %e, "cannot stage the current version again; engines cannot start on it"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
+        UpdateRecord {
+            update_id: id.into(),
+            version: version.into(),
+            path: format!("/ckpt/{version}"),
+            checksum: format!("sum-{version}"),
+            engine_path: format!("/stage/{version}"),
+            previous_version: "default".into(),
+            strategy: UpdateStrategy::Rolling,
+            max_unavailable: None,
+            pause_mode: "abort".into(),
+            transport: "disk".into(),
+            status,
+            engines: BTreeMap::new(),
+            created_at: at,
+            updated_at: at,
+            finished_at: None,
+            error_message: None,
+            message: String::new(),
+            history: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn desired_is_the_running_target_else_current() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
+        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some("u1".into());
+        let (want, path) = w.desired();
+        assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
+        assert_eq!(path.as_deref(), Some("/stage/v1"));
+        // A restart ends the running update FAILED; the fleet stays where it was.
+        w.after_restart();
+        assert_eq!(w.running, None);
+        assert_eq!(w.updates["u1"].status, WeightUpdateStatus::Failed);
+        assert_eq!(w.desired().0.version, "v0");
+    }
+
+    #[test]
+    fn version_order_and_known_versions_skip_failed_updates() {
+        let mut w = WeightsState::new("v0");
+        w.updates.insert("a".into(), record("a", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert("b".into(), record("b", "bad", 2.0, WeightUpdateStatus::Failed));
+        w.updates.insert("c".into(), record("c", "v2", 3.0, WeightUpdateStatus::Completed));
+        assert_eq!(w.version_order(), vec!["v0", "v1", "v2"]);
+        let known: Vec<String> = w.known_versions().into_iter().map(|v| v.version).collect();
+        assert_eq!(known, vec!["v0", "v1", "v2"]);
+    }
+
+    #[test]
+    fn prune_keeps_running_and_current_updates() {
+        let mut w = WeightsState::new("v0");
+        for i in 0..KEEP_UPDATES + 5 {
+            let id = format!("u{i:04}");
+            w.updates.insert(id.clone(), record(&id, &format!("v{i}"), i as f64, WeightUpdateStatus::Completed));
+        }
+        w.current_update = Some("u0000".into());
+        w.updates.get_mut("u0001").unwrap().status = WeightUpdateStatus::Updating;
+        w.running = Some("u0001".into());
+        w.prune();
+        assert_eq!(w.updates.len(), KEEP_UPDATES);
+        assert!(w.updates.contains_key("u0000") && w.updates.contains_key("u0001"));
+        assert!(!w.updates.contains_key("u0002") && w.updates.contains_key("u0007"));
+    }
+
+    #[test]
+    fn engine_progress_starts_pending_and_ignores_illegal_moves() {
+        let mut u = record("u", "v1", 0.0, WeightUpdateStatus::Updating);
+        u.engine("e0", EngineUpdateEvent::Start, None);
+        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Updating);
+        assert!(u.engines["e0"].started_at.is_some());
+        u.engine("e0", EngineUpdateEvent::Fail, Some("bad header".into()));
+        u.engine("e0", EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Failed);
+        assert_eq!(u.engines["e0"].error.as_deref(), Some("bad header"));
+        u.engine("e1", EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["e1"].status, EngineUpdateStatus::Verified);
+    }
+}

@@ -15,8 +15,10 @@
 //!
 //! Errors: an engine that fails to load or verify is marked FAILED (out of routing) and the
 //! update ends FAILED with its reason; then every engine on the failed version is restarted, and
-//! failed engines are recovered, on the fleet's current checkpoint. An engine that leaves the
-//! fleet during its turn (scale-in) is SKIPPED. A manager shutdown fails the update.
+//! failed engines are recovered, on the fleet's current checkpoint (external engines on the
+//! failed version go UNHEALTHY instead, and rejoin once the health monitor has them load the
+//! current version). An engine that leaves the fleet during its turn (scale-in) is SKIPPED. A
+//! manager shutdown fails the update.
 
 use crate::manager::{EngineError, Manager};
 use rollout_core::weights::{
@@ -328,6 +330,14 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
         for id in ids {
             let Some(e) = inner.engines.get_mut(&id) else { continue };
             if e.record.origin == EngineOrigin::External {
+                // Not ours to restart: out of routing (UNHEALTHY) until the health monitor's
+                // rejoin check has it load the current version again.
+                let on_failed = e.record.status == EngineStatus::Active
+                    && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
+                if on_failed {
+                    e.record.last_error = Some(format!("serves {} from a failed update", want.version));
+                    let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
+                }
                 continue;
             }
             let failed_here = e.record.status == EngineStatus::Failed
@@ -353,7 +363,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
             if let Some(p) = process {
                 p.stop(m.shutdown_grace()).await;
             }
-            if m.config.restart_failed_engines {
+            if m.config.restart_failed_engines && !m.shutdown.is_cancelled() {
                 m.recover(&id, Duration::ZERO).await;
             }
         });

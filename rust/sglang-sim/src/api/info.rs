@@ -132,6 +132,7 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
     m.insert("frontend".into(), Value::from("python"));
     m.insert("weights_checksum".into(), json!(w.checksum));
     m.insert("weights".into(), json!(w));
+    m.insert("weight_sync".into(), engine.weight_sync.snapshot());
     m.insert(
         "simulator".into(),
         json!({

@@ -10,6 +10,7 @@ mod control;
 mod generate;
 mod generate_input;
 mod info;
+mod weight_sync;
 
 use crate::engine::Engine;
 use axum::body::{Body, Bytes};
@@ -38,6 +39,16 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/continue_generation", post(control::continue_generation))
         .route("/update_weight_version", post(control::update_weight_version))
         .route("/update_weights_from_disk", post(control::update_weights_from_disk))
+        .route("/init_weights_update_group", post(weight_sync::init_weights_update_group))
+        .route("/destroy_weights_update_group", post(weight_sync::destroy_weights_update_group))
+        .route("/begin_weight_update", post(weight_sync::begin_weight_update))
+        .route("/end_weight_update", post(weight_sync::end_weight_update))
+        .route("/update_weights_from_distributed", post(weight_sync::update_weights_from_distributed))
+        .route(
+            "/init_weights_send_group_for_remote_instance",
+            post(weight_sync::init_weights_send_group_for_remote_instance),
+        )
+        .route("/send_weights_to_remote_instance", post(weight_sync::send_weights_to_remote_instance))
         .route("/release_memory_occupation", get(control::memory_occupation).post(control::memory_occupation))
         .route("/resume_memory_occupation", get(control::memory_occupation).post(control::memory_occupation));
     // Only with --enable-fault-api: otherwise the route does not exist (404 like any other).
@@ -90,6 +101,7 @@ fn is_admin_path(path: &str) -> bool {
     ) || path.starts_with("/update_weights")
         || path.ends_with("weights_update_group")
         || path.ends_with("_weight_update")
+        || path.ends_with("_remote_instance")
 }
 
 /// SGLang's API-key middleware.

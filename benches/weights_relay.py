@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Weight relay throughput: one checkpoint broadcast to 1, 2, 4 and 8 receivers down the
+`rollout-relay` chain over loopback TCP, against a plain single-stream loopback copy of the same
+files measured in the same run.
+
+Every receiver is its own `rollout-relay recv` process writing to /dev/shm (node-local fast
+storage, as in production); the sender is `rollout-relay send`. The relay's time is the
+sender's report (`seconds`: first connection to the last receiver's verified result; the
+manifest hashing before it is reported apart). The plain copy is a Python sender that reads the
+files and writes them to one socket, and a Python receiver process that writes them to
+/dev/shm: no framing, no checksums, no forwarding. CPU seconds of every process are read from
+/proc after each run (utime + stime), to show where the 2 cores went.
+
+Run from the repository root after `cargo build --release -p rollout-relay`
+(`pip install -e 'python[bench]'` for the plot):
+
+    .venv/bin/python benches/weights_relay.py                   # 1 GiB, 1 2 4 8 receivers
+    .venv/bin/python benches/weights_relay.py --size-gib 2 --receivers 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results"
+TICK = os.sysconf("SC_CLK_TCK")
+BUF = 4 << 20
+
+
+def relay_bin() -> Path:
+    path = ROOT / "target" / "release" / "rollout-relay"
+    if not path.is_file():
+        sys.exit("build it first: cargo build --release -p rollout-relay")
+    return path
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a (still unreaped) process and its reaped children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK
+
+
+def make_checkpoint(dest: Path, size: int, shards: int) -> None:
+    """`shards` safetensors files of random bytes (one U8 tensor each), `size` bytes in all."""
+    dest.mkdir(parents=True)
+    per = size // shards
+    block = os.urandom(64 << 20)
+    for i in range(shards):
+        header = json.dumps({"w": {"dtype": "U8", "shape": [per], "data_offsets": [0, per]}}).encode()
+        with open(dest / f"model-{i + 1:05d}-of-{shards:05d}.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            left = per
+            while left:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+            # Vary the bytes between shards.
+            block = block[1:] + block[:1]
+    (dest / "config.json").write_text('{"model_type": "llama"}')
+
+
+# -- the plain copy ----------------------------------------------------------------------
+
+
+def plain_recv(port_file: str, dest: str) -> None:
+    """Child process: accept one connection, write every byte to one file in `dest`."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    Path(port_file).write_text(str(srv.getsockname()[1]))
+    conn, _ = srv.accept()
+    buf = bytearray(BUF)
+    view = memoryview(buf)
+    total = 0
+    with open(Path(dest) / "copy.bin", "wb", buffering=0) as out:
+        while True:
+            n = conn.recv_into(view)
+            if n == 0:
+                break
+            out.write(view[:n])
+            total += n
+    conn.sendall(b"done")
+    conn.close()
+    print(total)
+
+
+def plain_copy(src: Path, work: Path) -> dict:
+    dest = work / "plain"
+    dest.mkdir()
+    port_file = work / "plain.port"
+    port_file.unlink(missing_ok=True)
+    child = subprocess.Popen([sys.executable, __file__, "_plain_recv", str(port_file), str(dest)],
+                             stdout=subprocess.PIPE)
+    while not port_file.exists() or not port_file.read_text():
+        if child.poll() is not None:
+            sys.exit("the plain-copy receiver exited early")
+        time.sleep(0.01)
+    port = int(port_file.read_text())
+    me0 = sum(os.times()[:2])
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    buf = bytearray(BUF)
+    view = memoryview(buf)
+    start = time.perf_counter()
+    s = socket.create_connection(("127.0.0.1", port))
+    sent = 0
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while (n := f.readinto(view)) > 0:
+                s.sendall(view[:n])
+                sent += n
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(4) == b"done"
+    seconds = time.perf_counter() - start
+    s.close()
+    child_cpu = cpu_seconds(child.pid)
+    out, _ = child.communicate(timeout=60)
+    assert int(out) == sent, (out, sent)
+    shutil.rmtree(dest)
+    return {"bytes": sent, "seconds": seconds, "cpu_seconds": child_cpu + sum(os.times()[:2]) - me0}
+
+
+# -- the relay ---------------------------------------------------------------------------
+
+
+@dataclass
+class RelayRun:
+    receivers: int
+    bytes: int
+    seconds: float
+    manifest_seconds: float
+    gbps: float
+    cpu_seconds: float
+    all_ok: bool
+
+
+def relay_run(src: Path, work: Path, n: int, chunk_mib: int, version: str) -> RelayRun:
+    procs = []
+    try:
+        addrs = []
+        for i in range(n):
+            dest = work / f"r{i}"
+            p = subprocess.Popen([str(relay_bin()), "recv", "--listen", "127.0.0.1:0", "--dest", str(dest)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            assert p.stdout is not None
+            addrs.append(p.stdout.readline().decode().split()[-1])
+        children0 = sum(os.times()[2:4])
+        sender = subprocess.Popen(
+            [str(relay_bin()), "send", "--version", version, "--source", str(src), "--to", ",".join(addrs),
+             "--chunk-mib", str(chunk_mib), "--attempts", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        out, _ = sender.communicate(timeout=1800)
+        report = json.loads(out)
+        cpu = sum(cpu_seconds(p.pid) for p in procs)
+        # The sender is reaped: its CPU is the growth of our children's times.
+        cpu += sum(os.times()[2:4]) - children0
+        return RelayRun(n, report["bytes"], report["seconds"], report["manifest_seconds"],
+                        report["bytes"] / report["seconds"] / 1e9, cpu,
+                        all(r["ok"] for r in report["receivers"]))
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+        for i in range(n):
+            shutil.rmtree(work / f"r{i}", ignore_errors=True)
+
+
+def plot(runs: list[RelayRun], plain: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    ns = [r.receivers for r in runs]
+    a.plot(ns, [r.seconds for r in runs], "o-", label="relay chain")
+    a.plot(ns, [runs[0].seconds * n for n in ns], ":", color="grey", label="n x time(1) (no pipelining)")
+    a.axhline(runs[0].seconds * 1.3, color="tab:green", ls="--", label="goal: 1.3 x time(1)")
+    a.set_xlabel("receivers")
+    a.set_ylabel("seconds")
+    a.set_xticks(ns)
+    a.set_title("broadcast time")
+    a.legend()
+    b.bar([str(n) for n in ns], [r.gbps for r in runs], label="relay, per receiver")
+    b.axhline(plain["bytes"] / plain["seconds"] / 1e9, color="tab:red", label="plain loopback copy")
+    b.axhline(0.7 * plain["bytes"] / plain["seconds"] / 1e9, color="tab:red", ls="--", label="goal: 0.7 x plain")
+    b.set_xlabel("receivers")
+    b.set_ylabel("GB/s (version bytes / time)")
+    b.set_title("throughput")
+    b.legend()
+    fig.suptitle(f"rollout-relay over loopback, {runs[0].bytes / 2**30:.1f} GiB, {os.cpu_count()} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_plain_recv":
+        plain_recv(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--dir", default="/dev/shm/elastic-rollout-relay-bench")
+    args = ap.parse_args()
+    size = int(args.size_gib * 2**30)
+    need = size * (1 + max(args.receivers)) + (1 << 30)
+    work = Path(args.dir)
+    free = shutil.disk_usage(work.parent).free
+    avail = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable")).split()[1]) * 1024
+    if need > min(free, avail):
+        sys.exit(f"--size-gib {args.size_gib} with {max(args.receivers)} receivers needs {need / 2**30:.1f} GiB in "
+                 f"{work.parent} (free {free / 2**30:.1f} GiB, memory available {avail / 2**30:.1f} GiB); "
+                 "lower --size-gib or --receivers")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    load_before = f"{os.getloadavg()[0]:.2f}"
+    try:
+        src = work / "src"
+        make_checkpoint(src, size, args.shards)
+        plain = plain_copy(src, work)
+        print(f"plain copy: {plain['bytes'] / plain['seconds'] / 1e9:.2f} GB/s ({plain['seconds']:.2f} s)")
+        runs = []
+        for n in args.receivers:
+            r = relay_run(src, work, n, args.chunk_mib, f"v{n}")
+            runs.append(r)
+            print(f"relay to {n}: {r.seconds:.2f} s, {r.gbps:.2f} GB/s per receiver, cpu {r.cpu_seconds:.1f} s, "
+                  f"ok={r.all_ok}")
+        plain2 = plain_copy(src, work)
+        print(f"plain copy again: {plain2['bytes'] / plain2['seconds'] / 1e9:.2f} GB/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    plain_best = min((plain, plain2), key=lambda p: p["seconds"])
+    t1 = runs[0].seconds
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "command": "python benches/weights_relay.py " + " ".join(sys.argv[1:]),
+        "size_bytes": size,
+        "load_average_before": load_before,
+        "chunk_mib": args.chunk_mib,
+        "plain": [plain, plain2],
+        "relay": [asdict(r) for r in runs],
+        "time_ratio_vs_1": {r.receivers: r.seconds / t1 for r in runs},
+        "throughput_vs_plain": {r.receivers: (r.bytes / r.seconds) / (plain_best["bytes"] / plain_best["seconds"])
+                                for r in runs},
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "weights_relay.json").write_text(json.dumps(summary, indent=2))
+    lines = [
+        f"Results, {summary['date']}, {summary['machine']}",
+        f"`{summary['command']}`, {size / 2**30:.2f} GiB in {args.shards} shards, {args.chunk_mib} MiB chunks",
+        "",
+        f"Load average before the run: {load_before}; after: {os.getloadavg()[0]:.2f}.",
+        "",
+        "| receivers | seconds | GB/s per receiver | time / time(1) | throughput / plain copy "
+        "| CPU s (all processes) | CPU s / cores (floor on this box) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cores = os.cpu_count() or 1
+    for r in runs:
+        lines.append(f"| {r.receivers} | {r.seconds:.2f} | {r.gbps:.2f} | {r.seconds / t1:.2f} | "
+                     f"{summary['throughput_vs_plain'][r.receivers]:.2f} | {r.cpu_seconds:.1f} | "
+                     f"{r.cpu_seconds / cores:.1f} |")
+    for i, p in enumerate((plain, plain2)):
+        lines.append(f"| plain copy ({'before' if i == 0 else 'after'}) | {p['seconds']:.2f} | "
+                     f"{p['bytes'] / p['seconds'] / 1e9:.2f} | - | - | {p['cpu_seconds']:.1f} | "
+                     f"{p['cpu_seconds'] / cores:.1f} |")
+    (RESULTS / "weights_relay.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        plot(runs, plain_best, RESULTS / "weights_relay.png")
+    except ImportError:
+        print("matplotlib missing: pip install -e 'python[bench]' for the plot")
+
+
+if __name__ == "__main__":
+    main()

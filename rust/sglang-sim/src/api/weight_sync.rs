@@ -1,0 +1,356 @@
+//! SGLang's distributed weight routes: the trainer broadcast path
+//! (`/init_weights_update_group`, `/begin_weight_update`, `/update_weights_from_distributed`,
+//! `/end_weight_update`, `/destroy_weights_update_group`) and the seed side of remote-instance
+//! loading (`/init_weights_send_group_for_remote_instance`, `/send_weights_to_remote_instance`).
+//!
+//! Order SGLang 0.5.x expects (see `crate::weight_sync` for what is checked): init the group
+//! on every engine while rank 0 joins -> `pause_generation` -> `begin_weight_update` ->
+//! `update_weights_from_distributed` (while rank 0 broadcasts) -> `end_weight_update` ->
+//! `continue_generation`; destroy the group when the engine set changes.
+//!
+//! Responses are `{success, message}`: 200 on success, 400 with `success: false` when the call
+//! is out of order or its fields are inconsistent. A body that does not match the schema is a
+//! validation error (400, SGLang's validation shape).
+
+use super::{json_ok, parse_body, AppState};
+use crate::weight_sync::{rendezvous, SendGroup, UpdateGroup};
+use crate::weights::WeightsInfo;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// Default group names, as in SGLang's request models.
+const UPDATE_GROUP: &str = "weight_update_group";
+const SEND_GROUP: &str = "weight_send_group";
+/// Torch dtype names a distributed update may name.
+const DTYPES: &[&str] = &[
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+];
+
+fn ok(message: impl Into<String>) -> Response {
+    json_ok(json!({"success": true, "message": message.into()}))
+}
+
+fn fail(message: impl Into<String>) -> Response {
+    (StatusCode::BAD_REQUEST, axum::Json(json!({"success": false, "message": message.into()}))).into_response()
+}
+
+/// Parses a body (required, as in SGLang); schema errors become SGLang's validation 400.
+fn body<T: serde::de::DeserializeOwned + Default>(b: &Bytes) -> Result<T, super::ApiError> {
+    parse_body(b, true)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct InitGroupReq {
+    master_address: String,
+    master_port: u16,
+    rank_offset: u32,
+    world_size: u32,
+    #[serde(default)]
+    group_name: Option<String>,
+    #[serde(default)]
+    backend: Option<String>,
+}
+
+/// `/init_weights_update_group`: joins the trainer's group as ranks
+/// `rank_offset..rank_offset + tp_size` of `world_size` (rank 0 is the trainer).
+pub async fn init_weights_update_group(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: InitGroupReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let name = req.group_name.unwrap_or_else(|| UPDATE_GROUP.into());
+    let backend = req.backend.unwrap_or_else(|| "nccl".into());
+    let tp = engine.cfg.tp_size;
+    if !matches!(backend.as_str(), "nccl" | "gloo") {
+        return fail(format!("Unsupported backend {backend:?}: use nccl or gloo."));
+    }
+    if engine.cfg.dp_size != 1 {
+        return fail(format!("Distributed weight updates need dp_size 1; this engine has {}.", engine.cfg.dp_size));
+    }
+    if req.rank_offset == 0 || req.rank_offset.saturating_add(tp) > req.world_size {
+        return fail(format!(
+            "Failed to init group: ranks {}..{} of this engine (tp_size {tp}) do not fit world_size {} \
+             with the trainer as rank 0 (rank_offset must be >= 1 and rank_offset + tp_size <= world_size).",
+            req.rank_offset,
+            req.rank_offset.saturating_add(tp),
+            req.world_size
+        ));
+    }
+    if engine.weight_sync.group(&name).is_some() {
+        return fail(format!("Weight update group {name:?} already exists on this engine; destroy it first."));
+    }
+    let line = json!({"group_name": name, "rank_offset": req.rank_offset, "tp_size": tp,
+                      "world_size": req.world_size, "engine_port": engine.port});
+    if let Err(e) = rendezvous(&req.master_address, req.master_port, &line).await {
+        tracing::warn!(port = engine.port, group = name, error = e, "weight update group init failed");
+        return fail(format!("Failed to init group: {e}"));
+    }
+    let g = UpdateGroup {
+        master_address: req.master_address,
+        master_port: req.master_port,
+        rank_offset: req.rank_offset,
+        world_size: req.world_size,
+        backend,
+    };
+    if let Err(e) = engine.weight_sync.add_group(&name, g) {
+        return fail(e);
+    }
+    tracing::info!(port = engine.port, group = name, rank_offset = req.rank_offset, "joined weight update group");
+    ok(format!("Succeeded to initialize weight update group {name}."))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct GroupNameReq {
+    #[serde(default)]
+    group_name: Option<String>,
+}
+
+/// `/destroy_weights_update_group`.
+pub async fn destroy_weights_update_group(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: GroupNameReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let name = req.group_name.unwrap_or_else(|| UPDATE_GROUP.into());
+    match engine.weight_sync.remove_group(&name) {
+        Ok(_) => {
+            tracing::info!(port = engine.port, group = name, "weight update group destroyed");
+            ok(format!("Succeeded to destroy weight update group {name}."))
+        }
+        Err(e) => fail(e),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct SessionReq {
+    #[serde(default)]
+    selector: Option<String>,
+}
+
+fn selector(s: Option<String>) -> Result<String, super::ApiError> {
+    let s = s.unwrap_or_else(|| "all".into());
+    if matches!(s.as_str(), "target" | "draft" | "all") {
+        Ok(s)
+    } else {
+        Err(super::ApiError::Validation(format!("selector: Input should be 'target', 'draft' or 'all', got {s:?}")))
+    }
+}
+
+/// `/begin_weight_update`: opens the session distributed and tensor updates need.
+pub async fn begin_weight_update(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: SessionReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let sel = match selector(req.selector) {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    match engine.weight_sync.begin(&sel) {
+        Ok(()) => ok("Weight update session started."),
+        Err(e) => fail(e),
+    }
+}
+
+/// `/end_weight_update`.
+pub async fn end_weight_update(State(engine): State<AppState>, b: Bytes) -> Response {
+    if let Err(e) = body::<serde_json::Map<String, serde_json::Value>>(&b) {
+        return e.into_response();
+    }
+    match engine.weight_sync.end() {
+        Ok(()) => ok("Weight update session ended."),
+        Err(e) => fail(e),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct DistributedReq {
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<u64>>,
+    #[serde(default)]
+    group_name: Option<String>,
+    #[serde(default)]
+    flush_cache: Option<bool>,
+    #[serde(default)]
+    abort_all_requests: Option<bool>,
+    #[serde(default)]
+    weight_version: Option<String>,
+    #[serde(default)]
+    load_format: Option<String>,
+    #[serde(default)]
+    selector: Option<String>,
+}
+
+/// `/update_weights_from_distributed`: "receives" the named tensors from rank 0 of the group
+/// (the simulator records their count; no bytes move) and sets `weight_version`.
+pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: DistributedReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if let Err(e) = selector(req.selector.clone()) {
+        return e.into_response();
+    }
+    let started = Instant::now();
+    let name = req.group_name.clone().unwrap_or_else(|| UPDATE_GROUP.into());
+    if req.names.is_empty() || req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
+        return fail(format!(
+            "names, dtypes and shapes must be non-empty and of equal length (got {}, {}, {}).",
+            req.names.len(),
+            req.dtypes.len(),
+            req.shapes.len()
+        ));
+    }
+    if let Some(bad) = req.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
+        return fail(format!("Unknown dtype {bad:?}; expected a torch dtype name such as bfloat16."));
+    }
+    if let Some(f) = req.load_format.as_deref().filter(|f| *f != "flattened_bucket") {
+        return fail(format!(
+            "Unsupported load_format {f:?} for distributed updates (use flattened_bucket or omit it)."
+        ));
+    }
+    if engine.weight_sync.group(&name).is_none() {
+        return fail(format!(
+            "Weight update group {name:?} is not initialized on this engine; call /init_weights_update_group first."
+        ));
+    }
+    if engine.weight_sync.session().is_none() {
+        return fail(
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update(); \
+             call /begin_weight_update first.",
+        );
+    }
+    if req.abort_all_requests.unwrap_or(false) {
+        engine.abort_all("Abort for weight update.");
+    }
+    // Unless paused, the update waits for in-flight requests (and holds new ones) like SGLang.
+    let _exclusive = if engine.shared.is_paused() { None } else { Some(engine.model_update_lock.write().await) };
+    if engine.cfg.weight_load_delay > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(engine.cfg.weight_load_delay)).await;
+    }
+    engine.set_weights(WeightsInfo { num_tensors: req.names.len(), ..WeightsInfo::default() });
+    let mut message = format!("Succeeded to update {} tensors from group {name}.", req.names.len());
+    if let Some(v) = &req.weight_version {
+        engine.shared.set_version(v);
+        message.push_str(&format!(" Weight version updated to {v}."));
+    }
+    engine.metrics.set_weight_load_duration(started.elapsed());
+    tracing::info!(port = engine.port, group = name, tensors = req.names.len(), "weights updated from distributed");
+    if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
+        return fail(format!(
+            "{message} But the cache was not flushed: requests are running or waiting \
+             (pause generation before updating)."
+        ));
+    }
+    ok(message)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct InitSendGroupReq {
+    master_address: String,
+    ports: String,
+    group_rank: u32,
+    world_size: u32,
+    #[serde(default)]
+    group_name: Option<String>,
+    #[serde(default)]
+    backend: Option<String>,
+}
+
+fn parse_ports(s: &str) -> Result<Vec<u16>, String> {
+    s.split(',').map(|p| p.trim().parse::<u16>().map_err(|e| format!("ports: {p:?} is not a port ({e})"))).collect()
+}
+
+/// `/init_weights_send_group_for_remote_instance` (this engine is the seed): one group per TP
+/// rank, on `ports[tp_rank]`.
+pub async fn init_weights_send_group_for_remote_instance(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: InitSendGroupReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let name = req.group_name.unwrap_or_else(|| SEND_GROUP.into());
+    let ports = match parse_ports(&req.ports) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    if ports.len() != engine.cfg.tp_size as usize {
+        return fail(format!(
+            "Got {} ports for a seed with tp_size {}: pass one port per TP rank.",
+            ports.len(),
+            engine.cfg.tp_size
+        ));
+    }
+    if engine.cfg.dp_size != 1 {
+        return fail("The seed instance of a remote-instance load must have a single DP rank.");
+    }
+    if req.group_rank != 0 || req.world_size != 2 {
+        return fail(format!(
+            "The seed is group_rank 0 of a world of 2 (seed and new instance); got rank {} of {}.",
+            req.group_rank, req.world_size
+        ));
+    }
+    let g = SendGroup {
+        master_address: req.master_address,
+        ports,
+        group_rank: req.group_rank,
+        world_size: req.world_size,
+        backend: req.backend.unwrap_or_else(|| "nccl".into()),
+        sends: 0,
+    };
+    engine.weight_sync.set_send_group(&name, g);
+    tracing::info!(port = engine.port, group = name, "send group for a remote instance initialized");
+    ok(format!("Succeeded to init send group {name}."))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct SendWeightsReq {
+    master_address: String,
+    ports: String,
+    #[serde(default)]
+    group_name: Option<String>,
+}
+
+/// `/send_weights_to_remote_instance`: "broadcasts" every parameter to the new instance. The
+/// response carries what was sent (checksum and version) so a simulated new instance can
+/// record the seed's weights as its own.
+pub async fn send_weights_to_remote_instance(State(engine): State<AppState>, b: Bytes) -> Response {
+    let req: SendWeightsReq = match body(&b) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let name = req.group_name.unwrap_or_else(|| SEND_GROUP.into());
+    let ports = match parse_ports(&req.ports) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    match engine.weight_sync.record_send(&name, &req.master_address, &ports) {
+        Ok(g) => {
+            let w = engine.weights();
+            tracing::info!(port = engine.port, group = name, sends = g.sends, "weights sent to a remote instance");
+            json_ok(json!({
+                "success": true,
+                "message": format!("Succeeded to send weights through group {name}."),
+                "weights_checksum": w.checksum,
+                "weight_version": &*engine.shared.version().name,
+            }))
+        }
+        Err(e) => fail(e),
+    }
+}

@@ -1,0 +1,160 @@
+"""SGLang's distributed weight path driven by the trainer helper against real sim engines that
+the manager started: group layout from the manager's ACTIVE engines, SGLang's call order, the
+group rebuilt when engines join or leave, and failures that leave no engine paused or in a
+session. The trainer's NCCL side is a stand-in rank 0 that accepts the engines' rendezvous."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Sequence
+
+import pytest
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http
+
+from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec, WeightSyncError, plan_layout
+
+SPECS = [
+    TensorSpec("model.embed_tokens.weight", "bfloat16", (1024, 64)),
+    TensorSpec("model.layers.0.mlp.down_proj.weight", "bfloat16", (64, 256)),
+    TensorSpec("lm_head.weight", "bfloat16", (1024, 64)),
+]
+
+
+class StandInRank0:
+    """Plays the trainer's rank 0: accepts one rendezvous per engine and checks the layout."""
+
+    def __init__(self) -> None:
+        self.joined: list[list[dict]] = []
+        self.broadcasts: list[tuple[str, list[str]]] = []
+
+    def join_group(self, layout: GroupLayout) -> None:
+        lines: list[dict] = []
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((layout.master_address, layout.master_port))
+            srv.listen(len(layout.members))
+            srv.settimeout(20)
+            for _ in layout.members:
+                conn, _addr = srv.accept()
+                with conn, conn.makefile("r") as f:
+                    lines.append(json.loads(f.readline()))
+        expected = sorted((m.rank_offset, m.tp_size) for m in layout.members)
+        got = sorted((line["rank_offset"], line["tp_size"]) for line in lines)
+        assert got == expected, f"engines joined as {got}, layout says {expected}"
+        assert {line["group_name"] for line in lines} == {layout.group_name}
+        assert {line["world_size"] for line in lines} == {layout.world_size}
+        self.joined.append(lines)
+
+    def broadcast(self, layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
+        self.broadcasts.append((layout.group_name, [s.name for s in specs]))
+
+
+def engine_state(url: str) -> tuple[str, dict]:
+    info = http("GET", url + "/server_info").json()
+    return info["weight_version"], info["weight_sync"]
+
+
+def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSync:
+    return DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=rank0.broadcast, timeout=30)
+
+
+def test_plan_layout_follows_sglangs_rank_rule() -> None:
+    layout = plan_layout([("e0", "u0", 2), ("e1", "u1", 1), ("e2", "u2", 4)], group_name="g", master_address="a",
+                         master_port=1)
+    assert [m.rank_offset for m in layout.members] == [1, 3, 4]
+    assert layout.world_size == 8
+    with pytest.raises(ValueError):
+        plan_layout([("e0", "u0", 0)], group_name="g", master_address="a", master_port=1)
+
+
+def test_broadcast_reaches_every_active_engine_in_order(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    first = sync.update("step-1", SPECS)
+    assert first.rebuilt and first.layout.world_size == 3
+    assert rank0.broadcasts == [(first.layout.group_name, [s.name for s in SPECS])]
+    for member in first.layout.members:
+        version, ws = engine_state(member.url)
+        assert version == "step-1"
+        assert list(ws["weight_update_groups"]) == [first.layout.group_name]
+        assert ws["weight_update_session"] is None, "the session was ended"
+        assert http("GET", member.url + "/ready").status == 200, "generation was continued"
+    out = http("POST", fleet.router_url + "/generate",
+               {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert out["meta_info"]["weight_version"] == "step-1"
+
+    # Same engines: the group is reused, nobody joins again.
+    second = sync.update("step-2", SPECS)
+    assert not second.rebuilt and second.layout == first.layout
+    assert len(rank0.joined) == 1
+    assert {engine_state(m.url)[0] for m in second.layout.members} == {"step-2"}
+    sync.close()
+    assert all(engine_state(m.url)[1]["weight_update_groups"] == {} for m in second.layout.members)
+
+
+def test_group_is_rebuilt_when_engines_join_and_leave(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    before = sync.update("v1", SPECS).layout
+    op = fleet.client.scale_out(num_replicas=4)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    fleet.track_children()
+    grown = sync.update("v2", SPECS)
+    assert grown.rebuilt and grown.layout.group_name != before.group_name
+    assert grown.layout.world_size == 5 and len(rank0.joined) == 2
+    for m in grown.layout.members:
+        version, ws = engine_state(m.url)
+        assert version == "v2"
+        assert list(ws["weight_update_groups"]) == [grown.layout.group_name], "the old group was destroyed"
+
+    op = fleet.client.scale_in(num_replicas=2, force=True)
+    assert fleet.client.wait_for_operation("scale_in", op.request_id, STARTUP_TIMEOUT).status == "COMPLETED"
+    shrunk = sync.update("v3", SPECS)
+    assert shrunk.rebuilt and shrunk.layout.world_size == 3 and len(rank0.joined) == 3
+    assert [m.rank_offset for m in shrunk.layout.members] == [1, 2]
+    assert {engine_state(m.url)[0] for m in shrunk.layout.members} == {"v3"}
+
+
+def test_a_refused_update_leaves_no_engine_paused_or_in_a_session(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    with pytest.raises(WeightSyncError) as err:
+        sync.update("bad", [TensorSpec("w", "complex128", (2,))])
+    assert err.value.step == "update_weights_from_distributed"
+    assert {f.route for f in err.value.failures} == {"/update_weights_from_distributed"}
+    assert len(err.value.failures) == 2 and "dtype" in err.value.failures[0].message
+    assert sync.layout is not None
+    for m in sync.layout.members:
+        version, ws = engine_state(m.url)
+        assert version == "default"
+        assert ws["weight_update_session"] is None
+        assert http("GET", m.url + "/ready").status == 200
+    # The group is intact: the next update goes through.
+    assert sync.update("good", SPECS).layout == sync.layout
+
+
+def test_a_trainer_that_cannot_join_leaves_no_group_behind(fleet: ManagerHandle) -> None:
+    def broken_join(layout: GroupLayout) -> None:
+        # Rank 0 fails but accepts the rendezvous, so the engines' init succeeds.
+        StandInRank0().join_group(layout)
+        raise RuntimeError("NCCL init failed on the trainer")
+
+    sync = DistributedWeightSync(fleet.client, join_group=broken_join, broadcast=lambda layout, specs: None,
+                                 timeout=30)
+    with pytest.raises(RuntimeError, match="NCCL init failed"):
+        sync.update("v1", SPECS)
+    assert sync.layout is None
+    for e in fleet.engines().with_status("ACTIVE"):
+        assert engine_state(e.url)[1]["weight_update_groups"] == {}
+
+
+def test_engines_with_tensor_parallelism_get_rank_ranges(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--gpus", "4", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    layout = sync.update("tp", SPECS).layout
+    assert [(m.tp_size, m.rank_offset) for m in layout.members] == [(2, 1), (2, 3)]
+    assert layout.world_size == 5
+    got = sorted((line["rank_offset"], line["tp_size"]) for line in rank0.joined[0])
+    assert got == [(1, 2), (3, 2)]
