@@ -107,6 +107,18 @@ pub async fn get_text(http: &reqwest::Client, url: &str, timeout: Duration, limi
     String::from_utf8(body.into()).map_err(|_| ReadError::Invalid("not UTF-8 text".into()))
 }
 
+/// Most characters of engine-supplied text kept in an error (`last_error`, logs, the
+/// autoscaler's health): a lying engine must not make every log line a megabyte.
+pub const MAX_QUOTED_CHARS: usize = 200;
+
+/// `text` cut to [`MAX_QUOTED_CHARS`] characters, with a marker when it was cut.
+pub fn shorten(text: &str) -> String {
+    match text.char_indices().nth(MAX_QUOTED_CHARS) {
+        None => text.to_string(),
+        Some((at, _)) => format!("{}… ({} bytes)", &text[..at], text.len()),
+    }
+}
+
 /// What the control plane reads from an engine's `/model_info`: the model path and the weight
 /// version it serves. Fields that are missing or not strings read as empty, so a lying engine
 /// fails the comparison with the fleet instead of passing it.
@@ -219,6 +231,14 @@ mod tests {
             prop_assert_eq!(path.to_string(), expect("model_path"));
             prop_assert_eq!(version.to_string(), expect("weight_version"));
         }
+    }
+
+    #[test]
+    fn quoted_text_is_short() {
+        assert_eq!(shorten("v7"), "v7");
+        let long = "é".repeat(10_000);
+        let short = shorten(&long);
+        assert!(short.chars().count() < MAX_QUOTED_CHARS + 20 && short.ends_with("(20000 bytes)"), "{short}");
     }
 
     /// Deeply nested JSON is refused by serde's recursion limit, not by a stack overflow.

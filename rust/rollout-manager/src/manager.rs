@@ -162,7 +162,8 @@ impl Manager {
         let info = self.model_info(engine_id).await?;
         let (model, _) = crate::engine_http::model_info_fields(&info);
         if model != self.config.model_path {
-            return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
+            let found = crate::engine_http::shorten(model);
+            return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found });
         }
         self.fleet
             .update(|inner| inner.engine_event(engine_id, EngineEvent::Launched))
@@ -408,7 +409,7 @@ impl Manager {
         let info = self.model_info(engine_id).await?;
         let found = crate::engine_http::model_info_fields(&info).1.to_string();
         if found != expected {
-            return Err(EngineError::WrongVersion { expected, found });
+            return Err(EngineError::WrongVersion { expected, found: crate::engine_http::shorten(&found) });
         }
         Ok(found)
     }
