@@ -75,6 +75,8 @@ pub struct Store {
     written: Mutex<Written>,
 }
 
+type Table = TableDefinition<'static, &'static str, &'static str>;
+
 /// A copy of every record as last committed, by table and key.
 #[derive(Default)]
 struct Written {
@@ -189,7 +191,7 @@ impl Store {
         }
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         // One table open at a time (redb refuses a second handle on an open table).
-        let upserts: [(TableDefinition<&str, &str>, Vec<(&str, String)>); 4] = [
+        let upserts: [(Table, Vec<(&str, String)>); 4] = [
             (ENGINES, engines.iter().map(|e| (e.record.engine_id.as_str(), to_json(e))).collect()),
             (SCALE_OUTS, scale_outs.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
             (SCALE_INS, scale_ins.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
