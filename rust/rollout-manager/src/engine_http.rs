@@ -26,7 +26,8 @@ pub const MAX_METRICS_BYTES: usize = 16 << 20;
 /// Why an engine's answer could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
-    #[error("no answer: {0}")]
+    /// Connection refused or reset, DNS, TLS: the engine gave no HTTP answer.
+    #[error("{0}")]
     Request(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
