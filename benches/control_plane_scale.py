@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--scale", type=int, default=100, help="engines attached and detached in the scale test")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of the idle CPU/memory window")
     parser.add_argument("--api-samples", type=int, default=300)
-    parser.add_argument("--attach-batch", type=int, default=100, help="engines attached per scale-out")
+    parser.add_argument("--attach-batch", type=int, default=1000, help="engines attached per scale-out")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds after attach before measuring")
     parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results")
     args = parser.parse_args()
