@@ -8,11 +8,11 @@ import os
 import socket
 import stat
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _support import STARTUP_TIMEOUT, StartManager, file_tail, http, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, file_tail, http, wait_until
 
 from elastic_rollout import RolloutApiError
 from elastic_rollout._find import find_binary
@@ -25,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @pytest.fixture
-def sim_on(tmp_path: Path) -> Iterator:
+def sim_on(tmp_path: Path) -> Iterator[Callable[[str], str]]:
     """Starts a standalone sglang-sim on a given loopback address (someone else's engine)."""
     started: list[subprocess.Popen[bytes]] = []
 
@@ -51,7 +51,7 @@ def sim_on(tmp_path: Path) -> Iterator:
         proc.wait(timeout=10)
 
 
-def test_external_engines_only_from_allowed_networks(start_fleet: StartManager, sim_on) -> None:
+def test_external_engines_only_from_allowed_networks(start_fleet: StartManager, sim_on: Callable[[str], str]) -> None:
     fleet = start_fleet("--external-allow-cidr", "127.0.0.2/32", "--external-allow-cidr", "fd00::/8")
     allowed = sim_on("127.0.0.2")
     refused_port = free_port()
@@ -185,3 +185,22 @@ def test_the_manager_token_is_not_forwarded_to_engines(start_fleet: StartManager
         assert "Bearer engine-own-key" in engine.authorizations
     finally:
         engine.close()
+
+
+def test_request_bodies_are_limited_everywhere(shared_fleet: ManagerHandle) -> None:
+    fleet = shared_fleet
+    big = b'{"num_replicas": 2, "x": "' + b"y" * (3 * 1024 * 1024) + b'"}'
+    for path in ("/rollout/scale_out", "/rollout/scale_in", "/rollout/scale_out_cancel", "/autoscaler/enable", "/rollout/pipeline"):
+        resp = http("POST", f"{fleet.control_url}{path}", raw_body=big)
+        assert resp.status == 413, (path, resp.status, resp.body[:200])
+        assert resp.json()["error"]["code"] == "body_too_large", (path, resp.body[:200])
+    # The router: 1 MiB for fan-out calls, 64 MiB for requests it forwards.
+    resp = http("POST", f"{fleet.router_url}/abort_request", raw_body=b"{" + b" " * (2 * 1024 * 1024) + b"}")
+    assert resp.status == 413 and resp.json()["error"]["code"] == "body_too_large"
+    resp = http("POST", f"{fleet.router_url}/generate", raw_body=b"x" * (65 * 1024 * 1024))
+    assert resp.status == 413 and resp.json()["error"]["code"] == "body_too_large"
+    # Bodies that are JSON but not objects are refused, not read by position.
+    for body in (b"[]", b'["default", 4]', b"4", b'"x"'):
+        resp = http("POST", f"{fleet.control_url}/rollout/scale_out", raw_body=body)
+        assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_body", (body, resp.body)
+    assert fleet.engines().total_engines == 2

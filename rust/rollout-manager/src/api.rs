@@ -66,18 +66,30 @@ pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejectio
         .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid request body: {e}")))
 }
 
-async fn engines(State(s): State<ApiState>) -> Json<Value> {
-    let records = s.manager.fleet.engine_records();
-    let total = records.len();
-    let (version, checksum) = {
+/// `GET /rollout/engines`, serialised straight from the records: building a `serde_json::Value`
+/// tree first cost more than the serialisation itself with a thousand engines.
+#[derive(serde::Serialize)]
+struct EnginesAnswer {
+    models: std::collections::BTreeMap<String, ModelEngines>,
+    total_engines: usize,
+}
+
+#[derive(serde::Serialize)]
+struct ModelEngines {
+    engines: Vec<crate::fleet::EngineRecord>,
+    weight_version: String,
+    weights_checksum: Option<String>,
+}
+
+async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
+    let engines = s.manager.fleet.engine_records();
+    let total_engines = engines.len();
+    let (weight_version, weights_checksum) = {
         let inner = s.manager.fleet.lock();
         (inner.weight_version.clone(), inner.weights.current.checksum.clone())
     };
-    Json(json!({
-        "models": { s.manager.config.model_name.clone(): {
-            "engines": records, "weight_version": version, "weights_checksum": checksum } },
-        "total_engines": total,
-    }))
+    let model = s.manager.config.model_name.clone();
+    Json(EnginesAnswer { models: [(model, ModelEngines { engines, weight_version, weights_checksum })].into(), total_engines })
 }
 
 async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {

@@ -26,7 +26,8 @@ pub const MAX_METRICS_BYTES: usize = 16 << 20;
 /// Why an engine's answer could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
-    #[error("no answer: {0}")]
+    /// Connection refused or reset, DNS, TLS: the engine gave no HTTP answer.
+    #[error("{0}")]
     Request(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
@@ -105,6 +106,18 @@ pub fn parse_json_object(body: &[u8]) -> Result<serde_json::Value, ReadError> {
 pub async fn get_text(http: &reqwest::Client, url: &str, timeout: Duration, limit: usize) -> Result<String, ReadError> {
     let body = get(http, url, timeout, limit).await?;
     String::from_utf8(body.into()).map_err(|_| ReadError::Invalid("not UTF-8 text".into()))
+}
+
+/// Most characters of engine-supplied text kept in an error (`last_error`, logs, the
+/// autoscaler's health): a lying engine must not make every log line a megabyte.
+pub const MAX_QUOTED_CHARS: usize = 200;
+
+/// `text` cut to [`MAX_QUOTED_CHARS`] characters, with a marker when it was cut.
+pub fn shorten(text: &str) -> String {
+    match text.char_indices().nth(MAX_QUOTED_CHARS) {
+        None => text.to_string(),
+        Some((at, _)) => format!("{}… ({} bytes)", &text[..at], text.len()),
+    }
 }
 
 /// What the control plane reads from an engine's `/model_info`: the model path and the weight
@@ -219,6 +232,14 @@ mod tests {
             prop_assert_eq!(path.to_string(), expect("model_path"));
             prop_assert_eq!(version.to_string(), expect("weight_version"));
         }
+    }
+
+    #[test]
+    fn quoted_text_is_short() {
+        assert_eq!(shorten("v7"), "v7");
+        let long = "é".repeat(10_000);
+        let short = shorten(&long);
+        assert!(short.chars().count() < MAX_QUOTED_CHARS + 20 && short.ends_with("(20000 bytes)"), "{short}");
     }
 
     /// Deeply nested JSON is refused by serde's recursion limit, not by a stack overflow.

@@ -221,7 +221,8 @@ impl Manager {
         let info = self.model_info(engine_id).await?;
         let (model, _) = crate::engine_http::model_info_fields(&info);
         if model != self.config.model_path {
-            return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found: model.to_string() });
+            let found = crate::engine_http::shorten(model);
+            return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found });
         }
         self.fleet
             .update(|inner| inner.engine_event(engine_id, EngineEvent::Launched))
@@ -539,7 +540,7 @@ impl Manager {
                     // The startup version has no checkpoint to load: the engine must come with it.
                     return Err(EngineError::WrongVersion {
                         expected: want.version.clone(),
-                        found: found.unwrap_or_default(),
+                        found: crate::engine_http::shorten(&found.unwrap_or_default()),
                     });
                 };
                 let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;

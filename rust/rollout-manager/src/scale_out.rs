@@ -112,6 +112,9 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
     Ok(())
 }
 
+/// Most external engines one scale-out brings up (connects, probes, checks) at the same time.
+const EXTERNAL_BRING_UPS: usize = 64;
+
 enum End {
     /// Every pipeline finished (some may have failed).
     Done,
@@ -154,8 +157,20 @@ pub async fn run(
     let mut racing: Vec<String> = ids.clone();
     let mut failed: Vec<FailedEngine> = Vec::new();
     let cancel_ref = &cancel;
-    let mut pipelines: FuturesUnordered<_> =
-        ids.iter().map(|id| async move { (id.clone(), bring_up(manager, id, cancel_ref).await) }).collect();
+    // External engines are only connected to, so thousands can be attached in one operation;
+    // at most EXTERNAL_BRING_UPS of them are brought up at once, so none times out waiting for
+    // a CPU behind a thousand others (seen with 1,000 engines on 2 cores). Local engines are
+    // bounded by the GPUs and all start at once.
+    let limit =
+        tokio::sync::Semaphore::new(if external { EXTERNAL_BRING_UPS } else { tokio::sync::Semaphore::MAX_PERMITS });
+    let limit_ref = &limit;
+    let mut pipelines: FuturesUnordered<_> = ids
+        .iter()
+        .map(|id| async move {
+            let _permit = limit_ref.acquire().await.ok();
+            (id.clone(), bring_up(manager, id, cancel_ref).await)
+        })
+        .collect();
     let deadline = tokio::time::Instant::now() + timeout;
     let mut changes = manager.fleet.subscribe();
     let end = loop {

@@ -73,6 +73,21 @@ impl Collector {
 
 /// One engine: the observation, and whether `/v1/loads` turned out to be missing (404).
 async fn read_engine(http: &reqwest::Client, url: &str, use_loads: bool, timeout: Duration) -> (Observation, bool) {
+    let (observation, loads_missing) = read_engine_unquoted(http, url, use_loads, timeout).await;
+    // Parse errors quote what the engine sent; keep the quote short.
+    let observation = match observation {
+        Observation::Missing { missing } => Observation::Missing { missing: engine_http::shorten(&missing) },
+        sample => sample,
+    };
+    (observation, loads_missing)
+}
+
+async fn read_engine_unquoted(
+    http: &reqwest::Client,
+    url: &str,
+    use_loads: bool,
+    timeout: Duration,
+) -> (Observation, bool) {
     let metrics = async {
         let text = engine_http::get_text(http, &format!("{url}/metrics"), timeout, engine_http::MAX_METRICS_BYTES)
             .await

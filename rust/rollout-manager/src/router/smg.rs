@@ -14,6 +14,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Largest answer read from smg (its worker list, for up to thousands of workers).
+const MAX_ANSWER_BYTES: usize = 8 << 20;
+
 #[derive(Default)]
 pub struct SmgRegistry {
     /// Engine URL -> smg worker id, for what this manager registered.
@@ -53,8 +56,10 @@ impl SmgRegistry {
 
 /// smg's current workers: URL -> id.
 async fn list(manager: &Manager, base: &str) -> Option<HashMap<String, String>> {
-    let resp = manager.http.get(format!("{base}/workers")).timeout(Duration::from_secs(5)).send().await.ok()?;
-    let list: WorkerList = resp.error_for_status().ok()?.json().await.ok()?;
+    let timeout = Duration::from_secs(5);
+    let body =
+        crate::engine_http::get(&manager.http, &format!("{base}/workers"), timeout, MAX_ANSWER_BYTES).await.ok()?;
+    let list: WorkerList = serde_json::from_slice(&body).ok()?;
     Some(list.workers.into_iter().map(|w| (w.url.trim_end_matches('/').to_string(), w.id)).collect())
 }
 
@@ -62,7 +67,10 @@ async fn register(manager: &Manager, base: &str, url: &str) -> Option<String> {
     let body = serde_json::json!({ "url": url, "worker_type": "regular" });
     let resp = manager.http.post(format!("{base}/workers")).json(&body).timeout(Duration::from_secs(10)).send().await;
     match resp {
-        Ok(r) if r.status().is_success() => r.json::<Accepted>().await.ok().map(|a| a.worker_id),
+        Ok(r) if r.status().is_success() => {
+            let body = crate::engine_http::read_capped(r, MAX_ANSWER_BYTES, Duration::from_secs(10)).await.ok()?;
+            serde_json::from_slice::<Accepted>(&body).ok().map(|a| a.worker_id)
+        }
         // Already registered (by us before a restart, or by someone else): adopt its id.
         Ok(r) if r.status() == reqwest::StatusCode::CONFLICT => list(manager, base).await?.remove(url),
         Ok(r) => {
