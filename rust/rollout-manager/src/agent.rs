@@ -247,7 +247,16 @@ impl Agent for AgentService {
 }
 
 /// Lets a call through when no token is configured or it carries `authorization: Bearer <token>`.
-fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Status> {
+#[derive(Clone)]
+struct RequireToken(Option<Arc<str>>);
+
+impl tonic::service::Interceptor for RequireToken {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        check_token(self.0.as_deref(), req).map_err(|e| *e)
+    }
+}
+
+fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Box<Status>> {
     let Some(token) = token else { return Ok(req) };
     let given = req
         .metadata()
@@ -258,9 +267,9 @@ fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Sta
     if crate::auth::same(given.as_bytes(), token.as_bytes()) {
         Ok(req)
     } else {
-        Err(Status::unauthenticated(
+        Err(Box::new(Status::unauthenticated(
             "this agent needs authorization: Bearer <token> (the manager's --api-token-file or ROLLOUT_MANAGER_API_TOKEN)",
-        ))
+        )))
     }
 }
 
@@ -383,9 +392,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     });
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tonic::transport::Server::builder()
-        .add_service(AgentServer::with_interceptor(AgentService(state.clone()), move |req: Request<()>| {
-            check_token(token.as_deref(), req)
-        }))
+        .add_service(AgentServer::with_interceptor(AgentService(state.clone()), RequireToken(token)))
         .serve_with_incoming_shutdown(incoming, state.stopping.clone().cancelled_owned());
     // Requests in flight get a bounded time to finish once stopping.
     let served = tokio::select! {
