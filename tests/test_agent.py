@@ -57,6 +57,8 @@ class Shim:
     released: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     paused: bool = False
+    #: the manager's API token file: agents get it, and bind/released carry the token.
+    token_file: Path | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
@@ -68,6 +70,7 @@ class Shim:
         argv = [
             str(self.manager_bin), "agent", "--listen", "127.0.0.1:0", "--ready-file", str(ready),
             "--state-dir", str(self.workdir / f"agent{n}"),
+            *(["--api-token-file", str(self.token_file)] if self.token_file else []),
         ]  # fmt: skip
         with open(stderr_path, "wb") as err:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -83,6 +86,9 @@ class Shim:
         agent = AgentProc(process, wait_until(url, 20.0, f"agent ready file {ready}"), identity, stderr_path)
         return agent
 
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"} if self.token_file else {}
+
     def reconcile(self) -> None:
         resp = http("GET", f"{self.control_url}/rollout/placements", timeout=5.0)
         assert resp.status == 200, resp.body
@@ -96,14 +102,18 @@ class Shim:
                 if (p["agent"] or {}).get("url") != agent.url:
                     gpu = str(int(engine_id.rsplit("_", 1)[1]) % 8)
                     body = {"agent_url": agent.url, "node_id": "node-1", "gpu_ids": [gpu]}
-                    bound = http("POST", f"{self.control_url}/rollout/placements/{engine_id}/bind", body)
+                    bound = http(
+                        "POST", f"{self.control_url}/rollout/placements/{engine_id}/bind", body, headers=self.auth()
+                    )
                     assert bound.status == 200, bound.body
             elif p["desired"] == "absent":
                 agent = self.agents.pop(engine_id, None)
                 if agent is not None:
                     agent.process.send_signal(signal.SIGTERM)
                     agent.process.wait(timeout=30)
-                done = http("POST", f"{self.control_url}/rollout/placements/{engine_id}/released")
+                done = http(
+                    "POST", f"{self.control_url}/rollout/placements/{engine_id}/released", headers=self.auth()
+                )
                 assert done.status == 200, done.body
                 self.released.append(engine_id)
 
@@ -359,3 +369,27 @@ def test_restarted_manager_re_adopts_agent_engines(manager_bin: Path, tmp_path: 
     shim.stop()
     assert all(not i.alive() for i in identities.values() if i is not None)
     assert all(not i.alive() for _, i in shim.started)
+
+
+def test_agents_and_placements_need_the_managers_token(start_fleet: StartManager, shim: Shim, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("ray-s3cret\n")
+    token.chmod(0o600)
+    fleet = start_fleet(*RAY_ARGS, "--api-token-file", str(token), wait=False)
+    # Without the token the shim cannot bind.
+    stranger = shim.start_agent("engine_0")
+    try:
+        resp = http("POST", f"{fleet.control_url}/rollout/placements/engine_0/bind", {"agent_url": stranger.url})
+        assert resp.status == 401
+    finally:
+        stranger.process.send_signal(signal.SIGTERM)
+        stranger.process.wait(timeout=30)
+    shim.token_file = token
+    shim.control_url = fleet.control_url
+    shim.start()
+    # Agents started with the token serve the manager, which sends it on every call.
+    fleet.wait_engines(2, "ACTIVE", 60)
+    for engine in fleet.engines().engines:
+        assert engine.pid is not None
+        assert b"ray-s3cret" not in Path(f"/proc/{engine.pid}/environ").read_bytes()
+    assert "ray-s3cret" not in fleet.stderr_tail(1_000_000)
