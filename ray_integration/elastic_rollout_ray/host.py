@@ -3,7 +3,8 @@
 One host actor lives in each engine's placement group. It starts the agent with
 ``--listen <node_ip>:0 --ready-file <f>`` and ``CUDA_VISIBLE_DEVICES`` set to the GPUs Ray gave
 the actor, waits for the ready file (the agent's bound URL), and reports ``{url, node_id,
-gpu_ids}`` for the manager's bind. If the agent exits, it is restarted on the same port (so the
+gpu_ids}`` for the manager's bind. The agent gets the manager's API token (environment, never
+argv), so only the manager can drive it. If the agent exits, it is restarted on the same port (so the
 manager's stored URL stays valid and it sees the engines gone). The agent dies with the actor
 (parent-death signal) and stops its engines; :meth:`EngineHostImpl.stop` does the same politely.
 """
@@ -49,6 +50,7 @@ class EngineHostImpl:
         node_ip: str,
         node_id: str,
         gpu_ids: list[str],
+        token: str | None = None,
         ready_timeout: float = 60.0,
     ) -> None:
         self.engine_id = engine_id
@@ -69,6 +71,9 @@ class EngineHostImpl:
         ]
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        if token:
+            # The manager's token: the agent then refuses gRPC callers without it (docs/ray.md).
+            env["ROLLOUT_MANAGER_API_TOKEN"] = token
         self._process = SupervisedProcess(
             argv,
             log_path=work / "agent.log",

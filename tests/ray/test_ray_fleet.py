@@ -229,6 +229,12 @@ def test_generate_through_the_router_reaches_agent_hosted_engines(fleet: RayFlee
     assert len(engines) == 4
     for e in engines:  # every engine is a child of a node agent, not of the manager
         assert " agent " in parent_cmdline(e["pid"]), parent_cmdline(e["pid"])
+        # The agent holds the manager's token (so it refuses other callers), in its environment.
+        stat = Path(f"/proc/{e['pid']}/stat").read_text()
+        agent_pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        assert f"ROLLOUT_MANAGER_API_TOKEN={TOKEN}".encode() in Path(f"/proc/{agent_pid}/environ").read_bytes().split(b"\0")
+        assert TOKEN not in Path(f"/proc/{agent_pid}/cmdline").read_text()
+        assert TOKEN.encode() not in Path(f"/proc/{e['pid']}/environ").read_bytes()  # engines never get it
     for _ in range(8):
         resp = http("POST", fleet.router_url + "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
         assert resp.status == 200, resp.body
