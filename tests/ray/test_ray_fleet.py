@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from _support import ProcessIdentity, http, wait_until
-from _ray_support import HEAD_GPUS, RayCluster, free_port
+from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster  # noqa: F401 (the fixture)
 from elastic_rollout import RolloutApiError, RolloutClient
 
 NAMESPACE = "er-test"
