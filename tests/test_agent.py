@@ -393,3 +393,38 @@ def test_agents_and_placements_need_the_managers_token(start_fleet: StartManager
         assert engine.pid is not None
         assert b"ray-s3cret" not in Path(f"/proc/{engine.pid}/environ").read_bytes()
     assert "ray-s3cret" not in fleet.stderr_tail(1_000_000)
+
+
+def test_restart_keeps_placements_still_waiting_for_resources(manager_bin: Path, tmp_path: Path, shim: Shim) -> None:
+    from conftest import start_manager, stop_manager
+
+    state = tmp_path / "state"
+    first = start_manager(manager_bin, state, RAY_ARGS)
+    second: ManagerHandle | None = None
+    try:
+        wait_until(lambda: len(placements(first)) == 2, 20, "two pending placements")
+        revision = http("GET", f"{first.control_url}/rollout/placements").json()["revision"]
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=10)
+
+        second = start_manager(manager_bin, state, RAY_ARGS)
+        kept = http("GET", f"{second.control_url}/rollout/placements").json()
+        assert kept["revision"] > revision
+        assert sorted(p["engine_id"] for p in kept["placements"]) == ["engine_0", "engine_1"]
+        assert {p["status"] for p in kept["placements"]} == {"PENDING_RESOURCES"}
+
+        def waiting() -> bool:
+            raw = http("GET", f"{second.control_url}/rollout/engines").json()["models"]["default"]["engines"]
+            return len(raw) == 2 and all((e.get("detail") or "").startswith("PENDING_RESOURCES") for e in raw)
+
+        wait_until(waiting, 20, "restored engines waiting for their placements")
+        shim.control_url = second.control_url
+        shim.start()
+        second.wait_engines(2, "ACTIVE", 60)
+        assert {p["status"] for p in placements(second).values()} == {"BOUND"}
+    finally:
+        if second is not None:
+            stop_manager(second)
+        if first.process.poll() is None:
+            first.process.kill()
+            first.process.wait()
