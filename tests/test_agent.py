@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 from _support import ManagerHandle, ProcessIdentity, StartManager, http, metric_total, wait_until
 
-from elastic_rollout import RolloutClient
+from elastic_rollout import EnginesView, RolloutClient
 
 RAY_ARGS = ("--placement", "ray", "--health-check-interval-secs", "0.5")
 
@@ -168,6 +168,19 @@ def placements(handle: ManagerHandle) -> dict[str, Any]:
     return {p["engine_id"]: p for p in body["placements"]}
 
 
+def wait_no_operation(handle: ManagerHandle) -> None:
+    """Engines turn ACTIVE a moment before their operation records its end."""
+    terminal = {"ACTIVE", "FAILED", "CANCELLED", "NOOP", "COMPLETED"}
+
+    def idle() -> bool:
+        ops: list[dict[str, Any]] = []
+        for kind in ("scale_out", "scale_in"):
+            ops += http("GET", f"{handle.control_url}/rollout/{kind}").json()["requests"]
+        return all(op["status"] in terminal for op in ops)
+
+    wait_until(idle, 30, "no scale operation running")
+
+
 def engine_pids(handle: ManagerHandle) -> dict[str, int]:
     return {e.engine_id: e.pid for e in handle.engines().engines if e.pid is not None}
 
@@ -175,7 +188,11 @@ def engine_pids(handle: ManagerHandle) -> dict[str, int]:
 def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager, shim: Shim) -> None:
     fleet = start_fleet(*RAY_ARGS, wait=False)
     # Before the shim runs, the initial engines wait for resources, visibly.
-    view = fleet.engines()
+    def listed() -> EnginesView | None:
+        v = fleet.engines()
+        return v if len(v.engines) == 2 else None
+
+    view = wait_until(listed, 20, "2 engines listed")
     assert [e.status for e in view.engines] == ["PENDING", "PENDING"]
     raw = http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]
     assert all(e["detail"].startswith("PENDING_RESOURCES") for e in raw)
@@ -196,6 +213,7 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
         assert _ppid(pid) == shim.agents[engine_id].process.pid
 
     # Scale out 2 -> 4: two more placements, two more agents.
+    wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=4)
     fleet.wait_engines(4, "ACTIVE", 60)
     op = http("GET", f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}").json()
@@ -235,6 +253,7 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
         return e.status == "ACTIVE" and e.pid not in (None, old_pid) and e.restarts == 1
 
     wait_until(recovered, 60, f"{victim} recovered after kill -9")
+    wait_no_operation(fleet)
     assert _ppid(engine_pids(fleet)[victim]) == agent_pid
     assert placements(fleet)[victim]["agent"]["url"] == shim.agents[victim].url
 
@@ -253,6 +272,8 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
 def test_bad_placement_requests_are_refused(start_fleet: StartManager, shim: Shim) -> None:
     fleet = start_fleet(*RAY_ARGS, wait=False)
     url = f"{fleet.control_url}/rollout/placements"
+    # The listening line comes before the initial engines are reserved.
+    wait_until(lambda: len(placements(fleet)) == 2, 20, "the initial placements")
     agent = shim.start_agent("engine_0")
     shim.agents["engine_0"] = agent
     cases = [
@@ -308,6 +329,7 @@ def test_pending_scale_out_is_cancellable(start_fleet: StartManager, shim: Shim)
     shim.start()
     fleet.wait_engines(2, "ACTIVE", 60)
     shim.paused = True  # Ray has no resources for more.
+    wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=3)
     op_url = f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}"
     op = http("GET", op_url).json()
