@@ -450,3 +450,12 @@ def test_restart_keeps_placements_still_waiting_for_resources(manager_bin: Path,
         if first.process.poll() is None:
             first.process.kill()
             first.process.wait()
+
+
+def test_agent_refuses_a_bad_listen_address(manager_bin: Path, tmp_path: Path) -> None:
+    for listen, why in [("0.0.0.0:0", "node's own IP"), ("nonsense", "HOST:PORT"), ("256.1.1.1:0", "cannot bind")]:
+        argv = [str(manager_bin), "agent", "--listen", listen, "--ready-file", str(tmp_path / "ready.json")]
+        result = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, check=False)
+        stderr = result.stderr.decode()
+        assert result.returncode != 0 and "--listen" in stderr and why in stderr, (listen, stderr)
+        assert not (tmp_path / "ready.json").exists()

@@ -59,6 +59,8 @@ pub struct AgentArgs {
 pub enum AgentError {
     #[error("invalid --listen {0:?}: expected HOST:PORT, e.g. 10.0.0.5:0")]
     Listen(String),
+    #[error("--listen {0:?}: give the node's own IP (engines listen there and the manager reaches them by it), not an unspecified address")]
+    Unspecified(String),
     #[error("cannot bind --listen {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
     #[error("cannot create --state-dir {path}: {source}")]
@@ -347,6 +349,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
     if host.is_empty() {
         return Err(AgentError::Listen(args.listen.clone()));
+    }
+    if host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+        return Err(AgentError::Unspecified(args.listen.clone()));
     }
     let state_dir = args
         .state_dir
