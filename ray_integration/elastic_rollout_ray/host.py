@@ -23,10 +23,12 @@ from elastic_rollout_ray.process import SupervisedProcess
 __all__ = ["EngineHostImpl", "agent_work_dir"]
 
 
-def agent_work_dir(namespace: str, engine_id: str) -> Path:
+def agent_work_dir(namespace: str, engine_id: str, root: str | None = None) -> Path:
     """A new node-local directory (0700) for one host's agent: ready file, state, engine logs.
-    Unique per host, so fleets and restarts never share one."""
-    parent = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / namespace
+    Unique per host, so fleets and restarts never share one. Under ``root`` (the launcher's
+    ``--agent-dir``) if given, else under the node's temp dir."""
+    base = Path(root) if root else Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}"
+    parent = base / namespace
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Path(tempfile.mkdtemp(prefix=f"{engine_id}-", dir=parent))
 
@@ -51,12 +53,13 @@ class EngineHostImpl:
         node_id: str,
         gpu_ids: list[str],
         token: str | None = None,
+        work_root: str | None = None,
         ready_timeout: float = 60.0,
     ) -> None:
         self.engine_id = engine_id
         self.node_id = node_id
         self.gpu_ids = gpu_ids
-        work = agent_work_dir(namespace, engine_id)
+        work = agent_work_dir(namespace, engine_id, work_root)
         self.ready_file = work / "agent.ready.json"
         self.ready_file.unlink(missing_ok=True)
         argv = [

@@ -50,11 +50,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory, manager_bin: Path) -> 
     # Short paths: Ray's Unix sockets live under the temp dir (108-byte limit).
     temp_dir = Path(tmp_path_factory.mktemp("ray", numbered=True))
     (temp_dir / "ray").mkdir()
-    keys = ("RAY_TMPDIR", "TMPDIR", "RAY_JOB_STOP_WAIT_TIME_S", "ELASTIC_ROLLOUT_MANAGER_BIN")
+    keys = ("RAY_TMPDIR", "RAY_JOB_STOP_WAIT_TIME_S", "ELASTIC_ROLLOUT_MANAGER_BIN")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["RAY_TMPDIR"] = str(temp_dir)
-    # The cluster's processes (host actors: agent dirs and engine logs) write under this test's dir.
-    os.environ["TMPDIR"] = str(temp_dir)
     # `ray job stop` gives the launcher this long to tear down before SIGKILL (default 3 s).
     os.environ["RAY_JOB_STOP_WAIT_TIME_S"] = "120"
     # The processes Ray starts use the binary the other tests use (the freshest cargo build).
