@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 from _support import ManagerHandle, ProcessIdentity, StartManager, http, metric_total, wait_until
 
-from elastic_rollout import RolloutClient
+from elastic_rollout import EnginesView, RolloutClient
 
 RAY_ARGS = ("--placement", "ray", "--health-check-interval-secs", "0.5")
 
@@ -57,6 +57,8 @@ class Shim:
     released: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     paused: bool = False
+    #: the manager's API token file: agents get it, and bind/released carry the token.
+    token_file: Path | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
@@ -68,6 +70,7 @@ class Shim:
         argv = [
             str(self.manager_bin), "agent", "--listen", "127.0.0.1:0", "--ready-file", str(ready),
             "--state-dir", str(self.workdir / f"agent{n}"),
+            *(["--api-token-file", str(self.token_file)] if self.token_file else []),
         ]  # fmt: skip
         with open(stderr_path, "wb") as err:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -83,6 +86,9 @@ class Shim:
         agent = AgentProc(process, wait_until(url, 20.0, f"agent ready file {ready}"), identity, stderr_path)
         return agent
 
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"} if self.token_file else {}
+
     def reconcile(self) -> None:
         resp = http("GET", f"{self.control_url}/rollout/placements", timeout=5.0)
         assert resp.status == 200, resp.body
@@ -96,14 +102,18 @@ class Shim:
                 if (p["agent"] or {}).get("url") != agent.url:
                     gpu = str(int(engine_id.rsplit("_", 1)[1]) % 8)
                     body = {"agent_url": agent.url, "node_id": "node-1", "gpu_ids": [gpu]}
-                    bound = http("POST", f"{self.control_url}/rollout/placements/{engine_id}/bind", body)
+                    bound = http(
+                        "POST", f"{self.control_url}/rollout/placements/{engine_id}/bind", body, headers=self.auth()
+                    )
                     assert bound.status == 200, bound.body
             elif p["desired"] == "absent":
                 agent = self.agents.pop(engine_id, None)
                 if agent is not None:
                     agent.process.send_signal(signal.SIGTERM)
                     agent.process.wait(timeout=30)
-                done = http("POST", f"{self.control_url}/rollout/placements/{engine_id}/released")
+                done = http(
+                    "POST", f"{self.control_url}/rollout/placements/{engine_id}/released", headers=self.auth()
+                )
                 assert done.status == 200, done.body
                 self.released.append(engine_id)
 
@@ -158,6 +168,19 @@ def placements(handle: ManagerHandle) -> dict[str, Any]:
     return {p["engine_id"]: p for p in body["placements"]}
 
 
+def wait_no_operation(handle: ManagerHandle) -> None:
+    """Engines turn ACTIVE a moment before their operation records its end."""
+    terminal = {"ACTIVE", "FAILED", "CANCELLED", "NOOP", "COMPLETED"}
+
+    def idle() -> bool:
+        ops: list[dict[str, Any]] = []
+        for kind in ("scale_out", "scale_in"):
+            ops += http("GET", f"{handle.control_url}/rollout/{kind}").json()["requests"]
+        return all(op["status"] in terminal for op in ops)
+
+    wait_until(idle, 30, "no scale operation running")
+
+
 def engine_pids(handle: ManagerHandle) -> dict[str, int]:
     return {e.engine_id: e.pid for e in handle.engines().engines if e.pid is not None}
 
@@ -165,7 +188,11 @@ def engine_pids(handle: ManagerHandle) -> dict[str, int]:
 def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager, shim: Shim) -> None:
     fleet = start_fleet(*RAY_ARGS, wait=False)
     # Before the shim runs, the initial engines wait for resources, visibly.
-    view = fleet.engines()
+    def listed() -> EnginesView | None:
+        v = fleet.engines()
+        return v if len(v.engines) == 2 else None
+
+    view = wait_until(listed, 20, "2 engines listed")
     assert [e.status for e in view.engines] == ["PENDING", "PENDING"]
     raw = http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]
     assert all(e["detail"].startswith("PENDING_RESOURCES") for e in raw)
@@ -186,6 +213,7 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
         assert _ppid(pid) == shim.agents[engine_id].process.pid
 
     # Scale out 2 -> 4: two more placements, two more agents.
+    wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=4)
     fleet.wait_engines(4, "ACTIVE", 60)
     op = http("GET", f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}").json()
@@ -225,6 +253,7 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
         return e.status == "ACTIVE" and e.pid not in (None, old_pid) and e.restarts == 1
 
     wait_until(recovered, 60, f"{victim} recovered after kill -9")
+    wait_no_operation(fleet)
     assert _ppid(engine_pids(fleet)[victim]) == agent_pid
     assert placements(fleet)[victim]["agent"]["url"] == shim.agents[victim].url
 
@@ -243,6 +272,8 @@ def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager,
 def test_bad_placement_requests_are_refused(start_fleet: StartManager, shim: Shim) -> None:
     fleet = start_fleet(*RAY_ARGS, wait=False)
     url = f"{fleet.control_url}/rollout/placements"
+    # The listening line comes before the initial engines are reserved.
+    wait_until(lambda: len(placements(fleet)) == 2, 20, "the initial placements")
     agent = shim.start_agent("engine_0")
     shim.agents["engine_0"] = agent
     cases = [
@@ -298,6 +329,7 @@ def test_pending_scale_out_is_cancellable(start_fleet: StartManager, shim: Shim)
     shim.start()
     fleet.wait_engines(2, "ACTIVE", 60)
     shim.paused = True  # Ray has no resources for more.
+    wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=3)
     op_url = f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}"
     op = http("GET", op_url).json()
@@ -359,3 +391,71 @@ def test_restarted_manager_re_adopts_agent_engines(manager_bin: Path, tmp_path: 
     shim.stop()
     assert all(not i.alive() for i in identities.values() if i is not None)
     assert all(not i.alive() for _, i in shim.started)
+
+
+def test_agents_and_placements_need_the_managers_token(start_fleet: StartManager, shim: Shim, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("ray-s3cret\n")
+    token.chmod(0o600)
+    fleet = start_fleet(*RAY_ARGS, "--api-token-file", str(token), wait=False)
+    # Without the token the shim cannot bind.
+    stranger = shim.start_agent("engine_0")
+    try:
+        resp = http("POST", f"{fleet.control_url}/rollout/placements/engine_0/bind", {"agent_url": stranger.url})
+        assert resp.status == 401
+    finally:
+        stranger.process.send_signal(signal.SIGTERM)
+        stranger.process.wait(timeout=30)
+    shim.token_file = token
+    shim.control_url = fleet.control_url
+    shim.start()
+    # Agents started with the token serve the manager, which sends it on every call.
+    fleet.wait_engines(2, "ACTIVE", 60)
+    for engine in fleet.engines().engines:
+        assert engine.pid is not None
+        assert b"ray-s3cret" not in Path(f"/proc/{engine.pid}/environ").read_bytes()
+    assert "ray-s3cret" not in fleet.stderr_tail(1_000_000)
+
+
+def test_restart_keeps_placements_still_waiting_for_resources(manager_bin: Path, tmp_path: Path, shim: Shim) -> None:
+    from conftest import start_manager, stop_manager
+
+    state = tmp_path / "state"
+    first = start_manager(manager_bin, state, RAY_ARGS)
+    second: ManagerHandle | None = None
+    try:
+        wait_until(lambda: len(placements(first)) == 2, 20, "two pending placements")
+        revision = http("GET", f"{first.control_url}/rollout/placements").json()["revision"]
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=10)
+
+        second = start_manager(manager_bin, state, RAY_ARGS)
+        kept = http("GET", f"{second.control_url}/rollout/placements").json()
+        assert kept["revision"] > revision
+        assert sorted(p["engine_id"] for p in kept["placements"]) == ["engine_0", "engine_1"]
+        assert {p["status"] for p in kept["placements"]} == {"PENDING_RESOURCES"}
+
+        def waiting() -> bool:
+            raw = http("GET", f"{second.control_url}/rollout/engines").json()["models"]["default"]["engines"]
+            return len(raw) == 2 and all((e.get("detail") or "").startswith("PENDING_RESOURCES") for e in raw)
+
+        wait_until(waiting, 20, "restored engines waiting for their placements")
+        shim.control_url = second.control_url
+        shim.start()
+        second.wait_engines(2, "ACTIVE", 60)
+        assert {p["status"] for p in placements(second).values()} == {"BOUND"}
+    finally:
+        if second is not None:
+            stop_manager(second)
+        if first.process.poll() is None:
+            first.process.kill()
+            first.process.wait()
+
+
+def test_agent_refuses_a_bad_listen_address(manager_bin: Path, tmp_path: Path) -> None:
+    for listen, why in [("0.0.0.0:0", "node's own IP"), ("nonsense", "HOST:PORT"), ("256.1.1.1:0", "cannot bind")]:
+        argv = [str(manager_bin), "agent", "--listen", listen, "--ready-file", str(tmp_path / "ready.json")]
+        result = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, check=False)
+        stderr = result.stderr.decode()
+        assert result.returncode != 0 and "--listen" in stderr and why in stderr, (listen, stderr)
+        assert not (tmp_path / "ready.json").exists()

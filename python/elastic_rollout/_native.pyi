@@ -16,7 +16,8 @@ def binary_path() -> str:
     """Path of the ``rollout-manager`` binary matching this module.
 
     ``$ELASTIC_ROLLOUT_MANAGER_BIN`` if set, else ``elastic_rollout/_bin/rollout-manager``, else
-    the newest cargo build (``target/release`` or ``target/debug``) of the source tree it was built from.
+    the newest cargo build (``target/release`` or ``target/debug``) of the source tree it was built
+    from, else ``PATH``.
 
     Raises:
         FileNotFoundError: nothing found; the message lists every place tried.

@@ -47,7 +47,9 @@ class Reconciler(ReconcilerImpl):
 class EngineHost(EngineHostImpl):
     """Runs the node agent of one engine on the GPUs Ray assigned to this actor."""
 
-    def __init__(self, engine_id: str, binary: str, namespace: str) -> None:
+    def __init__(
+        self, engine_id: str, binary: str, namespace: str, token: str | None = None, work_root: str | None = None
+    ) -> None:
         ctx = ray.get_runtime_context()
         super().__init__(
             engine_id,
@@ -56,4 +58,6 @@ class EngineHost(EngineHostImpl):
             node_ip=ray.util.get_node_ip_address(),
             node_id=ctx.get_node_id(),
             gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+            token=token,
+            work_root=work_root,
         )

@@ -3,7 +3,8 @@
 One host actor lives in each engine's placement group. It starts the agent with
 ``--listen <node_ip>:0 --ready-file <f>`` and ``CUDA_VISIBLE_DEVICES`` set to the GPUs Ray gave
 the actor, waits for the ready file (the agent's bound URL), and reports ``{url, node_id,
-gpu_ids}`` for the manager's bind. If the agent exits, it is restarted on the same port (so the
+gpu_ids}`` for the manager's bind. The agent gets the manager's API token (environment, never
+argv), so only the manager can drive it. If the agent exits, it is restarted on the same port (so the
 manager's stored URL stays valid and it sees the engines gone). The agent dies with the actor
 (parent-death signal) and stops its engines; :meth:`EngineHostImpl.stop` does the same politely.
 """
@@ -22,10 +23,12 @@ from elastic_rollout_ray.process import SupervisedProcess
 __all__ = ["EngineHostImpl", "agent_work_dir"]
 
 
-def agent_work_dir(namespace: str, engine_id: str) -> Path:
+def agent_work_dir(namespace: str, engine_id: str, root: str | None = None) -> Path:
     """A new node-local directory (0700) for one host's agent: ready file, state, engine logs.
-    Unique per host, so fleets and restarts never share one."""
-    parent = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / namespace
+    Unique per host, so fleets and restarts never share one. Under ``root`` (the launcher's
+    ``--agent-dir``) if given, else under the node's temp dir."""
+    base = Path(root) if root else Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}"
+    parent = base / namespace
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Path(tempfile.mkdtemp(prefix=f"{engine_id}-", dir=parent))
 
@@ -49,12 +52,14 @@ class EngineHostImpl:
         node_ip: str,
         node_id: str,
         gpu_ids: list[str],
+        token: str | None = None,
+        work_root: str | None = None,
         ready_timeout: float = 60.0,
     ) -> None:
         self.engine_id = engine_id
         self.node_id = node_id
         self.gpu_ids = gpu_ids
-        work = agent_work_dir(namespace, engine_id)
+        work = agent_work_dir(namespace, engine_id, work_root)
         self.ready_file = work / "agent.ready.json"
         self.ready_file.unlink(missing_ok=True)
         argv = [
@@ -69,6 +74,9 @@ class EngineHostImpl:
         ]
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        if token:
+            # The manager's token: the agent then refuses gRPC callers without it (docs/ray.md).
+            env["ROLLOUT_MANAGER_API_TOKEN"] = token
         self._process = SupervisedProcess(
             argv,
             log_path=work / "agent.log",

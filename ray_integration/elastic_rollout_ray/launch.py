@@ -3,7 +3,7 @@
 Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. Flow:
 
 1. split the launcher's own flags (``--serve-host``, ``--serve-port``, ``--namespace``,
-   ``--ray-address``, ``--ready-timeout``) from the manager's, add the flags the shim owns
+   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``) from the manager's, add the flags the shim owns
    (``--placement ray --api-socket ... --state-dir ...``) and validate everything with the
    manager's own parser (:func:`elastic_rollout._native.parse_serve_args`) BEFORE touching the
    cluster; refuse a run without ``--fully-async``;
@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="elastic-rollout", help="Ray namespace of the fleet's actors")
     p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: the running one)")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds the manager may take to answer")
+    p.add_argument(
+        "--agent-dir",
+        default=None,
+        help="directory for node agents' files and engine logs, on each node (default: the node's temp dir)",
+    )
     return p
 
 
@@ -161,7 +166,7 @@ class Fleet:
             env=env,
         )
         info = ray.get(self.manager.info.remote())
-        self._reconciler_args = (here, launch.api_socket, binary, launch.options.namespace, token)
+        self._reconciler_args = (here, launch.api_socket, binary, launch.options.namespace, token, launch.options.agent_dir)
         self.start_reconciler()
         serve.start(http_options={"host": launch.options.serve_host, "port": launch.options.serve_port})
         self.serve_started = True
@@ -181,9 +186,9 @@ class Fleet:
 
         from elastic_rollout_ray.actors import Reconciler
 
-        here, api_socket, binary, namespace, token = self._reconciler_args
+        here, api_socket, binary, namespace, token, agent_dir = self._reconciler_args
         self.reconciler = Reconciler.options(name="er-reconciler", resources=here).remote(
-            api_socket, binary, namespace, token
+            api_socket, binary, namespace, token, agent_dir
         )
         ray.get(self.reconciler.status.remote())
 

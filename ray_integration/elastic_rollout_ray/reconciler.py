@@ -60,8 +60,12 @@ def host_name(engine_id: str) -> str:
 class ReconcilerImpl:
     """The reconcile loop; the Ray actor class is built from this in :mod:`.actors`."""
 
-    def __init__(self, api_socket: str, binary: str, namespace: str, token: str | None = None) -> None:
+    def __init__(
+        self, api_socket: str, binary: str, namespace: str, token: str | None = None, agent_dir: str | None = None
+    ) -> None:
         self.client = UdsClient(api_socket, token=token, timeout=WAIT_SECS + 10.0)
+        self._token = token
+        self._agent_dir = agent_dir
         self.binary = binary
         self.namespace = namespace
         self.revision: int | None = None
@@ -169,7 +173,7 @@ class ReconcilerImpl:
             num_gpus=float(bundle.get("GPU", 0)),
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
-        ).remote(engine_id, self.binary, self.namespace)
+        ).remote(engine_id, self.binary, self.namespace, self._token, self._agent_dir)
         self.hosts[engine_id] = host
         return host.info.remote()
 

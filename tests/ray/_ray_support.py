@@ -1,12 +1,24 @@
-"""What the Ray tests share: the cluster handle and a free port."""
+"""What the Ray tests share: a real local Ray cluster (fixture ``ray_cluster``,
+``ray.cluster_utils.Cluster`` with logical GPUs), its handle and a free port.
+
+One cluster per test module (Ray's start is the slow part). Every cluster gets its own temp dir
+(``RAY_TMPDIR`` too, so even Ray's "current cluster" address file is ours) and is stopped by
+killing only its own node processes: never ``ray stop``, which would kill every Ray of the user.
+This is not a ``conftest.py``: a second module of that name would shadow ``tests/conftest.py``
+for the tests that import from it. A module using the fixture imports it.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 #: Logical GPUs of the head node.
 HEAD_GPUS = 4
@@ -28,3 +40,43 @@ class RayCluster:
 
     def ray_cli(self) -> list[str]:
         return [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory, manager_bin: Path) -> Iterator[RayCluster]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Short paths: Ray's Unix sockets live under the temp dir (108-byte limit).
+    temp_dir = Path(tmp_path_factory.mktemp("ray", numbered=True))
+    (temp_dir / "ray").mkdir()
+    keys = ("RAY_TMPDIR", "RAY_JOB_STOP_WAIT_TIME_S", "ELASTIC_ROLLOUT_MANAGER_BIN")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["RAY_TMPDIR"] = str(temp_dir)
+    # `ray job stop` gives the launcher this long to tear down before SIGKILL (default 3 s).
+    os.environ["RAY_JOB_STOP_WAIT_TIME_S"] = "120"
+    # The processes Ray starts use the binary the other tests use (the freshest cargo build).
+    os.environ["ELASTIC_ROLLOUT_MANAGER_BIN"] = str(manager_bin)
+    dashboard_port = free_port()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 16,
+            "num_gpus": HEAD_GPUS,
+            "temp_dir": str(temp_dir / "ray"),
+            "include_dashboard": True,
+            "dashboard_port": dashboard_port,
+        },
+    )
+    env = {**os.environ, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
+    try:
+        ray.init(address=cluster.address, namespace="er-tests", log_to_driver=False)
+        yield RayCluster(cluster, temp_dir, f"http://127.0.0.1:{dashboard_port}", env)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -92,6 +92,8 @@ def test_binary_path_finds_a_working_manager(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER_BIN", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="ELASTIC_ROLLOUT_MANAGER_BIN"):
         _native.binary_path()
+    monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER_BIN", str(path))
+    assert _native.binary_path() == str(path)
 
 
 def test_finder_prefers_the_wheels_bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

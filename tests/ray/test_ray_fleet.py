@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from _support import ProcessIdentity, http, wait_until
-from _ray_support import HEAD_GPUS, RayCluster, free_port
+from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster  # noqa: F401 (the fixture)
 from elastic_rollout import RolloutApiError, RolloutClient
 
 NAMESPACE = "er-test"
@@ -91,7 +91,7 @@ def launch_args(state_dir: Path, serve_port: int) -> list[str]:
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     return [
-        "--api-token-file", str(token_file), "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+        "--api-token-file", str(token_file), "--agent-dir", str(state_dir / "agents"), "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
         "--namespace", NAMESPACE, "--serve-port", str(serve_port), "--router-port", "0",
         "--state-dir", str(state_dir), "--api-socket", str(state_dir / "api.sock"), "--engine-arg=--time-scale=0.01", "--health-check-interval-secs", "1",
     ]  # fmt: skip
@@ -227,8 +227,16 @@ def parent_cmdline(pid: int) -> str:
 def test_generate_through_the_router_reaches_agent_hosted_engines(fleet: RayFleet) -> None:
     engines = fleet.active()
     assert len(engines) == 4
+    agent_dir = manager_info()["state_dir"] + "/agents/"  # the launcher's --agent-dir
     for e in engines:  # every engine is a child of a node agent, not of the manager
         assert " agent " in parent_cmdline(e["pid"]), parent_cmdline(e["pid"])
+        assert e["log_path"].startswith(agent_dir), e["log_path"]
+        # The agent holds the manager's token (so it refuses other callers), in its environment.
+        stat = Path(f"/proc/{e['pid']}/stat").read_text()
+        agent_pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        assert f"ROLLOUT_MANAGER_API_TOKEN={TOKEN}".encode() in Path(f"/proc/{agent_pid}/environ").read_bytes().split(b"\0")
+        assert TOKEN not in Path(f"/proc/{agent_pid}/cmdline").read_text()
+        assert TOKEN.encode() not in Path(f"/proc/{e['pid']}/environ").read_bytes()  # engines never get it
     for _ in range(8):
         resp = http("POST", fleet.router_url + "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
         assert resp.status == 200, resp.body

@@ -59,6 +59,8 @@ pub struct AgentArgs {
 pub enum AgentError {
     #[error("invalid --listen {0:?}: expected HOST:PORT, e.g. 10.0.0.5:0")]
     Listen(String),
+    #[error("--listen {0:?}: give the node's own IP (engines listen there and the manager reaches them by it), not an unspecified address")]
+    Unspecified(String),
     #[error("cannot bind --listen {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
     #[error("cannot create --state-dir {path}: {source}")]
@@ -247,7 +249,16 @@ impl Agent for AgentService {
 }
 
 /// Lets a call through when no token is configured or it carries `authorization: Bearer <token>`.
-fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Status> {
+#[derive(Clone)]
+struct RequireToken(Option<Arc<str>>);
+
+impl tonic::service::Interceptor for RequireToken {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        check_token(self.0.as_deref(), req).map_err(|e| *e)
+    }
+}
+
+fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Box<Status>> {
     let Some(token) = token else { return Ok(req) };
     let given = req
         .metadata()
@@ -258,9 +269,9 @@ fn check_token(token: Option<&str>, req: Request<()>) -> Result<Request<()>, Sta
     if crate::auth::same(given.as_bytes(), token.as_bytes()) {
         Ok(req)
     } else {
-        Err(Status::unauthenticated(
+        Err(Box::new(Status::unauthenticated(
             "this agent needs authorization: Bearer <token> (the manager's --api-token-file or ROLLOUT_MANAGER_API_TOKEN)",
-        ))
+        )))
     }
 }
 
@@ -339,6 +350,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     if host.is_empty() {
         return Err(AgentError::Listen(args.listen.clone()));
     }
+    if host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+        return Err(AgentError::Unspecified(args.listen.clone()));
+    }
     let state_dir = args
         .state_dir
         .clone()
@@ -383,9 +397,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     });
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tonic::transport::Server::builder()
-        .add_service(AgentServer::with_interceptor(AgentService(state.clone()), move |req: Request<()>| {
-            check_token(token.as_deref(), req)
-        }))
+        .add_service(AgentServer::with_interceptor(AgentService(state.clone()), RequireToken(token)))
         .serve_with_incoming_shutdown(incoming, state.stopping.clone().cancelled_owned());
     // Requests in flight get a bounded time to finish once stopping.
     let served = tokio::select! {

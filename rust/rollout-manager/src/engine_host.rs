@@ -190,8 +190,10 @@ fn from_pb(e: Option<pb::ExitInfo>, requested: bool) -> ExitInfo {
 }
 
 /// Engines on node agents, over gRPC.
+type Conns = Arc<Mutex<HashMap<String, Arc<AgentConn>>>>;
+
 pub struct AgentHost {
-    conns: Mutex<HashMap<String, Arc<AgentConn>>>,
+    conns: Conns,
     /// Ends the per-agent event tasks.
     shutdown: CancellationToken,
     tasks: tokio_util::task::TaskTracker,
@@ -207,7 +209,7 @@ fn agent_error(url: &str, what: &str, e: impl std::fmt::Display) -> HostError {
 
 impl AgentHost {
     pub fn new(shutdown: CancellationToken, tasks: tokio_util::task::TaskTracker, token: Option<&str>) -> Self {
-        Self { conns: Mutex::new(HashMap::new()), shutdown, tasks, bearer: Bearer::new(token) }
+        Self { conns: Arc::default(), shutdown, tasks, bearer: Bearer::new(token) }
     }
 
     fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, HostError> {
@@ -226,7 +228,7 @@ impl AgentHost {
         let client = AgentClient::with_interceptor(channel, self.bearer.clone());
         let conn = Arc::new(AgentConn { client, exits: Mutex::new(HashMap::new()) });
         conns.insert(url.to_string(), conn.clone());
-        self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.shutdown.clone()));
+        self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.conns.clone(), self.shutdown.clone()));
         Ok(conn)
     }
 
@@ -283,8 +285,10 @@ impl AgentHost {
     }
 }
 
-/// Follows one agent's Events stream until shutdown; see the module docs.
-async fn follow_events(url: String, conn: Arc<AgentConn>, shutdown: CancellationToken) {
+/// Follows one agent's Events stream until shutdown, or until the agent has been unreachable for
+/// [`AGENT_LOST`] with no engine of ours on it (a released agent): then the connection is
+/// dropped, and made again if the URL is used later. See the module docs.
+async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown: CancellationToken) {
     let mut lost_since: Option<tokio::time::Instant> = None;
     loop {
         let mut client = conn.client.clone();
@@ -350,6 +354,13 @@ async fn follow_events(url: String, conn: Arc<AgentConn>, shutdown: Cancellation
                     for id in conn.watched() {
                         tracing::warn!(agent = %url, engine_id = %id, "agent unreachable for {AGENT_LOST:?}; taking its engine as exited");
                         conn.publish(&id, ExitInfo { code: None, signal: None, requested: false });
+                    }
+                    let mut map = conns.lock().unwrap_or_else(|e| e.into_inner());
+                    // Only this connection, and only while nothing new was launched through it.
+                    if map.get(&url).is_some_and(|c| Arc::ptr_eq(c, &conn)) && conn.watched().is_empty() {
+                        map.remove(&url);
+                        tracing::info!(agent = %url, "agent gone; connection dropped");
+                        return;
                     }
                 }
             }

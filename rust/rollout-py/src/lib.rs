@@ -75,7 +75,7 @@ fn is_executable(path: &Path) -> bool {
 
 /// The path of the `rollout-manager` binary that matches this module: `$ELASTIC_ROLLOUT_MANAGER_BIN`
 /// if set, else the one bundled in `elastic_rollout/_bin/`, else the source tree's cargo build
-/// (release or debug, whichever was built last).
+/// (release or debug, whichever was built last), else `PATH`.
 ///
 /// Raises FileNotFoundError naming every place tried.
 #[pyfunction]
@@ -108,7 +108,14 @@ fn binary_path(py: Python<'_>) -> PyResult<String> {
     if let Some(found) = bundled.or(built) {
         return Ok(found.canonicalize().unwrap_or_else(|_| found.clone()).display().to_string());
     }
-    let tried: Vec<String> = candidates.iter().map(|p| format!("  - {}", p.display())).collect();
+    // Last, PATH (a moved checkout, or a binary installed on its own).
+    let path_var = std::env::var_os("PATH").unwrap_or_default();
+    if let Some(found) = std::env::split_paths(&path_var).map(|d| d.join("rollout-manager")).find(|p| is_executable(p))
+    {
+        return Ok(found.display().to_string());
+    }
+    let mut tried: Vec<String> = candidates.iter().map(|p| format!("  - {}", p.display())).collect();
+    tried.push(format!("  - PATH ({})", path_var.to_string_lossy()));
     Err(PyFileNotFoundError::new_err(format!(
         "could not find the rollout-manager binary; tried:\n{}\nTo fix: `cargo build -p rollout-manager` in the \
          repository, or set ELASTIC_ROLLOUT_MANAGER_BIN",

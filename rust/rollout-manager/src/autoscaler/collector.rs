@@ -27,7 +27,8 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
                 fleet.active_engines += 1;
                 active.push((e.record.engine_id.clone(), e.record.url.clone()));
             }
-            EngineStatus::Creating
+            EngineStatus::Pending
+            | EngineStatus::Creating
             | EngineStatus::HealthChecking
             | EngineStatus::WeightSyncing
             | EngineStatus::Ready => fleet.starting_engines += 1,
@@ -38,8 +39,10 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
             fleet.protected_engines += 1;
         }
     }
-    // Room for more engines: what --max-engines allows and the free GPUs can hold.
-    let room = inner.gpus.free() / manager.config.rollout_num_gpus_per_engine.max(1);
+    // Room for more engines: what --max-engines allows and the free GPUs can hold (in Ray mode
+    // the cluster decides: engines beyond its GPUs wait in PENDING_RESOURCES).
+    let room =
+        if manager.ray() { u32::MAX } else { inner.gpus.free() / manager.config.rollout_num_gpus_per_engine.max(1) };
     fleet.capacity_engines = manager.config.max_engines.min(fleet.live_engines.saturating_add(room));
     fleet.operation_in_progress = inner.running.as_ref().map(|r| format!("{} {}", r.kind, r.request_id));
     (fleet, active)
