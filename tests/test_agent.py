@@ -418,7 +418,7 @@ def test_agents_and_placements_need_the_managers_token(start_fleet: StartManager
 
 
 def test_restart_keeps_placements_still_waiting_for_resources(manager_bin: Path, tmp_path: Path, shim: Shim) -> None:
-    from conftest import start_manager, stop_manager
+    from _support import start_manager, stop_manager
 
     state = tmp_path / "state"
     first = start_manager(manager_bin, state, RAY_ARGS)
