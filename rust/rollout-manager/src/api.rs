@@ -89,7 +89,10 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
         (inner.weight_version.clone(), inner.weights.current.checksum.clone())
     };
     let model = s.manager.config.model_name.clone();
-    Json(EnginesAnswer { models: [(model, ModelEngines { engines, weight_version, weights_checksum })].into(), total_engines })
+    Json(EnginesAnswer {
+        models: [(model, ModelEngines { engines, weight_version, weights_checksum })].into(),
+        total_engines,
+    })
 }
 
 async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {
