@@ -127,7 +127,7 @@ def main() -> int:
         "excused_no_routable_engine": report.excused_no_engine,
         "wrong_version": len(report.wrong_version),
         "actions": report.actions,
-        "weight_publish": "skipped (no /rollout/weights/publish yet)" if "publish" not in report.actions else "on",
+        "weight_publish": "on" if "publish" in report.actions else "not drawn",
         "recovery": recovery,
         "unrecovered": [f"{b.action} {b.engine_id}" for b in report.unrecovered],
         "leaked_processes": leaks,

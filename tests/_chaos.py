@@ -6,8 +6,7 @@ from a few client threads, :class:`Watcher` samples the engine list every 0.1 s 
 engine pid for the leak check, how many engines are routable, and each engine's status
 history), and :class:`Chaos` breaks engines one action at a time from a seeded schedule: kill -9,
 hang (the sim's fault API), freeze (SIGSTOP), slow health checks, scale out by one, scale in by
-one, and publish a weight version (a no-op hook until the manager has
-``POST /rollout/weights/publish``).
+one, and publish a weight version (a fresh checkpoint, rolling update, waited for).
 
 What is counted (see :meth:`Report.from_run`):
 - a *client-visible failure* is any request that did not end with a complete answer (HTTP error,
@@ -15,7 +14,8 @@ What is counted (see :meth:`Report.from_run`):
   only if the client had already received stream data when it failed, or if no engine was
   routable at some moment during its life. Goal: no unexcused failure.
 - a *wrong version* is an answer whose ``meta_info.weight_version`` is older than the fleet's
-  version when the request was sent. Goal: none.
+  committed version when the request was sent (a version counts once its update COMPLETED).
+  Goal: none.
 - *recovery time* of an engine: from the action that broke it to the first sample that shows it
   ACTIVE again as a new process (kill, hang, freeze) or ACTIVE again (slow health).
 - *leaked processes*: after the manager stopped, any engine or keeper pid ever seen that is still
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _checkpoints import write_checkpoint
 from _support import ManagerHandle, ProcessIdentity, http
 
 #: Manager flags for a chaos fleet of ``engines`` engines with room for ``spare`` more.
@@ -232,20 +233,25 @@ class Breakage:
     cleared_at: float | None = None
 
 
-def publish_weights(fleet: ManagerHandle, version: str) -> bool:
-    """TODO(weights): publish ``version`` fleet-wide once the manager has the route.
+def publish_weights(fleet: ManagerHandle, version: str, seed: int) -> tuple[bool, str]:
+    """Publish a fresh checkpoint as ``version`` (rolling) and wait for the update to end.
 
-    Until ``/rollout/weights/publish`` exists this is a no-op: a GET that answers 404
-    ``no_such_route`` means the route is absent (405 would mean it exists for POST). When it
-    exists, this posts ``{"weight_version": version}`` and returns True if it was accepted; the
-    caller then counts answers older than ``version`` as wrong. Adjust the body to the real API
-    after the weights branch is merged.
+    Returns (committed, detail). The chaos loop waits here, so "the fleet's version" moves only
+    once the update COMPLETED; an update that FAILED (an engine broke while loading) leaves it
+    where it was, as the manager does.
     """
-    probe = http("GET", f"{fleet.control_url}/rollout/weights/publish", timeout=5)
-    if probe.status == 404:
-        return False
-    result = http("POST", f"{fleet.control_url}/rollout/weights/publish", {"weight_version": version}, timeout=30)
-    return result.status == 200
+    directory = fleet.state_dir / "checkpoints" / version
+    write_checkpoint(directory, seed)
+    result = http(
+        "POST",
+        f"{fleet.control_url}/rollout/weights/publish",
+        {"version": version, "path": str(directory), "strategy": "rolling"},
+        timeout=30,
+    )
+    if result.status not in (200, 202):
+        return False, f"{result.status} {result.json().get('error', result.json())}"
+    update = fleet.client.wait_for_weight_update(result.json()["update_id"], timeout=120)
+    return update["status"] == "COMPLETED", f"{update['status']} {update.get('error_message') or ''}".strip()
 
 
 class Chaos:
@@ -262,7 +268,11 @@ class Chaos:
         self.max_broken = max_broken
         self.breakages: list[Breakage] = []
         self.log: list[tuple[float, str, str]] = []
+        #: Versions the fleet committed (what a request sent later must get at least).
         self.versions: list[str] = ["default"]
+        #: Every version published, in order, committed or not (an engine may serve a version
+        #: whose update later failed: newer than the fleet's, not wrong).
+        self.published: list[str] = ["default"]
         self._slow: list[tuple[float, Breakage, str]] = []  # (clear at, breakage, url)
 
     def fleet_version(self) -> str:
@@ -351,12 +361,12 @@ class Chaos:
             result = http("POST", f"{self.fleet.control_url}/rollout/scale_in", {"num_replicas": total - 1})
             self.note(action, f"to {total - 1}: {result.status} {result.json().get('status', result.json())}")
         elif action == "publish":
-            version = f"v{len(self.versions)}"
-            if publish_weights(self.fleet, version):
+            version = f"v{len(self.published)}"
+            self.published.append(version)
+            committed, detail = publish_weights(self.fleet, version, seed=len(self.published))
+            if committed:
                 self.versions.append(version)
-                self.note(action, version)
-            else:
-                self.note(action, "skipped: POST /rollout/weights/publish does not exist yet (TODO hook)")
+            self.note(action, f"{version}: {detail}")
         else:
             raise ValueError(f"unknown chaos action {action!r}")
 
@@ -408,7 +418,7 @@ class Report:
                 no_engine += 1
             else:
                 unexcused.append(o)
-        order = {v: i for i, v in enumerate(chaos.versions)}
+        order = {v: i for i, v in enumerate(chaos.published)}
         wrong = [
             o
             for o in load.outcomes

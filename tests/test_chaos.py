@@ -2,7 +2,7 @@
 
 Eight simulated engines serve a steady mix of streaming and non-streaming requests through the
 router while a seeded chaos loop kills engines with -9, hangs one, freezes one (SIGSTOP), slows
-one's health checks, scales out and in (and publishes weight versions once that API exists).
+one's health checks, scales out and in (and publishes weight versions).
 Asserted: no client-visible failure of a request that had not started streaming while an engine
 was routable, no answer from an older weight version than the fleet's, every broken engine back,
 and no process left behind once the manager stopped.

@@ -401,16 +401,22 @@ impl Fleet {
     /// Whether a request sent to `engine_id` (whose load is `load`) can no longer expect an
     /// answer: the engine left routing because it failed its probes (UNHEALTHY), its process
     /// exited (FAILED), it is being restarted, or it is gone. Engines that left routing to drain
-    /// (DRAINING, REMOVING) are not lost: their requests finish there.
+    /// (DRAINING, REMOVING) or for a rolling weight update (WEIGHT_SYNCING, then READY: the
+    /// update waits for their requests before loading) are not lost: their requests finish there.
     pub fn is_lost(&self, engine_id: &str, load: &Arc<EngineLoad>) -> bool {
         if self.is_routable(load) {
             return false;
         }
         let inner = self.lock();
         match inner.engines.get(engine_id) {
-            Some(e) if Arc::ptr_eq(&e.load, load) => {
-                !matches!(e.record.status, EngineStatus::Draining | EngineStatus::Removing | EngineStatus::Removed)
-            }
+            Some(e) if Arc::ptr_eq(&e.load, load) => !matches!(
+                e.record.status,
+                EngineStatus::Draining
+                    | EngineStatus::Removing
+                    | EngineStatus::Removed
+                    | EngineStatus::WeightSyncing
+                    | EngineStatus::Ready
+            ),
             _ => true,
         }
     }
