@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from _checkpoints import corrupt, write_checkpoint
 from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
-from _support import start_manager, stop_manager
+from _support import ProcessIdentity, start_manager, stop_manager
 from test_external import StartEngine, external_engine  # noqa: F401 - the fixture
 
 from elastic_rollout import RolloutApiError
@@ -339,3 +339,46 @@ def test_relay_copy_lost_across_a_restart_is_staged_again(manager_bin: Path, tmp
             assert http("GET", f"{engine.url}/server_info").json()["weights"]["path"] == str(staged)
     finally:
         stop_manager(second)
+
+
+def test_manager_killed_during_an_update_ends_it_and_the_fleet_stays_on_its_version(
+    manager_bin: Path, tmp_path: Path
+) -> None:
+    """kill -9 of the manager while a rolling update loads: the restarted manager re-adopts the
+    engines (they live on under keepers), ends the update FAILED, keeps the fleet's version, and
+    brings every engine back to it; no engine process outlives the second manager."""
+    state = tmp_path / "state"
+    v1 = write_checkpoint(tmp_path / "v1", 1)
+    write_checkpoint(tmp_path / "v2", 2)
+    extra = ("--reattach-grace-secs", "30", "--engine-arg=--weight-load-delay=2")
+    first = start_manager(manager_bin, state, extra)
+    engines: list[ProcessIdentity] = []
+    try:
+        first.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        run_update(first, "v1", tmp_path / "v1")
+        update_id = publish(first, "v2", tmp_path / "v2")["update_id"]
+
+        def loading() -> bool:
+            engines = first.client.weight_update(update_id)["engines"]
+            return any(e["status"] == "UPDATING" for e in engines.values())
+
+        wait_until(loading, UPDATE_TIMEOUT, "an engine loading v2")
+        engines = [i for e in first.engines().engines if e.pid and (i := ProcessIdentity.of(e.pid))]
+        assert len(engines) == INITIAL_ENGINES, engines
+        first.process.kill()
+        first.process.wait()
+    finally:
+        if first.process.poll() is None:
+            stop_manager(first)
+    second = start_manager(manager_bin, state, extra)
+    try:
+        update = wait_until(
+            lambda: (u := second.client.weight_update(update_id))["status"] == "FAILED" and u,
+            UPDATE_TIMEOUT,
+            "the interrupted update to end FAILED",
+        )
+        assert update["error_message"], update
+        assert_fleet_on(second, "v1", v1, INITIAL_ENGINES)
+    finally:
+        stop_manager(second)
+    assert not [i.pid for i in engines if i.alive()], "engine processes outlived the second manager"
