@@ -26,9 +26,7 @@ import datetime as dt
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
 
-from _chaos import Chaos, Load, Report, Watcher, chaos_args, leaked_processes, resume_frozen  # noqa: E402
-from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT  # noqa: E402
-from conftest import _manager_binary, start_manager, stop_manager  # noqa: E402
+from _chaos import Chaos, Load, Report, Watcher, chaos_args, resume_frozen, shut_down  # noqa: E402
+from _support import STARTUP_TIMEOUT  # noqa: E402
+from _support import start_manager  # noqa: E402
+from conftest import _manager_binary  # noqa: E402
 
 
 def main() -> int:
@@ -86,20 +85,7 @@ def main() -> int:
             watcher.stop()
     finally:
         resume_frozen(chaos)
-        try:
-            fleet.engines()
-            fleet.track_children()
-        except OSError:
-            pass
-        fleet.signal(signal.SIGTERM)
-        try:
-            fleet.process.wait(timeout=SHUTDOWN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + 15
-        while (leaks := leaked_processes(fleet, {})) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        stop_manager(fleet, check=False)
+        leaks = shut_down(fleet)
 
     report = Report.from_run(load, watcher, chaos)
     print(report.describe())

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from _checkpoints import write_checkpoint
-from _support import ManagerHandle, ProcessIdentity, http
+from _support import SHUTDOWN_TIMEOUT, ManagerHandle, ProcessIdentity, http, stop_manager
 
 #: Manager flags for a chaos fleet of ``engines`` engines with room for ``spare`` more.
 def chaos_args(engines: int, spare: int, time_scale: float) -> tuple[str, ...]:
@@ -487,3 +488,22 @@ def resume_frozen(chaos: Chaos) -> None:
                 os.kill(b.identity.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+def shut_down(fleet: ManagerHandle) -> list[str]:
+    """SIGTERM the manager and wait for it; returns the processes still alive 15 s later."""
+    try:
+        fleet.engines()
+        fleet.track_children()
+    except OSError:
+        pass
+    fleet.signal(signal.SIGTERM)
+    try:
+        fleet.process.wait(timeout=SHUTDOWN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 15
+    while (leaks := leaked_processes(fleet, {})) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop_manager(fleet, check=False)  # kills whatever is left, so a failing run leaks nothing
+    return leaks

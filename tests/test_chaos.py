@@ -11,14 +11,11 @@ and no process left behind once the manager stopped.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
-from _chaos import Chaos, Load, Report, Watcher, chaos_args, leaked_processes, resume_frozen
-from _support import SHUTDOWN_TIMEOUT, STARTUP_TIMEOUT, ManagerHandle, http, metric_total, wait_until
-from _support import start_manager, stop_manager
+from _chaos import Chaos, Load, Report, Watcher, chaos_args, resume_frozen, shut_down
+from _support import STARTUP_TIMEOUT, http, metric_total, start_manager, wait_until
 
 ENGINES = 8
 SPARE = 2
@@ -79,22 +76,3 @@ def scaled_in(chaos: Chaos) -> list[str]:
     """Engines broken by the chaos loop that were removed before they recovered (their
     restarts left the registry with them)."""
     return [b.engine_id for b in chaos.breakages if b.recovered_at is not None and b.recovered_at != b.recovered_at]
-
-
-def shut_down(fleet: ManagerHandle) -> list[str]:
-    """SIGTERM the manager and wait for it; returns the processes still alive 15 s later."""
-    try:
-        fleet.engines()
-        fleet.track_children()
-    except OSError:
-        pass
-    fleet.signal(signal.SIGTERM)
-    try:
-        fleet.process.wait(timeout=SHUTDOWN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    deadline = time.monotonic() + 15
-    while (leaks := leaked_processes(fleet, {})) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop_manager(fleet, check=False)  # kills whatever is left, so a failing run leaks nothing
-    return leaks
