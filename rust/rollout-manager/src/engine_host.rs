@@ -159,11 +159,18 @@ impl EngineHost for LocalHost {
 struct AgentConn {
     client: Client,
     exits: Mutex<HashMap<String, watch::Sender<Option<ExitInfo>>>>,
+    /// Engines whose Stop is in flight: the agent already forgot them, so their absence from
+    /// `List` is that stop, not a crash (their exit comes from Stop's answer).
+    stopping: Mutex<std::collections::HashSet<String>>,
 }
 
 impl AgentConn {
     fn watched(&self) -> Vec<String> {
         self.exits.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+    }
+
+    fn stopping(&self, engine_id: &str) -> bool {
+        self.stopping.lock().unwrap_or_else(|e| e.into_inner()).contains(engine_id)
     }
 
     /// Reports how an engine ended (once; later reports are ignored) and stops watching it.
@@ -226,7 +233,7 @@ impl AgentHost {
         }
         let channel = Self::endpoint(url)?.connect_lazy();
         let client = AgentClient::with_interceptor(channel, self.bearer.clone());
-        let conn = Arc::new(AgentConn { client, exits: Mutex::new(HashMap::new()) });
+        let conn = Arc::new(AgentConn { client, exits: Mutex::new(HashMap::new()), stopping: Mutex::default() });
         conns.insert(url.to_string(), conn.clone());
         self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.conns.clone(), self.shutdown.clone()));
         Ok(conn)
@@ -263,6 +270,7 @@ impl AgentHost {
                 grace = stop_rx.recv() => {
                     // Every handle dropped: the engine is left to its agent.
                     let Some(grace) = grace else { return };
+                    conn.stopping.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone());
                     let mut client = conn.client.clone();
                     let request = pb::StopRequest { engine_id: id.clone(), grace_ms: grace.as_millis() as u64 };
                     let info = match tokio::time::timeout(grace + Duration::from_secs(15), client.stop(request)).await {
@@ -277,6 +285,7 @@ impl AgentHost {
                         }
                     };
                     conn.publish(&id, info);
+                    conn.stopping.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
                 }
                 () = async { let _ = ended.wait_for(Option::is_some).await; } => {}
             }
@@ -307,7 +316,7 @@ async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown
                     tokio::time::timeout(Duration::from_secs(5), client.list(pb::ListRequest {})).await
                 {
                     let list = list.into_inner().engines;
-                    for id in conn.watched() {
+                    for id in conn.watched().into_iter().filter(|id| !conn.stopping(id)) {
                         match list.iter().find(|e| e.engine_id == id) {
                             Some(e) if e.running => {}
                             Some(e) => conn.publish(&id, from_pb(e.exit, false)),
