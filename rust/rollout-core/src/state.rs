@@ -96,6 +96,21 @@ pub enum EngineEvent {
 }
 
 impl EngineStatus {
+    /// Every state, in lifecycle order.
+    pub const ALL: [EngineStatus; 11] = [
+        EngineStatus::Pending,
+        EngineStatus::Creating,
+        EngineStatus::HealthChecking,
+        EngineStatus::WeightSyncing,
+        EngineStatus::Ready,
+        EngineStatus::Active,
+        EngineStatus::Unhealthy,
+        EngineStatus::Draining,
+        EngineStatus::Removing,
+        EngineStatus::Removed,
+        EngineStatus::Failed,
+    ];
+
     /// The one predicate that decides whether the router may send new requests here.
     pub fn is_routable(self) -> bool {
         self == EngineStatus::Active

@@ -3,18 +3,7 @@
 use super::*;
 use proptest::prelude::*;
 
-const ENGINE_STATES: [EngineStatus; 10] = [
-    EngineStatus::Creating,
-    EngineStatus::HealthChecking,
-    EngineStatus::WeightSyncing,
-    EngineStatus::Ready,
-    EngineStatus::Active,
-    EngineStatus::Unhealthy,
-    EngineStatus::Draining,
-    EngineStatus::Removing,
-    EngineStatus::Removed,
-    EngineStatus::Failed,
-];
+const ENGINE_STATES: [EngineStatus; 11] = EngineStatus::ALL;
 const ENGINE_EVENTS: [EngineEvent; 12] = [
     EngineEvent::Launched,
     EngineEvent::Healthy,

@@ -477,18 +477,7 @@ impl Fleet {
     /// operations, store write failures (what the alerts in docs/operations.md watch).
     pub fn render_metrics(&self, out: &mut String) {
         use std::fmt::Write;
-        const STATUSES: [EngineStatus; 10] = [
-            EngineStatus::Creating,
-            EngineStatus::HealthChecking,
-            EngineStatus::WeightSyncing,
-            EngineStatus::Ready,
-            EngineStatus::Active,
-            EngineStatus::Unhealthy,
-            EngineStatus::Draining,
-            EngineStatus::Removing,
-            EngineStatus::Removed,
-            EngineStatus::Failed,
-        ];
+        const STATUSES: [EngineStatus; 11] = EngineStatus::ALL;
         let inner = self.lock();
         let mut counts = [0u64; STATUSES.len()];
         let mut restarts = String::new();
