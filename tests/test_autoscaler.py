@@ -15,6 +15,8 @@ from _support import DEFAULT_ARGS, STARTUP_TIMEOUT, ManagerHandle, StartManager,
 from _support import start_manager, stop_manager
 from test_openapi import check
 
+from elastic_rollout.client import RolloutClient
+
 #: Seconds instead of minutes, so a whole cycle fits in a test.
 FAST_YAML = """
 min_engines: 2
@@ -190,8 +192,8 @@ def test_load_scales_out_and_its_absence_scales_in(start_fleet: StartManager, tm
 def test_pipeline_signal_scales_out_when_the_trainer_starves(start_fleet: StartManager, tmp_path: Path) -> None:
     fleet = start(start_fleet, tmp_path)
 
-    def report(step: int, wait: float, throttled: float) -> dict[str, Any]:
-        body = {"step": step, "trainer_wait_secs": wait, "rollout_throttled_secs": throttled, "step_secs": 10.0}
+    def report(step: int, wait: float, throttled: float, step_secs: float = 10.0) -> dict[str, Any]:
+        body = {"step": step, "trainer_wait_secs": wait, "rollout_throttled_secs": throttled, "step_secs": step_secs}
         resp = http("POST", f"{fleet.control_url}/rollout/pipeline", body)
         assert resp.status == 200, resp.body
         answer: dict[str, Any] = resp.json()
@@ -207,20 +209,85 @@ def test_pipeline_signal_scales_out_when_the_trainer_starves(start_fleet: StartM
     assert out["triggered_conditions"] == ["trainer_starved"] and out["signal"] == "pipeline"
     assert out["to_engines"] == 3  # ceil(2 / (1 - 0.4)) = 4 wanted, max_engines 3
 
-    # Now rollout runs ahead and waits on its staleness limit: one engine goes.
+    # Now rollout runs ahead and waits on its staleness limit: one engine goes. (Only steps
+    # that began after the scale-out count, so these steps are short.)
     step = 3
 
     def throttled() -> dict[str, Any] | None:
         nonlocal step
-        report(step, 0.0, 6.0)
+        report(step, 0.0, 0.6, step_secs=1.0)
         step += 1
         return finished(fleet, "scale_in", "COMPLETED")
 
     removal = wait_until(throttled, 60, "a scale-in for the throttled rollout", interval=0.3)
     assert removal["triggered_conditions"] == ["rollout_throttled"]
     reports = get(fleet, "/rollout/pipeline")["reports"]
-    assert reports[0]["step"] == step - 1 and reports[0]["rollout_throttled_secs"] == 6.0
+    assert reports[0]["step"] == step - 1 and reports[0]["rollout_throttled_secs"] == 0.6
     fleet.wait_engines(2, timeout=STARTUP_TIMEOUT)
+
+
+def test_pipeline_rates_scale_out_before_the_trainer_waits(start_fleet: StartManager, tmp_path: Path) -> None:
+    config = tmp_path / "autoscaler.yaml"
+    config.write_text(FAST_YAML)
+    # One request per engine at a time: more load waits in the router, where it counts as queued.
+    fleet = start_fleet("--autoscaler-config", str(config), *ENGINE_ARGS, "--max-inflight-per-engine", "1")
+    client = RolloutClient(fleet.control_url)
+
+    # No wait yet, but the next step takes 20 samples per second of training (20 in a 1 s step)
+    # while rollout made 10 per second with 2 engines: short, and sized with 20% headroom
+    # (2 * 20 * 1.2 / 10 = 4.8 engines), capped by max_engines 3.
+    answer = client.report_step(1, 0.0, 0.0, 1.0, rollout_samples=10, next_step_samples=20)
+    check(http("GET", f"{fleet.control_url}/openapi.json").json(), "PipelineAccepted", answer)
+    assert answer["rollout_short"] is True and answer["trainer_starved"] is False
+    out = wait_until(lambda: finished(fleet, "scale_out", "ACTIVE"), 60, "a scale-out on the rates")
+    assert out["triggered_conditions"] == ["rollout_short"] and out["to_engines"] == 3
+    reports = get(fleet, "/rollout/pipeline")["reports"]
+    assert reports[0]["demand_samples_per_sec"] == 20.0 and reports[0]["supply_samples_per_sec"] == 10.0
+
+    # Keep the fleet busy (requests queue in the router), so rollout's rate is its capacity.
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            body = {"text": "busy", "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+            http("POST", f"{fleet.router_url}/generate", body)
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+    for w in workers:
+        w.start()
+
+    # Rollout is held back half of every step, but without one of the 3 engines it would make
+    # 30 * 2/3 = 20 samples/s against a demand of 20/s: less than the 1.2x headroom.
+    step = 2
+
+    def throttled(next_step_samples: int) -> None:
+        nonlocal step
+        client.report_step(step, 0.0, 0.5, 1.0, rollout_samples=15, next_step_samples=next_step_samples)
+        step += 1
+
+    def held_back() -> dict[str, Any] | None:
+        throttled(20)
+        c: dict[str, Any] = get(fleet, "/autoscaler/conditions")["conditions"]
+        return c if c["rollout_throttled"]["triggered"] and "supply_after_removal" in c else None
+
+    try:
+        conditions = wait_until(held_back, 60, "throttled steps on a busy fleet", interval=0.3)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=60)
+    assert conditions["supply_after_removal"]["triggered"] is False
+    assert abs(conditions["supply_after_removal"]["value"] - 1.0) < 1e-6
+    assert conditions["supply_after_removal"]["threshold"] == 1.2
+    assert finished(fleet, "scale_in", "COMPLETED") is None
+
+    # The load is gone and the next steps take 10 per second: one engine goes.
+    def spare() -> dict[str, Any] | None:
+        throttled(10)
+        return finished(fleet, "scale_in", "COMPLETED")
+
+    removal = wait_until(spare, 60, "a scale-in once supply is to spare", interval=0.3)
+    assert removal["triggered_conditions"][0] == "rollout_throttled"
 
 
 def test_replay_runs_the_example_trace(manager_bin: Path) -> None:

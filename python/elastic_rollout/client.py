@@ -404,6 +404,40 @@ class RolloutClient:
             time.sleep(poll_interval)
 
 
+    # -- the RL pipeline signal -------------------------------------------------------------
+
+    def report_step(
+        self,
+        step: int,
+        trainer_wait_secs: float,
+        rollout_throttled_secs: float,
+        step_secs: float,
+        rollout_samples: int | None = None,
+        next_step_samples: int | None = None,
+    ) -> JsonObject:
+        """``POST /rollout/pipeline``: one trainer step, for the autoscaler.
+
+        ``trainer_wait_secs``: how long the trainer waited for rollout data in the step;
+        ``rollout_throttled_secs``: how long rollout was held back by its staleness limit;
+        ``step_secs``: the step's wall time. Optionally, both of ``rollout_samples`` (samples
+        rollout completed during the step) and ``next_step_samples`` (samples the next step will
+        consume): with them the autoscaler compares rollout's rate with the trainer's and can
+        scale out before the trainer starves. Returns ``{accepted, signal, trainer_starved,
+        rollout_short, rollout_throttled, decision}``.
+        """
+        body: JsonObject = {
+            "step": step,
+            "trainer_wait_secs": trainer_wait_secs,
+            "rollout_throttled_secs": rollout_throttled_secs,
+            "step_secs": step_secs,
+        }
+        if rollout_samples is not None:
+            body["rollout_samples"] = rollout_samples
+        if next_step_samples is not None:
+            body["next_step_samples"] = next_step_samples
+        result: JsonObject = self.request("POST", "/rollout/pipeline", body)
+        return result
+
     # -- weights ---------------------------------------------------------------------------
 
     def weights(self) -> JsonObject:

@@ -279,7 +279,7 @@ proptest! {
         for t in 0..8u32 {
             let at = f64::from(t) * config.metrics_interval_secs;
             let engines = observations.iter().enumerate().map(|(i, o)| (format!("engine_{i}"), o.clone())).collect();
-            window.push(Tick { at, engines }, config.retention_secs());
+            window.push(Tick { at, engines, router_queued: 0.0 }, config.retention_secs());
         }
         let now = 8.0 * config.metrics_interval_secs;
         let _ = decide(&window, &PipelineWindow::default(), &fleet(), &Memory::default(), &config, now);

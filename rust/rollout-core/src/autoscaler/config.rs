@@ -89,6 +89,10 @@ pub struct PipelinePolicy {
     /// `trainer_starved` at once: one step where the trainer waited at least this fraction is
     /// enough (a wait that large is not noise, and every further starving step is lost work).
     pub severe_wait_fraction_threshold: f64,
+    /// With rates in the reports (`rollout_samples`, `next_step_samples`): keep rollout's
+    /// supply at least `1 + rate_headroom` times the trainer's demand. Below it scale out to the
+    /// size that restores it (`rollout_short`); never scale in below it.
+    pub rate_headroom: f64,
     /// Reports older than this are ignored; without fresh reports the serving metrics decide.
     pub report_max_age_secs: f64,
 }
@@ -147,6 +151,7 @@ impl Default for PipelinePolicy {
             rollout_throttled_fraction_threshold: 0.2,
             min_steps: 3,
             severe_wait_fraction_threshold: 0.5,
+            rate_headroom: 0.2,
             report_max_age_secs: 300.0,
         }
     }
@@ -290,6 +295,12 @@ impl AutoscalerConfig {
                 ),
             ));
         }
+        if !(p.rate_headroom.is_finite() && (0.0..=10.0).contains(&p.rate_headroom)) {
+            return Err(bad(
+                "pipeline_policy.rate_headroom",
+                format!("{} must be between 0 and 10 (0.2 keeps supply 20% above demand)", p.rate_headroom),
+            ));
+        }
         positive("pipeline_policy.report_max_age_secs", p.report_max_age_secs)?;
         Ok(())
     }
@@ -380,6 +391,7 @@ scale_in_policy:
             ("scale_in_policy: {projected_usage_max: 0.9}", "scale_in_policy.projected_usage_max"),
             ("scale_in_policy: {queue_depth_threshold: 10}", "scale_in_policy.queue_depth_threshold"),
             ("pipeline_policy: {min_steps: 0}", "pipeline_policy.min_steps"),
+            ("pipeline_policy: {rate_headroom: -0.1}", "pipeline_policy.rate_headroom"),
         ];
         for (yaml, field) in cases {
             let err = AutoscalerConfig::from_yaml(yaml).unwrap_err();

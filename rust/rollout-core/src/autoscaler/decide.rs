@@ -6,8 +6,10 @@
 //!    what stops cascading scale-outs while new engines load their weights.
 //! 2. Bounds: below `min_engines` scale out to it; above `max_engines` scale in (empty queue).
 //! 3. Cooldowns since the last scale-out / scale-in finished.
-//! 4. Signals. While the trainer reports pipeline steps, they decide: `trainer_starved` scales
-//!    out, `rollout_throttled` (with an empty queue) scales in. Otherwise the serving metrics
+//! 4. Signals. While the trainer reports pipeline steps, they decide: `trainer_starved` (it
+//!    waited) or `rollout_short` (the reported rates say it is about to) scales out,
+//!    `rollout_throttled` (with an empty queue, and `supply_after_removal` when the reports carry
+//!    rates) scales in. Otherwise the serving metrics
 //!    decide: scale out when ANY scale-out condition held for its duration, scale in by one
 //!    when ALL scale-in conditions did.
 //!
@@ -157,6 +159,19 @@ pub fn seed_delta(avg_token_usage: f64, total_queue: f64, engines: u32, max_delt
     usage_delta.max(queue_delta).max(1).min(max_delta.max(1))
 }
 
+/// Engines to add when rollout supplies `supply` samples/s with `active` engines and the trainer
+/// will take `demand`: enough that supply is `1 + headroom` times demand, assuming throughput
+/// grows with the number of engines. At least 1, at most `max_delta`.
+pub fn rate_delta(demand: f64, supply: f64, headroom: f64, active: u32, max_delta: u32) -> u32 {
+    let max_delta = max_delta.max(1);
+    if supply <= 0.0 {
+        return max_delta;
+    }
+    let n = f64::from(active.max(1));
+    let wanted = (n * demand * (1.0 + headroom) / supply - 1e-9).ceil() - n;
+    (wanted.clamp(1.0, f64::from(max_delta))) as u32
+}
+
 /// Engines to add when the trainer waits `wait_fraction` of each step: rollout must get
 /// `1 / (1 - wait)` times faster. At least 1, at most `max_delta`.
 pub fn pipeline_delta(wait_fraction: f64, active: u32, max_delta: u32) -> u32 {
@@ -203,7 +218,8 @@ fn throughput_variance(run: &[&FleetMetrics], window: f64, max_gap: f64, not_bef
     Some((rel, span))
 }
 
-/// The pipeline reports that count now: fresh, after the last scale event, newest first.
+/// The pipeline reports that count now: fresh, of steps that began after the last scale event
+/// (a step that straddled it measured the fleet before it), newest first.
 fn counted_reports<'a>(
     pipeline: &'a PipelineWindow,
     config: &AutoscalerConfig,
@@ -213,9 +229,17 @@ fn counted_reports<'a>(
     let p = &config.pipeline_policy;
     pipeline
         .recent()
-        .take_while(|r| r.at >= now - p.report_max_age_secs && r.at >= not_before)
+        .take_while(|r| r.at >= now - p.report_max_age_secs && r.at - r.report.step_secs >= not_before)
         .take(p.min_steps as usize)
         .collect()
+}
+
+/// The reported rates, when the counted reports carry them: the trainer's demand from the
+/// newest step (it names the next step's samples), rollout's supply averaged over the steps.
+fn rates(reports: &[&ReceivedReport]) -> Option<(f64, f64)> {
+    let demand = reports.first()?.report.demand_rate()?;
+    let supplies: Vec<f64> = reports.iter().filter_map(|r| r.report.supply_rate()).collect();
+    (!supplies.is_empty()).then(|| (demand, supplies.iter().sum::<f64>() / supplies.len() as f64))
 }
 
 /// Decides what to do now. Pure: the same inputs give the same answer.
@@ -347,6 +371,20 @@ pub fn decide(
             r.report.throttled_fraction() > p.rollout_throttled_fraction_threshold
                 && r.report.wait_fraction() <= p.trainer_wait_fraction_threshold
         });
+    let rates = if p.enabled { rates(&reports) } else { None };
+    let short = rates.is_some_and(|(demand, supply)| supply < demand);
+    // Rollout's rate is the fleet's capacity only if work was queued (in the engines or the
+    // router) during each of those steps; otherwise it is a lower bound, too low to judge a
+    // removal by, and the throttled rule decides alone.
+    let saturated = !reports.is_empty()
+        && reports.iter().all(|r| {
+            run.iter().any(|m| m.at <= r.at && m.at >= r.at - r.report.step_secs && m.total_queue_reqs > 0.0)
+        });
+    // Supply after removing one engine, over demand: a scale-in must leave the headroom.
+    let after_removal = rates.filter(|_| saturated && fleet.active_engines > 1).map(|(demand, supply)| {
+        supply * f64::from(fleet.active_engines - 1) / f64::from(fleet.active_engines) / demand
+    });
+    let removal_ok = after_removal.is_some_and(|r| r >= 1.0 + p.rate_headroom);
     if p.enabled {
         let span = reports.first().zip(reports.last()).map_or(0.0, |(a, b)| a.at - b.at);
         let pipeline_condition = |kind, triggered: bool, value, threshold| Condition {
@@ -371,6 +409,24 @@ pub fn decide(
                 p.rollout_throttled_fraction_threshold,
             ),
         );
+        conditions.insert(
+            "rollout_short".to_string(),
+            pipeline_condition(so, short, rates.map(|(demand, supply)| supply / demand), 1.0),
+        );
+        if rates.is_some() && saturated {
+            conditions.insert(
+                "supply_after_removal".to_string(),
+                Condition {
+                    kind: si,
+                    triggered: removal_ok,
+                    holding: removal_ok,
+                    value: after_removal,
+                    threshold: 1.0 + p.rate_headroom,
+                    held_secs: 0.0,
+                    duration_secs: 0.0,
+                },
+            );
+        }
     }
     let signal = if fresh { Signal::Pipeline } else { Signal::Serving };
     let action = choose(Choice {
@@ -382,6 +438,7 @@ pub fn decide(
         metrics: metrics.as_ref(),
         signal,
         wait_mean: wait_mean.unwrap_or(0.0),
+        rates,
         missing: window.latest().map_or(0, |m| m.missing_engines),
     });
     Evaluation { at: now, action, signal, conditions, metrics }
@@ -396,6 +453,7 @@ struct Choice<'a> {
     metrics: Option<&'a FleetMetrics>,
     signal: Signal,
     wait_mean: f64,
+    rates: Option<(f64, f64)>,
     missing: u32,
 }
 
@@ -404,7 +462,7 @@ fn none(reason: impl Into<String>) -> Action {
 }
 
 fn choose(c: Choice<'_>) -> Action {
-    let Choice { fleet, memory, config, now, conditions, metrics, signal, wait_mean, missing } = c;
+    let Choice { fleet, memory, config, now, conditions, metrics, signal, wait_mean, rates, missing } = c;
     let live = fleet.live_engines;
     let ceiling = config.max_engines.min(fleet.capacity_engines);
     let floor = config.min_engines.max(fleet.protected_engines);
@@ -453,12 +511,17 @@ fn choose(c: Choice<'_>) -> Action {
     }
     // 4. Signals.
     let (out_names, in_names): (Vec<&str>, Vec<&str>) = match signal {
-        Signal::Pipeline => (vec!["trainer_starved"], vec!["rollout_throttled"]),
+        Signal::Pipeline => {
+            (vec!["trainer_starved", "rollout_short"], vec!["rollout_throttled", "supply_after_removal"])
+        }
         Signal::Serving => (
             vec!["token_usage_high", "queue_backlog", "queue_latency_high", "ttft_high"],
             vec!["token_usage_low", "no_queue", "throughput_stable", "projected_usage_ok"],
         ),
     };
+    // `supply_after_removal` exists only when the reports carry rates measured on a busy fleet.
+    let in_names: Vec<&str> =
+        in_names.into_iter().filter(|n| conditions.contains_key(*n) || *n != "supply_after_removal").collect();
     let fired: Vec<String> = out_names.iter().filter(|n| triggered(n)).map(|n| n.to_string()).collect();
     if !fired.is_empty() {
         if live >= ceiling {
@@ -469,7 +532,14 @@ fn choose(c: Choice<'_>) -> Action {
         }
         let max_delta = config.scale_out_policy.max_delta;
         let delta = match (signal, metrics) {
-            (Signal::Pipeline, _) => pipeline_delta(wait_mean, fleet.active_engines, max_delta),
+            (Signal::Pipeline, _) => {
+                let by_wait =
+                    triggered("trainer_starved").then(|| pipeline_delta(wait_mean, fleet.active_engines, max_delta));
+                let by_rate = rates.filter(|_| triggered("rollout_short")).map(|(demand, supply)| {
+                    rate_delta(demand, supply, config.pipeline_policy.rate_headroom, fleet.active_engines, max_delta)
+                });
+                by_wait.into_iter().chain(by_rate).max().unwrap_or(1)
+            }
             (Signal::Serving, Some(m)) => seed_delta(m.avg_token_usage, m.total_queue_reqs, m.num_engines, max_delta),
             (Signal::Serving, None) => 1,
         };

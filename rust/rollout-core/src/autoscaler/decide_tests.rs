@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::config::AutoscalerConfig;
-use super::decide::{decide, pipeline_delta, seed_delta, Action, FleetState, Memory, Signal};
+use super::decide::{decide, pipeline_delta, rate_delta, seed_delta, Action, FleetState, Memory, Signal};
 use super::metrics::{EngineSample, Histogram, MetricsWindow, Observation, Tick};
 use super::pipeline::{PipelineReport, PipelineWindow};
 use super::state::{parse_trace, replay};
@@ -21,8 +21,11 @@ fn sample(usage: f64, queue: f64, throughput: f64) -> Observation {
 fn window(engines: usize, until: u32, obs: impl Fn(u32, usize) -> Observation) -> MetricsWindow {
     let mut w = MetricsWindow::default();
     for t in (0..=until).step_by(10) {
-        let tick =
-            Tick { at: f64::from(t), engines: (0..engines).map(|e| (format!("engine_{e}"), obs(t, e))).collect() };
+        let tick = Tick {
+            at: f64::from(t),
+            engines: (0..engines).map(|e| (format!("engine_{e}"), obs(t, e))).collect(),
+            router_queued: 0.0,
+        };
         w.push(tick, 1e9);
     }
     w
@@ -44,7 +47,19 @@ fn cfg() -> AutoscalerConfig {
 }
 
 fn report(step: u64, wait: f64, throttled: f64) -> PipelineReport {
-    PipelineReport { step, trainer_wait_secs: wait, rollout_throttled_secs: throttled, step_secs: 10.0 }
+    PipelineReport {
+        step,
+        trainer_wait_secs: wait,
+        rollout_throttled_secs: throttled,
+        step_secs: 10.0,
+        rollout_samples: None,
+        next_step_samples: None,
+    }
+}
+
+/// A 10 s step with rates: rollout made `made` samples, the next step takes `next`.
+fn rated(step: u64, wait: f64, throttled: f64, made: u64, next: u64) -> PipelineReport {
+    PipelineReport { rollout_samples: Some(made), next_step_samples: Some(next), ..report(step, wait, throttled) }
 }
 
 fn pipeline(reports: &[(f64, PipelineReport)]) -> PipelineWindow {
@@ -91,6 +106,11 @@ fn case(
 
 fn idle(_: u32, _: usize) -> Observation {
     sample(0.05, 0.0, 0.0)
+}
+
+/// Work queued at every tick before 200 s, none at 200 s (a scale-in needs an empty queue now).
+fn queued_until_now(t: u32, _: usize) -> Observation {
+    sample(0.6, if t < 200 { 1.0 } else { 0.0 }, 500.0)
 }
 
 fn busy(_: u32, _: usize) -> Observation {
@@ -296,6 +316,98 @@ fn decision_table() {
         pipeline: pipeline(&[(150.0, report(1, 7.5, 0.0)), (190.0, report(2, 0.0, 0.0))]),
         ..case("only the newest step counts as severe", window(2, 200, idle), 200.0, ("none", None), "")
     });
+    cases.push(Case {
+        // Rollout made 100 samples in 10 s unthrottled (10/s with 2 engines); the trainer, which
+        // trained 10 s and did not wait, will take 400 next step (40/s): 2 * 40 * 1.2 / 10 = 9.6
+        // engines wanted, 4 more at most (max_delta).
+        pipeline: pipeline(&[(190.0, rated(1, 0.0, 0.0, 100, 400))]),
+        ..case(
+            "a demand jump scales out before the trainer waits",
+            window(2, 200, idle),
+            200.0,
+            ("scale_out", Some(6)),
+            "rollout_short",
+        )
+    });
+    cases.push(Case {
+        // 2 engines make 10/s, the trainer will take 15/s: 2 * 15 * 1.2 / 10 = 3.6 -> 4 engines.
+        pipeline: pipeline(&[(190.0, rated(1, 0.0, 0.0, 100, 150))]),
+        ..case(
+            "the rate delta keeps the headroom",
+            window(2, 200, idle),
+            200.0,
+            ("scale_out", Some(4)),
+            "rollout_short",
+        )
+    });
+    cases.push(Case {
+        // Supply 12/s against demand 10/s: short of the 20% headroom, but not short: no action.
+        pipeline: pipeline(&[(190.0, rated(1, 0.0, 0.0, 120, 100))]),
+        ..case("supply above demand does not scale out", window(2, 200, idle), 200.0, ("none", None), "")
+    });
+    cases.push(Case {
+        // Throttled 50% of every step, but 3 engines make 10/s over the 5 s they ran (20/s),
+        // so 2 would make 13.3/s against a demand of 12/s: less than 1.2x, so no scale-in.
+        pipeline: pipeline(&[
+            (170.0, rated(1, 0.0, 5.0, 100, 120)),
+            (180.0, rated(2, 0.0, 5.0, 100, 120)),
+            (190.0, rated(3, 0.0, 5.0, 100, 120)),
+        ]),
+        fleet: fleet(3),
+        ..case(
+            "throttled rollout keeps the engines the next steps need",
+            window(3, 200, queued_until_now),
+            200.0,
+            ("none", None),
+            "",
+        )
+    });
+    cases.push(Case {
+        // The same with a demand of 10/s: 13.3 >= 12, one engine goes.
+        pipeline: pipeline(&[
+            (170.0, rated(1, 0.0, 5.0, 100, 100)),
+            (180.0, rated(2, 0.0, 5.0, 100, 100)),
+            (190.0, rated(3, 0.0, 5.0, 100, 100)),
+        ]),
+        fleet: fleet(3),
+        ..case(
+            "throttled rollout with supply to spare scales in",
+            window(3, 200, queued_until_now),
+            200.0,
+            ("scale_in", Some(2)),
+            "supply_after_removal",
+        )
+    });
+    cases.push(Case {
+        // As two cases above, but nothing was queued while rollout ran: its 20/s is a lower
+        // bound on what 3 engines can do, so the rates do not hold the engine back.
+        pipeline: pipeline(&[
+            (170.0, rated(1, 0.0, 5.0, 100, 120)),
+            (180.0, rated(2, 0.0, 5.0, 100, 120)),
+            (190.0, rated(3, 0.0, 5.0, 100, 120)),
+        ]),
+        fleet: fleet(3),
+        ..case(
+            "rates from an idle fleet do not block a scale-in",
+            window(3, 200, |_, _| sample(0.6, 0.0, 500.0)),
+            200.0,
+            ("scale_in", Some(2)),
+            "rollout_throttled",
+        )
+    });
+    cases.push(Case {
+        // The step reported at 195 began at 185, before the scale-out finished at 190.
+        pipeline: pipeline(&[(195.0, report(1, 7.5, 0.0))]),
+        memory: Memory { last_scale_out_at: Some(190.0), ..Memory::default() },
+        config: AutoscalerConfig { scale_out_cooldown_secs: 0.0, ..cfg() },
+        ..case(
+            "a step that straddled the last scale event does not count",
+            window(2, 200, idle),
+            200.0,
+            ("none", None),
+            "",
+        )
+    });
     for c in cases {
         let ev = decide(&c.window, &c.pipeline, &c.fleet, &c.memory, &c.config, c.now);
         let target = match &ev.action {
@@ -332,6 +444,11 @@ fn seed_delta_formula() {
     assert_eq!(pipeline_delta(0.5, 2, 4), 2);
     assert_eq!(pipeline_delta(0.25, 3, 4), 1);
     assert_eq!(pipeline_delta(0.99, 4, 3), 3);
+    // (demand, supply, headroom, active, max_delta) -> delta
+    assert_eq!(rate_delta(64.0, 32.0, 0.2, 2, 4), 3); // 4.8 -> 5 engines
+    assert_eq!(rate_delta(64.0, 32.0, 0.0, 2, 4), 2); // exactly 4, not 5
+    assert_eq!(rate_delta(10.0, 9.9, 0.0, 4, 4), 1); // at least 1
+    assert_eq!(rate_delta(10.0, 0.0, 0.2, 4, 3), 3); // nothing made: max_delta
 }
 
 #[test]
@@ -381,7 +498,7 @@ fn arb_window() -> impl Strategy<Value = MetricsWindow> {
             let mut w = MetricsWindow::default();
             for (i, obs) in ticks.into_iter().enumerate() {
                 let engines = obs.into_iter().take(n).enumerate().map(|(e, o)| (format!("engine_{e}"), o)).collect();
-                w.push(Tick { at: 10.0 * i as f64, engines }, 1e9);
+                w.push(Tick { at: 10.0 * i as f64, engines, router_queued: 0.0 }, 1e9);
             }
             w
         },

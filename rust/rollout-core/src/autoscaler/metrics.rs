@@ -113,6 +113,14 @@ pub enum Observation {
 pub struct Tick {
     pub at: f64,
     pub engines: BTreeMap<String, Observation>,
+    /// Requests waiting in our router for an engine slot (`--max-inflight-per-engine`): queued
+    /// work like the engines' own queues, counted in `total_queue_reqs`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub router_queued: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl Tick {
@@ -191,6 +199,9 @@ impl FleetMetrics {
         }
         if n > 0 {
             m.avg_token_usage /= n as f64;
+        }
+        if tick.router_queued.is_finite() && tick.router_queued > 0.0 {
+            m.total_queue_reqs += tick.router_queued;
         }
         m.queue_time_p95 = queue_time.quantile(0.95);
         m.ttft_p95 = ttft.quantile(0.95);
@@ -349,7 +360,7 @@ mod tests {
     }
 
     fn tick(at: f64, engines: &[(&str, Observation)]) -> Tick {
-        Tick { at, engines: engines.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() }
+        Tick { at, engines: engines.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), router_queued: 0.0 }
     }
 
     #[test]
@@ -363,6 +374,9 @@ mod tests {
         assert!((m.avg_token_usage - 0.4).abs() < 1e-9);
         assert_eq!(m.total_queue_reqs, 4.0);
         assert!(!t.complete());
+        // Requests waiting in the router are queued work too.
+        let m = FleetMetrics::of(&Tick { router_queued: 5.0, ..t }, None);
+        assert_eq!(m.total_queue_reqs, 9.0);
     }
 
     #[test]

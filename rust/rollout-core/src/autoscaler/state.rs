@@ -84,6 +84,9 @@ pub struct TraceLine {
     pub engines: Option<BTreeMap<String, Observation>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineReport>,
+    /// Requests waiting in the router at this tick (absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_queued: Option<f64>,
 }
 
 /// Replays a trace: every decision the config would have taken on it. The fleet follows the
@@ -111,7 +114,7 @@ pub fn replay(config: AutoscalerConfig, lines: &[TraceLine]) -> Vec<Evaluation> 
                 ..fleet
             };
         }
-        let tick = Tick { at: line.at, engines: engines.clone() };
+        let tick = Tick { at: line.at, engines: engines.clone(), router_queued: line.router_queued.unwrap_or(0.0) };
         if let Some(evaluation) = state.on_tick(tick, &fleet) {
             match &evaluation.action {
                 Action::ScaleOut { .. } => state.on_finished("scale_out", line.at, line.at, false),

@@ -190,6 +190,7 @@ async fn pipeline_report(State(a): State<Arc<Autoscaler>>, body: Body) -> Result
         "signal": e.signal,
         "trainer_starved": triggered("trainer_starved"),
         "rollout_throttled": triggered("rollout_throttled"),
+        "rollout_short": triggered("rollout_short"),
         "decision": decision_view(&a, &e),
     })))
 }
@@ -203,6 +204,8 @@ async fn pipeline_reports(State(a): State<Arc<Autoscaler>>) -> Json<Value> {
         .map(|r| {
             json!({"step": r.report.step, "trainer_wait_secs": r.report.trainer_wait_secs,
                    "rollout_throttled_secs": r.report.rollout_throttled_secs, "step_secs": r.report.step_secs,
+                   "rollout_samples": r.report.rollout_samples, "next_step_samples": r.report.next_step_samples,
+                   "demand_samples_per_sec": r.report.demand_rate(), "supply_samples_per_sec": r.report.supply_rate(),
                    "received_at": a.to_unix(r.at)})
         })
         .collect();
