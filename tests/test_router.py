@@ -149,3 +149,52 @@ def test_router_metrics(four: ManagerHandle) -> None:
         "the engines' KV pool sizes to be polled",
     )
     assert json.loads(http("GET", f"{four.router_url}/readiness").body)["routable_engines"] == 4
+
+
+def test_late_binding_hands_queued_requests_to_a_new_engine(start_fleet: StartManager) -> None:
+    """With --max-inflight-per-engine, work beyond the cap waits in the router, so an engine that
+    joins takes it; without the cap all of it would already sit in the first engine's queue."""
+    fleet = start_fleet(
+        "--rollout-num-gpus", "1", "--max-inflight-per-engine", "1", "--engine-arg=--time-scale=1", wait=False
+    )
+    fleet.wait_engines(1, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    slow = {"sampling_params": {"max_new_tokens": 150, "ignore_eos": True}}  # ~1.2 s each at 8 ms/token
+    served: list[str] = []
+    peak_in_flight = 0
+    stop = threading.Event()
+
+    def sample_in_flight() -> None:
+        nonlocal peak_in_flight
+        while not stop.is_set():
+            text = http("GET", f"{fleet.control_url}/metrics").body.decode()
+            peak_in_flight = max(peak_in_flight, int(metric_total(text, "rollout_engine_in_flight")))
+            stop.wait(0.05)
+
+    sampler = threading.Thread(target=sample_in_flight, daemon=True)
+    sampler.start()
+    threads = [
+        threading.Thread(target=lambda i=i: served.append(generate(fleet, {"text": f"job {i}", **slow})[0]))
+        for i in range(6)
+    ]
+    for t in threads:
+        t.start()
+
+    def queued() -> float | None:
+        n = metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_router_queued_requests")
+        return n if n >= 4 else None
+
+    wait_until(queued, 60, "requests waiting in the router")
+    resp = http("POST", f"{fleet.control_url}/rollout/scale_out", {"num_replicas": 2})
+    assert resp.status in (200, 202), resp.body
+    fleet.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT)
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    sampler.join(timeout=10)
+    counts = collections.Counter(served)
+    assert sum(counts.values()) == 6, counts
+    assert len(counts) == 2, f"the engine added while requests waited served none of them: {counts}"
+    # One engine at a time held at most one request; with two engines, at most two in all.
+    assert peak_in_flight <= 2, peak_in_flight
+    text = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(text, "rollout_router_queued_requests") == 0

@@ -154,6 +154,12 @@ pub struct ServeConfig {
     /// How long a request pinned to a weight version waits for an engine serving it.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub version_wait_secs: f64,
+    /// At most this many requests in flight at one engine (0: no limit). Requests beyond it
+    /// wait in the router and go to the first engine with a free slot, a new engine included,
+    /// instead of queueing inside one engine: set it near the engines' `--max-running-requests`
+    /// for elastic fleets. A request waits at most --request-timeout-secs for a slot.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub max_inflight_per_engine: usize,
     /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage).
     #[arg(long, default_value_t = 1.0, value_name = "SECS")]
     pub load_poll_interval_secs: f64,

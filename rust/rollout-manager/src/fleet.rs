@@ -33,6 +33,9 @@ pub struct Backend {
 /// the load poller). A notification fires when the last in-flight request ends.
 #[derive(Debug, Default)]
 pub struct EngineLoad {
+    /// Fired (one waiter) whenever a request ends; shared by every engine of a fleet, for the
+    /// router's requests waiting on `--max-inflight-per-engine`.
+    slot_freed: Arc<Notify>,
     count: AtomicUsize,
     est_tokens: AtomicU64,
     capacity: AtomicU64,
@@ -43,6 +46,11 @@ pub struct EngineLoad {
 }
 
 impl EngineLoad {
+    /// A load whose ended requests wake waiters of `slot_freed`.
+    pub fn with_slot_notify(slot_freed: Arc<Notify>) -> Self {
+        Self { slot_freed, ..Self::default() }
+    }
+
     pub fn get(&self) -> usize {
         self.count.load(Ordering::Acquire)
     }
@@ -61,6 +69,14 @@ impl EngineLoad {
         self.served.fetch_add(1, Ordering::Relaxed);
         self.est_tokens.fetch_add(tokens, Ordering::Relaxed);
         InFlightGuard { load: self.clone(), tokens }
+    }
+
+    /// Like [`Self::enter`], but only while fewer than `cap` requests are in flight.
+    pub fn try_enter(self: &Arc<Self>, tokens: u64, cap: usize) -> Option<InFlightGuard> {
+        self.count.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).ok()?;
+        self.served.fetch_add(1, Ordering::Relaxed);
+        self.est_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Some(InFlightGuard { load: self.clone(), tokens })
     }
 
     /// Records the engine's own report: KV pool size and tokens in use or queued.
@@ -103,6 +119,7 @@ impl Drop for InFlightGuard {
         if self.load.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.load.idle.notify_waiters();
         }
+        self.load.slot_freed.notify_one();
     }
 }
 
@@ -237,6 +254,8 @@ pub struct RunningOp {
 #[derive(Debug)]
 pub struct FleetInner {
     pub engines: BTreeMap<String, Engine>,
+    /// Shared by every engine's load: a request ended somewhere (see [`EngineLoad`]).
+    pub slot_freed: Arc<Notify>,
     pub next_seq: u64,
     pub gpus: GpuPool,
     pub ports_in_use: HashSet<u16>,
@@ -328,12 +347,15 @@ pub struct Fleet {
     changes: watch::Sender<u64>,
     /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
     store_failures: AtomicU64,
+    slot_freed: Arc<Notify>,
 }
 
 impl Fleet {
     pub fn new(gpus: u32, weight_version: String, count_failed: bool, store: Option<crate::store::Store>) -> Self {
+        let slot_freed = Arc::new(Notify::new());
         let inner = FleetInner {
             engines: BTreeMap::new(),
+            slot_freed: slot_freed.clone(),
             next_seq: 0,
             gpus: GpuPool::new(gpus),
             ports_in_use: HashSet::new(),
@@ -352,7 +374,13 @@ impl Fleet {
             routes: RwLock::new(Arc::new(Vec::new())),
             changes: watch::channel(0).0,
             store_failures: AtomicU64::new(0),
+            slot_freed,
         }
+    }
+
+    /// Wakes one waiter whenever any engine's request ends.
+    pub fn slot_freed(&self) -> &Notify {
+        &self.slot_freed
     }
 
     /// Locks the registry. A poisoned lock (a panic while held) is recovered: every mutation

@@ -206,7 +206,7 @@ impl Manager {
             seq,
             record,
             process: None,
-            load: Arc::new(EngineLoad::default()),
+            load: Arc::new(EngineLoad::with_slot_notify(inner.slot_freed.clone())),
             probe_failures: 0,
             pid_start_ticks: None,
             keeper_socket: None,

@@ -214,7 +214,7 @@ fn rebuild(
                 record,
                 pid_start_ticks: live.as_ref().and_then(|p| p.start_ticks),
                 process: live,
-                load: Arc::new(EngineLoad::default()),
+                load: Arc::new(EngineLoad::with_slot_notify(inner.slot_freed.clone())),
                 probe_failures: 0,
                 keeper_socket: stored.keeper_socket,
             };

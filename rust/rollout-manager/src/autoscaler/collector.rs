@@ -70,7 +70,8 @@ impl Collector {
             observations.insert(id, observation);
         }
         self.no_loads_route.retain(|id| observations.contains_key(id));
-        Tick { at, engines: observations }
+        let router_queued = manager.router_metrics.queued.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        Tick { at, engines: observations, router_queued }
     }
 }
 

@@ -185,7 +185,13 @@ impl Autoscaler {
         let now = self.now();
         let mut s = self.lock();
         if !s.core.config.trace_file.is_empty() {
-            s.trace_backlog.push(TraceLine { at: now, fleet: None, engines: None, pipeline: Some(report.clone()) });
+            s.trace_backlog.push(TraceLine {
+                at: now,
+                fleet: None,
+                engines: None,
+                pipeline: Some(report.clone()),
+                router_queued: None,
+            });
         }
         s.core.on_report(now, report);
         let evaluation = s.core.evaluate(&s.fleet, now);
@@ -259,6 +265,7 @@ impl Autoscaler {
                 fleet: Some(fleet.clone()),
                 engines: Some(tick.engines.clone()),
                 pipeline: None,
+                router_queued: (tick.router_queued > 0.0).then_some(tick.router_queued),
             });
         }
         let due = s.core.on_tick(tick, &fleet);

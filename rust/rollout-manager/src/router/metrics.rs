@@ -52,6 +52,8 @@ pub enum ErrorKind {
     BadRequest,
     /// The engine's answer did not end within `--request-timeout-secs`.
     Timeout,
+    /// No engine slot freed within `--request-timeout-secs` (`--max-inflight-per-engine`).
+    QueueTimeout,
 }
 
 #[derive(Debug, Default)]
@@ -68,6 +70,10 @@ pub struct RouterMetrics {
     /// Requests kept on their session's or prompt's engine / moved off it by the gate.
     pub affinity_kept: AtomicU64,
     pub affinity_moved: AtomicU64,
+    /// Requests waiting in the router for a slot (`--max-inflight-per-engine`), and how many
+    /// ended their wait without one.
+    pub queued: AtomicU64,
+    pub errors_queue_timeout: AtomicU64,
     /// Time to the engine's response headers.
     pub first_byte: Histogram,
     /// Time until the response body ended.
@@ -82,6 +88,7 @@ impl RouterMetrics {
             ErrorKind::NoAnswer => &self.errors_no_answer,
             ErrorKind::BadRequest => &self.errors_bad_request,
             ErrorKind::Timeout => &self.errors_timeout,
+            ErrorKind::QueueTimeout => &self.errors_queue_timeout,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -113,6 +120,7 @@ impl RouterMetrics {
             ("no_answer", &self.errors_no_answer),
             ("bad_request", &self.errors_bad_request),
             ("timeout", &self.errors_timeout),
+            ("queue_timeout", &self.errors_queue_timeout),
         ] {
             let _ = writeln!(out, "rollout_router_errors_total{{kind=\"{kind}\"}} {}", c.load(Ordering::Relaxed));
         }
@@ -128,6 +136,12 @@ impl RouterMetrics {
             out,
             "rollout_router_affinity_total{{outcome=\"moved\"}} {}",
             self.affinity_moved.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP rollout_router_queued_requests Requests waiting in the router for an engine slot \
+             (--max-inflight-per-engine).\n# TYPE rollout_router_queued_requests gauge\nrollout_router_queued_requests {}",
+            self.queued.load(Ordering::Relaxed)
         );
         self.first_byte.render(
             &mut out,

@@ -28,6 +28,13 @@
 //!
 //! Each forwarded request counts in its engine's in-flight load (requests and estimated KV
 //! tokens) until its response body ends: routing decisions and scale-in's drain both use it.
+//!
+//! Late binding (`--max-inflight-per-engine N`): an engine gets at most about N requests at
+//! once (two requests deciding at the same instant may both take the last slot). The rest wait
+//! in the router, FIFO, and each goes to the first engine with a free slot when one frees or an
+//! engine joins. Work then never sits in one engine's queue while another, e.g. one a
+//! scale-out just added, is idle. A request waits at most `--request-timeout-secs` for a slot,
+//! then gets 503 `router_queue_timeout`.
 
 mod affinity;
 pub mod loads;
@@ -347,25 +354,74 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     let timeout = Duration::from_secs_f64(state.manager.config.request_timeout_secs);
     let mut tried: Vec<Arc<crate::fleet::EngineLoad>> = Vec::with_capacity(MAX_ATTEMPTS);
     let mut last_error = String::new();
+    let cap = state.manager.config.max_inflight_per_engine;
+    let queue_deadline = tokio::time::Instant::now() + timeout;
     for attempt in 0..MAX_ATTEMPTS {
-        // Each attempt reads the current table: engines may have left routing meanwhile.
-        let routes = match candidates(&state, info.pin.as_ref()).await {
-            Ok(r) => r,
-            Err(resp) => return resp,
-        };
-        let open: Vec<usize> =
-            (0..routes.len()).filter(|&i| !tried.iter().any(|t| Arc::ptr_eq(t, &routes[i].load))).collect();
-        if open.is_empty() {
-            break;
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
         }
-        let loads: Vec<_> = open.iter().map(|&i| routes[i].load.snapshot()).collect();
-        let affine = affinity_key
-            .and_then(|k| state.affinity.get(k))
-            .and_then(|id| open.iter().position(|&i| routes[i].engine_id.as_str() == &*id));
-        let rotor = state.rotor.fetch_add(1, Ordering::Relaxed);
-        let Some((pos, kept)) = choose(policy, &loads, info.tokens, affine, rotor, &state.gate) else { break };
-        let backend = &routes[open[pos]];
-        if affine.is_some() {
+        let mut waiting: Option<QueuedGuard> = None;
+        // Pick an engine and count the request on it (with a cap, only if it is under it).
+        let picked = loop {
+            // Each attempt reads the current table: engines may have left routing meanwhile.
+            let routes = match candidates(&state, info.pin.as_ref()).await {
+                Ok(r) => r,
+                Err(resp) => return resp,
+            };
+            let mut open: Vec<usize> =
+                (0..routes.len()).filter(|&i| !tried.iter().any(|t| Arc::ptr_eq(t, &routes[i].load))).collect();
+            if open.is_empty() {
+                break None;
+            }
+            if cap > 0 {
+                open.retain(|&i| routes[i].load.get() < cap);
+                // A new request queues behind waiting ones rather than take the slot freed for them.
+                let behind = waiting.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
+                if open.is_empty() || behind {
+                    // Every engine is at its cap: wait here for a slot or a new engine. The 50 ms
+                    // tick re-checks in case a wake-up went to a request that left meanwhile.
+                    if waiting.is_none() {
+                        waiting = Some(QueuedGuard::new(state.manager.router_metrics.clone()));
+                    }
+                    let mut changes = state.manager.fleet.subscribe();
+                    tokio::select! {
+                        _ = state.manager.fleet.slot_freed().notified() => {}
+                        _ = changes.changed() => {}
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        _ = tokio::time::sleep_until(queue_deadline) => {
+                            metrics.error(ErrorKind::QueueTimeout);
+                            let msg = format!(
+                                "every engine had --max-inflight-per-engine ({cap}) requests in flight for \
+                                 --request-timeout-secs ({timeout:?}); retry later, add engines, or raise the limit"
+                            );
+                            return error(StatusCode::SERVICE_UNAVAILABLE, "router_queue_timeout", &msg);
+                        }
+                    }
+                    continue;
+                }
+            }
+            let loads: Vec<_> = open.iter().map(|&i| routes[i].load.snapshot()).collect();
+            let affine = affinity_key
+                .and_then(|k| state.affinity.get(k))
+                .and_then(|id| open.iter().position(|&i| routes[i].engine_id.as_str() == &*id));
+            let rotor = state.rotor.fetch_add(1, Ordering::Relaxed);
+            let Some((pos, kept)) = choose(policy, &loads, info.tokens, affine, rotor, &state.gate) else {
+                break None;
+            };
+            let index = open[pos];
+            let guard = if cap > 0 {
+                // Another request may have taken the last slot since the check: look again.
+                let Some(guard) = routes[index].load.try_enter(info.tokens, cap) else { continue };
+                guard
+            } else {
+                routes[index].load.enter(info.tokens)
+            };
+            break Some((routes, index, affine.is_some(), kept, guard));
+        };
+        drop(waiting);
+        let Some((routes, index, had_affine, kept, guard)) = picked else { break };
+        let backend = &routes[index];
+        if had_affine {
             let counter = if kept { &metrics.affinity_kept } else { &metrics.affinity_moved };
             counter.fetch_add(1, Ordering::Relaxed);
         }
@@ -375,9 +431,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         tried.push(backend.load.clone());
         if attempt > 0 {
             metrics.retries.fetch_add(1, Ordering::Relaxed);
-            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
         }
-        let guard = backend.load.enter(info.tokens);
         // Counted first, then checked: a scale-in that took the engine out of routing before
         // this request was counted sees it in its drain; one that did after, we see here.
         if !state.manager.fleet.is_routable(&backend.load) {
@@ -444,6 +498,22 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     metrics.error(ErrorKind::NoAnswer);
     let msg = format!("no engine answered this request (last: {last_error}); see GET /rollout/engines");
     error(StatusCode::BAD_GATEWAY, "no_engine_answered", &msg)
+}
+
+/// Counts a request in `rollout_router_queued_requests` while it waits for a slot.
+struct QueuedGuard(Arc<RouterMetrics>);
+
+impl QueuedGuard {
+    fn new(metrics: Arc<RouterMetrics>) -> Self {
+        metrics.queued.fetch_add(1, Ordering::Relaxed);
+        Self(metrics)
+    }
+}
+
+impl Drop for QueuedGuard {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// An engine's response body on its way to the client: holds the engine's in-flight count until
