@@ -372,7 +372,11 @@ pub fn decide(
                 && r.report.wait_fraction() <= p.trainer_wait_fraction_threshold
         });
     let rates = if p.enabled { rates(&reports) } else { None };
-    let short = rates.is_some_and(|(demand, supply)| supply < demand);
+    // Supply S below demand D makes the trainer wait 1 - S/D of each step: short when that
+    // projected wait is above the wait threshold (the two rules agree; noise near S = D is not
+    // a shortage).
+    let short =
+        rates.is_some_and(|(demand, supply)| supply < demand * (1.0 - p.trainer_wait_fraction_threshold));
     // Rollout's rate is the fleet's capacity only if work was queued (in the engines or the
     // router) during each of those steps; otherwise it is a lower bound, too low to judge a
     // removal by, and the throttled rule decides alone.
@@ -411,7 +415,12 @@ pub fn decide(
         );
         conditions.insert(
             "rollout_short".to_string(),
-            pipeline_condition(so, short, rates.map(|(demand, supply)| supply / demand), 1.0),
+            pipeline_condition(
+                so,
+                short,
+                rates.map(|(demand, supply)| supply / demand),
+                1.0 - p.trainer_wait_fraction_threshold,
+            ),
         );
         if rates.is_some() && saturated {
             conditions.insert(

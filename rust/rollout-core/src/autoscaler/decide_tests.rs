@@ -341,6 +341,11 @@ fn decision_table() {
         )
     });
     cases.push(Case {
+        // Supply 9/s against demand 10/s: a projected wait of 10%, under the 20% threshold.
+        pipeline: pipeline(&[(190.0, rated(1, 0.0, 0.0, 90, 100))]),
+        ..case("supply just under demand is not short", window(2, 200, idle), 200.0, ("none", None), "")
+    });
+    cases.push(Case {
         // Supply 12/s against demand 10/s: short of the 20% headroom, but not short: no action.
         pipeline: pipeline(&[(190.0, rated(1, 0.0, 0.0, 120, 100))]),
         ..case("supply above demand does not scale out", window(2, 200, idle), 200.0, ("none", None), "")
