@@ -583,3 +583,14 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_pipeline_report_is_decided_on_when_it_arrives() {
+    let mut state = super::state::AutoscalerState::new(cfg());
+    // A balanced step: nothing to do, and nothing returned (the cadence decides as usual).
+    assert!(state.on_report(100.0, report(1, 0.0, 0.0), &fleet(2)).is_none());
+    // A step spent 75% waiting: scale out now, without waiting for the next evaluation.
+    let decided = state.on_report(101.0, report(2, 7.5, 0.0), &fleet(2)).expect("an action at once");
+    assert_eq!(decided.action.name(), "scale_out");
+    assert_eq!(state.next_evaluation_in(101.0), Some(cfg().evaluation_interval_secs));
+}

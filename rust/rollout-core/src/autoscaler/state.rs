@@ -47,8 +47,17 @@ impl AutoscalerState {
         decide(&self.window, &self.pipeline, fleet, &self.memory, &self.config, now)
     }
 
-    pub fn on_report(&mut self, at: f64, report: PipelineReport) {
+    /// Adds a trainer step. A step is the pipeline signal's unit of evidence, so it is decided
+    /// on at once instead of at the next evaluation: returns the decision when it is an action
+    /// (and the cadence restarts from it).
+    pub fn on_report(&mut self, at: f64, report: PipelineReport, fleet: &FleetState) -> Option<Evaluation> {
         self.pipeline.push(at, report);
+        let evaluation = self.evaluate(fleet, at);
+        if matches!(evaluation.action, Action::None { .. }) {
+            return None;
+        }
+        self.next_evaluation = Some(at + self.config.evaluation_interval_secs);
+        Some(evaluation)
     }
 
     /// An operation this autoscaler started has finished at `at` (its cooldown starts).
@@ -96,9 +105,17 @@ pub fn replay(config: AutoscalerConfig, lines: &[TraceLine]) -> Vec<Evaluation> 
     let mut state = AutoscalerState::new(config);
     let mut fleet = FleetState::default();
     let mut out = Vec::new();
+    let acted = |state: &mut AutoscalerState, evaluation: &Evaluation, at: f64| match &evaluation.action {
+        Action::ScaleOut { .. } => state.on_finished("scale_out", at, at, false),
+        Action::ScaleIn { .. } => state.on_finished("scale_in", at, at, false),
+        Action::None { .. } => {}
+    };
     for line in lines {
         if let Some(report) = &line.pipeline {
-            state.on_report(line.at, report.clone());
+            if let Some(evaluation) = state.on_report(line.at, report.clone(), &fleet) {
+                acted(&mut state, &evaluation, line.at);
+                out.push(evaluation);
+            }
         }
         if let Some(f) = &line.fleet {
             fleet = f.clone();
@@ -116,11 +133,7 @@ pub fn replay(config: AutoscalerConfig, lines: &[TraceLine]) -> Vec<Evaluation> 
         }
         let tick = Tick { at: line.at, engines: engines.clone(), router_queued: line.router_queued.unwrap_or(0.0) };
         if let Some(evaluation) = state.on_tick(tick, &fleet) {
-            match &evaluation.action {
-                Action::ScaleOut { .. } => state.on_finished("scale_out", line.at, line.at, false),
-                Action::ScaleIn { .. } => state.on_finished("scale_in", line.at, line.at, false),
-                Action::None { .. } => {}
-            }
+            acted(&mut state, &evaluation, line.at);
             out.push(evaluation);
         }
     }

@@ -180,8 +180,10 @@ impl Autoscaler {
         s.enabled = enabled;
     }
 
-    /// Records a trainer step (`POST /rollout/pipeline`); returns the evaluation it leads to.
+    /// Records a trainer step (`POST /rollout/pipeline`) and decides on it at once (acting if
+    /// enabled and it calls for an action); returns the evaluation.
     pub fn report(&self, report: PipelineReport) -> Evaluation {
+        let (fleet, _) = fleet_state(&self.manager);
         let now = self.now();
         let mut s = self.lock();
         if !s.core.config.trace_file.is_empty() {
@@ -193,9 +195,21 @@ impl Autoscaler {
                 router_queued: None,
             });
         }
-        s.core.on_report(now, report);
-        let evaluation = s.core.evaluate(&s.fleet, now);
+        let decided = s.core.on_report(now, report, &fleet);
+        let evaluation = decided.clone().unwrap_or_else(|| s.core.evaluate(&fleet, now));
         s.latest = Some(evaluation.clone());
+        let act = match decided {
+            Some(e) => {
+                s.evaluations += 1;
+                s.last_decision = Some(e);
+                s.enabled
+            }
+            None => false,
+        };
+        drop(s);
+        if act {
+            self.act(evaluation.clone());
+        }
         evaluation
     }
 
