@@ -43,9 +43,12 @@ LISTENING = re.compile(r"rollout-manager listening control=(\S+) router=(\S+)")
 
 #: Engines: 0.5x a modelled GPU's speed, at most 8 running requests in a KV pool of 2048 tokens
 #: (a full batch of these requests fills about 70% of it), 1.5 s to "load weights".
+MAX_RUNNING = 8
+#: The router holds requests beyond MAX_RUNNING per engine (--max-inflight-per-engine), so work
+#: waits where any engine, a new one included, can take it.
 ENGINE_ARGS = [
     "--engine-arg=--time-scale=0.5",
-    "--engine-arg=--max-running-requests=8",
+    f"--engine-arg=--max-running-requests={MAX_RUNNING}",
     "--engine-arg=--max-total-tokens=2048",
     "--engine-arg=--startup-delay=1.5",
 ]
@@ -77,6 +80,7 @@ pipeline_policy:
   rollout_throttled_fraction_threshold: 0.15
   min_steps: 2
   report_max_age_secs: 5.0
+  rate_headroom: 0.1  # the simulated engines' rate does not drift (real runs: keep 0.2)
 """
 
 #: (seconds, requests per second) for the serving workload.
@@ -107,7 +111,8 @@ class Manager:
         self.out = state / "manager.stdout"
         argv = [str(binary), "serve", "--host", "127.0.0.1", "--port", "0", "--router-port", "0",
                 "--state-dir", str(state), "--gpus", "6", "--rollout-num-gpus-per-engine", "1",
-                "--routing-policy", "least_requests", *ENGINE_ARGS, *args]  # fmt: skip
+                "--routing-policy", "least_requests", "--max-inflight-per-engine", str(MAX_RUNNING),
+                *ENGINE_ARGS, *args]  # fmt: skip
         with open(self.out, "wb") as out, open(state / "manager.stderr", "wb") as err:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
@@ -279,11 +284,11 @@ def serving_load(m: Manager, t0: float, horizon: float) -> dict[str, Any]:
             "p95_latency": latencies[int(0.95 * (len(latencies) - 1))] if latencies else None}  # fmt: skip
 
 
-def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, Any]:
+def rl_load(m: Manager, t0: float, horizon: float, report: bool, rates: bool = False) -> dict[str, Any]:
     """A trainer consuming a batch per step, fed by rollout that may run one step ahead."""
     cv = threading.Condition()
     state = {"buffered": 0, "in_flight": 0, "consumed": 0, "batch": RL_PHASES[0][1], "throttled": 0.0,
-             "stop": False, "tokens": 0}  # fmt: skip
+             "stop": False, "tokens": 0, "produced": 0}  # fmt: skip
     end = sum(d for d, _ in RL_PHASES)
     waits: list[float] = []
 
@@ -308,6 +313,7 @@ def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, An
             with cv:
                 state["in_flight"] -= 1
                 state["buffered"] += int(ok)
+                state["produced"] += int(ok)
                 cv.notify_all()
 
     def throttle_meter() -> None:
@@ -324,6 +330,15 @@ def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, An
     def throttled_now() -> float:
         return float(state["throttled"])
 
+    def batch_at(t: float) -> int:
+        """The batch the schedule asks for at t seconds (the trainer knows its own schedule)."""
+        edge = 0.0
+        for duration, batch in RL_PHASES:
+            edge += duration
+            if t < edge:
+                return batch
+        return RL_PHASES[-1][1]
+
     def trainer() -> None:
         step, start = 0, 0.0
         for duration, batch in RL_PHASES:
@@ -335,6 +350,7 @@ def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, An
                 began = time.monotonic()
                 with cv:
                     throttled_before = throttled_now()
+                    produced_before = state["produced"]
                     while state["buffered"] < batch and time.monotonic() - t0 < horizon:
                         cv.wait(0.1)
                     if state["buffered"] < batch:
@@ -350,9 +366,13 @@ def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, An
                 step_secs = time.monotonic() - began
                 with cv:
                     throttled = min(throttled_now() - throttled_before, step_secs)
+                    produced = state["produced"] - produced_before
                 if report:
                     body = {"step": step, "trainer_wait_secs": min(wait, step_secs),
                             "rollout_throttled_secs": throttled, "step_secs": step_secs}  # fmt: skip
+                    if rates:
+                        body["rollout_samples"] = produced
+                        body["next_step_samples"] = batch_at(time.monotonic() - t0)
                     try:
                         http_json("POST", f"{m.control}/rollout/pipeline", body)
                     except OSError:
@@ -378,12 +398,36 @@ def rl_load(m: Manager, t0: float, horizon: float, report: bool) -> dict[str, An
             "p95_latency": None, "trainer_wait_total": sum(waits)}  # fmt: skip
 
 
+def scheduled_scaling(m: Manager, t0: float, phases: list[tuple[float, float]]) -> threading.Thread:
+    """The `scheduled` peer: told the demand schedule in advance, it asks for the static-max
+    size the instant demand rises and for the minimum the instant it falls. No autoscaler can
+    react sooner, so this is the bound set by engine startup alone."""
+    low = phases[0][1]
+
+    def go() -> None:
+        edge = 0.0
+        for duration, level in phases:
+            time.sleep(max(0.0, t0 + edge - time.monotonic()))
+            path, size = ("scale_out", 6) if level > low else ("scale_in", 2)
+            if edge > 0.0:
+                try:
+                    http_json("POST", f"{m.control}/rollout/{path}", {"num_replicas": size})
+                except OSError as e:
+                    print(f"scheduled {path} failed: {e}", file=sys.stderr)
+            edge += duration
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
+
+
 def run(binary: Path, workload: str, fleet: str, workdir: Path) -> dict[str, Any]:
-    args = {"static-min": ["--rollout-num-gpus", "2"], "static-max": ["--rollout-num-gpus", "6"]}.get(fleet)
+    args = {"static-min": ["--rollout-num-gpus", "2"], "static-max": ["--rollout-num-gpus", "6"],
+            "scheduled": ["--rollout-num-gpus", "2"]}.get(fleet)  # fmt: skip
     if args is None:
         yaml = workdir / "autoscaler.yaml"
         # Every metrics tick is recorded, for `rollout-manager autoscaler-replay`.
-        trace = HERE / f"trace-{workload}.jsonl"
+        trace = HERE / f"trace-{workload}{'-rates' if fleet == 'autoscaled+rates' else ''}.jsonl"
         trace.unlink(missing_ok=True)
         yaml.write_text(YAML + f"trace_file: {json.dumps(str(trace))}\n")
         args = ["--rollout-num-gpus", "2", "--autoscaler-config", str(yaml)]
@@ -394,10 +438,12 @@ def run(binary: Path, workload: str, fleet: str, workdir: Path) -> dict[str, Any
         t0 = time.monotonic()
         sampler = Sampler(m, t0, horizon)
         sampler.start()
+        if fleet == "scheduled":
+            scheduled_scaling(m, t0, SERVING_PHASES if workload == "serving" else RL_PHASES)
         if workload == "serving":
             load = serving_load(m, t0, horizon)
         else:
-            load = rl_load(m, t0, horizon, report=fleet == "autoscaled")
+            load = rl_load(m, t0, horizon, report=fleet.startswith("autoscaled"), rates=fleet == "autoscaled+rates")
         sampler.join(timeout=10)
         history = http_json("GET", f"{m.control}/autoscaler/scale_history")
         actions = [h for h in history["history"] if h["status"] not in ("REJECTED", "NOOP")]
@@ -413,15 +459,16 @@ def run(binary: Path, workload: str, fleet: str, workdir: Path) -> dict[str, Any
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workload | fleet | completed tokens | vs static-max | engine-seconds | vs static-max | p95 queue time (s) | p95 latency (s) | scale actions | direction changes |",
-            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| workload | fleet | completed tokens | vs static-max | engine-seconds | vs static-max | p95 engine queue time (s) | p95 latency (s) | trainer waited (s) | scale actions | direction changes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         ref = next((x for x in results if x["workload"] == r["workload"] and x["fleet"] == "static-max"), r)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
         rows.append(
             f"| {r['workload']} | {r['fleet']} | {r['tokens']:,} | {r['tokens'] / max(ref['tokens'], 1):.0%} "
             f"| {r['engine_seconds']:.0f} | {r['engine_seconds'] / max(ref['engine_seconds'], 1e-9):.0%} "
-            f"| {fmt(r['p95_queue_time'])} | {fmt(r['p95_latency'])} | {r['scale_actions']} | {r['direction_changes']} |"
+            f"| {fmt(r['p95_queue_time'])} | {fmt(r['p95_latency'])} | {fmt(r.get('trainer_wait_total'))} "
+            f"| {r['scale_actions']} | {r['direction_changes']} |"
         )
     return "\n".join(rows)
 
@@ -457,7 +504,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="serving,rl")
-    parser.add_argument("--fleets", default="static-min,static-max,autoscaled")
+    parser.add_argument("--fleets", default="static-min,static-max,scheduled,autoscaled,autoscaled+rates",
+                        help="autoscaled+rates runs for the rl workload only")  # fmt: skip
     parser.add_argument("--no-build", action="store_true", help="use the existing target/release binaries")
     opts = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every manager started is stopped.
@@ -471,6 +519,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="autoscaler-bench-") as tmp:
         for workload in opts.workloads.split(","):
             for fleet in opts.fleets.split(","):
+                if fleet == "autoscaled+rates" and workload != "rl":
+                    continue
                 print(f"running {workload} / {fleet} ...", file=sys.stderr, flush=True)
                 results.append(run(binary, workload, fleet, Path(tmp)))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "cpus": os.cpu_count(),
