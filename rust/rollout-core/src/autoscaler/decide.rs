@@ -375,15 +375,14 @@ pub fn decide(
     // Supply S below demand D makes the trainer wait 1 - S/D of each step: short when that
     // projected wait is above the wait threshold (the two rules agree; noise near S = D is not
     // a shortage).
-    let short =
-        rates.is_some_and(|(demand, supply)| supply < demand * (1.0 - p.trainer_wait_fraction_threshold));
+    let short = rates.is_some_and(|(demand, supply)| supply < demand * (1.0 - p.trainer_wait_fraction_threshold));
     // Rollout's rate is the fleet's capacity only if work was queued (in the engines or the
     // router) during each of those steps; otherwise it is a lower bound, too low to judge a
     // removal by, and the throttled rule decides alone.
     let saturated = !reports.is_empty()
-        && reports.iter().all(|r| {
-            run.iter().any(|m| m.at <= r.at && m.at >= r.at - r.report.step_secs && m.total_queue_reqs > 0.0)
-        });
+        && reports
+            .iter()
+            .all(|r| run.iter().any(|m| m.at <= r.at && m.at >= r.at - r.report.step_secs && m.total_queue_reqs > 0.0));
     // Supply after removing one engine, over demand: a scale-in must leave the headroom.
     let after_removal = rates.filter(|_| saturated && fleet.active_engines > 1).map(|(demand, supply)| {
         supply * f64::from(fleet.active_engines - 1) / f64::from(fleet.active_engines) / demand
