@@ -3,8 +3,10 @@
 //!
 //! The version checksum is the rule `sglang-sim` (and the manager) use for a loaded checkpoint:
 //! lowercase hex SHA-256 over the bytes of every `*.safetensors` file, concatenated in
-//! byte-wise sorted file-name order. Files are listed (and sent) in that same order, so a
-//! receiver computes both the per-file and the version hashes in one pass as chunks arrive.
+//! byte-wise sorted file-name order. Files are listed (and sent) in that same order.
+//! [`Manifest::build`] computes the per-file SHA-256s and the version checksum in one read, so
+//! files that match their per-file hashes also have the manifest's version checksum: receivers
+//! check the per-file hashes only (see [`crate::sink`]).
 //!
 //! Only regular files directly in the version directory are part of it (checkpoints are flat);
 //! subdirectories are skipped and named in [`Manifest::skipped`].

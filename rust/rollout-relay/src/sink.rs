@@ -1,13 +1,24 @@
 //! The local copy of a version on one receiver: written under `<dest>/<version>.partial/`,
-//! renamed to `<dest>/<version>/` only after every file's SHA-256 and the version checksum
-//! match the manifest.
+//! renamed to `<dest>/<version>/` only after every file's size and SHA-256 match the manifest.
 //!
 //! Guarantees: a `<version>` directory exists only complete and verified; a failed, cancelled
 //! or abandoned transfer leaves nothing behind (the partial directory is removed when the sink
 //! is dropped unfinished). A version that already exists is never rewritten: versions are
 //! immutable by name.
+//!
+//! One SHA-256 pass per byte, not two. The version checksum (SHA-256 over the
+//! `*.safetensors` bytes in name order) is not recomputed here: it is a deterministic function
+//! of the files' bytes, and the source computes it together with the per-file SHA-256s in one
+//! read of the same bytes ([`Manifest::build`]). Once every file's SHA-256 matches the
+//! manifest, the bytes here are the bytes the source hashed, so their version checksum is the
+//! manifest's; a second pass would cost a core's worth of hashing per receiver and detect
+//! nothing the per-file hashes do not. What it could catch, a manifest whose checksum disagrees
+//! with its own file hashes, is a forged or buggy manifest, and whoever can forge the manifest
+//! can forge both. The checksum stays the version's identity: the sender reports the
+//! manifest's, the manager compares it with the published one, and the engines' loaders
+//! report the checksum of what they actually loaded, which the manager checks against it.
 
-use crate::manifest::{hex, in_version_checksum, Manifest};
+use crate::manifest::{hex, Manifest};
 use crate::protocol::HopResult;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -214,44 +225,19 @@ impl Drop for Sink {
     }
 }
 
-/// The writer thread: files in manifest order, each hashed as written; then the checks. The
-/// version checksum is computed by a second thread fed the same (shared, not copied) chunks,
-/// so the two SHA-256 passes run in parallel where there are cores for it.
+/// The writer thread: files in manifest order, each hashed as written (one SHA-256 pass: see
+/// the module docs for why the version checksum is not recomputed).
 fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
-    let (vtx, vrx) = std::sync::mpsc::sync_channel::<Bytes>(WRITE_QUEUE);
-    let version_hasher = std::thread::Builder::new()
-        .name("relay-version-hash".into())
-        .spawn(move || {
-            let mut h = Sha256::new();
-            while let Ok(data) = vrx.recv() {
-                h.update(&data);
-            }
-            hex(&h.finalize())
-        })
-        .map_err(|e| format!("cannot start the hashing thread: {e}"))?;
-    let written = write_and_hash(manifest, dir, &mut rx, &vtx);
-    drop(vtx);
-    let got = version_hasher.join().map_err(|_| "the hashing thread panicked".to_string())?;
-    let total = written?;
-    if got != manifest.checksum {
-        return Err(format!("version checksum {got} does not match the manifest's {}", manifest.checksum));
-    }
-    Ok(total)
+    write_and_hash(manifest, dir, &mut rx)
 }
 
-fn write_and_hash(
-    manifest: &Manifest,
-    dir: &Path,
-    rx: &mut mpsc::Receiver<(u32, Bytes)>,
-    version_tx: &std::sync::mpsc::SyncSender<Bytes>,
-) -> Result<u64, String> {
+fn write_and_hash(manifest: &Manifest, dir: &Path, rx: &mut mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
     let mut total = 0u64;
     for (i, entry) in manifest.files.iter().enumerate() {
         let path = dir.join(&entry.name);
         let file = std::fs::File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         let mut file_hash = Sha256::new();
-        let counted = in_version_checksum(&entry.name);
         let mut written = 0u64;
         while written < entry.size {
             let Some((idx, data)) = rx.blocking_recv() else {
@@ -259,9 +245,6 @@ fn write_and_hash(
             };
             if idx as usize != i {
                 return Err(format!("chunk for file {idx} while writing file {i}"));
-            }
-            if counted && version_tx.send(data.clone()).is_err() {
-                return Err("the hashing thread stopped".into());
             }
             out.write_all(&data).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             file_hash.update(&data);
