@@ -122,7 +122,8 @@ pub struct NcclBootstrap {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Welcome {
     pub protocol: u16,
-    /// The receiver already holds this version complete (it still forwards).
+    /// A directory of this version's name exists at the receiver (a hint: whether it is
+    /// reused is decided once the manifest arrived, and reported in the `RESULT`).
     #[serde(default)]
     pub already_present: bool,
 }

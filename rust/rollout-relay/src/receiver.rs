@@ -234,6 +234,7 @@ pub(crate) async fn read_manifest(
 }
 
 async fn serve_tcp(mut stream: TcpStream, hello: Hello, ctx: &Context) -> Result<(), WireError> {
+    // A hint only: whether the copy is reused is decided against the manifest (`Sink::open`).
     let already = crate::sink::final_dir(&ctx.dest, &hello.version).is_dir();
     let welcome = Welcome { protocol: PROTOCOL_VERSION, already_present: already };
     stream.write_all(&json_frame(Kind::Welcome, &welcome)).await?;

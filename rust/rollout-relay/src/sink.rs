@@ -1,10 +1,13 @@
 //! The local copy of a version on one receiver: written under `<dest>/<version>.partial/`,
 //! renamed to `<dest>/<version>/` only after every file's size and SHA-256 match the manifest.
 //!
-//! Guarantees: a `<version>` directory exists only complete and verified; a failed, cancelled
-//! or abandoned transfer leaves nothing behind (the partial directory is removed when the sink
-//! is dropped unfinished). A version that already exists is never rewritten: versions are
-//! immutable by name.
+//! Guarantees: a `<version>` directory this receiver publishes is complete and verified, and
+//! holds a marker ([`MARKER`]: the manifest it was verified against); a failed, cancelled or
+//! abandoned transfer leaves nothing behind (the partial directory is removed when the sink is
+//! dropped unfinished). Versions are immutable by name: an existing `<version>` directory is
+//! reused, without being rewritten, only when its marker equals the incoming manifest and its
+//! files have the manifest's names and sizes; anything else (no marker, another manifest, a
+//! file missing, added or of another size) is discarded and the version received again.
 //!
 //! One SHA-256 pass per byte, not two. The version checksum (SHA-256 over the
 //! `*.safetensors` bytes in name order) is not recomputed here: it is a deterministic function
@@ -18,7 +21,7 @@
 //! manifest's, the manager compares it with the published one, and the engines' loaders
 //! report the checksum of what they actually loaded, which the manager checks against it.
 
-use crate::manifest::{hex, Manifest};
+use crate::manifest::{hex, Manifest, MARKER};
 use crate::protocol::HopResult;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -30,6 +33,9 @@ use tokio::sync::mpsc;
 
 /// Chunks queued between the network and the disk writer.
 const WRITE_QUEUE: usize = 8;
+
+/// Largest marker read back (a manifest of 10,000 files is about 1.5 MB).
+const MAX_MARKER_BYTES: u64 = 16 << 20;
 
 /// Versions being received right now, shared by every connection of one receiver (two
 /// transfers of one version to one directory would write the same partial directory).
@@ -123,16 +129,18 @@ impl Sink {
     /// the directory).
     pub fn open(dest: &Path, manifest: &Manifest, in_progress: &InProgress) -> Result<Sink, String> {
         let version = manifest.version.clone();
-        if final_dir(dest, &version).is_dir() {
-            return Ok(Sink {
-                version,
-                dest: dest.to_path_buf(),
-                already_present: true,
-                in_progress: in_progress.clone(),
-                tx: None,
-                writer: None,
-                done: true,
-            });
+        let present = |version: String| Sink {
+            version,
+            dest: dest.to_path_buf(),
+            already_present: true,
+            in_progress: in_progress.clone(),
+            tx: None,
+            writer: None,
+            done: true,
+        };
+        let fin = final_dir(dest, &version);
+        if verify_existing(&fin, manifest).is_ok() {
+            return Ok(present(version));
         }
         let need = manifest.total_bytes();
         if let Ok(st) = nix::sys::statvfs::statvfs(dest) {
@@ -146,6 +154,25 @@ impl Sink {
         }
         if !in_progress.claim(&version) {
             return Err(format!("version {version} is being received by another transfer on this receiver"));
+        }
+        // Every writer of `fin` holds the claim, so from here on it cannot change under us; a
+        // transfer that finished between the check above and the claim published a verified
+        // copy, which is reused, not removed.
+        if fin.exists() {
+            match verify_existing(&fin, manifest) {
+                Ok(()) => {
+                    in_progress.release(&version);
+                    return Ok(present(version));
+                }
+                Err(why) => {
+                    tracing::warn!(path = %fin.display(), reason = why, "discarding an unverified copy of the version");
+                    let gone = if fin.is_dir() { std::fs::remove_dir_all(&fin) } else { std::fs::remove_file(&fin) };
+                    if let Err(e) = gone {
+                        in_progress.release(&version);
+                        return Err(format!("cannot remove the unverified {}: {e}", fin.display()));
+                    }
+                }
+            }
         }
         let partial = partial_dir(dest, &version);
         let _ = std::fs::remove_dir_all(&partial);
@@ -226,9 +253,13 @@ impl Drop for Sink {
 }
 
 /// The writer thread: files in manifest order, each hashed as written (one SHA-256 pass: see
-/// the module docs for why the version checksum is not recomputed).
+/// the module docs for why the version checksum is not recomputed), then the marker.
 fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
-    write_and_hash(manifest, dir, &mut rx)
+    let total = write_and_hash(manifest, dir, &mut rx)?;
+    let marker = dir.join(MARKER);
+    let json = serde_json::to_vec(manifest).map_err(|e| format!("cannot encode the marker: {e}"))?;
+    std::fs::write(&marker, json).map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
+    Ok(total)
 }
 
 fn write_and_hash(manifest: &Manifest, dir: &Path, rx: &mut mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
@@ -261,6 +292,56 @@ fn write_and_hash(manifest: &Manifest, dir: &Path, rx: &mut mpsc::Receiver<(u32,
         return Err("data after the last byte of the version".into());
     }
     Ok(total)
+}
+
+/// Whether `dir` is a copy of `manifest` this receiver published: its marker holds the same
+/// manifest, and its files are exactly the manifest's names (plus the marker) with the
+/// manifest's sizes. Costs a `stat` per file, not a read: the bytes were hashed when they were
+/// received. (A file rewritten in place with the same size is not detected here; the engines'
+/// loaders report the checksum of what they load, and the manager checks it.)
+pub fn verify_existing(dir: &Path, manifest: &Manifest) -> Result<(), String> {
+    let marker = dir.join(MARKER);
+    let meta = std::fs::metadata(&marker).map_err(|e| format!("no marker {}: {e}", marker.display()))?;
+    if !meta.is_file() || meta.len() > MAX_MARKER_BYTES {
+        return Err(format!("{} is not a marker file", marker.display()));
+    }
+    let text = std::fs::read(&marker).map_err(|e| format!("cannot read {}: {e}", marker.display()))?;
+    let recorded: Manifest =
+        serde_json::from_slice(&text).map_err(|e| format!("unreadable marker {}: {e}", marker.display()))?;
+    if recorded.version != manifest.version
+        || recorded.checksum != manifest.checksum
+        || recorded.files != manifest.files
+    {
+        return Err(format!(
+            "the copy was published from another manifest (checksum {}, incoming {})",
+            recorded.checksum, manifest.checksum
+        ));
+    }
+    let mut seen = 0usize;
+    for e in std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))? {
+        let e = e.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == MARKER {
+            continue;
+        }
+        let Ok(i) = manifest.files.binary_search_by(|f| f.name.as_str().cmp(&name)) else {
+            return Err(format!("{name} is not part of the version"));
+        };
+        // No symlink following: the receiver writes regular files only.
+        let m = std::fs::symlink_metadata(e.path()).map_err(|err| format!("cannot stat {name}: {err}"))?;
+        if !m.is_file() || m.len() != manifest.files[i].size {
+            return Err(format!("{name} is not a regular file of {} bytes", manifest.files[i].size));
+        }
+        seen += 1;
+    }
+    if seen != manifest.files.len() {
+        return Err(format!(
+            "{} of the version's {} files are missing",
+            manifest.files.len() - seen,
+            manifest.files.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Removes partial directories left by a crashed receiver (at startup, before serving).
