@@ -383,3 +383,25 @@ async fn a_received_copy_can_be_sent_on_as_a_source() {
     r1.shutdown().await;
     r2.shutdown().await;
 }
+
+#[tokio::test]
+async fn dropping_the_handle_stops_the_receiver_and_its_transfers() {
+    let src = checkpoint("srcdrop");
+    let dest = scratch("destdrop");
+    let r = receiver(&dest).await;
+    let addr = r.local_addr();
+    // A transfer held open mid-way by a stalled proxy, then the handle dropped without
+    // `shutdown`: the listener and the connection task go away, and so does the partial copy.
+    let proxy = Proxy::start(addr, &[Fault::Stall(600_000)]).await;
+    let o = SendOptions { max_attempts: 1, io_timeout: Duration::from_secs(60), ..opts() };
+    let sending = tokio::spawn(async move { send("v1", &src, &[proxy.addr], &o).await });
+    wait_until("the transfer to start", || entries(&dest) == ["v1.partial"]).await;
+    drop(r);
+    wait_until("the partial copy to be removed", || entries(&dest).is_empty()).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while tokio::net::TcpStream::connect(addr).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "the receiver still accepts connections");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sending.abort();
+}
