@@ -11,11 +11,18 @@ files and writes them to one socket, and a Python receiver process that writes t
 /dev/shm: no framing, no checksums, no forwarding. CPU seconds of every process are read from
 /proc after each run (utime + stime), to show where the 2 cores went.
 
+The physical-limit peer, also in the same run: N plain copies at once (N = each receiver
+count), every one a sender process and a receiver process like the plain copy's, all started
+together and timed until the last one is done. On one machine the N relay receivers share its
+cores and memory bandwidth, so N concurrent copies are about the best any N-receiver transfer
+could do here; the table reports the relay's time(N) divided by theirs.
+
 Run from the repository root after `cargo build --release -p rollout-relay`
 (`pip install -e 'python[bench]'` for the plot):
 
     .venv/bin/python benches/weights_relay.py                   # 1 GiB, 1 2 4 8 receivers
     .venv/bin/python benches/weights_relay.py --size-gib 2 --receivers 1 2 4
+    .venv/bin/python benches/weights_relay.py --relay-bin /tmp/old/rollout-relay --name before
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 BUF = 4 << 20
 
 
+RELAY_BIN = ROOT / "target" / "release" / "rollout-relay"
+
+
 def relay_bin() -> Path:
-    path = ROOT / "target" / "release" / "rollout-relay"
-    if not path.is_file():
-        sys.exit("build it first: cargo build --release -p rollout-relay")
-    return path
+    if not RELAY_BIN.is_file():
+        sys.exit(f"{RELAY_BIN} is missing; build it first: cargo build --release -p rollout-relay")
+    return RELAY_BIN
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,6 +141,71 @@ def plain_copy(src: Path, work: Path) -> dict:
     return {"bytes": sent, "seconds": seconds, "cpu_seconds": child_cpu + sum(os.times()[:2]) - me0}
 
 
+def plain_send(port: str, src: str) -> None:
+    """Child process: connect, say "ready", wait for "go" on stdin, send every file, wait for
+    the receiver's "done", say "done"."""
+    files = sorted(p for p in Path(src).iterdir() if p.is_file())
+    buf = bytearray(BUF)
+    view = memoryview(buf)
+    s = socket.create_connection(("127.0.0.1", int(port)))
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while (n := f.readinto(view)) > 0:
+                s.sendall(view[:n])
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(4) == b"done"
+    s.close()
+    print("done", flush=True)
+
+
+def concurrent_copies(src: Path, work: Path, n: int) -> dict:
+    """N plain copies at once, each its own sender and receiver process; timed from "go" to the
+    last "done" (process start-up and connecting are outside the window)."""
+    receivers, senders = [], []
+    try:
+        for i in range(n):
+            dest = work / f"copy{i}"
+            dest.mkdir()
+            port_file = work / f"copy{i}.port"
+            port_file.unlink(missing_ok=True)
+            receivers.append(subprocess.Popen([sys.executable, __file__, "_plain_recv", str(port_file), str(dest)],
+                                              stdout=subprocess.PIPE))
+            while not port_file.exists() or not port_file.read_text():
+                if receivers[-1].poll() is not None:
+                    sys.exit("a plain-copy receiver exited early")
+                time.sleep(0.01)
+            senders.append(subprocess.Popen([sys.executable, __file__, "_plain_send", port_file.read_text(), str(src)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in senders:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        start = time.perf_counter()
+        for p in senders:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in senders:
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+        seconds = time.perf_counter() - start
+        cpu = sum(cpu_seconds(p.pid) for p in senders + receivers)
+        total = 0
+        for p in receivers:
+            out, _ = p.communicate(timeout=60)
+            total += int(out)
+        for p in senders:
+            p.communicate(timeout=60)
+        return {"copies": n, "bytes": total, "seconds": seconds, "cpu_seconds": cpu}
+    finally:
+        for p in senders + receivers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for i in range(n):
+            shutil.rmtree(work / f"copy{i}", ignore_errors=True)
+
+
 # -- the relay ---------------------------------------------------------------------------
 
 
@@ -179,7 +253,7 @@ def relay_run(src: Path, work: Path, n: int, chunk_mib: int, version: str) -> Re
             shutil.rmtree(work / f"r{i}", ignore_errors=True)
 
 
-def plot(runs: list[RelayRun], plain: dict, path: Path) -> None:
+def plot(runs: list[RelayRun], plain: dict, peers: dict[int, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,6 +263,8 @@ def plot(runs: list[RelayRun], plain: dict, path: Path) -> None:
     ns = [r.receivers for r in runs]
     a.plot(ns, [r.seconds for r in runs], "o-", label="relay chain")
     a.plot(ns, [runs[0].seconds * n for n in ns], ":", color="grey", label="n x time(1) (no pipelining)")
+    a.plot(ns, [peers[n]["seconds"] for n in ns], "s-", color="tab:purple",
+           label="n plain copies at once (this box's limit)")
     a.axhline(runs[0].seconds * 1.3, color="tab:green", ls="--", label="goal: 1.3 x time(1)")
     a.set_xlabel("receivers")
     a.set_ylabel("seconds")
@@ -208,8 +284,12 @@ def plot(runs: list[RelayRun], plain: dict, path: Path) -> None:
 
 
 def main() -> None:
+    global RELAY_BIN
     if len(sys.argv) > 1 and sys.argv[1] == "_plain_recv":
         plain_recv(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_plain_send":
+        plain_send(sys.argv[2], sys.argv[3])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -217,7 +297,14 @@ def main() -> None:
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--chunk-mib", type=int, default=4)
     ap.add_argument("--dir", default="/dev/shm/elastic-rollout-relay-bench")
+    ap.add_argument("--relay-bin", type=Path, default=RELAY_BIN, help="the rollout-relay binary to measure")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each relay and N-copies measurement; the fastest is kept (a shared machine's "
+                         "noise only ever adds time)")
+    ap.add_argument("--name", default="weights_relay", help="results file names: benches/results/NAME.{json,md,png}")
     args = ap.parse_args()
+    RELAY_BIN = args.relay_bin.resolve()
+    relay_bin()
     size = int(args.size_gib * 2**30)
     need = size * (1 + max(args.receivers)) + (1 << 30)
     work = Path(args.dir)
@@ -233,15 +320,23 @@ def main() -> None:
     try:
         src = work / "src"
         make_checkpoint(src, size, args.shards)
-        plain = plain_copy(src, work)
+        plain = min((plain_copy(src, work) for _ in range(max(1, args.repeat))), key=lambda p: p["seconds"])
         print(f"plain copy: {plain['bytes'] / plain['seconds'] / 1e9:.2f} GB/s ({plain['seconds']:.2f} s)")
         runs = []
+        peers = {}
         for n in args.receivers:
-            r = relay_run(src, work, n, args.chunk_mib, f"v{n}")
-            runs.append(r)
-            print(f"relay to {n}: {r.seconds:.2f} s, {r.gbps:.2f} GB/s per receiver, cpu {r.cpu_seconds:.1f} s, "
-                  f"ok={r.all_ok}")
-        plain2 = plain_copy(src, work)
+            tries, peer_tries = [], []
+            for k in range(max(1, args.repeat)):
+                r = relay_run(src, work, n, args.chunk_mib, f"v{n}-{k}")
+                tries.append(r)
+                print(f"relay to {n}: {r.seconds:.2f} s, {r.gbps:.2f} GB/s per receiver, cpu {r.cpu_seconds:.1f} s, "
+                      f"ok={r.all_ok}")
+                p = concurrent_copies(src, work, n)
+                peer_tries.append(p)
+                print(f"{n} plain copies at once: {p['seconds']:.2f} s, cpu {p['cpu_seconds']:.1f} s")
+            runs.append(min(tries, key=lambda r: r.seconds))
+            peers[n] = min(peer_tries, key=lambda p: p["seconds"])
+        plain2 = min((plain_copy(src, work) for _ in range(max(1, args.repeat))), key=lambda p: p["seconds"])
         print(f"plain copy again: {plain2['bytes'] / plain2['seconds'] / 1e9:.2f} GB/s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -251,40 +346,45 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "command": "python benches/weights_relay.py " + " ".join(sys.argv[1:]),
+        "relay_bin": str(RELAY_BIN),
         "size_bytes": size,
         "load_average_before": load_before,
         "chunk_mib": args.chunk_mib,
+        "repeat": args.repeat,
         "plain": [plain, plain2],
         "relay": [asdict(r) for r in runs],
         "time_ratio_vs_1": {r.receivers: r.seconds / t1 for r in runs},
         "throughput_vs_plain": {r.receivers: (r.bytes / r.seconds) / (plain_best["bytes"] / plain_best["seconds"])
                                 for r in runs},
+        "concurrent_copies": {n: peers[n] for n in args.receivers},
+        "time_vs_concurrent_copies": {r.receivers: r.seconds / peers[r.receivers]["seconds"] for r in runs},
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "weights_relay.json").write_text(json.dumps(summary, indent=2))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2))
     lines = [
         f"Results, {summary['date']}, {summary['machine']}",
-        f"`{summary['command']}`, {size / 2**30:.2f} GiB in {args.shards} shards, {args.chunk_mib} MiB chunks",
+        f"`{summary['command']}`, {size / 2**30:.2f} GiB in {args.shards} shards, {args.chunk_mib} MiB chunks"
+        + (f", fastest of {args.repeat} runs each" if args.repeat > 1 else ""),
         "",
-        f"Load average before the run: {load_before}; after: {os.getloadavg()[0]:.2f}.",
+        f"Load average before the run: {load_before}; after: {os.getloadavg()[0]:.2f}. Binary: `{RELAY_BIN}`.",
         "",
         "| receivers | seconds | GB/s per receiver | time / time(1) | throughput / plain copy "
-        "| CPU s (all processes) | CPU s / cores (floor on this box) |",
-        "|---|---|---|---|---|---|---|",
+        "| N plain copies at once: seconds | time / N copies' time | CPU s (all processes) "
+        "| N copies' CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    cores = os.cpu_count() or 1
     for r in runs:
+        peer = peers[r.receivers]
         lines.append(f"| {r.receivers} | {r.seconds:.2f} | {r.gbps:.2f} | {r.seconds / t1:.2f} | "
-                     f"{summary['throughput_vs_plain'][r.receivers]:.2f} | {r.cpu_seconds:.1f} | "
-                     f"{r.cpu_seconds / cores:.1f} |")
+                     f"{summary['throughput_vs_plain'][r.receivers]:.2f} | {peer['seconds']:.2f} | "
+                     f"{r.seconds / peer['seconds']:.2f} | {r.cpu_seconds:.1f} | {peer['cpu_seconds']:.1f} |")
     for i, p in enumerate((plain, plain2)):
         lines.append(f"| plain copy ({'before' if i == 0 else 'after'}) | {p['seconds']:.2f} | "
-                     f"{p['bytes'] / p['seconds'] / 1e9:.2f} | - | - | {p['cpu_seconds']:.1f} | "
-                     f"{p['cpu_seconds'] / cores:.1f} |")
-    (RESULTS / "weights_relay.md").write_text("\n".join(lines) + "\n")
+                     f"{p['bytes'] / p['seconds'] / 1e9:.2f} | - | - | - | - | {p['cpu_seconds']:.1f} | - |")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
-        plot(runs, plain_best, RESULTS / "weights_relay.png")
+        plot(runs, plain_best, peers, RESULTS / f"{args.name}.png")
     except ImportError:
         print("matplotlib missing: pip install -e 'python[bench]' for the plot")
 

@@ -3,11 +3,15 @@
 //!
 //! The version checksum is the rule `sglang-sim` (and the manager) use for a loaded checkpoint:
 //! lowercase hex SHA-256 over the bytes of every `*.safetensors` file, concatenated in
-//! byte-wise sorted file-name order. Files are listed (and sent) in that same order, so a
-//! receiver computes both the per-file and the version hashes in one pass as chunks arrive.
+//! byte-wise sorted file-name order. Files are listed (and sent) in that same order.
+//! [`Manifest::build`] computes the per-file SHA-256s and the version checksum in one read, so
+//! files that match their per-file hashes also have the manifest's version checksum: receivers
+//! check the per-file hashes only (see [`crate::sink`]).
 //!
 //! Only regular files directly in the version directory are part of it (checkpoints are flat);
-//! subdirectories are skipped and named in [`Manifest::skipped`].
+//! subdirectories are skipped and named in [`Manifest::skipped`], and so is a receiver's marker
+//! ([`MARKER`]), so a received copy can be sent on as a source. No version may contain a file
+//! of that name.
 
 use crate::protocol::{name_problem, MAX_FILES};
 use serde::{Deserialize, Serialize};
@@ -54,6 +58,10 @@ pub enum ManifestError {
     NotADirectory { path: String },
 }
 
+/// The file a receiver writes into every version directory it publishes: the manifest the copy
+/// was verified against (see [`crate::sink`]). Reserved: not part of any version.
+pub const MARKER: &str = ".relay-manifest.json";
+
 /// Lowercase hex of a digest.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -86,7 +94,7 @@ impl Manifest {
             let name = entry.file_name().to_string_lossy().into_owned();
             // Follows symlinks: a checkpoint directory of links to a shared store is fine.
             match std::fs::metadata(entry.path()) {
-                Ok(m) if m.is_file() => names.push(name),
+                Ok(m) if m.is_file() && name != MARKER => names.push(name),
                 _ => skipped.push(name),
             }
         }
@@ -140,6 +148,9 @@ impl Manifest {
             if let Some(p) = name_problem(&f.name) {
                 return Err(ManifestError::BadName(p));
             }
+            if f.name == MARKER {
+                return Err(ManifestError::BadName(format!("{MARKER} is reserved for the receivers' marker")));
+            }
             if !is_hex64(&f.sha256) {
                 return Err(ManifestError::BadChecksum(f.sha256.clone()));
             }
@@ -172,10 +183,11 @@ mod tests {
         std::fs::write(d.join("b.safetensors"), b"bbbb").unwrap();
         std::fs::write(d.join("a.safetensors"), b"aa").unwrap();
         std::fs::write(d.join("config.json"), b"{}").unwrap();
+        std::fs::write(d.join(MARKER), b"{}").unwrap();
         let m = Manifest::build("v1", &d).unwrap();
         let names: Vec<_> = m.files.iter().map(|f| f.name.as_str()).collect();
         assert_eq!(names, ["a.safetensors", "b.safetensors", "config.json"]);
-        assert_eq!(m.skipped, ["sub"]);
+        assert_eq!(m.skipped, [MARKER, "sub"], "a received copy's marker is not part of the version");
         assert_eq!(m.files[0].sha256, hex(&Sha256::digest(b"aa")));
         assert_eq!(m.checksum, hex(&Sha256::digest(b"aabbbb")), "config.json is not part of the checksum");
         assert_eq!(m.total_bytes(), 8);
@@ -184,6 +196,10 @@ mod tests {
         let mut bad = m.clone();
         bad.files[2].name = "../config.json".into();
         assert!(matches!(bad.validate(), Err(ManifestError::BadName(_))));
+        let mut reserved = m.clone();
+        reserved.files[2].name = MARKER.into();
+        reserved.files.sort_by(|a, b| a.name.cmp(&b.name));
+        assert!(matches!(reserved.validate(), Err(ManifestError::BadName(_))));
         let mut unsorted = m.clone();
         unsorted.files.swap(0, 1);
         assert!(matches!(unsorted.validate(), Err(ManifestError::Order(_))));

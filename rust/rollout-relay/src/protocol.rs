@@ -122,7 +122,8 @@ pub struct NcclBootstrap {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Welcome {
     pub protocol: u16,
-    /// The receiver already holds this version complete (it still forwards).
+    /// A directory of this version's name exists at the receiver (a hint: whether it is
+    /// reused is decided once the manifest arrived, and reported in the `RESULT`).
     #[serde(default)]
     pub already_present: bool,
 }
@@ -301,18 +302,31 @@ pub fn error_frame(message: impl Into<String>) -> Bytes {
     json_frame(Kind::Error, &ErrorBody { message: message.into() })
 }
 
-/// A chunk frame: header, chunk header and `data`, in one buffer (`data_capacity` lets the
-/// caller fill the data in place: see [`ChunkBuilder`]).
+/// A chunk frame: header, chunk header and `data`, in one buffer, so the data is never copied
+/// after it was read (see [`ChunkBuilder::read_from`], or fill [`ChunkBuilder::data_mut`]).
 pub struct ChunkBuilder {
-    buf: BytesMut,
+    buf: Vec<u8>,
 }
 
 impl ChunkBuilder {
-    /// Room for `data_len` bytes of data.
+    /// Room for `data_len` bytes of data (zeroed).
     pub fn new(data_len: usize) -> ChunkBuilder {
-        let mut buf = BytesMut::with_capacity(HEADER_LEN + CHUNK_HEADER_LEN + data_len);
-        buf.resize(HEADER_LEN + CHUNK_HEADER_LEN + data_len, 0);
-        ChunkBuilder { buf }
+        ChunkBuilder { buf: vec![0; HEADER_LEN + CHUNK_HEADER_LEN + data_len] }
+    }
+
+    /// Exactly `data_len` bytes read from `r` into the frame's data area: one copy (the read
+    /// itself), no zero fill first. Fails with `UnexpectedEof` if `r` ends early.
+    pub fn read_from(r: &mut impl std::io::Read, data_len: usize) -> std::io::Result<ChunkBuilder> {
+        let total = HEADER_LEN + CHUNK_HEADER_LEN + data_len;
+        let mut buf = Vec::with_capacity(total);
+        buf.resize(HEADER_LEN + CHUNK_HEADER_LEN, 0);
+        // `read_to_end` reads into the vector's spare capacity without initialising it; the
+        // capacity is exact, so the buffer is never reallocated.
+        std::io::Read::read_to_end(&mut std::io::Read::take(r, data_len as u64), &mut buf)?;
+        if buf.len() != total {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(ChunkBuilder { buf })
     }
 
     /// The data area, to be filled by the caller.
@@ -329,7 +343,8 @@ impl ChunkBuilder {
         self.buf[5..9].copy_from_slice(&file.to_be_bytes());
         self.buf[9..17].copy_from_slice(&offset.to_be_bytes());
         self.buf[17..21].copy_from_slice(&crc.to_be_bytes());
-        self.buf.freeze()
+        // Takes the vector's allocation as is (no copy).
+        Bytes::from(self.buf)
     }
 }
 
@@ -384,6 +399,20 @@ pub fn name_problem(name: &str) -> Option<String> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn a_chunk_read_in_place_is_the_chunk_filled_by_hand() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
+        let mut by_hand = ChunkBuilder::new(3000);
+        by_hand.data_mut().copy_from_slice(&data[..3000]);
+        let mut src = &data[..];
+        let read = ChunkBuilder::read_from(&mut src, 3000).unwrap();
+        assert_eq!(read.finish(2, 40), by_hand.finish(2, 40));
+        assert_eq!(src.len(), 2000, "reads exactly the chunk, nothing after it");
+        let mut short = &data[..10];
+        let e = ChunkBuilder::read_from(&mut short, 11).err().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
 
     #[tokio::test]
     async fn frames_round_trip_and_limits_hold() {

@@ -78,11 +78,14 @@ pub struct Receiver {
     ctx: Arc<Context>,
 }
 
-/// A receiver running as a tokio task.
+/// A receiver running as a tokio task, owned by this handle: [`ReceiverHandle::shutdown`]
+/// stops it and waits; dropping the handle stops it too (the task is aborted, which aborts
+/// every connection task and removes their partial directories), so no task outlives it.
 pub struct ReceiverHandle {
     addr: SocketAddr,
     cancel: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
+    /// `None` only after `shutdown` took it.
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl ReceiverHandle {
@@ -92,9 +95,20 @@ impl ReceiverHandle {
 
     /// Stops accepting, aborts every transfer (their partial directories are removed) and
     /// waits for the task.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.cancel.cancel();
-        let _ = self.task.await;
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for ReceiverHandle {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
     }
 }
 
@@ -125,12 +139,12 @@ impl Receiver {
         &self.ctx.dest
     }
 
-    /// Runs as a tokio task until [`ReceiverHandle::shutdown`].
+    /// Runs as a tokio task until [`ReceiverHandle::shutdown`] or the handle is dropped.
     pub fn spawn(self) -> io::Result<ReceiverHandle> {
         let addr = self.local_addr()?;
         let cancel = CancellationToken::new();
         let task = tokio::spawn(self.run(cancel.clone()));
-        Ok(ReceiverHandle { addr, cancel, task })
+        Ok(ReceiverHandle { addr, cancel, task: Some(task) })
     }
 
     /// Serves connections until `cancel` fires; then aborts and joins every connection task.
@@ -234,6 +248,7 @@ pub(crate) async fn read_manifest(
 }
 
 async fn serve_tcp(mut stream: TcpStream, hello: Hello, ctx: &Context) -> Result<(), WireError> {
+    // A hint only: whether the copy is reused is decided against the manifest (`Sink::open`).
     let already = crate::sink::final_dir(&ctx.dest, &hello.version).is_dir();
     let welcome = Welcome { protocol: PROTOCOL_VERSION, already_present: already };
     stream.write_all(&json_frame(Kind::Welcome, &welcome)).await?;

@@ -13,7 +13,6 @@ use crate::chain::{Downstream, Timeouts};
 use crate::manifest::{Manifest, ManifestError};
 use crate::protocol::{frame, json_frame, ChunkBuilder, Hello, HopResult, Kind, Transport};
 use serde::Serialize;
-use std::io::Read;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -236,8 +235,7 @@ fn read_chunks(manifest: &Manifest, dir: &Path, chunk: usize, tx: &mpsc::Sender<
         let mut offset = 0u64;
         while offset < entry.size {
             let n = usize::try_from((entry.size - offset).min(chunk as u64)).unwrap_or(chunk);
-            let mut b = ChunkBuilder::new(n);
-            f.read_exact(b.data_mut()).map_err(|e| {
+            let b = ChunkBuilder::read_from(&mut f, n).map_err(|e| {
                 format!("{}: {e} at offset {offset} (the file changed since the manifest?)", path.display())
             })?;
             let idx = u32::try_from(i).map_err(|_| "too many files".to_string())?;

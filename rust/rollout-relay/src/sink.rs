@@ -1,13 +1,27 @@
 //! The local copy of a version on one receiver: written under `<dest>/<version>.partial/`,
-//! renamed to `<dest>/<version>/` only after every file's SHA-256 and the version checksum
-//! match the manifest.
+//! renamed to `<dest>/<version>/` only after every file's size and SHA-256 match the manifest.
 //!
-//! Guarantees: a `<version>` directory exists only complete and verified; a failed, cancelled
-//! or abandoned transfer leaves nothing behind (the partial directory is removed when the sink
-//! is dropped unfinished). A version that already exists is never rewritten: versions are
-//! immutable by name.
+//! Guarantees: a `<version>` directory this receiver publishes is complete and verified, and
+//! holds a marker ([`MARKER`]: the manifest it was verified against); a failed, cancelled or
+//! abandoned transfer leaves nothing behind (the partial directory is removed when the sink is
+//! dropped unfinished). Versions are immutable by name: an existing `<version>` directory is
+//! reused, without being rewritten, only when its marker equals the incoming manifest and its
+//! files have the manifest's names and sizes; anything else (no marker, another manifest, a
+//! file missing, added or of another size) is discarded and the version received again.
+//!
+//! One SHA-256 pass per byte, not two. The version checksum (SHA-256 over the
+//! `*.safetensors` bytes in name order) is not recomputed here: it is a deterministic function
+//! of the files' bytes, and the source computes it together with the per-file SHA-256s in one
+//! read of the same bytes ([`Manifest::build`]). Once every file's SHA-256 matches the
+//! manifest, the bytes here are the bytes the source hashed, so their version checksum is the
+//! manifest's; a second pass would cost a core's worth of hashing per receiver and detect
+//! nothing the per-file hashes do not. What it could catch, a manifest whose checksum disagrees
+//! with its own file hashes, is a forged or buggy manifest, and whoever can forge the manifest
+//! can forge both. The checksum stays the version's identity: the sender reports the
+//! manifest's, the manager compares it with the published one, and the engines' loaders
+//! report the checksum of what they actually loaded, which the manager checks against it.
 
-use crate::manifest::{hex, in_version_checksum, Manifest};
+use crate::manifest::{hex, Manifest, MARKER};
 use crate::protocol::HopResult;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -19,6 +33,9 @@ use tokio::sync::mpsc;
 
 /// Chunks queued between the network and the disk writer.
 const WRITE_QUEUE: usize = 8;
+
+/// Largest marker read back (a manifest of 10,000 files is about 1.5 MB).
+const MAX_MARKER_BYTES: u64 = 16 << 20;
 
 /// Versions being received right now, shared by every connection of one receiver (two
 /// transfers of one version to one directory would write the same partial directory).
@@ -112,16 +129,18 @@ impl Sink {
     /// the directory).
     pub fn open(dest: &Path, manifest: &Manifest, in_progress: &InProgress) -> Result<Sink, String> {
         let version = manifest.version.clone();
-        if final_dir(dest, &version).is_dir() {
-            return Ok(Sink {
-                version,
-                dest: dest.to_path_buf(),
-                already_present: true,
-                in_progress: in_progress.clone(),
-                tx: None,
-                writer: None,
-                done: true,
-            });
+        let present = |version: String| Sink {
+            version,
+            dest: dest.to_path_buf(),
+            already_present: true,
+            in_progress: in_progress.clone(),
+            tx: None,
+            writer: None,
+            done: true,
+        };
+        let fin = final_dir(dest, &version);
+        if verify_existing(&fin, manifest).is_ok() {
+            return Ok(present(version));
         }
         let need = manifest.total_bytes();
         if let Ok(st) = nix::sys::statvfs::statvfs(dest) {
@@ -135,6 +154,25 @@ impl Sink {
         }
         if !in_progress.claim(&version) {
             return Err(format!("version {version} is being received by another transfer on this receiver"));
+        }
+        // Every writer of `fin` holds the claim, so from here on it cannot change under us; a
+        // transfer that finished between the check above and the claim published a verified
+        // copy, which is reused, not removed.
+        if fin.exists() {
+            match verify_existing(&fin, manifest) {
+                Ok(()) => {
+                    in_progress.release(&version);
+                    return Ok(present(version));
+                }
+                Err(why) => {
+                    tracing::warn!(path = %fin.display(), reason = why, "discarding an unverified copy of the version");
+                    let gone = if fin.is_dir() { std::fs::remove_dir_all(&fin) } else { std::fs::remove_file(&fin) };
+                    if let Err(e) = gone {
+                        in_progress.release(&version);
+                        return Err(format!("cannot remove the unverified {}: {e}", fin.display()));
+                    }
+                }
+            }
         }
         let partial = partial_dir(dest, &version);
         let _ = std::fs::remove_dir_all(&partial);
@@ -214,44 +252,23 @@ impl Drop for Sink {
     }
 }
 
-/// The writer thread: files in manifest order, each hashed as written; then the checks. The
-/// version checksum is computed by a second thread fed the same (shared, not copied) chunks,
-/// so the two SHA-256 passes run in parallel where there are cores for it.
+/// The writer thread: files in manifest order, each hashed as written (one SHA-256 pass: see
+/// the module docs for why the version checksum is not recomputed), then the marker.
 fn write_files(manifest: &Manifest, dir: &Path, mut rx: mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
-    let (vtx, vrx) = std::sync::mpsc::sync_channel::<Bytes>(WRITE_QUEUE);
-    let version_hasher = std::thread::Builder::new()
-        .name("relay-version-hash".into())
-        .spawn(move || {
-            let mut h = Sha256::new();
-            while let Ok(data) = vrx.recv() {
-                h.update(&data);
-            }
-            hex(&h.finalize())
-        })
-        .map_err(|e| format!("cannot start the hashing thread: {e}"))?;
-    let written = write_and_hash(manifest, dir, &mut rx, &vtx);
-    drop(vtx);
-    let got = version_hasher.join().map_err(|_| "the hashing thread panicked".to_string())?;
-    let total = written?;
-    if got != manifest.checksum {
-        return Err(format!("version checksum {got} does not match the manifest's {}", manifest.checksum));
-    }
+    let total = write_and_hash(manifest, dir, &mut rx)?;
+    let marker = dir.join(MARKER);
+    let json = serde_json::to_vec(manifest).map_err(|e| format!("cannot encode the marker: {e}"))?;
+    std::fs::write(&marker, json).map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
     Ok(total)
 }
 
-fn write_and_hash(
-    manifest: &Manifest,
-    dir: &Path,
-    rx: &mut mpsc::Receiver<(u32, Bytes)>,
-    version_tx: &std::sync::mpsc::SyncSender<Bytes>,
-) -> Result<u64, String> {
+fn write_and_hash(manifest: &Manifest, dir: &Path, rx: &mut mpsc::Receiver<(u32, Bytes)>) -> Result<u64, String> {
     let mut total = 0u64;
     for (i, entry) in manifest.files.iter().enumerate() {
         let path = dir.join(&entry.name);
         let file = std::fs::File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         let mut file_hash = Sha256::new();
-        let counted = in_version_checksum(&entry.name);
         let mut written = 0u64;
         while written < entry.size {
             let Some((idx, data)) = rx.blocking_recv() else {
@@ -259,9 +276,6 @@ fn write_and_hash(
             };
             if idx as usize != i {
                 return Err(format!("chunk for file {idx} while writing file {i}"));
-            }
-            if counted && version_tx.send(data.clone()).is_err() {
-                return Err("the hashing thread stopped".into());
             }
             out.write_all(&data).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             file_hash.update(&data);
@@ -278,6 +292,56 @@ fn write_and_hash(
         return Err("data after the last byte of the version".into());
     }
     Ok(total)
+}
+
+/// Whether `dir` is a copy of `manifest` this receiver published: its marker holds the same
+/// manifest, and its files are exactly the manifest's names (plus the marker) with the
+/// manifest's sizes. Costs a `stat` per file, not a read: the bytes were hashed when they were
+/// received. (A file rewritten in place with the same size is not detected here; the engines'
+/// loaders report the checksum of what they load, and the manager checks it.)
+pub fn verify_existing(dir: &Path, manifest: &Manifest) -> Result<(), String> {
+    let marker = dir.join(MARKER);
+    let meta = std::fs::metadata(&marker).map_err(|e| format!("no marker {}: {e}", marker.display()))?;
+    if !meta.is_file() || meta.len() > MAX_MARKER_BYTES {
+        return Err(format!("{} is not a marker file", marker.display()));
+    }
+    let text = std::fs::read(&marker).map_err(|e| format!("cannot read {}: {e}", marker.display()))?;
+    let recorded: Manifest =
+        serde_json::from_slice(&text).map_err(|e| format!("unreadable marker {}: {e}", marker.display()))?;
+    if recorded.version != manifest.version
+        || recorded.checksum != manifest.checksum
+        || recorded.files != manifest.files
+    {
+        return Err(format!(
+            "the copy was published from another manifest (checksum {}, incoming {})",
+            recorded.checksum, manifest.checksum
+        ));
+    }
+    let mut seen = 0usize;
+    for e in std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))? {
+        let e = e.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == MARKER {
+            continue;
+        }
+        let Ok(i) = manifest.files.binary_search_by(|f| f.name.as_str().cmp(&name)) else {
+            return Err(format!("{name} is not part of the version"));
+        };
+        // No symlink following: the receiver writes regular files only.
+        let m = std::fs::symlink_metadata(e.path()).map_err(|err| format!("cannot stat {name}: {err}"))?;
+        if !m.is_file() || m.len() != manifest.files[i].size {
+            return Err(format!("{name} is not a regular file of {} bytes", manifest.files[i].size));
+        }
+        seen += 1;
+    }
+    if seen != manifest.files.len() {
+        return Err(format!(
+            "{} of the version's {} files are missing",
+            manifest.files.len() - seen,
+            manifest.files.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Removes partial directories left by a crashed receiver (at startup, before serving).

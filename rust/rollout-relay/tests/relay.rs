@@ -315,3 +315,93 @@ async fn a_hop_that_already_holds_the_version_still_forwards_it() {
     r1.shutdown().await;
     r2.shutdown().await;
 }
+
+/// Sends `version` of `src` to `r` again and says whether the receiver reused its copy; the
+/// copy must equal `src` afterwards either way.
+async fn resend(
+    version: &str,
+    src: &std::path::Path,
+    r: &rollout_relay::ReceiverHandle,
+    dest: &std::path::Path,
+) -> bool {
+    let report = send(version, src, &[r.local_addr()], &opts()).await.unwrap();
+    assert!(report.all_ok(), "{report:?}");
+    let rep = &report.receivers[0];
+    assert_eq!(rep.bytes, if rep.already_present { 0 } else { report.bytes }, "{report:?}");
+    assert_same_files(src, &dest.join(version));
+    assert_eq!(entries(dest), [version], "no partial directory is left");
+    rep.already_present
+}
+
+#[tokio::test]
+async fn an_existing_copy_is_reused_only_when_it_matches_the_manifest() {
+    use rollout_relay::manifest::MARKER;
+    let src = checkpoint("srcreuse");
+    let dest = scratch("destreuse");
+    let r = receiver(&dest).await;
+    let copy = dest.join("v1");
+    let shard = "model-00002-of-00002.safetensors";
+    assert!(!resend("v1", &src, &r, &dest).await, "first transfer");
+    assert!(resend("v1", &src, &r, &dest).await, "an intact copy is reused");
+
+    // A copy without its marker (e.g. written by something else) is not trusted.
+    std::fs::remove_file(copy.join(MARKER)).unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "no marker");
+    // A truncated file, a missing file, an extra file.
+    std::fs::write(copy.join(shard), b"short").unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "a file of another size");
+    std::fs::remove_file(copy.join("config.json")).unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "a missing file");
+    std::fs::write(copy.join("extra.safetensors"), b"x").unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "an extra file");
+    // A marker that does not parse.
+    std::fs::write(copy.join(MARKER), b"{").unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "an unreadable marker");
+    // The same name sent with other bytes (same sizes): the marker's manifest differs.
+    std::fs::write(src.join(shard), bytes(700_001, 42)).unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "another manifest under the same name");
+    assert!(resend("v1", &src, &r, &dest).await, "and that copy is reused in turn");
+    // A plain file where the version directory should be.
+    std::fs::remove_dir_all(&copy).unwrap();
+    std::fs::write(&copy, b"not a directory").unwrap();
+    assert!(!resend("v1", &src, &r, &dest).await, "a file in the way");
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_received_copy_can_be_sent_on_as_a_source() {
+    let src = checkpoint("srchop");
+    let (d1, d2) = (scratch("desthop-1"), scratch("desthop-2"));
+    let r1 = receiver(&d1).await;
+    let r2 = receiver(&d2).await;
+    assert!(send("v1", &src, &[r1.local_addr()], &opts()).await.unwrap().all_ok());
+    // The marker is not part of the version: the copy's manifest is the source's.
+    assert_eq!(Manifest::build("v1", &d1.join("v1")).unwrap().files, Manifest::build("v1", &src).unwrap().files);
+    let report = send("v1", &d1.join("v1"), &[r2.local_addr()], &opts()).await.unwrap();
+    assert!(report.all_ok(), "{report:?}");
+    assert_same_files(&src, &d2.join("v1"));
+    r1.shutdown().await;
+    r2.shutdown().await;
+}
+
+#[tokio::test]
+async fn dropping_the_handle_stops_the_receiver_and_its_transfers() {
+    let src = checkpoint("srcdrop");
+    let dest = scratch("destdrop");
+    let r = receiver(&dest).await;
+    let addr = r.local_addr();
+    // A transfer held open mid-way by a stalled proxy, then the handle dropped without
+    // `shutdown`: the listener and the connection task go away, and so does the partial copy.
+    let proxy = Proxy::start(addr, &[Fault::Stall(600_000)]).await;
+    let o = SendOptions { max_attempts: 1, io_timeout: Duration::from_secs(60), ..opts() };
+    let sending = tokio::spawn(async move { send("v1", &src, &[proxy.addr], &o).await });
+    wait_until("the transfer to start", || entries(&dest) == ["v1.partial"]).await;
+    drop(r);
+    wait_until("the partial copy to be removed", || entries(&dest).is_empty()).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while tokio::net::TcpStream::connect(addr).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "the receiver still accepts connections");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sending.abort();
+}

@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+use rollout_relay::manifest::MARKER;
 use rollout_relay::{Receiver, ReceiverHandle, ReceiverOptions};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -45,10 +46,16 @@ pub fn checkpoint(name: &str) -> PathBuf {
     d
 }
 
-/// Every file of `a` equals the same-named file of `b`, and nothing else is in `b`.
+/// Every file of `a` equals the same-named file of `b`, and nothing else is in `b` but the
+/// receiver's marker.
 pub fn assert_same_files(a: &Path, b: &Path) {
+    assert!(b.join(MARKER).is_file(), "{} has no marker", b.display());
     let list = |d: &Path| {
-        let mut v: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let mut v: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_str() != Some(MARKER))
+            .collect();
         v.sort();
         v
     };
