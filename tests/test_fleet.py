@@ -112,6 +112,16 @@ def test_initial_engines_are_active_and_disjoint(shared_fleet: ManagerHandle) ->
     assert_disjoint_gpus(engines)
 
 
+def test_one_engine_by_id(shared_fleet: ManagerHandle) -> None:
+    listed = shared_fleet.engines().engines[0]
+    one = shared_fleet.client.engine(listed.engine_id)
+    assert (one.engine_id, one.url, one.pid, one.gpu_ids) == (listed.engine_id, listed.url, listed.pid, listed.gpu_ids)
+    with pytest.raises(RolloutApiError) as missing:
+        shared_fleet.client.engine("engine_999")
+    assert missing.value.status == 404 and missing.value.code == "unknown_engine"
+    assert "GET /rollout/engines" in str(missing.value)
+
+
 def test_engines_answer_directly(shared_fleet: ManagerHandle) -> None:
     for engine in shared_fleet.engines().engines:
         result = http("GET", f"{engine.url}/health")

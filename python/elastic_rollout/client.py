@@ -293,6 +293,10 @@ class RolloutClient:
 
     # -- scale-out -----------------------------------------------------------------------
 
+    def engine(self, engine_id: str) -> Engine:
+        """``GET /rollout/engines/{id}``: one engine (``RolloutApiError`` 404 if unknown)."""
+        return Engine.from_json(self.request("GET", f"/rollout/engines/{_quote(engine_id)}"))
+
     def scale_out(
         self,
         num_replicas: int | None = None,

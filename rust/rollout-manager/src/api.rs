@@ -28,6 +28,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/rollout/engines", get(engines))
+        .route("/rollout/engines/{id}", get(get_engine))
         .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
         .route("/rollout/scale_out/{id}", get(get_scale_out))
         .route("/rollout/scale_out/{id}/cancel", post(cancel_scale_out))
@@ -93,6 +94,13 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
         models: [(model, ModelEngines { engines, weight_version, weights_checksum })].into(),
         total_engines,
     })
+}
+
+async fn get_engine(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let record = s.manager.fleet.engine_records().into_iter().find(|e| e.engine_id == id).ok_or_else(|| {
+        ApiError::not_found("unknown_engine", format!("no engine with id {id}; list them with GET /rollout/engines"))
+    })?;
+    serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
 async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {
