@@ -1,6 +1,7 @@
 //! HTTP/1.1 connections from the router to engines, kept open between requests.
 //!
-//! One pool per engine address: idle connections on a stack (the most recently used first).
+//! One pool per engine address: idle connections on a stack (the most recently used first);
+//! the ones idle longer than [`IDLE_TIMEOUT`] are closed when a connection is put back or taken.
 //! A request takes one (or opens one), sends on it, and the connection goes back to the pool
 //! when the response body has been read to its end; a response dropped early (client gone, a
 //! 503 retried elsewhere, a cut stream) closes its connection instead, as it cannot be reused.
@@ -15,7 +16,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -42,7 +43,8 @@ pub enum SendError {
 /// Idle connections to one engine address.
 #[derive(Default)]
 pub struct Pool {
-    idle: Mutex<Vec<(Sender, Instant)>>,
+    /// Oldest first; taken from the back.
+    idle: Mutex<VecDeque<(Sender, Instant)>>,
 }
 
 impl Pool {
@@ -50,7 +52,7 @@ impl Pool {
     /// by the engine or idle for too long are dropped on the way.
     fn take(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some((sender, since)) = idle.pop() {
+        while let Some((sender, since)) = idle.pop_back() {
             if !sender.is_closed() && since.elapsed() < IDLE_TIMEOUT {
                 return Some(sender);
             }
@@ -62,9 +64,14 @@ impl Pool {
         if sender.is_closed() {
             return;
         }
+        let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        // Connections left unused since a burst are closed, not kept until the engine drops them.
+        while idle.front().is_some_and(|(_, since)| now.duration_since(*since) >= IDLE_TIMEOUT) {
+            idle.pop_front();
+        }
         if idle.len() < MAX_IDLE {
-            idle.push((sender, Instant::now()));
+            idle.push_back((sender, now));
         }
     }
 }
