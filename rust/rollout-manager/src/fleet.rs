@@ -24,6 +24,15 @@ pub struct Backend {
     pub url: String,
     /// Host and port of `url`, for the router's connection pool.
     pub authority: String,
+    /// `authority` parsed once, when it is a plain `host:port` (the router then builds each
+    /// request's URI from it without formatting and parsing a string).
+    pub uri_authority: Option<axum::http::uri::Authority>,
+    /// The `Host` header of requests to this engine (as HTTP clients derive it from the URL:
+    /// `host`, or `host:port` for a port other than 80); None without `uri_authority`.
+    pub host_header: Option<axum::http::HeaderValue>,
+    /// `engine_id` as the `x-rollout-engine-id` response header (None if it is not a valid
+    /// header value).
+    pub id_header: Option<axum::http::HeaderValue>,
     pub weight_version: Option<String>,
     pub load: Arc<EngineLoad>,
 }
@@ -407,12 +416,23 @@ impl Fleet {
             .engines
             .values()
             .filter(|e| e.record.status.is_routable())
-            .map(|e| Backend {
-                engine_id: e.record.engine_id.clone(),
-                authority: e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string(),
-                url: e.record.url.clone(),
-                weight_version: e.record.weight_version.clone(),
-                load: e.load.clone(),
+            .map(|e| {
+                let authority = e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string();
+                let uri_authority: Option<axum::http::uri::Authority> = authority.parse().ok();
+                let host_header = uri_authority.as_ref().and_then(|a| match a.port_u16() {
+                    Some(port) if port != 80 => axum::http::HeaderValue::from_str(&format!("{}:{port}", a.host())).ok(),
+                    _ => axum::http::HeaderValue::from_str(a.host()).ok(),
+                });
+                Backend {
+                    engine_id: e.record.engine_id.clone(),
+                    uri_authority,
+                    host_header,
+                    id_header: axum::http::HeaderValue::from_str(&e.record.engine_id).ok(),
+                    authority,
+                    url: e.record.url.clone(),
+                    weight_version: e.record.weight_version.clone(),
+                    load: e.load.clone(),
+                }
             })
             .collect();
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);

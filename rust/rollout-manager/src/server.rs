@@ -145,15 +145,26 @@ impl Server {
                 let _ = std::fs::remove_file(&path);
             });
         }
-        for (listener, app) in [(control, api), (data, router)] {
-            let stop = manager.shutdown.clone();
-            servers.spawn(async move {
-                let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
-                if let Err(e) = served.await {
-                    tracing::error!(error = %e, "HTTP server failed");
-                }
-            });
-        }
+        let stop = manager.shutdown.clone();
+        servers.spawn(async move {
+            let served = axum::serve(control, api).with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        // The data plane: answers (server-sent events included) go out as soon as written,
+        // never held back by Nagle's algorithm.
+        let data = axum::serve::ListenerExt::tap_io(data, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let stop = manager.shutdown.clone();
+        servers.spawn(async move {
+            let app = axum::ServiceExt::<axum::extract::Request>::into_make_service(router);
+            let served = axum::serve(data, app).with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
         servers.close();
 
         crate::health::spawn_monitor(&manager);

@@ -40,6 +40,7 @@ mod affinity;
 pub mod loads;
 pub mod metrics;
 mod peek;
+mod pool;
 pub mod smg;
 
 use crate::error::error_body;
@@ -48,7 +49,9 @@ use crate::manager::Manager;
 use affinity::Affinity;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
+use axum::http::header::HOST;
+use axum::http::uri::{PathAndQuery, Scheme};
+use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -75,6 +78,9 @@ pub const FAN_OUT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most engines one request is tried on.
 pub const MAX_ATTEMPTS: usize = 3;
 
+/// The response header naming the engine that answered.
+const ENGINE_ID_HEADER: HeaderName = HeaderName::from_static("x-rollout-engine-id");
+
 type EngineClient = Client<HttpConnector, Full<Bytes>>;
 
 pub struct RouterState {
@@ -83,14 +89,50 @@ pub struct RouterState {
     /// forwarded to engines (an engine's own `--api-key` credential is).
     token: Option<Arc<str>>,
     client: EngineClient,
+    /// Connections of the proxy's hot path, per engine address.
+    pools: pool::Pools,
     rotor: AtomicUsize,
     affinity: Affinity,
     gate: Gate,
 }
 
+/// The data plane as served on the router port: the router's own routes go through an axum
+/// `Router`; every other path (what is proxied, nearly every request) goes straight to
+/// [`proxy`], without axum's route matching and boxing on the hot path.
+#[derive(Clone)]
+pub struct DataPlane {
+    own: Router,
+    state: Arc<RouterState>,
+}
+
+/// Paths the router answers itself (the routes of [`DataPlane::own`]).
+const OWN_ROUTES: [&str; 5] = ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache"];
+
+impl tower_service::Service<Request> for DataPlane {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        if OWN_ROUTES.contains(&request.uri().path()) {
+            Box::pin(tower_service::Service::call(&mut self.own, request))
+        } else {
+            Box::pin(proxy_service(self.state.clone(), request))
+        }
+    }
+}
+
+async fn proxy_service(state: Arc<RouterState>, request: Request) -> Result<Response, std::convert::Infallible> {
+    Ok(proxy(State(state), request).await)
+}
+
 /// The data plane. `token`, when set, guards the fan-out routes (`/abort_request`,
 /// `/flush_cache`), which act on every engine; generation needs none.
-pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
+pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -102,11 +144,12 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         manager,
         token: token.clone(),
         client,
+        pools: pool::Pools::default(),
         rotor: AtomicUsize::new(0),
         affinity: Affinity::new(100_000),
         gate: Gate::default(),
     });
-    Router::new()
+    let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/health", get(readiness))
         .route("/readiness", get(readiness))
@@ -122,7 +165,8 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
                 .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token)),
         )
         .fallback(proxy)
-        .with_state(state)
+        .with_state(state.clone());
+    DataPlane { own, state }
 }
 
 async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
@@ -132,44 +176,54 @@ async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
     (status, Json(body)).into_response()
 }
 
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-            | "x-routing-policy"
-            | "x-session-id"
-            | "x-weight-version"
-            | "x-min-weight-version"
-    )
+/// Headers that are not forwarded: hop-by-hop ones, the ones the proxy sets itself (`host`,
+/// `content-length`) and the router's own request headers.
+const HOP_BY_HOP: [&str; 14] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "x-routing-policy",
+    "x-session-id",
+    "x-weight-version",
+    "x-min-weight-version",
+];
+
+fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    let name = name.as_str();
+    HOP_BY_HOP.iter().position(|h| *h == name)
 }
 
-fn end_to_end(headers: &HeaderMap) -> HeaderMap {
-    let mut out = HeaderMap::with_capacity(headers.len());
-    for (k, v) in headers {
-        if !is_hop_by_hop(k) {
-            out.append(k.clone(), v.clone());
+/// Removes the headers that are not forwarded, in place. One pass over the (few) names present
+/// finds which to remove, so a request or response without any costs no lookup.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let mut found = 0u32;
+    for name in headers.keys() {
+        if let Some(i) = hop_by_hop_index(name) {
+            found |= 1 << i;
         }
     }
-    out
+    while found != 0 {
+        let i = found.trailing_zeros() as usize;
+        found &= found - 1;
+        headers.remove(HOP_BY_HOP[i]);
+    }
 }
 
 /// The headers of a client's request as an engine gets them: end-to-end ones only, and never
 /// this manager's own token.
-fn to_engine(headers: &HeaderMap, token: Option<&str>) -> HeaderMap {
-    let mut out = end_to_end(headers);
-    if crate::auth::carries_token(&out, token) {
-        out.remove("authorization");
+fn to_engine(mut headers: HeaderMap, token: Option<&str>) -> HeaderMap {
+    strip_hop_by_hop(&mut headers);
+    if crate::auth::carries_token(&headers, token) {
+        headers.remove("authorization");
     }
-    out
+    headers
 }
 
 fn error(status: StatusCode, code: &str, message: &str) -> Response {
@@ -185,37 +239,42 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
     let fleet = &state.manager.fleet;
     let wait = Duration::from_secs_f64(state.manager.config.version_wait_secs);
     let deadline = tokio::time::Instant::now() + wait;
-    let mut changes = fleet.subscribe();
+    // Subscribed to table changes only once a wait is needed (then the table is read again,
+    // so no change between the first read and the subscription is missed).
+    let mut changes: Option<tokio::sync::watch::Receiver<u64>> = None;
     loop {
         let routes = fleet.routes();
-        let Some(pin) = pin else {
-            if !routes.is_empty() {
-                return Ok(routes);
+        let found = match pin {
+            None => !routes.is_empty(),
+            Some(pin) => {
+                let history = fleet.version_history();
+                let matching: Vec<Backend> =
+                    routes.iter().filter(|b| pin.allows(b.weight_version.as_deref(), &history)).cloned().collect();
+                if !matching.is_empty() {
+                    return Ok(Arc::new(matching));
+                }
+                false
             }
-            // While a weight update has every engine out of routing (all_at_once), requests
-            // wait for them like pinned ones do, instead of failing at once.
-            if !fleet.weights_updating() {
-                state.manager.router_metrics.error(ErrorKind::NoEngine);
-                return Err(error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no_engine_available",
-                    "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
-                ));
-            }
-            tokio::select! {
-                changed = changes.changed() => if changed.is_err() { break },
-                _ = tokio::time::sleep_until(deadline) => break,
-            }
+        };
+        if found {
+            return Ok(routes);
+        }
+        // While a weight update has every engine out of routing (all_at_once), requests
+        // wait for them like pinned ones do, instead of failing at once.
+        if pin.is_none() && !fleet.weights_updating() {
+            state.manager.router_metrics.error(ErrorKind::NoEngine);
+            return Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_engine_available",
+                "no ACTIVE engine can take this request; see GET /rollout/engines on the control port",
+            ));
+        }
+        let Some(rx) = changes.as_mut() else {
+            changes = Some(fleet.subscribe());
             continue;
         };
-        let history = fleet.version_history();
-        let matching: Vec<Backend> =
-            routes.iter().filter(|b| pin.allows(b.weight_version.as_deref(), &history)).cloned().collect();
-        if !matching.is_empty() {
-            return Ok(Arc::new(matching));
-        }
         tokio::select! {
-            changed = changes.changed() => if changed.is_err() { break },
+            changed = rx.changed() => if changed.is_err() { break },
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
@@ -234,6 +293,26 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
              Retry later, or relax the pin"
         ),
     ))
+}
+
+fn load_addr(load: &Arc<crate::fleet::EngineLoad>) -> usize {
+    Arc::as_ptr(load) as usize
+}
+
+/// The path and query of a client's request, as forwarded (`/` when it has none).
+fn path_and_query(uri: &Uri) -> PathAndQuery {
+    uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"))
+}
+
+/// The URI of `path` on an engine: built from parts when the engine's authority was parsed
+/// once (no string is formatted or parsed per request), else from its URL's text.
+fn engine_uri(backend: &Backend, path: &PathAndQuery) -> Result<Uri, axum::http::Error> {
+    match &backend.uri_authority {
+        Some(authority) => {
+            Uri::builder().scheme(Scheme::HTTP).authority(authority.clone()).path_and_query(path.clone()).build()
+        }
+        None => Ok(Uri::try_from(format!("http://{}{}", backend.authority, path))?),
+    }
 }
 
 /// Engine routes that change an engine's weights or lifecycle. The manager owns those, so the
@@ -269,14 +348,15 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the body is limited to 1 MiB");
     };
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let path = path_and_query(&parts.uri);
+    let headers = to_engine(parts.headers, state.token.as_deref());
     let routes = state.manager.fleet.routes();
     let client = &state.client;
     let results = futures::future::join_all(routes.iter().map(|b| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
         *req.method_mut() = parts.method.clone();
-        *req.headers_mut() = to_engine(&parts.headers, state.token.as_deref());
-        let uri = Uri::try_from(format!("http://{}{}", b.authority, path));
+        *req.headers_mut() = headers.clone();
+        let uri = engine_uri(b, &path);
         async move {
             let status = match uri {
                 Ok(u) => {
@@ -349,10 +429,12 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         Policy::Session => session_key,
         _ => None,
     };
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
-    let headers = to_engine(&parts.headers, state.token.as_deref());
+    let path = path_and_query(&parts.uri);
+    let method = parts.method;
+    let headers = to_engine(parts.headers, state.token.as_deref());
     let timeout = Duration::from_secs_f64(state.manager.config.request_timeout_secs);
-    let mut tried: Vec<Arc<crate::fleet::EngineLoad>> = Vec::with_capacity(MAX_ATTEMPTS);
+    // Engines already tried, by the address of their load (as in `Arc::ptr_eq`).
+    let mut tried = [0usize; MAX_ATTEMPTS];
     let mut last_error = String::new();
     let cap = state.manager.config.max_inflight_per_engine;
     let queue_deadline = tokio::time::Instant::now() + timeout;
@@ -368,13 +450,21 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 Ok(r) => r,
                 Err(resp) => return resp,
             };
-            let mut open: Vec<usize> =
-                (0..routes.len()).filter(|&i| !tried.iter().any(|t| Arc::ptr_eq(t, &routes[i].load))).collect();
-            if open.is_empty() {
+            let tried_before = &tried[..attempt];
+            let mut untried = 0;
+            let mut open: Vec<usize> = Vec::with_capacity(routes.len());
+            for (i, b) in routes.iter().enumerate() {
+                if !tried_before.contains(&load_addr(&b.load)) {
+                    untried += 1;
+                    if cap == 0 || b.load.get() < cap {
+                        open.push(i);
+                    }
+                }
+            }
+            if untried == 0 {
                 break None;
             }
             if cap > 0 {
-                open.retain(|&i| routes[i].load.get() < cap);
                 // A new request queues behind waiting ones rather than take the slot freed for them.
                 let behind = waiting.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
                 if open.is_empty() || behind {
@@ -428,7 +518,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         if let (Some(k), false) = (affinity_key, kept) {
             state.affinity.put(k, &backend.engine_id);
         }
-        tried.push(backend.load.clone());
+        tried[attempt] = load_addr(&backend.load);
         if attempt > 0 {
             metrics.retries.fetch_add(1, Ordering::Relaxed);
         }
@@ -438,53 +528,80 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             drop(guard);
             continue;
         }
-        let uri = match Uri::try_from(format!("http://{}{}", backend.authority, path)) {
-            Ok(u) => u,
-            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", &format!("cannot forward {path:?}: {e}")),
-        };
         let mut req = hyper::Request::new(Full::new(body.clone()));
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = uri;
+        *req.method_mut() = method.clone();
         *req.headers_mut() = headers.clone();
+        // Engines with a plain host:port take the router's own pooled connections (origin-form
+        // URI, Host set here); any other URL, and CONNECT, goes through hyper-util's client.
+        let direct = match (&backend.host_header, method == Method::CONNECT) {
+            (Some(host), false) => {
+                req.headers_mut().insert(HOST, host.clone());
+                *req.uri_mut() = Uri::from(path.clone());
+                Some(state.pools.get(&backend.authority, &state.manager.fleet))
+            }
+            _ => {
+                match engine_uri(backend, &path) {
+                    Ok(u) => *req.uri_mut() = u,
+                    Err(e) => {
+                        return error(StatusCode::BAD_REQUEST, "invalid_path", &format!("cannot forward {path:?}: {e}"))
+                    }
+                }
+                None
+            }
+        };
+        let client = &state.client;
+        let authority = backend.authority.as_str();
+        let sent = async move {
+            match direct {
+                Some(pool) => pool::send(&pool, authority, req)
+                    .await
+                    .map(|(r, lease)| (r, Some(lease)))
+                    .map_err(|e| e.to_string()),
+                None => client.request(req).await.map(|r| (r, None)).map_err(|e| e.to_string()),
+            }
+        };
         let started = Instant::now();
-        let deadline = tokio::time::Instant::now() + timeout;
-        let Ok(answer) = tokio::time::timeout_at(
-            deadline,
-            state.manager.fleet.unless_lost(&backend.engine_id, &backend.load, state.client.request(req)),
-        )
-        .await
-        else {
-            metrics.error(ErrorKind::Timeout);
-            tracing::warn!(engine_id = %backend.engine_id, ?timeout, "engine sent no response headers in time");
-            let msg = format!(
-                "engine {} did not answer within --request-timeout-secs ({timeout:?}); the request was not retried \
-                 because the engine may still be working on it",
-                backend.engine_id
-            );
-            return error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &msg);
+        // One timer bounds the whole answer: it first bounds the wait for the headers, then
+        // goes with the body (Tracked) to bound the rest.
+        let mut deadline = Box::pin(tokio::time::sleep(timeout));
+        let sent = state.manager.fleet.unless_lost(&backend.engine_id, &backend.load, sent);
+        let answer = tokio::select! {
+            biased;
+            answer = sent => answer,
+            () = deadline.as_mut() => {
+                metrics.error(ErrorKind::Timeout);
+                tracing::warn!(engine_id = %backend.engine_id, ?timeout, "engine sent no response headers in time");
+                let msg = format!(
+                    "engine {} did not answer within --request-timeout-secs ({timeout:?}); the request was not retried \
+                     because the engine may still be working on it",
+                    backend.engine_id
+                );
+                return error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &msg);
+            }
         };
         match answer {
-            Ok(resp)
+            Ok((resp, _))
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < MAX_ATTEMPTS.min(routes.len()) =>
             {
                 tracing::debug!(engine_id = %backend.engine_id, "engine answered 503; trying another");
                 last_error = format!("{}: 503", backend.engine_id);
             }
-            Ok(resp) => {
+            Ok((resp, lease)) => {
                 metrics.first_byte.observe(started.elapsed());
                 metrics.response(resp.status().as_u16());
                 let (mut head, incoming) = resp.into_parts();
-                let clean = end_to_end(&head.headers);
-                head.headers = clean;
-                if let Ok(v) = HeaderValue::from_str(&backend.engine_id) {
-                    head.headers.insert("x-rollout-engine-id", v);
+                strip_hop_by_hop(&mut head.headers);
+                if let Some(v) = &backend.id_header {
+                    head.headers.insert(ENGINE_ID_HEADER, v.clone());
                 }
                 let tracked = Tracked {
                     inner: incoming,
+                    ended: false,
+                    lease,
                     _guard: guard,
                     started,
                     metrics: state.manager.router_metrics.clone(),
-                    deadline: Box::pin(tokio::time::sleep_until(deadline)),
+                    deadline,
                     timeout,
                 };
                 return Response::from_parts(head, Body::new(tracked));
@@ -521,6 +638,10 @@ impl Drop for QueuedGuard {
 /// records the request's duration.
 struct Tracked {
     inner: hyper::body::Incoming,
+    /// The body was read to its end (its connection can carry another request).
+    ended: bool,
+    /// The pooled connection it comes on, if any.
+    lease: Option<pool::Lease>,
     _guard: InFlightGuard,
     started: Instant,
     metrics: Arc<RouterMetrics>,
@@ -531,6 +652,11 @@ struct Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
+        if self.ended || http_body::Body::is_end_stream(&self.inner) {
+            if let Some(lease) = &mut self.lease {
+                lease.release();
+            }
+        }
         self.metrics.duration.observe(self.started.elapsed());
     }
 }
@@ -544,6 +670,7 @@ impl http_body::Body for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            self.ended = frame.is_none();
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         if self.deadline.as_mut().poll(cx).is_ready() {
