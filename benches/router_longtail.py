@@ -468,6 +468,7 @@ def start_ours(procs: Procs, a: argparse.Namespace, policy: str, urls: list[str]
         str(state),
         "--routing-policy",
         policy,
+        *a.ours_arg,
     ]
     p = procs.start(f"manager-{policy}", cmd, stdout_pipe=True)
     found: dict[str, str] = {}
@@ -896,6 +897,8 @@ def main() -> int:
         help="exact: max_new_tokens=L (the router sees L); hidden: max_new_tokens=cap, min_new_tokens=L-1, --eos-prob 1",
     )
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma-separated kind:policy list")
+    ap.add_argument("--ours-arg", action="append", default=[], metavar="ARG",
+                    help="extra rollout-manager flag for our router, e.g. --ours-arg=--max-inflight-per-engine=32")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router (the table shows median and range)")
     ap.add_argument("--sample-period", type=float, default=0.25)
     ap.add_argument(
