@@ -351,3 +351,31 @@ def test_find_binary_skips_non_executable_candidates(clean_env: Path, tmp_path: 
     debug = make_executable(tmp_path / "target" / "debug" / "rollout-manager")
     assert find_binary(package_dir=package) == debug
     assert os.access(debug, os.X_OK)
+
+
+def test_waits_poll_through_a_restarting_manager(server: CannedServer) -> None:
+    """While the manager restarts (the Ray ingress answers 503 manager_unreachable), a wait
+    keeps polling until its deadline instead of failing on the first refused poll."""
+    answers: list[Answer] = [
+        (503, json.dumps({"error": {"code": "manager_unreachable", "message": "restarting"}}).encode()),
+        (503, json.dumps({"error": {"code": "manager_unreachable", "message": "restarting"}}).encode()),
+        (200, json.dumps(op_record("ACTIVE")).encode()),
+    ]
+    server.routes[("GET", "/rollout/scale_out/op-1")] = lambda: answers.pop(0) if len(answers) > 1 else answers[0]
+    op = RolloutClient(server.url).wait_for_operation("scale_out", "op-1", timeout=30, poll_interval=0.01)
+    assert op.status == "ACTIVE"
+    # Other errors are not swallowed.
+    server.answer("GET", "/rollout/scale_out/op-2", 404, {"error": {"code": "unknown_request", "message": "no"}})
+    with pytest.raises(RolloutApiError) as err:
+        RolloutClient(server.url).wait_for_operation("scale_out", "op-2", timeout=30)
+    assert err.value.status == 404
+
+
+def test_a_wait_on_a_manager_that_never_answers_times_out() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TimeoutError, match="did not answer"):
+        RolloutClient(f"http://127.0.0.1:{port}").wait_for_operation("scale_out", "op-1", timeout=0.3, poll_interval=0.05)

@@ -17,7 +17,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 __all__ = [
     "SCALE_IN_TERMINAL",
@@ -377,14 +378,16 @@ class RolloutClient:
         if kind not in _TERMINAL:
             raise ValueError(f"kind must be 'scale_out' or 'scale_in', not {kind!r}")
         deadline = time.monotonic() + timeout
+        op: ScaleOperation | None = None
         while True:
-            op = self.operation(kind, request_id)
-            if op.is_terminal:
+            op = _unless_restarting(lambda: self.operation(kind, request_id)) or op
+            if op is not None and op.is_terminal:
                 return op
             if time.monotonic() >= deadline:
+                last = "unknown (the manager did not answer)" if op is None else op.status
+                history = "none" if op is None else " -> ".join(op.statuses) or "none"
                 raise TimeoutError(
-                    f"{kind} {request_id} not finished after {timeout:g}s; last status {op.status}"
-                    f" (history: {' -> '.join(op.statuses) or 'none'})"
+                    f"{kind} {request_id} not finished after {timeout:g}s; last status {last} (history: {history})"
                 )
             time.sleep(poll_interval)
 
@@ -398,12 +401,14 @@ class RolloutClient:
                 shows the last status of every engine.
         """
         deadline = time.monotonic() + timeout
+        view: EnginesView | None = None
         while True:
-            view = self.engines()
-            if len(view.with_status(status)) == count:
+            view = _unless_restarting(self.engines) or view
+            if view is not None and len(view.with_status(status)) == count:
                 return view
             if time.monotonic() >= deadline:
-                seen = ", ".join(f"{e.engine_id}={e.status}" for e in view.engines) or "no engines"
+                seen = "no answer" if view is None else ", ".join(f"{e.engine_id}={e.status}" for e in view.engines)
+                seen = seen or "no engines"
                 raise TimeoutError(f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen}")
             time.sleep(poll_interval)
 
@@ -485,8 +490,9 @@ class RolloutClient:
             TimeoutError: still running after ``timeout`` seconds; names the last status.
         """
         deadline = time.monotonic() + timeout
+        update: JsonObject = {}
         while True:
-            update = self.weight_update(update_id)
+            update = _unless_restarting(lambda: self.weight_update(update_id)) or update
             if update.get("status") in WEIGHT_UPDATE_TERMINAL:
                 return update
             if time.monotonic() >= deadline:
@@ -498,6 +504,25 @@ class RolloutClient:
 
 #: Statuses in which a weight update has ended.
 WEIGHT_UPDATE_TERMINAL = frozenset({"COMPLETED", "FAILED"})
+
+
+T = TypeVar("T")
+
+
+def _unless_restarting(call: Callable[[], T]) -> T | None:
+    """``call()``, or None while the manager is unreachable (restarting: connection refused or
+    reset, or the Ray ingress's 503 ``manager_unreachable``). The wait helpers poll through a
+    manager restart until their deadline instead of failing on the first refused poll."""
+    try:
+        return call()
+    except RolloutApiError as e:
+        if e.status == 503 and e.code == "manager_unreachable":
+            return None
+        raise
+    except (urllib.error.URLError, ConnectionError) as e:
+        if isinstance(e, urllib.error.HTTPError):
+            raise
+        return None
 
 
 def _quote(segment: str) -> str:
