@@ -204,3 +204,19 @@ def test_request_bodies_are_limited_everywhere(shared_fleet: ManagerHandle) -> N
         resp = http("POST", f"{fleet.control_url}/rollout/scale_out", raw_body=body)
         assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_body", (body, resp.body)
     assert fleet.engines().total_engines == 2
+
+
+def test_slow_header_clients_are_disconnected(start_fleet: StartManager) -> None:
+    """A client that never finishes its request headers (slowloris) is cut off on both ports,
+    and the manager keeps answering everyone else."""
+    fleet = start_fleet("--header-read-timeout-secs", "1")
+    for url in (fleet.control_url, fleet.router_url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and nothing more
+            received = b""
+            while chunk := s.recv(4096):  # ends when the server closes the connection
+                received += chunk
+            # Closed without an answer, or with a 408 before closing.
+            assert received == b"" or received.startswith(b"HTTP/1.1 408"), (url, received[:200])
+        assert http("GET", f"{url}/health").status == 200

@@ -154,6 +154,10 @@ pub struct ServeConfig {
     /// How long a request pinned to a weight version waits for an engine serving it.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub version_wait_secs: f64,
+    /// How long a client has to send a request's headers on the control port, the router port
+    /// and --api-socket before its connection is closed (slow-header clients hold nothing).
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub header_read_timeout_secs: f64,
     /// At most this many requests in flight at one engine (0: no limit). Requests beyond it
     /// wait in the router and go to the first engine with a free slot, a new engine included,
     /// instead of queueing inside one engine: set it near the engines' `--max-running-requests`
@@ -346,6 +350,7 @@ impl ServeConfig {
         positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
         positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
         positive_secs("--request-timeout-secs", self.request_timeout_secs)?;
+        positive_secs("--header-read-timeout-secs", self.header_read_timeout_secs)?;
         self.external_allow_list()?;
         Ok(())
     }

@@ -13,6 +13,7 @@ pub mod error;
 pub mod fleet;
 pub mod health;
 pub mod host;
+pub mod http_serve;
 pub mod keeper;
 pub mod launch;
 pub mod manager;

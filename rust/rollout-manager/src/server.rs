@@ -134,37 +134,24 @@ impl Server {
             crate::restore::restore(&manager, snapshot).await;
         }
         let servers = tokio_util::task::TaskTracker::new();
+        let header_timeout = Duration::from_secs_f64(manager.config.header_read_timeout_secs);
         if let Some((listener, path)) = socket {
             let stop = manager.shutdown.clone();
             let app = api.clone();
             servers.spawn(async move {
-                let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
-                if let Err(e) = served.await {
-                    tracing::error!(error = %e, "HTTP server on --api-socket failed");
-                }
+                crate::http_serve::serve(listener, app, stop, header_timeout).await;
                 let _ = std::fs::remove_file(&path);
             });
         }
         let stop = manager.shutdown.clone();
-        servers.spawn(async move {
-            let served = axum::serve(control, api).with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = served.await {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        });
+        servers.spawn(crate::http_serve::serve(control, api, stop, header_timeout));
         // The data plane: answers (server-sent events included) go out as soon as written,
         // never held back by Nagle's algorithm.
         let data = axum::serve::ListenerExt::tap_io(data, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
         let stop = manager.shutdown.clone();
-        servers.spawn(async move {
-            let app = axum::ServiceExt::<axum::extract::Request>::into_make_service(router);
-            let served = axum::serve(data, app).with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = served.await {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        });
+        servers.spawn(crate::http_serve::serve(data, router, stop, header_timeout));
         servers.close();
 
         crate::health::spawn_monitor(&manager);
