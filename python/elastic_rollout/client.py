@@ -377,19 +377,13 @@ class RolloutClient:
         """
         if kind not in _TERMINAL:
             raise ValueError(f"kind must be 'scale_out' or 'scale_in', not {kind!r}")
-        deadline = time.monotonic() + timeout
-        op: ScaleOperation | None = None
-        while True:
-            op = _unless_restarting(lambda: self.operation(kind, request_id)) or op
-            if op is not None and op.is_terminal:
-                return op
-            if time.monotonic() >= deadline:
-                last = "unknown (the manager did not answer)" if op is None else op.status
-                history = "none" if op is None else " -> ".join(op.statuses) or "none"
-                raise TimeoutError(
-                    f"{kind} {request_id} not finished after {timeout:g}s; last status {last} (history: {history})"
-                )
-            time.sleep(poll_interval)
+
+        def late(op: ScaleOperation | None) -> str:
+            last = "unknown (the manager did not answer)" if op is None else op.status
+            history = "none" if op is None else " -> ".join(op.statuses) or "none"
+            return f"{kind} {request_id} not finished after {timeout:g}s; last status {last} (history: {history})"
+
+        return _poll(lambda: self.operation(kind, request_id), lambda op: op.is_terminal, late, timeout, poll_interval)
 
     def wait_for_engines(
         self, count: int, status: str = "ACTIVE", timeout: float = 60.0, poll_interval: float = 0.1
@@ -400,17 +394,12 @@ class RolloutClient:
             TimeoutError: the condition did not hold within ``timeout`` seconds; the message
                 shows the last status of every engine.
         """
-        deadline = time.monotonic() + timeout
-        view: EnginesView | None = None
-        while True:
-            view = _unless_restarting(self.engines) or view
-            if view is not None and len(view.with_status(status)) == count:
-                return view
-            if time.monotonic() >= deadline:
-                seen = "no answer" if view is None else ", ".join(f"{e.engine_id}={e.status}" for e in view.engines)
-                seen = seen or "no engines"
-                raise TimeoutError(f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen}")
-            time.sleep(poll_interval)
+
+        def late(view: EnginesView | None) -> str:
+            seen = "no answer" if view is None else ", ".join(f"{e.engine_id}={e.status}" for e in view.engines)
+            return f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen or 'no engines'}"
+
+        return _poll(self.engines, lambda view: len(view.with_status(status)) == count, late, timeout, poll_interval)
 
 
     # -- the RL pipeline signal -------------------------------------------------------------
@@ -489,17 +478,18 @@ class RolloutClient:
         Raises:
             TimeoutError: still running after ``timeout`` seconds; names the last status.
         """
-        deadline = time.monotonic() + timeout
-        update: JsonObject = {}
-        while True:
-            update = _unless_restarting(lambda: self.weight_update(update_id)) or update
-            if update.get("status") in WEIGHT_UPDATE_TERMINAL:
-                return update
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"weight update {update_id} not finished after {timeout:g}s; last status {update.get('status')}"
-                )
-            time.sleep(poll_interval)
+
+        def late(update: JsonObject | None) -> str:
+            last = "unknown (the manager did not answer)" if update is None else update.get("status")
+            return f"weight update {update_id} not finished after {timeout:g}s; last status {last}"
+
+        return _poll(
+            lambda: self.weight_update(update_id),
+            lambda update: update.get("status") in WEIGHT_UPDATE_TERMINAL,
+            late,
+            timeout,
+            poll_interval,
+        )
 
 
 #: Statuses in which a weight update has ended.
@@ -507,6 +497,24 @@ WEIGHT_UPDATE_TERMINAL = frozenset({"COMPLETED", "FAILED"})
 
 
 T = TypeVar("T")
+
+
+def _poll(
+    fetch: Callable[[], T], done: Callable[[T], bool], late: Callable[[T | None], str], timeout: float, interval: float
+) -> T:
+    """Calls ``fetch`` every ``interval`` s until ``done`` holds for its answer and returns that
+    answer; polls through a restarting manager; raises ``TimeoutError(late(last answer))``."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while True:
+        answer = _unless_restarting(fetch)
+        if answer is not None:
+            last = answer
+            if done(answer):
+                return answer
+        if time.monotonic() >= deadline:
+            raise TimeoutError(late(last))
+        time.sleep(interval)
 
 
 def _unless_restarting(call: Callable[[], T]) -> T | None:
