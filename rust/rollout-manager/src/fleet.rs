@@ -43,8 +43,9 @@ pub struct Backend {
 #[derive(Debug, Default)]
 pub struct EngineLoad {
     /// Fired (one waiter) whenever a request ends; shared by every engine of a fleet, for the
-    /// router's requests waiting on `--max-inflight-per-engine`.
-    slot_freed: Arc<Notify>,
+    /// router's requests waiting on `--max-inflight-per-engine` (None without the cap: nothing
+    /// waits, so the request path does not pay for it).
+    slot_freed: Option<Arc<Notify>>,
     count: AtomicUsize,
     est_tokens: AtomicU64,
     capacity: AtomicU64,
@@ -55,8 +56,8 @@ pub struct EngineLoad {
 }
 
 impl EngineLoad {
-    /// A load whose ended requests wake waiters of `slot_freed`.
-    pub fn with_slot_notify(slot_freed: Arc<Notify>) -> Self {
+    /// A load whose ended requests wake waiters of `slot_freed`, if given.
+    pub fn with_slot_notify(slot_freed: Option<Arc<Notify>>) -> Self {
         Self { slot_freed, ..Self::default() }
     }
 
@@ -128,7 +129,9 @@ impl Drop for InFlightGuard {
         if self.load.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.load.idle.notify_waiters();
         }
-        self.load.slot_freed.notify_one();
+        if let Some(slot_freed) = &self.load.slot_freed {
+            slot_freed.notify_one();
+        }
     }
 }
 

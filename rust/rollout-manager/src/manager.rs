@@ -206,7 +206,9 @@ impl Manager {
             seq,
             record,
             process: None,
-            load: Arc::new(EngineLoad::with_slot_notify(inner.slot_freed.clone())),
+            load: Arc::new(EngineLoad::with_slot_notify(
+                (self.config.max_inflight_per_engine > 0).then(|| inner.slot_freed.clone()),
+            )),
             probe_failures: 0,
             pid_start_ticks: None,
             keeper_socket: None,

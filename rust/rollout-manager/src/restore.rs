@@ -214,7 +214,9 @@ fn rebuild(
                 record,
                 pid_start_ticks: live.as_ref().and_then(|p| p.start_ticks),
                 process: live,
-                load: Arc::new(EngineLoad::with_slot_notify(inner.slot_freed.clone())),
+                load: Arc::new(EngineLoad::with_slot_notify(
+                    (manager.config.max_inflight_per_engine > 0).then(|| inner.slot_freed.clone()),
+                )),
                 probe_failures: 0,
                 keeper_socket: stored.keeper_socket,
             };
