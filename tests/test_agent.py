@@ -332,7 +332,12 @@ def test_pending_scale_out_is_cancellable(start_fleet: StartManager, shim: Shim)
     wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=3)
     op_url = f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}"
-    op = http("GET", op_url).json()
+    # The operation reports PENDING_RESOURCES once its placement is planned, just after it is accepted.
+    def planned() -> dict[str, Any] | None:
+        o: dict[str, Any] = http("GET", op_url).json()
+        return o if "PENDING_RESOURCES" in o["message"] else None
+
+    op = wait_until(planned, 30, "the scale-out to report PENDING_RESOURCES")
     assert op["status"] == "PENDING" and "PENDING_RESOURCES" in op["message"]
     assert op["engines"][0]["status"] == "PENDING" and op["engines"][0]["detail"].startswith("PENDING_RESOURCES")
     assert placements(fleet)["engine_2"]["status"] == "PENDING_RESOURCES"
