@@ -151,6 +151,43 @@ def test_router_metrics(four: ManagerHandle) -> None:
     assert json.loads(http("GET", f"{four.router_url}/readiness").body)["routable_engines"] == 4
 
 
+@pytest.mark.parametrize("order", ["fifo", "longest_first"])
+def test_queue_order_decides_which_waiting_request_gets_a_freed_slot(start_fleet: StartManager, order: str) -> None:
+    """One engine with room for one request: requests that queue in the router behind it are
+    served one at a time, in arrival order (fifo) or largest max_new_tokens first."""
+    fleet = start_fleet(
+        "--rollout-num-gpus", "1", "--max-inflight-per-engine", "1", "--queue-order", order,
+        "--engine-arg=--time-scale=1", wait=False,
+    )
+    fleet.wait_engines(1, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def send(tokens: int) -> None:
+        generate(fleet, {"text": "same prompt", "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}})
+        with lock:
+            finished.append(tokens)
+
+    def queued_at_least(n: int) -> float | None:
+        q = metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_router_queued_requests")
+        return q if q >= n else None
+
+    blocker = threading.Thread(target=send, args=(150,))  # holds the only slot for ~1.2 s
+    blocker.start()
+    wait_until(lambda: metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(),
+                                    "rollout_engine_in_flight") >= 1 or None, 30, "the first request in flight")
+    waiting = []
+    for i, tokens in enumerate((10, 60, 30), start=1):  # arrival order: 10, 60, 30
+        t = threading.Thread(target=send, args=(tokens,))
+        t.start()
+        waiting.append(t)
+        wait_until(lambda i=i: queued_at_least(i), 30, f"{i} requests waiting in the router")
+    for t in (blocker, *waiting):
+        t.join(timeout=60)
+    expected = [150, 10, 60, 30] if order == "fifo" else [150, 60, 30, 10]
+    assert finished == expected, f"{order}: served {finished}, expected {expected}"
+
+
 def test_late_binding_hands_queued_requests_to_a_new_engine(start_fleet: StartManager) -> None:
     """With --max-inflight-per-engine, work beyond the cap waits in the router, so an engine that
     joins takes it; without the cap all of it would already sit in the first engine's queue."""

@@ -164,6 +164,13 @@ pub struct ServeConfig {
     /// for elastic fleets. A request waits at most --request-timeout-secs for a slot.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub max_inflight_per_engine: usize,
+    /// Which waiting request gets a freed slot under --max-inflight-per-engine: `fifo`
+    /// (arrival), or `longest_first` (largest prompt plus max_new_tokens first: for a batch of
+    /// rollouts sent at once, long generations start first instead of last; short requests may
+    /// wait behind long ones, at most --request-timeout-secs).
+    #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo)]
+    #[serde(default)]
+    pub queue_order: crate::routing::QueueOrder,
     /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage).
     #[arg(long, default_value_t = 1.0, value_name = "SECS")]
     pub load_poll_interval_secs: f64,

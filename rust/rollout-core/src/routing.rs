@@ -55,6 +55,19 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// The order in which requests waiting in the router for an engine slot
+/// (`--max-inflight-per-engine`) get one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum QueueOrder {
+    /// Arrival order.
+    #[default]
+    Fifo,
+    /// Largest expected KV footprint (prompt plus `max_new_tokens`) first, ties by arrival.
+    LongestFirst,
+}
+
 /// What the router knows about one engine at decision time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Load {

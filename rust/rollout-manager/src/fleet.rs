@@ -6,6 +6,8 @@
 
 use crate::clock::unix_now;
 use crate::host::EngineProcess;
+use crate::slots::SlotQueue;
+use rollout_core::routing::QueueOrder;
 use rollout_core::{
     EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
     ScaleOutStatus,
@@ -42,10 +44,10 @@ pub struct Backend {
 /// the load poller). A notification fires when the last in-flight request ends.
 #[derive(Debug, Default)]
 pub struct EngineLoad {
-    /// Fired (one waiter) whenever a request ends; shared by every engine of a fleet, for the
+    /// Woken (one waiter) whenever a request ends; shared by every engine of a fleet, for the
     /// router's requests waiting on `--max-inflight-per-engine` (None without the cap: nothing
     /// waits, so the request path does not pay for it).
-    slot_freed: Option<Arc<Notify>>,
+    slot_freed: Option<Arc<SlotQueue>>,
     count: AtomicUsize,
     est_tokens: AtomicU64,
     capacity: AtomicU64,
@@ -56,8 +58,8 @@ pub struct EngineLoad {
 }
 
 impl EngineLoad {
-    /// A load whose ended requests wake waiters of `slot_freed`, if given.
-    pub fn with_slot_notify(slot_freed: Option<Arc<Notify>>) -> Self {
+    /// A load whose ended requests wake the next waiter of `slot_freed`, if given.
+    pub fn with_slot_notify(slot_freed: Option<Arc<SlotQueue>>) -> Self {
         Self { slot_freed, ..Self::default() }
     }
 
@@ -130,7 +132,7 @@ impl Drop for InFlightGuard {
             self.load.idle.notify_waiters();
         }
         if let Some(slot_freed) = &self.load.slot_freed {
-            slot_freed.notify_one();
+            slot_freed.wake_next();
         }
     }
 }
@@ -266,8 +268,8 @@ pub struct RunningOp {
 #[derive(Debug)]
 pub struct FleetInner {
     pub engines: BTreeMap<String, Engine>,
-    /// Shared by every engine's load: a request ended somewhere (see [`EngineLoad`]).
-    pub slot_freed: Arc<Notify>,
+    /// Shared by every engine's load: requests waiting for a slot (see [`EngineLoad`]).
+    pub slot_freed: Arc<SlotQueue>,
     pub next_seq: u64,
     pub gpus: GpuPool,
     pub ports_in_use: HashSet<u16>,
@@ -359,12 +361,18 @@ pub struct Fleet {
     changes: watch::Sender<u64>,
     /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
     store_failures: AtomicU64,
-    slot_freed: Arc<Notify>,
+    slot_freed: Arc<SlotQueue>,
 }
 
 impl Fleet {
-    pub fn new(gpus: u32, weight_version: String, count_failed: bool, store: Option<crate::store::Store>) -> Self {
-        let slot_freed = Arc::new(Notify::new());
+    pub fn new(
+        gpus: u32,
+        weight_version: String,
+        count_failed: bool,
+        store: Option<crate::store::Store>,
+        queue_order: QueueOrder,
+    ) -> Self {
+        let slot_freed = Arc::new(SlotQueue::new(queue_order));
         let inner = FleetInner {
             engines: BTreeMap::new(),
             slot_freed: slot_freed.clone(),
@@ -391,7 +399,7 @@ impl Fleet {
     }
 
     /// Wakes one waiter whenever any engine's request ends.
-    pub fn slot_freed(&self) -> &Notify {
+    pub fn slot_queue(&self) -> &Arc<SlotQueue> {
         &self.slot_freed
     }
 
@@ -598,7 +606,7 @@ mod tests {
 
     #[test]
     fn prunes_only_the_oldest_finished_operations() {
-        let fleet = Fleet::new(1, "v".into(), true, None);
+        let fleet = Fleet::new(1, "v".into(), true, None, QueueOrder::Fifo);
         fleet.update(|inner| {
             for i in 0..5 {
                 let now = i as f64;

@@ -24,5 +24,6 @@ pub mod scale_in;
 pub mod scale_out;
 pub mod scaling;
 pub mod server;
+pub mod slots;
 pub mod store;
 pub mod weights;

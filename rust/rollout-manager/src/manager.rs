@@ -85,7 +85,13 @@ impl Manager {
             .pool_idle_timeout(Duration::from_secs(30))
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
-        let fleet = Fleet::new(config.gpus, config.weight_version.clone(), config.restart_failed_engines, store);
+        let fleet = Fleet::new(
+            config.gpus,
+            config.weight_version.clone(),
+            config.restart_failed_engines,
+            store,
+            config.queue_order,
+        );
         let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
             rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
             rollout_core::WeightTransportKind::Relay => {

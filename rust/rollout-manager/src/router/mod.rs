@@ -31,7 +31,8 @@
 //!
 //! Late binding (`--max-inflight-per-engine N`): an engine gets at most about N requests at
 //! once (two requests deciding at the same instant may both take the last slot). The rest wait
-//! in the router, FIFO, and each goes to the first engine with a free slot when one frees or an
+//! in the router's queue (`crate::slots`: arrival order, or largest first with `--queue-order
+//! longest_first`), and each goes to the first engine with a free slot when one frees or an
 //! engine joins. Work then never sits in one engine's queue while another, e.g. one a
 //! scale-out just added, is idle. A request waits at most `--request-timeout-secs` for a slot,
 //! then gets 503 `router_queue_timeout`.
@@ -46,6 +47,7 @@ pub mod smg;
 use crate::error::error_body;
 use crate::fleet::{Backend, InFlightGuard};
 use crate::manager::Manager;
+use crate::slots::Ticket;
 use affinity::Affinity;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -442,7 +444,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
         }
-        let mut waiting: Option<QueuedGuard> = None;
+        // This request's place in the router's queue while every engine is at its cap.
+        let mut queued: Option<(Ticket, QueuedGuard)> = None;
         // Pick an engine and count the request on it (with a cap, only if it is under it).
         let picked = loop {
             // Each attempt reads the current table: engines may have left routing meanwhile.
@@ -465,26 +468,36 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 break None;
             }
             if cap > 0 {
-                // A new request queues behind waiting ones rather than take the slot freed for them.
-                let behind = waiting.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
+                let queue = state.manager.fleet.slot_queue();
+                // A new request queues behind waiting ones rather than take a slot freed for them.
+                let behind = queued.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
                 if open.is_empty() || behind {
-                    // Every engine is at its cap: wait here for a slot or a new engine. The 50 ms
-                    // tick re-checks in case a wake-up went to a request that left meanwhile.
-                    if waiting.is_none() {
-                        waiting = Some(QueuedGuard::new(state.manager.router_metrics.clone()));
+                    let (ticket, _) = queued.get_or_insert_with(|| {
+                        (queue.join(info.tokens), QueuedGuard::new(state.manager.router_metrics.clone()))
+                    });
+                    if !open.is_empty() {
+                        // Room, but others wait: the head of the queue (maybe this request) takes it.
+                        queue.wake_next();
+                    } else if (info.pin.is_some() || attempt > 0) && room_elsewhere(&state, cap) {
+                        // The free slot is on an engine this request may not use: pass it on.
+                        ticket.pass_on();
                     }
+                    // Wait for a slot (this request's turn), or, at the head of the queue, for a
+                    // new engine or the 50 ms tick, in case a wake-up went astray.
                     let mut changes = state.manager.fleet.subscribe();
-                    tokio::select! {
-                        _ = state.manager.fleet.slot_freed().notified() => {}
-                        _ = changes.changed() => {}
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                        _ = tokio::time::sleep_until(queue_deadline) => {
-                            metrics.error(ErrorKind::QueueTimeout);
-                            let msg = format!(
-                                "every engine had --max-inflight-per-engine ({cap}) requests in flight for \
-                                 --request-timeout-secs ({timeout:?}); retry later, add engines, or raise the limit"
-                            );
-                            return error(StatusCode::SERVICE_UNAVAILABLE, "router_queue_timeout", &msg);
+                    loop {
+                        tokio::select! {
+                            () = ticket.woken() => break,
+                            changed = changes.changed() => if changed.is_err() || ticket.is_head() { break },
+                            () = tokio::time::sleep(Duration::from_millis(50)) => if ticket.is_head() { break },
+                            () = tokio::time::sleep_until(queue_deadline) => {
+                                metrics.error(ErrorKind::QueueTimeout);
+                                let msg = format!(
+                                    "every engine had --max-inflight-per-engine ({cap}) requests in flight for \
+                                     --request-timeout-secs ({timeout:?}); retry later, add engines, or raise the limit"
+                                );
+                                return error(StatusCode::SERVICE_UNAVAILABLE, "router_queue_timeout", &msg);
+                            }
                         }
                     }
                     continue;
@@ -502,13 +515,17 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             let guard = if cap > 0 {
                 // Another request may have taken the last slot since the check: look again.
                 let Some(guard) = routes[index].load.try_enter(info.tokens, cap) else { continue };
+                if queued.take().is_some() && (open.len() > 1 || routes[index].load.get() < cap) {
+                    // More than one slot was free (an engine joined): the next in line takes one.
+                    state.manager.fleet.slot_queue().wake_next();
+                }
                 guard
             } else {
                 routes[index].load.enter(info.tokens)
             };
             break Some((routes, index, affine.is_some(), kept, guard));
         };
-        drop(waiting);
+        drop(queued);
         let Some((routes, index, had_affine, kept, guard)) = picked else { break };
         let backend = &routes[index];
         if had_affine {
@@ -615,6 +632,11 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     metrics.error(ErrorKind::NoAnswer);
     let msg = format!("no engine answered this request (last: {last_error}); see GET /rollout/engines");
     error(StatusCode::BAD_GATEWAY, "no_engine_answered", &msg)
+}
+
+/// Whether some routable engine is under the cap (one a pinned or retried request may not use).
+fn room_elsewhere(state: &RouterState, cap: usize) -> bool {
+    state.manager.fleet.routes().iter().any(|b| b.load.get() < cap)
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.
