@@ -422,10 +422,19 @@ impl crate::weights::transport::AgentRelays for AgentHost {
 /// An agent's relay call failed: its message, with a hint for agents built before the relay.
 fn relay_status(call: &str, status: &tonic::Status) -> String {
     if status.code() == tonic::Code::Unimplemented {
-        format!("{call}: the agent has no weight relay (an older rollout-manager agent; upgrade it)")
-    } else {
-        format!("{call}: {}", status.message())
+        return format!("{call}: the agent has no weight relay (an older rollout-manager agent; upgrade it)");
     }
+    // A connection failure says only "transport error"; its cause is in the source chain.
+    let mut text = format!("{call}: {}", status.message());
+    let mut cause = std::error::Error::source(status);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(&format!(": {c_text}"));
+        }
+        cause = c.source();
+    }
+    text
 }
 
 impl EngineHost for AgentHost {

@@ -60,7 +60,8 @@ pub struct UpdateRecord {
     pub version: String,
     pub path: String,
     pub checksum: String,
-    /// Where engines load it from (the published path for `disk`, the staged copy for `relay`).
+    /// Where engines load it from (the published path for `disk`; for `relay` the staged copy
+    /// on the manager's node, whose name engines on agents find under their node's relay dir).
     pub engine_path: String,
     pub previous_version: String,
     pub strategy: UpdateStrategy,
