@@ -21,7 +21,9 @@ from typing import Any
 
 import jsonschema
 import pytest
+from _checkpoints import write_checkpoint
 from _support import ManagerHandle, ProcessIdentity, StartManager, http, metric_total, wait_until
+from test_weights import assert_fleet_on, cmdline, run_update
 
 from elastic_rollout import EnginesView, RolloutClient
 
@@ -42,6 +44,8 @@ class AgentProc:
     url: str
     identity: ProcessIdentity
     stderr_path: Path
+    #: its --relay-dir: each agent plays a node of its own, with its own node-local storage.
+    relay_dir: Path
 
 
 @dataclass
@@ -67,9 +71,10 @@ class Shim:
         n = len(self.started)
         ready = self.workdir / f"agent{n}.json"
         stderr_path = self.workdir / f"agent{n}.stderr"
+        relay_dir = self.workdir / f"agent{n}-shm"
         argv = [
             str(self.manager_bin), "agent", "--listen", "127.0.0.1:0", "--ready-file", str(ready),
-            "--state-dir", str(self.workdir / f"agent{n}"),
+            "--state-dir", str(self.workdir / f"agent{n}"), "--relay-dir", str(relay_dir),
             *(["--api-token-file", str(self.token_file)] if self.token_file else []),
         ]  # fmt: skip
         with open(stderr_path, "wb") as err:
@@ -83,7 +88,7 @@ class Shim:
                 raise AssertionError(f"agent exited with {process.returncode}: {stderr_path.read_text()}")
             return json.loads(ready.read_text())["url"] if ready.exists() else None
 
-        agent = AgentProc(process, wait_until(url, 20.0, f"agent ready file {ready}"), identity, stderr_path)
+        agent = AgentProc(process, wait_until(url, 20.0, f"agent ready file {ready}"), identity, stderr_path, relay_dir)
         return agent
 
     def auth(self) -> dict[str, str]:
@@ -464,3 +469,68 @@ def test_agent_refuses_a_bad_listen_address(manager_bin: Path, tmp_path: Path) -
         stderr = result.stderr.decode()
         assert result.returncode != 0 and "--listen" in stderr and why in stderr, (listen, stderr)
         assert not (tmp_path / "ready.json").exists()
+
+
+def test_relay_stages_versions_on_every_agent_node(start_fleet: StartManager, shim: Shim, tmp_path: Path) -> None:
+    """Two agents play two nodes, each with its own relay directory: a publish lands on both,
+    each engine loads its own node's copy, a node that joins later gets the current version
+    before its engine starts on it, and old versions are removed on every node."""
+    token = tmp_path / "token"
+    token.write_text("relay-s3cret\n")
+    token.chmod(0o600)
+    manager_shm = tmp_path / "manager-shm"
+    fleet = start_fleet(*RAY_ARGS, "--api-token-file", str(token), "--weight-transport", "relay",
+                        "--relay-dir", str(manager_shm), wait=False)  # fmt: skip
+    fleet.client = RolloutClient(fleet.control_url, token="relay-s3cret")
+    shim.token_file = token
+    shim.control_url = fleet.control_url
+    shim.start()
+    fleet.wait_engines(2, "ACTIVE", 60)
+    sums = {v: write_checkpoint(tmp_path / v, seed) for seed, v in enumerate(["v1", "v2"], start=1)}
+    staged = {v: f"{v}-{sums[v][:16]}" for v in sums}
+
+    def node_copies(engine_id: str) -> list[str]:
+        root = shim.agents[engine_id].relay_dir
+        return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+    def loaded_from(url: str) -> tuple[str, str]:
+        weights = http("GET", f"{url}/server_info").json()["weights"]
+        return weights["path"], weights["checksum"]
+
+    update = run_update(fleet, "v1", tmp_path / "v1")
+    assert update["transport"] == "relay" and Path(update["engine_path"]).name == staged["v1"], update
+    assert_fleet_on(fleet, "v1", sums["v1"], 2)
+    engines = fleet.engines().engines
+    assert len({shim.agents[e.engine_id].relay_dir for e in engines}) == 2
+    for engine in engines:
+        assert node_copies(engine.engine_id) == [staged["v1"]], engine.engine_id
+        own = shim.agents[engine.engine_id].relay_dir / staged["v1"]
+        assert loaded_from(engine.url) == (str(own), sums["v1"]), engine.engine_id
+    # In Ray mode without external engines the manager's node hosts no engine: no copy there.
+    assert not manager_shm.exists() or not list(manager_shm.iterdir())
+
+    # Scale out onto a third node: the version is staged there before the engine launches on it.
+    wait_no_operation(fleet)
+    fleet.client.scale_out(num_replicas=3)
+    fleet.wait_engines(3, "ACTIVE", 60)
+    wait_no_operation(fleet)
+    new = next(e for e in fleet.engines().engines if e.engine_id == "engine_2")
+    own = shim.agents["engine_2"].relay_dir / staged["v1"]
+    assert node_copies("engine_2") == [staged["v1"]]
+    assert new.pid is not None
+    argv = cmdline(new.pid)
+    assert argv[argv.index("--model-path") + 1] == str(own), argv
+    assert loaded_from(new.url) == (str(own), sums["v1"])
+    assert_fleet_on(fleet, "v1", sums["v1"], 3)
+
+    # v2 reaches all three nodes; v1 is then removed on each of them (in the background).
+    run_update(fleet, "v2", tmp_path / "v2", strategy="all_at_once")
+    assert_fleet_on(fleet, "v2", sums["v2"], 3)
+    for engine in fleet.engines().engines:
+        own = shim.agents[engine.engine_id].relay_dir / staged["v2"]
+        assert loaded_from(engine.url) == (str(own), sums["v2"]), engine.engine_id
+    wait_until(
+        lambda: all(node_copies(e) == [staged["v2"]] for e in ("engine_0", "engine_1", "engine_2")),
+        30,
+        "v1 removed from every node",
+    )

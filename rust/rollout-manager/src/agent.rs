@@ -17,6 +17,14 @@
 //! - an exited engine stays listed (not running, with its exit) until Stop or a new Launch, so
 //!   a manager that reconnects learns of exits it missed.
 //!
+//! Weight relay: on the first `RelayEndpoint` call the agent starts a `rollout-relay` receiver
+//! bound to its listen host (a free port), writing under `--relay-dir` (default
+//! `/dev/shm/elastic-rollout`, the manager's default), and answers its address, the directory,
+//! an id of that directory on this machine (agents sharing a directory hold one copy of each
+//! version, and the manager sends it once) and the staged versions there. `RelayRetain` removes
+//! staged versions the manager no longer uses. With a token the receiver requires the relay
+//! token derived from it ([`crate::weights::transport::relay_token`]).
+//!
 //! Auth: with `--api-token-file` (or `ROLLOUT_MANAGER_API_TOKEN`, the manager's token) every call
 //! must carry `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); the token is never
 //! passed to engines. Without one, an agent listening beyond loopback warns that anyone who
@@ -53,6 +61,11 @@ pub struct AgentArgs {
     /// environment variable ROLLOUT_MANAGER_API_TOKEN, if set.
     #[arg(long, value_name = "PATH")]
     pub api_token_file: Option<PathBuf>,
+    /// Node-local directory where this node's weight relay receiver stages versions (relay
+    /// transport). Agents on one machine that share it hold one copy of each version; give
+    /// each agent its own only when they must not share (tests simulating several nodes).
+    #[arg(long, value_name = "DIR", default_value = "/dev/shm/elastic-rollout")]
+    pub relay_dir: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +78,8 @@ pub enum AgentError {
     Bind { addr: String, source: std::io::Error },
     #[error("cannot create --state-dir {path}: {source}")]
     StateDir { path: String, source: std::io::Error },
+    #[error("--relay-dir {0:?}: cannot resolve it to an absolute path: {1}")]
+    RelayDir(String, std::io::Error),
     #[error("cannot write --ready-file {path}: {source}")]
     ReadyFile { path: String, source: std::io::Error },
     #[error("gRPC server failed: {0}")]
@@ -91,6 +106,12 @@ struct AgentState {
     /// Cancelled when the agent stops: ends every Events stream, so shutdown never waits on a
     /// subscriber.
     stopping: tokio_util::sync::CancellationToken,
+    /// `--relay-dir`, absolute.
+    relay_dir: PathBuf,
+    /// What the relay receiver requires, derived from the API token.
+    relay_token: Option<String>,
+    /// The relay receiver, started by the first `RelayEndpoint`.
+    relay: tokio::sync::Mutex<Option<rollout_relay::ReceiverHandle>>,
 }
 
 impl AgentState {
@@ -237,6 +258,66 @@ impl Agent for AgentService {
         Ok(Response::new(pb::ListReply { engines: list }))
     }
 
+    async fn relay_endpoint(
+        &self,
+        _: Request<pb::RelayEndpointRequest>,
+    ) -> Result<Response<pb::RelayEndpointReply>, Status> {
+        let state = &self.0;
+        let mut relay = state.relay.lock().await;
+        let addr = match relay.as_ref() {
+            Some(r) => r.local_addr(),
+            None => {
+                let failed = |e: std::io::Error| {
+                    Status::internal(format!(
+                        "cannot start the relay receiver on {} writing to {}: {e}",
+                        state.host,
+                        state.relay_dir.display()
+                    ))
+                };
+                let options = rollout_relay::ReceiverOptions {
+                    token: state.relay_token.clone(),
+                    ..rollout_relay::ReceiverOptions::default()
+                };
+                let receiver = rollout_relay::Receiver::bind((state.host.as_str(), 0), state.relay_dir.clone())
+                    .await
+                    .map_err(failed)?
+                    .with_options(options);
+                let handle = receiver.spawn().map_err(failed)?;
+                let addr = handle.local_addr();
+                tracing::info!(%addr, root = %state.relay_dir.display(), "weight relay receiver started");
+                *relay = Some(handle);
+                addr
+            }
+        };
+        drop(relay);
+        let root = state.relay_dir.clone();
+        let (root_id, staged) = tokio::task::spawn_blocking(move || {
+            (crate::weights::transport::root_id(&root), crate::weights::transport::staged_names(&root))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("relay directory task failed: {e}")))?;
+        let root_id =
+            root_id.map_err(|e| Status::internal(format!("cannot read {}: {e}", state.relay_dir.display())))?;
+        Ok(Response::new(pb::RelayEndpointReply {
+            addr: addr.to_string(),
+            root: state.relay_dir.display().to_string(),
+            root_id,
+            staged,
+        }))
+    }
+
+    async fn relay_retain(
+        &self,
+        request: Request<pb::RelayRetainRequest>,
+    ) -> Result<Response<pb::RelayRetainReply>, Status> {
+        let keep = request.into_inner().keep;
+        let root = self.0.relay_dir.clone();
+        let removed = tokio::task::spawn_blocking(move || crate::weights::transport::prune(&root, &keep))
+            .await
+            .map_err(|e| Status::internal(format!("relay directory task failed: {e}")))?;
+        Ok(Response::new(pb::RelayRetainReply { removed }))
+    }
+
     type EventsStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::EngineEvent, Status>> + Send>>;
 
     async fn events(&self, _: Request<pb::EventsRequest>) -> Result<Response<Self::EventsStream>, Status> {
@@ -360,6 +441,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     std::fs::create_dir_all(state_dir.join("logs"))
         .map_err(|source| AgentError::StateDir { path: state_dir.display().to_string(), source })?;
     let token = crate::auth::load(args.api_token_file.as_deref())?;
+    let relay_dir = std::path::absolute(&args.relay_dir)
+        .map_err(|e| AgentError::RelayDir(args.relay_dir.display().to_string(), e))?;
     let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     if token.is_none() && !loopback {
         tracing::warn!(
@@ -380,6 +463,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         events: broadcast::channel(1024).0,
         http: reqwest::Client::builder().connect_timeout(Duration::from_secs(2)).build().unwrap_or_default(),
         stopping: tokio_util::sync::CancellationToken::new(),
+        relay_dir,
+        relay_token: token.as_deref().map(crate::weights::transport::relay_token),
+        relay: tokio::sync::Mutex::new(None),
     });
     if let Some(path) = &args.ready_file {
         let body = serde_json::json!({ "url": url, "pid": std::process::id() }).to_string();
@@ -413,6 +499,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         tracing::info!(engine_id = %id, %exit, "engine stopped at agent exit");
     }))
     .await;
+    if let Some(relay) = state.relay.lock().await.take() {
+        relay.shutdown().await;
+    }
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
     }

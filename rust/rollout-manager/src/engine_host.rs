@@ -199,6 +199,8 @@ fn from_pb(e: Option<pb::ExitInfo>, requested: bool) -> ExitInfo {
 /// Engines on node agents, over gRPC.
 type Conns = Arc<Mutex<HashMap<String, Arc<AgentConn>>>>;
 
+/// Clones share the connections.
+#[derive(Clone)]
 pub struct AgentHost {
     conns: Conns,
     /// Ends the per-agent event tasks.
@@ -381,6 +383,60 @@ async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown
     }
 }
 
+impl crate::weights::transport::AgentRelays for AgentHost {
+    fn relay_endpoint<'a>(
+        &'a self,
+        agent_url: &'a str,
+    ) -> BoxFuture<'a, Result<crate::weights::transport::RemoteRelay, String>> {
+        Box::pin(async move {
+            let mut client = self.conn(agent_url).map_err(|e| e.to_string())?.client.clone();
+            let reply =
+                tokio::time::timeout(Duration::from_secs(15), client.relay_endpoint(pb::RelayEndpointRequest {}))
+                    .await
+                    .map_err(|_| "RelayEndpoint: no answer within 15 s".to_string())?
+                    .map_err(|e| relay_status("RelayEndpoint", &e))?
+                    .into_inner();
+            Ok(crate::weights::transport::RemoteRelay {
+                addr: reply.addr,
+                root: reply.root,
+                root_id: reply.root_id,
+                staged: reply.staged,
+            })
+        })
+    }
+
+    fn relay_retain<'a>(&'a self, agent_url: &'a str, keep: Vec<String>) -> BoxFuture<'a, Result<Vec<String>, String>> {
+        Box::pin(async move {
+            let mut client = self.conn(agent_url).map_err(|e| e.to_string())?.client.clone();
+            let reply =
+                tokio::time::timeout(Duration::from_secs(60), client.relay_retain(pb::RelayRetainRequest { keep }))
+                    .await
+                    .map_err(|_| "RelayRetain: no answer within 60 s".to_string())?
+                    .map_err(|e| relay_status("RelayRetain", &e))?
+                    .into_inner();
+            Ok(reply.removed)
+        })
+    }
+}
+
+/// An agent's relay call failed: its message, with a hint for agents built before the relay.
+fn relay_status(call: &str, status: &tonic::Status) -> String {
+    if status.code() == tonic::Code::Unimplemented {
+        return format!("{call}: the agent has no weight relay (an older rollout-manager agent; upgrade it)");
+    }
+    // A connection failure says only "transport error"; its cause is in the source chain.
+    let mut text = format!("{call}: {}", status.message());
+    let mut cause = std::error::Error::source(status);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(&format!(": {c_text}"));
+        }
+        cause = c.source();
+    }
+    text
+}
+
 impl EngineHost for AgentHost {
     fn launch<'a>(
         &'a self,
@@ -452,16 +508,28 @@ impl EngineHost for AgentHost {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     async fn start_agent(dir: &std::path::Path, token_file: Option<PathBuf>) -> String {
+        start_agent_at(dir, token_file, dir.join("relay")).await
+    }
+
+    /// Runs `rollout-manager agent` in this process (files under `dir`, weight relay directory
+    /// `relay_dir`); returns its URL once it listens.
+    pub(crate) async fn start_agent_at(
+        dir: &std::path::Path,
+        token_file: Option<PathBuf>,
+        relay_dir: PathBuf,
+    ) -> String {
+        std::fs::create_dir_all(dir).unwrap();
         let args = crate::agent::AgentArgs {
             listen: "127.0.0.1:0".into(),
             ready_file: Some(dir.join("ready.json")),
             state_dir: Some(dir.join("state")),
             api_token_file: token_file,
+            relay_dir,
         };
         tokio::spawn(crate::agent::run(args));
         for _ in 0..500 {

@@ -14,6 +14,7 @@ use crate::engine_host::{AgentHost, EngineHost, LocalHost, Location};
 use crate::fleet::{Engine, EngineLoad, EngineRecord, Fleet};
 use crate::host::{EngineProcess, ExitInfo};
 use crate::launch::{free_port, EngineLauncher};
+use crate::weights::transport::Node;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,15 +93,17 @@ impl Manager {
             store,
             config.queue_order,
         );
-        let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
-            rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
-            rollout_core::WeightTransportKind::Relay => {
-                Arc::new(crate::weights::transport::Relay::new(config.relay_dir.clone()))
-            }
-        };
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
         let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
+        let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
+            rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
+            rollout_core::WeightTransportKind::Relay => Arc::new(crate::weights::transport::Relay::new(
+                config.relay_dir.clone(),
+                token.map(crate::weights::transport::relay_token),
+                Some(Arc::new(agents.clone())),
+            )),
+        };
         Ok(Arc::new(Self {
             config,
             fleet,
@@ -128,6 +131,71 @@ impl Manager {
         } else {
             &self.local
         }
+    }
+
+    /// Where `engine_id` loads weights: its agent's node in Ray mode, else this machine
+    /// (external engines included: they are given the manager's path).
+    pub fn weight_node(&self, engine_id: &str) -> Result<Node, EngineError> {
+        let inner = self.fleet.lock();
+        let external = inner.engines.get(engine_id).is_some_and(|e| e.record.origin == EngineOrigin::External);
+        if !self.ray() || external {
+            return Ok(Node::Local);
+        }
+        match inner.placements.get(engine_id).and_then(|p| p.agent.as_ref()) {
+            Some(agent) => Ok(Node::Agent(agent.url.clone())),
+            None => Err(EngineError::Launch(format!("{engine_id} has no agent bound to its placement"))),
+        }
+    }
+
+    /// Every node that hosts an engine now, for staging a published version: this machine in
+    /// local mode (or when external engines exist), and in Ray mode the agent of every wanted
+    /// placement whose engine is not FAILED (a failed engine's agent may be gone; it gets the
+    /// version when the engine starts again). Nodes added later get it when an engine loads it.
+    pub fn weight_nodes(&self) -> Vec<Node> {
+        let inner = self.fleet.lock();
+        let mut nodes = Vec::new();
+        let external = inner.engines.values().any(|e| e.record.origin == EngineOrigin::External);
+        if !self.ray() || external {
+            nodes.push(Node::Local);
+        }
+        if self.ray() {
+            for (engine_id, p) in &inner.placements {
+                let failed = inner.engines.get(engine_id).is_none_or(|e| e.record.status == EngineStatus::Failed);
+                let Some(agent) = p.agent.as_ref().filter(|_| p.desired == rollout_core::Desired::Present) else {
+                    continue;
+                };
+                let node = Node::Agent(agent.url.clone());
+                if !failed && !nodes.contains(&node) {
+                    nodes.push(node);
+                }
+            }
+        }
+        nodes
+    }
+
+    /// The path an engine on `node` loads `version` from (staged there first if the node lacks
+    /// it); `staged` is the path recorded for the version.
+    pub async fn weights_path_on(
+        &self,
+        node: &Node,
+        version: &rollout_core::weights::WeightVersion,
+        staged: &str,
+    ) -> Result<String, EngineError> {
+        self.transport
+            .path_on(version, staged, node)
+            .await
+            .map_err(|e| EngineError::WeightLoad { path: staged.to_string(), detail: e.to_string() })
+    }
+
+    /// [`Manager::weights_path_on`] the node of `engine_id`.
+    pub async fn weights_path_for(
+        &self,
+        engine_id: &str,
+        version: &rollout_core::weights::WeightVersion,
+        staged: &str,
+    ) -> Result<String, EngineError> {
+        let node = self.weight_node(engine_id)?;
+        self.weights_path_on(&node, version, staged).await
     }
 
     pub fn shutdown_grace(&self) -> Duration {
@@ -253,17 +321,27 @@ impl Manager {
     }
 
     async fn launch_now(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
-        // Engines start on the newest version: an update's target, else the current one.
-        let (version, engine_path) = self.fleet.lock().weights.desired();
-        let model_path = engine_path.unwrap_or_else(|| self.config.model_path.clone());
-        let weight_version = version.version;
+        // Engines start on the newest version: an update's target, else the current one,
+        // staged on the engine's node first when the node does not hold it.
         let (spec, at) = if self.ray() {
             let binding = self.wait_bound(engine_id).await?;
+            let (version, engine_path) = self.fleet.lock().weights.desired();
+            let model_path = match engine_path {
+                Some(p) => self.weights_path_on(&Node::Agent(binding.url.clone()), &version, &p).await?,
+                None => self.config.model_path.clone(),
+            };
+            let weight_version = version.version;
             let log_path = self.config.state_dir.join("logs").join(format!("{engine_id}.log"));
             let spec =
                 self.launcher.spec_on_agent(&self.config, &model_path, &binding.gpu_ids, &weight_version, log_path);
             (spec, Location::Agent { agent_url: binding.url })
         } else {
+            let (version, engine_path) = self.fleet.lock().weights.desired();
+            let model_path = match engine_path {
+                Some(p) => self.weights_path_on(&Node::Local, &version, &p).await?,
+                None => self.config.model_path.clone(),
+            };
+            let weight_version = version.version;
             let (port, gpu_ids, log_path, url) = {
                 let inner = self.fleet.lock();
                 let e =
@@ -552,6 +630,7 @@ impl Manager {
                     });
                 };
                 let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
+                let path = self.weights_path_for(engine_id, &want, &path).await?;
                 crate::weights::update::load_from_disk(self, &url, &path, &want.version, false).await?;
                 (found, checksum) = self.served_weights(engine_id).await?;
                 crate::weights::update::verify(&want, found.as_deref(), checksum.as_deref())?;

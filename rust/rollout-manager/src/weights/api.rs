@@ -126,9 +126,10 @@ async fn publish(
     if let Some(existing) = decided {
         return Ok((StatusCode::OK, Json(existing)));
     }
+    let nodes = manager.weight_nodes();
     let engine_path = manager
         .transport
-        .stage(&version)
+        .stage(&version, &nodes)
         .await
         .map_err(|e| ApiError::unavailable("stage_failed", format!("{e}; nothing was published")))?;
     let update_id = uuid::Uuid::new_v4().to_string();

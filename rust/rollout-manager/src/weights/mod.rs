@@ -60,7 +60,8 @@ pub struct UpdateRecord {
     pub version: String,
     pub path: String,
     pub checksum: String,
-    /// Where engines load it from (the published path for `disk`, the staged copy for `relay`).
+    /// Where engines load it from (the published path for `disk`; for `relay` the staged copy
+    /// on the manager's node, whose name engines on agents find under their node's relay dir).
     pub engine_path: String,
     pub previous_version: String,
     pub strategy: UpdateStrategy,
@@ -234,9 +235,14 @@ impl WeightsState {
     }
 }
 
-/// After a restart: when the current version's engine copy is gone (a reboot emptied the relay's
-/// `/dev/shm`), stages it again from the published directory before any engine launches on it.
+/// After a restart in local mode: when the current version's engine copy is gone (a reboot
+/// emptied the relay's `/dev/shm`), stages it again from the published directory before any
+/// engine launches on it. (Engines on agents check their own node when they load it, as every
+/// engine does: [`crate::manager::Manager::weights_path_for`].)
 pub async fn restage_if_missing(manager: &crate::manager::Manager) {
+    if manager.ray() {
+        return;
+    }
     let (current, engine_path) = {
         let inner = manager.fleet.lock();
         (inner.weights.current.clone(), inner.weights.current_engine_path.clone())
@@ -246,7 +252,7 @@ pub async fn restage_if_missing(manager: &crate::manager::Manager) {
         return;
     }
     tracing::warn!(version = %current.version, path = %engine_path, "the current version's engine copy is gone; staging it again");
-    match manager.transport.stage(&current).await {
+    match manager.transport.stage(&current, &[transport::Node::Local]).await {
         Ok(path) => manager.fleet.update(|inner| {
             if inner.weights.current.version == current.version {
                 inner.weights.current_engine_path = Some(path);

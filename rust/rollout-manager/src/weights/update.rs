@@ -208,6 +208,8 @@ async fn turn(
     pause_mode: &str,
 ) -> Turn {
     let result = async {
+        // The engine's node may have joined after the publish: staged there first if so.
+        let path = manager.weights_path_for(id, want, path).await?;
         let mut abort = false;
         if strategy == UpdateStrategy::Rolling {
             let drain = Duration::from_secs_f64(manager.config.scale_in_drain_timeout);
@@ -215,7 +217,7 @@ async fn turn(
         } else {
             control(manager, url, "/pause_generation", json!({"mode": pause_mode})).await?;
         }
-        let loaded = load_from_disk(manager, url, path, &want.version, abort).await;
+        let loaded = load_from_disk(manager, url, &path, &want.version, abort).await;
         if strategy == UpdateStrategy::AllAtOnce {
             // Resume even after a failed load: SGLang keeps the old weights then.
             control(manager, url, "/continue_generation", json!({})).await?;
@@ -306,10 +308,12 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
     committed
 }
 
-/// Lets the transport drop staged copies the fleet no longer uses.
+/// Lets the transport drop staged copies the fleet no longer uses (on this machine now, on
+/// the agents' nodes in the background).
 fn retain_current(manager: &Manager) {
     let keep: Vec<String> = manager.fleet.lock().weights.current_engine_path.iter().cloned().collect();
-    manager.transport.retain(&keep);
+    let on_agents = manager.transport.retain(&keep, &manager.weight_nodes());
+    manager.tasks.spawn(on_agents);
 }
 
 /// Ends the update FAILED: the fleet stays on its current version; engines FAILED by the update
