@@ -341,12 +341,13 @@ def test_relay_copy_lost_across_a_restart_is_staged_again(manager_bin: Path, tmp
         stop_manager(second)
 
 
-def test_manager_killed_during_an_update_ends_it_and_the_fleet_stays_on_its_version(
+def test_an_interrupted_update_whose_checkpoint_vanished_ends_failed_after_the_restart(
     manager_bin: Path, tmp_path: Path
 ) -> None:
-    """kill -9 of the manager while a rolling update loads: the restarted manager re-adopts the
-    engines (they live on under keepers), ends the update FAILED, keeps the fleet's version, and
-    brings every engine back to it; no engine process outlives the second manager."""
+    """kill -9 of the manager while a rolling update loads, then the checkpoint directory goes
+    away: the restarted manager cannot resume the update (see test_weights_resume.py for the
+    resume itself), so it ends FAILED saying why, the fleet keeps its version, and every engine
+    is brought back to it; no engine process outlives the second manager."""
     state = tmp_path / "state"
     v1 = write_checkpoint(tmp_path / "v1", 1)
     write_checkpoint(tmp_path / "v2", 2)
@@ -370,6 +371,7 @@ def test_manager_killed_during_an_update_ends_it_and_the_fleet_stays_on_its_vers
     finally:
         if first.process.poll() is None:
             stop_manager(first)
+    shutil.rmtree(tmp_path / "v2")
     second = start_manager(manager_bin, state, extra)
     try:
         update = wait_until(
@@ -377,7 +379,10 @@ def test_manager_killed_during_an_update_ends_it_and_the_fleet_stays_on_its_vers
             UPDATE_TIMEOUT,
             "the interrupted update to end FAILED",
         )
-        assert update["error_message"], update
+        assert update["resumed"] == 1, update
+        message = update["error_message"] or ""
+        assert "cannot resume after a manager restart" in message and str(tmp_path / "v2") in message, message
+        assert message.endswith("the fleet stays on v1"), message
         assert_fleet_on(second, "v1", v1, INITIAL_ENGINES)
     finally:
         stop_manager(second)

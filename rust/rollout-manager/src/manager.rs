@@ -617,10 +617,45 @@ impl Manager {
     /// checksum and applies `events` in one registry update, against the target at that instant:
     /// if a publish moved the target meanwhile, the engine is synced again.
     pub async fn sync_weights(&self, engine_id: &str, events: &[EngineEvent]) -> Result<String, EngineError> {
+        self.sync_weights_inner(engine_id, events, false).await
+    }
+
+    /// [`Manager::sync_weights`] for an engine re-adopted after a restart while an update runs:
+    /// an engine that serves the fleet's current version (the update's previous one) is taken
+    /// back on it as it is, and the update's waves move it later, so a resumed `rolling`
+    /// update keeps its waves instead of reloading every re-adopted engine at once.
+    pub async fn sync_weights_keeping_current(
+        &self,
+        engine_id: &str,
+        events: &[EngineEvent],
+    ) -> Result<String, EngineError> {
+        self.sync_weights_inner(engine_id, events, true).await
+    }
+
+    async fn sync_weights_inner(
+        &self,
+        engine_id: &str,
+        events: &[EngineEvent],
+        keep_current: bool,
+    ) -> Result<String, EngineError> {
         let mut last = None;
         for _ in 0..3 {
-            let (want, engine_path) = self.fleet.lock().weights.desired();
+            let (desired, engine_path, current) = {
+                let inner = self.fleet.lock();
+                let (desired, path) = inner.weights.desired();
+                (desired, path, inner.weights.current.clone())
+            };
             let (mut found, mut checksum) = self.served_weights(engine_id).await?;
+            // The version this engine is recorded on: the desired one, or (re-adoption) the
+            // current one when that is what it serves.
+            let want = if keep_current
+                && !desired.served_by(found.as_deref(), checksum.as_deref())
+                && current.served_by(found.as_deref(), checksum.as_deref())
+            {
+                current.clone()
+            } else {
+                desired.clone()
+            };
             if !want.served_by(found.as_deref(), checksum.as_deref()) {
                 let Some(path) = engine_path else {
                     // The startup version has no checkpoint to load: the engine must come with it.
@@ -636,7 +671,7 @@ impl Manager {
                 crate::weights::update::verify(&want, found.as_deref(), checksum.as_deref())?;
             }
             let synced = self.fleet.update(|inner| {
-                if inner.weights.desired().0 != want {
+                if inner.weights.desired().0 != desired || inner.weights.current != current {
                     return Ok(false);
                 }
                 if let Some(e) = inner.engines.get_mut(engine_id) {
@@ -644,8 +679,10 @@ impl Manager {
                     e.record.weights_checksum = checksum.clone();
                     e.record.last_error = None;
                 }
-                if let Some(u) = inner.weights.running_update_mut() {
-                    u.engine(engine_id, rollout_core::weights::EngineUpdateEvent::Verified, None);
+                if want == desired {
+                    if let Some(u) = inner.weights.running_update_mut() {
+                        u.engine(engine_id, rollout_core::weights::EngineUpdateEvent::Verified, None);
+                    }
                 }
                 for event in events {
                     inner.engine_event(engine_id, *event).map_err(|e| EngineError::Launch(e.to_string()))?;

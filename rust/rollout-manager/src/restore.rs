@@ -16,6 +16,13 @@
 //!   with the fleet's weight version, through the same recovery path as a crash. Should its old
 //!   process still run (same pid *and* start time), it is killed first, so no engine process
 //!   exists without a record;
+//! - a weight update that was in flight resumes under its id ([`crate::weights::update::resume`])
+//!   once its checkpoint is checked again ([`crate::weights::check_resumable`]; a failed check
+//!   ends it FAILED with the reason, and the fleet stays on its version). Re-adopted engines
+//!   return to routing on the version they serve if it is the fleet's current one or the
+//!   update's target; an engine the update had out of routing mid-turn (its load may still run
+//!   in it) returns only through the resumed update's turn (load and verify the target), or,
+//!   when the update cannot resume, is restarted on the current version;
 //! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes;
 //! - Ray mode: placements are restored with their agents; an engine whose agent still runs it
 //!   (Status: same pid and start time) is re-adopted like a kept one; the others are started
@@ -27,10 +34,15 @@ use crate::fleet::{Engine, EngineLoad};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
 use crate::store::Snapshot;
+use crate::weights::update::TurnEngine;
+use rollout_core::weights::EngineUpdateStatus;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// `last_error` of a managed engine that restore starts again (until its restart begins).
+pub const RESTARTING: &str = "manager restarted; starting the engine again";
 
 /// What happens to one stored engine.
 enum Fate {
@@ -62,33 +74,80 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
             adopted.push((id.clone(), process));
         }
     }
-    let (keep, drop_live) = rebuild(manager, snapshot, &adopted);
+    let Rebuilt { keep, drop_live, resumed, mid_turn } = rebuild(manager, snapshot, &adopted);
     crate::weights::restage_if_missing(manager).await;
+    let resumed = match resumed {
+        Some(id) => match crate::weights::check_resumable(manager).await {
+            Ok(()) => Some(id),
+            Err(why) => {
+                tracing::warn!(update_id = %id, error = %why, "the interrupted weight update cannot resume; it ends FAILED");
+                manager.fleet.update(|inner| inner.weights.fail_running(&why));
+                None
+            }
+        },
+        None => None,
+    };
     for (id, process) in drop_live {
         tracing::info!(engine_id = %id, pid = process.pid, "stopping a re-attached engine that was being removed");
         process.stop(manager.shutdown_grace()).await;
     }
+    let mut readopts = Vec::new();
+    let mut restarting = Vec::new();
     for (id, process) in keep {
         let m = manager.clone();
-        manager.tasks.spawn(async move {
-            match process {
-                Some(p) => readopt(&m, &id, p).await,
-                None => m.recover(&id, Duration::ZERO).await,
+        match process {
+            Some(p) => {
+                // Caught mid-turn: its turn is the resumed update's (or, when the update cannot
+                // resume, it is restarted: a load sent before the crash may still change it).
+                let turn = match (mid_turn.contains(&id), resumed.is_some()) {
+                    (false, _) => MidTurn::No,
+                    (true, true) => MidTurn::HandOver,
+                    (true, false) => MidTurn::Restart,
+                };
+                readopts.push(manager.tasks.spawn(async move { readopt(&m, &id, p, turn).await }));
             }
-        });
+            None => {
+                restarting.push(id.clone());
+                manager.tasks.spawn(async move { m.recover(&id, Duration::ZERO).await });
+            }
+        }
     }
+    if let Some(update_id) = resumed {
+        let m = manager.clone();
+        manager.tasks.spawn(crate::weights::update::resume(m, update_id, readopts, restarting));
+    }
+}
+
+/// What [`rebuild`] decided.
+struct Rebuilt {
+    keep: Keep,
+    drop_live: DropLive,
+    /// The weight update that was in flight, to resume.
+    resumed: Option<String>,
+    /// Engines that update had taken out of routing for their turn (WEIGHT_SYNCING, UPDATING).
+    mid_turn: HashSet<String>,
+}
+
+/// How a re-adopted engine returns, given the update that was in flight.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MidTurn {
+    /// Not caught mid-turn: checked and taken back on the version it serves (current or target).
+    No,
+    /// Caught mid-turn, and the update resumes: once healthy it waits in WEIGHT_SYNCING for its
+    /// turn in the resumed update.
+    HandOver,
+    /// Caught mid-turn, and the update cannot resume: restarted on the current version.
+    Restart,
 }
 
 type Keep = Vec<(String, Option<crate::host::EngineProcess>)>;
 type DropLive = Vec<(String, crate::host::EngineProcess)>;
 
-fn rebuild(
-    manager: &Arc<Manager>,
-    snapshot: Snapshot,
-    adopted: &[(String, crate::host::EngineProcess)],
-) -> (Keep, DropLive) {
+fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate::host::EngineProcess)]) -> Rebuilt {
     let mut keep = Vec::new();
     let mut drop_live = Vec::new();
+    let mut resumed = None;
+    let mut mid_turn = HashSet::new();
     let ray = manager.ray();
     manager.fleet.update(|inner| {
         for p in &snapshot.placements {
@@ -102,8 +161,22 @@ fn rebuild(
         }
         if let Some(weights) = &snapshot.weights {
             inner.weights = weights.clone();
-            inner.weights.after_restart();
+            resumed = inner.weights.resume_after_restart();
             inner.weight_version = inner.weights.current.version.clone();
+            if let Some(u) = inner.weights.running_update() {
+                mid_turn.extend(
+                    snapshot
+                        .engines
+                        .iter()
+                        .filter(|e| {
+                            e.record.status == EngineStatus::WeightSyncing
+                                && u.engines
+                                    .get(&e.record.engine_id)
+                                    .is_some_and(|p| p.status == EngineUpdateStatus::Updating)
+                        })
+                        .map(|e| e.record.engine_id.clone()),
+                );
+            }
         }
         inner.next_seq = inner.next_seq.max(snapshot.engines.iter().map(|e| e.seq + 1).max().unwrap_or(0));
 
@@ -205,7 +278,7 @@ fn rebuild(
                 } else {
                     record.pid = None;
                     record.status = EngineStatus::Failed;
-                    record.last_error = Some("manager restarted; starting the engine again".into());
+                    record.last_error = Some(RESTARTING.into());
                 }
                 keep.push((id.clone(), live.clone()));
             }
@@ -233,22 +306,56 @@ fn rebuild(
             }
         }
     });
-    (keep, drop_live)
+    Rebuilt { keep, drop_live, resumed, mid_turn }
 }
 
-/// Takes a re-attached engine back into service: healthy and on the fleet's version -> ACTIVE
-/// (no restart); otherwise it is stopped and recovered like a crash.
-async fn readopt(manager: &Arc<Manager>, engine_id: &str, process: crate::host::EngineProcess) {
+/// Takes a re-attached engine back into service: healthy and on the fleet's version (or the
+/// running update's target) -> ACTIVE, no restart; otherwise it is stopped and recovered like a
+/// crash. An engine caught mid-turn by the restart is handed to the resumed update instead
+/// (answered here, waiting in WEIGHT_SYNCING), or restarted when the update cannot resume.
+async fn readopt(
+    manager: &Arc<Manager>,
+    engine_id: &str,
+    process: crate::host::EngineProcess,
+    turn: MidTurn,
+) -> Option<TurnEngine> {
     manager.watch_exit(engine_id.to_string(), process.clone());
     let checked = async {
+        if turn == MidTurn::Restart {
+            return Err(crate::manager::EngineError::Launch(
+                "it was loading weights for an update that cannot resume".into(),
+            ));
+        }
         manager.wait_healthy(engine_id, &manager.shutdown).await?;
+        if turn == MidTurn::HandOver {
+            return manager.fleet.update(|inner| {
+                inner
+                    .engine_event(engine_id, EngineEvent::Healthy)
+                    .map_err(|e| crate::manager::EngineError::Launch(e.to_string()))?;
+                let e = inner.engines.get(engine_id).ok_or(crate::manager::EngineError::Cancelled)?;
+                Ok(Some((engine_id.to_string(), e.record.url.clone(), e.load.clone())))
+            });
+        }
         manager
-            .sync_weights(engine_id, &[EngineEvent::Healthy, EngineEvent::WeightsSynced, EngineEvent::Activated])
+            .sync_weights_keeping_current(
+                engine_id,
+                &[EngineEvent::Healthy, EngineEvent::WeightsSynced, EngineEvent::Activated],
+            )
             .await
+            .map(|_| None)
     };
     match tokio::time::timeout(Duration::from_secs(60), checked).await {
-        Ok(Ok(_)) => {
-            tracing::info!(engine_id, pid = process.pid, "re-adopted engine without restart");
+        Ok(Ok(handed)) => {
+            if handed.is_some() {
+                tracing::info!(
+                    engine_id,
+                    pid = process.pid,
+                    "re-adopted engine without restart; it finishes its turn in the resumed weight update"
+                );
+            } else {
+                tracing::info!(engine_id, pid = process.pid, "re-adopted engine without restart");
+            }
+            handed
         }
         outcome => {
             let why = match outcome {
@@ -263,7 +370,10 @@ async fn readopt(manager: &Arc<Manager>, engine_id: &str, process: crate::host::
                 let _ = inner.engine_event(engine_id, EngineEvent::Fail);
             });
             process.stop(manager.shutdown_grace()).await;
-            manager.recover(engine_id, Duration::ZERO).await;
+            let m = manager.clone();
+            let id = engine_id.to_string();
+            manager.tasks.spawn(async move { m.recover(&id, Duration::ZERO).await });
+            None
         }
     }
 }

@@ -119,12 +119,21 @@ impl Server {
         if snapshot.is_empty() {
             // A fleet with no engine left still remembers its published version.
             if let Some(mut weights) = snapshot.weights {
-                weights.after_restart();
+                let resumed = weights.resume_after_restart();
                 manager.fleet.update(|inner| {
                     inner.weight_version = weights.current.version.clone();
                     inner.weights = weights;
                 });
                 crate::weights::restage_if_missing(&manager).await;
+                if let Some(update_id) = resumed {
+                    match crate::weights::check_resumable(&manager).await {
+                        Ok(()) => {
+                            let m = manager.clone();
+                            manager.tasks.spawn(crate::weights::update::resume(m, update_id, Vec::new(), Vec::new()));
+                        }
+                        Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why)),
+                    }
+                }
             }
             if let Err(e) = scaling::start_initial(&manager, &cancels) {
                 tracing::error!(error = %e, "cannot reserve the initial engines");

@@ -180,6 +180,7 @@ async fn publish(
                 req.strategy
             ),
             history: vec![Transition { status: "PENDING".into(), at: now }],
+            resumed: 0,
         };
         let out = json!({
             "update_id": update_id,
@@ -257,7 +258,7 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
         .map(|u| {
             json!({"update_id": u.update_id, "version": u.version, "path": u.path, "checksum": u.checksum,
                    "strategy": u.strategy, "status": u.status, "published_at": u.created_at,
-                   "finished_at": u.finished_at, "error_message": u.error_message})
+                   "finished_at": u.finished_at, "error_message": u.error_message, "resumed": u.resumed})
         })
         .collect();
     let last_strategy = done.first().map(|u| u.strategy);

@@ -25,7 +25,12 @@
 //! - One update runs at a time (409 otherwise); publishing the same version, path and checksum
 //!   again is answered with the existing update; a version name never changes its bytes (409).
 //! - The state is persisted in the store, so a restarted manager knows the version and its
-//!   checkpoint; an update in flight at a crash ends FAILED and the engines converge back.
+//!   checkpoint, and an update in flight when the manager stopped (crash, SIGKILL, SIGTERM)
+//!   resumes under the same id ([`update::resume`]): its checkpoint is checked again (gone or
+//!   changed: the update ends FAILED with the reason, the fleet stays), engines already on the
+//!   target count as done, engines caught mid-turn finish their turn, and the rest follow the
+//!   strategy. The record counts the restarts it went through (`resumed`, and a `RESUMED`
+//!   entry in its history).
 
 pub mod api;
 pub mod checkpoint;
@@ -78,7 +83,14 @@ pub struct UpdateRecord {
     pub error_message: Option<String>,
     pub message: String,
     pub history: Vec<Transition>,
+    /// How many times a restarted manager took this update up again (0: never interrupted).
+    #[serde(default)]
+    pub resumed: u32,
 }
+
+/// The `history` entry written when a restarted manager resumes an update (not a status: the
+/// update keeps its status, PENDING or UPDATING).
+pub const RESUMED: &str = "RESUMED";
 
 impl UpdateRecord {
     pub fn apply(&mut self, event: WeightUpdateEvent) -> Result<(), IllegalTransition> {
@@ -222,17 +234,73 @@ impl WeightsState {
         }
     }
 
-    /// After a manager restart: an update that was in flight ends FAILED (its engines are
-    /// checked against the current version again as they come back).
-    pub fn after_restart(&mut self) {
+    /// After a manager restart: the update that was in flight, if any, is marked resumed
+    /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
+    /// Whether it can really go on is checked next ([`check_resumable`]).
+    pub fn resume_after_restart(&mut self) -> Option<String> {
+        let u = self.running_update_mut()?;
+        if u.status.is_terminal() {
+            self.running = None;
+            return None;
+        }
+        u.resumed += 1;
+        u.updated_at = unix_now();
+        u.history.push(Transition { status: RESUMED.into(), at: u.updated_at });
+        u.message = format!("resumed after a manager restart ({} so far); publishing {}", u.resumed, u.version);
+        tracing::info!(update_id = %u.update_id, version = %u.version, resumed = u.resumed, "weight update resumed after a restart");
+        Some(u.update_id.clone())
+    }
+
+    /// Ends the running update FAILED because it cannot go on after a restart; the fleet stays
+    /// on its current version (engines are brought back to it as they are re-adopted).
+    pub fn fail_running(&mut self, why: &str) {
         if let Some(u) = self.running_update_mut() {
-            u.error_message = Some(
-                "the manager restarted while this update was in flight; the fleet stays on the previous version".into(),
-            );
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             let _ = u.apply(WeightUpdateEvent::Fail);
         }
         self.running = None;
     }
+}
+
+/// After a restart, before any engine is re-adopted: checks that the running update's target can
+/// still be loaded, and stages it again where its staged copy is gone. Err: why not (the
+/// checkpoint directory vanished or changed, or staging failed); the caller fails the update.
+pub async fn check_resumable(manager: &crate::manager::Manager) -> Result<(), String> {
+    let Some((update_id, want, engine_path)) = ({
+        let inner = manager.fleet.lock();
+        inner.weights.running_update().map(|u| (u.update_id.clone(), u.version_record(), u.engine_path.clone()))
+    }) else {
+        return Ok(());
+    };
+    let path = want.path.clone().unwrap_or_default();
+    let dir = std::path::PathBuf::from(&path);
+    let info = tokio::task::spawn_blocking(move || checkpoint::read(&dir))
+        .await
+        .map_err(|e| format!("cannot check the checkpoint after the restart: {e}"))?
+        .map_err(|e| format!("cannot resume after a manager restart: the checkpoint is no longer usable ({e})"))?;
+    if want.checksum.as_deref() != Some(info.checksum.as_str()) {
+        return Err(format!(
+            "cannot resume after a manager restart: the checkpoint at {path} changed (SHA-256 {} now, {} published)",
+            info.checksum,
+            want.checksum.as_deref().unwrap_or("-")
+        ));
+    }
+    if manager.ray() || std::path::Path::new(&engine_path).exists() {
+        // On agents' nodes the copy is checked (and staged if missing) before each load.
+        return Ok(());
+    }
+    tracing::warn!(update_id, version = %want.version, path = %engine_path, "the update's staged copy is gone; staging it again");
+    let staged = manager
+        .transport
+        .stage(&want, &[transport::Node::Local])
+        .await
+        .map_err(|e| format!("cannot resume after a manager restart: {e}"))?;
+    manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+            u.engine_path = staged;
+        }
+    });
+    Ok(())
 }
 
 /// After a restart in local mode: when the current version's engine copy is gone (a reboot
@@ -287,6 +355,7 @@ mod tests {
             error_message: None,
             message: String::new(),
             history: Vec::new(),
+            resumed: 0,
         }
     }
 
@@ -299,11 +368,38 @@ mod tests {
         let (want, path) = w.desired();
         assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
         assert_eq!(path.as_deref(), Some("/stage/v1"));
-        // A restart ends the running update FAILED; the fleet stays where it was.
-        w.after_restart();
+    }
+
+    #[test]
+    fn a_restart_resumes_the_running_update_and_counts_it() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.resume_after_restart(), None);
+        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some("u1".into());
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        let u = &w.updates["u1"];
+        assert_eq!((u.status, u.resumed), (WeightUpdateStatus::Updating, 2));
+        let entries: Vec<&str> = u.history.iter().map(|h| h.status.as_str()).collect();
+        assert_eq!(entries, vec![RESUMED, RESUMED]);
+        // Still the target: new and re-adopted engines are brought to it.
+        assert_eq!(w.desired().0.version, "v1");
+        // One that cannot go on ends FAILED with the reason; the fleet stays where it was.
+        w.fail_running("the checkpoint is gone");
         assert_eq!(w.running, None);
-        assert_eq!(w.updates["u1"].status, WeightUpdateStatus::Failed);
+        let u = &w.updates["u1"];
+        assert_eq!(u.status, WeightUpdateStatus::Failed);
+        assert_eq!(u.error_message.as_deref(), Some("the checkpoint is gone; the fleet stays on default"));
         assert_eq!(w.desired().0.version, "v0");
+        assert_eq!(w.resume_after_restart(), None);
+    }
+
+    #[test]
+    fn records_written_before_resume_existed_read_as_never_resumed() {
+        let mut v = serde_json::to_value(record("u", "v1", 0.0, WeightUpdateStatus::Updating)).unwrap();
+        v.as_object_mut().unwrap().remove("resumed");
+        let back: UpdateRecord = serde_json::from_value(v).unwrap();
+        assert_eq!(back.resumed, 0);
     }
 
     #[test]

@@ -17,8 +17,16 @@
 //! update ends FAILED with its reason; then every engine on the failed version is restarted, and
 //! failed engines are recovered, on the fleet's current checkpoint (external engines on the
 //! failed version go UNHEALTHY instead, and rejoin once the health monitor has them load the
-//! current version). An engine that leaves the fleet during its turn (scale-in) is SKIPPED. A
-//! manager shutdown fails the update.
+//! current version). An engine that leaves the fleet during its turn (scale-in) is SKIPPED.
+//!
+//! Restarts: a manager shutdown leaves the update in flight (its message says so); a manager
+//! that stops in any way, crash and SIGKILL included, finds it in its store and resumes it
+//! ([`resume`], started by [`crate::restore`]): once the engines it kept have settled (re-adopted
+//! ones checked against the current version *or* the target, restarted ones launched on the
+//! target), the engines caught mid-turn finish their turn first, then the strategy goes on with
+//! the engines still behind. Engines caught mid-turn never return to routing on what they
+//! report at the restart (a load sent before the crash may still be running in them): their
+//! turn loads and verifies the target again.
 
 use crate::manager::{EngineError, Manager};
 use rollout_core::weights::{
@@ -93,10 +101,73 @@ async fn control(manager: &Manager, url: &str, path: &'static str, body: serde_j
         .map_err(|e| EngineError::Unreachable { path, detail: e.to_string() })
 }
 
+/// An engine whose turn starts out of routing (WEIGHT_SYNCING): id, URL, in-flight counter.
+pub type TurnEngine = (String, String, Arc<crate::fleet::EngineLoad>);
+
+/// Why an update stopped before committing.
+enum Stop {
+    /// It failed, for this reason.
+    Failed(String),
+    /// The manager is shutting down: the update stays in flight for a restart to resume.
+    Interrupted,
+}
+
 /// Runs the update to its end. Never panics; every outcome is recorded on the update.
 pub async fn run(manager: Arc<Manager>, update_id: String) {
+    run_with(manager, update_id, Vec::new()).await;
+}
+
+/// Resumes an update after a manager restart. `readopts` are the re-adoption tasks of the
+/// engines the restore kept alive (each answers the engine if it was caught mid-turn and now
+/// waits in WEIGHT_SYNCING for the update); `restarting` are the engines it started again. The
+/// update goes on once all of them have settled, so it neither commits before the fleet is
+/// back nor takes an engine out of routing that re-adoption is still checking.
+pub async fn resume(
+    manager: Arc<Manager>,
+    update_id: String,
+    readopts: Vec<tokio::task::JoinHandle<Option<TurnEngine>>>,
+    restarting: Vec<String>,
+) {
+    let mut carry = Vec::new();
+    for handle in readopts {
+        tokio::select! {
+            joined = handle => carry.extend(joined.ok().flatten()),
+            _ = manager.shutdown.cancelled() => return,
+        }
+    }
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        let starting = {
+            let inner = manager.fleet.lock();
+            restarting.iter().any(|id| {
+                inner.engines.get(id).is_some_and(|e| {
+                    matches!(
+                        e.record.status,
+                        EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing
+                    ) || (e.record.status == EngineStatus::Failed
+                        && e.record.last_error.as_deref() == Some(crate::restore::RESTARTING))
+                })
+            })
+        };
+        if !starting {
+            break;
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = manager.shutdown.cancelled() => return,
+        }
+    }
+    tracing::info!(update_id, mid_turn = ?carry.iter().map(|c| &c.0).collect::<Vec<_>>(), "resuming the weight update");
+    run_with(manager, update_id, carry).await;
+}
+
+async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngine>) {
     let plan = manager.fleet.update(|inner| {
         let u = inner.weights.updates.get_mut(&update_id)?;
+        if u.status.is_terminal() {
+            return None;
+        }
         let _ = u.apply(WeightUpdateEvent::Start);
         let want = WeightVersion {
             version: u.version.clone(),
@@ -107,13 +178,25 @@ pub async fn run(manager: Arc<Manager>, update_id: String) {
         Some((want, u.engine_path.clone(), u.strategy, u.max_unavailable, u.pause_mode.clone()))
     });
     let Some((want, path, strategy, max_unavailable, pause_mode)) = plan else { return };
-    let outcome = converge(&manager, &update_id, &want, &path, strategy, max_unavailable, &pause_mode).await;
-    if let Err(why) = outcome {
-        fail(&manager, &update_id, &want, &why).await;
+    let outcome = converge(&manager, &update_id, &want, &path, strategy, max_unavailable, &pause_mode, carry).await;
+    match outcome {
+        Ok(()) => {}
+        Err(Stop::Failed(why)) => fail(&manager, &update_id, &want, &why).await,
+        Err(Stop::Interrupted) => manager.fleet.update(|inner| {
+            if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+                u.message = format!(
+                    "interrupted by the manager's shutdown while publishing {}; a manager restarted on the same --state-dir resumes it",
+                    u.version
+                );
+                tracing::info!(update_id, version = %u.version, "weight update interrupted by the shutdown; left in flight");
+            }
+        }),
     }
 }
 
-/// Waves until every serving engine is on `want`, then commits. Err: why the update failed.
+/// Waves until every serving engine is on `want`, then commits. `carry`: engines already out
+/// of routing for their turn (caught mid-turn by a restart), taken first.
+#[expect(clippy::too_many_arguments, reason = "the update's plan, plus the engines carried over a restart")]
 async fn converge(
     manager: &Arc<Manager>,
     update_id: &str,
@@ -122,13 +205,29 @@ async fn converge(
     strategy: UpdateStrategy,
     max_unavailable: Option<u32>,
     pause_mode: &str,
-) -> Result<(), String> {
+    mut carry: Vec<TurnEngine>,
+) -> Result<(), Stop> {
     let mut changes = manager.fleet.subscribe();
     loop {
         if manager.shutdown.is_cancelled() {
-            return Err("the manager shut down during the update".into());
+            return Err(Stop::Interrupted);
         }
-        let wave: Vec<(String, String, Arc<crate::fleet::EngineLoad>)> = manager.fleet.update(|inner| {
+        let wave: Vec<TurnEngine> = manager.fleet.update(|inner| {
+            // Carried engines still waiting in WEIGHT_SYNCING (one that failed meanwhile is
+            // being recovered; one that left is gone).
+            let mut out: Vec<TurnEngine> = std::mem::take(&mut carry)
+                .into_iter()
+                .filter(|(id, _, load)| {
+                    inner
+                        .engines
+                        .get(id)
+                        .is_some_and(|e| e.record.status == EngineStatus::WeightSyncing && Arc::ptr_eq(&e.load, load))
+                })
+                .collect();
+            if strategy == UpdateStrategy::Rolling && !out.is_empty() {
+                // The interrupted wave finishes before the next one starts.
+                return out;
+            }
             let mut engines: Vec<&crate::fleet::Engine> = inner.engines.values().collect();
             engines.sort_by_key(|e| e.seq);
             let views: Vec<EngineView> = engines
@@ -141,7 +240,6 @@ async fn converge(
                 .collect();
             let serving = views.iter().filter(|v| v.serving).count();
             let ids = next_wave(&views, wave_size(strategy, max_unavailable, serving));
-            let mut out = Vec::new();
             for id in ids {
                 if inner.engine_event(&id, EngineEvent::UpdateWeights).is_err() {
                     continue;
@@ -173,6 +271,8 @@ async fn converge(
             wave.iter().map(|(id, url, load)| turn(manager, id, url, load, want, path, strategy, pause_mode)),
         )
         .await;
+        // A turn cut short by the shutdown is not the engine's failure: a restart resumes it.
+        let interrupted = manager.shutdown.is_cancelled();
         let mut failures = Vec::new();
         manager.fleet.update(|inner| {
             for ((id, _, _), result) in wave.iter().zip(&turns) {
@@ -182,6 +282,7 @@ async fn converge(
                     Turn::Skipped => {
                         u.engine(id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
                     }
+                    Turn::Failed(_) if interrupted => {}
                     Turn::Failed(why) => {
                         u.engine(id, EngineUpdateEvent::Fail, Some(why.clone()));
                         failures.push(format!("{id}: {why}"));
@@ -189,8 +290,11 @@ async fn converge(
                 }
             }
         });
+        if interrupted {
+            return Err(Stop::Interrupted);
+        }
         if !failures.is_empty() {
-            return Err(failures.join("; "));
+            return Err(Stop::Failed(failures.join("; ")));
         }
     }
 }
