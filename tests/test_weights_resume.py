@@ -187,3 +187,36 @@ def test_an_all_at_once_update_killed_while_loading_resumes_and_commits(manager_
     assert before["status"] == "UPDATING", before
     assert ended["resumed"] == 1 and ended["strategy"] == "all_at_once", ended
     assert {e["status"] for e in ended["engines"].values()} == {"VERIFIED"}, ended["engines"]
+
+
+def test_an_update_interrupted_by_an_orderly_shutdown_resumes_after_the_restart(
+    manager_bin: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while an engine loads: the shutdown stops the engines but leaves the update in
+    flight (a turn cut short by the shutdown is not a failure); the next manager starts the
+    engines again on the target and commits the same update."""
+    state = tmp_path / "state"
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    extra = ("--engine-arg=--weight-load-delay=2",)
+    first = start_manager(manager_bin, state, extra)
+    try:
+        first.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        update_id = publish(first, "v1", tmp_path / "v1", max_unavailable=1)["update_id"]
+        wait_until(
+            lambda: any(e["status"] == "UPDATING" for e in first.client.weight_update(update_id)["engines"].values()),
+            UPDATE_TIMEOUT,
+            "an engine loading v1",
+        )
+    finally:
+        stop_manager(first)
+    second = start_manager(manager_bin, state, extra)
+    try:
+        ended = wait_until(
+            lambda: (u := second.client.weight_update(update_id))["status"] in ("COMPLETED", "FAILED") and u,
+            UPDATE_TIMEOUT,
+            lambda: f"the resumed update to end\nmanager stderr:\n{second.stderr_tail()}",
+        )
+        assert ended["status"] == "COMPLETED" and ended["resumed"] == 1, json.dumps(ended, indent=1)
+        assert_fleet_on(second, "v1", checksum, 2)
+    finally:
+        stop_manager(second)
