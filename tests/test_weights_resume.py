@@ -10,6 +10,7 @@ for it would show up here.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import urllib.error
@@ -78,13 +79,16 @@ class PinnedTraffic:
             self.served[kind] += 1
 
 
-def start(manager_bin: Path, state: Path, ports: tuple[int, int], load_delay: float) -> ManagerHandle:
+def start(
+    manager_bin: Path, state: Path, ports: tuple[int, int], load_delay: float, more: tuple[str, ...] = ()
+) -> ManagerHandle:
     extra = (
         "--rollout-num-gpus", str(ENGINES),
         "--reattach-grace-secs", "60",
         f"--engine-arg=--weight-load-delay={load_delay}",
         "--version-wait-secs", "1",
         "--port", str(ports[0]), "--router-port", str(ports[1]),
+        *more,
     )  # fmt: skip
     return start_manager(manager_bin, state, extra)
 
@@ -99,16 +103,23 @@ def engine_identities(fleet: ManagerHandle) -> dict[str, ProcessIdentity]:
 
 
 def crash_mid_update(
-    manager_bin: Path, tmp_path: Path, strategy: str, caught: Any, load_delay: float
+    manager_bin: Path,
+    tmp_path: Path,
+    strategy: str,
+    caught: Any,
+    load_delay: float,
+    more: tuple[str, ...] = (),
+    while_down: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """Starts a fleet on the startup version, publishes v1 with ``strategy`` while pinned
-    traffic flows, kills the manager with SIGKILL once ``caught(update, engines)`` holds,
-    restarts it on the same state dir and ports, and waits for the update to end. Answers the
-    update as seen just before the kill, as it ended, and the published checksum."""
+    """Starts a fleet on the startup version (``more``: extra flags), publishes v1 with
+    ``strategy`` while pinned traffic flows, kills the manager with SIGKILL once
+    ``caught(update, engines)`` holds, runs ``while_down()``, restarts it on the same state dir
+    and ports, and waits for the update to end. Answers the update as seen just before the
+    kill, as it ended, and the published checksum."""
     state = tmp_path / "state"
     checksum = write_checkpoint(tmp_path / "v1", 1)
     ports = (free_port(), free_port())
-    first = start(manager_bin, state, ports, load_delay)
+    first = start(manager_bin, state, ports, load_delay, more)
     second: ManagerHandle | None = None
     identities: dict[str, ProcessIdentity] = {}
     try:
@@ -126,8 +137,10 @@ def crash_mid_update(
             identities = engine_identities(first)
             first.process.kill()
             first.process.wait()
+            if while_down is not None:
+                while_down()
 
-            second = start(manager_bin, state, ports, load_delay)
+            second = start(manager_bin, state, ports, load_delay, more)
             ended = wait_until(
                 lambda: (u := second.client.weight_update(update_id))["status"] in ("COMPLETED", "FAILED") and u,
                 UPDATE_TIMEOUT,
@@ -173,6 +186,34 @@ def test_a_rolling_update_killed_mid_wave_resumes_and_commits(manager_bin: Path,
     done = [i for i, e in before["engines"].items() if e["status"] == "VERIFIED"]
     for engine_id in done:
         assert ended["engines"][engine_id]["started_at"] == before["engines"][engine_id]["started_at"], engine_id
+
+
+def test_a_relay_update_whose_staged_copy_vanished_with_the_manager_stages_it_again(
+    manager_bin: Path, tmp_path: Path
+) -> None:
+    """Relay transport: the staged copy under --relay-dir is gone when the manager comes back
+    (as after a reboot empties /dev/shm); the resumed update stages it again from the published
+    directory and completes."""
+    relay_dir = tmp_path / "relay"
+    staged: list[Path] = []
+
+    def caught(update: dict[str, Any], engines: list[dict[str, Any]]) -> bool:
+        return any(e["weight_version"] == "v1" for e in engines) and any(
+            e["status"] == "UPDATING" for e in update["engines"].values()
+        )
+
+    def remove_staged_copy() -> None:
+        staged[:] = [p for p in relay_dir.iterdir() if p.name.startswith("v1-")]
+        assert len(staged) == 1, list(relay_dir.iterdir())
+        shutil.rmtree(staged[0])
+
+    more = ("--weight-transport", "relay", "--relay-dir", str(relay_dir))
+    _, ended, checksum = crash_mid_update(
+        manager_bin, tmp_path, "rolling", caught, load_delay=1, more=more, while_down=remove_staged_copy
+    )
+    assert ended["resumed"] == 1 and ended["engine_path"] == str(staged[0]), ended
+    assert (staged[0] / ".relay-manifest.json").is_file(), list(relay_dir.iterdir())
+    assert {e["status"] for e in ended["engines"].values()} == {"VERIFIED"}, ended["engines"]
 
 
 def test_an_all_at_once_update_killed_while_loading_resumes_and_commits(manager_bin: Path, tmp_path: Path) -> None:
