@@ -165,7 +165,7 @@ pub struct ServeConfig {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub max_inflight_per_engine: usize,
     /// Which waiting request gets a freed slot under --max-inflight-per-engine: `fifo`
-    /// (arrival), or `longest_first` (largest prompt plus max_new_tokens first: for a batch of
+    /// (arrival), or `longest_first` (session turns, then the largest max_new_tokens first: for a batch of
     /// rollouts sent at once, long generations start first instead of last; short requests may
     /// wait behind long ones, at most --request-timeout-secs).
     #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo)]

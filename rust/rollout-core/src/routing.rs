@@ -64,7 +64,8 @@ pub enum QueueOrder {
     /// Arrival order.
     #[default]
     Fifo,
-    /// Largest expected KV footprint (prompt plus `max_new_tokens`) first, ties by arrival.
+    /// Turns of multi-turn sessions first, then the largest output budget (`max_new_tokens`),
+    /// then arrival.
     LongestFirst,
 }
 

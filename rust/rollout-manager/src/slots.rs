@@ -1,8 +1,11 @@
 //! The router's wait queue for engine slots (`--max-inflight-per-engine`).
 //!
 //! A request that finds every engine at its cap takes a [`Ticket`] and waits. Tickets are
-//! ordered by `--queue-order`: arrival (`fifo`), or the request's expected KV footprint, prompt
-//! plus `max_new_tokens`, largest first (`longest_first`, ties by arrival). When a request ends
+//! ordered by `--queue-order`: arrival (`fifo`), or `longest_first`: turns of multi-turn
+//! sessions (requests with a session key) before one-shot requests, since the session's next
+//! turn cannot start until this one ends, then the output budget (`max_new_tokens`), largest
+//! first, then arrival. The budget, not the prompt, is what makes a generation long: prefill is
+//! a small part of a request's time. When a request ends
 //! somewhere, [`SlotQueue::wake_next`] wakes the first ticket not already woken, so freed slots
 //! go out in queue order, one wake per slot. A woken request that takes a slot and sees another
 //! still free wakes the next one (a joining engine frees several at once); one that cannot use
@@ -16,7 +19,7 @@
 //! grinding through a long request that started late. The price is that short requests wait
 //! behind long ones (at most `--request-timeout-secs`); use `fifo` for interactive traffic.
 
-use rollout_core::routing::QueueOrder;
+use rollout_core::routing::{QueueOrder, MAX_ESTIMATE_TOKENS};
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -59,11 +62,12 @@ impl SlotQueue {
         self.len() == 0
     }
 
-    /// Queues a request whose expected KV footprint is `tokens`.
-    pub fn join(self: &Arc<Self>, tokens: u64) -> Ticket {
+    /// Queues a request whose output budget is `budget` tokens; `session`: it has a session key.
+    pub fn join(self: &Arc<Self>, budget: u64, session: bool) -> Ticket {
         let priority = match self.order {
             QueueOrder::Fifo => 0,
-            QueueOrder::LongestFirst => tokens,
+            // Budgets are at most 2^40 (`MAX_ESTIMATE_TOKENS`): the top bit is free for sessions.
+            QueueOrder::LongestFirst => budget.min(MAX_ESTIMATE_TOKENS) | (u64::from(session) << 63),
         };
         let key = (Reverse(priority), self.seq.fetch_add(1, Ordering::Relaxed));
         let notify = Arc::new(Notify::new());
@@ -135,9 +139,9 @@ mod tests {
     #[tokio::test]
     async fn fifo_wakes_in_arrival_order_one_per_slot() {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
-        let a = q.join(10);
-        let b = q.join(500);
-        let c = q.join(100);
+        let a = q.join(10, false);
+        let b = q.join(500, false);
+        let c = q.join(100, false);
         assert!(a.is_head());
         q.wake_next();
         q.wake_next();
@@ -154,9 +158,9 @@ mod tests {
     #[tokio::test]
     async fn longest_first_orders_by_size_then_arrival() {
         let q = Arc::new(SlotQueue::new(QueueOrder::LongestFirst));
-        let small = q.join(10);
-        let big = q.join(500);
-        let big2 = q.join(500);
+        let small = q.join(10, false);
+        let big = q.join(500, false);
+        let big2 = q.join(500, false);
         assert!(big.is_head());
         q.wake_next();
         assert!(is_woken(&big).await);
@@ -171,10 +175,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn longest_first_serves_session_turns_before_one_shot_requests() {
+        let q = Arc::new(SlotQueue::new(QueueOrder::LongestFirst));
+        let big = q.join(4000, false);
+        let turn = q.join(50, true);
+        assert!(turn.is_head());
+        drop(turn);
+        assert!(big.is_head());
+        let fifo = Arc::new(SlotQueue::new(QueueOrder::Fifo));
+        let first = fifo.join(1, false);
+        let _turn = fifo.join(4000, true);
+        assert!(first.is_head(), "fifo ignores sizes and sessions");
+    }
+
+    #[tokio::test]
     async fn a_waiter_that_cannot_use_its_slot_passes_it_behind_it() {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
-        let pinned = q.join(1);
-        let other = q.join(1);
+        let pinned = q.join(1, false);
+        let other = q.join(1, false);
         q.wake_next();
         assert!(is_woken(&pinned).await);
         pinned.pass_on();
@@ -187,8 +205,8 @@ mod tests {
     #[tokio::test]
     async fn a_wake_not_taken_is_handed_on_when_its_waiter_leaves() {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
-        let a = q.join(1);
-        let b = q.join(1);
+        let a = q.join(1, false);
+        let b = q.join(1, false);
         q.wake_next();
         drop(a); // e.g. timed out before it ran
         assert!(is_woken(&b).await);
@@ -199,8 +217,8 @@ mod tests {
     #[tokio::test]
     async fn a_woken_waiter_is_not_woken_twice_until_it_takes_the_wake() {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
-        let a = q.join(1);
-        let b = q.join(1);
+        let a = q.join(1, false);
+        let b = q.join(1, false);
         q.wake_next();
         q.wake_next(); // a has a wake pending: the second slot goes to b
         assert!(is_woken(&b).await);

@@ -31,8 +31,8 @@
 //!
 //! Late binding (`--max-inflight-per-engine N`): an engine gets at most about N requests at
 //! once (two requests deciding at the same instant may both take the last slot). The rest wait
-//! in the router's queue (`crate::slots`: arrival order, or largest first with `--queue-order
-//! longest_first`), and each goes to the first engine with a free slot when one frees or an
+//! in the router's queue (`crate::slots`: arrival order, or with `--queue-order longest_first`
+//! session turns first, then the largest output budget), and each goes to the first engine with a free slot when one frees or an
 //! engine joins. Work then never sits in one engine's queue while another, e.g. one a
 //! scale-out just added, is idle. A request waits at most `--request-timeout-secs` for a slot,
 //! then gets 503 `router_queue_timeout`.
@@ -473,7 +473,10 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 let behind = queued.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
                 if open.is_empty() || behind {
                     let (ticket, _) = queued.get_or_insert_with(|| {
-                        (queue.join(info.tokens), QueuedGuard::new(state.manager.router_metrics.clone()))
+                        (
+                            queue.join(info.output_budget, info.session.is_some()),
+                            QueuedGuard::new(state.manager.router_metrics.clone()),
+                        )
                     });
                     if !open.is_empty() {
                         // Room, but others wait: the head of the queue (maybe this request) takes it.

@@ -66,6 +66,9 @@ enum Pin<'a> {
 pub struct RequestInfo {
     /// Estimated KV tokens (prompt + output budget).
     pub tokens: u64,
+    /// The output budget (`max_new_tokens`, `max_completion_tokens` or `max_tokens`; 128 when
+    /// absent): what orders the router's queue with `--queue-order longest_first`.
+    pub output_budget: u64,
     pub session: Option<String>,
     /// Hash of the prompt, for prefix affinity.
     pub prompt_hash: Option<u64>,
@@ -121,6 +124,7 @@ pub fn peek(
         .or_else(|| parsed.routing_key.map(Cow::into_owned));
     Ok(RequestInfo {
         tokens: estimate_tokens(prompt_bytes, prompt_ids, max_new, None),
+        output_budget: max_new.unwrap_or(128).min(rollout_core::routing::MAX_ESTIMATE_TOKENS),
         session,
         prompt_hash: prompt_raw.map(|r| hash_bytes(r.as_bytes())),
         pin,
@@ -166,6 +170,7 @@ mod tests {
         let info = peek(body, None, None).unwrap();
         // "0123456789abcdef" with quotes is 18 bytes -> 5 tokens, plus 10.
         assert_eq!(info.tokens, 15);
+        assert_eq!(info.output_budget, 10);
         assert!(info.prompt_hash.is_some() && info.session.is_none() && info.pin.is_none());
     }
 
