@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, metric_total, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, metric_total, sse_events, wait_until
 
 
 def generate(fleet: ManagerHandle, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[str, Any]:
@@ -149,6 +149,20 @@ def test_router_metrics(four: ManagerHandle) -> None:
         "the engines' KV pool sizes to be polled",
     )
     assert json.loads(http("GET", f"{four.router_url}/readiness").body)["routable_engines"] == 4
+
+
+def test_data_plane_on_several_threads_routes_and_streams(start_fleet: StartManager) -> None:
+    """--router-threads 2 runs the data plane on a multi-thread runtime of its own (the default
+    on this machine is one thread): plain and streamed answers still arrive whole."""
+    fleet = start_fleet("--rollout-num-gpus", "2", "--router-threads", "2", wait=False)
+    fleet.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+    engines = {generate(fleet, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}}, {"x-routing-policy": "round_robin"})[0]
+               for i in range(6)}
+    assert len(engines) == 2, engines
+    body = {"text": "s", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    events = list(sse_events(f"{fleet.router_url}/generate", body))
+    assert events[-1] == "[DONE]", events
+    assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 4, events
 
 
 @pytest.mark.parametrize("order", ["fifo", "longest_first"])

@@ -171,6 +171,13 @@ pub struct ServeConfig {
     #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo)]
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
+    /// Threads of the data plane (the router port), on a runtime of its own: a client's
+    /// connection, the handler and the engine connection then stay on one thread, without
+    /// wake-ups across threads (on a 2-core machine one thread used 20-30% less CPU per request
+    /// than two). 0: a quarter of the available cores, at least 1.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[serde(default)]
+    pub router_threads: usize,
     /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage).
     #[arg(long, default_value_t = 1.0, value_name = "SECS")]
     pub load_poll_interval_secs: f64,

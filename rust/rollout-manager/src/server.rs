@@ -35,6 +35,8 @@ pub enum StartError {
     Http(#[from] reqwest::Error),
     #[error("--api-socket {path}: {message}")]
     Socket { path: String, message: String },
+    #[error("{0}")]
+    Runtime(String),
 }
 
 pub struct Server {
@@ -154,13 +156,11 @@ impl Server {
         }
         let stop = manager.shutdown.clone();
         servers.spawn(crate::http_serve::serve(control, api, stop, header_timeout));
-        // The data plane: answers (server-sent events included) go out as soon as written,
-        // never held back by Nagle's algorithm.
-        let data = axum::serve::ListenerExt::tap_io(data, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
         let stop = manager.shutdown.clone();
-        servers.spawn(crate::http_serve::serve(data, router, stop, header_timeout));
+        let done = serve_data_plane(data, router, stop, header_timeout, manager.config.router_threads)?;
+        servers.spawn(async move {
+            let _ = done.await;
+        });
         servers.close();
 
         crate::health::spawn_monitor(&manager);
@@ -187,6 +187,55 @@ impl Server {
         tracing::info!("shutdown complete");
         Ok(())
     }
+}
+
+/// Runs the data plane on a runtime of its own (`--router-threads`: one thread, or a
+/// multi-thread runtime), on a thread that owns it; the receiver resolves when it has stopped
+/// (after `stop`, once its connections have finished their request in flight).
+fn serve_data_plane(
+    listener: TcpListener,
+    router: crate::router::DataPlane,
+    stop: tokio_util::sync::CancellationToken,
+    header_timeout: Duration,
+    threads: usize,
+) -> Result<tokio::sync::oneshot::Receiver<()>, StartError> {
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get() / 4).max(1),
+        n => n,
+    };
+    let runtime = match threads {
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).thread_name("router").enable_all().build(),
+    }
+    .map_err(|e| StartError::Runtime(format!("cannot start the router's runtime ({threads} threads): {e}")))?;
+    // A tokio listener belongs to the runtime that created it: hand it over as a std one.
+    let listener = listener.into_std().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
+    let (done, finished) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("router".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot serve the router port");
+                        return;
+                    }
+                };
+                // Answers (server-sent events included) go out as soon as written, never held
+                // back by Nagle's algorithm.
+                let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
+                crate::http_serve::serve(listener, router, stop, header_timeout).await;
+            });
+            // Dropping the runtime here ends the engine connections' tasks.
+            drop(runtime);
+            let _ = done.send(());
+        })
+        .map_err(|e| StartError::Runtime(format!("cannot start the router's thread: {e}")))?;
+    tracing::info!(threads, "router data plane started");
+    Ok(finished)
 }
 
 /// Binds the control API's Unix socket so that it is never reachable with wider permissions
