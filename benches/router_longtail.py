@@ -69,6 +69,7 @@ ALL_ROUTERS = [
     "oracle:lpt_arrival",
     "oracle:lpt_longest_first",
     "ours:capacity",
+    "ours_lf:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -453,7 +454,9 @@ def run_batch(target, w: Workload, grpo: list[Req], sessions: list[int], t0: flo
 # Routers
 
 
-def start_ours(procs: Procs, a: argparse.Namespace, policy: str, urls: list[str], tmp: Path) -> tuple[str, dict]:
+def start_ours(
+    procs: Procs, a: argparse.Namespace, policy: str, urls: list[str], tmp: Path, extra: list[str]
+) -> tuple[str, dict]:
     state = Path(tempfile.mkdtemp(prefix=f"state-{policy}-", dir=tmp))  # fresh: no fleet to restore
     cmd = [
         str(MANAGER),
@@ -468,6 +471,7 @@ def start_ours(procs: Procs, a: argparse.Namespace, policy: str, urls: list[str]
         str(state),
         "--routing-policy",
         policy,
+        *extra,
         *a.ours_arg,
     ]
     p = procs.start(f"manager-{policy}", cmd, stdout_pipe=True)
@@ -688,8 +692,15 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind == "ours":
-            target, info = start_ours(procs, a, policy, urls, tmp)
+        if kind in ("ours", "ours_lf"):
+            # ours_lf: late binding, the router holds work beyond --late-binding-cap requests per
+            # engine and hands the largest waiting request to the next free slot.
+            extra = (
+                ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"]
+                if kind == "ours_lf"
+                else []
+            )
+            target, info = start_ours(procs, a, policy, urls, tmp, extra)
             engine_index = {eid: urls.index(u) for eid, u in info["engine_urls"].items()}
         elif kind == "smg":
             target, info = start_smg(procs, a, policy, urls)
@@ -706,7 +717,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
         recs = run_batch(target, w, grpo, list(range(len(w.sessions))), t0, a.run_timeout)
         samples = sampler.stop()
         engines = [scrape_engine(u) for u in urls]
-        extra = scrape_ours(info["control"]) if kind == "ours" else {}
+        extra = scrape_ours(info["control"]) if kind in ("ours", "ours_lf") else {}
     finally:
         if router is not None:
             procs.stop(router)
@@ -786,7 +797,8 @@ def plot(results: list[dict], lb: float, path: Path, n: int, period: float) -> s
     except ImportError:
         return "matplotlib is not installed (pip install -e 'python[bench]'); no plot"
     groups = by_name(results)
-    ours = representative(groups["ours:capacity"]) if "ours:capacity" in groups else None
+    mine = next((n for n in ("ours_lf:capacity", "ours:capacity") if n in groups), None)
+    ours = representative(groups[mine]) if mine else None
     smg = [n for n in groups if n.startswith("smg:") and all(r["errors"] == 0 for r in groups[n])]
     best = representative(groups[min(smg, key=lambda n: median([r["makespan_s"] for r in groups[n]]))]) if smg else None
     rows = [r for r in (ours, best) if r]
@@ -848,7 +860,12 @@ def table(results: list[dict], lb: float) -> str:
         ),
         "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|",
     ]
-    label = {"ours": "ours", "smg": "smg 1.13.0", "oracle": "oracle (no router)"}
+    label = {
+        "ours": "ours",
+        "ours_lf": "ours, late binding, longest first",
+        "smg": "smg 1.13.0",
+        "oracle": "oracle (no router)",
+    }
     for name, runs in by_name(results).items():
         kind, policy = name.split(":")
         ms = [r["makespan_s"] for r in runs]
@@ -899,6 +916,8 @@ def main() -> int:
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma-separated kind:policy list")
     ap.add_argument("--ours-arg", action="append", default=[], metavar="ARG",
                     help="extra rollout-manager flag for our router, e.g. --ours-arg=--max-inflight-per-engine=32")
+    ap.add_argument("--late-binding-cap", type=int, default=32,
+                    help="--max-inflight-per-engine of the ours_lf row (near the engines' full batch)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router (the table shows median and range)")
     ap.add_argument("--sample-period", type=float, default=0.25)
     ap.add_argument(

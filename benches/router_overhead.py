@@ -10,7 +10,7 @@ proxy, divided by the requests wrk completed in the window).
 Run from the repository root (installs wrk and nginx with apt, and sglang-router 0.3.2 into
 .bench/ when missing; smg comes with `pip install -e 'python[test]'`):
 
-    .venv/bin/python benches/router_overhead.py            # 5 s per run
+    .venv/bin/python benches/router_overhead.py            # 3 interleaved rounds, 5 s per run
     .venv/bin/python benches/router_overhead.py --seconds 10 --concurrency 1 16 64
 """
 
@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,7 @@ class Run:
     p99_ms: float
     cpu_us_per_req: float
     errors: int
+    round: int = 0
 
 
 def parse_latency(text: str, label: str) -> float:
@@ -191,6 +193,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; cells are medians over them")
     ap.add_argument("--proxies", nargs="+", default=["direct", "nginx", "ours", "ours_round_robin", "smg", "sglang_router"])
     args = ap.parse_args()
     sgr_python = ensure_tools()
@@ -207,20 +210,29 @@ def main() -> None:
     urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     for u in urls:
         wait_http(f"{u}/health")
+    stacks: list[Stack] = []
     try:
+        # Every proxy is started once and stays up (idle ones cost next to nothing); the rounds
+        # then interleave them at each concurrency, so a burst of other work on the machine hits
+        # every proxy alike instead of whichever one was being measured.
+        targets = {}
         for proxy in args.proxies:
             stack = Stack(tmp)
-            try:
-                url, pid = start_proxy(proxy, stack, urls, tmp, release, sgr_python)
-                for conc in args.concurrency:
-                    drive(proxy, url, process_tree(pid), conc, 1.0, lua)  # warm the pools
-                    run = drive(proxy, url, process_tree(pid), conc, args.seconds, lua)
-                    print(f"{proxy:>16} c={conc:<3} {run.rps:>9.0f} req/s  p50 {run.p50_ms:6.2f} ms  "
+            stacks.append(stack)
+            url, pid = start_proxy(proxy, stack, urls, tmp, release, sgr_python)
+            targets[proxy] = (url, process_tree(pid))
+        for rnd in range(args.rounds):
+            for conc in args.concurrency:
+                for proxy, (url, pids) in targets.items():
+                    drive(proxy, url, pids, conc, 1.0, lua)  # warm the pools
+                    run = drive(proxy, url, pids, conc, args.seconds, lua)
+                    run.round = rnd
+                    print(f"round {rnd + 1} {proxy:>16} c={conc:<3} {run.rps:>9.0f} req/s  p50 {run.p50_ms:6.2f} ms  "
                           f"p99 {run.p99_ms:6.2f} ms  cpu {run.cpu_us_per_req:6.1f} us/req  errors {run.errors}", flush=True)
                     runs.append(run)
-            finally:
-                stack.stop()
     finally:
+        for stack in reversed(stacks):
+            stack.stop()
         engines.stop()
     report(runs, args)
 
@@ -296,19 +308,37 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "command": "python " + " ".join(sys.argv),
         "seconds": args.seconds,
+        "rounds": args.rounds,
+        "load_average": os.getloadavg(),
     }
     (RESULTS / "router_overhead.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
-    by = {(r.proxy, r.concurrency): r for r in runs}
-    lines = [f"Router overhead, {meta['date']}, {meta['machine']}", f"`{meta['command']}`", "",
-             "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | errors |", "|---|---|---|---|---|---|---|"]
+    cells: dict[tuple[str, int], list[Run]] = {}
     for r in runs:
-        cpu = "-" if r.proxy == "direct" else f"{r.cpu_us_per_req:.1f}"
-        lines.append(f"| {r.proxy} | {r.concurrency} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {cpu} | {r.errors} |")
-    lines += ["", "| conc | ours CPU / nginx CPU | ours req/s / sglang-router req/s | ours req/s / smg req/s |", "|---|---|---|---|"]
+        cells.setdefault((r.proxy, r.concurrency), []).append(r)
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    lines = [f"Router overhead, {meta['date']}, {meta['machine']}", f"`{meta['command']}`",
+             f"{args.rounds} interleaved rounds of {args.seconds:g} s per cell; medians over the rounds", "",
+             "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | errors |", "|---|---|---|---|---|---|---|"]
+    for (proxy, conc), rs in cells.items():
+        cpu = "-" if proxy == "direct" else f"{med([r.cpu_us_per_req for r in rs]):.1f}"
+        lines.append(f"| {proxy} | {conc} | {med([r.rps for r in rs]):.0f} | {med([r.p50_ms for r in rs]):.2f} | "
+                     f"{med([r.p99_ms for r in rs]):.2f} | {cpu} | {sum(r.errors for r in rs)} |")
+
+    def ratio(a: str, b: str, conc: int, attr: str) -> str:
+        """Median [min-max] over rounds of a/b, each from the same round."""
+        by_round = {r.round: r for r in cells.get((b, conc), [])}
+        xs = [getattr(r, attr) / getattr(by_round[r.round], attr) for r in cells.get((a, conc), [])
+              if r.round in by_round and getattr(by_round[r.round], attr)]
+        return f"{med(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]" if xs else "-"
+
+    lines += ["", "Ratios from the same round, median [min-max] over rounds:", "",
+              "| conc | ours CPU / nginx CPU | ours req/s / sglang-router req/s | ours req/s / smg req/s |", "|---|---|---|---|"]
     for c in args.concurrency:
-        o, n, s, m = by.get(("ours", c)), by.get(("nginx", c)), by.get(("sglang_router", c)), by.get(("smg", c))
-        f = lambda a, b, attr: f"{getattr(a, attr) / getattr(b, attr):.2f}" if a and b and getattr(b, attr) else "-"  # noqa: E731
-        lines.append(f"| {c} | {f(o, n, 'cpu_us_per_req')} | {f(o, s, 'rps')} | {f(o, m, 'rps')} |")
+        lines.append(f"| {c} | {ratio('ours', 'nginx', c, 'cpu_us_per_req')} | {ratio('ours', 'sglang_router', c, 'rps')} | "
+                     f"{ratio('ours', 'smg', c, 'rps')} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / "router_overhead.md").write_text(text)
     print("\n" + text)
