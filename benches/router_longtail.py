@@ -23,7 +23,8 @@ group and is killed at the end):
 3. Lower bound LB = max(T_solo, T_chain, W / (N x R_sat)) with W the batch's output tokens.
 4. `--repeats` rounds of one run per router/policy, each on a fresh `sglang-sim --instances N`
    process: our manager (engines attached with `POST /rollout/scale_out {"engine_urls"}`) with
-   `capacity` and `round_robin`, and `smg` with `cache_aware`, `power_of_two`, `least_load`,
+   `capacity` and `round_robin`, and `ours_lf:capacity`, the same with late binding
+   (`--max-inflight-per-engine` = `--late-binding-cap`, `--queue-order longest_first`), and `smg` with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
    straight to the engine an offline longest-processing-time-first partition of the exact output
    lengths chose (perfect balance, knowledge no router has), `oracle:lpt_longest_first` does the
@@ -31,7 +32,7 @@ group and is killed at the end):
    cap = batch size); every engine's `/v1/loads` is sampled every 0.25 s.
 5. Prints a markdown table (median and range over the repeats), writes
    benches/results/router_longtail.{json,md} and a PNG of load across engines over time
-   (ours-capacity vs the best smg policy by median makespan).
+   (ours_lf, else ours capacity, vs the best smg policy by median makespan).
 """
 
 from __future__ import annotations
