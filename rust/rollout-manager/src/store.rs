@@ -297,3 +297,21 @@ impl Store {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn timestamps_come_back_from_the_store_bit_for_bit() {
+        // Records carry unix times as f64; a restarted manager compares them (e.g. an engine's
+        // update started_at) with what it served before, so the JSON must round-trip exactly.
+        let mut t = 1_795_425_860.548_680_3_f64;
+        for _ in 0..10_000 {
+            let back: f64 = serde_json::from_str(&to_json(&t)).unwrap();
+            assert_eq!(back.to_bits(), t.to_bits(), "{t} came back as {back}");
+            t = f64::from_bits(t.to_bits() + 7_919);
+        }
+    }
+}
