@@ -290,7 +290,9 @@ def start_manager(binary: Path, state_dir: Path, extra_args: tuple[str, ...] = (
         "--state-dir", str(state_dir),
         *DEFAULT_ARGS, *extra_args,
     ]  # fmt: skip
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+    # stderr is appended: a manager restarted on the same state dir keeps its predecessor's log
+    # (stdout is read for the listening line, so it starts empty).
+    with open(stdout_path, "wb") as out, open(stderr_path, "ab") as err:
         env = {**os.environ, "NO_COLOR": "1"}
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
 
