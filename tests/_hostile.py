@@ -9,7 +9,9 @@ Behaviours (per route, changeable while it runs):
 - ``trickle``: a 200 whose body arrives one byte every ``TRICKLE_SECS``, forever;
 - ``hang``: never answers (holds the connection until the server stops);
 - ``wrong_version``: ``/model_info`` names another weight version;
-- ``error``: HTTP 500.
+- ``error``: HTTP 500;
+- ``drop_once``: closes the connection without answering, once; then ``ok`` (a connection lost
+  on the way, not a dead engine).
 
 Streaming bodies stop as soon as the client goes away, so a manager that gives up early costs
 this process nothing either.
@@ -101,6 +103,10 @@ class HostileEngine:
         try:
             if mode == "hang":
                 self.stopping.wait()
+                return
+            if mode == "drop_once":
+                self.behaviour[path] = "ok"
+                handler.close_connection = True
                 return
             if mode == "error":
                 self.send(handler, 500, b'{"error": "boom"}')

@@ -162,3 +162,20 @@ def test_engine_that_turns_hostile_is_contained(
     assert peak_rss_kb(fleet.process.pid) < MEMORY_CEILING_KB
     assert "panicked" not in fleet.stderr_tail(1_000_000)
     assert HUGE_BYTES > MEMORY_CEILING_KB * 1024
+
+
+def test_lost_connection_to_the_only_engine_is_retried_there(start_fleet: StartManager, hostile: HostileEngine) -> None:
+    """An engine that drops one request's connection is not dead: when it is the only engine the
+    request may use, the retry goes to it again instead of failing with 502."""
+    fleet = start_fleet("--rollout-num-gpus", "0", wait=False)
+    op = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(engine_urls=[hostile.url]).request_id, timeout=STARTUP_TIMEOUT
+    )
+    assert op.status == "ACTIVE", op.raw
+    hostile.set("drop_once", "/generate")
+    status, answer = generate(fleet)
+    assert status == 200, answer
+    assert answer["engine"] == engine_at(fleet, hostile.url)["engine_id"]
+    assert hostile.hits["/generate"] == 2, hostile.hits
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert "rollout_router_retries_total 1" in metrics, [m for m in metrics.splitlines() if "retries" in m]

@@ -42,6 +42,7 @@ class Outcome:
     engine_id: str | None
     error_code: str | None
     fleet_after: str | None = None
+    error_message: str | None = None
 
 
 class Traffic:
@@ -90,10 +91,11 @@ class Traffic:
                 payload = err.read()
                 err.close()
                 try:
-                    code = json.loads(payload)["error"]["code"]
+                    error = json.loads(payload)["error"]
+                    code, message = error["code"], error.get("message")
                 except (ValueError, KeyError, TypeError):
-                    code = payload[:200].decode(errors="replace")
-                outcome = Outcome(pin, fleet if pin != "none" else None, fleet, err.code, None, None, code)
+                    code, message = payload[:200].decode(errors="replace"), None
+                outcome = Outcome(pin, fleet if pin != "none" else None, fleet, err.code, None, None, code, None, message)
                 outcome.fleet_after = self.fleet_version()
             with self.lock:
                 self.outcomes.append(outcome)

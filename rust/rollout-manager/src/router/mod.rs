@@ -14,7 +14,9 @@
 //! removed before the body reaches the engine.
 //!
 //! Retries: a request that got no response from its engine (refused, reset, the engine died)
-//! or a 503 is retried on another engine, up to [`MAX_ATTEMPTS`] engines, with a short backoff;
+//! or a 503 is retried on another engine, up to [`MAX_ATTEMPTS`] sends, with a short backoff
+//! (when every engine the request may use was tried, one of them again: a pinned request may
+//! have a single candidate, and a dropped connection is not a dead engine);
 //! so is one whose engine is taken out of routing as failed (UNHEALTHY, FAILED) before it sent
 //! response headers (`Fleet::unless_lost`: a hung engine holds no request past its detection);
 //! nothing is retried once response headers were forwarded, so a client never sees two answers.
@@ -453,11 +455,15 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 Ok(r) => r,
                 Err(resp) => return resp,
             };
+            // A retry goes to an engine not tried yet; once every candidate has been tried
+            // (a pinned request may have only one), to any of them again: it may have recovered.
             let tried_before = &tried[..attempt];
+            let all_tried = routes.iter().all(|b| tried_before.contains(&load_addr(&b.load)));
+            let skip = if all_tried { &[][..] } else { tried_before };
             let mut untried = 0;
             let mut open: Vec<usize> = Vec::with_capacity(routes.len());
             for (i, b) in routes.iter().enumerate() {
-                if !tried_before.contains(&load_addr(&b.load)) {
+                if !skip.contains(&load_addr(&b.load)) {
                     untried += 1;
                     if cap == 0 || b.load.get() < cap {
                         open.push(i);
@@ -518,14 +524,21 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             let guard = if cap > 0 {
                 // Another request may have taken the last slot since the check: look again.
                 let Some(guard) = routes[index].load.try_enter(info.tokens, cap) else { continue };
-                if queued.take().is_some() && (open.len() > 1 || routes[index].load.get() < cap) {
-                    // More than one slot was free (an engine joined): the next in line takes one.
-                    state.manager.fleet.slot_queue().wake_next();
-                }
                 guard
             } else {
                 routes[index].load.enter(info.tokens)
             };
+            // Counted first, then checked: a scale-in or weight update that took the engine out
+            // of routing before this request was counted sees it in its drain; one that did
+            // after, we see here, and pick again from the new table (not a failed attempt).
+            if !state.manager.fleet.is_routable(&routes[index].load) {
+                drop(guard);
+                continue;
+            }
+            if cap > 0 && queued.take().is_some() && (open.len() > 1 || routes[index].load.get() < cap) {
+                // More than one slot was free (an engine joined): the next in line takes one.
+                state.manager.fleet.slot_queue().wake_next();
+            }
             break Some((routes, index, affine.is_some(), kept, guard));
         };
         drop(queued);
@@ -541,12 +554,6 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         tried[attempt] = load_addr(&backend.load);
         if attempt > 0 {
             metrics.retries.fetch_add(1, Ordering::Relaxed);
-        }
-        // Counted first, then checked: a scale-in that took the engine out of routing before
-        // this request was counted sees it in its drain; one that did after, we see here.
-        if !state.manager.fleet.is_routable(&backend.load) {
-            drop(guard);
-            continue;
         }
         let mut req = hyper::Request::new(Full::new(body.clone()));
         *req.method_mut() = method.clone();
