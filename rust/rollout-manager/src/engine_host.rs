@@ -313,12 +313,15 @@ async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown
                     tracing::info!(agent = %url, "agent reachable again");
                 }
                 let mut stream = response.into_inner();
-                // Exits that happened while we were not listening.
+                // Exits that happened while we were not listening. Only engines watched before
+                // the List was sent are checked: one launched meanwhile (its Launch answered
+                // after the agent built the list) is missing from it without having exited.
+                let watched = conn.watched();
                 if let Ok(Ok(list)) =
                     tokio::time::timeout(Duration::from_secs(5), client.list(pb::ListRequest {})).await
                 {
                     let list = list.into_inner().engines;
-                    for id in conn.watched().into_iter().filter(|id| !conn.stopping(id)) {
+                    for id in watched.into_iter().filter(|id| !conn.stopping(id)) {
                         match list.iter().find(|e| e.engine_id == id) {
                             Some(e) if e.running => {}
                             Some(e) => conn.publish(&id, from_pb(e.exit, false)),
