@@ -7,7 +7,9 @@ files; every engine's loaded checksum is read back from the engine itself.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -211,6 +213,54 @@ def test_engine_that_cannot_load_is_taken_out_and_recovered(start_fleet: StartMa
     fixed = write_checkpoint(tmp_path / "v2-fixed", 3)
     run_update(fleet, "v2", tmp_path / "v2-fixed")
     assert_fleet_on(fleet, "v2", fixed, INITIAL_ENGINES)
+
+
+def test_engine_that_freezes_during_its_load_fails_the_update_and_is_restarted(
+    start_fleet: StartManager, tmp_path: Path
+) -> None:
+    """An engine out of routing for its weight load is not health-probed; one that freezes
+    then (SIGSTOP: alive, answering nothing) is caught by the update's own liveness probes,
+    long before --weight-update-timeout-secs (600 s): the update FAILS, the fleet stays on
+    its version, and the frozen engine is replaced by a fresh process."""
+    fleet = start_fleet(
+        "--engine-arg=--weight-load-delay=3", "--health-check-interval-secs", "0.5",
+        "--health-check-timeout-secs", "1", "--health-failure-threshold", "2",
+    )  # fmt: skip
+    before = {e.engine_id: e.pid for e in fleet.engines().engines}
+    write_checkpoint(tmp_path / "v1", 1)
+    answer = publish(fleet, "v1", tmp_path / "v1", strategy="rolling", max_unavailable=1)
+    update_id = answer["update_id"]
+
+    def first_loading() -> str | None:
+        engines = fleet.client.weight_update(update_id)["engines"]
+        started = [eid for eid, e in engines.items() if e["status"] == "UPDATING"]
+        return started[0] if started else None
+
+    frozen_id = wait_until(first_loading, 30, "the first engine to start loading v1")
+    frozen = ProcessIdentity.of(before[frozen_id])
+    assert frozen is not None
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        update = fleet.client.wait_for_weight_update(update_id, UPDATE_TIMEOUT)
+        assert update["status"] == "FAILED", json.dumps(update, indent=1)
+        error = update["engines"][frozen_id]["error"] or ""
+        assert "stopped answering during its weight update" in error, update["engines"]
+        assert "/model_info timed out" in error, update["engines"]
+
+        def replaced() -> bool:
+            active = fleet.engines().with_status("ACTIVE")
+            return len(active) == INITIAL_ENGINES and any(
+                e.engine_id == frozen_id and e.pid != frozen.pid for e in active
+            )
+
+        wait_until(replaced, STARTUP_TIMEOUT, lambda: f"the frozen engine to be restarted: {fleet.engines().engines}")
+        assert not frozen.alive(), "the frozen process outlived its restart"
+        assert_fleet_on(fleet, "default", fleet.client.weights()["checksum"], INITIAL_ENGINES)
+        restarted = {e.engine_id: e.restarts for e in fleet.engines().engines}
+        assert restarted[frozen_id] == 1, restarted
+    finally:
+        if frozen.alive():
+            os.kill(frozen.pid, signal.SIGCONT)
 
 
 def cmdline(pid: int) -> list[str]:

@@ -65,6 +65,9 @@ pub enum EngineError {
     WrongModel { expected: String, found: String },
     #[error("engine did not answer {path}: {detail}")]
     Unreachable { path: &'static str, detail: String },
+    /// Its HTTP server stopped answering while it was out of routing for a weight update.
+    #[error("engine stopped answering during its weight update: {0}")]
+    Unresponsive(String),
     /// It answered, but not with what SGLang answers (garbage, too large, wrong shape).
     #[error("engine gave an unusable answer to {path}: {detail}")]
     BadAnswer { path: &'static str, detail: String },
