@@ -243,11 +243,13 @@ def start_proxy(proxy: str, stack: Stack, urls: list[str], tmp: Path, release: P
     if proxy == "direct":
         # No proxy: wrk talks to one engine. The engines' CPU is not counted (pid 0).
         return urls[0], 0
-    if proxy in ("ours", "ours_round_robin"):
+    if proxy.startswith("ours"):
         policy = "round_robin" if proxy == "ours_round_robin" else "capacity"
+        # ours_threads<N>: the default policy on N data-plane threads.
+        threads = proxy.removeprefix("ours_threads") if proxy.startswith("ours_threads") else "0"
         p = stack.start(proxy, [str(release / "rollout-manager"), "serve", "--port", "0", "--router-port", str(port),
                                 "--rollout-num-gpus", "0", "--state-dir", str(tmp / f"state-{proxy}"),
-                                "--routing-policy", policy], env={"RUST_LOG": "warn"})
+                                "--routing-policy", policy, "--router-threads", threads], env={"RUST_LOG": "warn"})
         control = None
         deadline = time.monotonic() + 30
         while control is None and time.monotonic() < deadline:

@@ -4,6 +4,7 @@ fan-out, and the router's Prometheus metrics. Real manager, real sglang-sim engi
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 from typing import Any
@@ -152,17 +153,24 @@ def test_router_metrics(four: ManagerHandle) -> None:
 
 
 def test_data_plane_on_several_threads_routes_and_streams(start_fleet: StartManager) -> None:
-    """--router-threads 2 runs the data plane on a multi-thread runtime of its own (the default
-    on this machine is one thread): plain and streamed answers still arrive whole."""
-    fleet = start_fleet("--rollout-num-gpus", "2", "--router-threads", "2", wait=False)
+    """--router-threads 4 (more threads than this machine's cores): four threads accept from the
+    one router port; concurrent plain and streamed answers, over many client connections, all
+    arrive whole and reach both engines."""
+    fleet = start_fleet("--rollout-num-gpus", "2", "--router-threads", "4", wait=False)
     fleet.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
-    engines = {generate(fleet, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}}, {"x-routing-policy": "round_robin"})[0]
-               for i in range(6)}
-    assert len(engines) == 2, engines
+    assert "threads=4" in fleet.stderr_tail(100_000), fleet.stderr_tail()
     body = {"text": "s", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
-    events = list(sse_events(f"{fleet.router_url}/generate", body))
-    assert events[-1] == "[DONE]", events
-    assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 4, events
+
+    def one(i: int) -> tuple[str, int]:
+        engine = generate(fleet, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}}, {"x-routing-policy": "round_robin"})[0]
+        events = list(sse_events(f"{fleet.router_url}/generate", body))
+        assert events[-1] == "[DONE]", events
+        return engine, json.loads(events[-2])["meta_info"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(32)))
+    assert {e for e, _ in answers} == {"engine_0", "engine_1"}, answers
+    assert all(tokens == 4 for _, tokens in answers), answers
 
 
 @pytest.mark.parametrize("order", ["fifo", "longest_first"])

@@ -171,10 +171,10 @@ pub struct ServeConfig {
     #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo)]
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
-    /// Threads of the data plane (the router port), on a runtime of its own: a client's
-    /// connection, the handler and the engine connection then stay on one thread, without
-    /// wake-ups across threads (on a 2-core machine one thread used 20-30% less CPU per request
-    /// than two). 0: a quarter of the available cores, at least 1.
+    /// Threads of the data plane (the router port). Each runs a single-thread runtime of its
+    /// own and accepts connections from the shared port, as nginx's workers do: a client's
+    /// connection, its requests and the engine connections they use stay on one thread, never
+    /// waking another. Idle threads cost nothing. 0: one per available core.
     #[arg(long, default_value_t = 0, value_name = "N")]
     #[serde(default)]
     pub router_threads: usize,

@@ -159,7 +159,9 @@ impl Server {
         let stop = manager.shutdown.clone();
         let done = serve_data_plane(data, router, stop, header_timeout, manager.config.router_threads)?;
         servers.spawn(async move {
-            let _ = done.await;
+            for thread in done {
+                let _ = thread.await;
+            }
         });
         servers.close();
 
@@ -189,51 +191,59 @@ impl Server {
     }
 }
 
-/// Runs the data plane on a runtime of its own (`--router-threads`: one thread, or a
-/// multi-thread runtime), on a thread that owns it; the receiver resolves when it has stopped
-/// (after `stop`, once its connections have finished their request in flight).
+/// Runs the data plane on threads of its own (`--router-threads`), each with a single-thread
+/// runtime that accepts from the shared listening socket: a client's connection, its requests
+/// and the engine connections they use then stay on one thread, never waking another (as
+/// nginx's workers do). The receivers resolve when their thread has stopped (after `stop`,
+/// once its connections have finished their request in flight).
 fn serve_data_plane(
     listener: TcpListener,
     router: crate::router::DataPlane,
     stop: tokio_util::sync::CancellationToken,
     header_timeout: Duration,
     threads: usize,
-) -> Result<tokio::sync::oneshot::Receiver<()>, StartError> {
+) -> Result<Vec<tokio::sync::oneshot::Receiver<()>>, StartError> {
     let threads = match threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get() / 4).max(1),
+        0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         n => n,
     };
-    let runtime = match threads {
-        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
-        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).thread_name("router").enable_all().build(),
-    }
-    .map_err(|e| StartError::Runtime(format!("cannot start the router's runtime ({threads} threads): {e}")))?;
-    // A tokio listener belongs to the runtime that created it: hand it over as a std one.
+    // A tokio listener belongs to the runtime that created it: each thread gets a std one.
     let listener = listener.into_std().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
-    let (done, finished) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("router".into())
-        .spawn(move || {
-            runtime.block_on(async move {
-                let listener = match TcpListener::from_std(listener) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot serve the router port");
-                        return;
-                    }
-                };
-                // Answers (server-sent events included) go out as soon as written, never held
-                // back by Nagle's algorithm.
-                let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                    let _ = tcp.set_nodelay(true);
+    let mut finished = Vec::with_capacity(threads);
+    for slot in 0..threads {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StartError::Runtime(format!("cannot start the router's runtime {slot}: {e}")))?;
+        let listener = listener.try_clone().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
+        let (router, stop) = (router.clone(), stop.clone());
+        let (done, stopped) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("router-{slot}"))
+            .spawn(move || {
+                crate::router::set_thread_slot(slot);
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot serve the router port");
+                            return;
+                        }
+                    };
+                    // Answers (server-sent events included) go out as soon as written, never
+                    // held back by Nagle's algorithm.
+                    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                        let _ = tcp.set_nodelay(true);
+                    });
+                    crate::http_serve::serve(listener, router, stop, header_timeout).await;
                 });
-                crate::http_serve::serve(listener, router, stop, header_timeout).await;
-            });
-            // Dropping the runtime here ends the engine connections' tasks.
-            drop(runtime);
-            let _ = done.send(());
-        })
-        .map_err(|e| StartError::Runtime(format!("cannot start the router's thread: {e}")))?;
+                // Dropping the runtime here ends the engine connections' tasks.
+                drop(runtime);
+                let _ = done.send(());
+            })
+            .map_err(|e| StartError::Runtime(format!("cannot start the router's thread {slot}: {e}")))?;
+        finished.push(stopped);
+    }
     tracing::info!(threads, "router data plane started");
     Ok(finished)
 }

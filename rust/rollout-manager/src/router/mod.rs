@@ -44,6 +44,7 @@ pub mod loads;
 pub mod metrics;
 mod peek;
 mod pool;
+pub use pool::set_thread_slot;
 pub mod smg;
 
 use crate::error::error_body;

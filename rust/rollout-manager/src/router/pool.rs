@@ -1,6 +1,8 @@
 //! HTTP/1.1 connections from the router to engines, kept open between requests.
 //!
-//! One pool per engine address: idle connections on a stack (the most recently used first);
+//! One pool per engine address, and in it one stack of idle connections per data-plane thread
+//! (the most recently used first): a connection's task runs on the thread that opened it, so a
+//! request handled there never wakes another thread to use it (see [`set_thread_slot`]);
 //! the ones idle longer than [`IDLE_TIMEOUT`] are closed when a connection is put back or taken.
 //! A request takes one (or opens one), sends on it, and the connection goes back to the pool
 //! when the response body has been read to its end; a response dropped early (client gone, a
@@ -16,9 +18,22 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
+
+thread_local! {
+    /// Which stack of idle connections this thread uses (0 unless set).
+    static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes the calling thread use the `slot`-th stack of idle connections of every pool: each
+/// data-plane thread (a runtime of its own) takes a different one, so that connections opened
+/// on one thread are only used there.
+pub fn set_thread_slot(slot: usize) {
+    SLOT.with(|s| s.set(slot));
+}
 
 type Sender = SendRequest<Full<Bytes>>;
 
@@ -40,18 +55,19 @@ pub enum SendError {
     Http(#[from] hyper::Error),
 }
 
-/// Idle connections to one engine address.
+/// Idle connections to one engine address, per data-plane thread.
 #[derive(Default)]
 pub struct Pool {
-    /// Oldest first; taken from the back.
-    idle: Mutex<VecDeque<(Sender, Instant)>>,
+    /// By thread slot; each oldest first, taken from the back.
+    idle: Mutex<Vec<VecDeque<(Sender, Instant)>>>,
 }
 
 impl Pool {
-    /// The most recently used idle connection that is still open, if any. Connections closed
-    /// by the engine or idle for too long are dropped on the way.
-    fn take(&self) -> Option<Sender> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+    /// The most recently used idle connection of thread slot `slot` that is still open, if
+    /// any. Connections closed by the engine or idle for too long are dropped on the way.
+    fn take(&self, slot: usize) -> Option<Sender> {
+        let mut stacks = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = stacks.get_mut(slot)?;
         while let Some((sender, since)) = idle.pop_back() {
             if !sender.is_closed() && since.elapsed() < IDLE_TIMEOUT {
                 return Some(sender);
@@ -60,12 +76,16 @@ impl Pool {
         None
     }
 
-    fn put(&self, sender: Sender) {
+    fn put(&self, slot: usize, sender: Sender) {
         if sender.is_closed() {
             return;
         }
         let now = Instant::now();
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stacks = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if stacks.len() <= slot {
+            stacks.resize_with(slot + 1, VecDeque::new);
+        }
+        let idle = &mut stacks[slot];
         // Connections left unused since a burst are closed, not kept until the engine drops them.
         while idle.front().is_some_and(|(_, since)| now.duration_since(*since) >= IDLE_TIMEOUT) {
             idle.pop_front();
@@ -81,13 +101,15 @@ impl Pool {
 pub struct Lease {
     sender: Option<Sender>,
     pool: Arc<Pool>,
+    /// The thread slot it was taken for (where its connection's task runs).
+    slot: usize,
 }
 
 impl Lease {
     /// The response body ended: the connection can carry another request.
     pub fn release(&mut self) {
         if let Some(sender) = self.sender.take() {
-            self.pool.put(sender);
+            self.pool.put(self.slot, sender);
         }
     }
 }
@@ -134,8 +156,9 @@ pub async fn send(
     addr: &str,
     mut req: hyper::Request<Full<Bytes>>,
 ) -> Result<(hyper::Response<hyper::body::Incoming>, Lease), SendError> {
+    let slot = SLOT.with(Cell::get);
     loop {
-        let (mut sender, reused) = match pool.take() {
+        let (mut sender, reused) = match pool.take(slot) {
             Some(s) => (s, true),
             None => (connect(addr).await?, false),
         };
@@ -145,7 +168,7 @@ pub async fn send(
             continue;
         }
         match sender.try_send_request(req).await {
-            Ok(resp) => return Ok((resp, Lease { sender: Some(sender), pool: pool.clone() })),
+            Ok(resp) => return Ok((resp, Lease { sender: Some(sender), pool: pool.clone(), slot })),
             Err(mut e) => match e.take_message() {
                 // Not written: the pooled connection had been closed. Another one.
                 Some(r) if reused => req = r,
@@ -216,6 +239,22 @@ mod tests {
             round_trip(&pool, &addr).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn each_thread_slot_reuses_only_its_own_connections() {
+        let (addr, accepted) = server(false).await;
+        let pool = Arc::new(Pool::default());
+        round_trip(&pool, &addr).await;
+        // Another data-plane thread does not take the first one's connection: it opens its own.
+        set_thread_slot(1);
+        round_trip(&pool, &addr).await;
+        round_trip(&pool, &addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // Back on the first slot, its idle connection carries the request.
+        set_thread_slot(0);
+        round_trip(&pool, &addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
