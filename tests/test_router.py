@@ -153,9 +153,9 @@ def test_router_metrics(four: ManagerHandle) -> None:
 
 
 def test_data_plane_on_several_threads_routes_and_streams(start_fleet: StartManager) -> None:
-    """--router-threads 4 (more threads than this machine's cores): four threads accept from the
-    one router port; concurrent plain and streamed answers, over many client connections, all
-    arrive whole and reach both engines."""
+    """--router-threads 4 (more threads than this machine's cores): client connections are
+    handed to four threads in turn; concurrent plain and streamed answers, over many client
+    connections, all arrive whole and reach both engines."""
     fleet = start_fleet("--rollout-num-gpus", "2", "--router-threads", "4", wait=False)
     fleet.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
     assert "threads=4" in fleet.stderr_tail(100_000), fleet.stderr_tail()

@@ -172,9 +172,9 @@ pub struct ServeConfig {
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
     /// Threads of the data plane (the router port). Each runs a single-thread runtime of its
-    /// own and accepts connections from the shared port, as nginx's workers do: a client's
-    /// connection, its requests and the engine connections they use stay on one thread, never
-    /// waking another. Idle threads cost nothing. 0: one per available core.
+    /// own, and client connections are handed to them in turn: a connection, its requests and
+    /// the engine connections they use stay on one thread, never waking another. Idle threads
+    /// cost nothing. 0: one per available core.
     #[arg(long, default_value_t = 0, value_name = "N")]
     #[serde(default)]
     pub router_threads: usize,

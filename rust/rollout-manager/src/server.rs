@@ -192,10 +192,12 @@ impl Server {
 }
 
 /// Runs the data plane on threads of its own (`--router-threads`), each with a single-thread
-/// runtime that accepts from the shared listening socket: a client's connection, its requests
-/// and the engine connections they use then stay on one thread, never waking another (as
-/// nginx's workers do). The receivers resolve when their thread has stopped (after `stop`,
-/// once its connections have finished their request in flight).
+/// runtime: a client's connection, its requests and the engine connections they use stay on
+/// one thread, never waking another. With one thread it accepts from the router port itself;
+/// with more, the first thread also runs [`hand_out`], which accepts every connection and
+/// hands it to the threads in turn (one wake-up per connection, none per request, and no
+/// thundering herd of every thread on each accept). The receivers resolve when their thread
+/// has stopped (after `stop`, once its connections have finished their request in flight).
 fn serve_data_plane(
     listener: TcpListener,
     router: crate::router::DataPlane,
@@ -207,15 +209,20 @@ fn serve_data_plane(
         0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         n => n,
     };
-    // A tokio listener belongs to the runtime that created it: each thread gets a std one.
-    let listener = listener.into_std().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
+    // A tokio listener belongs to the runtime that created it: the accepting thread gets a std one.
+    let mut listener = Some(listener.into_std().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?);
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..threads).map(|_| tokio::sync::mpsc::unbounded_channel::<Handed>()).unzip();
+    let mut senders = Some(senders);
     let mut finished = Vec::with_capacity(threads);
-    for slot in 0..threads {
+    for (slot, connections) in receivers.into_iter().enumerate() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| StartError::Runtime(format!("cannot start the router's runtime {slot}: {e}")))?;
-        let listener = listener.try_clone().map_err(|e| StartError::Runtime(format!("router listener: {e}")))?;
+        // The first thread accepts: from the port itself when alone, else for every thread.
+        let accept = if slot == 0 { listener.take().zip(senders.take()) } else { None };
         let (router, stop) = (router.clone(), stop.clone());
         let (done, stopped) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
@@ -223,18 +230,30 @@ fn serve_data_plane(
             .spawn(move || {
                 crate::router::set_thread_slot(slot);
                 runtime.block_on(async move {
-                    let listener = match TcpListener::from_std(listener) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            tracing::error!(error = %e, "cannot serve the router port");
+                    match accept {
+                        Some((listener, _)) if threads == 1 => {
+                            let listener = match TcpListener::from_std(listener) {
+                                Ok(l) => l,
+                                Err(e) => {
+                                    tracing::error!(error = %e, "cannot serve the router port");
+                                    return;
+                                }
+                            };
+                            // Answers (server-sent events included) go out as soon as written,
+                            // never held back by Nagle's algorithm.
+                            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                                let _ = tcp.set_nodelay(true);
+                            });
+                            crate::http_serve::serve(listener, router, stop, header_timeout).await;
                             return;
                         }
-                    };
-                    // Answers (server-sent events included) go out as soon as written, never
-                    // held back by Nagle's algorithm.
-                    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                        let _ = tcp.set_nodelay(true);
-                    });
+                        Some((listener, senders)) => match TcpListener::from_std(listener) {
+                            Ok(l) => drop(tokio::spawn(hand_out(l, senders, stop.clone()))),
+                            Err(e) => tracing::error!(error = %e, "cannot serve the router port"),
+                        },
+                        None => {}
+                    }
+                    let listener = HandedListener { connections, addr };
                     crate::http_serve::serve(listener, router, stop, header_timeout).await;
                 });
                 // Dropping the runtime here ends the engine connections' tasks.
@@ -246,6 +265,69 @@ fn serve_data_plane(
     }
     tracing::info!(threads, "router data plane started");
     Ok(finished)
+}
+
+/// A client connection accepted on the router port, on its way to the thread that serves it.
+type Handed = (std::net::TcpStream, SocketAddr);
+
+/// Accepts connections on the router port and hands them to the data-plane threads in turn,
+/// until `stop`.
+async fn hand_out(
+    listener: TcpListener,
+    threads: Vec<tokio::sync::mpsc::UnboundedSender<Handed>>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut next = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = stop.cancelled() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors or memory: wait a little rather than spin (as axum does).
+                tracing::warn!(error = %e, "cannot accept a router connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        // Answers (server-sent events included) go out as soon as written.
+        let _ = stream.set_nodelay(true);
+        match stream.into_std() {
+            Ok(stream) => {
+                let _ = threads[next % threads.len()].send((stream, peer));
+                next = next.wrapping_add(1);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot hand a router connection to its thread"),
+        }
+    }
+}
+
+/// The connections [`hand_out`] gives one data-plane thread, as a listener to serve.
+struct HandedListener {
+    connections: tokio::sync::mpsc::UnboundedReceiver<Handed>,
+    addr: SocketAddr,
+}
+
+impl axum::serve::Listener for HandedListener {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            // Once the acceptor has stopped, nothing more comes: wait for the stop signal.
+            let Some((stream, peer)) = self.connections.recv().await else { std::future::pending().await };
+            match tokio::net::TcpStream::from_std(stream) {
+                Ok(stream) => return (stream, peer),
+                Err(e) => tracing::warn!(error = %e, "cannot serve a handed router connection"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
 }
 
 /// Binds the control API's Unix socket so that it is never reachable with wider permissions
