@@ -263,6 +263,46 @@ def test_engine_that_freezes_during_its_load_fails_the_update_and_is_restarted(
             os.kill(frozen.pid, signal.SIGCONT)
 
 
+def test_other_engines_are_still_probed_while_one_loads_weights_to_rejoin(
+    start_fleet: StartManager, tmp_path: Path
+) -> None:
+    """An UNHEALTHY engine that missed an update loads the new version before it rejoins
+    (20 s here). The other engines are still health-probed during that load: one frozen then
+    is taken out of routing while the first is still loading, not after."""
+    fleet = start_fleet(
+        "--engine-arg=--weight-load-delay=20", "--engine-arg=--enable-fault-api",
+        "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "1",
+        "--health-failure-threshold", "2", "--restart-failed-engines", "false",
+    )  # fmt: skip
+    a, b = sorted(fleet.engines().engines, key=lambda e: e.engine_id)
+
+    def status(engine_id: str) -> str:
+        return next(e.status for e in fleet.engines().engines if e.engine_id == engine_id)
+
+    assert http("POST", f"{a.url}/sim/faults", {"slow_health": 3.0}, timeout=5).status == 200
+    wait_until(lambda: status(a.engine_id) == "UNHEALTHY", 30, f"{a.engine_id} to be taken out")
+    checksum = write_checkpoint(tmp_path / "v1", 1)
+    run_update(fleet, "v1", tmp_path / "v1")  # b loads v1; a, out of routing, does not
+    assert model_info(a.url)["weight_version"] == "default"
+    # a answers its probes again and starts loading v1 to rejoin; b freezes meanwhile.
+    assert http("POST", f"{a.url}/sim/faults", {"slow_health": 0}, timeout=5).status == 200
+    frozen = ProcessIdentity.of(b.pid)
+    assert frozen is not None
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: status(b.engine_id) == "UNHEALTHY", 60, f"{b.engine_id} to be taken out")
+        assert status(a.engine_id) == "UNHEALTHY", fleet.engines().engines  # still loading v1
+        os.kill(frozen.pid, signal.SIGCONT)
+        wait_until(
+            lambda: all(e.status == "ACTIVE" for e in fleet.engines().engines), 90,
+            lambda: f"both engines back: {fleet.engines().engines}",
+        )  # fmt: skip
+        assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
+    finally:
+        if frozen.alive():
+            os.kill(frozen.pid, signal.SIGCONT)
+
+
 def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 

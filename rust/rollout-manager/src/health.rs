@@ -6,7 +6,9 @@
 //!   UNHEALTHY and leaves routing;
 //! - an UNHEALTHY engine whose probe passes comes back only once it serves the fleet's weight
 //!   version and checksum (`/model_info`; loaded first if it does not), so a rejoining engine
-//!   never serves stale weights;
+//!   never serves stale weights. That check (a load can take minutes) runs in a task of its
+//!   own, so the other engines are still probed meanwhile; the rejoining engine is not probed
+//!   until it ends (SGLang's `/health` waits for a load), and is watched for liveness instead;
 //! - a managed engine still failing after three times the threshold (alive but hung) is
 //!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
 //!   engines are only re-probed.
@@ -17,8 +19,12 @@
 
 use crate::manager::Manager;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Engines whose rejoin check (a task of its own) is running.
+type Rejoining = Arc<Mutex<HashSet<String>>>;
 
 pub fn spawn_monitor(manager: &Arc<Manager>) {
     let m = manager.clone();
@@ -26,9 +32,10 @@ pub fn spawn_monitor(manager: &Arc<Manager>) {
         let period = Duration::from_secs_f64(m.config.health_check_interval_secs);
         let mut ticker = tokio::time::interval(period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let rejoining = Rejoining::default();
         loop {
             tokio::select! {
-                _ = ticker.tick() => probe_all(&m).await,
+                _ = ticker.tick() => probe_all(&m, &rejoining).await,
                 _ = m.shutdown.cancelled() => return,
             }
         }
@@ -42,13 +49,15 @@ enum Verdict {
     Restart,
 }
 
-async fn probe_all(manager: &Arc<Manager>) {
+async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
+    let busy = rejoining.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let targets: Vec<(String, String)> = manager
         .fleet
         .lock()
         .engines
         .values()
         .filter(|e| matches!(e.record.status, EngineStatus::Active | EngineStatus::Unhealthy))
+        .filter(|e| !busy.contains(&e.record.engine_id))
         .map(|e| (e.record.engine_id.clone(), e.record.url.clone()))
         .collect();
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
@@ -107,19 +116,16 @@ async fn probe_all(manager: &Arc<Manager>) {
                 });
             }
             // Back into routing only on the version it must serve (loaded now if needed).
-            Verdict::TryBack => match manager.sync_weights(&id, &[EngineEvent::ProbeRecovered]).await {
-                Ok(_) => {
-                    tracing::info!(engine_id = %id, "engine healthy again; back in routing");
+            Verdict::TryBack => {
+                if !rejoining.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone()) {
+                    continue;
                 }
-                Err(e) => {
-                    tracing::warn!(engine_id = %id, error = %e, "engine answers but cannot rejoin routing");
-                    manager.fleet.update(|inner| {
-                        if let Some(en) = inner.engines.get_mut(&id) {
-                            en.record.last_error = Some(format!("cannot rejoin: {e}"));
-                        }
-                    });
-                }
-            },
+                let (m, rejoining) = (manager.clone(), rejoining.clone());
+                manager.tasks.spawn(async move {
+                    rejoin(&m, &id).await;
+                    rejoining.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                });
+            }
             Verdict::Restart => {
                 tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
                 let process = manager.fleet.update(|inner| {
@@ -137,6 +143,29 @@ async fn probe_all(manager: &Arc<Manager>) {
                     m.recover(&id, Duration::ZERO).await;
                 });
             }
+        }
+    }
+}
+
+/// Brings an UNHEALTHY engine whose probe passed back into routing, on the version it must
+/// serve (loaded now if needed). An engine that stops answering meanwhile stays UNHEALTHY, and
+/// the next probes decide (back again, or a restart).
+async fn rejoin(manager: &Arc<Manager>, id: &str) {
+    let Some(url) = manager.url_of(id) else { return };
+    let synced = tokio::select! {
+        synced = manager.sync_weights(id, &[EngineEvent::ProbeRecovered]) => synced,
+        why = crate::weights::update::stops_answering(manager, &url) => Err(crate::manager::EngineError::Unresponsive(why)),
+        () = manager.shutdown.cancelled() => return,
+    };
+    match synced {
+        Ok(_) => tracing::info!(engine_id = %id, "engine healthy again; back in routing"),
+        Err(e) => {
+            tracing::warn!(engine_id = %id, error = %e, "engine answers but cannot rejoin routing");
+            manager.fleet.update(|inner| {
+                if let Some(en) = inner.engines.get_mut(id) {
+                    en.record.last_error = Some(format!("cannot rejoin: {e}"));
+                }
+            });
         }
     }
 }

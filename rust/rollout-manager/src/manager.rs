@@ -541,7 +541,7 @@ impl Manager {
         }
     }
 
-    fn url_of(&self, engine_id: &str) -> Option<String> {
+    pub(crate) fn url_of(&self, engine_id: &str) -> Option<String> {
         self.fleet.lock().engines.get(engine_id).map(|e| e.record.url.clone())
     }
 

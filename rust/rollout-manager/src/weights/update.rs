@@ -387,7 +387,7 @@ async fn turn(
 /// `--health-check-timeout-secs`; with the last failure's reason. The probe is `/model_info`,
 /// which SGLang's HTTP server answers while the scheduler loads weights (`/health` runs a
 /// generation, which waits for the load).
-async fn stops_answering(manager: &Manager, url: &str) -> String {
+pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
     let period = Duration::from_secs_f64(manager.config.health_check_interval_secs);
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
     let limit = manager.config.health_failure_threshold.saturating_mul(3).max(1);
