@@ -8,8 +8,10 @@ import os
 import socket
 import stat
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, file_tail, http, wait_until
@@ -155,6 +157,47 @@ def test_secrets_never_reach_the_log(start_fleet: StartManager, tmp_path: Path) 
     for secret in ("tok-9f8e7d6c5b4a", "wrong-7x7x7x7x", "adm-1a2b3c4d5e"):
         assert secret not in log, f"{secret} found in the manager's log"
     assert "--admin-api-key=<redacted>" in log
+
+
+def test_a_refused_request_is_answered_after_its_body_and_keeps_the_connection(
+    start_fleet: StartManager, tmp_path: Path
+) -> None:
+    """A client that sends its headers, then its body (as Python's http.client does), gets the
+    401 and can send its next request on the same connection: the manager reads the small
+    body before answering instead of closing under the client (which, on the Unix API socket,
+    turned the 401 into a broken pipe)."""
+    token = tmp_path / "token"
+    token.write_text("tok-linger\n")
+    token.chmod(0o600)
+    fleet = start_fleet("--api-token-file", str(token))
+    host, port = fleet.control_url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"num_replicas": 2}'
+    head = (
+        f"POST /rollout/scale_out HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head)
+        time.sleep(0.3)  # the body comes in a second write, after the headers were read
+        conn.sendall(body)
+        reader = conn.makefile("rb")
+        first = read_response(reader)
+        assert first[0] == 401 and b"unauthorized" in first[1], first
+        conn.sendall(f"GET /rollout/engines HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        second = read_response(reader)
+        assert second[0] == 200 and b"total_engines" in second[1], second
+
+
+def read_response(reader: Any) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length body, read from a socket file."""
+    status_line = reader.readline()
+    assert status_line.startswith(b"HTTP/1.1 "), status_line
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    return int(status_line.split()[1]), reader.read(length)
 
 
 def test_the_manager_token_is_not_forwarded_to_engines(start_fleet: StartManager, tmp_path: Path) -> None:
