@@ -162,30 +162,32 @@ def test_secrets_never_reach_the_log(start_fleet: StartManager, tmp_path: Path) 
 def test_a_refused_request_is_answered_after_its_body_and_keeps_the_connection(
     start_fleet: StartManager, tmp_path: Path
 ) -> None:
-    """A client that sends its headers, then its body (as Python's http.client does), gets the
-    401 and can send its next request on the same connection: the manager reads the small
-    body before answering instead of closing under the client (which, on the Unix API socket,
-    turned the 401 into a broken pipe)."""
+    """A client that sends its headers, then its body (as Python's http.client does), gets its
+    401 (no token) or 404 (no such route) and can send its next request on the same connection:
+    the manager reads the small body before answering instead of closing under the client
+    (which, on the Unix API socket, turned the answer into a broken pipe)."""
     token = tmp_path / "token"
     token.write_text("tok-linger\n")
     token.chmod(0o600)
     fleet = start_fleet("--api-token-file", str(token))
     host, port = fleet.control_url.removeprefix("http://").rsplit(":", 1)
     body = b'{"num_replicas": 2}'
-    head = (
-        f"POST /rollout/scale_out HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(head)
-        time.sleep(0.3)  # the body comes in a second write, after the headers were read
-        conn.sendall(body)
         reader = conn.makefile("rb")
-        first = read_response(reader)
-        assert first[0] == 401 and b"unauthorized" in first[1], first
+        cases = (("/rollout/scale_out", "", 401, b"unauthorized"),
+                 ("/rollout/nope", "Authorization: Bearer tok-linger\r\n", 404, b"no_such_route"))  # fmt: skip
+        for path, auth, status, code in cases:
+            conn.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+            )
+            time.sleep(0.3)  # the body comes in a second write, after the headers were read
+            conn.sendall(body)
+            answer = read_response(reader)
+            assert answer[0] == status and code in answer[1], (path, answer)
         conn.sendall(f"GET /rollout/engines HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-        second = read_response(reader)
-        assert second[0] == 200 and b"total_engines" in second[1], second
+        last = read_response(reader)
+        assert last[0] == 200 and b"total_engines" in last[1], last
 
 
 def read_response(reader: Any) -> tuple[int, bytes]:

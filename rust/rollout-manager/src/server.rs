@@ -107,7 +107,8 @@ impl Server {
         let autoscaler = crate::autoscaler::Autoscaler::new(manager.clone(), cancels.clone(), autoscaler);
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
             .merge(crate::autoscaler::routes(autoscaler.clone()))
-            .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token));
+            .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
+            .layer(axum::middleware::from_fn(api::read_body_first));
         let router = crate::router::router(manager.clone(), token);
 
         let stop = manager.shutdown.clone();
