@@ -35,6 +35,12 @@ def test_every_documented_path_exists(shared_fleet: ManagerHandle, spec: dict[st
                 # The route exists: the 404 names the unknown id, it is not the fallback's no_such_route.
                 expected = "unknown_engine" if path.startswith("/rollout/engines/") else "unknown_request"
                 assert resp.json()["error"]["code"] == expected, (method, path, resp.body)
+        # A method the route does not take: 405, the usual JSON error, and the methods it takes.
+        resp = http("DELETE", f"{shared_fleet.control_url}{concrete}")
+        assert resp.status == 405, (path, resp.status, resp.body)
+        assert resp.json()["error"]["code"] == "method_not_allowed", (path, resp.body)
+        allowed = {m.strip().lower() for m in resp.headers["allow"].split(",")}
+        assert set(methods) <= allowed, (path, methods, resp.headers["allow"])
 
 
 def test_responses_match_the_schemas(start_fleet: StartManager) -> None:

@@ -43,6 +43,18 @@ pub fn router(state: ApiState) -> Router {
         .with_state(state)
 }
 
+/// A known route asked with a method it does not take: 405 with the usual JSON error (the
+/// `allow` header lists the methods it takes).
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        code: "method_not_allowed",
+        message: format!(
+            "{} does not take {method}; the allow header lists the methods it takes (docs/api.md)",
+            uri.path()
+        ),
+    }
+}
+
 /// The control API's body limit (axum's default, which its handlers apply too).
 const BODY_LIMIT: usize = 2 * 1024 * 1024;
 

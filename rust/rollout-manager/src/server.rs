@@ -107,6 +107,7 @@ impl Server {
         let autoscaler = crate::autoscaler::Autoscaler::new(manager.clone(), cancels.clone(), autoscaler);
         let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
             .merge(crate::autoscaler::routes(autoscaler.clone()))
+            .method_not_allowed_fallback(api::method_not_allowed)
             .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
             .layer(axum::middleware::from_fn(api::read_body_first));
         let router = crate::router::router(manager.clone(), token);
