@@ -188,6 +188,21 @@ def test_a_refused_request_is_answered_after_its_body_and_keeps_the_connection(
         conn.sendall(f"GET /rollout/engines HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         last = read_response(reader)
         assert last[0] == 200 and b"total_engines" in last[1], last
+    # The router's fan-out calls need the token too, and are answered the same way.
+    host, port = fleet.router_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        reader = conn.makefile("rb")
+        conn.sendall(
+            f"POST /abort_request HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        time.sleep(0.3)
+        conn.sendall(body)
+        answer = read_response(reader)
+        assert answer[0] == 401 and b"unauthorized" in answer[1], answer
+        conn.sendall(f"GET /readiness HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        last = read_response(reader)
+        assert last[0] == 200 and b"routable_engines" in last[1], last
 
 
 def read_response(reader: Any) -> tuple[int, bytes]:

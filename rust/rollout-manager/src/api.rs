@@ -56,31 +56,7 @@ pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri
 }
 
 /// The control API's body limit (axum's default, which its handlers apply too).
-const BODY_LIMIT: usize = 2 * 1024 * 1024;
-
-/// Control-API middleware, outermost: reads the whole request body (at most 2 MB) before any
-/// check or handler sees the request. Answers given without looking at the body (401 from the
-/// token check, 404 for an unknown route, 405 for a wrong method) then never close the
-/// connection under a client still writing its body: Python's http.client writes the headers
-/// and the body separately, and on the Unix API socket it got a broken pipe instead of the
-/// answer. Control bodies are small JSON objects that every handler reads whole anyway.
-pub async fn read_body_first(
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    use http_body_util::BodyExt;
-    let (parts, body) = request.into_parts();
-    match http_body_util::Limited::new(body, BODY_LIMIT).collect().await {
-        Ok(collected) => {
-            next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(collected.to_bytes()))).await
-        }
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            ApiError::TooLarge { code: "body_too_large", message: format!("{e}; the limit is 2 MB") }.into_response()
-        }
-        Err(e) => ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}")).into_response(),
-    }
-}
+pub const BODY_LIMIT: usize = 2 * 1024 * 1024;
 
 /// Parses a JSON body strictly: unknown fields and wrong types are 400 with serde's message,
 /// which names the field; the body must be a JSON object (serde would also fill a struct from

@@ -66,9 +66,6 @@ pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Most of a refused request's body read before the 401 (larger ones close the connection).
-const LINGER_BODY_BYTES: usize = 64 * 1024;
-
 /// Middleware: mutating requests need the bearer token when one is configured.
 pub async fn require_token(State(token): State<Option<Arc<str>>>, request: Request, next: Next) -> Response {
     let Some(token) = token else { return next.run(request).await };
@@ -86,14 +83,6 @@ pub async fn require_token(State(token): State<Option<Arc<str>>>, request: Reque
     if same(given.as_bytes(), token.as_bytes()) {
         return next.run(request).await;
     }
-    // Read what is left of a small body before answering (as nginx's lingering close does): a
-    // client still sending it would otherwise find the connection closed under it (EPIPE on a
-    // Unix socket) instead of reading this answer, and the connection stays usable.
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(1),
-        axum::body::to_bytes(request.into_body(), LINGER_BODY_BYTES),
-    )
-    .await;
     let message = "this request changes the fleet and needs Authorization: Bearer <token> (the manager's --api-token-file or ROLLOUT_MANAGER_API_TOKEN)";
     (StatusCode::UNAUTHORIZED, [("www-authenticate", "Bearer")], Json(error_body("unauthorized", message)))
         .into_response()

@@ -61,3 +61,30 @@ where
     connections.close();
     connections.wait().await;
 }
+
+/// Middleware, outside every check: reads the whole request body (at most `limit` bytes)
+/// before any check or handler sees the request, so that an answer given without looking at
+/// the body (a 401 from the token check, a 404 for an unknown route, a 405) never closes the
+/// connection under a client still writing it: Python's http.client writes the headers and the
+/// body separately, and on the Unix API socket it got a broken pipe instead of the answer. For
+/// routes whose bodies are small and read whole anyway (the control API, the router's fan-out
+/// calls); over `limit` it is 413 `body_too_large`.
+pub async fn read_body_first(
+    axum::extract::State(limit): axum::extract::State<usize>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use axum::response::IntoResponse;
+    use http_body_util::BodyExt;
+    let (parts, body) = request.into_parts();
+    let (status, code, message) = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => return next.run(Request::from_parts(parts, Body::from(collected.to_bytes()))).await,
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => (
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("{e}; the limit is {} MiB", limit >> 20),
+        ),
+        Err(e) => (axum::http::StatusCode::BAD_REQUEST, "invalid_body", format!("cannot read the request body: {e}")),
+    };
+    (status, axum::Json(crate::error::error_body(code, &message))).into_response()
+}

@@ -109,7 +109,7 @@ impl Server {
             .merge(crate::autoscaler::routes(autoscaler.clone()))
             .method_not_allowed_fallback(api::method_not_allowed)
             .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
-            .layer(axum::middleware::from_fn(api::read_body_first));
+            .layer(axum::middleware::from_fn_with_state(api::BODY_LIMIT, crate::http_serve::read_body_first));
         let router = crate::router::router(manager.clone(), token);
 
         let stop = manager.shutdown.clone();

@@ -49,6 +49,7 @@ pub mod smg;
 
 use crate::error::error_body;
 use crate::fleet::{Backend, InFlightGuard};
+use crate::http_serve::read_body_first;
 use crate::manager::Manager;
 use crate::slots::Ticket;
 use affinity::Affinity;
@@ -79,6 +80,8 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
 /// How long a fan-out call waits for each engine's answer.
 pub const FAN_OUT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest body of a fan-out call (`/abort_request`, `/flush_cache`).
+const FAN_OUT_BODY_BYTES: usize = 1 << 20;
 
 /// Most engines one request is tried on.
 pub const MAX_ATTEMPTS: usize = 3;
@@ -161,13 +164,15 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
         .route(
             "/abort_request",
             axum::routing::post(fan_out)
-                .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token)),
+                .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
+                .layer(axum::middleware::from_fn_with_state(FAN_OUT_BODY_BYTES, read_body_first)),
         )
         .route(
             "/flush_cache",
             axum::routing::post(fan_out)
                 .get(fan_out)
-                .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token)),
+                .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token))
+                .layer(axum::middleware::from_fn_with_state(FAN_OUT_BODY_BYTES, read_body_first)),
         )
         .fallback(proxy)
         .with_state(state.clone());
@@ -350,7 +355,7 @@ const ADMIN_ROUTES: [&str; 20] = [
 /// answers 200 when all succeeded, else 502, with each engine's status.
 async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
+    let Ok(body) = axum::body::to_bytes(body, FAN_OUT_BODY_BYTES).await else {
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the body is limited to 1 MiB");
     };
     let path = path_and_query(&parts.uri);
