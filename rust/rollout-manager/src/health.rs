@@ -64,16 +64,9 @@ async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let endpoint = &manager.config.health_check_endpoint;
     // Only the status is read: the body of a probe (of any size) is never buffered, and
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
-    let results = futures::future::join_all(targets.iter().map(|(id, url)| async move {
-        let answer = manager.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await;
-        let failure = match answer {
-            Ok(r) if r.status().is_success() => None,
-            Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
-            Err(e) if e.is_timeout() => Some(format!("{endpoint} timed out after {timeout:?}")),
-            Err(e) => Some(format!("{endpoint}: {}", crate::engine_http::describe(e))),
-        };
-        (id.clone(), failure)
-    }))
+    let results = futures::future::join_all(
+        targets.iter().map(|(id, url)| async move { (id.clone(), probe(manager, url, endpoint, timeout).await) }),
+    )
     .await;
     let threshold = manager.config.health_failure_threshold;
     let verdicts: Vec<(String, Verdict)> = {
@@ -154,7 +147,7 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
     let Some(url) = manager.url_of(id) else { return };
     let synced = tokio::select! {
         synced = manager.sync_weights(id, &[EngineEvent::ProbeRecovered]) => synced,
-        why = crate::weights::update::stops_answering(manager, &url) => Err(crate::manager::EngineError::Unresponsive(why)),
+        why = stops_answering(manager, &url) => Err(crate::manager::EngineError::Unresponsive(why)),
         () = manager.shutdown.cancelled() => return,
     };
     match synced {
@@ -166,6 +159,44 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
                     en.record.last_error = Some(format!("cannot rejoin: {e}"));
                 }
             });
+        }
+    }
+}
+
+/// One probe of `endpoint`: `None` when it answered 2xx within `timeout`, else why not.
+async fn probe(manager: &Manager, url: &str, endpoint: &str, timeout: Duration) -> Option<String> {
+    match manager.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await {
+        Ok(r) if r.status().is_success() => None,
+        Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
+        Err(e) if e.is_timeout() => Some(format!("{endpoint} timed out after {timeout:?}")),
+        Err(e) => Some(format!("{endpoint}: {}", crate::engine_http::describe(e))),
+    }
+}
+
+/// Watches an engine out of routing (loading weights), which the monitor does not probe:
+/// resolves once its HTTP server has failed three times `--health-failure-threshold`
+/// liveness probes in a row (the bound after which the health monitor restarts a hung
+/// engine), one every `--health-check-interval-secs`, each bounded by
+/// `--health-check-timeout-secs`; with the last failure's reason. The probe is `/model_info`,
+/// which SGLang's HTTP server answers while the scheduler loads weights (`/health` runs a
+/// generation, which waits for the load).
+pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
+    let period = Duration::from_secs_f64(manager.config.health_check_interval_secs);
+    let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
+    let limit = manager.config.health_failure_threshold.saturating_mul(3).max(1);
+    let mut failures = 0;
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        match probe(manager, url, "/model_info", timeout).await {
+            None => failures = 0,
+            Some(why) => {
+                failures += 1;
+                if failures >= limit {
+                    return format!("{failures} liveness probes failed in a row (last: {why})");
+                }
+            }
         }
     }
 }

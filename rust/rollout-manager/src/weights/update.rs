@@ -335,7 +335,7 @@ async fn turn(
     // node stalled) would hold the update for --weight-update-timeout-secs. It is watched here.
     let result = tokio::select! {
         result = work => result,
-        why = stops_answering(manager, url) => Err(EngineError::Unresponsive(why)),
+        why = crate::health::stops_answering(manager, url) => Err(EngineError::Unresponsive(why)),
     };
     let left = |inner: &crate::fleet::FleetInner| {
         inner.engines.get(id).is_none_or(|e| matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
@@ -375,39 +375,6 @@ async fn turn(
                         p.stop(manager.shutdown_grace()).await;
                     }
                     Turn::Failed(why)
-                }
-            }
-        }
-    }
-}
-
-/// Resolves once the engine's HTTP server has failed three times `--health-failure-threshold`
-/// liveness probes in a row (the bound after which the health monitor restarts a hung
-/// engine), one every `--health-check-interval-secs`, each bounded by
-/// `--health-check-timeout-secs`; with the last failure's reason. The probe is `/model_info`,
-/// which SGLang's HTTP server answers while the scheduler loads weights (`/health` runs a
-/// generation, which waits for the load).
-pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
-    let period = Duration::from_secs_f64(manager.config.health_check_interval_secs);
-    let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
-    let limit = manager.config.health_failure_threshold.saturating_mul(3).max(1);
-    let mut failures = 0;
-    let mut ticker = tokio::time::interval(period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        let failure = match manager.http.get(format!("{url}/model_info")).timeout(timeout).send().await {
-            Ok(r) if r.status().is_success() => None,
-            Ok(r) => Some(format!("/model_info answered HTTP {}", r.status().as_u16())),
-            Err(e) if e.is_timeout() => Some(format!("/model_info timed out after {timeout:?}")),
-            Err(e) => Some(format!("/model_info: {}", crate::engine_http::describe(e))),
-        };
-        match failure {
-            None => failures = 0,
-            Some(why) => {
-                failures += 1;
-                if failures >= limit {
-                    return format!("{failures} liveness probes failed in a row (last: {why})");
                 }
             }
         }
