@@ -170,6 +170,18 @@ def test_second_publish_while_one_runs_is_409(start_fleet: StartManager, tmp_pat
     assert fleet.client.wait_for_weight_update(first["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
 
 
+def wait_first_loading(fleet: ManagerHandle, update_id: str) -> str:
+    """Waits for the first engine of the update to start loading; returns its id."""
+
+    def first_loading() -> str | None:
+        engines = fleet.client.weight_update(update_id)["engines"]
+        started = [eid for eid, e in engines.items() if e["status"] == "UPDATING"]
+        return started[0] if started else None
+
+    found: str = wait_until(first_loading, 30, f"the first engine of update {update_id} to start loading")
+    return found
+
+
 def test_engine_that_cannot_load_is_taken_out_and_recovered(start_fleet: StartManager, tmp_path: Path) -> None:
     # Each load takes 3 s after the files are read, so the second engine reads the files well
     # after the first one did: corrupting them in between makes exactly the second engine fail.
@@ -179,13 +191,7 @@ def test_engine_that_cannot_load_is_taken_out_and_recovered(start_fleet: StartMa
     write_checkpoint(tmp_path / "v2", 2)
     answer = publish(fleet, "v2", tmp_path / "v2", strategy="rolling", max_unavailable=1)
     update_id = answer["update_id"]
-
-    def first_loading() -> str | None:
-        engines = fleet.client.weight_update(update_id)["engines"]
-        started = [eid for eid, e in engines.items() if e["status"] == "UPDATING"]
-        return started[0] if started else None
-
-    first = wait_until(first_loading, 30, "the first engine to start loading v2")
+    first = wait_first_loading(fleet, update_id)
     time.sleep(1.0)
     corrupt(tmp_path / "v2")
     update = fleet.client.wait_for_weight_update(update_id, UPDATE_TIMEOUT)
@@ -230,13 +236,7 @@ def test_engine_that_freezes_during_its_load_fails_the_update_and_is_restarted(
     write_checkpoint(tmp_path / "v1", 1)
     answer = publish(fleet, "v1", tmp_path / "v1", strategy="rolling", max_unavailable=1)
     update_id = answer["update_id"]
-
-    def first_loading() -> str | None:
-        engines = fleet.client.weight_update(update_id)["engines"]
-        started = [eid for eid, e in engines.items() if e["status"] == "UPDATING"]
-        return started[0] if started else None
-
-    frozen_id = wait_until(first_loading, 30, "the first engine to start loading v1")
+    frozen_id = wait_first_loading(fleet, update_id)
     frozen = ProcessIdentity.of(before[frozen_id])
     assert frozen is not None
     os.kill(frozen.pid, signal.SIGSTOP)
