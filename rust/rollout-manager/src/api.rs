@@ -92,7 +92,7 @@ struct EnginesAnswer {
 
 #[derive(serde::Serialize)]
 struct ModelEngines {
-    engines: Vec<crate::fleet::EngineRecord>,
+    engines: Vec<crate::records::EngineRecord>,
     weight_version: String,
     weights_checksum: Option<String>,
 }
@@ -102,7 +102,7 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
     let total_engines = engines.len();
     let (weight_version, weights_checksum) = {
         let inner = s.manager.fleet.lock();
-        (inner.weight_version.clone(), inner.weights.current.checksum.clone())
+        (inner.weights.current.version.clone(), inner.weights.current.checksum.clone())
     };
     let model = s.manager.config.model_name.clone();
     Json(EnginesAnswer {

@@ -6,13 +6,10 @@
 
 use crate::clock::unix_now;
 use crate::host::EngineProcess;
+use crate::records::{EngineRecord, RunningOp, ScaleInRecord, ScaleOutRecord};
 use crate::slots::SlotQueue;
 use rollout_core::routing::QueueOrder;
-use rollout_core::{
-    EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
-    ScaleOutStatus,
-};
-use serde::{Deserialize, Serialize};
+use rollout_core::{EngineEvent, EngineStatus, GpuPool, IllegalTransition};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -137,39 +134,6 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// One engine as reported by `GET /rollout/engines`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EngineRecord {
-    pub engine_id: String,
-    pub url: String,
-    pub status: EngineStatus,
-    pub is_healthy: bool,
-    pub origin: EngineOrigin,
-    pub model_name: String,
-    pub weight_version: Option<String>,
-    /// SHA-256 of the weights the engine reports it loaded (`sglang-sim`'s `weights_checksum`),
-    /// when known; checked against the published checksum before the engine is routable.
-    #[serde(default)]
-    pub weights_checksum: Option<String>,
-    pub gpu_ids: Vec<u32>,
-    pub pid: Option<u32>,
-    pub started_at: f64,
-    pub updated_at: f64,
-    pub log_path: Option<PathBuf>,
-    /// Requests the router has in flight to this engine.
-    pub in_flight: usize,
-    /// How the process ended, or why the engine failed.
-    pub last_error: Option<String>,
-    /// The operation that created this engine.
-    pub created_by: Option<String>,
-    /// How many times recovery restarted this engine.
-    pub restarts: u32,
-    /// What the engine waits for, when that is not obvious from its status (Ray mode:
-    /// `PENDING_RESOURCES: ...` while its placement has no agent).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-}
-
 /// An engine with its runtime handles.
 #[derive(Debug)]
 pub struct Engine {
@@ -186,83 +150,22 @@ pub struct Engine {
     pub keeper_socket: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Transition {
-    pub status: String,
-    pub at: f64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FailedEngine {
-    pub engine_id: String,
-    pub url: String,
-    pub error: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ScaleOutRecord {
-    pub request_id: String,
-    pub status: ScaleOutStatus,
-    pub model_name: String,
-    pub num_replicas: u32,
-    pub engine_urls: Vec<String>,
-    pub engine_ids: Vec<String>,
-    pub failed_engines: Vec<FailedEngine>,
-    pub created_at: f64,
-    pub updated_at: f64,
-    pub error_message: Option<String>,
-    pub weight_version: Option<String>,
-    pub message: String,
-    /// `initial` for the boot-time bring-up, `user` for API requests.
-    pub trigger: String,
-    pub history: Vec<Transition>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ScaleInRecord {
-    pub request_id: String,
-    pub status: ScaleInStatus,
-    pub model_name: String,
-    pub num_replicas: u32,
-    pub engine_urls: Vec<String>,
-    pub force: bool,
-    pub engine_ids: Vec<String>,
-    pub removed_engines: Vec<String>,
-    pub failed_engines: Vec<FailedEngine>,
-    pub created_at: f64,
-    pub updated_at: f64,
-    pub error_message: Option<String>,
-    pub message: String,
-    pub history: Vec<Transition>,
-}
-
-impl ScaleOutRecord {
-    pub fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
-        let next = self.status.on(event)?;
-        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_out");
-        self.status = next;
-        self.updated_at = unix_now();
-        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
-        Ok(())
+impl crate::store::EngineRow for Engine {
+    fn same_as(&self, w: &crate::store::StoredEngine) -> bool {
+        w.seq == self.seq
+            && w.pid_start_ticks == self.pid_start_ticks
+            && w.keeper_socket == self.keeper_socket
+            && w.record == self.record
     }
-}
 
-impl ScaleInRecord {
-    pub fn apply(&mut self, event: ScaleInEvent) -> Result<(), IllegalTransition> {
-        let next = self.status.on(event)?;
-        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_in");
-        self.status = next;
-        self.updated_at = unix_now();
-        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
-        Ok(())
+    fn to_stored(&self) -> crate::store::StoredEngine {
+        crate::store::StoredEngine {
+            seq: self.seq,
+            record: self.record.clone(),
+            pid_start_ticks: self.pid_start_ticks,
+            keeper_socket: self.keeper_socket.clone(),
+        }
     }
-}
-
-/// The kind and id of the scale operation in progress.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunningOp {
-    pub kind: &'static str,
-    pub request_id: String,
 }
 
 #[derive(Debug)]
@@ -277,11 +180,8 @@ pub struct FleetInner {
     pub scale_ins: BTreeMap<String, ScaleInRecord>,
     /// Mutual exclusion: at most one scale operation runs.
     pub running: Option<RunningOp>,
-    /// The fleet's committed weight version (`weights.current.version`): every routable engine
-    /// serves it, or the target of the update in flight.
-    pub weight_version: String,
     /// Published versions, the update in flight and its history.
-    pub weights: crate::weights::WeightsState,
+    pub weights: crate::records::WeightsState,
     /// Whether FAILED engines count towards the fleet's size: yes when they are restarted
     /// (`--restart-failed-engines`), since they come back; no otherwise.
     pub count_failed: bool,
@@ -354,7 +254,7 @@ pub const KEEP_OPERATIONS: usize = 1000;
 
 pub struct Fleet {
     inner: Mutex<FleetInner>,
-    /// Durable copy of the registry; every update is committed before the lock is released.
+    /// Durable copy of the registry; every update is committed before [`Fleet::update`] returns.
     store: Option<crate::store::Store>,
     routes: RwLock<Arc<Vec<Backend>>>,
     /// Bumped on every change, so waiters can wake without polling.
@@ -382,8 +282,7 @@ impl Fleet {
             scale_outs: BTreeMap::new(),
             scale_ins: BTreeMap::new(),
             running: None,
-            weights: crate::weights::WeightsState::new(&weight_version),
-            weight_version,
+            weights: crate::records::WeightsState::new(&weight_version),
             count_failed,
             placements: BTreeMap::new(),
             placement_revision: 0,
@@ -409,20 +308,33 @@ impl Fleet {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs `f` under the lock, persists the change, republishes the routing table and wakes
+    /// Runs `f` under the lock, republishes the routing table, persists the change and wakes
     /// waiters. The table is replaced before the lock is released, so tables are published in
     /// the order of the updates that made them (a slow update can never put back an engine a
-    /// later one took out of routing).
+    /// later one took out of routing). The change is committed to the store after the lock is
+    /// released (in the order of the updates, see [`crate::store::Store::turn`]) and before this
+    /// returns: what the caller does next (start a process, answer a request) happens only
+    /// once the change that led to it is durable, and no reader waits for the disk.
     pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
         let mut inner = self.lock();
         let out = f(&mut inner);
         inner.prune_operations(KEEP_OPERATIONS);
-        if let Some(store) = &self.store {
-            if let Err(e) = store.sync(&inner) {
-                self.store_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
-            }
-        }
+        let staged = self.store.as_ref().map(|store| {
+            let inner = &*inner;
+            let batch = store.stage(crate::store::Current {
+                engines: &inner.engines,
+                scale_outs: &inner.scale_outs,
+                scale_ins: &inner.scale_ins,
+                placements: &inner.placements,
+                meta: crate::store::Meta {
+                    next_seq: inner.next_seq,
+                    weight_version: inner.weights.current.version.clone(),
+                    placement_revision: inner.placement_revision,
+                },
+                weights: &inner.weights,
+            });
+            (batch, store.turn())
+        });
         let routes: Vec<Backend> = inner
             .engines
             .values()
@@ -448,6 +360,12 @@ impl Fleet {
             .collect();
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);
         drop(inner);
+        if let Some((batch, turn)) = staged {
+            if let Err(e) = turn.commit(batch) {
+                self.store_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
+            }
+        }
         self.changes.send_modify(|v| *v += 1);
         out
     }
@@ -603,6 +521,7 @@ impl Fleet {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use rollout_core::ScaleOutStatus;
 
     #[test]
     fn prunes_only_the_oldest_finished_operations() {

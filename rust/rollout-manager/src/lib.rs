@@ -18,6 +18,7 @@ pub mod keeper;
 pub mod launch;
 pub mod manager;
 pub mod placements;
+pub mod records;
 pub mod restore;
 pub mod router;
 pub mod scale_in;

@@ -11,9 +11,10 @@
 
 use crate::clock::unix_now;
 use crate::engine_host::{AgentHost, EngineHost, LocalHost, Location};
-use crate::fleet::{Engine, EngineLoad, EngineRecord, Fleet};
+use crate::fleet::{Engine, EngineLoad, Fleet};
 use crate::host::{EngineProcess, ExitInfo};
 use crate::launch::{free_port, EngineLauncher};
+use crate::records::EngineRecord;
 use crate::weights::transport::Node;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;

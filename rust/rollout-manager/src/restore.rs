@@ -156,13 +156,15 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
         // Past every revision a shim may have seen before the restart.
         inner.placement_revision = snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1;
         if let Some(meta) = &snapshot.meta {
-            inner.weight_version = meta.weight_version.clone();
+            if snapshot.weights.is_none() {
+                // A store written before weights had their own record.
+                inner.weights = crate::records::WeightsState::new(&meta.weight_version);
+            }
             inner.next_seq = meta.next_seq;
         }
         if let Some(weights) = &snapshot.weights {
             inner.weights = weights.clone();
             resumed = inner.weights.resume_after_restart();
-            inner.weight_version = inner.weights.current.version.clone();
             if let Some(u) = inner.weights.running_update() {
                 mid_turn.extend(
                     snapshot

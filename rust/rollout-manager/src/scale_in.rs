@@ -2,8 +2,8 @@
 //! See the module docs of [`crate::scaling`] for the flow and guarantees.
 
 use crate::error::ApiError;
-use crate::fleet::{EngineRecord, RunningOp, ScaleInRecord, Transition};
 use crate::manager::Manager;
+use crate::records::{EngineRecord, RunningOp, ScaleInRecord, Transition};
 use crate::scaling::{Accepted, ScaleInRequest};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
 use serde::Serialize;

@@ -14,8 +14,8 @@
 //! Rolled-back dynamic and external engines are removed (processes stopped, GPUs returned);
 //! initial engines are stopped but stay listed as FAILED.
 
-use crate::fleet::FailedEngine;
 use crate::manager::{EngineError, Manager};
+use crate::records::FailedEngine;
 use futures::stream::{FuturesUnordered, StreamExt};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use std::sync::Arc;
@@ -49,7 +49,7 @@ fn slowest(inner: &crate::fleet::FleetInner, racing: &[String]) -> Option<u8> {
 }
 
 /// Applies the operation's forward events until it has reached phase `target`.
-pub(crate) fn advance_to(op: &mut crate::fleet::ScaleOutRecord, target: u8) {
+pub(crate) fn advance_to(op: &mut crate::records::ScaleOutRecord, target: u8) {
     while op_rank(op.status).is_some_and(|r| r < target) {
         let event = match op.status {
             ScaleOutStatus::Creating | ScaleOutStatus::Connecting => ScaleOutEvent::Launched,

@@ -16,8 +16,9 @@
 //! never scaled in.
 
 use crate::error::ApiError;
-use crate::fleet::{FleetInner, RunningOp, ScaleOutRecord};
+use crate::fleet::FleetInner;
 use crate::manager::Manager;
+use crate::records::{RunningOp, ScaleOutRecord};
 use rollout_core::{EngineOrigin, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -160,7 +161,7 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version:
         weight_version: Some(version.to_string()),
         message: String::new(),
         trigger: trigger.to_string(),
-        history: vec![crate::fleet::Transition { status: "PENDING".into(), at: now }],
+        history: vec![crate::records::Transition { status: "PENDING".into(), at: now }],
     }
 }
 
@@ -184,7 +185,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         if let Some(running) = &inner.running {
             return Err(busy(running));
         }
-        let version = inner.weight_version.clone();
+        let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let current = inner.live_count();
         if target <= current {
@@ -319,7 +320,7 @@ fn attach_external(
         if let Some(running) = &inner.running {
             return Err(busy(running));
         }
-        let version = inner.weight_version.clone();
+        let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let known: Vec<&str> = inner
             .engines
@@ -412,7 +413,7 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
         trigger: "initial",
     };
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
-        let version = inner.weight_version.clone();
+        let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, "initial", &version);
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
         record.engine_ids = ids.clone();

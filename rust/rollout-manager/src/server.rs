@@ -125,7 +125,6 @@ impl Server {
             if let Some(mut weights) = snapshot.weights {
                 let resumed = weights.resume_after_restart();
                 manager.fleet.update(|inner| {
-                    inner.weight_version = weights.current.version.clone();
                     inner.weights = weights;
                 });
                 crate::weights::restage_if_missing(&manager).await;

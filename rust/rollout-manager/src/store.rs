@@ -6,27 +6,32 @@
 //! toolchain, and its copy-on-write commits survive `kill -9` at any instant (a commit is either
 //! fully on disk or not at all).
 //!
-//! Writes are incremental: [`Store::sync`] compares each record with a copy of what was last
-//! written (field by field, no serialisation) and serialises and commits only the differences,
+//! Writes are incremental and happen outside the registry lock: under the lock, [`Store::stage`]
+//! compares each record with a copy of what was last staged (field by field, no serialisation)
+//! and serialises only the differences into a [`Batch`]; the registry takes its
+//! [`Store::turn`] (the commit order) before releasing the lock and commits the batch after,
 //! in one transaction. (Comparing JSON made every registry change serialise every engine and
 //! every kept operation under the registry lock: O(fleet) work per change, O(fleet^2) to attach
-//! a fleet.)
+//! a fleet; committing under the lock made every reader wait for an fsync.)
 
-use crate::fleet::{EngineRecord, FleetInner, ScaleInRecord, ScaleOutRecord};
+use crate::records::{EngineRecord, ScaleInRecord, ScaleOutRecord, WeightsState};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 const ENGINES: TableDefinition<&str, &str> = TableDefinition::new("engines");
 const SCALE_OUTS: TableDefinition<&str, &str> = TableDefinition::new("scale_outs");
 const SCALE_INS: TableDefinition<&str, &str> = TableDefinition::new("scale_ins");
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
-/// Every table maps an id to a JSON record.
-type Table = TableDefinition<'static, &'static str, &'static str>;
 /// Ray mode: each engine's placement, with the agent bound to it.
 const PLACEMENTS: TableDefinition<&str, &str> = TableDefinition::new("placements");
+const ENGINES_AT: usize = 0;
+const SCALE_OUTS_AT: usize = 1;
+const SCALE_INS_AT: usize = 2;
+const META_AT: usize = 3;
+const PLACEMENTS_AT: usize = 4;
 const TABLES: [(&str, TableDefinition<&str, &str>); 5] = [
     ("engines", ENGINES),
     ("scale_outs", SCALE_OUTS),
@@ -73,7 +78,7 @@ pub struct Snapshot {
     pub placements: Vec<rollout_core::Placement>,
     pub meta: Option<Meta>,
     /// Published versions and updates (`meta` key `weights`).
-    pub weights: Option<crate::weights::WeightsState>,
+    pub weights: Option<WeightsState>,
 }
 
 impl Snapshot {
@@ -85,8 +90,10 @@ impl Snapshot {
 pub struct Store {
     db: redb::Database,
     path: PathBuf,
-    /// What was last committed, to write only changes.
+    /// What was last staged, to write only changes.
     written: Mutex<Written>,
+    /// Staged rows not yet committed (a failed commit leaves them here); see [`Store::turn`].
+    pending: Mutex<Batch>,
 }
 
 /// A copy of every record as last committed, by table and key.
@@ -97,11 +104,11 @@ struct Written {
     scale_ins: HashMap<String, ScaleInRecord>,
     placements: HashMap<String, rollout_core::Placement>,
     meta: Option<Meta>,
-    weights: Option<crate::weights::WeightsState>,
+    weights: Option<WeightsState>,
 }
 
 /// The keys of `written` that `current` no longer has.
-fn gone<V, W>(written: &HashMap<String, V>, current: &std::collections::BTreeMap<String, W>) -> Vec<String> {
+fn gone<V, W>(written: &HashMap<String, V>, current: &BTreeMap<String, W>) -> Vec<String> {
     written.keys().filter(|k| !current.contains_key(k.as_str())).cloned().collect()
 }
 
@@ -120,7 +127,7 @@ impl Store {
             txn.open_table(t).map_err(|e| db_err(e.into()))?;
         }
         txn.commit().map_err(|e| db_err(e.into()))?;
-        Ok(Self { db, path, written: Mutex::new(Written::default()) })
+        Ok(Self { db, path, written: Mutex::new(Written::default()), pending: Mutex::new(Batch::default()) })
     }
 
     fn err(&self, source: impl Into<redb::Error>) -> StoreError {
@@ -160,7 +167,7 @@ impl Store {
         let meta_rows = rows(META)?;
         let pick = |key: &str| meta_rows.iter().filter(|(k, _)| k == key).cloned().collect::<Vec<_>>();
         let meta = decode::<Meta>(&self.path, pick("fleet"))?.pop();
-        let weights = decode::<crate::weights::WeightsState>(&self.path, pick("weights"))?.pop();
+        let weights = decode::<WeightsState>(&self.path, pick("weights"))?.pop();
         // Remember it as written. (A record stored under another key than its id is rewritten
         // under its id by the next sync, and the stray key stays: harmless, never read.)
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
@@ -173,127 +180,146 @@ impl Store {
         Ok(Snapshot { engines, scale_outs, scale_ins, placements, meta, weights })
     }
 
-    /// Commits the registry's current contents, writing only what changed since the last sync.
-    pub fn sync(&self, inner: &FleetInner) -> Result<(), StoreError> {
+    /// Compares the registry's contents with what was last staged and returns the changed
+    /// rows, serialised, or None when nothing changed. Cheap (field comparisons, and only the
+    /// changed records serialised): the registry calls it under its lock, then commits the
+    /// batch through [`Store::turn`] after releasing the lock.
+    pub fn stage<E: EngineRow>(&self, now: Current<'_, E>) -> Option<Batch> {
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
-        let engines: Vec<StoredEngine> = inner
-            .engines
-            .values()
-            .filter(|e| {
-                written.engines.get(e.record.engine_id.as_str()).is_none_or(|w| {
-                    w.seq != e.seq
-                        || w.pid_start_ticks != e.pid_start_ticks
-                        || w.keeper_socket != e.keeper_socket
-                        || w.record != e.record
-                })
-            })
-            .map(|e| StoredEngine {
-                seq: e.seq,
-                record: e.record.clone(),
-                pid_start_ticks: e.pid_start_ticks,
-                keeper_socket: e.keeper_socket.clone(),
-            })
-            .collect();
-        let scale_outs: Vec<&ScaleOutRecord> =
-            inner.scale_outs.values().filter(|r| written.scale_outs.get(r.request_id.as_str()) != Some(*r)).collect();
-        let scale_ins: Vec<&ScaleInRecord> =
-            inner.scale_ins.values().filter(|r| written.scale_ins.get(r.request_id.as_str()) != Some(*r)).collect();
-        let placements: Vec<&rollout_core::Placement> =
-            inner.placements.values().filter(|p| written.placements.get(p.engine_id.as_str()) != Some(*p)).collect();
-        let meta = Meta {
-            next_seq: inner.next_seq,
-            weight_version: inner.weight_version.clone(),
-            placement_revision: inner.placement_revision,
-        };
-        let meta_changed = written.meta.as_ref() != Some(&meta);
-        let weights_changed = written.weights.as_ref() != Some(&inner.weights);
-        let deletes = [
-            ("engines", gone(&written.engines, &inner.engines)),
-            ("scale_outs", gone(&written.scale_outs, &inner.scale_outs)),
-            ("scale_ins", gone(&written.scale_ins, &inner.scale_ins)),
-            ("placements", gone(&written.placements, &inner.placements)),
-        ];
-        let nothing_deleted = deletes.iter().all(|(_, keys)| keys.is_empty());
-        if engines.is_empty()
-            && scale_outs.is_empty()
-            && scale_ins.is_empty()
-            && placements.is_empty()
-            && !meta_changed
-            && !weights_changed
-            && nothing_deleted
-        {
-            return Ok(());
+        let mut batch = Batch::default();
+        for (id, e) in now.engines {
+            if written.engines.get(id.as_str()).is_none_or(|w| !e.same_as(w)) {
+                let stored = e.to_stored();
+                batch.rows[ENGINES_AT].insert(id.clone(), Some(to_json(&stored)));
+                written.engines.insert(id.clone(), stored);
+            }
         }
+        for r in now.scale_outs.values() {
+            if written.scale_outs.get(r.request_id.as_str()) != Some(r) {
+                batch.rows[SCALE_OUTS_AT].insert(r.request_id.clone(), Some(to_json(r)));
+                written.scale_outs.insert(r.request_id.clone(), r.clone());
+            }
+        }
+        for r in now.scale_ins.values() {
+            if written.scale_ins.get(r.request_id.as_str()) != Some(r) {
+                batch.rows[SCALE_INS_AT].insert(r.request_id.clone(), Some(to_json(r)));
+                written.scale_ins.insert(r.request_id.clone(), r.clone());
+            }
+        }
+        for p in now.placements.values() {
+            if written.placements.get(p.engine_id.as_str()) != Some(p) {
+                batch.rows[PLACEMENTS_AT].insert(p.engine_id.clone(), Some(to_json(p)));
+                written.placements.insert(p.engine_id.clone(), p.clone());
+            }
+        }
+        if written.meta.as_ref() != Some(&now.meta) {
+            batch.rows[META_AT].insert("fleet".into(), Some(to_json(&now.meta)));
+            written.meta = Some(now.meta);
+        }
+        if written.weights.as_ref() != Some(now.weights) {
+            batch.rows[META_AT].insert("weights".into(), Some(to_json(now.weights)));
+            written.weights = Some(now.weights.clone());
+        }
+        for k in gone(&written.engines, now.engines) {
+            written.engines.remove(&k);
+            batch.rows[ENGINES_AT].insert(k, None);
+        }
+        for k in gone(&written.scale_outs, now.scale_outs) {
+            written.scale_outs.remove(&k);
+            batch.rows[SCALE_OUTS_AT].insert(k, None);
+        }
+        for k in gone(&written.scale_ins, now.scale_ins) {
+            written.scale_ins.remove(&k);
+            batch.rows[SCALE_INS_AT].insert(k, None);
+        }
+        for k in gone(&written.placements, now.placements) {
+            written.placements.remove(&k);
+            batch.rows[PLACEMENTS_AT].insert(k, None);
+        }
+        (!batch.is_empty()).then_some(batch)
+    }
+
+    /// The right to commit next. Taken under the registry lock, right after [`Store::stage`],
+    /// and used after the lock is released: batches are committed in the order they were
+    /// staged, without the registry waiting for the disk.
+    pub fn turn(&self) -> CommitTurn<'_> {
+        CommitTurn { store: self, pending: self.pending.lock().unwrap_or_else(|e| e.into_inner()) }
+    }
+
+    fn write(&self, batch: &Batch) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         // One table open at a time (redb refuses a second handle on an open table).
-        let upserts: [(Table, Vec<(&str, String)>); 5] = [
-            (ENGINES, engines.iter().map(|e| (e.record.engine_id.as_str(), to_json(e))).collect()),
-            (SCALE_OUTS, scale_outs.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
-            (SCALE_INS, scale_ins.iter().map(|r| (r.request_id.as_str(), to_json(r))).collect()),
-            (PLACEMENTS, placements.iter().map(|p| (p.engine_id.as_str(), to_json(p))).collect()),
-            (
-                META,
-                [
-                    meta_changed.then(|| ("fleet", to_json(&meta))),
-                    weights_changed.then(|| ("weights", to_json(&inner.weights))),
-                ]
-                .into_iter()
-                .flatten()
-                .collect(),
-            ),
-        ];
-        for (t, rows) in &upserts {
+        for ((_, t), rows) in TABLES.iter().zip(&batch.rows) {
             if rows.is_empty() {
                 continue;
             }
             let mut table = txn.open_table(*t).map_err(|e| self.err(e))?;
             for (k, v) in rows {
-                table.insert(*k, v.as_str()).map_err(|e| self.err(e))?;
+                match v {
+                    Some(v) => table.insert(k.as_str(), v.as_str()).map(drop),
+                    None => table.remove(k.as_str()).map(drop),
+                }
+                .map_err(|e| self.err(e))?;
             }
         }
-        for (name, keys) in &deletes {
-            let Some((_, t)) = TABLES.iter().find(|(n, _)| n == name) else { continue };
-            if keys.is_empty() {
-                continue;
-            }
-            let mut table = txn.open_table(*t).map_err(|e| self.err(e))?;
-            for k in keys {
-                table.remove(k.as_str()).map_err(|e| self.err(e))?;
-            }
+        txn.commit().map_err(|e| self.err(e))
+    }
+}
+
+/// An engine as the registry holds it, as the store sees it.
+pub trait EngineRow {
+    /// Whether `written` is this engine's current durable state.
+    fn same_as(&self, written: &StoredEngine) -> bool;
+    fn to_stored(&self) -> StoredEngine;
+}
+
+/// The registry's durable contents, by id, as [`Store::stage`] reads them.
+pub struct Current<'a, E> {
+    pub engines: &'a BTreeMap<String, E>,
+    pub scale_outs: &'a BTreeMap<String, ScaleOutRecord>,
+    pub scale_ins: &'a BTreeMap<String, ScaleInRecord>,
+    pub placements: &'a BTreeMap<String, rollout_core::Placement>,
+    pub meta: Meta,
+    pub weights: &'a WeightsState,
+}
+
+/// Changed rows by table (in [`TABLES`] order): `Some(json)` writes the row, `None` deletes it.
+#[derive(Debug, Default)]
+pub struct Batch {
+    rows: [BTreeMap<String, Option<String>>; 5],
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.rows.iter().all(BTreeMap::is_empty)
+    }
+
+    /// Adds `later` on top: its rows replace this batch's rows of the same key.
+    fn merge(&mut self, later: Batch) {
+        for (mine, theirs) in self.rows.iter_mut().zip(later.rows) {
+            mine.extend(theirs);
         }
-        drop(upserts);
-        txn.commit().map_err(|e| self.err(e))?;
-        for e in engines {
-            written.engines.insert(e.record.engine_id.clone(), e);
+    }
+}
+
+/// See [`Store::turn`]. Holds the batches that failed to commit, so the next commit writes
+/// them too (a registry change is never lost to one failed write while the manager runs).
+pub struct CommitTurn<'a> {
+    store: &'a Store,
+    pending: MutexGuard<'a, Batch>,
+}
+
+impl CommitTurn<'_> {
+    /// Commits the failed batches, then `batch`, in one transaction.
+    pub fn commit(mut self, batch: Option<Batch>) -> Result<(), StoreError> {
+        if let Some(batch) = batch {
+            self.pending.merge(batch);
         }
-        for r in scale_outs {
-            written.scale_outs.insert(r.request_id.clone(), r.clone());
+        if self.pending.is_empty() {
+            return Ok(());
         }
-        for r in scale_ins {
-            written.scale_ins.insert(r.request_id.clone(), r.clone());
-        }
-        for p in placements {
-            written.placements.insert(p.engine_id.clone(), p.clone());
-        }
-        if meta_changed {
-            written.meta = Some(meta);
-        }
-        if weights_changed {
-            written.weights = Some(inner.weights.clone());
-        }
-        let [(_, e), (_, o), (_, i), (_, p)] = deletes;
-        for k in e {
-            written.engines.remove(&k);
-        }
-        for k in o {
-            written.scale_outs.remove(&k);
-        }
-        for k in i {
-            written.scale_ins.remove(&k);
-        }
-        for k in p {
-            written.placements.remove(&k);
-        }
+        self.store.write(&self.pending)?;
+        *self.pending = Batch::default();
         Ok(())
     }
 }
@@ -302,6 +328,79 @@ impl Store {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    impl EngineRow for StoredEngine {
+        fn same_as(&self, written: &StoredEngine) -> bool {
+            self == written
+        }
+        fn to_stored(&self) -> StoredEngine {
+            self.clone()
+        }
+    }
+
+    fn engine(id: &str, restarts: u32) -> StoredEngine {
+        let record = serde_json::json!({
+            "engine_id": id, "url": "http://127.0.0.1:1", "status": "ACTIVE", "is_healthy": true,
+            "origin": "initial", "model_name": "m", "weight_version": "v0", "gpu_ids": [0], "pid": null,
+            "started_at": 1.0, "updated_at": 1.0, "log_path": null, "in_flight": 0, "last_error": null,
+            "created_by": null, "restarts": restarts,
+        });
+        StoredEngine {
+            seq: 0,
+            record: serde_json::from_value(record).unwrap(),
+            pid_start_ticks: None,
+            keeper_socket: None,
+        }
+    }
+
+    fn stage_and_commit(store: &Store, engines: &BTreeMap<String, StoredEngine>, weights: &WeightsState) -> bool {
+        let meta = Meta { next_seq: 3, weight_version: weights.current.version.clone(), placement_revision: 0 };
+        let none = BTreeMap::new();
+        let (outs, ins) = (BTreeMap::new(), BTreeMap::new());
+        let batch =
+            store.stage(Current { engines, scale_outs: &outs, scale_ins: &ins, placements: &none, meta, weights });
+        let staged = batch.is_some();
+        store.turn().commit(batch).unwrap();
+        staged
+    }
+
+    #[test]
+    fn only_changes_are_staged_and_every_commit_reaches_the_disk() {
+        let dir = std::env::temp_dir().join(format!("rollout-store-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let weights = WeightsState::new("v0");
+        let mut engines: BTreeMap<String, StoredEngine> =
+            ["e1", "e2"].iter().map(|id| (id.to_string(), engine(id, 0))).collect();
+        {
+            let store = Store::open(&dir).unwrap();
+            assert!(stage_and_commit(&store, &engines, &weights), "a fresh store stages everything");
+            assert!(!stage_and_commit(&store, &engines, &weights), "no change, nothing staged");
+            engines.remove("e1");
+            engines.insert("e2".into(), engine("e2", 1));
+            assert!(stage_and_commit(&store, &engines, &weights), "a delete and a change are staged");
+        }
+        let store = Store::open(&dir).unwrap();
+        let snapshot = store.load().unwrap();
+        assert_eq!(snapshot.engines, vec![engine("e2", 1)]);
+        assert_eq!(snapshot.meta.map(|m| m.weight_version), Some("v0".to_string()));
+        assert_eq!(snapshot.weights, Some(weights.clone()));
+        // What was loaded counts as written: staging the same contents writes nothing.
+        assert!(!stage_and_commit(&store, &engines, &weights));
+        drop(store);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_later_row_replaces_an_earlier_one_when_batches_merge() {
+        let mut first = Batch::default();
+        first.rows[ENGINES_AT].insert("e1".into(), Some("old".into()));
+        first.rows[ENGINES_AT].insert("e2".into(), Some("kept".into()));
+        let mut later = Batch::default();
+        later.rows[ENGINES_AT].insert("e1".into(), None);
+        first.merge(later);
+        let rows: Vec<_> = first.rows[ENGINES_AT].iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect();
+        assert_eq!(rows, vec![("e1", None), ("e2", Some("kept"))]);
+    }
 
     #[test]
     fn timestamps_come_back_from_the_store_bit_for_bit() {

@@ -8,11 +8,12 @@
 //!   name was published with other bytes.
 //! - `GET /rollout/weights/updates[?status=]` and `GET /rollout/weights/updates/{id}`.
 
-use super::{checkpoint, UpdateRecord};
+use super::checkpoint;
 use crate::api::{parse_body, status_filter, ApiState};
 use crate::clock::unix_now;
 use crate::error::ApiError;
-use crate::fleet::Transition;
+use crate::records::Transition;
+use crate::records::{EngineUpdate, UpdateRecord};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -139,14 +140,14 @@ async fn publish(
             return Ok(existing);
         }
         let now = unix_now();
-        let engines: BTreeMap<String, super::EngineUpdate> = inner
+        let engines: BTreeMap<String, EngineUpdate> = inner
             .engines
             .values()
             .filter(|e| e.record.status.is_routable())
             .map(|e| {
                 (
                     e.record.engine_id.clone(),
-                    super::EngineUpdate {
+                    EngineUpdate {
                         status: rollout_core::weights::EngineUpdateStatus::Pending,
                         error: None,
                         started_at: None,
@@ -203,7 +204,12 @@ async fn publish(
 }
 
 /// Ok(Some(answer)): already published (idempotent); Ok(None): go ahead; Err: 409.
-fn decide(w: &super::WeightsState, version: &str, path: &str, checksum: &str) -> Result<Option<Value>, ApiError> {
+fn decide(
+    w: &crate::records::WeightsState,
+    version: &str,
+    path: &str,
+    checksum: &str,
+) -> Result<Option<Value>, ApiError> {
     match check_publish(&w.known_versions(), version, path, checksum) {
         PublishCheck::Same => {
             let existing = w

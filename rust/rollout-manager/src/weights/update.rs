@@ -407,7 +407,6 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
         w.current_since = crate::clock::unix_now();
         w.current_update = Some(update_id.to_string());
         w.running = None;
-        inner.weight_version = want.version.clone();
         tracing::info!(update_id, version = %want.version, "fleet weight version committed");
         true
     });

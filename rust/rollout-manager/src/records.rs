@@ -1,0 +1,456 @@
+//! The fleet's records: plain data, serialised as the HTTP API shows them and as the store
+//! keeps them. Their state machines live in `rollout_core`; the methods here apply an event and
+//! keep the record's timestamps and history.
+
+use crate::clock::unix_now;
+use rollout_core::weights::{
+    EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
+};
+use rollout_core::{
+    EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent, ScaleOutStatus,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// One engine as reported by `GET /rollout/engines`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineRecord {
+    pub engine_id: String,
+    pub url: String,
+    pub status: EngineStatus,
+    pub is_healthy: bool,
+    pub origin: EngineOrigin,
+    pub model_name: String,
+    pub weight_version: Option<String>,
+    /// SHA-256 of the weights the engine reports it loaded (`sglang-sim`'s `weights_checksum`),
+    /// when known; checked against the published checksum before the engine is routable.
+    #[serde(default)]
+    pub weights_checksum: Option<String>,
+    pub gpu_ids: Vec<u32>,
+    pub pid: Option<u32>,
+    pub started_at: f64,
+    pub updated_at: f64,
+    pub log_path: Option<PathBuf>,
+    /// Requests the router has in flight to this engine.
+    pub in_flight: usize,
+    /// How the process ended, or why the engine failed.
+    pub last_error: Option<String>,
+    /// The operation that created this engine.
+    pub created_by: Option<String>,
+    /// How many times recovery restarted this engine.
+    pub restarts: u32,
+    /// What the engine waits for, when that is not obvious from its status (Ray mode:
+    /// `PENDING_RESOURCES: ...` while its placement has no agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Transition {
+    pub status: String,
+    pub at: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailedEngine {
+    pub engine_id: String,
+    pub url: String,
+    pub error: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScaleOutRecord {
+    pub request_id: String,
+    pub status: ScaleOutStatus,
+    pub model_name: String,
+    pub num_replicas: u32,
+    pub engine_urls: Vec<String>,
+    pub engine_ids: Vec<String>,
+    pub failed_engines: Vec<FailedEngine>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub error_message: Option<String>,
+    pub weight_version: Option<String>,
+    pub message: String,
+    /// `initial` for the boot-time bring-up, `user` for API requests.
+    pub trigger: String,
+    pub history: Vec<Transition>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScaleInRecord {
+    pub request_id: String,
+    pub status: ScaleInStatus,
+    pub model_name: String,
+    pub num_replicas: u32,
+    pub engine_urls: Vec<String>,
+    pub force: bool,
+    pub engine_ids: Vec<String>,
+    pub removed_engines: Vec<String>,
+    pub failed_engines: Vec<FailedEngine>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub error_message: Option<String>,
+    pub message: String,
+    pub history: Vec<Transition>,
+}
+
+impl ScaleOutRecord {
+    pub fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_out");
+        self.status = next;
+        self.updated_at = unix_now();
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+}
+
+impl ScaleInRecord {
+    pub fn apply(&mut self, event: ScaleInEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_in");
+        self.status = next;
+        self.updated_at = unix_now();
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+}
+
+/// The kind and id of the scale operation in progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningOp {
+    pub kind: &'static str,
+    pub request_id: String,
+}
+
+/// Updates kept in memory and in the store (the oldest finished ones are forgotten first).
+pub const KEEP_UPDATES: usize = 100;
+
+/// One engine's part in an update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineUpdate {
+    pub status: EngineUpdateStatus,
+    pub error: Option<String>,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+}
+
+/// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpdateRecord {
+    pub update_id: String,
+    pub version: String,
+    pub path: String,
+    pub checksum: String,
+    /// Where engines load it from (the published path for `disk`; for `relay` the staged copy
+    /// on the manager's node, whose name engines on agents find under their node's relay dir).
+    pub engine_path: String,
+    pub previous_version: String,
+    pub strategy: UpdateStrategy,
+    /// Engines updated together (`max_unavailable`; the whole fleet for `all_at_once`).
+    pub max_unavailable: Option<u32>,
+    /// `/pause_generation` mode used by `all_at_once`.
+    pub pause_mode: String,
+    pub transport: String,
+    pub status: WeightUpdateStatus,
+    pub engines: BTreeMap<String, EngineUpdate>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub finished_at: Option<f64>,
+    pub error_message: Option<String>,
+    pub message: String,
+    pub history: Vec<Transition>,
+    /// How many times a restarted manager took this update up again (0: never interrupted).
+    #[serde(default)]
+    pub resumed: u32,
+}
+
+/// The `history` entry written when a restarted manager resumes an update (not a status: the
+/// update keeps its status, PENDING or UPDATING).
+pub const RESUMED: &str = "RESUMED";
+
+impl UpdateRecord {
+    pub fn apply(&mut self, event: WeightUpdateEvent) -> Result<(), IllegalTransition> {
+        let next = self.status.on(event)?;
+        tracing::info!(update_id = %self.update_id, version = %self.version, from = %self.status, to = %next, "weight_update");
+        self.status = next;
+        self.updated_at = unix_now();
+        if next.is_terminal() {
+            self.finished_at = Some(self.updated_at);
+        }
+        self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        Ok(())
+    }
+
+    /// Moves one engine's progress; engines not yet listed start as PENDING. Illegal moves are
+    /// ignored (an engine already VERIFIED stays so).
+    pub fn engine(&mut self, engine_id: &str, event: EngineUpdateEvent, error: Option<String>) {
+        let now = unix_now();
+        let e = self.engines.entry(engine_id.to_string()).or_insert(EngineUpdate {
+            status: EngineUpdateStatus::Pending,
+            error: None,
+            started_at: None,
+            finished_at: None,
+        });
+        if let Ok(next) = e.status.on(event) {
+            e.status = next;
+            if event == EngineUpdateEvent::Start {
+                e.started_at = Some(now);
+            }
+            if next.is_terminal() {
+                e.finished_at = Some(now);
+            }
+            if error.is_some() {
+                e.error = error;
+            }
+        }
+    }
+
+    pub fn version_record(&self) -> WeightVersion {
+        WeightVersion {
+            version: self.version.clone(),
+            path: Some(self.path.clone()),
+            checksum: Some(self.checksum.clone()),
+            published_seq: 0,
+        }
+    }
+}
+
+/// The fleet's weights: persisted as one record in the store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsState {
+    /// The version every routable engine serves once no update runs.
+    pub current: WeightVersion,
+    /// Where engines load `current` from (None: the startup `--model-path`).
+    pub current_engine_path: Option<String>,
+    /// `startup` (the `--weight-version` flag) or `publish`.
+    pub source: String,
+    /// When `current` became the fleet's version.
+    pub current_since: f64,
+    /// The update that made `current`, if any.
+    pub current_update: Option<String>,
+    /// The update in flight: its target is what new engines start on.
+    pub running: Option<String>,
+    pub updates: BTreeMap<String, UpdateRecord>,
+    pub next_seq: u64,
+}
+
+impl WeightsState {
+    pub fn new(startup_version: &str) -> Self {
+        Self {
+            current: WeightVersion::startup(startup_version),
+            current_engine_path: None,
+            source: "startup".into(),
+            current_since: unix_now(),
+            current_update: None,
+            running: None,
+            updates: BTreeMap::new(),
+            next_seq: 1,
+        }
+    }
+
+    pub fn running_update(&self) -> Option<&UpdateRecord> {
+        self.running.as_ref().and_then(|id| self.updates.get(id))
+    }
+
+    pub fn running_update_mut(&mut self) -> Option<&mut UpdateRecord> {
+        let id = self.running.clone()?;
+        self.updates.get_mut(&id)
+    }
+
+    /// The version engines must serve to become routable: the running update's target, else
+    /// the current version; with the path they load it from (None: the startup model path).
+    pub fn desired(&self) -> (WeightVersion, Option<String>) {
+        match self.running_update() {
+            Some(u) => (u.version_record(), Some(u.engine_path.clone())),
+            None => (self.current.clone(), self.current_engine_path.clone()),
+        }
+    }
+
+    /// Versions in publication order, oldest first (orders non-numeric versions for pins).
+    pub fn version_order(&self) -> Vec<String> {
+        let mut done: Vec<&UpdateRecord> =
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).collect();
+        done.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        let mut out = Vec::new();
+        if self.source == "startup" || !done.iter().any(|u| u.version == self.current.version) {
+            out.push(self.current.version.clone());
+        }
+        for u in done {
+            if !out.contains(&u.version) {
+                out.push(u.version.clone());
+            }
+        }
+        out
+    }
+
+    /// Versions whose name is taken: the current one and every update that did not fail.
+    pub fn known_versions(&self) -> Vec<WeightVersion> {
+        let mut out = vec![self.current.clone()];
+        out.extend(
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).map(|u| u.version_record()),
+        );
+        out
+    }
+
+    /// Forgets the oldest finished updates beyond [`KEEP_UPDATES`]; running ones stay.
+    pub fn prune(&mut self) {
+        if self.updates.len() <= KEEP_UPDATES {
+            return;
+        }
+        let mut done: Vec<(f64, String)> = self
+            .updates
+            .iter()
+            .filter(|(id, u)| u.status.is_terminal() && self.current_update.as_ref() != Some(id))
+            .map(|(id, u)| (u.created_at, id.clone()))
+            .collect();
+        done.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let excess = self.updates.len() - KEEP_UPDATES;
+        for (_, id) in done.into_iter().take(excess) {
+            self.updates.remove(&id);
+        }
+    }
+
+    /// After a manager restart: the update that was in flight, if any, is marked resumed
+    /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
+    /// Whether it can really go on is checked next ([`check_resumable`]).
+    pub fn resume_after_restart(&mut self) -> Option<String> {
+        let u = self.running_update_mut()?;
+        if u.status.is_terminal() {
+            self.running = None;
+            return None;
+        }
+        u.resumed += 1;
+        u.updated_at = unix_now();
+        u.history.push(Transition { status: RESUMED.into(), at: u.updated_at });
+        u.message = format!("resumed after a manager restart ({} so far); publishing {}", u.resumed, u.version);
+        tracing::info!(update_id = %u.update_id, version = %u.version, resumed = u.resumed, "weight update resumed after a restart");
+        Some(u.update_id.clone())
+    }
+
+    /// Ends the running update FAILED because it cannot go on after a restart; the fleet stays
+    /// on its current version (engines are brought back to it as they are re-adopted).
+    pub fn fail_running(&mut self, why: &str) {
+        if let Some(u) = self.running_update_mut() {
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
+            let _ = u.apply(WeightUpdateEvent::Fail);
+        }
+        self.running = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
+        UpdateRecord {
+            update_id: id.into(),
+            version: version.into(),
+            path: format!("/ckpt/{version}"),
+            checksum: format!("sum-{version}"),
+            engine_path: format!("/stage/{version}"),
+            previous_version: "default".into(),
+            strategy: UpdateStrategy::Rolling,
+            max_unavailable: None,
+            pause_mode: "abort".into(),
+            transport: "disk".into(),
+            status,
+            engines: BTreeMap::new(),
+            created_at: at,
+            updated_at: at,
+            finished_at: None,
+            error_message: None,
+            message: String::new(),
+            history: Vec::new(),
+            resumed: 0,
+        }
+    }
+
+    #[test]
+    fn desired_is_the_running_target_else_current() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
+        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some("u1".into());
+        let (want, path) = w.desired();
+        assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
+        assert_eq!(path.as_deref(), Some("/stage/v1"));
+    }
+
+    #[test]
+    fn a_restart_resumes_the_running_update_and_counts_it() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.resume_after_restart(), None);
+        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some("u1".into());
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        let u = &w.updates["u1"];
+        assert_eq!((u.status, u.resumed), (WeightUpdateStatus::Updating, 2));
+        let entries: Vec<&str> = u.history.iter().map(|h| h.status.as_str()).collect();
+        assert_eq!(entries, vec![RESUMED, RESUMED]);
+        // Still the target: new and re-adopted engines are brought to it.
+        assert_eq!(w.desired().0.version, "v1");
+        // One that cannot go on ends FAILED with the reason; the fleet stays where it was.
+        w.fail_running("the checkpoint is gone");
+        assert_eq!(w.running, None);
+        let u = &w.updates["u1"];
+        assert_eq!(u.status, WeightUpdateStatus::Failed);
+        assert_eq!(u.error_message.as_deref(), Some("the checkpoint is gone; the fleet stays on default"));
+        assert_eq!(w.desired().0.version, "v0");
+        assert_eq!(w.resume_after_restart(), None);
+    }
+
+    #[test]
+    fn records_written_before_resume_existed_read_as_never_resumed() {
+        let mut v = serde_json::to_value(record("u", "v1", 0.0, WeightUpdateStatus::Updating)).unwrap();
+        v.as_object_mut().unwrap().remove("resumed");
+        let back: UpdateRecord = serde_json::from_value(v).unwrap();
+        assert_eq!(back.resumed, 0);
+    }
+
+    #[test]
+    fn version_order_and_known_versions_skip_failed_updates() {
+        let mut w = WeightsState::new("v0");
+        w.updates.insert("a".into(), record("a", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert("b".into(), record("b", "bad", 2.0, WeightUpdateStatus::Failed));
+        w.updates.insert("c".into(), record("c", "v2", 3.0, WeightUpdateStatus::Completed));
+        assert_eq!(w.version_order(), vec!["v0", "v1", "v2"]);
+        let known: Vec<String> = w.known_versions().into_iter().map(|v| v.version).collect();
+        assert_eq!(known, vec!["v0", "v1", "v2"]);
+    }
+
+    #[test]
+    fn prune_keeps_running_and_current_updates() {
+        let mut w = WeightsState::new("v0");
+        for i in 0..KEEP_UPDATES + 5 {
+            let id = format!("u{i:04}");
+            w.updates.insert(id.clone(), record(&id, &format!("v{i}"), i as f64, WeightUpdateStatus::Completed));
+        }
+        w.current_update = Some("u0000".into());
+        w.updates.get_mut("u0001").unwrap().status = WeightUpdateStatus::Updating;
+        w.running = Some("u0001".into());
+        w.prune();
+        assert_eq!(w.updates.len(), KEEP_UPDATES);
+        assert!(w.updates.contains_key("u0000") && w.updates.contains_key("u0001"));
+        assert!(!w.updates.contains_key("u0002") && w.updates.contains_key("u0007"));
+    }
+
+    #[test]
+    fn engine_progress_starts_pending_and_ignores_illegal_moves() {
+        let mut u = record("u", "v1", 0.0, WeightUpdateStatus::Updating);
+        u.engine("e0", EngineUpdateEvent::Start, None);
+        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Updating);
+        assert!(u.engines["e0"].started_at.is_some());
+        u.engine("e0", EngineUpdateEvent::Fail, Some("bad header".into()));
+        u.engine("e0", EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Failed);
+        assert_eq!(u.engines["e0"].error.as_deref(), Some("bad header"));
+        u.engine("e1", EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["e1"].status, EngineUpdateStatus::Verified);
+    }
+}
