@@ -116,6 +116,27 @@ impl EngineStatus {
         self == EngineStatus::Active
     }
 
+    /// For an engine out of routing: whether the requests the router already sent it still get
+    /// their answer there. Yes when it left to drain (DRAINING, REMOVING, REMOVED: scale-in
+    /// waits for them) or for a rolling weight update (WEIGHT_SYNCING, READY: the update waits
+    /// for them before loading); no when it failed its probes, exited, or is being started
+    /// again: those requests are lost and the router retries them elsewhere.
+    pub fn keeps_its_requests(self) -> bool {
+        match self {
+            EngineStatus::Draining
+            | EngineStatus::Removing
+            | EngineStatus::Removed
+            | EngineStatus::WeightSyncing
+            | EngineStatus::Ready
+            | EngineStatus::Active => true,
+            EngineStatus::Pending
+            | EngineStatus::Creating
+            | EngineStatus::HealthChecking
+            | EngineStatus::Unhealthy
+            | EngineStatus::Failed => false,
+        }
+    }
+
     /// Whether the engine still exists as far as the fleet is concerned.
     pub fn is_terminal(self) -> bool {
         self == EngineStatus::Removed

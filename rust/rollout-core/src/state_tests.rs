@@ -4,7 +4,8 @@ use super::*;
 use proptest::prelude::*;
 
 const ENGINE_STATES: [EngineStatus; 11] = EngineStatus::ALL;
-const ENGINE_EVENTS: [EngineEvent; 12] = [
+const ENGINE_EVENTS: [EngineEvent; 13] = [
+    EngineEvent::Bound,
     EngineEvent::Launched,
     EngineEvent::Healthy,
     EngineEvent::WeightsSynced,
@@ -107,6 +108,28 @@ fn engine_edge_table() {
 }
 
 #[test]
+fn which_engines_out_of_routing_keep_their_requests() {
+    use EngineStatus as S;
+    let table = [
+        (S::Pending, false),
+        (S::Creating, false),
+        (S::HealthChecking, false),
+        (S::WeightSyncing, true),
+        (S::Ready, true),
+        (S::Active, true),
+        (S::Unhealthy, false),
+        (S::Draining, true),
+        (S::Removing, true),
+        (S::Removed, true),
+        (S::Failed, false),
+    ];
+    assert_eq!(table.len(), ENGINE_STATES.len());
+    for (status, keeps) in table {
+        assert_eq!(status.keeps_its_requests(), keeps, "{status}");
+    }
+}
+
+#[test]
 fn illegal_transition_names_both_sides() {
     let err = EngineStatus::Removed.on(EngineEvent::Activated).unwrap_err();
     let text = err.to_string();
@@ -154,12 +177,18 @@ fn wire_names_are_screaming_snake_case() {
 }
 
 proptest! {
-    /// Whatever sequence of events arrives, the engine machine never leaves REMOVED and never
-    /// makes an engine routable without passing READY -> ACTIVE or UNHEALTHY -> ACTIVE.
+    /// Whatever sequence of events arrives, from either first state (PENDING in Ray mode,
+    /// CREATING otherwise), the engine machine never leaves REMOVED, never makes an engine
+    /// routable without passing READY -> ACTIVE or UNHEALTHY -> ACTIVE, and a routable engine
+    /// always keeps its requests.
     #[test]
-    fn engine_machine_invariants(events in proptest::collection::vec(0usize..ENGINE_EVENTS.len(), 0..64)) {
-        let mut s = EngineStatus::Creating;
+    fn engine_machine_invariants(
+        ray in any::<bool>(),
+        events in proptest::collection::vec(0usize..ENGINE_EVENTS.len(), 0..64),
+    ) {
+        let mut s = if ray { EngineStatus::Pending } else { EngineStatus::Creating };
         for i in events {
+            prop_assert!(!s.is_routable() || s.keeps_its_requests());
             let e = ENGINE_EVENTS[i];
             match s.on(e) {
                 Ok(next) => {

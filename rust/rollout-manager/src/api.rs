@@ -240,7 +240,7 @@ async fn openapi() -> axum::response::Response {
 /// Prometheus metrics of the router and of each routable engine's load.
 async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let mut text = s.manager.router_metrics.render(&s.manager.fleet.routes());
+    let mut text = s.manager.router_metrics.render(&s.manager.fleet.routes().backends);
     s.manager.fleet.render_metrics(&mut text);
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }

@@ -23,17 +23,38 @@ pub struct Backend {
     pub url: String,
     /// Host and port of `url`, for the router's connection pool.
     pub authority: String,
-    /// `authority` parsed once, when it is a plain `host:port` (the router then builds each
-    /// request's URI from it without formatting and parsing a string).
-    pub uri_authority: Option<axum::http::uri::Authority>,
-    /// The `Host` header of requests to this engine (as HTTP clients derive it from the URL:
-    /// `host`, or `host:port` for a port other than 80); None without `uri_authority`.
-    pub host_header: Option<axum::http::HeaderValue>,
-    /// `engine_id` as the `x-rollout-engine-id` response header (None if it is not a valid
-    /// header value).
-    pub id_header: Option<axum::http::HeaderValue>,
     pub weight_version: Option<String>,
     pub load: Arc<EngineLoad>,
+}
+
+/// Everything the data plane reads from the registry, published whole (copy-on-write) by every
+/// [`Fleet::update`], so a request never takes the registry lock.
+#[derive(Debug, Default)]
+pub struct RoutingTable {
+    /// The engines the router may send new requests to.
+    pub backends: Vec<Backend>,
+    /// Loads of engines out of routing whose requests still get their answer there
+    /// ([`EngineStatus::keeps_its_requests`]).
+    finishing: Vec<Arc<EngineLoad>>,
+    /// Weight versions the fleet has served, oldest first (orders non-numeric versions for
+    /// `min_version` pins).
+    pub version_order: Arc<Vec<String>>,
+    /// Whether a fleet weight update is in flight (engines may be out of routing for it).
+    pub weights_updating: bool,
+}
+
+impl RoutingTable {
+    /// Whether the engine owning `load` is routable in this table.
+    pub fn is_routable(&self, load: &Arc<EngineLoad>) -> bool {
+        self.backends.iter().any(|b| Arc::ptr_eq(&b.load, load))
+    }
+
+    /// Whether a request sent to the engine owning `load` can no longer expect an answer: the
+    /// engine is neither routable nor out of routing in a state that keeps its requests (it
+    /// failed its probes, exited, is being started again, or is gone).
+    pub fn is_lost(&self, load: &Arc<EngineLoad>) -> bool {
+        !self.is_routable(load) && !self.finishing.iter().any(|l| Arc::ptr_eq(l, load))
+    }
 }
 
 /// Live load of one engine as the router sees it: requests and estimated KV tokens in flight
@@ -256,7 +277,7 @@ pub struct Fleet {
     inner: Mutex<FleetInner>,
     /// Durable copy of the registry; every update is committed before [`Fleet::update`] returns.
     store: Option<crate::store::Store>,
-    routes: RwLock<Arc<Vec<Backend>>>,
+    routes: RwLock<Arc<RoutingTable>>,
     /// Bumped on every change, so waiters can wake without polling.
     changes: watch::Sender<u64>,
     /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
@@ -290,7 +311,7 @@ impl Fleet {
         Self {
             inner: Mutex::new(inner),
             store,
-            routes: RwLock::new(Arc::new(Vec::new())),
+            routes: RwLock::new(Arc::new(RoutingTable::default())),
             changes: watch::channel(0).0,
             store_failures: AtomicU64::new(0),
             slot_freed,
@@ -335,30 +356,8 @@ impl Fleet {
             });
             (batch, store.turn())
         });
-        let routes: Vec<Backend> = inner
-            .engines
-            .values()
-            .filter(|e| e.record.status.is_routable())
-            .map(|e| {
-                let authority = e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string();
-                let uri_authority: Option<axum::http::uri::Authority> = authority.parse().ok();
-                let host_header = uri_authority.as_ref().and_then(|a| match a.port_u16() {
-                    Some(port) if port != 80 => axum::http::HeaderValue::from_str(&format!("{}:{port}", a.host())).ok(),
-                    _ => axum::http::HeaderValue::from_str(a.host()).ok(),
-                });
-                Backend {
-                    engine_id: e.record.engine_id.clone(),
-                    uri_authority,
-                    host_header,
-                    id_header: axum::http::HeaderValue::from_str(&e.record.engine_id).ok(),
-                    authority,
-                    url: e.record.url.clone(),
-                    weight_version: e.record.weight_version.clone(),
-                    load: e.load.clone(),
-                }
-            })
-            .collect();
-        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(routes);
+        let table = self.table_of(&inner);
+        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
         drop(inner);
         if let Some((batch, turn)) = staged {
             if let Err(e) = turn.commit(batch) {
@@ -370,42 +369,39 @@ impl Fleet {
         out
     }
 
-    /// Whether the engine owning `load` is routable in the current table.
-    pub fn is_routable(&self, load: &Arc<EngineLoad>) -> bool {
-        self.routes().iter().any(|b| Arc::ptr_eq(&b.load, load))
+    /// The routing table of the registry as it is now.
+    fn table_of(&self, inner: &FleetInner) -> RoutingTable {
+        let mut backends = Vec::new();
+        let mut finishing = Vec::new();
+        for e in inner.engines.values() {
+            let status = e.record.status;
+            if status.is_routable() {
+                backends.push(Backend {
+                    engine_id: e.record.engine_id.clone(),
+                    authority: e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string(),
+                    url: e.record.url.clone(),
+                    weight_version: e.record.weight_version.clone(),
+                    load: e.load.clone(),
+                });
+            } else if status.keeps_its_requests() {
+                finishing.push(e.load.clone());
+            }
+        }
+        let order = inner.weights.version_order();
+        let previous = self.routes();
+        let version_order =
+            if *previous.version_order == order { previous.version_order.clone() } else { Arc::new(order) };
+        RoutingTable { backends, finishing, version_order, weights_updating: inner.weights.running.is_some() }
     }
 
-    /// Whether a request sent to `engine_id` (whose load is `load`) can no longer expect an
-    /// answer: the engine left routing because it failed its probes (UNHEALTHY), its process
-    /// exited (FAILED), it is being restarted, or it is gone. Engines that left routing to drain
-    /// (DRAINING, REMOVING) or for a rolling weight update (WEIGHT_SYNCING, then READY: the
-    /// update waits for their requests before loading) are not lost: their requests finish there.
-    pub fn is_lost(&self, engine_id: &str, load: &Arc<EngineLoad>) -> bool {
-        if self.is_routable(load) {
-            return false;
-        }
-        let inner = self.lock();
-        match inner.engines.get(engine_id) {
-            Some(e) if Arc::ptr_eq(&e.load, load) => !matches!(
-                e.record.status,
-                EngineStatus::Draining
-                    | EngineStatus::Removing
-                    | EngineStatus::Removed
-                    | EngineStatus::WeightSyncing
-                    | EngineStatus::Ready
-            ),
-            _ => true,
-        }
-    }
-
-    /// Runs `request` (a request sent to `engine_id`, up to its response headers) unless the
-    /// engine is lost first (see [`Fleet::is_lost`]); then the request is dropped, which closes
-    /// its connection, and the error says so. The router retries such a request on another
-    /// engine, so a client whose request sat on a hung engine gets its answer from a healthy one
-    /// as soon as the health probes take the hung one out, instead of waiting for its restart.
+    /// Runs `request` (a request sent to `engine_id`, whose load is `load`, up to its response
+    /// headers) unless the engine is lost first ([`RoutingTable::is_lost`]); then the request is
+    /// dropped, which closes its connection, and the error says so. The router retries such a
+    /// request on another engine, so a client whose request sat on a hung engine gets its answer
+    /// from a healthy one as soon as the health probes take the hung one out, instead of waiting
+    /// for its restart.
     pub async fn unless_lost<T, E: std::fmt::Display>(
         &self,
-        engine_id: &str,
         load: &Arc<EngineLoad>,
         request: impl std::future::Future<Output = Result<T, E>>,
     ) -> Result<T, String> {
@@ -418,7 +414,7 @@ impl Fleet {
                     if changed.is_err() {
                         return request.await.map_err(|e| e.to_string());
                     }
-                    if self.is_lost(engine_id, load) {
+                    if self.routes().is_lost(load) {
                         return Err("the engine left routing (failed health probes or exited) before answering".into());
                     }
                 }
@@ -426,20 +422,9 @@ impl Fleet {
         }
     }
 
-    /// The engines the router may use now.
-    pub fn routes(&self) -> Arc<Vec<Backend>> {
+    /// The routing table: what the data plane may use now.
+    pub fn routes(&self) -> Arc<RoutingTable> {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Weight versions the fleet has served, oldest first (orders non-numeric versions for
-    /// `min_version` pins).
-    pub fn version_history(&self) -> Vec<String> {
-        self.lock().weights.version_order()
-    }
-
-    /// Whether a fleet weight update is in flight (engines may be out of routing for it).
-    pub fn weights_updating(&self) -> bool {
-        self.lock().weights.running.is_some()
     }
 
     pub fn store(&self) -> Option<&crate::store::Store> {
@@ -522,6 +507,47 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use rollout_core::ScaleOutStatus;
+
+    fn engine(id: &str, status: &str) -> Engine {
+        let record = serde_json::json!({
+            "engine_id": id, "url": "http://127.0.0.1:30000/", "status": status, "is_healthy": true,
+            "origin": "initial", "model_name": "m", "weight_version": "v0", "gpu_ids": [0], "pid": null,
+            "started_at": 1.0, "updated_at": 1.0, "log_path": null, "in_flight": 0, "last_error": null,
+            "created_by": null, "restarts": 0,
+        });
+        Engine {
+            seq: 0,
+            record: serde_json::from_value(record).unwrap(),
+            process: None,
+            load: Arc::new(EngineLoad::default()),
+            probe_failures: 0,
+            pid_start_ticks: None,
+            keeper_socket: None,
+        }
+    }
+
+    #[test]
+    fn the_routing_table_tells_lost_requests_from_finishing_ones() {
+        let fleet = Fleet::new(1, "v0".into(), true, None, QueueOrder::Fifo);
+        let load = fleet.update(|inner| {
+            let e = engine("e1", "ACTIVE");
+            let load = e.load.clone();
+            inner.engines.insert("e1".into(), e);
+            load
+        });
+        let table = fleet.routes();
+        assert!(table.is_routable(&load) && !table.is_lost(&load));
+        assert_eq!(table.backends[0].authority, "127.0.0.1:30000");
+        assert_eq!(*table.version_order, vec!["v0".to_string()]);
+        fleet.update(|inner| inner.engine_event("e1", EngineEvent::Drain).map(drop)).unwrap();
+        let table = fleet.routes();
+        assert!(!table.is_routable(&load) && !table.is_lost(&load), "a draining engine keeps its requests");
+        fleet.update(|inner| inner.engine_event("e1", EngineEvent::Fail).map(drop)).unwrap();
+        assert!(fleet.routes().is_lost(&load), "a failed engine's requests are lost");
+        // Restarted with a new load: requests counted on the old one are lost.
+        fleet.update(|inner| inner.engines.insert("e1".into(), engine("e1", "DRAINING")));
+        assert!(fleet.routes().is_lost(&load));
+    }
 
     #[test]
     fn prunes_only_the_oldest_finished_operations() {

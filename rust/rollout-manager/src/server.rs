@@ -177,7 +177,7 @@ impl Server {
             tracing::warn!("HTTP connections still open after 5 s; closing them");
         }
         // An external router stops sending work to the engines before they stop.
-        let urls: Vec<String> = manager.fleet.routes().iter().map(|b| b.url.clone()).collect();
+        let urls: Vec<String> = manager.fleet.routes().backends.iter().map(|b| b.url.clone()).collect();
         crate::router::smg::unregister_urls(&manager, &urls).await;
         manager.stop_all().await;
         manager.tasks.close();

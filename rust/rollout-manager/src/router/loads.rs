@@ -60,7 +60,7 @@ pub fn spawn_poller(manager: &Arc<Manager>) {
 
 async fn poll_all(manager: &Manager, timeout: Duration) {
     let routes = manager.fleet.routes();
-    futures::future::join_all(routes.iter().map(|b| async move {
+    futures::future::join_all(routes.backends.iter().map(|b| async move {
         let url = format!("{}/v1/loads?include=core", b.url);
         let Ok(body) = crate::engine_http::get(&manager.http, &url, timeout, crate::engine_http::MAX_JSON_BYTES).await
         else {

@@ -44,11 +44,12 @@ pub mod loads;
 pub mod metrics;
 mod peek;
 mod pool;
+mod table;
 pub use pool::set_thread_slot;
 pub mod smg;
 
 use crate::error::error_body;
-use crate::fleet::{Backend, InFlightGuard};
+use crate::fleet::InFlightGuard;
 use crate::http_serve::read_body_first;
 use crate::manager::Manager;
 use crate::slots::Ticket;
@@ -74,6 +75,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use table::{Route, RouteCache};
 
 /// Largest request body the router accepts (prompts with long contexts and images fit).
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -102,6 +104,7 @@ pub struct RouterState {
     rotor: AtomicUsize,
     affinity: Affinity,
     gate: Gate,
+    routes: RouteCache,
 }
 
 /// The data plane as served on the router port: the router's own routes go through an axum
@@ -156,6 +159,7 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
         rotor: AtomicUsize::new(0),
         affinity: Affinity::new(100_000),
         gate: Gate::default(),
+        routes: RouteCache::default(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -180,7 +184,7 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
 }
 
 async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
-    let n = state.manager.fleet.routes().len();
+    let n = state.manager.fleet.routes().backends.len();
     let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = serde_json::json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n});
     (status, Json(body)).into_response()
@@ -245,7 +249,7 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
-async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc<Vec<Backend>>, Response> {
+async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc<Vec<Route>>, Response> {
     let fleet = &state.manager.fleet;
     let wait = Duration::from_secs_f64(state.manager.config.version_wait_secs);
     let deadline = tokio::time::Instant::now() + wait;
@@ -253,13 +257,13 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
     // so no change between the first read and the subscription is missed).
     let mut changes: Option<tokio::sync::watch::Receiver<u64>> = None;
     loop {
-        let routes = fleet.routes();
+        let current = state.routes.current(fleet);
         let found = match pin {
-            None => !routes.is_empty(),
+            None => !current.all.is_empty(),
             Some(pin) => {
-                let history = fleet.version_history();
-                let matching: Vec<Backend> =
-                    routes.iter().filter(|b| pin.allows(b.weight_version.as_deref(), &history)).cloned().collect();
+                let history = &current.table.version_order;
+                let matching: Vec<Route> =
+                    current.all.iter().filter(|b| pin.allows(b.weight_version.as_deref(), history)).cloned().collect();
                 if !matching.is_empty() {
                     return Ok(Arc::new(matching));
                 }
@@ -267,11 +271,11 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
             }
         };
         if found {
-            return Ok(routes);
+            return Ok(current.all.clone());
         }
         // While a weight update has every engine out of routing (all_at_once), requests
         // wait for them like pinned ones do, instead of failing at once.
-        if pin.is_none() && !fleet.weights_updating() {
+        if pin.is_none() && !current.table.weights_updating {
             state.manager.router_metrics.error(ErrorKind::NoEngine);
             return Err(error(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -289,7 +293,7 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
         }
     }
     state.manager.router_metrics.error(ErrorKind::VersionUnavailable);
-    let serving: Vec<String> = fleet.routes().iter().filter_map(|b| b.weight_version.clone()).collect();
+    let serving: Vec<String> = fleet.routes().backends.iter().filter_map(|b| b.weight_version.clone()).collect();
     let wanted = match pin {
         Some(VersionPin::Exact(v)) => format!("exactly {v:?}"),
         Some(VersionPin::AtLeast(v)) => format!("at least {v:?}"),
@@ -316,7 +320,7 @@ fn path_and_query(uri: &Uri) -> PathAndQuery {
 
 /// The URI of `path` on an engine: built from parts when the engine's authority was parsed
 /// once (no string is formatted or parsed per request), else from its URL's text.
-fn engine_uri(backend: &Backend, path: &PathAndQuery) -> Result<Uri, axum::http::Error> {
+fn engine_uri(backend: &Route, path: &PathAndQuery) -> Result<Uri, axum::http::Error> {
     match &backend.uri_authority {
         Some(authority) => {
             Uri::builder().scheme(Scheme::HTTP).authority(authority.clone()).path_and_query(path.clone()).build()
@@ -360,7 +364,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     };
     let path = path_and_query(&parts.uri);
     let headers = to_engine(parts.headers, state.token.as_deref());
-    let routes = state.manager.fleet.routes();
+    let routes = state.routes.current(&state.manager.fleet).all.clone();
     let client = &state.client;
     let results = futures::future::join_all(routes.iter().map(|b| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
@@ -537,7 +541,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             // Counted first, then checked: a scale-in or weight update that took the engine out
             // of routing before this request was counted sees it in its drain; one that did
             // after, we see here, and pick again from the new table (not a failed attempt).
-            if !state.manager.fleet.is_routable(&routes[index].load) {
+            if !state.manager.fleet.routes().is_routable(&routes[index].load) {
                 drop(guard);
                 continue;
             }
@@ -597,7 +601,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         // One timer bounds the whole answer: it first bounds the wait for the headers, then
         // goes with the body (Tracked) to bound the rest.
         let mut deadline = Box::pin(tokio::time::sleep(timeout));
-        let sent = state.manager.fleet.unless_lost(&backend.engine_id, &backend.load, sent);
+        let sent = state.manager.fleet.unless_lost(&backend.load, sent);
         let answer = tokio::select! {
             biased;
             answer = sent => answer,
@@ -652,7 +656,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
 
 /// Whether some routable engine is under the cap (one a pinned or retried request may not use).
 fn room_elsewhere(state: &RouterState, cap: usize) -> bool {
-    state.manager.fleet.routes().iter().any(|b| b.load.get() < cap)
+    state.manager.fleet.routes().backends.iter().any(|b| b.load.get() < cap)
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.

@@ -129,7 +129,7 @@ impl Pools {
         }
         let live = fleet.routes();
         let mut map = self.by_addr.write().unwrap_or_else(|e| e.into_inner());
-        map.retain(|a, _| live.iter().any(|b| b.authority == *a));
+        map.retain(|a, _| live.backends.iter().any(|b| b.authority == *a));
         map.entry(addr.to_string()).or_default().clone()
     }
 }
