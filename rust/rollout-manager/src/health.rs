@@ -65,7 +65,9 @@ async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     // Only the status is read: the body of a probe (of any size) is never buffered, and
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
     let results = futures::future::join_all(
-        targets.iter().map(|(id, url)| async move { (id.clone(), probe(manager, url, endpoint, timeout).await) }),
+        targets
+            .iter()
+            .map(|(id, url)| async move { (id.clone(), manager.engine_api.probe(url, endpoint, timeout).await) }),
     )
     .await;
     let threshold = manager.config.health_failure_threshold;
@@ -147,7 +149,7 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
     let Some(url) = manager.url_of(id) else { return };
     let synced = tokio::select! {
         synced = manager.sync_weights(id, &[EngineEvent::ProbeRecovered]) => synced,
-        why = stops_answering(manager, &url) => Err(crate::manager::EngineError::Unresponsive(why)),
+        why = stops_answering(manager, &url) => Err(crate::engine_api::EngineError::Unresponsive(why)),
         () = manager.shutdown.cancelled() => return,
     };
     match synced {
@@ -160,16 +162,6 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
                 }
             });
         }
-    }
-}
-
-/// One probe of `endpoint`: `None` when it answered 2xx within `timeout`, else why not.
-async fn probe(manager: &Manager, url: &str, endpoint: &str, timeout: Duration) -> Option<String> {
-    match manager.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => None,
-        Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
-        Err(e) if e.is_timeout() => Some(format!("{endpoint} timed out after {timeout:?}")),
-        Err(e) => Some(format!("{endpoint}: {}", crate::engine_http::describe(e))),
     }
 }
 
@@ -189,7 +181,7 @@ pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        match probe(manager, url, "/model_info", timeout).await {
+        match manager.engine_api.probe(url, "/model_info", timeout).await {
             None => failures = 0,
             Some(why) => {
                 failures += 1;

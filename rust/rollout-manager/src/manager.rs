@@ -24,18 +24,18 @@ use tokio_util::task::TaskTracker;
 
 pub struct Manager {
     pub config: ServeConfig,
-    pub fleet: Fleet,
+    pub fleet: Arc<Fleet>,
     pub launcher: EngineLauncher,
-    /// Client for probes and control calls to engines (short timeouts).
+    /// Client for HTTP calls that are not engine calls (the external router's API).
     pub http: reqwest::Client,
+    /// The control calls to engines: probes, `/model_info`, weight loads, pause, abort.
+    pub engine_api: Arc<dyn crate::engine_api::EngineApi>,
     /// Every background task the manager starts, joined at shutdown.
     pub tasks: TaskTracker,
     /// Cancelled when the manager shuts down.
     pub shutdown: CancellationToken,
-    /// The data plane's counters, served on the control port's `/metrics`.
-    pub router_metrics: Arc<crate::router::metrics::RouterMetrics>,
-    /// Engines registered with an external router (`--router smg=URL`).
-    pub smg: crate::router::smg::SmgRegistry,
+    /// The external router engines are registered with (`--router smg=URL`), if any.
+    pub external_router: Option<Arc<dyn ExternalRouter>>,
     /// How published weight versions reach the engines (`--weight-transport`).
     pub transport: Arc<dyn crate::weights::transport::WeightTransport>,
     /// Engines on this machine (`--placement local`).
@@ -47,33 +47,13 @@ pub struct Manager {
 /// What an engine shows while its placement waits for an agent.
 pub const PENDING_DETAIL: &str = "PENDING_RESOURCES: waiting for the Ray shim to place the engine and bind its agent";
 
-/// Why bringing up one engine failed.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum EngineError {
-    #[error("{0}")]
-    Launch(String),
-    #[error("engine exited before it became healthy ({0}); see its log")]
-    Exited(String),
-    #[error("engine was not healthy within {0:?}")]
-    StartupTimeout(Duration),
-    #[error("engine serves weight version {found:?}, the fleet is on {expected:?}")]
-    WrongVersion { expected: String, found: String },
-    #[error("engine serves version {version:?} with checksum {found:?}, the published checksum is {expected:?}")]
-    WrongChecksum { version: String, expected: String, found: String },
-    #[error("engine could not load weights {path}: {detail}")]
-    WeightLoad { path: String, detail: String },
-    #[error("engine serves model {found:?}, the fleet serves {expected:?} (--model-path)")]
-    WrongModel { expected: String, found: String },
-    #[error("engine did not answer {path}: {detail}")]
-    Unreachable { path: &'static str, detail: String },
-    /// Its HTTP server stopped answering while it was out of routing for a weight update.
-    #[error("engine stopped answering during its weight update: {0}")]
-    Unresponsive(String),
-    /// It answered, but not with what SGLang answers (garbage, too large, wrong shape).
-    #[error("engine gave an unusable answer to {path}: {detail}")]
-    BadAnswer { path: &'static str, detail: String },
-    #[error("cancelled")]
-    Cancelled,
+use crate::engine_api::EngineError;
+
+/// A router outside the manager that engines are registered with (smg): told which engines
+/// to stop sending work to before they drain or stop.
+pub trait ExternalRouter: Send + Sync {
+    /// Unregisters these engine URLs now; errors are logged, never returned.
+    fn forget<'a>(&'a self, urls: &'a [String]) -> futures::future::BoxFuture<'a, ()>;
 }
 
 impl Manager {
@@ -82,6 +62,7 @@ impl Manager {
         launcher: EngineLauncher,
         store: Option<crate::store::Store>,
         token: Option<&str>,
+        external_router: Option<Arc<dyn ExternalRouter>>,
     ) -> Result<Arc<Self>, reqwest::Error> {
         // Redirects are not followed: an engine (external ones are run by someone else) must
         // not be able to point the manager's probes at another address.
@@ -90,13 +71,13 @@ impl Manager {
             .pool_idle_timeout(Duration::from_secs(30))
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
-        let fleet = Fleet::new(
+        let fleet = Arc::new(Fleet::new(
             config.gpus,
             config.weight_version.clone(),
             config.restart_failed_engines,
             store,
             config.queue_order,
-        );
+        ));
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
         let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
@@ -112,11 +93,11 @@ impl Manager {
             config,
             fleet,
             launcher,
+            engine_api: Arc::new(crate::engine_api::HttpEngineApi::new(http.clone())),
             http,
             tasks,
             shutdown,
-            router_metrics: Arc::default(),
-            smg: Default::default(),
+            external_router,
             transport,
             local,
             agents,
@@ -570,15 +551,7 @@ impl Manager {
                 if let Some(why) = failed {
                     return Err(EngineError::Exited(why));
                 }
-                let ok = self
-                    .http
-                    .get(format!("{url}/health"))
-                    .timeout(Duration::from_secs(5))
-                    .send()
-                    .await
-                    .map(|r| r.status().is_success())
-                    .unwrap_or(false);
-                if ok {
+                if self.engine_api.probe(&url, "/health", Duration::from_secs(5)).await.is_none() {
                     return Ok(());
                 }
                 tokio::select! {
@@ -594,17 +567,10 @@ impl Manager {
         }
     }
 
-    /// The engine's `/model_info`: a JSON object of at most 1 MiB, read within 10 s.
+    /// The engine's `/model_info`.
     async fn model_info(&self, engine_id: &str) -> Result<serde_json::Value, EngineError> {
-        use crate::engine_http::{get_json, ReadError};
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
-        let path = "/model_info";
-        get_json(&self.http, &format!("{url}{path}"), Duration::from_secs(10)).await.map_err(|e| match e {
-            ReadError::Request(_) | ReadError::Timeout(_) => EngineError::Unreachable { path, detail: e.to_string() },
-            ReadError::Status(_) | ReadError::TooLarge { .. } | ReadError::Invalid(_) => {
-                EngineError::BadAnswer { path, detail: e.to_string() }
-            }
-        })
+        self.engine_api.model_info(&url).await
     }
 
     /// The weight version and checksum an engine reports in `/model_info` (the checksum is
@@ -670,9 +636,15 @@ impl Manager {
                 };
                 let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
                 let path = self.weights_path_for(engine_id, &want, &path).await?;
-                crate::weights::update::load_from_disk(self, &url, &path, &want.version, false).await?;
+                let load = crate::engine_api::DiskLoad {
+                    path,
+                    version: want.version.clone(),
+                    abort_all: false,
+                    timeout: Duration::from_secs_f64(self.config.weight_update_timeout_secs),
+                };
+                self.engine_api.load_from_disk(&url, &load).await?;
                 (found, checksum) = self.served_weights(engine_id).await?;
-                crate::weights::update::verify(&want, found.as_deref(), checksum.as_deref())?;
+                crate::engine_api::verify(&want, found.as_deref(), checksum.as_deref())?;
             }
             let synced = self.fleet.update(|inner| {
                 if inner.weights.desired().0 != desired || inner.weights.current != current {

@@ -46,6 +46,17 @@ pub struct EngineRecord {
     pub detail: Option<String>,
 }
 
+/// `last_error` of a managed engine that a restarted manager starts again (until its restart
+/// begins).
+pub const RESTARTING: &str = "manager restarted; starting the engine again";
+
+impl EngineRecord {
+    /// Whether a restarted manager found this engine gone and is about to start it again.
+    pub fn restarts_after_manager_restart(&self) -> bool {
+        self.status == EngineStatus::Failed && self.last_error.as_deref() == Some(RESTARTING)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transition {
     pub status: String,

@@ -16,8 +16,8 @@
 //!   with the fleet's weight version, through the same recovery path as a crash. Should its old
 //!   process still run (same pid *and* start time), it is killed first, so no engine process
 //!   exists without a record;
-//! - a weight update that was in flight resumes under its id ([`crate::weights::update::resume`])
-//!   once its checkpoint is checked again ([`crate::weights::check_resumable`]; a failed check
+//! - a weight update that was in flight resumes under its id ([`crate::weight_update::resume`])
+//!   once its checkpoint is checked again ([`crate::weight_update::check_resumable`]; a failed check
 //!   ends it FAILED with the reason, and the fleet stays on its version). Re-adopted engines
 //!   return to routing on the version they serve if it is the fleet's current one or the
 //!   update's target; an engine the update had out of routing mid-turn (its load may still run
@@ -34,15 +34,14 @@ use crate::fleet::{Engine, EngineLoad};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
 use crate::store::Snapshot;
-use crate::weights::update::TurnEngine;
+use crate::weight_update::TurnEngine;
 use rollout_core::weights::EngineUpdateStatus;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// `last_error` of a managed engine that restore starts again (until its restart begins).
-pub const RESTARTING: &str = "manager restarted; starting the engine again";
+use crate::records::RESTARTING;
 
 /// What happens to one stored engine.
 enum Fate {
@@ -75,9 +74,9 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
         }
     }
     let Rebuilt { keep, drop_live, resumed, mid_turn } = rebuild(manager, snapshot, &adopted);
-    crate::weights::restage_if_missing(manager).await;
+    crate::weight_update::restage_if_missing(manager).await;
     let resumed = match resumed {
-        Some(id) => match crate::weights::check_resumable(manager).await {
+        Some(id) => match crate::weight_update::check_resumable(manager).await {
             Ok(()) => Some(id),
             Err(why) => {
                 tracing::warn!(update_id = %id, error = %why, "the interrupted weight update cannot resume; it ends FAILED");
@@ -114,7 +113,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     }
     if let Some(update_id) = resumed {
         let m = manager.clone();
-        manager.tasks.spawn(crate::weights::update::resume(m, update_id, readopts, restarting));
+        manager.tasks.spawn(crate::weight_update::resume(m, update_id, readopts, restarting));
     }
 }
 
@@ -324,7 +323,7 @@ async fn readopt(
     manager.watch_exit(engine_id.to_string(), process.clone());
     let checked = async {
         if turn == MidTurn::Restart {
-            return Err(crate::manager::EngineError::Launch(
+            return Err(crate::engine_api::EngineError::Launch(
                 "it was loading weights for an update that cannot resume".into(),
             ));
         }
@@ -333,8 +332,8 @@ async fn readopt(
             return manager.fleet.update(|inner| {
                 inner
                     .engine_event(engine_id, EngineEvent::Healthy)
-                    .map_err(|e| crate::manager::EngineError::Launch(e.to_string()))?;
-                let e = inner.engines.get(engine_id).ok_or(crate::manager::EngineError::Cancelled)?;
+                    .map_err(|e| crate::engine_api::EngineError::Launch(e.to_string()))?;
+                let e = inner.engines.get(engine_id).ok_or(crate::engine_api::EngineError::Cancelled)?;
                 Ok(Some((engine_id.to_string(), e.record.url.clone(), e.load.clone())))
             });
         }

@@ -161,7 +161,9 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         let inner = manager.fleet.lock();
         victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record.url.clone())).collect()
     };
-    crate::router::smg::unregister_urls(manager, &urls).await;
+    if let Some(router) = &manager.external_router {
+        router.forget(&urls).await;
+    }
     // DRAINING: wait for in-flight requests, up to the drain timeout, then abort the rest.
     let loads: Vec<_> = {
         let inner = manager.fleet.lock();
@@ -177,13 +179,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         // An external engine may serve other clients too: it is detached, never told to abort.
         if !idle && *origin != EngineOrigin::External {
             tracing::warn!(engine_id = %id, in_flight = load.get(), ?drain, "drain timeout; aborting in-flight requests");
-            let _ = manager
-                .http
-                .post(format!("{url}/abort_request"))
-                .json(&serde_json::json!({"abort_all": true}))
-                .timeout(Duration::from_secs(10))
-                .send()
-                .await;
+            manager.engine_api.abort_all(url).await;
         }
     }));
     tokio::select! {

@@ -14,7 +14,8 @@
 //! Rolled-back dynamic and external engines are removed (processes stopped, GPUs returned);
 //! initial engines are stopped but stay listed as FAILED.
 
-use crate::manager::{EngineError, Manager};
+use crate::engine_api::EngineError;
+use crate::manager::Manager;
 use crate::records::FailedEngine;
 use futures::stream::{FuturesUnordered, StreamExt};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};

@@ -51,6 +51,8 @@ pub struct Server {
     token: Option<Arc<str>>,
     /// `--autoscaler-config`, read and validated (None without the flag).
     autoscaler: Option<(std::path::PathBuf, rollout_core::autoscaler::AutoscalerConfig)>,
+    /// `--router smg=URL`: the external router engines are registered with.
+    smg: Option<Arc<crate::integrations::smg::Smg>>,
 }
 
 impl Server {
@@ -88,8 +90,20 @@ impl Server {
         let store = crate::store::Store::open(&config.state_dir)?;
         let snapshot = store.load()?;
         let autoscaler = crate::autoscaler::load_config(config.autoscaler_config.as_deref())?;
-        let manager = Manager::new(config, launcher, Some(store), token.as_deref())?;
-        Ok(Self { manager, control, data, socket, snapshot, autoscaler, token })
+        let smg = match config.external_router_url() {
+            // Redirects are not followed, as for engines.
+            Some(base) => Some(Arc::new(crate::integrations::smg::Smg::new(
+                base,
+                reqwest::Client::builder()
+                    .connect_timeout(Duration::from_secs(2))
+                    .redirect(reqwest::redirect::Policy::none())
+                    .build()?,
+            ))),
+            None => None,
+        };
+        let external = smg.clone().map(|s| s as Arc<dyn crate::manager::ExternalRouter>);
+        let manager = Manager::new(config, launcher, Some(store), token.as_deref(), external)?;
+        Ok(Self { manager, control, data, socket, snapshot, autoscaler, token, smg })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -102,15 +116,21 @@ impl Server {
 
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data, socket, snapshot, autoscaler, token } = self;
+        let Self { manager, control, data, socket, snapshot, autoscaler, token, smg } = self;
         let cancels = Arc::new(Cancels::default());
-        let autoscaler = crate::autoscaler::Autoscaler::new(manager.clone(), cancels.clone(), autoscaler);
-        let api = api::router(ApiState { manager: manager.clone(), cancels: cancels.clone() })
-            .merge(crate::autoscaler::routes(autoscaler.clone()))
-            .method_not_allowed_fallback(api::method_not_allowed)
-            .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
-            .layer(axum::middleware::from_fn_with_state(api::BODY_LIMIT, crate::http_serve::read_body_first));
-        let router = crate::router::router(manager.clone(), token);
+        let router_metrics = Arc::new(crate::router::metrics::RouterMetrics::default());
+        let autoscaler =
+            crate::autoscaler::Autoscaler::new(manager.clone(), router_metrics.clone(), cancels.clone(), autoscaler);
+        let api = api::router(ApiState {
+            manager: manager.clone(),
+            cancels: cancels.clone(),
+            router_metrics: router_metrics.clone(),
+        })
+        .merge(crate::autoscaler::routes(autoscaler.clone()))
+        .method_not_allowed_fallback(api::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
+        .layer(axum::middleware::from_fn_with_state(api::BODY_LIMIT, crate::http_serve::read_body_first));
+        let router = crate::router::router(manager.fleet.clone(), manager.config.clone(), router_metrics, token);
 
         let stop = manager.shutdown.clone();
         manager.tasks.spawn(async move {
@@ -127,12 +147,12 @@ impl Server {
                 manager.fleet.update(|inner| {
                     inner.weights = weights;
                 });
-                crate::weights::restage_if_missing(&manager).await;
+                crate::weight_update::restage_if_missing(&manager).await;
                 if let Some(update_id) = resumed {
-                    match crate::weights::check_resumable(&manager).await {
+                    match crate::weight_update::check_resumable(&manager).await {
                         Ok(()) => {
                             let m = manager.clone();
-                            manager.tasks.spawn(crate::weights::update::resume(m, update_id, Vec::new(), Vec::new()));
+                            manager.tasks.spawn(crate::weight_update::resume(m, update_id, Vec::new(), Vec::new()));
                         }
                         Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why)),
                     }
@@ -168,8 +188,10 @@ impl Server {
 
         crate::health::spawn_monitor(&manager);
         autoscaler.spawn();
-        crate::router::loads::spawn_poller(&manager);
-        crate::router::smg::spawn_reconciler(&manager);
+        crate::integrations::loads::spawn_poller(&manager);
+        if let Some(smg) = smg {
+            crate::integrations::smg::spawn_reconciler(&manager, smg);
+        }
 
         manager.shutdown.cancelled().await;
         // Streams still open get a bounded time to finish before their servers are dropped.
@@ -178,7 +200,9 @@ impl Server {
         }
         // An external router stops sending work to the engines before they stop.
         let urls: Vec<String> = manager.fleet.routes().backends.iter().map(|b| b.url.clone()).collect();
-        crate::router::smg::unregister_urls(&manager, &urls).await;
+        if let Some(router) = &manager.external_router {
+            router.forget(&urls).await;
+        }
         manager.stop_all().await;
         manager.tasks.close();
         let grace = manager.shutdown_grace() + Duration::from_secs(5);

@@ -106,6 +106,8 @@ pub(super) struct Shared {
 
 pub struct Autoscaler {
     pub(super) manager: Arc<Manager>,
+    /// The router's counters (its queue length is a signal).
+    router_metrics: Arc<crate::router::metrics::RouterMetrics>,
     cancels: Arc<Cancels>,
     /// The YAML it was started with; None: the defaults, disabled.
     pub(super) source: Option<PathBuf>,
@@ -117,7 +119,12 @@ pub struct Autoscaler {
 
 impl Autoscaler {
     /// `config` is None without `--autoscaler-config`: the defaults, disabled.
-    pub fn new(manager: Arc<Manager>, cancels: Arc<Cancels>, config: Option<(PathBuf, AutoscalerConfig)>) -> Arc<Self> {
+    pub fn new(
+        manager: Arc<Manager>,
+        router_metrics: Arc<crate::router::metrics::RouterMetrics>,
+        cancels: Arc<Cancels>,
+        config: Option<(PathBuf, AutoscalerConfig)>,
+    ) -> Arc<Self> {
         let (source, config, enabled) = match config {
             Some((path, c)) => {
                 let enabled = c.enabled;
@@ -134,6 +141,7 @@ impl Autoscaler {
             }
         }
         Arc::new(Self {
+            router_metrics,
             manager,
             cancels,
             source,
@@ -259,7 +267,7 @@ impl Autoscaler {
     async fn step(&self, collector: &mut Collector, timeout: Duration) -> Vec<TraceLine> {
         let (_, engines) = fleet_state(&self.manager);
         let at = self.now();
-        let tick = collector.collect(&self.manager, &engines, timeout, at).await;
+        let tick = collector.collect(&self.manager, &self.router_metrics, &engines, timeout, at).await;
         let (fleet, _) = fleet_state(&self.manager);
         let progress = self.operations_progress();
         let now = self.now();

@@ -40,18 +40,16 @@
 //! then gets 503 `router_queue_timeout`.
 
 mod affinity;
-pub mod loads;
 pub mod metrics;
 mod peek;
 mod pool;
 mod table;
 pub use pool::set_thread_slot;
-pub mod smg;
 
 use crate::error::error_body;
+use crate::fleet::Fleet;
 use crate::fleet::InFlightGuard;
 use crate::http_serve::read_body_first;
-use crate::manager::Manager;
 use crate::slots::Ticket;
 use affinity::Affinity;
 use axum::body::Body;
@@ -69,6 +67,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics::{ErrorKind, RouterMetrics};
 use rollout_core::routing::{choose, Gate, Policy, VersionPin};
+use rollout_core::ServeConfig;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -94,7 +93,9 @@ const ENGINE_ID_HEADER: HeaderName = HeaderName::from_static("x-rollout-engine-i
 type EngineClient = Client<HttpConnector, Full<Bytes>>;
 
 pub struct RouterState {
-    manager: Arc<Manager>,
+    fleet: Arc<Fleet>,
+    config: ServeConfig,
+    metrics: Arc<RouterMetrics>,
     /// The manager's API token: a request's `Authorization` carrying it is for us, and is not
     /// forwarded to engines (an engine's own `--api-key` credential is).
     token: Option<Arc<str>>,
@@ -143,7 +144,12 @@ async fn proxy_service(state: Arc<RouterState>, request: Request) -> Result<Resp
 
 /// The data plane. `token`, when set, guards the fan-out routes (`/abort_request`,
 /// `/flush_cache`), which act on every engine; generation needs none.
-pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
+pub fn router(
+    fleet: Arc<Fleet>,
+    config: ServeConfig,
+    metrics: Arc<RouterMetrics>,
+    token: Option<Arc<str>>,
+) -> DataPlane {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -152,7 +158,9 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
         .pool_max_idle_per_host(1024)
         .build(connector);
     let state = Arc::new(RouterState {
-        manager,
+        fleet,
+        config,
+        metrics,
         token: token.clone(),
         client,
         pools: pool::Pools::default(),
@@ -184,7 +192,7 @@ pub fn router(manager: Arc<Manager>, token: Option<Arc<str>>) -> DataPlane {
 }
 
 async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
-    let n = state.manager.fleet.routes().backends.len();
+    let n = state.fleet.routes().backends.len();
     let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = serde_json::json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n});
     (status, Json(body)).into_response()
@@ -250,8 +258,8 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
 async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc<Vec<Route>>, Response> {
-    let fleet = &state.manager.fleet;
-    let wait = Duration::from_secs_f64(state.manager.config.version_wait_secs);
+    let fleet = &state.fleet;
+    let wait = Duration::from_secs_f64(state.config.version_wait_secs);
     let deadline = tokio::time::Instant::now() + wait;
     // Subscribed to table changes only once a wait is needed (then the table is read again,
     // so no change between the first read and the subscription is missed).
@@ -276,7 +284,7 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
         // While a weight update has every engine out of routing (all_at_once), requests
         // wait for them like pinned ones do, instead of failing at once.
         if pin.is_none() && !current.table.weights_updating {
-            state.manager.router_metrics.error(ErrorKind::NoEngine);
+            state.metrics.error(ErrorKind::NoEngine);
             return Err(error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "no_engine_available",
@@ -292,7 +300,7 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
-    state.manager.router_metrics.error(ErrorKind::VersionUnavailable);
+    state.metrics.error(ErrorKind::VersionUnavailable);
     let serving: Vec<String> = fleet.routes().backends.iter().filter_map(|b| b.weight_version.clone()).collect();
     let wanted = match pin {
         Some(VersionPin::Exact(v)) => format!("exactly {v:?}"),
@@ -364,7 +372,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     };
     let path = path_and_query(&parts.uri);
     let headers = to_engine(parts.headers, state.token.as_deref());
-    let routes = state.routes.current(&state.manager.fleet).all.clone();
+    let routes = state.routes.current(&state.fleet).all.clone();
     let client = &state.client;
     let results = futures::future::join_all(routes.iter().map(|b| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
@@ -394,7 +402,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
 }
 
 async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Response {
-    let metrics = &state.manager.router_metrics;
+    let metrics = &state.metrics;
     metrics.requests.fetch_add(1, Ordering::Relaxed);
     if ADMIN_ROUTES.contains(&request.uri().path()) {
         metrics.error(ErrorKind::BadRequest);
@@ -415,7 +423,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         }
     };
     let policy = match header(&parts.headers, "x-routing-policy").map(str::parse::<Policy>) {
-        None => state.manager.config.routing_policy,
+        None => state.config.routing_policy,
         Some(Ok(p)) => p,
         Some(Err(e)) => {
             metrics.error(ErrorKind::BadRequest);
@@ -446,11 +454,11 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     let path = path_and_query(&parts.uri);
     let method = parts.method;
     let headers = to_engine(parts.headers, state.token.as_deref());
-    let timeout = Duration::from_secs_f64(state.manager.config.request_timeout_secs);
+    let timeout = Duration::from_secs_f64(state.config.request_timeout_secs);
     // Engines already tried, by the address of their load (as in `Arc::ptr_eq`).
     let mut tried = [0usize; MAX_ATTEMPTS];
     let mut last_error = String::new();
-    let cap = state.manager.config.max_inflight_per_engine;
+    let cap = state.config.max_inflight_per_engine;
     let queue_deadline = tokio::time::Instant::now() + timeout;
     for attempt in 0..MAX_ATTEMPTS {
         if attempt > 0 {
@@ -484,14 +492,14 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 break None;
             }
             if cap > 0 {
-                let queue = state.manager.fleet.slot_queue();
+                let queue = state.fleet.slot_queue();
                 // A new request queues behind waiting ones rather than take a slot freed for them.
                 let behind = queued.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
                 if open.is_empty() || behind {
                     let (ticket, _) = queued.get_or_insert_with(|| {
                         (
                             queue.join(info.output_budget, info.session.is_some()),
-                            QueuedGuard::new(state.manager.router_metrics.clone()),
+                            QueuedGuard::new(state.metrics.clone()),
                         )
                     });
                     if !open.is_empty() {
@@ -503,7 +511,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     }
                     // Wait for a slot (this request's turn), or, at the head of the queue, for a
                     // new engine or the 50 ms tick, in case a wake-up went astray.
-                    let mut changes = state.manager.fleet.subscribe();
+                    let mut changes = state.fleet.subscribe();
                     loop {
                         tokio::select! {
                             () = ticket.woken() => break,
@@ -541,13 +549,13 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             // Counted first, then checked: a scale-in or weight update that took the engine out
             // of routing before this request was counted sees it in its drain; one that did
             // after, we see here, and pick again from the new table (not a failed attempt).
-            if !state.manager.fleet.routes().is_routable(&routes[index].load) {
+            if !state.fleet.routes().is_routable(&routes[index].load) {
                 drop(guard);
                 continue;
             }
             if cap > 0 && queued.take().is_some() && (open.len() > 1 || routes[index].load.get() < cap) {
                 // More than one slot was free (an engine joined): the next in line takes one.
-                state.manager.fleet.slot_queue().wake_next();
+                state.fleet.slot_queue().wake_next();
             }
             break Some((routes, index, affine.is_some(), kept, guard));
         };
@@ -574,7 +582,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             (Some(host), false) => {
                 req.headers_mut().insert(HOST, host.clone());
                 *req.uri_mut() = Uri::from(path.clone());
-                Some(state.pools.get(&backend.authority, &state.manager.fleet))
+                Some(state.pools.get(&backend.authority, &state.fleet))
             }
             _ => {
                 match engine_uri(backend, &path) {
@@ -601,7 +609,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         // One timer bounds the whole answer: it first bounds the wait for the headers, then
         // goes with the body (Tracked) to bound the rest.
         let mut deadline = Box::pin(tokio::time::sleep(timeout));
-        let sent = state.manager.fleet.unless_lost(&backend.load, sent);
+        let sent = state.fleet.unless_lost(&backend.load, sent);
         let answer = tokio::select! {
             biased;
             answer = sent => answer,
@@ -637,7 +645,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     lease,
                     _guard: guard,
                     started,
-                    metrics: state.manager.router_metrics.clone(),
+                    metrics: state.metrics.clone(),
                     deadline,
                     timeout,
                 };
@@ -656,7 +664,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
 
 /// Whether some routable engine is under the cap (one a pinned or retried request may not use).
 fn room_elsewhere(state: &RouterState, cap: usize) -> bool {
-    state.manager.fleet.routes().backends.iter().any(|b| b.load.get() < cap)
+    state.fleet.routes().backends.iter().any(|b| b.load.get() < cap)
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.

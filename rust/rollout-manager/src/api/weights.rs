@@ -8,12 +8,12 @@
 //!   name was published with other bytes.
 //! - `GET /rollout/weights/updates[?status=]` and `GET /rollout/weights/updates/{id}`.
 
-use super::checkpoint;
-use crate::api::{parse_body, status_filter, ApiState};
+use super::{parse_body, status_filter, ApiState};
 use crate::clock::unix_now;
 use crate::error::ApiError;
 use crate::records::Transition;
 use crate::records::{EngineUpdate, UpdateRecord};
+use crate::weights::checkpoint;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -199,7 +199,7 @@ async fn publish(
         return Ok((StatusCode::OK, Json(answer)));
     }
     let m = manager.clone();
-    manager.tasks.spawn(super::update::run(m, update_id));
+    manager.tasks.spawn(crate::weight_update::run(m, update_id));
     Ok((StatusCode::ACCEPTED, Json(answer)))
 }
 

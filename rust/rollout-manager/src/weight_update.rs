@@ -28,7 +28,8 @@
 //! report at the restart (a load sent before the crash may still be running in them): their
 //! turn loads and verifies the target again.
 
-use crate::manager::{EngineError, Manager};
+use crate::engine_api::{DiskLoad, EngineError};
+use crate::manager::Manager;
 use rollout_core::weights::{
     next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
 };
@@ -42,63 +43,6 @@ enum Turn {
     Verified,
     Skipped,
     Failed(String),
-}
-
-/// Checks what an engine reports against the version it should serve.
-pub fn verify(want: &WeightVersion, found: Option<&str>, checksum: Option<&str>) -> Result<(), EngineError> {
-    if found != Some(want.version.as_str()) {
-        return Err(EngineError::WrongVersion { expected: want.version.clone(), found: found.unwrap_or("").into() });
-    }
-    match (want.checksum.as_deref(), checksum) {
-        (Some(expected), Some(got)) if expected != got => Err(EngineError::WrongChecksum {
-            version: want.version.clone(),
-            expected: expected.into(),
-            found: got.into(),
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// `POST /update_weights_from_disk` (SGLang 0.5: `model_path`, `weight_version`,
-/// `abort_all_requests`; it answers `{success, message}`, 400 on failure).
-pub async fn load_from_disk(
-    manager: &Manager,
-    url: &str,
-    path: &str,
-    version: &str,
-    abort_all: bool,
-) -> Result<(), EngineError> {
-    let failed = |detail: String| EngineError::WeightLoad { path: path.to_string(), detail };
-    let body = json!({"model_path": path, "weight_version": version, "abort_all_requests": abort_all});
-    let response = manager
-        .http
-        .post(format!("{url}/update_weights_from_disk"))
-        .json(&body)
-        .timeout(Duration::from_secs_f64(manager.config.weight_update_timeout_secs))
-        .send()
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    let status = response.status();
-    let answer: serde_json::Value = response.json().await.unwrap_or_default();
-    let message = answer.get("message").and_then(|m| m.as_str()).unwrap_or("").to_string();
-    if !status.is_success() || answer.get("success").and_then(|s| s.as_bool()) != Some(true) {
-        return Err(failed(format!("HTTP {status}: {message}")));
-    }
-    Ok(())
-}
-
-/// A control call with a JSON body (`/pause_generation`, `/continue_generation`).
-async fn control(manager: &Manager, url: &str, path: &'static str, body: serde_json::Value) -> Result<(), EngineError> {
-    manager
-        .http
-        .post(format!("{url}{path}"))
-        .json(&body)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .map(|_| ())
-        .map_err(|e| EngineError::Unreachable { path, detail: e.to_string() })
 }
 
 /// An engine whose turn starts out of routing (WEIGHT_SYNCING): id, URL, in-flight counter.
@@ -144,8 +88,7 @@ pub async fn resume(
                     matches!(
                         e.record.status,
                         EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing
-                    ) || (e.record.status == EngineStatus::Failed
-                        && e.record.last_error.as_deref() == Some(crate::restore::RESTARTING))
+                    ) || e.record.restarts_after_manager_restart()
                 })
             })
         };
@@ -319,16 +262,22 @@ async fn turn(
             let drain = Duration::from_secs_f64(manager.config.scale_in_drain_timeout);
             abort = tokio::time::timeout(drain, load.wait_idle()).await.is_err();
         } else {
-            control(manager, url, "/pause_generation", json!({"mode": pause_mode})).await?;
+            manager.engine_api.control(url, "/pause_generation", json!({"mode": pause_mode})).await?;
         }
-        let loaded = load_from_disk(manager, url, &path, &want.version, abort).await;
+        let load = DiskLoad {
+            path: path.clone(),
+            version: want.version.clone(),
+            abort_all: abort,
+            timeout: Duration::from_secs_f64(manager.config.weight_update_timeout_secs),
+        };
+        let loaded = manager.engine_api.load_from_disk(url, &load).await;
         if strategy == UpdateStrategy::AllAtOnce {
             // Resume even after a failed load: SGLang keeps the old weights then.
-            control(manager, url, "/continue_generation", json!({})).await?;
+            manager.engine_api.control(url, "/continue_generation", json!({})).await?;
         }
         loaded?;
         let (found, checksum) = manager.served_weights(id).await?;
-        verify(want, found.as_deref(), checksum.as_deref())?;
+        crate::engine_api::verify(want, found.as_deref(), checksum.as_deref())?;
         Ok::<_, EngineError>((found, checksum))
     };
     // Out of routing, the engine is not health-probed: an engine that hangs now (frozen, its
@@ -479,5 +428,73 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
                 m.recover(&id, Duration::ZERO).await;
             }
         });
+    }
+}
+
+/// After a restart, before any engine is re-adopted: checks that the running update's target can
+/// still be loaded, and stages it again where its staged copy is gone. Err: why not (the
+/// checkpoint directory vanished or changed, or staging failed); the caller fails the update.
+pub async fn check_resumable(manager: &crate::manager::Manager) -> Result<(), String> {
+    let Some((update_id, want, engine_path)) = ({
+        let inner = manager.fleet.lock();
+        inner.weights.running_update().map(|u| (u.update_id.clone(), u.version_record(), u.engine_path.clone()))
+    }) else {
+        return Ok(());
+    };
+    let path = want.path.clone().unwrap_or_default();
+    let dir = std::path::PathBuf::from(&path);
+    let info = tokio::task::spawn_blocking(move || crate::weights::checkpoint::read(&dir))
+        .await
+        .map_err(|e| format!("cannot check the checkpoint after the restart: {e}"))?
+        .map_err(|e| format!("cannot resume after a manager restart: the checkpoint is no longer usable ({e})"))?;
+    if want.checksum.as_deref() != Some(info.checksum.as_str()) {
+        return Err(format!(
+            "cannot resume after a manager restart: the checkpoint at {path} changed (SHA-256 {} now, {} published)",
+            info.checksum,
+            want.checksum.as_deref().unwrap_or("-")
+        ));
+    }
+    if manager.ray() || std::path::Path::new(&engine_path).exists() {
+        // On agents' nodes the copy is checked (and staged if missing) before each load.
+        return Ok(());
+    }
+    tracing::warn!(update_id, version = %want.version, path = %engine_path, "the update's staged copy is gone; staging it again");
+    let staged = manager
+        .transport
+        .stage(&want, &[crate::weights::transport::Node::Local])
+        .await
+        .map_err(|e| format!("cannot resume after a manager restart: {e}"))?;
+    manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+            u.engine_path = staged;
+        }
+    });
+    Ok(())
+}
+
+/// After a restart in local mode: when the current version's engine copy is gone (a reboot
+/// emptied the relay's `/dev/shm`), stages it again from the published directory before any
+/// engine launches on it. (Engines on agents check their own node when they load it, as every
+/// engine does: [`crate::manager::Manager::weights_path_for`].)
+pub async fn restage_if_missing(manager: &crate::manager::Manager) {
+    if manager.ray() {
+        return;
+    }
+    let (current, engine_path) = {
+        let inner = manager.fleet.lock();
+        (inner.weights.current.clone(), inner.weights.current_engine_path.clone())
+    };
+    let Some(engine_path) = engine_path else { return };
+    if current.path.is_none() || std::path::Path::new(&engine_path).exists() {
+        return;
+    }
+    tracing::warn!(version = %current.version, path = %engine_path, "the current version's engine copy is gone; staging it again");
+    match manager.transport.stage(&current, &[crate::weights::transport::Node::Local]).await {
+        Ok(path) => manager.fleet.update(|inner| {
+            if inner.weights.current.version == current.version {
+                inner.weights.current_engine_path = Some(path);
+            }
+        }),
+        Err(e) => tracing::error!(error = %e, "cannot stage the current version again; engines cannot start on it"),
     }
 }

@@ -13,7 +13,7 @@
 //! Every change is committed to the store under the registry lock (as all fleet changes are), so
 //! a restarted manager keeps the placements and their agents.
 
-use crate::api::ApiState;
+use super::ApiState;
 use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -131,7 +131,7 @@ async fn bind(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     ray_only(&s)?;
-    let req: BindRequest = crate::api::parse_body(&body)?;
+    let req: BindRequest = super::parse_body(&body)?;
     let agent_url = crate::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
         ApiError::bad_request(
             "invalid_agent_url",

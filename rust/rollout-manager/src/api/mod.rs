@@ -1,6 +1,9 @@
 //! The control API: `/rollout/*` on the control port. Every error is JSON
 //! `{"error": {"code", "message"}}` (see [`crate::error`]).
 
+pub mod placements;
+pub mod weights;
+
 use crate::error::ApiError;
 use crate::manager::Manager;
 use crate::scale_in::{self, ScaleInAnswer};
@@ -20,6 +23,8 @@ use std::sync::Arc;
 pub struct ApiState {
     pub manager: Arc<Manager>,
     pub cancels: Arc<Cancels>,
+    /// The data plane's counters, served on the control port's `/metrics` too.
+    pub router_metrics: Arc<crate::router::metrics::RouterMetrics>,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -35,8 +40,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/rollout/scale_out_cancel", post(cancel_many))
         .route("/rollout/scale_in", post(scale_in).get(list_scale_ins))
         .route("/rollout/scale_in/{id}", get(get_scale_in))
-        .merge(crate::weights::api::routes())
-        .merge(crate::placements::routes())
+        .merge(weights::routes())
+        .merge(placements::routes())
         .fallback(|| async {
             ApiError::not_found("no_such_route", "no such route; see docs/api.md for the control API")
         })
@@ -230,7 +235,7 @@ async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejecti
 }
 
 /// The OpenAPI document of this API, kept beside the docs and checked by the tests.
-const OPENAPI: &str = include_str!("../../../docs/openapi.json");
+const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
 
 async fn openapi() -> axum::response::Response {
     use axum::response::IntoResponse;
@@ -240,7 +245,7 @@ async fn openapi() -> axum::response::Response {
 /// Prometheus metrics of the router and of each routable engine's load.
 async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let mut text = s.manager.router_metrics.render(&s.manager.fleet.routes().backends);
+    let mut text = s.router_metrics.render(&s.manager.fleet.routes().backends);
     s.manager.fleet.render_metrics(&mut text);
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }

@@ -1,0 +1,183 @@
+//! The SGLang HTTP calls the manager makes to its engines, behind one small trait: the
+//! production implementation ([`HttpEngineApi`]) speaks HTTP with short timeouts; tests of the
+//! use cases put a fake behind it.
+//!
+//! The router's data plane does not go through here (it forwards bytes and has its own
+//! pooled connections); this is the control side: probes, `/model_info`, weight loads,
+//! pause/continue, abort.
+
+use crate::engine_http::{get_json, ReadError};
+use futures::future::BoxFuture;
+use rollout_core::weights::WeightVersion;
+use serde_json::json;
+use std::time::Duration;
+
+/// Why bringing up, checking or updating one engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Launch(String),
+    #[error("engine exited before it became healthy ({0}); see its log")]
+    Exited(String),
+    #[error("engine was not healthy within {0:?}")]
+    StartupTimeout(Duration),
+    #[error("engine serves weight version {found:?}, the fleet is on {expected:?}")]
+    WrongVersion { expected: String, found: String },
+    #[error("engine serves version {version:?} with checksum {found:?}, the published checksum is {expected:?}")]
+    WrongChecksum { version: String, expected: String, found: String },
+    #[error("engine could not load weights {path}: {detail}")]
+    WeightLoad { path: String, detail: String },
+    #[error("engine serves model {found:?}, the fleet serves {expected:?} (--model-path)")]
+    WrongModel { expected: String, found: String },
+    #[error("engine did not answer {path}: {detail}")]
+    Unreachable { path: &'static str, detail: String },
+    /// Its HTTP server stopped answering while it was out of routing for a weight update.
+    #[error("engine stopped answering during its weight update: {0}")]
+    Unresponsive(String),
+    /// It answered, but not with what SGLang answers (garbage, too large, wrong shape).
+    #[error("engine gave an unusable answer to {path}: {detail}")]
+    BadAnswer { path: &'static str, detail: String },
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// The calls, by engine base URL (`http://host:port`).
+pub trait EngineApi: Send + Sync {
+    /// One GET of `endpoint` (`/health`, `/model_info`): None when it answered 2xx within
+    /// `timeout`, else why not, in words.
+    fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, timeout: Duration) -> BoxFuture<'a, Option<String>>;
+
+    /// `GET /model_info`: a JSON object of at most 1 MiB, read within 10 s.
+    fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>>;
+
+    /// `POST /update_weights_from_disk` (SGLang 0.5: `model_path`, `weight_version`,
+    /// `abort_all_requests`; it answers `{success, message}`, 400 on failure).
+    fn load_from_disk<'a>(&'a self, url: &'a str, load: &'a DiskLoad) -> BoxFuture<'a, Result<(), EngineError>>;
+
+    /// A control call with a JSON body (`/pause_generation`, `/continue_generation`).
+    fn control<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        body: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), EngineError>>;
+
+    /// `POST /abort_request {"abort_all": true}`, best effort (a drain that timed out).
+    fn abort_all<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ()>;
+}
+
+/// What [`EngineApi::load_from_disk`] asks an engine to load.
+#[derive(Debug, Clone)]
+pub struct DiskLoad {
+    pub path: String,
+    pub version: String,
+    pub abort_all: bool,
+    pub timeout: Duration,
+}
+
+/// Checks what an engine reports serving against the version it must serve.
+pub fn verify(want: &WeightVersion, found: Option<&str>, checksum: Option<&str>) -> Result<(), EngineError> {
+    if found != Some(want.version.as_str()) {
+        return Err(EngineError::WrongVersion { expected: want.version.clone(), found: found.unwrap_or("").into() });
+    }
+    match (want.checksum.as_deref(), checksum) {
+        (Some(expected), Some(got)) if expected != got => Err(EngineError::WrongChecksum {
+            version: want.version.clone(),
+            expected: expected.into(),
+            found: got.into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// [`EngineApi`] over HTTP.
+pub struct HttpEngineApi {
+    http: reqwest::Client,
+}
+
+impl HttpEngineApi {
+    pub fn new(http: reqwest::Client) -> Self {
+        Self { http }
+    }
+}
+
+impl EngineApi for HttpEngineApi {
+    fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, timeout: Duration) -> BoxFuture<'a, Option<String>> {
+        Box::pin(async move {
+            match self.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await {
+                Ok(r) if r.status().is_success() => None,
+                Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
+                Err(e) if e.is_timeout() => Some(format!("{endpoint} timed out after {timeout:?}")),
+                Err(e) => Some(format!("{endpoint}: {}", crate::engine_http::describe(e))),
+            }
+        })
+    }
+
+    fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>> {
+        Box::pin(async move {
+            let path = "/model_info";
+            get_json(&self.http, &format!("{url}{path}"), Duration::from_secs(10)).await.map_err(|e| match e {
+                ReadError::Request(_) | ReadError::Timeout(_) => {
+                    EngineError::Unreachable { path, detail: e.to_string() }
+                }
+                ReadError::Status(_) | ReadError::TooLarge { .. } | ReadError::Invalid(_) => {
+                    EngineError::BadAnswer { path, detail: e.to_string() }
+                }
+            })
+        })
+    }
+
+    fn load_from_disk<'a>(&'a self, url: &'a str, load: &'a DiskLoad) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(async move {
+            let failed = |detail: String| EngineError::WeightLoad { path: load.path.clone(), detail };
+            let body =
+                json!({"model_path": load.path, "weight_version": load.version, "abort_all_requests": load.abort_all});
+            let response = self
+                .http
+                .post(format!("{url}/update_weights_from_disk"))
+                .json(&body)
+                .timeout(load.timeout)
+                .send()
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            let status = response.status();
+            let answer: serde_json::Value = response.json().await.unwrap_or_default();
+            let message = answer.get("message").and_then(|m| m.as_str()).unwrap_or("").to_string();
+            if !status.is_success() || answer.get("success").and_then(|s| s.as_bool()) != Some(true) {
+                return Err(failed(format!("HTTP {status}: {message}")));
+            }
+            Ok(())
+        })
+    }
+
+    fn control<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        body: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(async move {
+            self.http
+                .post(format!("{url}{path}"))
+                .json(&body)
+                .timeout(Duration::from_secs(30))
+                .send()
+                .await
+                .and_then(reqwest::Response::error_for_status)
+                .map(|_| ())
+                .map_err(|e| EngineError::Unreachable { path, detail: e.to_string() })
+        })
+    }
+
+    fn abort_all<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let _ = self
+                .http
+                .post(format!("{url}/abort_request"))
+                .json(&json!({"abort_all": true}))
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await;
+        })
+    }
+}

@@ -1,0 +1,146 @@
+//! The dependency rule of `rollout-manager` (docs/architecture.md, "Layers"): every top-level
+//! module belongs to one layer, may use modules of its own layer or of lower ones, never of a
+//! higher one, and no modules use each other in a circle.
+//!
+//! Checked on the source text: every `crate::<module>` path outside comments and outside the
+//! `#[cfg(test)]` part of a file (tests may reach anywhere). A new module must be given a layer
+//! here.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Layers, lowest first, with their modules.
+const LAYERS: [(&str, &[&str]); 6] = [
+    ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host"]),
+    ("registry", &["store", "fleet"]),
+    ("adapters", &["engine_api", "launch", "keeper", "engine_host", "weights", "router"]),
+    ("ops", &["manager", "health", "scale_out", "scaling", "scale_in", "weight_update", "restore"]),
+    ("interfaces", &["api", "autoscaler", "integrations"]),
+    ("app", &["server", "agent"]),
+];
+
+fn layer_of(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|(_, modules)| modules.contains(&module))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display())) {
+        let path = entry.map(|e| e.path()).unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()));
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The code of a file that counts: before its `#[cfg(test)]` part, without comment lines.
+fn code(text: &str) -> String {
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n")
+}
+
+/// The top-level modules `code` names as `crate::<module>`.
+fn used_modules(code: &str) -> BTreeSet<String> {
+    code.match_indices("crate::")
+        .map(|(i, m)| {
+            let rest = &code[i + m.len()..];
+            rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect::<String>()
+        })
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
+/// Every top-level module of `src/` with the modules it uses.
+fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap_or(&file);
+        let top = rel.components().next().map(|c| c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string());
+        let Some(top) = top.filter(|t| t != "lib" && t != "main") else { continue };
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+        let uses = used_modules(&code(&text));
+        let entry = graph.entry(top.clone()).or_default();
+        entry.extend(uses.into_iter().filter(|u| *u != top));
+    }
+    graph
+}
+
+#[test]
+fn every_module_has_a_layer_and_uses_none_above_it() {
+    let graph = module_graph();
+    let mut wrong = Vec::new();
+    for (module, uses) in &graph {
+        let Some(own) = layer_of(module) else {
+            wrong.push(format!("{module} has no layer: add it to LAYERS in tests/layers.rs"));
+            continue;
+        };
+        for used in uses {
+            match layer_of(used) {
+                Some(layer) if layer > own => wrong
+                    .push(format!("{module} ({}) uses {used} ({}), a higher layer", LAYERS[own].0, LAYERS[layer].0)),
+                Some(_) => {}
+                None if graph.contains_key(used) => {} // reported above as a module without layer
+                None => {}                             // not a module of src/ (e.g. a macro path)
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "the dependency rule is broken:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn no_modules_use_each_other_in_a_circle() {
+    let graph = module_graph();
+    // Depth-first search with colours; a grey module met again closes a circle.
+    fn visit<'a>(
+        m: &'a str,
+        graph: &'a BTreeMap<String, BTreeSet<String>>,
+        colour: &mut BTreeMap<&'a str, u8>,
+        path: &mut Vec<&'a str>,
+    ) -> Option<Vec<String>> {
+        colour.insert(m, 1);
+        path.push(m);
+        for next in graph.get(m).into_iter().flatten() {
+            let next = next.as_str();
+            if !graph.contains_key(next) {
+                continue;
+            }
+            match colour.get(next).copied().unwrap_or(0) {
+                1 => {
+                    let start = path.iter().position(|p| *p == next).unwrap_or(0);
+                    let mut circle: Vec<String> = path[start..].iter().map(|s| s.to_string()).collect();
+                    circle.push(next.to_string());
+                    return Some(circle);
+                }
+                0 => {
+                    if let Some(circle) = visit(next, graph, colour, path) {
+                        return Some(circle);
+                    }
+                }
+                _ => {}
+            }
+        }
+        path.pop();
+        colour.insert(m, 2);
+        None
+    }
+    let mut colour = BTreeMap::new();
+    for m in graph.keys() {
+        if colour.get(m.as_str()).copied().unwrap_or(0) == 0 {
+            if let Some(circle) = visit(m, &graph, &mut colour, &mut Vec::new()) {
+                panic!("modules use each other in a circle: {}", circle.join(" -> "));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_checker_sees_a_use_and_ignores_comments_and_tests() {
+    let text = "use crate::fleet::Fleet;\n// crate::server in a comment\nfn f() { crate::clock::unix_now(); }\n\
+                #[cfg(test)]\nmod tests { use crate::server; }";
+    let uses = used_modules(&code(text));
+    assert_eq!(uses.into_iter().collect::<Vec<_>>(), vec!["clock".to_string(), "fleet".to_string()]);
+}
