@@ -81,7 +81,6 @@ impl fmt::Display for Cidr {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use proptest::prelude::*;
 

@@ -392,7 +392,6 @@ impl ServeConfig {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use clap::Parser;
 

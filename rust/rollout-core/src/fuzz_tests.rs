@@ -3,7 +3,6 @@
 //! `/metrics` text) down to the autoscaler's decision. The property is the same everywhere:
 //! any input gives a value or an error that names what to fix; never a panic, never an
 //! overflow, never unbounded work.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crate::autoscaler::metrics::sample_from_loads;
 use crate::autoscaler::{

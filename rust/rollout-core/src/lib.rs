@@ -4,6 +4,9 @@
 //! and scale operations, GPU placement on a local pool, and the configuration of the manager with
 //! its validation. The service crate (`rollout-manager`) performs the effects these types decide.
 
+// A lint is silenced only with #[expect(..., reason = "...")], which fails once it is no longer needed.
+#![deny(clippy::allow_attributes, clippy::allow_attributes_without_reason)]
+
 pub mod autoscaler;
 pub mod cidr;
 pub mod config;

@@ -1,5 +1,3 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use super::*;
 
 fn v(version: &str, path: Option<&str>, checksum: Option<&str>) -> WeightVersion {

@@ -230,6 +230,10 @@ impl Agent for AgentService {
             log_tail: String::new(),
         });
         let health = if req.health_path.is_empty() { "/health".to_string() } else { req.health_path.clone() };
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "ends when the engine's process is reaped, which the agent's shutdown stops and waits for"
+        )]
         tokio::spawn(watch_engine(state.clone(), req.engine_id, process, format!("{url}{health}"), log_path));
         Ok(Response::new(reply))
     }
@@ -474,6 +478,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     }
     tracing::info!(%url, "agent listening");
     let stopping = state.stopping.clone();
+    #[expect(clippy::disallowed_methods, reason = "waits for the signal that ends the agent; dies with its runtime")]
     tokio::spawn(async move {
         tokio::select! {
             () = crate::server::shutdown_signal() => tracing::info!("agent: shutdown requested"),

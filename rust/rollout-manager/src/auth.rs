@@ -90,7 +90,6 @@ pub async fn require_token(State(token): State<Option<Arc<str>>>, request: Reque
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]

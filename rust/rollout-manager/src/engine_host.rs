@@ -512,7 +512,7 @@ impl EngineHost for AgentHost {
 
 #[cfg(test)]
 pub(crate) mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![expect(clippy::disallowed_methods, reason = "test servers and tasks live as long as their test")]
     use super::*;
 
     async fn start_agent(dir: &std::path::Path, token_file: Option<PathBuf>) -> String {

@@ -130,7 +130,7 @@ pub fn model_info_fields(info: &serde_json::Value) -> (&str, &str) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![expect(clippy::disallowed_methods, reason = "test servers and tasks live as long as their test")]
     use super::*;
     use axum::body::Body;
     use axum::routing::get as route_get;

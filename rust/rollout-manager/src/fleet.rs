@@ -504,7 +504,6 @@ impl Fleet {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use rollout_core::ScaleOutStatus;
 

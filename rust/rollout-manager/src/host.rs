@@ -140,6 +140,10 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
     let pid = child.id().ok_or_else(|| HostError::NoPid { program: spec.program.clone() })?;
     let (stop_tx, stop_rx) = mpsc::channel(1);
     let (exit_tx, exit_rx) = watch::channel(None);
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "owned by the EngineProcess handle: it ends when the child is reaped, which stop() and wait() await"
+    )]
     tokio::spawn(supervise(child, pid, stop_rx, exit_tx));
     Ok(EngineProcess { pid, start_ticks: process_start_ticks(pid), stop_tx, exit_rx })
 }
@@ -245,7 +249,6 @@ async fn supervise(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     fn spec(dir: &Path, script: &str) -> LaunchSpec {

@@ -204,6 +204,10 @@ async fn attach_stream(stream: UnixStream, keeper: Option<tokio::process::Child>
     };
     let (stop_tx, mut stop_rx) = mpsc::channel::<Duration>(1);
     let (exit_tx, exit_rx) = watch::channel(None);
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "owned by the EngineProcess handle: it ends when the keeper reports the exit or hangs up"
+    )]
     tokio::spawn(async move {
         let mut requested = false;
         let info = loop {

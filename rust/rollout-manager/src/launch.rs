@@ -183,7 +183,6 @@ pub fn free_port(host: &str, taken: &std::collections::HashSet<u16>) -> std::io:
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use clap::Parser;
 

@@ -1,3 +1,5 @@
+// A lint is silenced only with #[expect(..., reason = "...")], which fails once it is no longer needed.
+#![deny(clippy::allow_attributes, clippy::allow_attributes_without_reason)]
 use clap::{Parser, Subcommand};
 use rollout_core::ServeConfig;
 use rollout_manager::server::{shutdown_signal, Server};

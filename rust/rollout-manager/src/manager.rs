@@ -39,7 +39,7 @@ pub struct Manager {
     /// How published weight versions reach the engines (`--weight-transport`).
     pub transport: Arc<dyn crate::weights::transport::WeightTransport>,
     /// Engines on this machine (`--placement local`).
-    pub local: LocalHost,
+    pub local: Arc<dyn EngineHost>,
     /// Engines on node agents (`--placement ray`).
     pub agents: AgentHost,
 }
@@ -64,6 +64,19 @@ impl Manager {
         token: Option<&str>,
         external_router: Option<Arc<dyn ExternalRouter>>,
     ) -> Result<Arc<Self>, reqwest::Error> {
+        Self::with_seams(config, launcher, store, token, external_router, None)
+    }
+
+    /// [`Manager::new`] with the engines' control calls and the local host given instead of
+    /// the HTTP and process ones (unit tests of the use cases put fakes here).
+    pub fn with_seams(
+        config: ServeConfig,
+        launcher: EngineLauncher,
+        store: Option<crate::store::Store>,
+        token: Option<&str>,
+        external_router: Option<Arc<dyn ExternalRouter>>,
+        seams: Option<(Arc<dyn crate::engine_api::EngineApi>, Arc<dyn EngineHost>)>,
+    ) -> Result<Arc<Self>, reqwest::Error> {
         // Redirects are not followed: an engine (external ones are run by someone else) must
         // not be able to point the manager's probes at another address.
         let http = reqwest::Client::builder()
@@ -79,7 +92,10 @@ impl Manager {
             config.queue_order,
         ));
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
-        let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
+        let (engine_api, local) = seams.unwrap_or_else(|| {
+            let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
+            (Arc::new(crate::engine_api::HttpEngineApi::new(http.clone())), Arc::new(local))
+        });
         let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
         let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
             rollout_core::WeightTransportKind::Disk => Arc::new(crate::weights::transport::Disk),
@@ -93,7 +109,7 @@ impl Manager {
             config,
             fleet,
             launcher,
-            engine_api: Arc::new(crate::engine_api::HttpEngineApi::new(http.clone())),
+            engine_api,
             http,
             tasks,
             shutdown,
@@ -114,7 +130,7 @@ impl Manager {
         if self.ray() {
             &self.agents
         } else {
-            &self.local
+            self.local.as_ref()
         }
     }
 

@@ -354,7 +354,6 @@ impl WeightsState {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {

@@ -588,7 +588,6 @@ pub fn cancel_many(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::validate_engine_url;
 
     #[test]

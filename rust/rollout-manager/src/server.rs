@@ -273,7 +273,13 @@ fn serve_data_plane(
                             return;
                         }
                         Some((listener, senders)) => match TcpListener::from_std(listener) {
-                            Ok(l) => drop(tokio::spawn(hand_out(l, senders, stop.clone()))),
+                            Ok(l) => {
+                                #[expect(
+                                    clippy::disallowed_methods,
+                                    reason = "the acceptor of this data-plane thread's runtime; ends with `stop`"
+                                )]
+                                drop(tokio::spawn(hand_out(l, senders, stop.clone())));
+                            }
                             Err(e) => tracing::error!(error = %e, "cannot serve the router port"),
                         },
                         None => {}

@@ -326,7 +326,6 @@ impl CommitTurn<'_> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     impl EngineRow for StoredEngine {

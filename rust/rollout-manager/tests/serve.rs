@@ -1,6 +1,10 @@
 //! The manager as a library, in-process: build a `Server` on port 0 with real `sglang-sim`
 //! engines, drive it over HTTP, and shut it down through its signal future.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::disallowed_methods,
+    clippy::unwrap_used,
+    reason = "a test's helpers unwrap and its servers live as long as the test"
+)]
 
 use clap::Parser;
 use rollout_core::ServeConfig;

@@ -322,7 +322,6 @@ impl AutoscalerConfig {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     /// The seed's example file, verbatim in its fields.

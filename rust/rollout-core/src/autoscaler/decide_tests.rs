@@ -1,5 +1,4 @@
 //! Decision tables and property tests of [`super::decide`].
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::config::AutoscalerConfig;
 use super::decide::{decide, pipeline_delta, rate_delta, seed_delta, Action, FleetState, Memory, Signal};

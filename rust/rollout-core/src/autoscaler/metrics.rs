@@ -326,7 +326,6 @@ pub fn sample_from_loads(body: &serde_json::Value) -> Result<EngineSample, Strin
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use serde_json::json;
 

@@ -143,7 +143,6 @@ impl PipelineWindow {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn report(step: u64, wait: f64) -> PipelineReport {

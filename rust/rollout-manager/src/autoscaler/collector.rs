@@ -136,7 +136,7 @@ async fn read_engine_unquoted(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![expect(clippy::disallowed_methods, reason = "test servers and tasks live as long as their test")]
     use super::*;
     use axum::routing::get;
     use axum::Router;

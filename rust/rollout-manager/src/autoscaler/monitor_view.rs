@@ -298,7 +298,6 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use ratatui::backend::TestBackend;
     use ratatui::Terminal;

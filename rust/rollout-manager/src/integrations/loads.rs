@@ -75,7 +75,6 @@ async fn poll_all(manager: &Manager, timeout: Duration) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use proptest::prelude::*;
 

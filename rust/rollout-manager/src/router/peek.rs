@@ -160,7 +160,6 @@ pub fn strip_pin(body: &[u8]) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]

@@ -142,6 +142,10 @@ async fn connect(addr: &str) -> Result<Sender, SendError> {
     };
     let _ = stream.set_nodelay(true);
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "owned by `sender`: hyper's connection driver ends when the sender is dropped or the peer closes"
+    )]
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "engine connection ended");
@@ -180,7 +184,7 @@ pub async fn send(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![expect(clippy::disallowed_methods, reason = "test servers and tasks live as long as their test")]
     use super::*;
     use http_body_util::BodyExt;
     use std::sync::atomic::{AtomicUsize, Ordering};

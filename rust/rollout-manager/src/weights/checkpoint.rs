@@ -93,7 +93,6 @@ pub fn read(dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     fn tmpdir(name: &str) -> PathBuf {

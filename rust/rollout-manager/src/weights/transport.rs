@@ -520,7 +520,6 @@ impl WeightTransport for Relay {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use crate::engine_host::tests::start_agent_at;
     use crate::engine_host::AgentHost;

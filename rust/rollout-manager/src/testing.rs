@@ -1,0 +1,243 @@
+//! Fakes behind the manager's seams ([`EngineApi`], [`EngineHost`]) and a manager built on
+//! them, for unit tests of the use cases: engines that start, answer, load weights, crash or
+//! refuse as a test says, with no process and no network. Tests wait on the registry's change
+//! signal ([`wait_for`]), never on a sleep.
+
+use crate::engine_api::{DiskLoad, EngineApi, EngineError};
+use crate::engine_host::{EngineHost, Hosted, Location};
+use crate::fleet::FleetInner;
+use crate::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
+use crate::launch::EngineLauncher;
+use crate::manager::Manager;
+use clap::Parser;
+use futures::future::BoxFuture;
+use rollout_core::{EngineKind, ServeConfig};
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_util::task::TaskTracker;
+
+/// The model every fake engine serves (the manager's `--model-path` in [`manager`]).
+pub const MODEL: &str = "/models/fake";
+
+#[derive(Default)]
+struct State {
+    /// Engine ids whose launch fails.
+    fail_launch: HashSet<String>,
+    /// URLs whose probes fail (a hung or dead HTTP server).
+    down: HashSet<String>,
+    /// URLs whose weight loads fail.
+    refuse_loads: HashSet<String>,
+    /// The weight version each URL serves.
+    serving: HashMap<String, String>,
+    /// Running processes by engine id, with what ends them.
+    running: HashMap<String, watch::Sender<Option<ExitInfo>>>,
+    /// What the manager asked, in order: `launch <id>`, `stop <id>`, `load <url> <version>`,
+    /// `abort <url>`, `control <url><path>`.
+    calls: Vec<String>,
+    next_pid: u32,
+}
+
+/// Engines that do what a test tells them.
+#[derive(Default)]
+pub struct FakeEngines {
+    state: Arc<Mutex<State>>,
+    /// The fake processes' supervisors (one per launch, ending when the process ends).
+    tasks: TaskTracker,
+}
+
+impl FakeEngines {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next launch of `engine_id` fails.
+    pub fn fail_launch(&self, engine_id: &str) {
+        self.state().fail_launch.insert(engine_id.to_string());
+    }
+
+    /// Whether the engine at `url` answers probes.
+    pub fn set_down(&self, url: &str, down: bool) {
+        let mut s = self.state();
+        if down {
+            s.down.insert(url.to_string());
+        } else {
+            s.down.remove(url);
+        }
+    }
+
+    /// The engine at `url` refuses every weight load.
+    pub fn refuse_loads(&self, url: &str) {
+        self.state().refuse_loads.insert(url.to_string());
+    }
+
+    /// The process of `engine_id` exits on its own with code 1.
+    pub fn crash(&self, engine_id: &str) {
+        if let Some(exit) = self.state().running.remove(engine_id) {
+            exit.send_replace(Some(ExitInfo { code: Some(1), signal: None, requested: false }));
+        }
+    }
+
+    pub fn calls(&self) -> Vec<String> {
+        self.state().calls.clone()
+    }
+
+    /// Engines whose process runs.
+    pub fn running(&self) -> usize {
+        self.state().running.len()
+    }
+
+    fn record(&self, call: String) {
+        self.state().calls.push(call);
+    }
+}
+
+fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+impl EngineHost for FakeEngines {
+    fn launch<'a>(
+        &'a self,
+        engine_id: &'a str,
+        spec: &'a LaunchSpec,
+        at: &'a Location,
+    ) -> BoxFuture<'a, Result<Hosted, HostError>> {
+        Box::pin(async move {
+            self.record(format!("launch {engine_id}"));
+            let Location::Local { url, .. } = at else {
+                return Err(HostError::NoPid { program: spec.program.clone() });
+            };
+            let mut s = self.state();
+            if s.fail_launch.remove(engine_id) {
+                return Err(HostError::Spawn {
+                    program: spec.program.clone(),
+                    source: std::io::Error::other("refused"),
+                });
+            }
+            s.next_pid += 1;
+            let pid = 10_000 + s.next_pid;
+            let version = arg_after(&spec.args, "--weight-version").unwrap_or_default().to_string();
+            s.serving.insert(url.clone(), version);
+            let (stop_tx, mut stop_rx) = mpsc::channel::<Duration>(1);
+            let (exit_tx, exit_rx) = watch::channel(None);
+            s.running.insert(engine_id.to_string(), exit_tx.clone());
+            drop(s);
+            // The supervisor: a stop request ends the process (requested); a crash ends it too.
+            let (id, state) = (engine_id.to_string(), self.state.clone());
+            self.tasks.spawn(async move {
+                tokio::select! {
+                    asked = stop_rx.recv() => if asked.is_some() {
+                        let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                        s.calls.push(format!("stop {id}"));
+                        s.running.remove(&id);
+                        exit_tx.send_replace(Some(ExitInfo { code: None, signal: Some(15), requested: true }));
+                    },
+                    () = exit_tx.closed() => {}
+                }
+            });
+            Ok(Hosted {
+                process: EngineProcess::from_parts(pid, None, stop_tx, exit_rx),
+                url: url.clone(),
+                keeper_socket: None,
+                log_path: None,
+            })
+        })
+    }
+
+    fn status<'a>(
+        &'a self,
+        _engine_id: &'a str,
+        _at: &'a Location,
+        _pid: Option<u32>,
+        _start_ticks: Option<u64>,
+    ) -> BoxFuture<'a, Option<EngineProcess>> {
+        Box::pin(async { None })
+    }
+}
+
+impl EngineApi for FakeEngines {
+    fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, _timeout: Duration) -> BoxFuture<'a, Option<String>> {
+        Box::pin(async move {
+            let s = self.state();
+            let alive = s.serving.contains_key(url) && !s.down.contains(url);
+            (!alive).then(|| format!("{endpoint}: connection refused"))
+        })
+    }
+
+    fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>> {
+        Box::pin(async move {
+            let s = self.state();
+            match s.serving.get(url).filter(|_| !s.down.contains(url)) {
+                Some(v) => Ok(serde_json::json!({"model_path": MODEL, "weight_version": v})),
+                None => Err(EngineError::Unreachable { path: "/model_info", detail: "connection refused".into() }),
+            }
+        })
+    }
+
+    fn load_from_disk<'a>(&'a self, url: &'a str, load: &'a DiskLoad) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(async move {
+            self.record(format!("load {url} {}", load.version));
+            let mut s = self.state();
+            if s.refuse_loads.contains(url) {
+                return Err(EngineError::WeightLoad { path: load.path.clone(), detail: "HTTP 400: refused".into() });
+            }
+            s.serving.insert(url.to_string(), load.version.clone());
+            Ok(())
+        })
+    }
+
+    fn control<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        _body: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(async move {
+            self.record(format!("control {url}{path}"));
+            Ok(())
+        })
+    }
+
+    fn abort_all<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move { self.record(format!("abort {url}")) })
+    }
+}
+
+/// A manager on `engines` with `gpus` GPUs, one per engine, and `flags` on top (as on the
+/// command line). No store, no ports served.
+pub fn manager(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str]) -> Arc<Manager> {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeConfig,
+    }
+    let gpus = format!("--gpus={gpus}");
+    let mut argv = vec!["rollout-manager", "--model-path", MODEL, gpus.as_str(), "--rollout-num-gpus=0"];
+    argv.extend_from_slice(flags);
+    let mut config = Cli::try_parse_from(argv).expect("test flags parse").serve;
+    config.state_dir = std::env::temp_dir().join(format!("rollout-unit-{}", uuid::Uuid::new_v4()));
+    let launcher = EngineLauncher::resolve(EngineKind::Sim, Some(Path::new("/bin/true"))).expect("/bin/true runs");
+    let seams: (Arc<dyn EngineApi>, Arc<dyn EngineHost>) = (engines.clone(), engines.clone());
+    Manager::with_seams(config, launcher, None, None, None, Some(seams)).expect("the manager builds")
+}
+
+/// Waits (up to 10 s, on the registry's change signal) until `done` holds for the registry.
+/// `done` runs under the registry lock: it must not lock the registry again.
+pub async fn wait_for(manager: &Manager, what: &str, done: impl Fn(&FleetInner) -> bool) {
+    let mut changes = manager.fleet.subscribe();
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if done(&manager.fleet.lock()) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "timed out waiting for {what}; fleet: {:?}", manager.fleet.engine_records());
+}

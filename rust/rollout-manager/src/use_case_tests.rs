@@ -1,0 +1,260 @@
+//! Unit tests of the use cases (scale-out, scale-in, recovery) on fake engines
+//! ([`crate::testing`]): the real manager, registry and state machines, with the engines'
+//! processes and HTTP calls behind the seams. Each test waits on registry changes, not sleeps.
+
+use crate::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
+use crate::testing::{manager, wait_for, FakeEngines};
+use rollout_core::{EngineStatus, ScaleInStatus, ScaleOutStatus};
+use std::sync::Arc;
+
+fn scale_out_request(n: i64) -> ScaleOutRequest {
+    serde_json::from_value(serde_json::json!({ "num_replicas": n })).expect("a valid request")
+}
+
+fn scale_in_request(n: i64) -> ScaleInRequest {
+    serde_json::from_value(serde_json::json!({ "num_replicas": n })).expect("a valid request")
+}
+
+fn op_status(m: &crate::manager::Manager, id: &str) -> Option<ScaleOutStatus> {
+    m.fleet.lock().scale_outs.get(id).map(|op| op.status)
+}
+
+fn count(inner: &crate::fleet::FleetInner, status: EngineStatus) -> usize {
+    inner.engines.values().filter(|e| e.record.status == status).count()
+}
+
+#[tokio::test]
+async fn scale_out_brings_every_engine_to_active_and_into_routing() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let accepted = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted");
+    let id = accepted.request_id;
+    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
+    let table = m.fleet.routes();
+    assert_eq!(table.backends.len(), 2);
+    assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("default")), "{table:?}");
+    assert_eq!(m.fleet.lock().gpus.free(), 0);
+    assert_eq!(engines.running(), 2);
+    // The operation went through every phase, in order.
+    let history: Vec<String> =
+        m.fleet.lock().scale_outs[&id].history.iter().map(|t| t.status.clone()).collect::<Vec<_>>();
+    assert_eq!(history, ["PENDING", "CREATING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "READY", "ACTIVE"]);
+}
+
+#[tokio::test]
+async fn a_failing_launch_rolls_back_the_whole_scale_out_by_default() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    engines.fail_launch("engine_1");
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Failed));
+    {
+        let inner = m.fleet.lock();
+        let op = &inner.scale_outs[&id];
+        assert_eq!(op.failed_engines.len(), 1, "{op:?}");
+        assert!(op.failed_engines[0].error.contains("refused"), "{op:?}");
+        // Nothing is left: no routable engine, every GPU and process given back.
+        assert!(m.fleet.routes().backends.is_empty());
+        assert_eq!(inner.gpus.free(), 2);
+        assert_eq!(inner.live_count(), 0);
+    }
+    wait_for(&m, "the other engine's process to stop", |_| engines.running() == 0).await;
+}
+
+#[tokio::test]
+async fn keep_partial_activates_the_engines_that_came_up() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 3, &["--scale-out-partial-success-policy=keep_partial"]);
+    engines.fail_launch("engine_0");
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
+    let inner = m.fleet.lock();
+    let op = &inner.scale_outs[&id];
+    assert_eq!(op.failed_engines.iter().map(|f| f.engine_id.as_str()).collect::<Vec<_>>(), ["engine_0"]);
+    assert!(op.error_message.is_some(), "{op:?}");
+    assert_eq!(count(&inner, EngineStatus::Active), 2);
+    assert_eq!(inner.gpus.free(), 1, "the failed engine's GPU is returned");
+}
+
+#[tokio::test]
+async fn cancel_during_the_health_check_rolls_everything_back() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    // Engines that never answer their health check: the scale-out waits in HEALTH_CHECKING.
+    wait_for(&m, "both engines launched", |i| {
+        let urls: Vec<String> = i.engines.values().map(|e| e.record.url.clone()).collect();
+        for url in &urls {
+            engines.set_down(url, true);
+        }
+        i.engines.len() == 2
+    })
+    .await;
+    wait_for(&m, "the health check", |i| {
+        i.scale_outs.get(&id).is_some_and(|op| op.status == ScaleOutStatus::HealthChecking)
+    })
+    .await;
+    let cancelled = scaling::cancel_scale_out(&m, &cancels, &id).expect("cancellable");
+    assert!(!cancelled.status.is_terminal() || cancelled.status == ScaleOutStatus::Cancelled);
+    wait_for(&m, "the cancel", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Cancelled));
+    wait_for(&m, "every process stopped", |_| engines.running() == 0).await;
+    let inner = m.fleet.lock();
+    assert_eq!(inner.gpus.free(), 2);
+    assert_eq!(inner.live_count(), 0);
+    assert!(inner.running.is_none(), "the one-operation lock is released");
+}
+
+#[tokio::test]
+async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &["--scale-in-drain-timeout=600"]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    // A request in flight on the engine scale-in removes first (the newest, engine_1).
+    let load = m.fleet.lock().engines["engine_1"].load.clone();
+    let request = load.enter(100);
+    let answer = crate::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
+    let crate::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
+    let op = accepted.request_id;
+    wait_for(&m, "the drain", |i| i.scale_ins.get(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
+    {
+        let inner = m.fleet.lock();
+        assert_eq!(inner.engines["engine_1"].record.status, EngineStatus::Draining);
+        assert!(!m.fleet.routes().is_lost(&load), "a draining engine keeps its requests");
+        assert_eq!(m.fleet.routes().backends.len(), 1);
+    }
+    drop(request);
+    wait_for(&m, "the scale-in to end", |i| i.scale_ins.get(&op).is_some_and(|r| r.status.is_terminal())).await;
+    {
+        let inner = m.fleet.lock();
+        assert_eq!(inner.scale_ins[&op].status, ScaleInStatus::Completed);
+        let gone = inner.engines.get("engine_1").is_none_or(|e| e.record.status == EngineStatus::Removed);
+        assert!(gone, "engine_1 is removed");
+        assert_eq!(inner.gpus.free(), 1);
+    }
+    assert!(!engines.calls().iter().any(|c| c.starts_with("abort")), "drained, so nothing aborted");
+    wait_for(&m, "the process to stop", |_| engines.running() == 1).await;
+}
+
+#[tokio::test]
+async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 1, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    engines.crash("engine_0");
+    wait_for(&m, "the engine back after a restart", |i| {
+        i.engines["engine_0"].record.restarts == 1 && i.engines["engine_0"].record.status == EngineStatus::Active
+    })
+    .await;
+    assert_eq!(m.fleet.routes().backends.len(), 1);
+    let launches = engines.calls().iter().filter(|c| *c == "launch engine_0").count();
+    assert_eq!(launches, 2);
+    assert_eq!(m.fleet.lock().gpus.free(), 0, "the restart keeps its GPU");
+}
+
+/// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
+/// the checkpoint is read and staged; the disk transport loads it from `path` as it is).
+fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &str) -> String {
+    use crate::records::{EngineUpdate, Transition, UpdateRecord};
+    use rollout_core::weights::{EngineUpdateStatus, UpdateStrategy, WeightUpdateStatus};
+    let update_id = format!("update-{version}");
+    m.fleet.update(|inner| {
+        let engines = inner
+            .engines
+            .values()
+            .filter(|e| e.record.status.is_routable())
+            .map(|e| {
+                let pending = EngineUpdate {
+                    status: EngineUpdateStatus::Pending,
+                    error: None,
+                    started_at: None,
+                    finished_at: None,
+                };
+                (e.record.engine_id.clone(), pending)
+            })
+            .collect();
+        let record = UpdateRecord {
+            update_id: update_id.clone(),
+            version: version.into(),
+            path: path.into(),
+            checksum: "0".repeat(64),
+            engine_path: path.into(),
+            previous_version: inner.weights.current.version.clone(),
+            strategy: UpdateStrategy::Rolling,
+            max_unavailable: Some(1),
+            pause_mode: "abort".into(),
+            transport: "disk".into(),
+            status: WeightUpdateStatus::Pending,
+            engines,
+            created_at: 1.0,
+            updated_at: 1.0,
+            finished_at: None,
+            error_message: None,
+            message: String::new(),
+            history: vec![Transition { status: "PENDING".into(), at: 1.0 }],
+            resumed: 0,
+        };
+        inner.weights.updates.insert(update_id.clone(), record);
+        inner.weights.running = Some(update_id.clone());
+    });
+    m.tasks.spawn(crate::weight_update::run(m.clone(), update_id.clone()));
+    update_id
+}
+
+#[tokio::test]
+async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let update = start_rolling_update(&m, "v1", "/ckpt/v1");
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    let inner = m.fleet.lock();
+    assert_eq!(inner.weights.updates[&update].status.to_string(), "COMPLETED");
+    assert_eq!(inner.weights.current.version, "v1");
+    assert_eq!(count(&inner, EngineStatus::Active), 2);
+    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("v1")));
+    assert_eq!(m.fleet.routes().version_order.last().map(String::as_str), Some("v1"));
+    // One wave at a time (max_unavailable 1): the two loads never overlap in the log.
+    let loads: Vec<String> = engines.calls().into_iter().filter(|c| c.starts_with("load ")).collect();
+    assert_eq!(loads.len(), 2, "{loads:?}");
+}
+
+#[tokio::test]
+async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let url = m.fleet.lock().engines["engine_1"].record.url.clone();
+    engines.refuse_loads(&url);
+    let update = start_rolling_update(&m, "v1", "/ckpt/v1");
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    {
+        let inner = m.fleet.lock();
+        let record = &inner.weights.updates[&update];
+        assert_eq!(record.status.to_string(), "FAILED");
+        assert!(record.error_message.as_deref().is_some_and(|e| e.contains("refused")), "{record:?}");
+        assert_eq!(inner.weights.current.version, "default", "the fleet version did not move");
+    }
+    // Every engine comes back on the fleet's version, the one that had moved to v1 included.
+    wait_for(&m, "the fleet back on its version", |i| {
+        count(i, EngineStatus::Active) == 2
+            && i.engines.values().all(|e| e.record.weight_version.as_deref() == Some("default"))
+    })
+    .await;
+    assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("default")));
+}
