@@ -12,6 +12,12 @@ Run from the repository root (installs wrk and nginx with apt, and sglang-router
 
     .venv/bin/python benches/router_overhead.py            # 3 interleaved rounds, 5 s per run
     .venv/bin/python benches/router_overhead.py --seconds 10 --concurrency 1 16 64
+
+To compare two builds of ours (a change against its base), build the base's binary elsewhere
+and add it as the proxy `ours_baseline`, interleaved with the others:
+
+    .venv/bin/python benches/router_overhead.py --proxies nginx ours ours_baseline \
+        --baseline-binary /tmp/rollout-manager-base
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ RESULTS = ROOT / "benches" / "results"
 BODY = '{"text": "hi", "sampling_params": {"max_new_tokens": 1}}'
 TICK = os.sysconf("SC_CLK_TCK")
 DEAD_HF = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+# --baseline-binary: the rollout-manager that the proxy `ours_baseline` runs.
+BASELINE: list[Path | None] = [None]
 
 
 def free_port() -> int:
@@ -195,7 +203,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; cells are medians over them")
     ap.add_argument("--proxies", nargs="+", default=["direct", "nginx", "ours", "ours_round_robin", "smg", "sglang_router"])
+    ap.add_argument("--baseline-binary", type=Path, default=None,
+                    help="a rollout-manager binary of another build, run as the proxy `ours_baseline`")
     args = ap.parse_args()
+    if "ours_baseline" in args.proxies and args.baseline_binary is None:
+        ap.error("--proxies ours_baseline needs --baseline-binary PATH")
+    BASELINE[0] = args.baseline_binary
     sgr_python = ensure_tools()
     release = ROOT / "target" / "release"
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "rollout-manager", "-p", "sglang-sim"], cwd=ROOT, check=True)
@@ -247,7 +260,8 @@ def start_proxy(proxy: str, stack: Stack, urls: list[str], tmp: Path, release: P
         policy = "round_robin" if proxy == "ours_round_robin" else "capacity"
         # ours_threads<N>: the default policy on N data-plane threads.
         threads = proxy.removeprefix("ours_threads") if proxy.startswith("ours_threads") else "0"
-        p = stack.start(proxy, [str(release / "rollout-manager"), "serve", "--port", "0", "--router-port", str(port),
+        binary = BASELINE[0] if proxy == "ours_baseline" and BASELINE[0] else release / "rollout-manager"
+        p = stack.start(proxy, [str(binary), "serve", "--port", "0", "--router-port", str(port),
                                 "--rollout-num-gpus", "0", "--state-dir", str(tmp / f"state-{proxy}"),
                                 "--routing-policy", policy, "--router-threads", threads], env={"RUST_LOG": "warn"})
         control = None
@@ -313,7 +327,9 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "load_average": os.getloadavg(),
     }
-    (RESULTS / "router_overhead.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
+    # A comparison with another build goes to its own files, beside the peers' results.
+    name = "router_overhead_vs_baseline" if "ours_baseline" in args.proxies else "router_overhead"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
     cells: dict[tuple[str, int], list[Run]] = {}
     for r in runs:
         cells.setdefault((r.proxy, r.concurrency), []).append(r)
@@ -341,8 +357,14 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
     for c in args.concurrency:
         lines.append(f"| {c} | {ratio('ours', 'nginx', c, 'cpu_us_per_req')} | {ratio('ours', 'sglang_router', c, 'rps')} | "
                      f"{ratio('ours', 'smg', c, 'rps')} |")
+    if "ours_baseline" in args.proxies:
+        lines += ["", f"This build against `{args.baseline_binary}`, same rounds, median [min-max]:", "",
+                  "| conc | ours CPU / baseline CPU | ours req/s / baseline req/s |", "|---|---|---|"]
+        for c in args.concurrency:
+            lines.append(f"| {c} | {ratio('ours', 'ours_baseline', c, 'cpu_us_per_req')} | "
+                         f"{ratio('ours', 'ours_baseline', c, 'rps')} |")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "router_overhead.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(text)
     print("\n" + text)
 
 

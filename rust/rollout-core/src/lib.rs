@@ -12,6 +12,7 @@ pub mod cidr;
 pub mod config;
 #[cfg(test)]
 mod fuzz_tests;
+pub mod health;
 pub mod placement;
 pub mod routing;
 pub mod state;

@@ -18,13 +18,14 @@
 //! routing table; only status changes go through `Fleet::update`.
 
 use crate::manager::Manager;
+use rollout_core::health::{verdict as core_verdict, Incarnation, ProbePolicy, Verdict as CoreVerdict};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Engines whose rejoin check (a task of its own) is running.
-type Rejoining = Arc<Mutex<HashSet<String>>>;
+pub(crate) type Rejoining = Arc<Mutex<HashSet<String>>>;
 
 pub fn spawn_monitor(manager: &Arc<Manager>) {
     let m = manager.clone();
@@ -42,6 +43,7 @@ pub fn spawn_monitor(manager: &Arc<Manager>) {
     });
 }
 
+/// What the monitor does after a probe, with what it needs to do it.
 enum Verdict {
     /// Consecutive failures, and the last one's reason.
     TakeOut(u32, String),
@@ -49,16 +51,21 @@ enum Verdict {
     Restart,
 }
 
-async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
+/// The start of `e` a probe is sent to (see [`Incarnation`]).
+fn incarnation(e: &crate::fleet::Engine) -> Incarnation {
+    Incarnation { url: e.record.url.clone(), pid: e.record.pid, restarts: e.record.restarts }
+}
+
+pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let busy = rejoining.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let targets: Vec<(String, String)> = manager
+    let targets: Vec<(String, Incarnation)> = manager
         .fleet
         .lock()
         .engines
         .values()
         .filter(|e| matches!(e.record.status, EngineStatus::Active | EngineStatus::Unhealthy))
         .filter(|e| !busy.contains(&e.record.engine_id))
-        .map(|e| (e.record.engine_id.clone(), e.record.url.clone()))
+        .map(|e| (e.record.engine_id.clone(), incarnation(e)))
         .collect();
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
     let endpoint = &manager.config.health_check_endpoint;
@@ -67,34 +74,33 @@ async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let results = futures::future::join_all(
         targets
             .iter()
-            .map(|(id, url)| async move { (id.clone(), manager.engine_api.probe(url, endpoint, timeout).await) }),
+            .map(|(id, at)| async move { (id, at, manager.engine_api.probe(&at.url, endpoint, timeout).await) }),
     )
     .await;
-    let threshold = manager.config.health_failure_threshold;
+    let policy = ProbePolicy {
+        threshold: manager.config.health_failure_threshold,
+        restart_failed: manager.config.restart_failed_engines,
+    };
     let verdicts: Vec<(String, Verdict)> = {
         let mut inner = manager.fleet.lock();
         let mut out = Vec::new();
-        for (id, failure) in results {
-            let ok = failure.is_none();
-            let Some(engine) = inner.engines.get_mut(&id) else { continue };
-            let managed = engine.record.origin != EngineOrigin::External;
-            engine.probe_failures = if ok { 0 } else { engine.probe_failures.saturating_add(1) };
-            let failures = engine.probe_failures;
-            let verdict = match (engine.record.status, ok) {
-                (EngineStatus::Active, false) if failures >= threshold => {
-                    Some(Verdict::TakeOut(failures, failure.unwrap_or_default()))
-                }
-                (EngineStatus::Unhealthy, true) => Some(Verdict::TryBack),
-                (EngineStatus::Unhealthy, false)
-                    if managed && manager.config.restart_failed_engines && failures == threshold.saturating_mul(3) =>
-                {
-                    Some(Verdict::Restart)
-                }
-                _ => None,
-            };
-            if let Some(v) = verdict {
-                out.push((id, v));
+        for (id, at, failure) in results {
+            let passed = failure.is_none();
+            let Some(engine) = inner.engines.get_mut(id) else { continue };
+            // Probed before a restart (or a move): says nothing about the engine there now.
+            if incarnation(engine) != *at {
+                continue;
             }
+            let managed = engine.record.origin != EngineOrigin::External;
+            engine.probe_failures = if passed { 0 } else { engine.probe_failures.saturating_add(1) };
+            let failures = engine.probe_failures;
+            let verdict = match core_verdict(engine.record.status, passed, failures, managed, policy) {
+                Some(CoreVerdict::TakeOut) => Verdict::TakeOut(failures, failure.unwrap_or_default()),
+                Some(CoreVerdict::TryBack) => Verdict::TryBack,
+                Some(CoreVerdict::Restart) => Verdict::Restart,
+                None => continue,
+            };
+            out.push((id.clone(), verdict));
         }
         out
     };

@@ -38,12 +38,17 @@ struct State {
     /// `abort <url>`, `control <url><path>`.
     calls: Vec<String>,
     next_pid: u32,
+    /// The next probe waits for this to open, then fails (see [`FakeEngines::hold_next_probe`]).
+    held_probe: Option<watch::Receiver<bool>>,
 }
 
 /// Engines that do what a test tells them.
 #[derive(Default)]
 pub struct FakeEngines {
     state: Arc<Mutex<State>>,
+    /// Fires when a held probe starts waiting.
+    probe_held: Arc<tokio::sync::Notify>,
+    probe_waiting: std::sync::atomic::AtomicBool,
     /// The fake processes' supervisors (one per launch, ending when the process ends).
     tasks: TaskTracker,
 }
@@ -78,6 +83,15 @@ impl FakeEngines {
         if let Some(exit) = self.state().running.remove(engine_id) {
             exit.send_replace(Some(ExitInfo { code: Some(1), signal: None, requested: false }));
         }
+    }
+
+    /// The next probe waits until the returned sender sends `true`, then fails; the
+    /// `Notify` fires once it is waiting.
+    pub fn hold_next_probe(&self) -> (watch::Sender<bool>, Arc<tokio::sync::Notify>) {
+        let (open, gate) = watch::channel(false);
+        self.state().held_probe = Some(gate);
+        self.probe_waiting.store(false, std::sync::atomic::Ordering::SeqCst);
+        (open, self.probe_held.clone())
     }
 
     pub fn calls(&self) -> Vec<String> {
@@ -161,6 +175,13 @@ impl EngineHost for FakeEngines {
 impl EngineApi for FakeEngines {
     fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, _timeout: Duration) -> BoxFuture<'a, Option<String>> {
         Box::pin(async move {
+            let held = self.state().held_probe.take();
+            if let Some(mut gate) = held {
+                self.probe_waiting.store(true, std::sync::atomic::Ordering::SeqCst);
+                self.probe_held.notify_one();
+                let _ = gate.wait_for(|open| *open).await;
+                return Some(format!("{endpoint}: held, then failed"));
+            }
             let s = self.state();
             let alive = s.serving.contains_key(url) && !s.down.contains(url);
             (!alive).then(|| format!("{endpoint}: connection refused"))

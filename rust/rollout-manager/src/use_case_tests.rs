@@ -258,3 +258,32 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     .await;
     assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("default")));
 }
+
+#[tokio::test]
+async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_came_back() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 1, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    // A probe of the first process hangs; meanwhile the process crashes and is restarted.
+    let (open, waiting) = engines.hold_next_probe();
+    let rejoining = crate::health::Rejoining::default();
+    let probing = {
+        let (m2, rejoining) = (m.clone(), rejoining.clone());
+        m.tasks.spawn(async move { crate::health::probe_all(&m2, &rejoining).await })
+    };
+    waiting.notified().await;
+    engines.crash("engine_0");
+    wait_for(&m, "the restart", |i| {
+        let e = &i.engines["engine_0"];
+        e.record.restarts == 1 && e.record.status == EngineStatus::Active
+    })
+    .await;
+    // The hung probe now fails: it was about the old process, so it counts for nothing.
+    open.send_replace(true);
+    probing.await.expect("the probe pass ends");
+    let inner = m.fleet.lock();
+    assert_eq!(inner.engines["engine_0"].probe_failures, 0);
+    assert_eq!(inner.engines["engine_0"].record.status, EngineStatus::Active);
+}
