@@ -570,7 +570,7 @@ mod tests {
                         error_message: None,
                         weight_version: None,
                         message: String::new(),
-                        trigger: "user".into(),
+                        trigger: crate::records::Trigger::User,
                         history: vec![],
                     },
                 );

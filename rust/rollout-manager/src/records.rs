@@ -85,7 +85,7 @@ pub struct ScaleOutRecord {
     pub weight_version: Option<String>,
     pub message: String,
     /// `initial` for the boot-time bring-up, `user` for API requests.
-    pub trigger: String,
+    pub trigger: Trigger,
     pub history: Vec<Transition>,
 }
 
@@ -229,6 +229,38 @@ impl UpdateRecord {
     }
 }
 
+/// Where the fleet's current weight version came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionSource {
+    /// The `--weight-version` flag the manager started with.
+    Startup,
+    /// A committed weight update.
+    Publish,
+}
+
+/// Who started a scale-out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Trigger {
+    /// The boot-time bring-up of `--rollout-num-gpus`.
+    Initial,
+    /// A request to the API.
+    User,
+    /// The autoscaler.
+    Autoscaler,
+}
+
+impl std::fmt::Display for Trigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Trigger::Initial => "initial",
+            Trigger::User => "user",
+            Trigger::Autoscaler => "autoscaler",
+        })
+    }
+}
+
 /// The fleet's weights: persisted as one record in the store.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightsState {
@@ -236,8 +268,8 @@ pub struct WeightsState {
     pub current: WeightVersion,
     /// Where engines load `current` from (None: the startup `--model-path`).
     pub current_engine_path: Option<String>,
-    /// `startup` (the `--weight-version` flag) or `publish`.
-    pub source: String,
+    /// Where `current` came from.
+    pub source: VersionSource,
     /// When `current` became the fleet's version.
     pub current_since: f64,
     /// The update that made `current`, if any.
@@ -253,7 +285,7 @@ impl WeightsState {
         Self {
             current: WeightVersion::startup(startup_version),
             current_engine_path: None,
-            source: "startup".into(),
+            source: VersionSource::Startup,
             current_since: unix_now(),
             current_update: None,
             running: None,
@@ -286,7 +318,7 @@ impl WeightsState {
             self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).collect();
         done.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
         let mut out = Vec::new();
-        if self.source == "startup" || !done.iter().any(|u| u.version == self.current.version) {
+        if self.source == VersionSource::Startup || !done.iter().any(|u| u.version == self.current.version) {
             out.push(self.current.version.clone());
         }
         for u in done {

@@ -121,8 +121,11 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         if victims.is_empty() {
             let _ = record.apply(ScaleInEvent::Noop);
             record.message = format!("fleet already has {target} engines or fewer; nothing to remove");
-            let answer =
-                Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            let answer = Accepted {
+                request_id: request_id.clone(),
+                status: crate::scaling::AcceptedStatus::Noop,
+                message: record.message.clone(),
+            };
             inner.scale_ins.insert(request_id.clone(), record);
             return Ok((ScaleInAnswer::Accepted(answer), None));
         }
@@ -136,8 +139,11 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         }
         let _ = record.apply(ScaleInEvent::StartDraining);
         record.message = format!("scale-in accepted: removing {}", victims.join(", "));
-        let answer =
-            Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        let answer = Accepted {
+            request_id: request_id.clone(),
+            status: crate::scaling::AcceptedStatus::Pending,
+            message: record.message.clone(),
+        };
         inner.scale_ins.insert(request_id.clone(), record);
         inner.running = Some(RunningOp { kind: "scale_in", request_id: request_id.clone() });
         Ok((ScaleInAnswer::Accepted(answer), Some(victims)))

@@ -249,7 +249,8 @@ pub async fn run(
         (ready, concluded)
     });
 
-    let initial = manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == "initial");
+    let initial =
+        manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == crate::records::Trigger::Initial);
     let doomed: Vec<(String, String)> = ids
         .iter()
         .filter(|id| !keep.contains(id))

@@ -18,7 +18,7 @@
 use crate::error::ApiError;
 use crate::fleet::FleetInner;
 use crate::manager::Manager;
-use crate::records::{RunningOp, ScaleOutRecord};
+use crate::records::{RunningOp, ScaleOutRecord, Trigger};
 use rollout_core::{EngineOrigin, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -40,11 +40,11 @@ pub struct ScaleOutRequest {
     pub timeout_secs: Option<f64>,
     /// Who asked: `user` for the API, `autoscaler` for the autoscaler (not part of the body).
     #[serde(skip, default = "user_trigger")]
-    pub trigger: &'static str,
+    pub trigger: Trigger,
 }
 
-fn user_trigger() -> &'static str {
-    "user"
+fn user_trigger() -> Trigger {
+    Trigger::User
 }
 
 /// Body of `POST /rollout/scale_in`.
@@ -73,8 +73,25 @@ fn default_model() -> String {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Accepted {
     pub request_id: String,
-    pub status: String,
+    pub status: AcceptedStatus,
     pub message: String,
+}
+
+/// How a scale request was taken: it runs (PENDING), or there was nothing to do (NOOP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AcceptedStatus {
+    Pending,
+    Noop,
+}
+
+impl std::fmt::Display for AcceptedStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AcceptedStatus::Pending => "PENDING",
+            AcceptedStatus::Noop => "NOOP",
+        })
+    }
 }
 
 /// Cancellation tokens of the running scale-outs, by request id.
@@ -145,7 +162,7 @@ fn busy(running: &RunningOp) -> ApiError {
     )
 }
 
-fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version: &str) -> ScaleOutRecord {
+fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: Trigger, version: &str) -> ScaleOutRecord {
     let now = crate::clock::unix_now();
     ScaleOutRecord {
         request_id: id.to_string(),
@@ -160,7 +177,7 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: &str, version:
         error_message: None,
         weight_version: Some(version.to_string()),
         message: String::new(),
-        trigger: trigger.to_string(),
+        trigger,
         history: vec![crate::records::Transition { status: "PENDING".into(), at: now }],
     }
 }
@@ -191,7 +208,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         if target <= current {
             let _ = record.apply(ScaleOutEvent::Noop);
             record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
-            let accepted = Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            let accepted = Accepted { request_id: request_id.clone(), status: crate::scaling::AcceptedStatus::Noop, message: record.message.clone() };
             inner.scale_outs.insert(request_id.clone(), record);
             return Ok((accepted, None));
         }
@@ -211,7 +228,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
             .map_err(|e| ApiError::internal("reserve_failed", e))?;
         record.engine_ids = ids.clone();
         record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
-        let accepted = Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        let accepted = Accepted { request_id: request_id.clone(), status: crate::scaling::AcceptedStatus::Pending, message: record.message.clone() };
         inner.scale_outs.insert(request_id.clone(), record);
         inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
         Ok((accepted, Some(ids)))
@@ -335,8 +352,11 @@ fn attach_external(
         if fresh.is_empty() {
             let _ = record.apply(ScaleOutEvent::Noop);
             record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
-            let accepted =
-                Accepted { request_id: request_id.clone(), status: "NOOP".into(), message: record.message.clone() };
+            let accepted = Accepted {
+                request_id: request_id.clone(),
+                status: crate::scaling::AcceptedStatus::Noop,
+                message: record.message.clone(),
+            };
             inner.scale_outs.insert(request_id.clone(), record);
             return Ok((accepted, None));
         }
@@ -358,8 +378,11 @@ fn attach_external(
             ids.len(),
             if skipped > 0 { format!(" ({skipped} already in the fleet, skipped)") } else { String::new() }
         );
-        let accepted =
-            Accepted { request_id: request_id.clone(), status: "PENDING".into(), message: record.message.clone() };
+        let accepted = Accepted {
+            request_id: request_id.clone(),
+            status: crate::scaling::AcceptedStatus::Pending,
+            message: record.message.clone(),
+        };
         inner.scale_outs.insert(request_id.clone(), record);
         inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
         Ok((accepted, Some(ids)))
@@ -410,11 +433,11 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
         num_replicas: i64::from(n),
         engine_urls: vec![],
         timeout_secs: None,
-        trigger: "initial",
+        trigger: Trigger::Initial,
     };
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
         let version = inner.weights.current.version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, "initial", &version);
+        let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
         record.engine_ids = ids.clone();
         record.message = format!("initial fleet of {n} engines");
@@ -505,7 +528,7 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
             format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
         ));
     }
-    if record.trigger == "initial" {
+    if record.trigger == Trigger::Initial {
         return Err(ApiError::conflict(
             "initial_bring_up",
             format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
@@ -569,7 +592,7 @@ pub fn cancel_many(
         .lock()
         .scale_outs
         .values()
-        .filter(|r| !r.status.is_terminal() && r.trigger != "initial")
+        .filter(|r| !r.status.is_terminal() && r.trigger != Trigger::Initial)
         .filter(|r| filter.is_none_or(|f| r.status == f))
         .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
         .map(|r| r.request_id.clone())

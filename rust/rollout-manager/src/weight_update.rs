@@ -352,7 +352,7 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
         w.current = WeightVersion { published_seq: w.next_seq, ..want.clone() };
         w.next_seq += 1;
         w.current_engine_path = Some(u.engine_path.clone());
-        w.source = "publish".into();
+        w.source = crate::records::VersionSource::Publish;
         w.current_since = crate::clock::unix_now();
         w.current_update = Some(update_id.to_string());
         w.running = None;
@@ -386,6 +386,19 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
             inner.weights.running = None;
         }
         let current = inner.weights.current.clone();
+        // Engines whose turn in this update failed (the update's own record of them).
+        let failed_turns: std::collections::HashSet<String> = inner
+            .weights
+            .updates
+            .get(update_id)
+            .map(|u| {
+                u.engines
+                    .iter()
+                    .filter(|(_, e)| e.status == rollout_core::weights::EngineUpdateStatus::Failed)
+                    .map(|(id, _)| id.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut out = Vec::new();
         let ids: Vec<String> = inner.engines.keys().cloned().collect();
         for id in ids {
@@ -401,8 +414,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
                 }
                 continue;
             }
-            let failed_here = e.record.status == EngineStatus::Failed
-                && e.record.last_error.as_deref().is_some_and(|m| m.starts_with("weight update to "));
+            let failed_here = e.record.status == EngineStatus::Failed && failed_turns.contains(&id);
             let on_failed = matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
                 && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
             if on_failed {

@@ -396,7 +396,7 @@ impl Autoscaler {
                 num_replicas,
                 engine_urls: Vec::new(),
                 timeout_secs: None,
-                trigger: "autoscaler",
+                trigger: crate::records::Trigger::Autoscaler,
             };
             scaling::scale_out(&self.manager, &self.cancels, req)
         } else {
@@ -441,13 +441,13 @@ impl Autoscaler {
             Ok(accepted) => {
                 tracing::info!(request_id = %accepted.request_id, action = name, from, to, reason = %reason, "autoscaler scaling");
                 entry.request_id = Some(accepted.request_id);
-                if accepted.status == "NOOP" {
+                if accepted.status == crate::scaling::AcceptedStatus::Noop {
                     entry.completed_at = Some(unix);
                     entry.error_message = Some(accepted.message);
                 } else {
                     s.core.memory.pending = true;
                 }
-                entry.status = accepted.status;
+                entry.status = accepted.status.to_string();
             }
             Err(e) => {
                 tracing::warn!(action = name, code = e.code(), error = %e, "the scale API refused the autoscaler");
