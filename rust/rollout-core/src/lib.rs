@@ -7,6 +7,7 @@
 // A lint is silenced only with #[expect(..., reason = "...")], which fails once it is no longer needed.
 #![deny(clippy::allow_attributes, clippy::allow_attributes_without_reason)]
 
+pub mod addr;
 pub mod autoscaler;
 pub mod cidr;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod routing;
 pub mod state;
 pub mod weights;
 
+pub use addr::EngineAddr;
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig, WeightTransportKind};
 pub use placement::{
     AgentBinding, BindOutcome, Desired, GpuPool, Placement, PlacementConflict, PlacementError, PlacementStatus,

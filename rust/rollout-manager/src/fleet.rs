@@ -378,7 +378,9 @@ impl Fleet {
             if status.is_routable() {
                 backends.push(Backend {
                     engine_id: e.record.engine_id.clone(),
-                    authority: e.record.url.split("://").nth(1).unwrap_or("").trim_end_matches('/').to_string(),
+                    authority: rollout_core::EngineAddr::parse(&e.record.url)
+                        .map(|a| a.authority())
+                        .unwrap_or_default(),
                     url: e.record.url.clone(),
                     weight_version: e.record.weight_version.clone(),
                     load: e.load.clone(),

@@ -347,7 +347,7 @@ impl Manager {
                 let inner = self.fleet.lock();
                 let e =
                     inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
-                let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
+                let port = rollout_core::EngineAddr::port_of(&e.record.url).unwrap_or(0);
                 (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default(), e.record.url.clone())
             };
             let spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
@@ -492,7 +492,7 @@ impl Manager {
                 }
                 let Ok(port) = free_port(&self.config.engine_host, &inner.ports_in_use) else { return true };
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    if let Some(old) = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                    if let Some(old) = rollout_core::EngineAddr::port_of(&e.record.url) {
                         inner.ports_in_use.remove(&old);
                     }
                     e.record.url = format!("http://{}:{port}", url_host(&self.config.engine_host));
@@ -716,7 +716,7 @@ impl Manager {
                 }
             } else if let Some(e) = inner.engines.get_mut(engine_id) {
                 let gpus = std::mem::take(&mut e.record.gpu_ids);
-                let port = e.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+                let port = rollout_core::EngineAddr::port_of(&e.record.url);
                 e.process = None;
                 let origin = e.record.origin;
                 if origin != EngineOrigin::External {

@@ -270,7 +270,7 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
                     }
                     continue;
                 }
-                if let Some(port) = record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).filter(|_| !ray) {
+                if let Some(port) = rollout_core::EngineAddr::port_of(&record.url).filter(|_| !ray) {
                     inner.ports_in_use.insert(port);
                 }
                 if live.is_some() {

@@ -409,7 +409,7 @@ fn reserve(
                 for id in &ids {
                     if let Some(engine) = inner.engines.remove(id) {
                         let _ = inner.gpus.release(&engine.record.gpu_ids);
-                        if let Some(port) = engine.record.url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                        if let Some(port) = rollout_core::EngineAddr::port_of(&engine.record.url) {
                             inner.ports_in_use.remove(&port);
                         }
                     }
