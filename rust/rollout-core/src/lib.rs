@@ -16,6 +16,7 @@ mod fuzz_tests;
 pub mod health;
 pub mod placement;
 pub mod routing;
+pub mod scale_in;
 pub mod state;
 pub mod weights;
 

@@ -5,6 +5,7 @@ use crate::error::ApiError;
 use crate::manager::Manager;
 use crate::records::{EngineRecord, RunningOp, ScaleInRecord, Transition};
 use crate::scaling::{Accepted, ScaleInRequest};
+use rollout_core::scale_in::Candidate;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
 use serde::Serialize;
 use std::sync::Arc;
@@ -57,22 +58,22 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
                 ),
             ));
         }
-        let mut candidates: Vec<_> = inner
+        let candidates: Vec<_> = inner
             .engines
             .values()
             .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
             .collect();
         let victims: Vec<String> = if target > 0 {
-            let live = candidates.len() as u32;
-            candidates.retain(|e| e.record.origin != EngineOrigin::Initial);
-            // Engines that serve nothing (failed, unhealthy, still starting) leave first, then
-            // LIFO: the newest engine leaves first.
-            candidates.sort_by_key(|e| (e.record.status == EngineStatus::Active, std::cmp::Reverse(e.seq)));
-            candidates
-                .into_iter()
-                .take(live.saturating_sub(target) as usize)
-                .map(|e| e.record.engine_id.clone())
-                .collect()
+            let engines: Vec<Candidate> = candidates
+                .iter()
+                .map(|e| Candidate {
+                    engine_id: e.record.engine_id.clone(),
+                    seq: e.seq,
+                    status: e.record.status,
+                    origin: e.record.origin,
+                })
+                .collect();
+            rollout_core::scale_in::victims(&engines, target)
         } else {
             let mut ids = Vec::new();
             for url in &req.engine_urls {
