@@ -1,8 +1,10 @@
 //! The fleet registry: every engine and every scale operation, behind one mutex.
 //!
 //! The mutex is a std `Mutex`: no `.await` ever happens while it is held, so it never blocks
-//! the runtime for long. The router reads a separate, copy-on-write list of routable backends
-//! ([`Fleet::routes`]) so the data plane never takes the registry lock.
+//! the runtime for long. Every update publishes a copy-on-write [`RoutingTable`] (what the data
+//! plane reads: routable backends, engines whose requests finish where they are, the version
+//! order, whether an update runs; [`Fleet::routes`]), so the data plane never takes the
+//! registry lock, and commits the change to the store after releasing the lock.
 
 use crate::clock::unix_now;
 use crate::host::EngineProcess;

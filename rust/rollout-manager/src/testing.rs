@@ -48,7 +48,6 @@ pub struct FakeEngines {
     state: Arc<Mutex<State>>,
     /// Fires when a held probe starts waiting.
     probe_held: Arc<tokio::sync::Notify>,
-    probe_waiting: std::sync::atomic::AtomicBool,
     /// The fake processes' supervisors (one per launch, ending when the process ends).
     tasks: TaskTracker,
 }
@@ -90,7 +89,6 @@ impl FakeEngines {
     pub fn hold_next_probe(&self) -> (watch::Sender<bool>, Arc<tokio::sync::Notify>) {
         let (open, gate) = watch::channel(false);
         self.state().held_probe = Some(gate);
-        self.probe_waiting.store(false, std::sync::atomic::Ordering::SeqCst);
         (open, self.probe_held.clone())
     }
 
@@ -177,7 +175,6 @@ impl EngineApi for FakeEngines {
         Box::pin(async move {
             let held = self.state().held_probe.take();
             if let Some(mut gate) = held {
-                self.probe_waiting.store(true, std::sync::atomic::Ordering::SeqCst);
                 self.probe_held.notify_one();
                 let _ = gate.wait_for(|open| *open).await;
                 return Some(format!("{endpoint}: held, then failed"));

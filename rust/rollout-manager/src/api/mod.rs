@@ -145,6 +145,13 @@ struct ListFilter {
     model_name: Option<String>,
 }
 
+impl ListFilter {
+    /// Whether `?model_name=` (if given) is `model_name`.
+    fn wants(&self, model_name: &str) -> bool {
+        self.model_name.as_deref().is_none_or(|m| m == model_name)
+    }
+}
+
 /// Parses a `?status=` filter into the operation's status type; unknown names are 400.
 pub(crate) fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Option<S>, ApiError> {
     raw.map(|st| {
@@ -161,29 +168,25 @@ pub(crate) fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Op
 async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
     let wanted: Option<rollout_core::ScaleOutStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
-    let mut requests: Vec<_> = inner
-        .scale_outs
-        .values()
-        .filter(|r| wanted.is_none_or(|w| r.status == w))
-        .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
-        .cloned()
-        .collect();
-    requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
-    Ok(Json(json!({ "requests": requests, "total": requests.len() })))
+    let keep = |r: &crate::records::ScaleOutRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
+    Ok(Json(listing(inner.scale_outs.values().filter(|r| keep(r)), |r| r.created_at)))
 }
 
 async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
     let wanted: Option<rollout_core::ScaleInStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
-    let mut requests: Vec<_> = inner
-        .scale_ins
-        .values()
-        .filter(|r| wanted.is_none_or(|w| r.status == w))
-        .filter(|r| f.model_name.as_deref().is_none_or(|m| r.model_name == m))
-        .cloned()
-        .collect();
-    requests.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
-    Ok(Json(json!({ "requests": requests, "total": requests.len() })))
+    let keep = |r: &crate::records::ScaleInRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
+    Ok(Json(listing(inner.scale_ins.values().filter(|r| keep(r)), |r| r.created_at)))
+}
+
+/// `{"requests": [...], "total": n}`, oldest first.
+fn listing<'a, R: Clone + serde::Serialize + 'a>(
+    records: impl Iterator<Item = &'a R>,
+    created_at: fn(&R) -> f64,
+) -> Value {
+    let mut requests: Vec<R> = records.cloned().collect();
+    requests.sort_by(|a, b| created_at(a).total_cmp(&created_at(b)));
+    json!({ "requests": requests, "total": requests.len() })
 }
 
 async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
