@@ -334,17 +334,18 @@ impl Fleet {
     /// Runs `f` under the lock, republishes the routing table, persists the change and wakes
     /// waiters. The table is replaced before the lock is released, so tables are published in
     /// the order of the updates that made them (a slow update can never put back an engine a
-    /// later one took out of routing). The change is committed to the store after the lock is
-    /// released (in the order of the updates, see [`crate::store::Store::turn`]) and before this
-    /// returns: what the caller does next (start a process, answer a request) happens only
-    /// once the change that led to it is durable, and no reader waits for the disk.
+    /// later one took out of routing). The change is staged for the store under the lock and
+    /// committed after it is released ([`crate::store::Store::commit_through`], which writes
+    /// the changes of concurrent updates together, in the order they were staged), before this
+    /// returns: what the caller does next (start a process, answer a request) happens only once
+    /// the change that led to it is durable, and nobody waits for the disk holding the lock.
     pub fn update<R>(&self, f: impl FnOnce(&mut FleetInner) -> R) -> R {
         let mut inner = self.lock();
         let out = f(&mut inner);
         inner.prune_operations(KEEP_OPERATIONS);
-        let staged = self.store.as_ref().map(|store| {
+        let staged = self.store.as_ref().and_then(|store| {
             let inner = &*inner;
-            let batch = store.stage(crate::store::Current {
+            store.stage(crate::store::Current {
                 engines: &inner.engines,
                 scale_outs: &inner.scale_outs,
                 scale_ins: &inner.scale_ins,
@@ -355,14 +356,13 @@ impl Fleet {
                     placement_revision: inner.placement_revision,
                 },
                 weights: &inner.weights,
-            });
-            (batch, store.turn())
+            })
         });
         let table = self.table_of(&inner);
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
         drop(inner);
-        if let Some((batch, turn)) = staged {
-            if let Err(e) = turn.commit(batch) {
+        if let (Some(store), Some(seq)) = (&self.store, staged) {
+            if let Err(e) = store.commit_through(seq) {
                 self.store_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, "cannot persist the fleet state; it will be retried on the next change");
             }

@@ -8,9 +8,10 @@
 //!
 //! Writes are incremental and happen outside the registry lock: under the lock, [`Store::stage`]
 //! compares each record with a copy of what was last staged (field by field, no serialisation)
-//! and serialises only the differences into a [`Batch`]; the registry takes its
-//! [`Store::turn`] (the commit order) before releasing the lock and commits the batch after,
-//! in one transaction. (Comparing JSON made every registry change serialise every engine and
+//! and adds only the differences, serialised, to the pending rows; after releasing the lock the
+//! registry calls [`Store::commit_through`], which writes everything pending in one
+//! transaction (changes staged meanwhile by other updates included: a group commit) unless an
+//! earlier writer already did. Nobody waits for the disk while holding the registry lock. (Comparing JSON made every registry change serialise every engine and
 //! every kept operation under the registry lock: O(fleet) work per change, O(fleet^2) to attach
 //! a fleet; committing under the lock made every reader wait for an fsync.)
 
@@ -19,7 +20,7 @@ use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 const ENGINES: TableDefinition<&str, &str> = TableDefinition::new("engines");
 const SCALE_OUTS: TableDefinition<&str, &str> = TableDefinition::new("scale_outs");
@@ -92,8 +93,11 @@ pub struct Store {
     path: PathBuf,
     /// What was last staged, to write only changes.
     written: Mutex<Written>,
-    /// Staged rows not yet committed (a failed commit leaves them here); see [`Store::turn`].
-    pending: Mutex<Batch>,
+    /// Staged rows not yet committed (a failed commit puts them back), and the sequence number
+    /// of the last change staged.
+    pending: Mutex<(Batch, u64)>,
+    /// Held by the one writer at a time: the sequence number of the last change on disk.
+    durable: Mutex<u64>,
 }
 
 /// A copy of every record as last committed, by table and key.
@@ -127,7 +131,13 @@ impl Store {
             txn.open_table(t).map_err(|e| db_err(e.into()))?;
         }
         txn.commit().map_err(|e| db_err(e.into()))?;
-        Ok(Self { db, path, written: Mutex::new(Written::default()), pending: Mutex::new(Batch::default()) })
+        Ok(Self {
+            db,
+            path,
+            written: Mutex::new(Written::default()),
+            pending: Mutex::new((Batch::default(), 0)),
+            durable: Mutex::new(0),
+        })
     }
 
     fn err(&self, source: impl Into<redb::Error>) -> StoreError {
@@ -180,11 +190,11 @@ impl Store {
         Ok(Snapshot { engines, scale_outs, scale_ins, placements, meta, weights })
     }
 
-    /// Compares the registry's contents with what was last staged and returns the changed
-    /// rows, serialised, or None when nothing changed. Cheap (field comparisons, and only the
-    /// changed records serialised): the registry calls it under its lock, then commits the
-    /// batch through [`Store::turn`] after releasing the lock.
-    pub fn stage<E: EngineRow>(&self, now: Current<'_, E>) -> Option<Batch> {
+    /// Compares the registry's contents with what was last staged and adds the changed rows,
+    /// serialised, to the pending ones; returns the change's sequence number, or None when
+    /// nothing changed. Cheap (field comparisons, and only the changed records serialised): the
+    /// registry calls it under its lock, then [`Store::commit_through`] after releasing it.
+    pub fn stage<E: EngineRow>(&self, now: Current<'_, E>) -> Option<u64> {
         let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
         let mut batch = Batch::default();
         for (id, e) in now.engines {
@@ -236,14 +246,40 @@ impl Store {
             written.placements.remove(&k);
             batch.rows[PLACEMENTS_AT].insert(k, None);
         }
-        (!batch.is_empty()).then_some(batch)
+        if batch.is_empty() {
+            return None;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.0.merge(batch);
+        pending.1 += 1;
+        Some(pending.1)
     }
 
-    /// The right to commit next. Taken under the registry lock, right after [`Store::stage`],
-    /// and used after the lock is released: batches are committed in the order they were
-    /// staged, without the registry waiting for the disk.
-    pub fn turn(&self) -> CommitTurn<'_> {
-        CommitTurn { store: self, pending: self.pending.lock().unwrap_or_else(|e| e.into_inner()) }
+    /// Makes every change staged up to `seq` durable: writes all the pending rows in one
+    /// transaction, unless a writer before us already wrote them. A failed write puts its rows
+    /// back under any staged since, so the next commit writes them (a registry change is never
+    /// lost to one failed write while the manager runs).
+    pub fn commit_through(&self, seq: u64) -> Result<(), StoreError> {
+        let mut durable = self.durable.lock().unwrap_or_else(|e| e.into_inner());
+        if *durable >= seq {
+            return Ok(());
+        }
+        let (batch, upto) = {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            (std::mem::take(&mut pending.0), pending.1)
+        };
+        match self.write(&batch) {
+            Ok(()) => {
+                *durable = upto;
+                Ok(())
+            }
+            Err(e) => {
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                let newer = std::mem::replace(&mut pending.0, batch);
+                pending.0.merge(newer);
+                Err(e)
+            }
+        }
     }
 
     fn write(&self, batch: &Batch) -> Result<(), StoreError> {
@@ -302,28 +338,6 @@ impl Batch {
     }
 }
 
-/// See [`Store::turn`]. Holds the batches that failed to commit, so the next commit writes
-/// them too (a registry change is never lost to one failed write while the manager runs).
-pub struct CommitTurn<'a> {
-    store: &'a Store,
-    pending: MutexGuard<'a, Batch>,
-}
-
-impl CommitTurn<'_> {
-    /// Commits the failed batches, then `batch`, in one transaction.
-    pub fn commit(mut self, batch: Option<Batch>) -> Result<(), StoreError> {
-        if let Some(batch) = batch {
-            self.pending.merge(batch);
-        }
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        self.store.write(&self.pending)?;
-        *self.pending = Batch::default();
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,11 +370,49 @@ mod tests {
         let meta = Meta { next_seq: 3, weight_version: weights.current.version.clone(), placement_revision: 0 };
         let none = BTreeMap::new();
         let (outs, ins) = (BTreeMap::new(), BTreeMap::new());
-        let batch =
+        let staged =
             store.stage(Current { engines, scale_outs: &outs, scale_ins: &ins, placements: &none, meta, weights });
-        let staged = batch.is_some();
-        store.turn().commit(batch).unwrap();
-        staged
+        if let Some(seq) = staged {
+            store.commit_through(seq).unwrap();
+        }
+        staged.is_some()
+    }
+
+    #[test]
+    fn one_commit_writes_every_change_staged_before_it() {
+        let dir = std::env::temp_dir().join(format!("rollout-store-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let weights = WeightsState::new("v0");
+        let meta = || Meta { next_seq: 1, weight_version: "v0".into(), placement_revision: 0 };
+        let (outs, ins, none) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        {
+            let store = Store::open(&dir).unwrap();
+            let one: BTreeMap<String, StoredEngine> = [("e1".to_string(), engine("e1", 0))].into();
+            let mut two = one.clone();
+            two.insert("e2".into(), engine("e2", 0));
+            let stage = |engines: &BTreeMap<String, StoredEngine>| {
+                let current = Current {
+                    engines,
+                    scale_outs: &outs,
+                    scale_ins: &ins,
+                    placements: &none,
+                    meta: meta(),
+                    weights: &weights,
+                };
+                store.stage(current).unwrap()
+            };
+            let first = stage(&one);
+            let second = stage(&two);
+            assert!(second > first);
+            // The later update commits first (it got to the disk first): both changes go.
+            store.commit_through(second).unwrap();
+            // The earlier one then finds its change durable already.
+            store.commit_through(first).unwrap();
+        }
+        let snapshot = Store::open(&dir).unwrap().load().unwrap();
+        let ids: Vec<_> = snapshot.engines.iter().map(|e| e.record.engine_id.clone()).collect();
+        assert_eq!(ids, ["e1", "e2"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
