@@ -15,8 +15,10 @@ pub mod config;
 mod fuzz_tests;
 pub mod health;
 pub mod placement;
+pub mod restore;
 pub mod routing;
 pub mod scale_in;
+pub mod scale_out;
 pub mod state;
 pub mod weights;
 
@@ -26,6 +28,6 @@ pub use placement::{
     AgentBinding, BindOutcome, Desired, GpuPool, Placement, PlacementConflict, PlacementError, PlacementStatus,
 };
 pub use state::{
-    EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
+    EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, Phase, ScaleInEvent, ScaleInStatus, ScaleOutEvent,
     ScaleOutStatus,
 };

@@ -154,26 +154,184 @@ impl EngineStatus {
         )
     }
 
+    /// The next state after `event`. Every (state, event) pair is written out: a new state or
+    /// event does not compile until each of its edges has been decided.
     pub fn on(self, event: EngineEvent) -> Result<EngineStatus, IllegalTransition> {
         use EngineEvent as E;
         use EngineStatus as S;
-        let next = match (self, event) {
-            (S::Pending, E::Bound) => S::Creating,
-            (S::Creating, E::Launched) => S::HealthChecking,
-            (S::HealthChecking, E::Healthy) => S::WeightSyncing,
-            (S::WeightSyncing, E::WeightsSynced) => S::Ready,
-            (S::Ready, E::Activated) => S::Active,
-            (S::Active, E::ProbeFailed) => S::Unhealthy,
-            (S::Unhealthy, E::ProbeRecovered) => S::Active,
-            (S::Active | S::Unhealthy, E::Drain) => S::Draining,
-            (s, E::Remove) if s != S::Removing && s != S::Removed => S::Removing,
-            (S::Removing, E::Removed) => S::Removed,
-            (S::Failed, E::Restart) => S::Creating,
-            (S::Active, E::UpdateWeights) => S::WeightSyncing,
-            (s, E::Fail) if s != S::Removing && s != S::Removed && s != S::Failed => S::Failed,
-            (s, e) => return Err(illegal("engine", s, e)),
+        let next = match self {
+            S::Pending => match event {
+                E::Bound => S::Creating,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Creating => match event {
+                E::Launched => S::HealthChecking,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::HealthChecking => match event {
+                E::Healthy => S::WeightSyncing,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::WeightSyncing => match event {
+                E::WeightsSynced => S::Ready,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Ready => match event {
+                E::Activated => S::Active,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Active => match event {
+                E::ProbeFailed => S::Unhealthy,
+                E::Drain => S::Draining,
+                E::UpdateWeights => S::WeightSyncing,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeRecovered
+                | E::Removed
+                | E::Restart => return Err(illegal("engine", self, event)),
+            },
+            S::Unhealthy => match event {
+                E::ProbeRecovered => S::Active,
+                E::Drain => S::Draining,
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Draining => match event {
+                E::Remove => S::Removing,
+                E::Fail => S::Failed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Removing => match event {
+                E::Removed => S::Removed,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Remove
+                | E::Fail
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Removed => match event {
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Remove
+                | E::Removed
+                | E::Fail
+                | E::Restart
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
+            S::Failed => match event {
+                E::Restart => S::Creating,
+                E::Remove => S::Removing,
+                E::Bound
+                | E::Launched
+                | E::Healthy
+                | E::WeightsSynced
+                | E::Activated
+                | E::ProbeFailed
+                | E::ProbeRecovered
+                | E::Drain
+                | E::Removed
+                | E::Fail
+                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+            },
         };
         Ok(next)
+    }
+
+    /// Whether `Fail` would move this engine: it is not already FAILED or on its way out.
+    pub fn can_fail(self) -> bool {
+        self.on(EngineEvent::Fail).is_ok()
     }
 }
 
@@ -225,10 +383,14 @@ impl ScaleOutStatus {
         )
     }
 
+    /// The next status after `event`; every pair is decided explicitly (see [`EngineStatus::on`]).
     pub fn on(self, event: ScaleOutEvent) -> Result<ScaleOutStatus, IllegalTransition> {
         use ScaleOutEvent as E;
         use ScaleOutStatus as S;
         let next = match (self, event) {
+            (S::Active | S::Failed | S::Cancelled | S::Noop, _) => return Err(illegal("scale_out", self, event)),
+            (_, E::Fail) => S::Failed,
+            (_, E::Cancel) => S::Cancelled,
             (S::Pending, E::StartCreating) => S::Creating,
             (S::Pending, E::StartConnecting) => S::Connecting,
             (S::Pending, E::Noop) => S::Noop,
@@ -236,11 +398,82 @@ impl ScaleOutStatus {
             (S::HealthChecking, E::Healthy) => S::WeightSyncing,
             (S::WeightSyncing, E::WeightsSynced) => S::Ready,
             (S::Ready, E::Activated) => S::Active,
-            (s, E::Fail) if !s.is_terminal() => S::Failed,
-            (s, E::Cancel) if !s.is_terminal() => S::Cancelled,
-            (s, e) => return Err(illegal("scale_out", s, e)),
+            (S::Pending, E::Launched | E::Healthy | E::WeightsSynced | E::Activated)
+            | (S::Creating | S::Connecting, E::StartCreating | E::StartConnecting | E::Noop | E::Healthy)
+            | (S::Creating | S::Connecting, E::WeightsSynced | E::Activated)
+            | (S::HealthChecking, E::StartCreating | E::StartConnecting | E::Noop | E::Launched)
+            | (S::HealthChecking, E::WeightsSynced | E::Activated)
+            | (S::WeightSyncing, E::StartCreating | E::StartConnecting | E::Noop | E::Launched | E::Healthy)
+            | (S::WeightSyncing, E::Activated)
+            | (S::Ready, E::StartCreating | E::StartConnecting | E::Noop | E::Launched | E::Healthy)
+            | (S::Ready, E::WeightsSynced) => return Err(illegal("scale_out", self, event)),
         };
         Ok(next)
+    }
+
+    /// The phase a running operation is in, or `None` before it starts (PENDING) and once it
+    /// ended. An operation follows the slowest of its engines through these phases.
+    pub fn phase(self) -> Option<Phase> {
+        match self {
+            ScaleOutStatus::Creating | ScaleOutStatus::Connecting => Some(Phase::Launching),
+            ScaleOutStatus::HealthChecking => Some(Phase::HealthChecking),
+            ScaleOutStatus::WeightSyncing => Some(Phase::WeightSyncing),
+            ScaleOutStatus::Ready => Some(Phase::Ready),
+            ScaleOutStatus::Pending
+            | ScaleOutStatus::Active
+            | ScaleOutStatus::Failed
+            | ScaleOutStatus::Cancelled
+            | ScaleOutStatus::Noop => None,
+        }
+    }
+
+    /// The events that take a running operation forward to `phase` (none when it is there,
+    /// past it, not started or ended). Applying them in order never makes an illegal edge.
+    pub fn events_to(self, phase: Phase) -> Vec<ScaleOutEvent> {
+        let mut events = Vec::new();
+        let mut at = self;
+        while let Some(now) = at.phase().filter(|p| *p < phase) {
+            let event = match now {
+                Phase::Launching => ScaleOutEvent::Launched,
+                Phase::HealthChecking => ScaleOutEvent::Healthy,
+                Phase::WeightSyncing | Phase::Ready => ScaleOutEvent::WeightsSynced,
+            };
+            match at.on(event) {
+                Ok(next) => {
+                    events.push(event);
+                    at = next;
+                }
+                Err(_) => break,
+            }
+        }
+        events
+    }
+}
+
+/// How far a scale-out (or one of its engines) has come, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Launching,
+    HealthChecking,
+    WeightSyncing,
+    Ready,
+}
+
+impl Phase {
+    /// The phase of an engine still in a scale-out's race (PENDING counts as launching: it
+    /// waits for its placement); `None` for an engine that left the race (failed, removed...).
+    pub fn of_engine(status: EngineStatus) -> Option<Phase> {
+        match status {
+            EngineStatus::Pending | EngineStatus::Creating => Some(Phase::Launching),
+            EngineStatus::HealthChecking => Some(Phase::HealthChecking),
+            EngineStatus::WeightSyncing => Some(Phase::WeightSyncing),
+            EngineStatus::Ready | EngineStatus::Active => Some(Phase::Ready),
+            EngineStatus::Unhealthy
+            | EngineStatus::Draining
+            | EngineStatus::Removing
+            | EngineStatus::Removed
+            | EngineStatus::Failed => None,
+        }
     }
 }
 
@@ -273,18 +506,33 @@ impl ScaleInStatus {
         matches!(self, ScaleInStatus::Completed | ScaleInStatus::Failed | ScaleInStatus::Noop)
     }
 
+    /// The next status after `event`; every pair is decided explicitly (see [`EngineStatus::on`]).
     pub fn on(self, event: ScaleInEvent) -> Result<ScaleInStatus, IllegalTransition> {
         use ScaleInEvent as E;
         use ScaleInStatus as S;
         let next = match (self, event) {
+            (S::Completed | S::Failed | S::Noop, _) => return Err(illegal("scale_in", self, event)),
+            (_, E::Fail) => S::Failed,
             (S::Pending, E::StartDraining) => S::Draining,
             (S::Pending, E::Noop) => S::Noop,
             (S::Draining, E::Drained) => S::Removing,
             (S::Removing, E::Removed) => S::Completed,
-            (s, E::Fail) if !s.is_terminal() => S::Failed,
-            (s, e) => return Err(illegal("scale_in", s, e)),
+            (S::Pending, E::Drained | E::Removed)
+            | (S::Draining, E::StartDraining | E::Removed | E::Noop)
+            | (S::Removing, E::StartDraining | E::Drained | E::Noop) => return Err(illegal("scale_in", self, event)),
         };
         Ok(next)
+    }
+
+    /// The events that finish an interrupted scale-in from where it stopped (the manager
+    /// restarted mid-operation: its victims are removed, so it ends COMPLETED).
+    pub fn events_to_complete(self) -> Vec<ScaleInEvent> {
+        match self {
+            ScaleInStatus::Pending => vec![ScaleInEvent::StartDraining, ScaleInEvent::Drained, ScaleInEvent::Removed],
+            ScaleInStatus::Draining => vec![ScaleInEvent::Drained, ScaleInEvent::Removed],
+            ScaleInStatus::Removing => vec![ScaleInEvent::Removed],
+            ScaleInStatus::Completed | ScaleInStatus::Failed | ScaleInStatus::Noop => Vec::new(),
+        }
     }
 }
 
@@ -293,9 +541,10 @@ macro_rules! wire_name {
         impl fmt::Display for $t {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 // The serde name is the one wire spelling; Display reuses it.
-                match serde_json::to_value(self) {
-                    Ok(serde_json::Value::String(s)) => f.write_str(&s),
-                    _ => write!(f, "{self:?}"),
+                if let Ok(serde_json::Value::String(s)) = serde_json::to_value(self) {
+                    f.write_str(&s)
+                } else {
+                    write!(f, "{self:?}")
                 }
             }
         }

@@ -165,6 +165,68 @@ fn scale_in_flows() {
 }
 
 #[test]
+fn a_scale_out_catches_up_to_the_phase_of_its_slowest_engine() {
+    use ScaleOutEvent as E;
+    use ScaleOutStatus as S;
+    let table: [(ScaleOutStatus, Phase, &[ScaleOutEvent]); 8] = [
+        (S::Creating, Phase::Launching, &[]),
+        (S::Creating, Phase::HealthChecking, &[E::Launched]),
+        (S::Connecting, Phase::Ready, &[E::Launched, E::Healthy, E::WeightsSynced]),
+        (S::HealthChecking, Phase::WeightSyncing, &[E::Healthy]),
+        (S::WeightSyncing, Phase::HealthChecking, &[]),
+        (S::Ready, Phase::Ready, &[]),
+        // Not started (still waiting for resources) or already ended: nothing to catch up.
+        (S::Pending, Phase::Ready, &[]),
+        (S::Cancelled, Phase::Ready, &[]),
+    ];
+    for (from, phase, want) in table {
+        assert_eq!(from.events_to(phase), want.to_vec(), "{from:?} -> {phase:?}");
+    }
+    assert_eq!(Phase::of_engine(EngineStatus::Pending), Some(Phase::Launching));
+    assert_eq!(Phase::of_engine(EngineStatus::Active), Some(Phase::Ready));
+    assert_eq!(Phase::of_engine(EngineStatus::Failed), None);
+}
+
+#[test]
+fn an_interrupted_scale_in_completes_from_any_live_state() {
+    for s in IN_STATES {
+        let end = s.events_to_complete().into_iter().try_fold(s, |s, e| s.on(e)).unwrap();
+        assert_eq!(end, if s.is_terminal() { s } else { ScaleInStatus::Completed }, "{s:?}");
+    }
+}
+
+#[test]
+fn every_edge_of_the_engine_machine() {
+    // The whole table, so a changed edge shows up here as well as in the match.
+    use EngineEvent as E;
+    use EngineStatus as S;
+    let legal: &[(EngineStatus, EngineEvent, EngineStatus)] = &[
+        (S::Pending, E::Bound, S::Creating),
+        (S::Creating, E::Launched, S::HealthChecking),
+        (S::HealthChecking, E::Healthy, S::WeightSyncing),
+        (S::WeightSyncing, E::WeightsSynced, S::Ready),
+        (S::Ready, E::Activated, S::Active),
+        (S::Active, E::ProbeFailed, S::Unhealthy),
+        (S::Unhealthy, E::ProbeRecovered, S::Active),
+        (S::Active, E::Drain, S::Draining),
+        (S::Unhealthy, E::Drain, S::Draining),
+        (S::Active, E::UpdateWeights, S::WeightSyncing),
+        (S::Removing, E::Removed, S::Removed),
+        (S::Failed, E::Restart, S::Creating),
+    ];
+    for from in ENGINE_STATES {
+        for event in ENGINE_EVENTS {
+            let want = match event {
+                E::Remove if !matches!(from, S::Removing | S::Removed) => Some(S::Removing),
+                E::Fail if !matches!(from, S::Removing | S::Removed | S::Failed) => Some(S::Failed),
+                _ => legal.iter().find(|(f, e, _)| *f == from && *e == event).map(|(_, _, to)| *to),
+            };
+            assert_eq!(from.on(event).ok(), want, "{from:?} on {event:?}");
+        }
+    }
+}
+
+#[test]
 fn wire_names_are_screaming_snake_case() {
     assert_eq!(EngineStatus::HealthChecking.to_string(), "HEALTH_CHECKING");
     assert_eq!(ScaleOutStatus::WeightSyncing.to_string(), "WEIGHT_SYNCING");
@@ -202,11 +264,18 @@ proptest! {
         }
     }
 
-    /// Terminal scale-out states accept no event; non-terminal ones always accept Fail and Cancel.
+    /// Terminal scale-out states accept no event; non-terminal ones always accept Fail and Cancel;
+    /// catching up to any phase never makes an illegal edge and never goes backwards.
     #[test]
-    fn scale_out_terminal_is_absorbing(events in proptest::collection::vec(0usize..OUT_EVENTS.len(), 0..32)) {
+    fn scale_out_terminal_is_absorbing(events in proptest::collection::vec(0usize..OUT_EVENTS.len(), 0..32), p in 0usize..4) {
         let mut s = ScaleOutStatus::Pending;
+        let phase = [Phase::Launching, Phase::HealthChecking, Phase::WeightSyncing, Phase::Ready][p];
         for i in events {
+            let caught_up = s.events_to(phase).into_iter().try_fold(s, |s, e| s.on(e));
+            prop_assert!(caught_up.is_ok());
+            if let (Ok(c), Some(before)) = (caught_up, s.phase()) {
+                prop_assert_eq!(c.phase(), Some(before.max(phase)));
+            }
             let e = OUT_EVENTS[i];
             let r = s.on(e);
             if s.is_terminal() {
