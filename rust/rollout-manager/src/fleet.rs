@@ -171,6 +171,16 @@ pub struct Engine {
     pub pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
     pub keeper_socket: Option<PathBuf>,
+    /// What this engine holds of the fleet's local pool, returned when it is forgotten.
+    held: Held,
+}
+
+/// GPUs and a port of the local pool held by one engine (none for external engines and in Ray
+/// mode, where Ray and the agents own them).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub gpus: Vec<u32>,
+    pub port: Option<u16>,
 }
 
 impl crate::store::EngineRow for Engine {
@@ -191,34 +201,216 @@ impl crate::store::EngineRow for Engine {
     }
 }
 
+/// The registry's state. Engines, operation records, weights and placements are read and
+/// changed by the use cases under [`Fleet::update`]; the resource accounting (GPUs, ports), the
+/// one-operation lock, engine creation order and the placement revision are private and change
+/// only through the methods below, which keep them consistent with the engines.
 #[derive(Debug)]
 pub struct FleetInner {
     pub engines: BTreeMap<String, Engine>,
     /// Shared by every engine's load: requests waiting for a slot (see [`EngineLoad`]).
-    pub slot_freed: Arc<SlotQueue>,
-    pub next_seq: u64,
-    pub gpus: GpuPool,
-    pub ports_in_use: HashSet<u16>,
+    slot_freed: Arc<SlotQueue>,
+    /// Whether engines' loads wake the slot queue (a per-engine in-flight cap is set).
+    notify_slots: bool,
+    next_seq: u64,
+    gpus: GpuPool,
+    ports_in_use: HashSet<u16>,
     pub scale_outs: BTreeMap<String, ScaleOutRecord>,
     pub scale_ins: BTreeMap<String, ScaleInRecord>,
     /// Mutual exclusion: at most one scale operation runs.
-    pub running: Option<RunningOp>,
+    running: Option<RunningOp>,
     /// Published versions, the update in flight and its history.
     pub weights: crate::records::WeightsState,
     /// Whether FAILED engines count towards the fleet's size: yes when they are restarted
     /// (`--restart-failed-engines`), since they come back; no otherwise.
-    pub count_failed: bool,
+    count_failed: bool,
     /// Ray mode: the placement of every managed engine (and of removed ones until the shim says
     /// released), by engine id.
     pub placements: BTreeMap<String, rollout_core::Placement>,
     /// Bumped on every placement change; what `GET /rollout/placements?after=` waits on.
-    pub placement_revision: u64,
+    placement_revision: u64,
+}
+
+/// The engine a new record is for: its id and creation order, from [`FleetInner::add_engine`].
+pub struct NewEngine {
+    pub engine_id: String,
+    pub seq: u64,
 }
 
 impl FleetInner {
     /// Records that the placements changed (wakes long polls through the fleet's change signal).
     pub fn placements_changed(&mut self) {
         self.placement_revision += 1;
+    }
+
+    pub fn placement_revision(&self) -> u64 {
+        self.placement_revision
+    }
+
+    /// After a restart: continue past every id and revision the previous run handed out.
+    pub fn continue_after(&mut self, next_seq: u64, placement_revision: u64) {
+        self.next_seq = self.next_seq.max(next_seq);
+        self.placement_revision = self.placement_revision.max(placement_revision);
+    }
+
+    /// The scale operation in progress, if any.
+    pub fn running_op(&self) -> Option<&RunningOp> {
+        self.running.as_ref()
+    }
+
+    /// Takes the one-operation lock for `op`; refuses (naming the holder) while another runs.
+    pub fn begin_op(&mut self, op: RunningOp) -> Result<(), RunningOp> {
+        match &self.running {
+            Some(held) => Err(held.clone()),
+            None => {
+                self.running = Some(op);
+                Ok(())
+            }
+        }
+    }
+
+    /// Frees the one-operation lock if `request_id` holds it.
+    pub fn end_op(&mut self, request_id: &str) {
+        if self.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+            self.running = None;
+        }
+    }
+
+    /// GPUs not held by any engine (local mode).
+    pub fn free_gpus(&self) -> u32 {
+        self.gpus.free()
+    }
+
+    pub fn total_gpus(&self) -> u32 {
+        self.gpus.total()
+    }
+
+    /// Adds an engine under the next id, built by `record` from that id, with a fresh load.
+    /// `held` is what [`FleetInner::reserve_local`] reserved for it (nothing for external
+    /// engines and in Ray mode); it is returned when the engine is forgotten.
+    pub fn add_engine(&mut self, held: Held, record: impl FnOnce(&NewEngine) -> EngineRecord) -> String {
+        let new = NewEngine { engine_id: format!("engine_{}", self.next_seq), seq: self.next_seq };
+        self.next_seq += 1;
+        let record = record(&new);
+        debug_assert_eq!(record.engine_id, new.engine_id);
+        let engine = Engine {
+            seq: new.seq,
+            record,
+            process: None,
+            load: self.new_load(),
+            probe_failures: 0,
+            pid_start_ticks: None,
+            keeper_socket: None,
+            held,
+        };
+        self.engines.insert(new.engine_id.clone(), engine);
+        new.engine_id
+    }
+
+    /// Puts back an engine read from the store after a restart, claiming the GPUs and port its
+    /// record names when `claim` (local managed engines). Refuses, holding nothing, when they
+    /// are not free.
+    pub fn restore_engine(
+        &mut self,
+        seq: u64,
+        record: EngineRecord,
+        process: Option<EngineProcess>,
+        keeper_socket: Option<PathBuf>,
+        claim: bool,
+    ) -> Result<(), String> {
+        let mut held = Held::default();
+        if claim {
+            self.gpus.claim(&record.gpu_ids).map_err(|e| e.to_string())?;
+            held.gpus = record.gpu_ids.clone();
+            held.port = rollout_core::EngineAddr::port_of(&record.url);
+            if let Some(port) = held.port {
+                self.ports_in_use.insert(port);
+            }
+        }
+        self.next_seq = self.next_seq.max(seq + 1);
+        let engine = Engine {
+            seq,
+            pid_start_ticks: process.as_ref().and_then(|p| p.start_ticks),
+            record,
+            process,
+            load: self.new_load(),
+            probe_failures: 0,
+            keeper_socket,
+            held,
+        };
+        self.engines.insert(engine.record.engine_id.clone(), engine);
+        Ok(())
+    }
+
+    fn new_load(&self) -> Arc<EngineLoad> {
+        Arc::new(EngineLoad::with_slot_notify(self.notify_slots.then(|| self.slot_freed.clone())))
+    }
+
+    /// Reserves `gpus` GPUs and a port for a new local engine. `pick_port` asks the OS for a
+    /// free port, given the ones the fleet already holds. On failure nothing stays reserved.
+    pub fn reserve_local(
+        &mut self,
+        gpus: u32,
+        pick_port: impl FnOnce(&HashSet<u16>) -> std::io::Result<u16>,
+    ) -> Result<Held, String> {
+        let gpu_ids = self.gpus.allocate(gpus).map_err(|e| e.to_string())?;
+        match pick_port(&self.ports_in_use) {
+            Ok(port) => {
+                self.ports_in_use.insert(port);
+                Ok(Held { gpus: gpu_ids, port: Some(port) })
+            }
+            Err(e) => {
+                if let Err(err) = self.gpus.release(&gpu_ids) {
+                    tracing::error!(%err, "GPU accounting mismatch releasing GPUs allocated just now");
+                }
+                Err(format!("no free port: {e}"))
+            }
+        }
+    }
+
+    /// Gives a local engine a new port (before a restart), returning the old one to the pool.
+    /// Engines that hold no port of ours (external, Ray mode) are left as they are.
+    pub fn move_port(
+        &mut self,
+        engine_id: &str,
+        pick_port: impl FnOnce(&HashSet<u16>) -> std::io::Result<u16>,
+        url_of: impl FnOnce(u16) -> String,
+    ) -> std::io::Result<()> {
+        if self.engines.get(engine_id).is_none_or(|e| e.held.port.is_none()) {
+            return Ok(());
+        }
+        let port = pick_port(&self.ports_in_use)?;
+        self.ports_in_use.insert(port);
+        if let Some(e) = self.engines.get_mut(engine_id) {
+            if let Some(old) = e.held.port.replace(port) {
+                self.ports_in_use.remove(&old);
+            }
+            e.record.url = url_of(port);
+        }
+        Ok(())
+    }
+
+    /// Returns what an engine holds of the local pool (its GPUs and port); its record no
+    /// longer names the GPUs afterwards. Holding nothing, it changes nothing.
+    pub fn release_resources(&mut self, engine_id: &str) {
+        let Some(e) = self.engines.get_mut(engine_id) else { return };
+        let held = std::mem::take(&mut e.held);
+        if held == Held::default() {
+            return;
+        }
+        e.record.gpu_ids.clear();
+        if let Err(err) = self.gpus.release(&held.gpus) {
+            tracing::error!(engine_id, %err, "GPU accounting mismatch on release");
+        }
+        if let Some(port) = held.port {
+            self.ports_in_use.remove(&port);
+        }
+    }
+
+    /// Forgets an engine, returning its GPUs and port first.
+    pub fn forget_engine(&mut self, engine_id: &str) -> Option<Engine> {
+        self.release_resources(engine_id);
+        self.engines.remove(engine_id)
     }
 
     /// Moves an engine through its state machine; logs once; refuses illegal edges.
@@ -237,6 +429,18 @@ impl FleetInner {
         engine.record.updated_at = unix_now();
         engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
         Ok(to)
+    }
+
+    /// Marks an engine FAILED if it can fail: `false` (and nothing changes) when it is unknown,
+    /// already FAILED, or on its way out (REMOVING, REMOVED), where a failure changes nothing.
+    pub fn fail_engine(&mut self, engine_id: &str, error: Option<String>) -> bool {
+        let Some(e) = self.engines.get_mut(engine_id).filter(|e| e.record.status.can_fail()) else {
+            return false;
+        };
+        if error.is_some() {
+            e.record.last_error = error;
+        }
+        self.engine_event(engine_id, EngineEvent::Fail).is_ok()
     }
 
     /// Forgets the oldest finished operations beyond `keep` of each kind, so a long run (an
@@ -294,11 +498,13 @@ impl Fleet {
         count_failed: bool,
         store: Option<crate::store::Store>,
         queue_order: QueueOrder,
+        notify_slots: bool,
     ) -> Self {
         let slot_freed = Arc::new(SlotQueue::new(queue_order));
         let inner = FleetInner {
             engines: BTreeMap::new(),
             slot_freed: slot_freed.clone(),
+            notify_slots,
             next_seq: 0,
             gpus: GpuPool::new(gpus),
             ports_in_use: HashSet::new(),
@@ -526,12 +732,13 @@ mod tests {
             probe_failures: 0,
             pid_start_ticks: None,
             keeper_socket: None,
+            held: Held::default(),
         }
     }
 
     #[test]
     fn the_routing_table_tells_lost_requests_from_finishing_ones() {
-        let fleet = Fleet::new(1, "v0".into(), true, None, QueueOrder::Fifo);
+        let fleet = Fleet::new(1, "v0".into(), true, None, QueueOrder::Fifo, false);
         let load = fleet.update(|inner| {
             let e = engine("e1", "ACTIVE");
             let load = e.load.clone();
@@ -554,7 +761,7 @@ mod tests {
 
     #[test]
     fn prunes_only_the_oldest_finished_operations() {
-        let fleet = Fleet::new(1, "v".into(), true, None, QueueOrder::Fifo);
+        let fleet = Fleet::new(1, "v".into(), true, None, QueueOrder::Fifo, false);
         fleet.update(|inner| {
             for i in 0..5 {
                 let now = i as f64;

@@ -113,7 +113,10 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
                         e.record.last_error =
                             Some(format!("{failures} consecutive failed health probes (last: {why})"));
                     }
-                    let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
+                    if let Err(e) = inner.engine_event(&id, EngineEvent::ProbeFailed) {
+                        // It left ACTIVE since the probe (drained, updating, failed): the verdict is moot.
+                        tracing::debug!(engine_id = %id, error = %e, "probe verdict no longer applies");
+                    }
                 });
             }
             // Back into routing only on the version it must serve (loaded now if needed).
@@ -130,10 +133,7 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
             Verdict::Restart => {
                 tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
                 let process = manager.fleet.update(|inner| {
-                    if let Some(e) = inner.engines.get_mut(&id) {
-                        e.record.last_error = Some("hung: failed health probes; restarting".into());
-                    }
-                    let _ = inner.engine_event(&id, EngineEvent::Fail);
+                    inner.fail_engine(&id, Some("hung: failed health probes; restarting".into()));
                     inner.engines.get(&id).and_then(|e| e.process.clone())
                 });
                 let m = manager.clone();

@@ -11,7 +11,7 @@
 
 use crate::clock::unix_now;
 use crate::engine_host::{AgentHost, EngineHost, LocalHost, Location};
-use crate::fleet::{Engine, EngineLoad, Fleet};
+use crate::fleet::{Fleet, Held};
 use crate::host::{EngineProcess, ExitInfo};
 use crate::launch::{free_port, EngineLauncher};
 use crate::records::EngineRecord;
@@ -90,6 +90,7 @@ impl Manager {
             config.restart_failed_engines,
             store,
             config.queue_order,
+            config.max_inflight_per_engine > 0,
         ));
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let (engine_api, local) = seams.unwrap_or_else(|| {
@@ -214,53 +215,53 @@ impl Manager {
         let per_engine = self.config.rollout_num_gpus_per_engine;
         if self.ray() {
             // Ray finds the GPUs; the engine waits in PENDING until an agent is bound.
-            let id = self.register(inner, String::new(), origin, Vec::new(), created_by);
+            let id = self.register(inner, EngineStatus::Pending, String::new(), origin, Held::default(), created_by);
             if let Some(e) = inner.engines.get_mut(&id) {
-                e.record.status = EngineStatus::Pending;
                 e.record.detail = Some(PENDING_DETAIL.into());
             }
             inner.placements.insert(id.clone(), Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
             inner.placements_changed();
             return Ok(id);
         }
-        let gpu_ids = inner.gpus.allocate(per_engine).map_err(|e| e.to_string())?;
-        let port = match free_port(&self.config.engine_host, &inner.ports_in_use) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = inner.gpus.release(&gpu_ids);
-                return Err(format!("no free port on {}: {e}", self.config.engine_host));
-            }
-        };
-        inner.ports_in_use.insert(port);
-        let url = format!("http://{}:{port}", url_host(&self.config.engine_host));
-        Ok(self.register(inner, url, origin, gpu_ids, created_by))
+        let host = &self.config.engine_host;
+        let held =
+            inner.reserve_local(per_engine, |taken| free_port(host, taken)).map_err(|e| format!("{e} on {host}"))?;
+        let url = held.port.map(|port| format!("http://{}:{port}", url_host(host))).unwrap_or_default();
+        Ok(self.register(inner, EngineStatus::Creating, url, origin, held, created_by))
     }
 
     /// Registers an external engine (started by someone else) in CREATING. Nothing is contacted
     /// yet; [`Manager::connect`] does that.
     pub fn reserve_external(&self, inner: &mut crate::fleet::FleetInner, url: &str, created_by: &str) -> String {
-        self.register(inner, url.to_string(), EngineOrigin::External, Vec::new(), created_by)
+        self.register(
+            inner,
+            EngineStatus::Creating,
+            url.to_string(),
+            EngineOrigin::External,
+            Held::default(),
+            created_by,
+        )
     }
 
-    /// Adds a new engine record in CREATING under the next id.
+    /// Adds a new engine record under the next id, in its first state (CREATING, or PENDING
+    /// while Ray places it).
     fn register(
         &self,
         inner: &mut crate::fleet::FleetInner,
+        status: EngineStatus,
         url: String,
         origin: EngineOrigin,
-        gpu_ids: Vec<u32>,
+        held: Held,
         created_by: &str,
     ) -> String {
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
-        let engine_id = format!("engine_{seq}");
+        debug_assert!(matches!(status, EngineStatus::Creating | EngineStatus::Pending));
         let now = unix_now();
-        let log_path = (origin != EngineOrigin::External)
-            .then(|| self.config.state_dir.join("logs").join(format!("{engine_id}.log")));
-        let record = EngineRecord {
-            engine_id: engine_id.clone(),
+        let logs = (origin != EngineOrigin::External).then(|| self.config.state_dir.join("logs"));
+        let gpu_ids = held.gpus.clone();
+        inner.add_engine(held, |new| EngineRecord {
+            engine_id: new.engine_id.clone(),
             url,
-            status: EngineStatus::Creating,
+            status,
             is_healthy: false,
             origin,
             model_name: self.config.model_name.clone(),
@@ -270,26 +271,13 @@ impl Manager {
             pid: None,
             started_at: now,
             updated_at: now,
-            log_path,
+            log_path: logs.map(|dir| dir.join(format!("{}.log", new.engine_id))),
             in_flight: 0,
             last_error: None,
             created_by: Some(created_by.to_string()),
             restarts: 0,
             detail: None,
-        };
-        let engine = Engine {
-            seq,
-            record,
-            process: None,
-            load: Arc::new(EngineLoad::with_slot_notify(
-                (self.config.max_inflight_per_engine > 0).then(|| inner.slot_freed.clone()),
-            )),
-            probe_failures: 0,
-            pid_start_ticks: None,
-            keeper_socket: None,
-        };
-        inner.engines.insert(engine_id.clone(), engine);
-        engine_id
+        })
     }
 
     /// Connects to an external engine: its `/model_info` must answer and name the fleet's model.
@@ -447,7 +435,7 @@ impl Manager {
                     e.process = None;
                 }
                 // Fails only from live states; an engine being removed is expected to exit.
-                let _ = inner.engine_event(&engine_id, EngineEvent::Fail);
+                inner.fail_engine(&engine_id, None);
                 was
             });
             // Engines still being created are the scale-out's to handle; removed ones stay gone.
@@ -490,17 +478,20 @@ impl Manager {
                     }
                     return true;
                 }
-                let Ok(port) = free_port(&self.config.engine_host, &inner.ports_in_use) else { return true };
+                let host = &self.config.engine_host;
+                if let Err(e) = inner.move_port(
+                    engine_id,
+                    |taken| free_port(host, taken),
+                    |port| format!("http://{}:{port}", url_host(host)),
+                ) {
+                    // Relaunch on the old port; if it is taken the launch fails and is retried.
+                    tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
+                }
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    if let Some(old) = rollout_core::EngineAddr::port_of(&e.record.url) {
-                        inner.ports_in_use.remove(&old);
-                    }
-                    e.record.url = format!("http://{}:{port}", url_host(&self.config.engine_host));
                     e.record.restarts += 1;
                     e.record.pid = None;
                     e.probe_failures = 0;
                 }
-                inner.ports_in_use.insert(port);
                 true
             });
             if !restarted {
@@ -525,10 +516,7 @@ impl Manager {
                 Err(e) => {
                     tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
                     let process = self.fleet.update(|inner| {
-                        if let Some(en) = inner.engines.get_mut(engine_id) {
-                            en.record.last_error = Some(format!("recovery failed: {e}"));
-                        }
-                        let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+                        inner.fail_engine(engine_id, Some(format!("recovery failed: {e}")));
                         inner.engines.get(engine_id).and_then(|en| en.process.clone())
                     });
                     if let Some(p) = process {
@@ -696,7 +684,10 @@ impl Manager {
     /// its GPUs and port, and marks it REMOVED.
     pub async fn remove_engine(&self, engine_id: &str) -> Option<ExitInfo> {
         let process = self.fleet.update(|inner| {
-            let _ = inner.engine_event(engine_id, EngineEvent::Remove);
+            if let Err(e) = inner.engine_event(engine_id, EngineEvent::Remove) {
+                // Already on its way out: whoever moved it there finishes the removal too.
+                tracing::debug!(engine_id, error = %e, "remove");
+            }
             inner.engines.get(engine_id).and_then(|e| e.process.clone())
         });
         let exit = match process {
@@ -711,27 +702,14 @@ impl Manager {
                     p.unwant();
                     inner.placements_changed();
                 }
-                if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.process = None;
-                }
-            } else if let Some(e) = inner.engines.get_mut(engine_id) {
-                let gpus = std::mem::take(&mut e.record.gpu_ids);
-                let port = rollout_core::EngineAddr::port_of(&e.record.url);
-                e.process = None;
-                let origin = e.record.origin;
-                if origin != EngineOrigin::External {
-                    if let Err(err) = inner.gpus.release(&gpus) {
-                        tracing::error!(engine_id, %err, "GPU accounting mismatch on removal");
-                    }
-                    // Only local engines hold a port of ours; an external URL's port is not.
-                    if let Some(port) = port {
-                        inner.ports_in_use.remove(&port);
-                    }
-                }
             }
-            let _ = inner.engine_event(engine_id, EngineEvent::Removed);
-            // Forget removed engines entirely; their operation records keep their ids.
-            inner.engines.remove(engine_id);
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.process = None;
+            }
+            if inner.engine_event(engine_id, EngineEvent::Removed).is_ok() {
+                // Forget removed engines entirely; their operation records keep their ids.
+                inner.forget_engine(engine_id);
+            }
         });
         exit
     }
@@ -740,10 +718,7 @@ impl Manager {
     /// so the operator sees it).
     pub async fn fail_engine(&self, engine_id: &str, error: &str) {
         let process = self.fleet.update(|inner| {
-            if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.record.last_error = Some(error.to_string());
-            }
-            let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+            inner.fail_engine(engine_id, Some(error.to_string()));
             inner.engines.get(engine_id).and_then(|e| e.process.clone())
         });
         if let Some(p) = process {

@@ -107,6 +107,24 @@ pub struct ScaleInRecord {
     pub history: Vec<Transition>,
 }
 
+/// For an edge the caller has already checked (a fresh record, a state it just read under the
+/// same lock): a refusal is a bug in that check. It is logged at error level, and fails debug
+/// builds (the tests), rather than crashing a running manager.
+pub fn checked<T>(result: Result<T, IllegalTransition>) {
+    if let Err(e) = result {
+        tracing::error!(error = %e, "a transition the caller checked was refused");
+        debug_assert!(false, "{e}");
+    }
+}
+
+/// Like [`checked`], for the one-operation lock taken after a check under the same lock.
+pub fn checked_op(result: Result<(), RunningOp>) {
+    if let Err(held) = result {
+        tracing::error!(kind = held.kind, request_id = %held.request_id, "the one-operation lock was taken after a check said it was free");
+        debug_assert!(false, "one-operation lock already held by {}", held.request_id);
+    }
+}
+
 impl ScaleOutRecord {
     pub fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
         let next = self.status.on(event)?;
@@ -378,7 +396,7 @@ impl WeightsState {
     pub fn fail_running(&mut self, why: &str) {
         if let Some(u) = self.running_update_mut() {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
-            let _ = u.apply(WeightUpdateEvent::Fail);
+            checked(u.apply(WeightUpdateEvent::Fail));
         }
         self.running = None;
     }

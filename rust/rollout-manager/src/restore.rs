@@ -30,26 +30,18 @@
 //!   absent so the shim releases them.
 
 use crate::engine_host::Location;
-use crate::fleet::{Engine, EngineLoad};
 use crate::host::process_start_ticks;
 use crate::manager::Manager;
 use crate::store::Snapshot;
 use crate::weight_update::TurnEngine;
+use rollout_core::restore::{self as plan, MidTurn};
 use rollout_core::weights::EngineUpdateStatus;
-use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus, ScaleOutEvent};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Phase, ScaleOutEvent};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::records::RESTARTING;
-
-/// What happens to one stored engine.
-enum Fate {
-    /// Keep it: re-adopt its live process, or start it again.
-    Keep,
-    /// It was being removed or rolled back: make sure its process is gone.
-    Drop,
-}
 
 pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     // Re-attach to live keepers first, so nothing adoptable gets killed below.
@@ -98,11 +90,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
             Some(p) => {
                 // Caught mid-turn: its turn is the resumed update's (or, when the update cannot
                 // resume, it is restarted: a load sent before the crash may still change it).
-                let turn = match (mid_turn.contains(&id), resumed.is_some()) {
-                    (false, _) => MidTurn::No,
-                    (true, true) => MidTurn::HandOver,
-                    (true, false) => MidTurn::Restart,
-                };
+                let turn = plan::mid_turn(mid_turn.contains(&id), resumed.is_some());
                 readopts.push(manager.tasks.spawn(async move { readopt(&m, &id, p, turn).await }));
             }
             None => {
@@ -127,18 +115,6 @@ struct Rebuilt {
     mid_turn: HashSet<String>,
 }
 
-/// How a re-adopted engine returns, given the update that was in flight.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum MidTurn {
-    /// Not caught mid-turn: checked and taken back on the version it serves (current or target).
-    No,
-    /// Caught mid-turn, and the update resumes: once healthy it waits in WEIGHT_SYNCING for its
-    /// turn in the resumed update.
-    HandOver,
-    /// Caught mid-turn, and the update cannot resume: restarted on the current version.
-    Restart,
-}
-
 type Keep = Vec<(String, Option<crate::host::EngineProcess>)>;
 type DropLive = Vec<(String, crate::host::EngineProcess)>;
 
@@ -152,15 +128,17 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
         for p in &snapshot.placements {
             inner.placements.insert(p.engine_id.clone(), p.clone());
         }
-        // Past every revision a shim may have seen before the restart.
-        inner.placement_revision = snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1;
+        // Past every id and every revision a shim may have seen before the restart.
         if let Some(meta) = &snapshot.meta {
             if snapshot.weights.is_none() {
                 // A store written before weights had their own record.
                 inner.weights = crate::records::WeightsState::new(&meta.weight_version);
             }
-            inner.next_seq = meta.next_seq;
         }
+        inner.continue_after(
+            snapshot.meta.as_ref().map_or(0, |m| m.next_seq),
+            snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1,
+        );
         if let Some(weights) = &snapshot.weights {
             inner.weights = weights.clone();
             resumed = inner.weights.resume_after_restart();
@@ -179,31 +157,37 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
                 );
             }
         }
-        inner.next_seq = inner.next_seq.max(snapshot.engines.iter().map(|e| e.seq + 1).max().unwrap_or(0));
 
         let mut rolled_back: HashSet<String> = HashSet::new();
         let mut scale_in_victims: HashSet<String> = HashSet::new();
         for mut op in snapshot.scale_outs.clone() {
             if !op.status.is_terminal() {
-                let is_active = |id: &String| {
-                    snapshot.engines.iter().any(|e| &e.record.engine_id == id && e.record.status == EngineStatus::Active)
+                let is_active = |id: &str| {
+                    snapshot.engines.iter().any(|e| e.record.engine_id == id && e.record.status == EngineStatus::Active)
                 };
-                let (activated, pending): (Vec<String>, Vec<String>) = op.engine_ids.iter().cloned().partition(is_active);
-                if !activated.is_empty() && pending.is_empty() {
-                    crate::scale_out::advance_to(&mut op, 3);
-                    op.message = format!("{} (completed after a manager restart)", op.message);
-                    let _ = op.apply(ScaleOutEvent::Activated);
-                } else {
-                    let kept = if activated.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; the engines it had activated were kept: {}", activated.join(", "))
-                    };
-                    op.error_message = Some(format!(
-                        "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
-                    ));
-                    rolled_back.extend(pending);
-                    let _ = op.apply(ScaleOutEvent::Fail);
+                let (ending, event) = match plan::interrupted_scale_out(&op.engine_ids, is_active) {
+                    plan::InterruptedScaleOut::Complete => {
+                        crate::scale_out::advance_to(&mut op, Phase::Ready);
+                        op.message = format!("{} (completed after a manager restart)", op.message);
+                        ("completed", ScaleOutEvent::Activated)
+                    }
+                    plan::InterruptedScaleOut::Fail { kept, rolled_back: pending } => {
+                        let kept = if kept.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; the engines it had activated were kept: {}", kept.join(", "))
+                        };
+                        op.error_message = Some(format!(
+                            "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
+                        ));
+                        rolled_back.extend(pending);
+                        ("failed", ScaleOutEvent::Fail)
+                    }
+                };
+                if let Err(e) = op.apply(event) {
+                    // A PENDING operation (still waiting for its placements) cannot complete.
+                    tracing::warn!(request_id = %op.request_id, error = %e, ending, "interrupted scale-out");
+                    crate::records::checked(op.apply(ScaleOutEvent::Fail));
                 }
             }
             inner.scale_outs.insert(op.request_id.clone(), op);
@@ -211,15 +195,11 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
         for mut op in snapshot.scale_ins.clone() {
             if !op.status.is_terminal() {
                 scale_in_victims.extend(op.engine_ids.iter().cloned());
-                if op.status == ScaleInStatus::Pending {
-                    let _ = op.apply(ScaleInEvent::StartDraining);
-                }
-                if op.status == ScaleInStatus::Draining {
-                    let _ = op.apply(ScaleInEvent::Drained);
-                }
                 op.removed_engines = op.engine_ids.clone();
                 op.message = format!("{} (completed after a manager restart)", op.message);
-                let _ = op.apply(ScaleInEvent::Removed);
+                for event in op.status.events_to_complete() {
+                    crate::records::checked(op.apply(event));
+                }
             }
             inner.scale_ins.insert(op.request_id.clone(), op);
         }
@@ -228,73 +208,63 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
             let mut record = stored.record;
             let id = record.engine_id.clone();
             let live = adopted.iter().find(|(a, _)| a == &id).map(|(_, p)| p.clone());
-            let initial = record.origin == EngineOrigin::Initial;
-            let fate = if scale_in_victims.contains(&id)
-                || (rolled_back.contains(&id) && !initial)
-                || matches!(record.status, EngineStatus::Removing | EngineStatus::Removed)
-                || (record.status == EngineStatus::Draining && !initial)
-            {
-                Fate::Drop
-            } else {
-                Fate::Keep
-            };
+            let fate = plan::fate(plan::StoredEngine {
+                status: record.status,
+                origin: record.origin,
+                live: live.is_some(),
+                scale_in_victim: scale_in_victims.contains(&id),
+                rolled_back: rolled_back.contains(&id),
+            });
             if live.is_none() && record.origin != EngineOrigin::External && !ray {
                 // Not adoptable: a process still running under the recorded identity is ours.
                 if let (Some(pid), Some(ticks)) = (record.pid, stored.pid_start_ticks) {
                     if process_start_ticks(pid) == Some(ticks) {
                         tracing::warn!(engine_id = %id, pid, "a recorded engine process still runs; stopping it");
-                        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+                        if let Err(e) = nix::sys::signal::killpg(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGKILL,
+                        ) {
+                            tracing::warn!(engine_id = %id, pid, error = %e, "could not stop the recorded engine process");
+                        }
                     }
                 }
             }
-            if let Fate::Drop = fate {
-                tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
-                if let Some(p) = live {
-                    drop_live.push((id, p));
-                }
-                continue;
-            }
             record.in_flight = 0;
             record.is_healthy = false;
-            if record.origin == EngineOrigin::External {
-                record.pid = None;
-                record.status = EngineStatus::Unhealthy;
-                record.last_error = Some("manager restarted; waiting for a passing health probe".into());
-            } else {
-                if ray {
-                    // Ray owns the GPUs; the agent owns the port.
-                } else if let Err(e) = inner.gpus.claim(&record.gpu_ids) {
-                    tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
+            if let Some(status) = fate.restored_status() {
+                record.status = status;
+            }
+            match fate {
+                plan::Fate::Drop => {
+                    tracing::info!(engine_id = %id, "dropping engine after restart");
                     if let Some(p) = live {
                         drop_live.push((id, p));
                     }
                     continue;
                 }
-                if let Some(port) = rollout_core::EngineAddr::port_of(&record.url).filter(|_| !ray) {
-                    inner.ports_in_use.insert(port);
-                }
-                if live.is_some() {
-                    record.status = EngineStatus::HealthChecking;
-                    record.last_error = None;
-                } else {
+                plan::Fate::Watch => {
                     record.pid = None;
-                    record.status = EngineStatus::Failed;
+                    record.last_error = Some("manager restarted; waiting for a passing health probe".into());
+                }
+                plan::Fate::Adopt => record.last_error = None,
+                plan::Fate::Restart => {
+                    record.pid = None;
                     record.last_error = Some(RESTARTING.into());
                 }
-                keep.push((id.clone(), live.clone()));
             }
-            let engine = Engine {
-                seq: stored.seq,
-                record,
-                pid_start_ticks: live.as_ref().and_then(|p| p.start_ticks),
-                process: live,
-                load: Arc::new(EngineLoad::with_slot_notify(
-                    (manager.config.max_inflight_per_engine > 0).then(|| inner.slot_freed.clone()),
-                )),
-                probe_failures: 0,
-                keeper_socket: stored.keeper_socket,
-            };
-            inner.engines.insert(id, engine);
+            // Local managed engines take back their GPUs and port; in Ray mode Ray owns the GPUs
+            // and the agent the port.
+            let claim = !ray && fate != plan::Fate::Watch;
+            match inner.restore_engine(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
+                Ok(()) if fate == plan::Fate::Watch => {}
+                Ok(()) => keep.push((id, live)),
+                Err(e) => {
+                    tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
+                    if let Some(p) = live {
+                        drop_live.push((id, p));
+                    }
+                }
+            }
         }
         // Placements whose engine is gone (removed, rolled back) are released by the shim.
         let orphans: Vec<String> =
@@ -365,10 +335,7 @@ async fn readopt(
             };
             tracing::warn!(engine_id, error = %why, "re-adopted engine is not usable; restarting it");
             manager.fleet.update(|inner| {
-                if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.last_error = Some(format!("after restart: {why}"));
-                }
-                let _ = inner.engine_event(engine_id, EngineEvent::Fail);
+                inner.fail_engine(engine_id, Some(format!("after restart: {why}")));
             });
             process.stop(manager.shutdown_grace()).await;
             let m = manager.clone();

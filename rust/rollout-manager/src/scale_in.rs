@@ -49,7 +49,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     }
     let request_id = uuid::Uuid::new_v4().to_string();
     let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), ApiError> {
-        if let Some(running) = &inner.running {
+        if let Some(running) = inner.running_op() {
             return Err(ApiError::conflict(
                 "operation_in_progress",
                 format!(
@@ -120,7 +120,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             history: vec![Transition { status: "PENDING".into(), at: now }],
         };
         if victims.is_empty() {
-            let _ = record.apply(ScaleInEvent::Noop);
+            crate::records::checked(record.apply(ScaleInEvent::Noop));
             record.message = format!("fleet already has {target} engines or fewer; nothing to remove");
             let answer = Accepted {
                 request_id: request_id.clone(),
@@ -135,10 +135,10 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         for id in &victims {
             let status = inner.engines.get(id).map(|e| e.record.status);
             if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
-                let _ = inner.engine_event(id, EngineEvent::Drain);
+                crate::records::checked(inner.engine_event(id, EngineEvent::Drain));
             }
         }
-        let _ = record.apply(ScaleInEvent::StartDraining);
+        crate::records::checked(record.apply(ScaleInEvent::StartDraining));
         record.message = format!("scale-in accepted: removing {}", victims.join(", "));
         let answer = Accepted {
             request_id: request_id.clone(),
@@ -146,7 +146,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             message: record.message.clone(),
         };
         inner.scale_ins.insert(request_id.clone(), record);
-        inner.running = Some(RunningOp { kind: "scale_in", request_id: request_id.clone() });
+        crate::records::checked_op(inner.begin_op(RunningOp { kind: "scale_in", request_id: request_id.clone() }));
         Ok((ScaleInAnswer::Accepted(answer), Some(victims)))
     })?;
     let (answer, plan) = result;
@@ -195,7 +195,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     }
     manager.fleet.update(|inner| {
         if let Some(r) = inner.scale_ins.get_mut(request_id) {
-            let _ = r.apply(ScaleInEvent::Drained);
+            crate::records::checked(r.apply(ScaleInEvent::Drained));
         }
     });
     // REMOVING: stop processes and release resources. Partial success: what was removed stays
@@ -211,11 +211,9 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
                 tracing::info!(engine_id = %id, exit = ?exit, "engine removed");
                 r.removed_engines.push(id.clone());
             }
-            let _ = r.apply(ScaleInEvent::Removed);
+            crate::records::checked(r.apply(ScaleInEvent::Removed));
         }
-        if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
-            inner.running = None;
-        }
+        inner.end_op(request_id);
         // Sanity: a victim must be gone now.
         for id in &victims {
             if let Some(e) = inner.engines.get(id) {

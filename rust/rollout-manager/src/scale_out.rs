@@ -18,48 +18,24 @@ use crate::engine_api::EngineError;
 use crate::manager::Manager;
 use crate::records::FailedEngine;
 use futures::stream::{FuturesUnordered, StreamExt};
-use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use rollout_core::scale_out::{self as settle, End};
+use rollout_core::{
+    EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, Phase, ScaleOutEvent, ScaleOutStatus,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// How far an engine (or the operation) has come, for "the slowest engine" bookkeeping.
-fn engine_rank(s: EngineStatus) -> Option<u8> {
-    match s {
-        EngineStatus::Pending | EngineStatus::Creating => Some(0),
-        EngineStatus::HealthChecking => Some(1),
-        EngineStatus::WeightSyncing => Some(2),
-        EngineStatus::Ready | EngineStatus::Active => Some(3),
-        _ => None,
-    }
-}
-
-fn op_rank(s: ScaleOutStatus) -> Option<u8> {
-    match s {
-        ScaleOutStatus::Pending => None,
-        ScaleOutStatus::Creating | ScaleOutStatus::Connecting => Some(0),
-        ScaleOutStatus::HealthChecking => Some(1),
-        ScaleOutStatus::WeightSyncing => Some(2),
-        _ => Some(3),
-    }
-}
-
 /// Phase of the slowest engine still in the race.
-fn slowest(inner: &crate::fleet::FleetInner, racing: &[String]) -> Option<u8> {
-    racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| engine_rank(e.record.status))).min()
+fn slowest(inner: &crate::fleet::FleetInner, racing: &[String]) -> Option<Phase> {
+    racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| Phase::of_engine(e.record.status))).min()
 }
 
-/// Applies the operation's forward events until it has reached phase `target`.
-pub(crate) fn advance_to(op: &mut crate::records::ScaleOutRecord, target: u8) {
-    while op_rank(op.status).is_some_and(|r| r < target) {
-        let event = match op.status {
-            ScaleOutStatus::Creating | ScaleOutStatus::Connecting => ScaleOutEvent::Launched,
-            ScaleOutStatus::HealthChecking => ScaleOutEvent::Healthy,
-            _ => ScaleOutEvent::WeightsSynced,
-        };
-        if op.apply(event).is_err() {
-            return;
-        }
+/// Applies the operation's forward events until it has reached `phase` (see
+/// [`ScaleOutStatus::events_to`]).
+pub(crate) fn advance_to(op: &mut crate::records::ScaleOutRecord, phase: Phase) {
+    for event in op.status.events_to(phase) {
+        crate::records::checked(op.apply(event));
     }
 }
 
@@ -75,7 +51,7 @@ fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start:
     let behind = {
         let inner = manager.fleet.lock();
         let status = inner.scale_outs.get(request_id).map(|op| op.status);
-        let current = status.and_then(op_rank);
+        let current = status.and_then(ScaleOutStatus::phase);
         let placed = status == Some(ScaleOutStatus::Pending) && !any_pending(&inner, racing);
         placed || matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
     };
@@ -84,7 +60,7 @@ fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start:
             let pending = any_pending(inner, racing);
             if let Some(op) = inner.scale_outs.get_mut(request_id).filter(|op| op.status == ScaleOutStatus::Pending) {
                 if !pending {
-                    let _ = op.apply(start);
+                    crate::records::checked(op.apply(start));
                 }
             }
             if let Some(target) = slowest(inner, racing) {
@@ -116,16 +92,6 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
 /// Most external engines one scale-out brings up (connects, probes, checks) at the same time.
 const EXTERNAL_BRING_UPS: usize = 64;
 
-enum End {
-    /// Every pipeline finished (some may have failed).
-    Done,
-    TimedOut,
-    Cancelled,
-    ShuttingDown,
-    /// A failure under rollback_all.
-    RollBack,
-}
-
 pub async fn run(
     manager: &Arc<Manager>,
     request_id: &str,
@@ -149,8 +115,9 @@ pub async fn run(
                     "{}; waiting for resources (PENDING_RESOURCES): the Ray shim places each engine and binds its agent",
                     op.message
                 );
-            } else {
-                let _ = op.apply(start);
+            } else if let Err(e) = op.apply(start) {
+                // Cancelled before it started.
+                tracing::info!(request_id, error = %e, "scale-out not started");
             }
         }
     });
@@ -192,7 +159,7 @@ pub async fn run(
                         racing.retain(|r| r != &id);
                         failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
                         if policy == PartialSuccessPolicy::RollbackAll {
-                            break End::RollBack;
+                            break End::RolledBack;
                         }
                     }
                     follow_slowest(manager, request_id, &racing, start);
@@ -216,11 +183,7 @@ pub async fn run(
     // Decide and activate in one registry update, so an engine that died after READY is seen:
     // under rollback_all every engine must still be READY, under keep_partial each READY one
     // is kept and the others are recorded as failed.
-    let may_keep = match end {
-        End::Done => policy == PartialSuccessPolicy::KeepPartial || failed.is_empty(),
-        End::TimedOut => policy == PartialSuccessPolicy::KeepPartial,
-        _ => false,
-    };
+    let may_keep = settle::may_keep(end, policy, !failed.is_empty());
     let (keep, concluded) = manager.fleet.update(|inner| {
         if !may_keep {
             return (Vec::new(), false);
@@ -234,11 +197,11 @@ pub async fn run(
             let url = inner.engines.get(id).map(|e| e.record.url.clone()).unwrap_or_default();
             failed.push(FailedEngine { engine_id: id.clone(), url, error: "failed after it was ready".into() });
         }
-        if ready.is_empty() || (!lost.is_empty() && policy == PartialSuccessPolicy::RollbackAll) {
+        if !settle::activate(policy, ready.len(), lost.len()) {
             return (Vec::new(), false);
         }
         for id in &ready {
-            let _ = inner.engine_event(id, EngineEvent::Activated);
+            crate::records::checked(inner.engine_event(id, EngineEvent::Activated));
         }
         // Every engine made it: the operation ends in the same update, so nobody sees the new
         // engines ACTIVE while the operation still holds the one-operation lock.
@@ -261,24 +224,18 @@ pub async fn run(
         .collect();
     futures::future::join_all(doomed.iter().map(|(id, why)| cleanup(manager, id, initial, why))).await;
 
-    let (event, message) = match end {
-        End::Cancelled => {
-            (ScaleOutEvent::Cancel, Some("cancelled by request; created engines were stopped".to_string()))
-        }
-        End::ShuttingDown => {
-            (ScaleOutEvent::Fail, Some("the manager shut down; created engines were stopped".to_string()))
-        }
-        _ if keep.is_empty() => {
+    let event = settle::last_event(end, !keep.is_empty());
+    let message = match (end, event) {
+        (End::Cancelled, _) => Some("cancelled by request; created engines were stopped".to_string()),
+        (End::ShuttingDown, _) => Some("the manager shut down; created engines were stopped".to_string()),
+        (_, ScaleOutEvent::Activated) => (!failed.is_empty())
+            .then(|| format!("{} of {} engines failed and were removed (keep_partial)", failed.len(), ids.len())),
+        _ => {
             let why = match end {
                 End::TimedOut => format!("timed out after {timeout:?}"),
                 _ => failed.iter().map(|f| format!("{}: {}", f.engine_id, f.error)).collect::<Vec<_>>().join("; "),
             };
-            (ScaleOutEvent::Fail, Some(format!("{why}; created engines were rolled back")))
-        }
-        _ => {
-            let note = (!failed.is_empty())
-                .then(|| format!("{} of {} engines failed and were removed (keep_partial)", failed.len(), ids.len()));
-            (ScaleOutEvent::Activated, note)
+            Some(format!("{why}; created engines were rolled back"))
         }
     };
     if !concluded {
@@ -306,19 +263,17 @@ fn conclude(
         op.failed_engines = failed.to_vec();
         op.error_message = message;
         if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
-            let _ = op.apply(start);
+            crate::records::checked(op.apply(start));
         }
         if event == ScaleOutEvent::Activated {
             // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
-            advance_to(op, 3);
+            advance_to(op, Phase::Ready);
         }
         if let Err(e) = op.apply(event) {
             tracing::error!(%e, "scale_out");
         }
     }
-    if inner.running.as_ref().is_some_and(|r| r.request_id == request_id) {
-        inner.running = None;
-    }
+    inner.end_op(request_id);
 }
 
 /// Initial engines stay listed as FAILED; dynamic and external ones are removed.

@@ -199,14 +199,14 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
     let request_id = uuid::Uuid::new_v4().to_string();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
     let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, ApiError> {
-        if let Some(running) = &inner.running {
+        if let Some(running) = inner.running_op() {
             return Err(busy(running));
         }
         let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let current = inner.live_count();
         if target <= current {
-            let _ = record.apply(ScaleOutEvent::Noop);
+            crate::records::checked(record.apply(ScaleOutEvent::Noop));
             record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
             let accepted = Accepted { request_id: request_id.clone(), status: crate::scaling::AcceptedStatus::Noop, message: record.message.clone() };
             inner.scale_outs.insert(request_id.clone(), record);
@@ -214,13 +214,13 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         }
         let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
         // In Ray mode the cluster's capacity decides: engines wait in PENDING_RESOURCES.
-        if !manager.ray() && needed > inner.gpus.free() {
+        if !manager.ray() && needed > inner.free_gpus() {
             return Err(ApiError::bad_request(
                 "insufficient_gpus",
                 format!(
                     "scaling to {target} engines needs {needed} more GPUs but {} of {} are free; ask for fewer replicas or start the manager with a larger --gpus",
-                    inner.gpus.free(),
-                    inner.gpus.total()
+                    inner.free_gpus(),
+                    inner.total_gpus()
                 ),
             ));
         }
@@ -230,7 +230,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
         let accepted = Accepted { request_id: request_id.clone(), status: crate::scaling::AcceptedStatus::Pending, message: record.message.clone() };
         inner.scale_outs.insert(request_id.clone(), record);
-        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        crate::records::checked_op(inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }));
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = plan {
@@ -334,7 +334,7 @@ fn attach_external(
     }
     let request_id = uuid::Uuid::new_v4().to_string();
     let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, ApiError> {
-        if let Some(running) = &inner.running {
+        if let Some(running) = inner.running_op() {
             return Err(busy(running));
         }
         let version = inner.weights.current.version.clone();
@@ -350,7 +350,7 @@ fn attach_external(
         let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
         let skipped = urls.len() - fresh.len();
         if fresh.is_empty() {
-            let _ = record.apply(ScaleOutEvent::Noop);
+            crate::records::checked(record.apply(ScaleOutEvent::Noop));
             record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
             let accepted = Accepted {
                 request_id: request_id.clone(),
@@ -384,7 +384,7 @@ fn attach_external(
             message: record.message.clone(),
         };
         inner.scale_outs.insert(request_id.clone(), record);
-        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        crate::records::checked_op(inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }));
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = ids {
@@ -407,12 +407,8 @@ fn reserve(
             Ok(id) => ids.push(id),
             Err(e) => {
                 for id in &ids {
-                    if let Some(engine) = inner.engines.remove(id) {
-                        let _ = inner.gpus.release(&engine.record.gpu_ids);
-                        if let Some(port) = rollout_core::EngineAddr::port_of(&engine.record.url) {
-                            inner.ports_in_use.remove(&port);
-                        }
-                    }
+                    inner.forget_engine(id);
+                    inner.placements.remove(id);
                 }
                 return Err(e);
             }
@@ -438,11 +434,14 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
         let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
+        if let Some(held) = inner.running_op() {
+            return Err(format!("{} {} is already running", held.kind, held.request_id));
+        }
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
         record.engine_ids = ids.clone();
         record.message = format!("initial fleet of {n} engines");
         inner.scale_outs.insert(request_id.clone(), record);
-        inner.running = Some(RunningOp { kind: "scale_out", request_id: request_id.clone() });
+        crate::records::checked_op(inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }));
         Ok(ids)
     })?;
     let timeout = Duration::from_secs_f64(manager.config.scale_out_timeout);
@@ -485,17 +484,15 @@ impl Drop for OpGuard {
             let mut engines = Vec::new();
             if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
                 op.error_message = Some(why.clone());
-                let _ = op.apply(ScaleOutEvent::Fail);
+                crate::records::checked(op.apply(ScaleOutEvent::Fail));
                 engines = op.engine_ids.clone();
             }
             if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
                 op.error_message = Some(why.clone());
-                let _ = op.apply(rollout_core::ScaleInEvent::Fail);
+                crate::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
                 engines = op.engine_ids.clone();
             }
-            if inner.running.as_ref().is_some_and(|r| r.request_id == id) {
-                inner.running = None;
-            }
+            inner.end_op(id);
             engines.retain(|e| {
                 inner.engines.get(e).is_some_and(|en| en.record.status != rollout_core::EngineStatus::Active)
             });

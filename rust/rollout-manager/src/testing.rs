@@ -227,6 +227,40 @@ impl EngineApi for FakeEngines {
 /// A manager on `engines` with `gpus` GPUs, one per engine, and `flags` on top (as on the
 /// command line). No store, no ports served.
 pub fn manager(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str]) -> Arc<Manager> {
+    let mut config = config(gpus, flags);
+    config.state_dir = std::env::temp_dir().join(format!("rollout-unit-{}", uuid::Uuid::new_v4()));
+    build(engines, config, None)
+}
+
+/// A manager with its registry in a store under `state_dir`, as with `--state-dir`: a fresh
+/// store starts empty; one a previous manager left is restored from, as the server does at
+/// start-up ([`crate::restore::restore`]).
+pub async fn manager_on_store(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str], state_dir: &Path) -> Arc<Manager> {
+    let mut config = config(gpus, flags);
+    config.state_dir = state_dir.to_path_buf();
+    let store = crate::store::Store::open(state_dir).expect("the store opens");
+    let snapshot = store.load().expect("the store reads");
+    let m = build(engines, config, Some(store));
+    if !snapshot.is_empty() {
+        crate::restore::restore(&m, snapshot).await;
+    }
+    m
+}
+
+/// A runtime of its own for one life of a manager; dropping it ends every task the manager had
+/// and lets go of the manager and its store.
+pub fn one_life() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("a runtime")
+}
+
+/// What a `kill -9` of the manager leaves in its `--state-dir` right now: a copy of the store
+/// (every registry change is durable once its update returns), in `into`. Unlike ending the
+/// manager's runtime, no destructor or shutdown path gets to write anything more.
+pub fn crash_copy(state_dir: &Path, into: &Path) {
+    std::fs::copy(state_dir.join("fleet.redb"), into.join("fleet.redb")).expect("the store copies");
+}
+
+fn config(gpus: u32, flags: &[&str]) -> ServeConfig {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -235,11 +269,13 @@ pub fn manager(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str]) -> Arc<Man
     let gpus = format!("--gpus={gpus}");
     let mut argv = vec!["rollout-manager", "--model-path", MODEL, gpus.as_str(), "--rollout-num-gpus=0"];
     argv.extend_from_slice(flags);
-    let mut config = Cli::try_parse_from(argv).expect("test flags parse").serve;
-    config.state_dir = std::env::temp_dir().join(format!("rollout-unit-{}", uuid::Uuid::new_v4()));
+    Cli::try_parse_from(argv).expect("test flags parse").serve
+}
+
+fn build(engines: &Arc<FakeEngines>, config: ServeConfig, store: Option<crate::store::Store>) -> Arc<Manager> {
     let launcher = EngineLauncher::resolve(EngineKind::Sim, Some(Path::new("/bin/true"))).expect("/bin/true runs");
     let seams: (Arc<dyn EngineApi>, Arc<dyn EngineHost>) = (engines.clone(), engines.clone());
-    Manager::with_seams(config, launcher, None, None, None, Some(seams)).expect("the manager builds")
+    Manager::with_seams(config, launcher, store, None, None, Some(seams)).expect("the manager builds")
 }
 
 /// Waits (up to 10 s, on the registry's change signal) until `done` holds for the registry.

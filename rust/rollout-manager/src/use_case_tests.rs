@@ -3,9 +3,26 @@
 //! processes and HTTP calls behind the seams. Each test waits on registry changes, not sleeps.
 
 use crate::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
-use crate::testing::{manager, wait_for, FakeEngines};
+use crate::testing::{crash_copy, manager, manager_on_store, one_life, wait_for, FakeEngines};
 use rollout_core::{EngineStatus, ScaleInStatus, ScaleOutStatus};
 use std::sync::Arc;
+
+/// A directory removed when the test ends.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("rollout-unit-store-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("a temp dir");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ignored = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 fn scale_out_request(n: i64) -> ScaleOutRequest {
     serde_json::from_value(serde_json::json!({ "num_replicas": n })).expect("a valid request")
@@ -35,7 +52,7 @@ async fn scale_out_brings_every_engine_to_active_and_into_routing() {
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 2);
     assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("default")), "{table:?}");
-    assert_eq!(m.fleet.lock().gpus.free(), 0);
+    assert_eq!(m.fleet.lock().free_gpus(), 0);
     assert_eq!(engines.running(), 2);
     // The operation went through every phase, in order.
     let history: Vec<String> =
@@ -59,7 +76,7 @@ async fn a_failing_launch_rolls_back_the_whole_scale_out_by_default() {
         assert!(op.failed_engines[0].error.contains("refused"), "{op:?}");
         // Nothing is left: no routable engine, every GPU and process given back.
         assert!(m.fleet.routes().backends.is_empty());
-        assert_eq!(inner.gpus.free(), 2);
+        assert_eq!(inner.free_gpus(), 2);
         assert_eq!(inner.live_count(), 0);
     }
     wait_for(&m, "the other engine's process to stop", |_| engines.running() == 0).await;
@@ -79,7 +96,7 @@ async fn keep_partial_activates_the_engines_that_came_up() {
     assert_eq!(op.failed_engines.iter().map(|f| f.engine_id.as_str()).collect::<Vec<_>>(), ["engine_0"]);
     assert!(op.error_message.is_some(), "{op:?}");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
-    assert_eq!(inner.gpus.free(), 1, "the failed engine's GPU is returned");
+    assert_eq!(inner.free_gpus(), 1, "the failed engine's GPU is returned");
 }
 
 #[tokio::test]
@@ -107,9 +124,9 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Cancelled));
     wait_for(&m, "every process stopped", |_| engines.running() == 0).await;
     let inner = m.fleet.lock();
-    assert_eq!(inner.gpus.free(), 2);
+    assert_eq!(inner.free_gpus(), 2);
     assert_eq!(inner.live_count(), 0);
-    assert!(inner.running.is_none(), "the one-operation lock is released");
+    assert!(inner.running_op().is_none(), "the one-operation lock is released");
 }
 
 #[tokio::test]
@@ -139,7 +156,7 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
         assert_eq!(inner.scale_ins[&op].status, ScaleInStatus::Completed);
         let gone = inner.engines.get("engine_1").is_none_or(|e| e.record.status == EngineStatus::Removed);
         assert!(gone, "engine_1 is removed");
-        assert_eq!(inner.gpus.free(), 1);
+        assert_eq!(inner.free_gpus(), 1);
     }
     assert!(!engines.calls().iter().any(|c| c.starts_with("abort")), "drained, so nothing aborted");
     wait_for(&m, "the process to stop", |_| engines.running() == 1).await;
@@ -160,7 +177,7 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
     assert_eq!(m.fleet.routes().backends.len(), 1);
     let launches = engines.calls().iter().filter(|c| *c == "launch engine_0").count();
     assert_eq!(launches, 2);
-    assert_eq!(m.fleet.lock().gpus.free(), 0, "the restart keeps its GPU");
+    assert_eq!(m.fleet.lock().free_gpus(), 0, "the restart keeps its GPU");
 }
 
 /// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
@@ -286,4 +303,73 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     let inner = m.fleet.lock();
     assert_eq!(inner.engines["engine_0"].probe_failures, 0);
     assert_eq!(inner.engines["engine_0"].record.status, EngineStatus::Active);
+}
+
+/// The manager is killed with two engines serving; a new one on the same `--state-dir` finds
+/// their processes gone (a fresh host) and starts both again on their GPUs, on the fleet's
+/// version, under the same ids; the finished scale-out keeps its history.
+#[test]
+fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
+    let dir = TempDir::new();
+    let before = Arc::new(FakeEngines::default());
+    let id = one_life().block_on(async {
+        let m = manager_on_store(&before, 2, &[], &dir.0).await;
+        let cancels = Arc::new(Cancels::default());
+        let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+        wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+        id
+    });
+    let crashed = TempDir::new();
+    crash_copy(&dir.0, &crashed.0);
+
+    let after = Arc::new(FakeEngines::default());
+    one_life().block_on(async {
+        let m = manager_on_store(&after, 2, &[], &crashed.0).await;
+        wait_for(&m, "both engines ACTIVE again", |i| count(i, EngineStatus::Active) == 2).await;
+        let inner = m.fleet.lock();
+        assert_eq!(inner.scale_outs[&id].status, ScaleOutStatus::Active);
+        assert_eq!(inner.free_gpus(), 0, "the restarted engines hold their GPUs again");
+        let mut launched = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect::<Vec<_>>();
+        launched.sort();
+        assert_eq!(launched, ["launch engine_0", "launch engine_1"]);
+        assert_eq!(m.fleet.routes().backends.len(), 2);
+    });
+}
+
+/// The manager is killed while a scale-out waits for an engine's health check. The new
+/// manager ends that operation FAILED, rolls its engine back (GPU returned, nothing launched)
+/// and keeps the engine an earlier operation had activated.
+#[test]
+fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
+    let (dir, crashed) = (TempDir::new(), TempDir::new());
+    let before = Arc::new(FakeEngines::default());
+    let second = one_life().block_on(async {
+        let m = manager_on_store(&before, 2, &[], &dir.0).await;
+        let cancels = Arc::new(Cancels::default());
+        let first = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+        wait_for(&m, "the first scale-out", |i| i.scale_outs.get(&first).is_some_and(|op| op.status.is_terminal()))
+            .await;
+        let (open, held) = before.hold_next_probe();
+        let waiting = held.notified();
+        let second = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+        waiting.await;
+        assert_eq!(m.fleet.lock().scale_outs[&second].status, ScaleOutStatus::HealthChecking);
+        crash_copy(&dir.0, &crashed.0);
+        drop(open);
+        second
+    });
+
+    let after = Arc::new(FakeEngines::default());
+    one_life().block_on(async {
+        let m = manager_on_store(&after, 2, &[], &crashed.0).await;
+        wait_for(&m, "the kept engine ACTIVE again", |i| count(i, EngineStatus::Active) == 1).await;
+        let inner = m.fleet.lock();
+        let op = &inner.scale_outs[&second];
+        assert_eq!(op.status, ScaleOutStatus::Failed);
+        assert!(op.error_message.as_deref().is_some_and(|e| e.contains("rolled back")), "{op:?}");
+        assert!(!inner.engines.contains_key("engine_1"), "the interrupted engine is rolled back");
+        assert_eq!(inner.free_gpus(), 1, "its GPU is free again");
+        let launched: Vec<String> = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect();
+        assert_eq!(launched, ["launch engine_0"]);
+    });
 }

@@ -111,7 +111,7 @@ async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngin
         if u.status.is_terminal() {
             return None;
         }
-        let _ = u.apply(WeightUpdateEvent::Start);
+        crate::records::checked(u.apply(WeightUpdateEvent::Start));
         let want = WeightVersion {
             version: u.version.clone(),
             path: Some(u.path.clone()),
@@ -310,10 +310,7 @@ async fn turn(
                 if left(inner) {
                     return None;
                 }
-                if let Some(en) = inner.engines.get_mut(id) {
-                    en.record.last_error = Some(format!("weight update to {} failed: {why}", want.version));
-                }
-                let _ = inner.engine_event(id, EngineEvent::Fail);
+                inner.fail_engine(id, Some(format!("weight update to {} failed: {why}", want.version)));
                 Some(inner.engines.get(id).and_then(|en| en.process.clone()))
             });
             match process {
@@ -348,7 +345,7 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
             u.engine(&id, EngineUpdateEvent::Skip, Some("left the fleet before its turn".into()));
         }
         u.message = format!("the fleet serves {}", u.version);
-        let _ = u.apply(WeightUpdateEvent::Commit);
+        crate::records::checked(u.apply(WeightUpdateEvent::Commit));
         w.current = WeightVersion { published_seq: w.next_seq, ..want.clone() };
         w.next_seq += 1;
         w.current_engine_path = Some(u.engine_path.clone());
@@ -380,7 +377,9 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
     let restart: Vec<(String, Option<crate::host::EngineProcess>)> = manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
-            let _ = u.apply(WeightUpdateEvent::Fail);
+            if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
+                tracing::info!(update_id, error = %e, "the update had already ended");
+            }
         }
         if inner.weights.running.as_deref() == Some(update_id) {
             inner.weights.running = None;
@@ -410,7 +409,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
                     && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
                 if on_failed {
                     e.record.last_error = Some(format!("serves {} from a failed update", want.version));
-                    let _ = inner.engine_event(&id, EngineEvent::ProbeFailed);
+                    crate::records::checked(inner.engine_event(&id, EngineEvent::ProbeFailed));
                 }
                 continue;
             }
@@ -421,7 +420,7 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
                 e.record.last_error =
                     Some(format!("serves {} from a failed update; restarting on {}", want.version, current.version));
                 let process = e.process.clone();
-                let _ = inner.engine_event(&id, EngineEvent::Fail);
+                crate::records::checked(inner.engine_event(&id, EngineEvent::Fail));
                 out.push((id, process));
             } else if failed_here {
                 out.push((id, None));

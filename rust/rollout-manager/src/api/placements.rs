@@ -44,7 +44,7 @@ struct ListQuery {
 fn snapshot(s: &ApiState) -> (u64, Value) {
     let inner = s.manager.fleet.lock();
     let placements: Vec<&rollout_core::Placement> = inner.placements.values().collect();
-    (inner.placement_revision, json!({ "revision": inner.placement_revision, "placements": placements }))
+    (inner.placement_revision(), json!({ "revision": inner.placement_revision(), "placements": placements }))
 }
 
 async fn list(
@@ -74,7 +74,7 @@ async fn list(
             () = tokio::time::sleep_until(deadline) => break,
             () = s.manager.shutdown.cancelled() => break,
         }
-        if s.manager.fleet.lock().placement_revision > after {
+        if s.manager.fleet.lock().placement_revision() > after {
             break;
         }
     }
@@ -172,7 +172,7 @@ async fn bind(
                 e.record.gpu_ids = req.gpu_ids.iter().filter_map(|g| g.parse().ok()).collect();
             }
             if inner.engines.get(&engine_id).is_some_and(|e| e.record.status == EngineStatus::Pending) {
-                let _ = inner.engine_event(&engine_id, EngineEvent::Bound);
+                crate::records::checked(inner.engine_event(&engine_id, EngineEvent::Bound));
             }
         }
         Ok::<_, ApiError>(outcome)

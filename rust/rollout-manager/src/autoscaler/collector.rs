@@ -42,9 +42,9 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
     // Room for more engines: what --max-engines allows and the free GPUs can hold (in Ray mode
     // the cluster decides: engines beyond its GPUs wait in PENDING_RESOURCES).
     let room =
-        if manager.ray() { u32::MAX } else { inner.gpus.free() / manager.config.rollout_num_gpus_per_engine.max(1) };
+        if manager.ray() { u32::MAX } else { inner.free_gpus() / manager.config.rollout_num_gpus_per_engine.max(1) };
     fleet.capacity_engines = manager.config.max_engines.min(fleet.live_engines.saturating_add(room));
-    fleet.operation_in_progress = inner.running.as_ref().map(|r| format!("{} {}", r.kind, r.request_id));
+    fleet.operation_in_progress = inner.running_op().map(|r| format!("{} {}", r.kind, r.request_id));
     (fleet, active)
 }
 
