@@ -431,14 +431,16 @@ impl FleetInner {
         Ok(to)
     }
 
-    /// Marks an engine FAILED if it can fail: `false` (and nothing changes) when it is unknown,
-    /// already FAILED, or on its way out (REMOVING, REMOVED), where a failure changes nothing.
+    /// Records `error` (when given) as the engine's last error and marks it FAILED if it can
+    /// fail: `false` (the status unchanged) when it is unknown, already FAILED, or on its way
+    /// out (REMOVING, REMOVED), where a failure changes nothing.
     pub fn fail_engine(&mut self, engine_id: &str, error: Option<String>) -> bool {
-        let Some(e) = self.engines.get_mut(engine_id).filter(|e| e.record.status.can_fail()) else {
-            return false;
-        };
+        let Some(e) = self.engines.get_mut(engine_id) else { return false };
         if error.is_some() {
             e.record.last_error = error;
+        }
+        if !e.record.status.can_fail() {
+            return false;
         }
         self.engine_event(engine_id, EngineEvent::Fail).is_ok()
     }

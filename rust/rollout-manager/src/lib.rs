@@ -22,6 +22,7 @@ pub mod integrations;
 pub mod keeper;
 pub mod launch;
 pub mod manager;
+pub mod op_error;
 pub mod records;
 pub mod restore;
 pub mod router;

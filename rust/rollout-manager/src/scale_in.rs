@@ -1,8 +1,8 @@
 //! Scale-in: choose victims (LIFO among dynamic engines, or by URL), drain, remove.
 //! See the module docs of [`crate::scaling`] for the flow and guarantees.
 
-use crate::error::ApiError;
 use crate::manager::Manager;
+use crate::op_error::OpError;
 use crate::records::{EngineRecord, RunningOp, ScaleInRecord, Transition};
 use crate::scaling::{Accepted, ScaleInRequest};
 use rollout_core::scale_in::Candidate;
@@ -19,9 +19,9 @@ pub enum ScaleInAnswer {
     DryRun { dry_run: bool, engines: Vec<EngineRecord>, message: String },
 }
 
-pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, ApiError> {
+pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, OpError> {
     if req.model_name != manager.config.model_name {
-        return Err(ApiError::bad_request(
+        return Err(OpError::invalid(
             "unknown_model",
             format!(
                 "model_name {:?} is not served here; this fleet serves {:?}",
@@ -32,14 +32,14 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     let target = crate::scaling::replicas(req.num_replicas, u32::MAX)?;
     let drain = crate::scaling::timeout(req.timeout_secs, manager.config.scale_in_drain_timeout)?;
     if target == 0 && req.engine_urls.is_empty() {
-        return Err(ApiError::bad_request(
+        return Err(OpError::invalid(
             "missing_target",
             "give num_replicas > 0 (engines to keep) or engine_urls (engines to remove)",
         ));
     }
     let initial = manager.config.initial_engines();
     if target > 0 && target < initial {
-        return Err(ApiError::bad_request(
+        return Err(OpError::invalid(
             "below_initial_engines",
             format!(
                 "num_replicas {} is below the {initial} initial engines, which cannot be scaled in; ask for at least {initial}",
@@ -48,9 +48,9 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         ));
     }
     let request_id = uuid::Uuid::new_v4().to_string();
-    let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), ApiError> {
+    let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), OpError> {
         if let Some(running) = inner.running_op() {
-            return Err(ApiError::conflict(
+            return Err(OpError::conflict(
                 "operation_in_progress",
                 format!(
                     "a {} operation is in progress (request_id {}); wait for it to finish or cancel it, then retry",
@@ -80,13 +80,13 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
                 let normal = crate::scaling::validate_engine_url(url)?;
                 let want = normal.as_str();
                 let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
-                    ApiError::bad_request(
+                    OpError::invalid(
                         "unknown_engine_url",
                         format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
                     )
                 })?;
                 if engine.record.origin == EngineOrigin::Initial {
-                    return Err(ApiError::bad_request(
+                    return Err(OpError::invalid(
                         "initial_engine_protected",
                         format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record.engine_id),
                     ));

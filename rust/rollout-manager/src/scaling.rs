@@ -15,9 +15,9 @@
 //! process, GPU or route behind (with the default `rollback_all` policy); initial engines are
 //! never scaled in.
 
-use crate::error::ApiError;
 use crate::fleet::FleetInner;
 use crate::manager::Manager;
+use crate::op_error::OpError;
 use crate::records::{RunningOp, ScaleOutRecord, Trigger};
 use rollout_core::{EngineOrigin, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
@@ -112,9 +112,9 @@ impl Cancels {
     }
 }
 
-fn check_model(manager: &Manager, model_name: &str) -> Result<(), ApiError> {
+fn check_model(manager: &Manager, model_name: &str) -> Result<(), OpError> {
     if model_name != manager.config.model_name {
-        return Err(ApiError::bad_request(
+        return Err(OpError::invalid(
             "unknown_model",
             format!("model_name {model_name:?} is not served here; this fleet serves {:?}", manager.config.model_name),
         ));
@@ -127,33 +127,33 @@ pub const MAX_TIMEOUT_SECS: f64 = 30.0 * 24.0 * 3600.0;
 
 /// The operation's deadline: `timeout_secs` if given (a positive number of seconds, at most
 /// [`MAX_TIMEOUT_SECS`]), else the flag's default. Checked before anything is reserved.
-pub fn timeout(requested: Option<f64>, default: f64) -> Result<Duration, ApiError> {
+pub fn timeout(requested: Option<f64>, default: f64) -> Result<Duration, OpError> {
     let secs = requested.unwrap_or(default);
     if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
-        return Err(ApiError::bad_request(
+        return Err(OpError::invalid(
             "invalid_timeout",
             format!("timeout_secs {secs} must be a positive number of seconds, at most {MAX_TIMEOUT_SECS}"),
         ));
     }
     Duration::try_from_secs_f64(secs)
-        .map_err(|e| ApiError::bad_request("invalid_timeout", format!("timeout_secs {secs}: {e}")))
+        .map_err(|e| OpError::invalid("invalid_timeout", format!("timeout_secs {secs}: {e}")))
 }
 
 /// `num_replicas` as a count: not negative, not beyond `--max-engines`.
-pub fn replicas(n: i64, max_engines: u32) -> Result<u32, ApiError> {
+pub fn replicas(n: i64, max_engines: u32) -> Result<u32, OpError> {
     if n < 0 {
-        return Err(ApiError::bad_request("invalid_num_replicas", format!("num_replicas {n} must be >= 0")));
+        return Err(OpError::invalid("invalid_num_replicas", format!("num_replicas {n} must be >= 0")));
     }
     u32::try_from(n).ok().filter(|v| *v <= max_engines).ok_or_else(|| {
-        ApiError::bad_request(
+        OpError::invalid(
             "above_max_engines",
             format!("num_replicas {n} is above --max-engines {max_engines}; ask for at most {max_engines}"),
         )
     })
 }
 
-fn busy(running: &RunningOp) -> ApiError {
-    ApiError::conflict(
+fn busy(running: &RunningOp) -> OpError {
+    OpError::conflict(
         "operation_in_progress",
         format!(
             "a {} operation is in progress (request_id {}); wait for it to finish or cancel it, then retry",
@@ -183,13 +183,13 @@ fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: Trigger, versi
 }
 
 /// Validates and records a scale-out, then starts it in the background.
-pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, OpError> {
     check_model(manager, &req.model_name)?;
     let deadline = timeout(req.timeout_secs, manager.config.scale_out_timeout)?;
     let target = replicas(req.num_replicas, manager.config.max_engines)?;
     if target == 0 {
         if req.engine_urls.is_empty() {
-            return Err(ApiError::bad_request(
+            return Err(OpError::invalid(
                 "missing_target",
                 "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
             ));
@@ -198,7 +198,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
     }
     let request_id = uuid::Uuid::new_v4().to_string();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
-    let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, ApiError> {
+    let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, OpError> {
         if let Some(running) = inner.running_op() {
             return Err(busy(running));
         }
@@ -215,7 +215,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
         // In Ray mode the cluster's capacity decides: engines wait in PENDING_RESOURCES.
         if !manager.ray() && needed > inner.free_gpus() {
-            return Err(ApiError::bad_request(
+            return Err(OpError::invalid(
                 "insufficient_gpus",
                 format!(
                     "scaling to {target} engines needs {needed} more GPUs but {} of {} are free; ask for fewer replicas or start the manager with a larger --gpus",
@@ -225,7 +225,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
             ));
         }
         let ids = reserve(manager, inner, target - current, EngineOrigin::Dynamic, &request_id)
-            .map_err(|e| ApiError::internal("reserve_failed", e))?;
+            .map_err(|e| OpError::internal("reserve_failed", e))?;
         record.engine_ids = ids.clone();
         record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
         let accepted = Accepted { request_id: request_id.clone(), status: crate::scaling::AcceptedStatus::Pending, message: record.message.clone() };
@@ -241,8 +241,8 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
 
 /// Checks an external engine URL: http(s), a host, no credentials, no path beyond `/`, no
 /// query. Returns it normalised (no trailing slash).
-pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
-    let bad = |why: &str| ApiError::bad_request("invalid_engine_url", format!("engine url {raw:?} {why}"));
+pub fn validate_engine_url(raw: &str) -> Result<String, OpError> {
+    let bad = |why: &str| OpError::invalid("invalid_engine_url", format!("engine url {raw:?} {why}"));
     let url = reqwest::Url::parse(raw.trim()).map_err(|e| bad(&format!("is not a URL ({e})")))?;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(bad("must use http or https"));
@@ -266,16 +266,15 @@ pub fn validate_engine_url(raw: &str) -> Result<String, ApiError> {
 /// an IP literal directly, a host name through every address it resolves to now (within 5 s).
 /// The engine is contacted later by name again, so a name whose records change after this
 /// check (DNS rebinding) is not covered; allow-list IP literals where that matters.
-pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> Result<(), ApiError> {
-    let allowed = manager.config.external_allow_list().map_err(|e| ApiError::internal("config", e.to_string()))?;
+pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> Result<(), OpError> {
+    let allowed = manager.config.external_allow_list().map_err(|e| OpError::internal("config", e.to_string()))?;
     if allowed.is_empty() {
         return Ok(());
     }
     let shown: Vec<String> = allowed.iter().map(ToString::to_string).collect();
     for raw in raw_urls {
         let url = validate_engine_url(raw)?;
-        let parsed =
-            reqwest::Url::parse(&url).map_err(|e| ApiError::bad_request("invalid_engine_url", e.to_string()))?;
+        let parsed = reqwest::Url::parse(&url).map_err(|e| OpError::invalid("invalid_engine_url", e.to_string()))?;
         let port = parsed.port_or_known_default().unwrap_or(80);
         let host = parsed.host_str().unwrap_or("");
         let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
@@ -286,13 +285,13 @@ pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> R
                 match tokio::time::timeout(Duration::from_secs(5), lookup).await {
                     Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
                     Ok(Err(e)) => {
-                        return Err(ApiError::bad_request(
+                        return Err(OpError::invalid(
                             "invalid_engine_url",
                             format!("engine url {raw:?}: cannot resolve {host:?} ({e}) to check it against --external-allow-cidr"),
                         ))
                     }
                     Err(_) => {
-                        return Err(ApiError::bad_request(
+                        return Err(OpError::invalid(
                             "invalid_engine_url",
                             format!("engine url {raw:?}: resolving {host:?} took over 5 s"),
                         ))
@@ -303,7 +302,7 @@ pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> R
         let outside: Vec<String> =
             addrs.iter().filter(|ip| !allowed.iter().any(|net| net.contains(**ip))).map(ToString::to_string).collect();
         if addrs.is_empty() || !outside.is_empty() {
-            return Err(ApiError::bad_request(
+            return Err(OpError::invalid(
                 "engine_url_not_allowed",
                 format!(
                     "engine url {raw:?} points to {} outside the networks of --external-allow-cidr ({}); attach engines \
@@ -324,7 +323,7 @@ fn attach_external(
     cancels: &Arc<Cancels>,
     req: ScaleOutRequest,
     deadline: Duration,
-) -> Result<Accepted, ApiError> {
+) -> Result<Accepted, OpError> {
     let mut urls: Vec<String> = Vec::new();
     for raw in &req.engine_urls {
         let url = validate_engine_url(raw)?;
@@ -333,7 +332,7 @@ fn attach_external(
         }
     }
     let request_id = uuid::Uuid::new_v4().to_string();
-    let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, ApiError> {
+    let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, OpError> {
         if let Some(running) = inner.running_op() {
             return Err(busy(running));
         }
@@ -362,7 +361,7 @@ fn attach_external(
         }
         let max = manager.config.max_engines;
         if inner.live_count() + fresh.len() as u32 > max {
-            return Err(ApiError::bad_request(
+            return Err(OpError::invalid(
                 "above_max_engines",
                 format!(
                     "attaching {} engines would exceed --max-engines {max} (the fleet has {})",
@@ -514,19 +513,22 @@ impl Drop for OpGuard {
 }
 
 /// Cancels a running scale-out. Its task rolls back what it created.
-pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, ApiError> {
-    let record =
-        manager.fleet.lock().scale_outs.get(request_id).cloned().ok_or_else(|| {
-            ApiError::not_found("unknown_request", format!("no scale-out request with id {request_id}"))
-        })?;
+pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, OpError> {
+    let record = manager
+        .fleet
+        .lock()
+        .scale_outs
+        .get(request_id)
+        .cloned()
+        .ok_or_else(|| OpError::unknown("unknown_request", format!("no scale-out request with id {request_id}")))?;
     if record.status.is_terminal() {
-        return Err(ApiError::conflict(
+        return Err(OpError::conflict(
             "already_finished",
             format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
         ));
     }
     if record.trigger == Trigger::Initial {
-        return Err(ApiError::conflict(
+        return Err(OpError::conflict(
             "initial_bring_up",
             format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
         ));
@@ -534,7 +536,7 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
     match cancels.get(request_id) {
         Some(token) => token.cancel(),
         None => {
-            return Err(ApiError::conflict(
+            return Err(OpError::conflict(
                 "already_finished",
                 format!("scale-out {request_id} is finishing; nothing to cancel"),
             ))
@@ -562,13 +564,13 @@ pub fn cancel_many(
     manager: &Manager,
     cancels: &Cancels,
     req: &BatchCancelRequest,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<serde_json::Value, OpError> {
     let filter = match req.status_filter.as_deref() {
         None => None,
         Some(raw) => {
             let status: ScaleOutStatus = serde_json::from_value(serde_json::Value::String(raw.to_ascii_uppercase()))
                 .map_err(|_| {
-                    ApiError::bad_request(
+                    OpError::invalid(
                         "invalid_status_filter",
                         format!(
                             "status_filter {raw:?} is not a scale-out status (e.g. PENDING, CREATING, HEALTH_CHECKING)"
@@ -576,7 +578,7 @@ pub fn cancel_many(
                     )
                 })?;
             if status.is_terminal() {
-                return Err(ApiError::bad_request(
+                return Err(OpError::invalid(
                     "invalid_status_filter",
                     format!("status_filter {raw:?} is a terminal status; nothing in it can be cancelled"),
                 ));

@@ -111,7 +111,10 @@ async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngin
         if u.status.is_terminal() {
             return None;
         }
-        crate::records::checked(u.apply(WeightUpdateEvent::Start));
+        // A resumed update (after a manager restart) is already UPDATING.
+        if u.status == rollout_core::weights::WeightUpdateStatus::Pending {
+            crate::records::checked(u.apply(WeightUpdateEvent::Start));
+        }
         let want = WeightVersion {
             version: u.version.clone(),
             path: Some(u.path.clone()),
@@ -338,7 +341,9 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
             return false;
         }
         let w = &mut inner.weights;
-        let Some(u) = w.updates.get_mut(update_id) else { return false };
+        // Only a running update commits (one that failed meanwhile leaves the version alone).
+        let updating = rollout_core::weights::WeightUpdateStatus::Updating;
+        let Some(u) = w.updates.get_mut(update_id).filter(|u| u.status == updating) else { return false };
         let pending: Vec<String> =
             u.engines.iter().filter(|(_, e)| !e.status.is_terminal()).map(|(id, _)| id.clone()).collect();
         for id in pending {

@@ -128,7 +128,7 @@ async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection
     if req.num_replicas <= 0 {
         scaling::check_external_allowed(&s.manager, &req.engine_urls).await?;
     }
-    scaling::scale_out(&s.manager, &s.cancels, req).map(Json)
+    Ok(Json(scaling::scale_out(&s.manager, &s.cancels, req)?))
 }
 
 async fn scale_in(
@@ -136,7 +136,7 @@ async fn scale_in(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<ScaleInAnswer>, ApiError> {
     let req: ScaleInRequest = parse_body(&body)?;
-    scale_in::scale_in(&s.manager, req).map(Json)
+    Ok(Json(scale_in::scale_in(&s.manager, req)?))
 }
 
 #[derive(Deserialize)]
@@ -234,7 +234,7 @@ async fn cancel_scale_out(
 
 async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
-    scaling::cancel_many(&s.manager, &s.cancels, &req).map(Json)
+    Ok(Json(scaling::cancel_many(&s.manager, &s.cancels, &req)?))
 }
 
 /// The OpenAPI document of this API, kept beside the docs and checked by the tests.
@@ -251,4 +251,17 @@ async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
     let mut text = s.router_metrics.render(&s.manager.fleet.routes().backends);
     s.manager.fleet.render_metrics(&mut text);
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// A use case's refusal as HTTP: invalid 400, unknown 404, conflict 409, internal 500.
+impl From<crate::op_error::OpError> for ApiError {
+    fn from(e: crate::op_error::OpError) -> Self {
+        use crate::op_error::OpError as O;
+        match e {
+            O::Invalid { code, message } => Self::BadRequest { code, message },
+            O::Unknown { code, message } => Self::NotFound { code, message },
+            O::Conflict { code, message } => Self::Conflict { code, message },
+            O::Internal { code, message } => Self::Internal { code, message },
+        }
+    }
 }

@@ -14,8 +14,8 @@
 
 use super::collector::{fleet_state, Collector};
 use crate::clock::unix_now;
-use crate::error::ApiError;
 use crate::manager::Manager;
+use crate::op_error::OpError;
 use crate::scale_in::{self, ScaleInAnswer};
 use crate::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
 use rollout_core::autoscaler::{
@@ -411,7 +411,7 @@ impl Autoscaler {
             match scale_in::scale_in(&self.manager, req) {
                 Ok(ScaleInAnswer::Accepted(a)) => Ok(a),
                 Ok(ScaleInAnswer::DryRun { .. }) => {
-                    Err(ApiError::internal("unexpected_dry_run", "scale-in answered a dry run"))
+                    Err(OpError::internal("unexpected_dry_run", "scale-in answered a dry run"))
                 }
                 Err(e) => Err(e),
             }
@@ -453,7 +453,7 @@ impl Autoscaler {
                 tracing::warn!(action = name, code = e.code(), error = %e, "the scale API refused the autoscaler");
                 entry.status = "REJECTED".into();
                 entry.completed_at = Some(unix);
-                entry.error_message = Some(format!("{} {}: {e}", e.status().as_u16(), e.code()));
+                entry.error_message = Some(format!("{} ({}): {e}", e.code(), e.kind()));
             }
         }
         s.history.push_back(entry);
