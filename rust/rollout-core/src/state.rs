@@ -328,11 +328,6 @@ impl EngineStatus {
         };
         Ok(next)
     }
-
-    /// Whether `Fail` would move this engine: it is not already FAILED or on its way out.
-    pub fn can_fail(self) -> bool {
-        self.on(EngineEvent::Fail).is_ok()
-    }
 }
 
 /// Status of a scale-out request.

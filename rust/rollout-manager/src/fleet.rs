@@ -293,17 +293,7 @@ impl FleetInner {
         self.next_seq += 1;
         let record = record(&new);
         debug_assert_eq!(record.engine_id, new.engine_id);
-        let engine = Engine {
-            seq: new.seq,
-            record,
-            process: None,
-            load: self.new_load(),
-            probe_failures: 0,
-            pid_start_ticks: None,
-            keeper_socket: None,
-            held,
-        };
-        self.engines.insert(new.engine_id.clone(), engine);
+        self.insert(new.seq, record, None, None, held);
         new.engine_id
     }
 
@@ -328,22 +318,31 @@ impl FleetInner {
             }
         }
         self.next_seq = self.next_seq.max(seq + 1);
+        self.insert(seq, record, process, keeper_socket, held);
+        Ok(())
+    }
+
+    /// The one place an engine enters the registry, with a fresh load.
+    fn insert(
+        &mut self,
+        seq: u64,
+        record: EngineRecord,
+        process: Option<EngineProcess>,
+        keeper_socket: Option<PathBuf>,
+        held: Held,
+    ) {
+        let load = Arc::new(EngineLoad::with_slot_notify(self.notify_slots.then(|| self.slot_freed.clone())));
         let engine = Engine {
             seq,
             pid_start_ticks: process.as_ref().and_then(|p| p.start_ticks),
             record,
             process,
-            load: self.new_load(),
+            load,
             probe_failures: 0,
             keeper_socket,
             held,
         };
         self.engines.insert(engine.record.engine_id.clone(), engine);
-        Ok(())
-    }
-
-    fn new_load(&self) -> Arc<EngineLoad> {
-        Arc::new(EngineLoad::with_slot_notify(self.notify_slots.then(|| self.slot_freed.clone())))
     }
 
     /// Reserves `gpus` GPUs and a port for a new local engine. `pick_port` asks the OS for a
@@ -439,9 +438,7 @@ impl FleetInner {
         if error.is_some() {
             e.record.last_error = error;
         }
-        if !e.record.status.can_fail() {
-            return false;
-        }
+        // The machine refuses Fail exactly where it would change nothing.
         self.engine_event(engine_id, EngineEvent::Fail).is_ok()
     }
 

@@ -236,7 +236,7 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
             }
             match fate {
                 plan::Fate::Drop => {
-                    tracing::info!(engine_id = %id, "dropping engine after restart");
+                    tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
                     if let Some(p) = live {
                         drop_live.push((id, p));
                     }
