@@ -537,3 +537,86 @@ def test_relay_stages_versions_on_every_agent_node(start_fleet: StartManager, sh
         30,
         "v1 removed from every node",
     )
+
+
+def test_a_lost_agent_sends_its_placement_back_and_the_engine_comes_back_elsewhere(
+    start_fleet: StartManager, shim: Shim
+) -> None:
+    fleet = start_fleet(*RAY_ARGS, wait=False)
+    shim.control_url = fleet.control_url
+    shim.start()
+    fleet.wait_engines(2, "ACTIVE", 60)
+    wait_no_operation(fleet)
+    lost = f"{fleet.control_url}/rollout/placements"
+    agent0 = shim.agents["engine_0"]
+    # Bad reports are refused; a report about an agent the placement is not bound to is stale.
+    cases = [
+        ("engine_9/lost", {"agent_url": agent0.url}, 404, "unknown_placement"),
+        ("engine_0/lost", {"agent_url": agent0.url, "extra": 1}, 400, "invalid_body"),
+        ("engine_0/lost", {}, 400, "invalid_body"),
+    ]
+    for path, body, status, code in cases:
+        resp = http("POST", f"{lost}/{path}", body)
+        assert (resp.status, resp.json()["error"]["code"]) == (status, code), (path, resp.body)
+    stale = http("POST", f"{lost}/engine_0/lost", {"agent_url": "http://127.0.0.1:9", "reason": "not this one"})
+    assert stale.status == 200 and stale.json()["unbound"] is False, stale.body
+    assert stale.json()["status"] == "BOUND" and stale.json()["agent"]["url"] == agent0.url
+    assert fleet.engines().engines[0].status == "ACTIVE"
+
+    # The agent of engine_1 dies (as when its node goes): the manager finds it refusing
+    # connections and sends the placement back to PENDING_RESOURCES, without waiting for the
+    # unreachable-agent timeout and without relaunching through the dead agent.
+    before = {e.engine_id: e.pid for e in fleet.engines().engines}
+    with shim._lock:
+        shim.paused = True
+    dead = shim.agents["engine_1"]
+    dead.process.kill()
+    dead.process.wait(timeout=30)
+
+    def sent_back() -> dict[str, Any] | None:
+        p = placements(fleet)["engine_1"]
+        return p if p["status"] == "PENDING_RESOURCES" and p["agent"] is None else None
+
+    wait_until(sent_back, 60, lambda: f"engine_1's placement back to PENDING_RESOURCES; {placements(fleet)}")
+    raw = {e["engine_id"]: e for e in http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]}
+    assert "refuses connections" in (raw["engine_1"]["last_error"] or ""), raw["engine_1"]
+    assert raw["engine_0"]["status"] == "ACTIVE"
+    # No engine is launched while no agent is bound: it waits, visibly, for resources.
+    wait_until(
+        lambda: (e := next(x for x in http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"] if x["engine_id"] == "engine_1"))
+        and e["status"] == "CREATING" and (e["detail"] or "").startswith("PENDING_RESOURCES") and e,
+        60, "engine_1 waiting for an agent",
+    )  # fmt: skip
+    # Requests keep being served by the engine left.
+    for i in range(4):
+        resp = http("POST", f"{fleet.router_url}/generate", {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}})
+        assert resp.status == 200, resp.body
+    with shim._lock:
+        shim.paused = False
+        shim.agents.pop("engine_1")
+    fleet.wait_engines(2, "ACTIVE", 60)
+    wait_until(lambda: placements(fleet)["engine_1"]["status"] == "BOUND", 30, "engine_1 bound again")
+    assert placements(fleet)["engine_1"]["agent"]["url"] == shim.agents["engine_1"].url != dead.url
+    after = {e.engine_id: e for e in fleet.engines().engines}
+    assert after["engine_1"].pid not in (None, before["engine_1"]) and after["engine_1"].restarts == 1
+    assert _ppid(after["engine_1"].pid) == shim.agents["engine_1"].process.pid  # type: ignore[arg-type]
+    assert after["engine_0"].pid == before["engine_0"]
+
+    # The shim reports engine_0's agent lost (its host actor died; the agent itself is killed
+    # with it here): the placement is unbound at once, and the engine comes back on a new agent.
+    with shim._lock:
+        shim.paused = True
+        old0 = shim.agents.pop("engine_0")
+        old0.process.kill()
+        old0.process.wait(timeout=30)
+        reported = http("POST", f"{lost}/engine_0/lost", {"agent_url": old0.url, "reason": "host actor died"})
+        assert reported.status == 200 and reported.json()["unbound"] is True, reported.body
+        assert reported.json()["status"] == "PENDING_RESOURCES" and reported.json()["agent"] is None
+        again = http("POST", f"{lost}/engine_0/lost", {"agent_url": old0.url})
+        assert again.status == 200 and again.json()["unbound"] is False
+        shim.paused = False
+    fleet.wait_engines(2, "ACTIVE", 60)
+    wait_until(lambda: placements(fleet)["engine_0"]["status"] == "BOUND", 30, "engine_0 bound again")
+    e0 = next(e for e in fleet.engines().engines if e.engine_id == "engine_0")
+    assert e0.pid != before["engine_0"] and e0.restarts == 1
+    assert not any(i.alive() for _, i in shim.started if i.pid in (dead.process.pid, old0.process.pid))

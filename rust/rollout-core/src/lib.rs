@@ -25,7 +25,8 @@ pub mod weights;
 pub use addr::EngineAddr;
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig, WeightTransportKind};
 pub use placement::{
-    AgentBinding, BindOutcome, Desired, GpuPool, Placement, PlacementConflict, PlacementError, PlacementStatus,
+    AgentBinding, BindOutcome, Desired, GpuPool, LoseOutcome, Placement, PlacementConflict, PlacementError,
+    PlacementStatus,
 };
 pub use state::{
     EngineEvent, EngineOrigin, EngineStatus, IllegalTransition, Phase, ScaleInEvent, ScaleInStatus, ScaleOutEvent,

@@ -7,7 +7,8 @@
 //! Ray (`--placement ray`): every managed engine gets a [`Placement`], the manager's decision of
 //! what the Ray shim must create for it (one bundle with the engine's K GPUs, STRICT_PACK so an
 //! engine's TP ranks share a node) and whether it should exist. The shim reports back by binding
-//! an agent. The lifecycle is `PENDING_RESOURCES -> BOUND` while desired present, then
+//! an agent. The lifecycle is `PENDING_RESOURCES -> BOUND` while desired present (back to
+//! `PENDING_RESOURCES` when the bound agent is lost), then
 //! `RELEASING` once the manager no longer wants it (the shim removes it and says released).
 
 use serde::{Deserialize, Serialize};
@@ -69,6 +70,17 @@ pub enum BindOutcome {
     Replaced { previous: AgentBinding },
 }
 
+/// What reporting an agent lost did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoseOutcome {
+    /// The placement was bound to that agent and is unbound now: PENDING_RESOURCES again while
+    /// it is wanted (the shim places it anew), still RELEASING when it is not.
+    Unbound { previous: AgentBinding },
+    /// The placement is not bound to that agent (already unbound, or re-bound to another one):
+    /// a late or repeated report, which changes nothing.
+    Stale,
+}
+
 /// Why a bind or release was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlacementConflict {
@@ -114,6 +126,18 @@ impl Placement {
         self.agent = Some(binding);
         self.status = PlacementStatus::Bound;
         Ok(outcome)
+    }
+
+    /// The agent at `agent_url` is gone (its node, host actor or process died). A placement bound
+    /// to it loses the binding: a wanted one waits for resources again, so the shim re-places it
+    /// and binds a new agent. Reports about any other agent are stale and change nothing.
+    pub fn lose(&mut self, agent_url: &str) -> LoseOutcome {
+        let Some(previous) = self.agent.take_if(|a| a.url == agent_url) else { return LoseOutcome::Stale };
+        self.status = match self.desired {
+            Desired::Present => PlacementStatus::PendingResources,
+            Desired::Absent => PlacementStatus::Releasing,
+        };
+        LoseOutcome::Unbound { previous }
     }
 
     /// The manager no longer wants it (its engine was stopped or never started).
@@ -252,6 +276,46 @@ mod tests {
         assert_eq!(wire["status"], "RELEASING");
         assert_eq!(wire["desired"], "absent");
         assert_eq!(wire["strategy"], "STRICT_PACK");
+    }
+
+    #[test]
+    fn a_lost_agent_unbinds_only_its_own_placement() {
+        // (desired, bound to, reported agent) -> (outcome unbound?, status after, agent after)
+        let cases = [
+            (Desired::Present, Some("http://a:1"), "http://a:1", true, PlacementStatus::PendingResources, None),
+            (Desired::Present, Some("http://a:1"), "http://b:2", false, PlacementStatus::Bound, Some("http://a:1")),
+            (Desired::Present, None, "http://a:1", false, PlacementStatus::PendingResources, None),
+            (Desired::Absent, Some("http://a:1"), "http://a:1", true, PlacementStatus::Releasing, None),
+            (Desired::Absent, None, "http://a:1", false, PlacementStatus::Releasing, None),
+        ];
+        for (desired, bound, reported, unbound, status, agent) in cases {
+            let mut p = Placement::plan("engine_1", 1, false);
+            if let Some(url) = bound {
+                p.bind(binding(url), false).unwrap();
+            }
+            if desired == Desired::Absent {
+                p.unwant();
+            }
+            let outcome = p.lose(reported);
+            let case = format!("{desired:?} bound={bound:?} reported={reported}");
+            assert_eq!(matches!(outcome, LoseOutcome::Unbound { .. }), unbound, "{case}");
+            if let LoseOutcome::Unbound { previous } = &outcome {
+                assert_eq!(previous.url, reported, "{case}");
+            }
+            assert_eq!(p.status, status, "{case}");
+            assert_eq!(p.agent.as_ref().map(|a| a.url.as_str()), agent, "{case}");
+            assert_eq!(p.desired, desired, "{case}");
+            // Reporting the same loss again changes nothing.
+            let before = p.clone();
+            assert_eq!(p.lose(reported), LoseOutcome::Stale, "{case}");
+            assert_eq!(p, before, "{case}");
+        }
+        // A lost placement binds a new agent as a fresh one would.
+        let mut p = Placement::plan("engine_1", 1, false);
+        p.bind(binding("http://a:1"), false).unwrap();
+        p.lose("http://a:1");
+        assert_eq!(p.bind(binding("http://b:2"), false), Ok(BindOutcome::Bound));
+        assert_eq!(p.status, PlacementStatus::Bound);
     }
 
     proptest! {

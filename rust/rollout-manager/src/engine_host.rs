@@ -207,6 +207,8 @@ pub struct AgentHost {
     shutdown: CancellationToken,
     tasks: tokio_util::task::TaskTracker,
     bearer: Bearer,
+    /// Every agent found gone with engines of ours on it, and why (see [`Self::lost_agents`]).
+    lost: tokio::sync::broadcast::Sender<(String, String)>,
 }
 
 fn agent_error(url: &str, what: &str, e: impl std::fmt::Display) -> HostError {
@@ -218,7 +220,15 @@ fn agent_error(url: &str, what: &str, e: impl std::fmt::Display) -> HostError {
 
 impl AgentHost {
     pub fn new(shutdown: CancellationToken, tasks: tokio_util::task::TaskTracker, token: Option<&str>) -> Self {
-        Self { conns: Arc::default(), shutdown, tasks, bearer: Bearer::new(token) }
+        let (lost, _) = tokio::sync::broadcast::channel(64);
+        Self { conns: Arc::default(), shutdown, tasks, bearer: Bearer::new(token), lost }
+    }
+
+    /// Agents found gone while hosting engines of ours: refusing connections (nothing listens
+    /// on their port any more, so their engines went with them) or unreachable for
+    /// [`AGENT_LOST`]. Their engines are reported exited before the URL is sent here.
+    pub fn lost_agents(&self) -> tokio::sync::broadcast::Receiver<(String, String)> {
+        self.lost.subscribe()
     }
 
     fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, HostError> {
@@ -237,7 +247,8 @@ impl AgentHost {
         let client = AgentClient::with_interceptor(channel, self.bearer.clone());
         let conn = Arc::new(AgentConn { client, exits: Mutex::new(HashMap::new()), stopping: Mutex::default() });
         conns.insert(url.to_string(), conn.clone());
-        self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.conns.clone(), self.shutdown.clone()));
+        let lost = self.lost.clone();
+        self.tasks.spawn(follow_events(url.to_string(), conn.clone(), self.conns.clone(), lost, self.shutdown.clone()));
         Ok(conn)
     }
 
@@ -296,10 +307,31 @@ impl AgentHost {
     }
 }
 
+/// Whether connecting to the agent at `url` is refused: its host answers but nothing listens on
+/// the port, so the agent process is gone (and its engines, which die with it).
+async fn refused(url: &str) -> bool {
+    let Ok(parsed) = reqwest::Url::parse(url) else { return false };
+    let (Some(host), Some(port)) = (parsed.host_str(), parsed.port_or_known_default()) else { return false };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let connect = tokio::net::TcpStream::connect((host, port));
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), connect).await,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
+
 /// Follows one agent's Events stream until shutdown, or until the agent has been unreachable for
 /// [`AGENT_LOST`] with no engine of ours on it (a released agent): then the connection is
-/// dropped, and made again if the URL is used later. See the module docs.
-async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown: CancellationToken) {
+/// dropped, and made again if the URL is used later. An agent that refuses connections is gone
+/// at once; one that does not answer is given [`AGENT_LOST`] (a network blip is not a loss).
+/// Either way its engines are reported exited and its URL is sent to `lost`. See the module docs.
+async fn follow_events(
+    url: String,
+    conn: Arc<AgentConn>,
+    conns: Conns,
+    lost: tokio::sync::broadcast::Sender<(String, String)>,
+    shutdown: CancellationToken,
+) {
     let mut lost_since: Option<tokio::time::Instant> = None;
     loop {
         let mut client = conn.client.clone();
@@ -364,10 +396,20 @@ async fn follow_events(url: String, conn: Arc<AgentConn>, conns: Conns, shutdown
             }
             _ => {
                 let since = *lost_since.get_or_insert_with(tokio::time::Instant::now);
-                if since.elapsed() >= AGENT_LOST {
-                    for id in conn.watched() {
-                        tracing::warn!(agent = %url, engine_id = %id, "agent unreachable for {AGENT_LOST:?}; taking its engine as exited");
-                        conn.publish(&id, ExitInfo { code: None, signal: None, requested: false });
+                let gone = refused(&url).await;
+                if gone || since.elapsed() >= AGENT_LOST {
+                    let watched = conn.watched();
+                    let why = if gone {
+                        "refuses connections".to_string()
+                    } else {
+                        format!("unreachable for {AGENT_LOST:?}")
+                    };
+                    for id in &watched {
+                        tracing::warn!(agent = %url, engine_id = %id, "agent {why}; taking its engine as exited");
+                        conn.publish(id, ExitInfo { code: None, signal: None, requested: false });
+                    }
+                    if !watched.is_empty() {
+                        let _ = lost.send((url.clone(), why.clone())); // no receiver: nobody to tell
                     }
                     let mut map = conns.lock().unwrap_or_else(|e| e.into_inner());
                     // Only this connection, and only while nothing new was launched through it.

@@ -430,8 +430,12 @@ impl Manager {
             tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
             let was = manager.fleet.update(|inner| {
                 let was = inner.engines.get(&engine_id).map(|e| e.record.status);
+                // Ray mode: a placement unbound by an agent loss already says why (the loss).
+                let lost = inner.placements.get(&engine_id).is_some_and(|p| p.agent.is_none());
                 if let Some(e) = inner.engines.get_mut(&engine_id) {
-                    e.record.last_error = Some(format!("process {info}"));
+                    if !lost {
+                        e.record.last_error = Some(format!("process {info}"));
+                    }
                     e.process = None;
                 }
                 // Fails only from live states; an engine being removed is expected to exit.
@@ -514,7 +518,6 @@ impl Manager {
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
                     let process = self.fleet.update(|inner| {
                         inner.fail_engine(engine_id, Some(format!("recovery failed: {e}")));
                         inner.engines.get(engine_id).and_then(|en| en.process.clone())
@@ -522,9 +525,82 @@ impl Manager {
                     if let Some(p) = process {
                         p.stop(self.shutdown_grace()).await;
                     }
+                    // Ray mode: never back off against a dead agent. Its placement goes back to
+                    // PENDING_RESOURCES and the next attempt waits for the shim's new agent.
+                    if let Some(url) = self.bound_agent(engine_id) {
+                        if !self.agents.is_live(&url).await
+                            && !self.agent_lost(&url, Some(engine_id), "unreachable while recovering").is_empty()
+                        {
+                            (delay, backoff) = (Duration::ZERO, Duration::from_secs(1));
+                        }
+                    }
+                    tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
                 }
             }
         }
+    }
+
+    /// Ray mode: the agent bound to the engine's placement.
+    fn bound_agent(&self, engine_id: &str) -> Option<String> {
+        let inner = self.fleet.lock();
+        inner.placements.get(engine_id).and_then(|p| p.agent.as_ref()).map(|a| a.url.clone())
+    }
+
+    /// Ray mode: the agent at `agent_url` is gone (reported by the shim when its host actor or
+    /// node died, or found refusing connections by the manager). Every placement bound to it
+    /// (only `only`'s, if given) goes back to PENDING_RESOURCES so the shim places it again, and
+    /// its engine is taken as exited: a serving engine is recovered on the fleet's current
+    /// weights once a new agent is bound, one being created is left to its scale-out.
+    /// Returns the engines unbound; a stale report (not bound to that agent) unbinds nothing.
+    pub fn agent_lost(&self, agent_url: &str, only: Option<&str>, reason: &str) -> Vec<String> {
+        let unbound = self.fleet.update(|inner| {
+            let mut unbound = Vec::new();
+            for (engine_id, placement) in inner.placements.iter_mut() {
+                if only.is_some_and(|o| o != engine_id) {
+                    continue;
+                }
+                if let rollout_core::LoseOutcome::Unbound { .. } = placement.lose(agent_url) {
+                    unbound.push(engine_id.clone());
+                }
+            }
+            for engine_id in &unbound {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.last_error = Some(format!("agent {agent_url} lost: {reason}"));
+                }
+            }
+            if !unbound.is_empty() {
+                inner.placements_changed();
+            }
+            unbound
+        });
+        for engine_id in &unbound {
+            tracing::warn!(engine_id, agent = %agent_url, reason, "agent lost; its placement waits for a new agent");
+            // An unrequested exit, so a serving engine is recovered. Its process went with the
+            // agent (agents stop their engines when their host actor dies).
+            self.agents.forget(agent_url, engine_id);
+        }
+        unbound
+    }
+
+    /// Ray mode: unbinds the placements of every agent the connections find gone, until shutdown.
+    pub fn spawn_agent_loss_watch(self: &Arc<Self>) {
+        let (m, mut lost) = (self.clone(), self.agents.lost_agents());
+        self.tasks.spawn(async move {
+            loop {
+                let (url, why) = tokio::select! {
+                    r = lost.recv() => match r {
+                        Ok(found) => found,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(missed = n, "agent-loss notices dropped");
+                            continue;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    },
+                    () = m.shutdown.cancelled() => return,
+                };
+                m.agent_lost(&url, None, &format!("the agent {why}"));
+            }
+        });
     }
 
     pub(crate) fn url_of(&self, engine_id: &str) -> Option<String> {

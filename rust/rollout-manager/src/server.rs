@@ -138,6 +138,10 @@ impl Server {
             tracing::info!("shutdown requested");
             stop.cancel();
         });
+        if manager.ray() {
+            // Before the restore, which may find agents gone.
+            manager.spawn_agent_loss_watch();
+        }
         // The registry is rebuilt (or the initial bring-up reserved) before any request is
         // served, so no API call can race with it. Connections wait in the listen backlog.
         if snapshot.is_empty() {

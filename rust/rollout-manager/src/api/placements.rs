@@ -7,6 +7,9 @@
 //!   engine leaves PENDING and is launched through that agent. Idempotent for the same agent;
 //!   409 when another agent that still answers is bound (a dead one is replaced, and the engine
 //!   is recovered through the new one).
+//! - `POST /rollout/placements/{engine_id}/lost`: the agent bound to the placement is gone (its
+//!   host actor or node died). The placement goes back to PENDING_RESOURCES and its engine is
+//!   recovered through the next agent bound. A report naming an agent not bound is ignored.
 //! - `POST /rollout/placements/{engine_id}/released`: the shim removed the placement group of a
 //!   placement that is desired absent; the manager forgets it.
 //!
@@ -32,6 +35,7 @@ pub fn routes() -> Router<ApiState> {
     Router::new()
         .route("/rollout/placements", get(list))
         .route("/rollout/placements/{engine_id}/bind", post(bind))
+        .route("/rollout/placements/{engine_id}/lost", post(lost))
         .route("/rollout/placements/{engine_id}/released", post(released))
 }
 
@@ -187,6 +191,35 @@ async fn bind(
         }
     }
     placement_json(&s, &engine_id)
+}
+
+/// Body of `POST /rollout/placements/{engine_id}/lost`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LostRequest {
+    agent_url: String,
+    #[serde(default)]
+    reason: String,
+}
+
+async fn lost(
+    State(s): State<ApiState>,
+    Path(engine_id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    ray_only(&s)?;
+    let req: LostRequest = super::parse_body(&body)?;
+    if !s.manager.fleet.lock().placements.contains_key(&engine_id) {
+        return Err(unknown(&engine_id));
+    }
+    let reason = if req.reason.trim().is_empty() { "reported by the Ray shim" } else { req.reason.trim() };
+    let reason: String = reason.chars().take(500).collect();
+    let unbound = s.manager.agent_lost(&req.agent_url, Some(&engine_id), &reason);
+    let mut answer = placement_json(&s, &engine_id)?;
+    if let Some(obj) = answer.0.as_object_mut() {
+        obj.insert("unbound".into(), json!(!unbound.is_empty()));
+    }
+    Ok(answer)
 }
 
 async fn released(State(s): State<ApiState>, Path(engine_id): Path<String>) -> Result<Json<Value>, ApiError> {
