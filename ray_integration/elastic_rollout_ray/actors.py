@@ -1,9 +1,10 @@
-"""The Ray actors of the shim: thin wrappers over the plain classes that do the work.
+"""The Ray actors of the shim that wrap plain classes (the reconciler's actor is in
+:mod:`.reconciler`, which uses :class:`EngineHost`):
 
 - :class:`ManagerActor` over :class:`~elastic_rollout_ray.manager.ManagerSupervisor`;
-- :class:`Reconciler` over :class:`~elastic_rollout_ray.reconciler.ReconcilerImpl`;
 - :class:`EngineHost` over :class:`~elastic_rollout_ray.host.EngineHostImpl`, which also reads what
-  Ray assigned to the actor (node IP and id, GPU ids) before starting the agent.
+  Ray assigned to the actor (node IP and id, GPU ids) before starting the agent. Threaded, so the
+  reconciler's pending ``watch`` call never blocks ``info`` or ``stop``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import ray
 
 from elastic_rollout_ray.host import EngineHostImpl
 from elastic_rollout_ray.manager import ManagerSupervisor
-from elastic_rollout_ray.reconciler import ReconcilerImpl
 
-__all__ = ["EngineHost", "ManagerActor", "Reconciler"]
+__all__ = ["EngineHost", "ManagerActor"]
 
 
 def _local_binary(binary: str) -> str:
@@ -38,12 +38,7 @@ class ManagerActor(ManagerSupervisor):
         super().__init__(_local_binary(binary), serve_args, **kwargs)
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
-class Reconciler(ReconcilerImpl):
-    """The placement reconcile loop (a thread of this actor)."""
-
-
-@ray.remote(max_restarts=0)
+@ray.remote(max_restarts=0, max_concurrency=4)
 class EngineHost(EngineHostImpl):
     """Runs the node agent of one engine on the GPUs Ray assigned to this actor."""
 

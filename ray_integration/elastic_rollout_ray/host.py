@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from elastic_rollout_ray.process import SupervisedProcess
+from elastic_rollout_ray.wire import HostInfo
 
 __all__ = ["EngineHostImpl", "agent_work_dir"]
 
@@ -57,6 +58,7 @@ class EngineHostImpl:
         ready_timeout: float = 60.0,
     ) -> None:
         self.engine_id = engine_id
+        self._stopped = threading.Event()
         self.node_id = node_id
         self.gpu_ids = gpu_ids
         work = agent_work_dir(namespace, engine_id, work_root)
@@ -89,7 +91,8 @@ class EngineHostImpl:
         )
         self._process.start()
         url = _read_url(self.ready_file)
-        assert url is not None
+        if url is None:  # ready means the file had a URL; a race with its removal
+            raise RuntimeError(f"agent of {engine_id} became ready without a URL in {self.ready_file}")
         self.url = url
 
     def _restart_argv(self, process: SupervisedProcess) -> list[str]:
@@ -98,20 +101,28 @@ class EngineHostImpl:
         self.ready_file.unlink(missing_ok=True)
         return argv
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id,
-            "url": self.url,
-            "node_id": self.node_id,
-            "gpu_ids": self.gpu_ids,
-            "pid": self._process.pid,
-            "running": self._process.running(),
-            "restarts": self._process.restarts,
-            "log": str(self._process.log_path),
-        }
+    def info(self) -> HostInfo:
+        return HostInfo(
+            engine_id=self.engine_id,
+            url=self.url,
+            node_id=self.node_id,
+            gpu_ids=self.gpu_ids,
+            pid=self._process.pid,
+            running=self._process.running(),
+            restarts=self._process.restarts,
+            log=str(self._process.log_path),
+        )
 
     def alive(self) -> bool:
         return self._process.running()
 
+    def watch(self) -> None:
+        """Returns once the host is stopped. The reconciler keeps one call pending per host: when
+        the actor (or its node) dies, Ray fails that call, which is how the death is noticed at
+        once, without polling."""
+        self._stopped.wait()
+
     def stop(self, grace: float = 30.0) -> int | None:
-        return self._process.stop(grace)
+        code = self._process.stop(grace)
+        self._stopped.set()
+        return code

@@ -3,7 +3,7 @@
 Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. Flow:
 
 1. split the launcher's own flags (``--serve-host``, ``--serve-port``, ``--namespace``,
-   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``) from the manager's, add the flags the shim owns
+   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``, ``--resume``, ``--serve-proxy-location``) from the manager's, add the flags the shim owns
    (``--placement ray --api-socket ... --state-dir ...``) and validate everything with the
    manager's own parser (:func:`elastic_rollout._native.parse_serve_args`) BEFORE touching the
    cluster; refuse a run without ``--fully-async``;
@@ -11,9 +11,18 @@ Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. F
    ``rollout-manager serve --placement ray``), the placement reconciler, and the Serve ingress;
 3. print where the API is (Serve's HTTP URL and the manager's router URL) and a machine-readable
    ``ELASTIC_ROLLOUT_READY {...}`` line;
-4. stay up until SIGTERM/SIGINT (``ray job stop``) or until the manager actor dies, then tear down
-   everything it created: the Serve app, the manager (which stops its engines), every host actor
-   and placement group, the resource request, its actors.
+4. stay up until SIGTERM/SIGINT (``ray job stop``); a manager or reconciler actor that dies is
+   started again (the manager on the same state dir and ports, so it re-adopts its engines);
+5. tear down everything it created: the Serve app, the manager (which stops its engines), every
+   host actor and placement group, the resource request, its actors. Ray's default stop wait
+   (3 s) may end this early with SIGKILL: then the actors, which this driver owns (and the host
+   actors, which the reconciler owns), die with it, the placement groups of the job are removed by
+   Ray, and agents and engines die with their actors. Only the Serve app is not owned by the
+   job, so it is deleted first.
+
+Fleet state belongs to one job: the default ``--state-dir`` is
+``~/.cache/elastic-rollout/<namespace>/<job>``, where ``<job>`` is the job's submission id (a new
+key per run when not submitted as a job). ``--resume <job>`` takes up that earlier job's fleet.
 
 Exit status: 0 after a signal, 2 for bad arguments (nothing started), 1 when a start step failed
 or the manager actor died (after teardown).
@@ -28,13 +37,14 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 __all__ = ["LaunchPlan", "main", "plan"]
 
-APP_NAME = "elastic-rollout"
 
 NOT_FULLY_ASYNC = (
     "error: elastic_rollout_ray.launch needs --fully-async: elastic rollout gives the rollout engines "
@@ -70,9 +80,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--serve-host", default="127.0.0.1", help="address of Ray Serve's HTTP proxy (default loopback)")
     p.add_argument("--serve-port", type=int, default=8000, help="port of Ray Serve's HTTP proxy (default 8000)")
+    p.add_argument(
+        "--serve-proxy-location",
+        choices=["HeadOnly", "EveryNode"],
+        default="HeadOnly",
+        help="where Ray Serve runs HTTP proxies for the control API (default HeadOnly: one front door on the head)",
+    )
     p.add_argument("--namespace", default="elastic-rollout", help="Ray namespace of the fleet's actors")
     p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: the running one)")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds the manager may take to answer")
+    p.add_argument(
+        "--resume",
+        metavar="JOB",
+        default=None,
+        help="take up the fleet of an earlier job of this namespace (its submission id, printed at its start); "
+        "by default every job starts a fresh fleet",
+    )
     p.add_argument(
         "--agent-dir",
         default=None,
@@ -102,8 +125,18 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
     private = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / options.namespace
     if not _given(serve_args, "--api-socket"):
         serve_args += ["--api-socket", str(private / "api.sock")]
-    if not _given(serve_args, "--state-dir"):
-        serve_args += ["--state-dir", str(Path.home() / ".cache" / "elastic-rollout" / options.namespace)]
+    jobs = Path.home() / ".cache" / "elastic-rollout" / options.namespace
+    if options.resume is not None:
+        if _given(serve_args, "--state-dir"):
+            _fail("error: --resume and --state-dir both name the state to use; give one")
+        if not options.resume or "/" in options.resume or options.resume in (".", ".."):
+            _fail(f"error: invalid --resume {options.resume!r}: give the submission id of an earlier job")
+        if not (jobs / options.resume).is_dir():
+            known = sorted(d.name for d in jobs.iterdir() if d.is_dir()) if jobs.is_dir() else []
+            _fail(f"error: invalid --resume {options.resume!r}: no fleet state in {jobs / options.resume}; known jobs: {known}")
+        serve_args += ["--state-dir", str(jobs / options.resume)]
+    elif not _given(serve_args, "--state-dir"):
+        serve_args += ["--state-dir", str(jobs / job_key())]
     if not _given(serve_args, "--port"):
         # Serve's proxy is the control API's front door; the manager's own TCP port is a free one.
         serve_args += ["--port", "0"]
@@ -114,6 +147,20 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
     config["state_dir"] = str(Path(config["state_dir"]).expanduser().resolve())
     config["api_socket"] = str(Path(config["api_socket"]).expanduser().resolve())
     return LaunchPlan(options, serve_args, config)
+
+
+def job_key() -> str:
+    """This job's submission id (``ray job submit`` passes it in the job config), else a new key."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    try:
+        metadata = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR, "{}")).get("metadata") or {}
+    except ValueError:
+        metadata = {}
+    submission = metadata.get("job_submission_id")
+    if isinstance(submission, str) and submission and "/" not in submission and submission not in (".", ".."):
+        return submission
+    return f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
 
 def _try_parse(serve_args: list[str]) -> dict[str, Any]:
@@ -134,43 +181,45 @@ def _fail(message: str) -> None:
 class Fleet:
     """Everything a launch started on the cluster, and its teardown."""
 
+    #: How often a dead manager actor is started again before the launch gives up.
+    MAX_MANAGER_RESTARTS = 5
+
     def __init__(self, launch: LaunchPlan) -> None:
         self.plan = launch
         self.manager: Any = None
         self.reconciler: Any = None
         self.serve_started = False
-        self._reconciler_args: tuple[Any, ...] = ()
+        self.manager_restarts = 0
+        self._here: dict[str, float] = {}
+        self._binary = ""
+        self._token: str | None = None
+        self._ports: list[str] = []
 
     def start(self) -> dict[str, Any]:
         import ray
         from ray import serve
 
         from elastic_rollout import _native
-        from elastic_rollout_ray.actors import ManagerActor, Reconciler
-        from elastic_rollout_ray.serve_app import build_app
+        from elastic_rollout_ray.serve_app import APP_NAME, build_app
         from elastic_rollout_ray.uds import load_token
 
         launch = self.plan
         node_ip = ray.util.get_node_ip_address()
-        here = {f"node:{node_ip}": 0.001}
+        # The manager, the reconciler and the ingress share this node: the socket and the state
+        # dir are node-local.
+        self._here = {f"node:{node_ip}": 0.001}
         Path(launch.api_socket).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        binary = _native.binary_path()
-        token = load_token(launch.config.get("api_token_file"))
-        env = dict(os.environ)
-        self.manager = ManagerActor.options(name="er-manager", resources=here).remote(
-            binary,
-            launch.serve_args,
-            api_socket=launch.api_socket,
-            state_dir=launch.state_dir,
-            ready_timeout=launch.options.ready_timeout,
-            env=env,
-        )
-        info = ray.get(self.manager.info.remote())
-        self._reconciler_args = (here, launch.api_socket, binary, launch.options.namespace, token, launch.options.agent_dir)
+        self._binary = str(_native.binary_path())
+        self._token = load_token(launch.config.get("api_token_file"))
+        info = self.start_manager()
         self.start_reconciler()
-        serve.start(http_options={"host": launch.options.serve_host, "port": launch.options.serve_port})
+        serve.start(
+            proxy_location=launch.options.serve_proxy_location,
+            http_options={"host": launch.options.serve_host, "port": launch.options.serve_port},
+        )
         self.serve_started = True
-        serve.run(build_app(launch.api_socket, node_ip), name=APP_NAME, route_prefix="/")
+        owner = ray.get_runtime_context().get_job_id()
+        serve.run(build_app(launch.api_socket, node_ip, owner), name=APP_NAME, route_prefix="/")
         return {
             "control_url": f"http://{launch.options.serve_host}:{launch.options.serve_port}",
             "router_url": info["router_url"],
@@ -178,22 +227,47 @@ class Fleet:
             "api_socket": launch.api_socket,
             "state_dir": launch.state_dir,
             "namespace": launch.options.namespace,
+            "job": Path(launch.state_dir).name,
         }
 
-    def start_reconciler(self) -> None:
-        """(Re)start the reconciler; a new one adopts what Ray still holds (it is idempotent)."""
+    def start_manager(self) -> dict[str, Any]:
+        """(Re)starts the manager actor. A new one runs on the same state dir and the first one's
+        ports, so it re-adopts the engines and clients keep their URLs."""
         import ray
 
-        from elastic_rollout_ray.actors import Reconciler
+        from elastic_rollout_ray.actors import ManagerActor
 
-        here, api_socket, binary, namespace, token, agent_dir = self._reconciler_args
-        self.reconciler = Reconciler.options(name="er-reconciler", resources=here).remote(
-            api_socket, binary, namespace, token, agent_dir
+        launch = self.plan
+        self.manager = ManagerActor.options(name="er-manager", resources=self._here).remote(  # type: ignore[attr-defined]
+            self._binary,
+            [*launch.serve_args, *self._ports],
+            api_socket=launch.api_socket,
+            state_dir=launch.state_dir,
+            ready_timeout=launch.options.ready_timeout,
+            env=dict(os.environ),
         )
-        ray.get(self.reconciler.status.remote())
+        info: dict[str, Any] = ray.get(self.manager.info.remote())
+        if not self._ports:
+            for flag, key in (("--port", "control_url"), ("--router-port", "router_url")):
+                port = urlsplit(info.get(key) or "").port
+                if port:
+                    self._ports += [flag, str(port)]
+        return info
+
+    def start_reconciler(self) -> None:
+        """(Re)starts the reconciler; a new one adopts what Ray still holds (it is idempotent)."""
+        import ray
+
+        from elastic_rollout_ray.reconciler import Reconciler
+
+        launch = self.plan
+        self.reconciler = Reconciler.options(name="er-reconciler", resources=self._here).remote(  # type: ignore[attr-defined]
+            launch.api_socket, self._binary, launch.options.namespace, self._token, launch.options.agent_dir
+        )
+        ray.get(self.reconciler.start.remote())
 
     def check(self) -> bool:
-        """False when the manager actor is gone; a dead reconciler is replaced."""
+        """Starts a dead manager or reconciler actor again; False when the manager keeps dying."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -202,8 +276,12 @@ class Fleet:
         except GetTimeoutError:
             pass
         except RayActorError as err:
-            print(f"error: the manager actor is gone ({err!r}); tearing down", file=sys.stderr)
-            return False
+            if self.manager_restarts >= self.MAX_MANAGER_RESTARTS:
+                print(f"error: the manager actor died again ({err!r}); tearing down", file=sys.stderr)
+                return False
+            self.manager_restarts += 1
+            print(f"warning: the manager actor died ({err!r}); starting it again", file=sys.stderr, flush=True)
+            self.start_manager()
         try:
             ray.get(self.reconciler.status.remote(), timeout=30)
         except GetTimeoutError:
@@ -214,26 +292,32 @@ class Fleet:
         return True
 
     def teardown(self) -> None:
+        """Everything at once: the manager (stopping its engines) and the reconciler (stopping
+        every host, removing every group) in parallel while the Serve app is deleted. Whatever a
+        SIGKILL interrupts, Ray finishes: the actors die with this driver, the groups with the
+        job, and the Serve app deletes itself when it sees the job dead."""
         import ray
         from ray import serve
 
+        from elastic_rollout_ray.serve_app import APP_NAME
+
+        pending = []
+        if self.manager is not None:
+            pending.append(("stopping the manager", self.manager.stop.remote(10.0)))
+        if self.reconciler is not None:
+            pending.append(("stopping the reconciler", self.reconciler.shutdown.remote()))
         if self.serve_started:
             try:
-                serve.delete(APP_NAME)
-                if not serve.status().applications:
+                serve.delete(APP_NAME, _blocking=False)
+                if not [a for a in serve.status().applications if a != APP_NAME]:
                     serve.shutdown()
             except Exception as err:
                 print(f"warning: removing the Serve app failed: {err!r}", file=sys.stderr)
-        if self.manager is not None:
+        for what, ref in pending:
             try:
-                ray.get(self.manager.stop.remote(), timeout=180)
+                ray.get(ref, timeout=120)
             except Exception as err:
-                print(f"warning: stopping the manager failed: {err!r}", file=sys.stderr)
-        if self.reconciler is not None:
-            try:
-                ray.get(self.reconciler.shutdown.remote(), timeout=180)
-            except Exception as err:
-                print(f"warning: stopping the reconciler failed: {err!r}", file=sys.stderr)
+                print(f"warning: {what} failed: {err!r}", file=sys.stderr)
         for actor in (self.reconciler, self.manager):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -259,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  control API (Ray Serve): {where['control_url']}/rollout/engines")
         print(f"  router (data plane):     {where['router_url']}/generate")
         print(f"  manager socket:          {where['api_socket']} (state in {where['state_dir']})")
+        print(f"  job:                     {where['job']} (a later job takes this fleet up with --resume {where['job']})")
         print("ELASTIC_ROLLOUT_READY " + json.dumps(where), flush=True)
         while not stop.wait(2.0):
             if not fleet.check():

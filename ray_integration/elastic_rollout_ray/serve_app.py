@@ -7,9 +7,18 @@ is, so the manager's validation, token auth and error model apply unchanged. If 
 be reached the answer is 503 with a JSON error in the manager's own shape. The replica must run on
 the manager's node (the socket is node-local); the launcher pins it there. The data plane
 (``/generate``) stays on the manager's router port.
+
+Serve's applications outlive the job that deployed them. This one must not: the replica watches
+the job of the launcher that deployed it and deletes its own application once that job is dead
+(the launcher killed, or stopped before its teardown reached Serve).
 """
 
+import logging
+import threading
+import time
 from typing import Any
+
+import ray
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -24,6 +33,21 @@ METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 #: Longer than the longest long-poll the manager allows (60 s).
 TIMEOUT = 75.0
+#: Name of the Serve application (one per fleet).
+APP_NAME = "elastic-rollout"
+#: How often the replica checks that the job which deployed it is alive.
+OWNER_CHECK_SECS = 2.0
+
+log = logging.getLogger("elastic_rollout_ray.serve_app")
+
+
+def job_alive(job_id_hex: str) -> bool:
+    """Whether Ray's job table has the job and does not mark it dead."""
+    gcs = ray._private.worker.global_worker.gcs_client
+    for job_id, info in gcs.get_all_job_info().items():
+        if job_id.hex() == job_id_hex:
+            return not info.is_dead
+    return False
 
 # FastAPI's own docs would describe only the catch-all routes: /openapi.json is the manager's.
 app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -32,11 +56,29 @@ app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None
 @serve.deployment(num_replicas=1, max_ongoing_requests=256)
 @serve.ingress(app)
 class RolloutIngress:
-    def __init__(self, api_socket: str) -> None:
+    def __init__(self, api_socket: str, owner_job: str | None = None) -> None:
         self.api_socket = api_socket
         self.client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=api_socket), base_url=BASE_URL, timeout=TIMEOUT
         )
+        if owner_job:
+            threading.Thread(target=self._watch_owner, args=(owner_job,), name="owner-watch", daemon=True).start()
+
+    def _watch_owner(self, owner_job: str) -> None:
+        """Deletes this application once the launcher's job is dead (a thread of the replica)."""
+        while True:
+            time.sleep(OWNER_CHECK_SECS)
+            try:
+                alive = job_alive(owner_job)
+            except Exception as err:  # the GCS restarting: ask again
+                log.warning("cannot read the job table: %r", err)
+                continue
+            if not alive:
+                log.warning("job %s that deployed %s is gone; deleting the application", owner_job, APP_NAME)
+                from ray import serve
+
+                serve.delete(APP_NAME, _blocking=False)
+                return
 
     async def _forward(self, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
@@ -83,8 +125,9 @@ class RolloutIngress:
         return await self._forward(request)
 
 
-def build_app(api_socket: str, node_ip: str) -> Any:  # noqa: ANN401
-    """The Serve application, its replica pinned to ``node_ip`` (where the socket is)."""
+def build_app(api_socket: str, node_ip: str, owner_job: str | None = None) -> Any:  # noqa: ANN401
+    """The Serve application, its replica pinned to ``node_ip`` (where the socket is); with
+    ``owner_job`` (a job id in hex) it deletes itself once that job is dead."""
     return RolloutIngress.options(ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}).bind(
-        api_socket
+        api_socket, owner_job
     )

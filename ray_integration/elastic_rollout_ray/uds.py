@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["ManagerApiError", "UdsClient", "load_token"]
+__all__ = ["AsyncUdsClient", "ManagerApiError", "UdsClient", "load_token"]
 
 #: Host part of URLs sent over the socket (only the path matters to the manager).
 BASE_URL = "http://rollout-manager"
@@ -36,6 +36,23 @@ def load_token(api_token_file: str | None) -> str | None:
         token = Path(api_token_file).read_text().strip()
         return token or None
     return os.environ.get("ROLLOUT_MANAGER_API_TOKEN", "").strip() or None
+
+
+def _headers(method: str, token: str | None, body: object) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {token}"} if token and method not in ("GET", "HEAD") else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    return headers
+
+
+def _answer(method: str, path: str, resp: httpx.Response) -> Any:
+    try:
+        payload: Any = resp.json()
+    except ValueError:
+        payload = resp.text
+    if not 200 <= resp.status_code < 300:
+        raise ManagerApiError(method, path, resp.status_code, payload)
+    return payload
 
 
 @dataclass
@@ -61,27 +78,57 @@ class UdsClient:
             ManagerApiError: a non-2xx answer (status and body kept), or status 0 when the socket
                 cannot be reached.
         """
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token and method not in ("GET", "HEAD") else {}
         try:
             resp = self._client.request(
                 method,
                 path,
                 content=None if body is None else json.dumps(body).encode(),
-                headers={**headers, **({"Content-Type": "application/json"} if body is not None else {})},
+                headers=_headers(method, self.token, body),
                 timeout=timeout if timeout is not None else self.timeout,
             )
         except httpx.HTTPError as err:
             raise ManagerApiError(method, path, 0, f"cannot reach the manager on {self.socket_path}: {err}") from err
-        try:
-            payload: Any = resp.json()
-        except ValueError:
-            payload = resp.text
-        if not 200 <= resp.status_code < 300:
-            raise ManagerApiError(method, path, resp.status_code, payload)
-        return payload
+        return _answer(method, path, resp)
 
     def get(self, path: str, timeout: float | None = None) -> Any:
         return self.request("GET", path, timeout=timeout)
 
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, body if body is not None else {})
+
+
+@dataclass
+class AsyncUdsClient:
+    """The same client for asyncio code (the reconciler actor): one connection pool, no threads."""
+
+    socket_path: str
+    token: str | None = None
+    timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=self.socket_path), base_url=BASE_URL, timeout=self.timeout
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """As :meth:`UdsClient.request`."""
+        try:
+            resp = await self._client.request(
+                method,
+                path,
+                content=None if body is None else json.dumps(body).encode(),
+                headers=_headers(method, self.token, body),
+                timeout=timeout if timeout is not None else self.timeout,
+            )
+        except httpx.HTTPError as err:
+            raise ManagerApiError(method, path, 0, f"cannot reach the manager on {self.socket_path}: {err}") from err
+        return _answer(method, path, resp)
+
+    async def get(self, path: str, timeout: float | None = None) -> Any:
+        return await self.request("GET", path, timeout=timeout)
+
+    async def post(self, path: str, body: Any = None) -> Any:
+        return await self.request("POST", path, body if body is not None else {})
