@@ -102,6 +102,7 @@ class PlacementWorker:
         self.host: Any = None
         self.info: HostInfo | None = None
         self._watch: asyncio.Future[Any] | None = None
+        self._started = "host_started"
         #: the agent URL this worker last bound
         self.bound_url: str | None = None
         #: node ids a new group must avoid (its previous host there stopped answering)
@@ -171,22 +172,23 @@ class PlacementWorker:
                 self.pg = await self._ensure_pg(p)
             # One readiness call per group incarnation (a node's death reschedules the group).
             self._pg_ready = asyncio.wrap_future(self.pg.ready().future())
-        if self.avoid:
+        if not self._pg_ready.done():
             try:
-                await self._until(asyncio.shield(self._pg_ready), AVOID_SECS)
+                await self._until(asyncio.shield(self._pg_ready), AVOID_SECS if self.avoid else None)
             except TimeoutError:
                 alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
                 if self.avoid & alive:
                     self.owner.event(self.engine_id, f"no room away from {sorted(self.avoid)}; allowing them again")
                     self.avoid.clear()
                     await self._remove_pg()
-                    return
-                self.avoid.clear()  # Ray knows they are dead: it places nothing there
-        await self._until(asyncio.shield(self._pg_ready))
-        if self.host is None:
-            await self._start_host(p)
-        info = self.info
-        assert info is not None and self._watch is not None
+                else:
+                    self.avoid.clear()  # Ray knows they are dead: it places nothing there
+                return
+            self.owner.event(self.engine_id, "pg_ready")
+        if (failed := self._pg_ready.exception()) is not None:  # the group was removed under us
+            self._pg_ready, self.pg = None, None
+            raise RuntimeError(f"its placement group failed: {failed!r}")
+        info = await self._ensure_host(p)
         bound = (p["agent"] or {}).get("url")
         if bound is None and self.bound_url == info["url"]:
             # The manager unbound our agent (it found it gone). A host that still answers with
@@ -204,6 +206,7 @@ class PlacementWorker:
                 raise _Changed
         if bound != info["url"]:
             await self._bind(info)
+        assert self._watch is not None  # set by _ensure_host
         try:
             await self._until(asyncio.shield(self._watch))
         except RayActorError as err:
@@ -235,44 +238,41 @@ class PlacementWorker:
         self.owner.event(self.engine_id, "pg_created" + (f" avoiding {sorted(self.avoid)}" if self.avoid else ""))
         return pg
 
-    async def _start_host(self, p: Placement) -> None:
-        """Adopts the running host of an earlier reconciler, else starts one in the group."""
-        self.owner.event(self.engine_id, "pg_ready")
-        try:
-            host = await asyncio.to_thread(ray.get_actor, host_name(self.engine_id))
-        except ValueError:
-            host = None
-        if host is not None:
-            self.host = host
-            try:
-                await self._until(self._ask_info(), HOST_ANSWER_SECS)
-                self.owner.event(self.engine_id, "host_adopted")
-            except (TimeoutError, RayActorError) as err:
-                self.owner.error(f"{self.engine_id}: the host left by an earlier reconciler is unusable ({err!r})")
-                ray.kill(host, no_restart=True)
-                self.host = None
+    async def _ensure_host(self, p: Placement) -> HostInfo:
+        """A host in the group that answers, with a pending ``watch`` call: the running one, one
+        left by an earlier reconciler (adopted), or a new one. A change of the placement while
+        waiting leaves the host starting (the next pass waits for it again)."""
+        if self.host is not None and self._watch is not None and self.info is not None:
+            return self.info
         if self.host is None:
-            assert self.pg is not None
-            bundle = p["bundles"][0]
-            self.host = EngineHost.options(  # type: ignore[attr-defined]
-                name=host_name(self.engine_id),
-                num_cpus=float(bundle.get("CPU", 0)),
-                num_gpus=float(bundle.get("GPU", 0)),
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=0
-                ),
-            ).remote(self.engine_id, self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
             try:
-                await self._until(self._ask_info(), HOST_START_SECS)
-            except _Changed:
-                raise
-            except Exception as err:
-                ray.kill(self.host, no_restart=True)
-                self._forget_host()
-                raise RuntimeError(f"its host did not start: {err!r}") from err
-            self.owner.event(self.engine_id, "host_started")
+                self.host = await asyncio.to_thread(ray.get_actor, host_name(self.engine_id))
+                started = "host_adopted"
+            except ValueError:
+                assert self.pg is not None
+                bundle = p["bundles"][0]
+                self.host = EngineHost.options(  # type: ignore[attr-defined]
+                    name=host_name(self.engine_id),
+                    num_cpus=float(bundle.get("CPU", 0)),
+                    num_gpus=float(bundle.get("GPU", 0)),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=0
+                    ),
+                ).remote(self.engine_id, self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
+                started = "host_started"
+            self._started = started
+        try:
+            info = await self._until(self._ask_info(), HOST_START_SECS)
+        except _Changed:
+            raise
+        except (TimeoutError, RayActorError) as err:
+            ray.kill(self.host, no_restart=True)
+            self._forget_host()
+            raise RuntimeError(f"its host did not start: {err!r}") from err
         self._watch = asyncio.wrap_future(self.host.watch.remote().future())
+        self.owner.event(self.engine_id, self._started)
+        return info
 
     async def _bind(self, info: HostInfo) -> None:
         body = BindRequest(agent_url=info["url"], node_id=info["node_id"], gpu_ids=info["gpu_ids"])
