@@ -15,9 +15,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 __all__ = [
@@ -400,7 +399,6 @@ class RolloutClient:
             return f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen or 'no engines'}"
 
         return _poll(self.engines, lambda view: len(view.with_status(status)) == count, late, timeout, poll_interval)
-
 
     # -- the RL pipeline signal -------------------------------------------------------------
 

@@ -261,8 +261,9 @@ class DistributedWeightSync:
                 }
 
             with ThreadPoolExecutor(max_workers=1) as pool:
-                engines_side = pool.submit(self._on_all, "init_weights_update_group", layout.members,
-                                           "/init_weights_update_group", body)
+                engines_side = pool.submit(
+                    self._on_all, "init_weights_update_group", layout.members, "/init_weights_update_group", body
+                )
                 trainer_error: BaseException | None = None
                 try:
                     self.join_group(layout)
@@ -326,8 +327,13 @@ class DistributedWeightSync:
                 "flush_cache": flush_cache,
             }
             with ThreadPoolExecutor(max_workers=1) as pool:
-                engines_side = pool.submit(self._on_all, "update_weights_from_distributed", members,
-                                           "/update_weights_from_distributed", lambda m: body)
+                engines_side = pool.submit(
+                    self._on_all,
+                    "update_weights_from_distributed",
+                    members,
+                    "/update_weights_from_distributed",
+                    lambda m: body,
+                )
                 self.broadcast(layout, specs)
                 responses = engines_side.result()
             self._on_all("end_weight_update", members, "/end_weight_update", lambda m: {})

@@ -38,7 +38,8 @@ class ManagerActor(ManagerSupervisor):
         super().__init__(_local_binary(binary), serve_args, **kwargs)
 
 
-@ray.remote(max_restarts=0, max_concurrency=4)
+# Ray's stubs type ray.remote's options for tasks only; max_concurrency is an actor option.
+@ray.remote(max_restarts=0, max_concurrency=4)  # type: ignore[call-overload]
 class EngineHost(EngineHostImpl):
     """Runs the node agent of one engine on the GPUs Ray assigned to this actor."""
 

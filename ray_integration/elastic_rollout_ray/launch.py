@@ -3,7 +3,8 @@
 Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. Flow:
 
 1. split the launcher's own flags (``--serve-host``, ``--serve-port``, ``--namespace``,
-   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``, ``--resume``, ``--serve-proxy-location``) from the manager's, add the flags the shim owns
+   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``, ``--resume``,
+   ``--serve-proxy-location``) from the manager's, add the flags the shim owns
    (``--placement ray --api-socket ... --state-dir ...``) and validate everything with the
    manager's own parser (:func:`elastic_rollout._native.parse_serve_args`) BEFORE touching the
    cluster; refuse a run without ``--fully-async``;
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 __all__ = ["LaunchPlan", "main", "plan"]
@@ -114,8 +115,6 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
     Raises:
         SystemExit(2): bad arguments (the manager's message, naming the flag) or no --fully-async.
     """
-    from elastic_rollout import _native
-
     options, rest = _parser().parse_known_args(list(argv))
     serve_args = list(rest)
     if _given(serve_args, "--placement"):
@@ -133,7 +132,10 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
             _fail(f"error: invalid --resume {options.resume!r}: give the submission id of an earlier job")
         if not (jobs / options.resume).is_dir():
             known = sorted(d.name for d in jobs.iterdir() if d.is_dir()) if jobs.is_dir() else []
-            _fail(f"error: invalid --resume {options.resume!r}: no fleet state in {jobs / options.resume}; known jobs: {known}")
+            _fail(
+                f"error: invalid --resume {options.resume!r}: no fleet state in {jobs / options.resume}; "
+                f"known jobs: {known}"
+            )
         serve_args += ["--state-dir", str(jobs / options.resume)]
     elif not _given(serve_args, "--state-dir"):
         serve_args += ["--state-dir", str(jobs / job_key())]
@@ -170,10 +172,9 @@ def _try_parse(serve_args: list[str]) -> dict[str, Any]:
         return _native.parse_serve_args(serve_args)
     except ValueError as err:
         _fail(str(err))
-        raise  # unreachable
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(message, file=sys.stderr)
     raise SystemExit(2)
 
@@ -343,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  control API (Ray Serve): {where['control_url']}/rollout/engines")
         print(f"  router (data plane):     {where['router_url']}/generate")
         print(f"  manager socket:          {where['api_socket']} (state in {where['state_dir']})")
-        print(f"  job:                     {where['job']} (a later job takes this fleet up with --resume {where['job']})")
+        print(
+            f"  job:                     {where['job']} (a later job takes this fleet up with --resume {where['job']})"
+        )
         print("ELASTIC_ROLLOUT_READY " + json.dumps(where), flush=True)
         while not stop.wait(2.0):
             if not fleet.check():

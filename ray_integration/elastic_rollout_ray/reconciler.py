@@ -189,7 +189,7 @@ class PlacementWorker:
             self._pg_ready, self.pg = None, None
             raise RuntimeError(f"its placement group failed: {failed!r}")
         info = await self._ensure_host(p)
-        bound = (p["agent"] or {}).get("url")
+        bound = p["agent"]["url"] if p["agent"] is not None else None
         if bound is None and self.bound_url == info["url"]:
             # The manager unbound our agent (it found it gone). A host that still answers with
             # a running agent (restarted on the same port) is bound again; else it is replaced.
@@ -223,17 +223,19 @@ class PlacementWorker:
     async def _ensure_pg(self, p: Placement) -> PlacementGroup:
         name = pg_name(self.engine_id)
         try:
-            pg = await asyncio.to_thread(get_placement_group, name)
+            pg: PlacementGroup = await asyncio.to_thread(get_placement_group, name)
             self.owner.event(self.engine_id, "pg_adopted")
             return pg
         except ValueError:
             pass
-        selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid))})"}] * len(p["bundles"]) if self.avoid else None
+        selector = (
+            [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid))})"}] * len(p["bundles"]) if self.avoid else None
+        )
         pg = placement_group(
             [dict(b) for b in p["bundles"]],
             strategy=p["strategy"],
             name=name,
-            bundle_label_selector=selector,  # type: ignore[arg-type]
+            bundle_label_selector=selector,
         )
         self.owner.event(self.engine_id, "pg_created" + (f" avoiding {sorted(self.avoid)}" if self.avoid else ""))
         return pg
@@ -259,7 +261,9 @@ class PlacementWorker:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=0
                     ),
-                ).remote(self.engine_id, self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
+                ).remote(
+                    self.engine_id, self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir
+                )
                 started = "host_started"
             self._started = started
         try:

@@ -18,9 +18,8 @@ import threading
 import time
 from typing import Any
 
-import ray
-
 import httpx
+import ray
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -43,11 +42,13 @@ log = logging.getLogger("elastic_rollout_ray.serve_app")
 
 def job_alive(job_id_hex: str) -> bool:
     """Whether Ray's job table has the job and does not mark it dead."""
-    gcs = ray._private.worker.global_worker.gcs_client
+    # ray.init sets gcs_client on the worker; Ray's Worker class does not declare it.
+    gcs = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]
     for job_id, info in gcs.get_all_job_info().items():
         if job_id.hex() == job_id_hex:
             return not info.is_dead
     return False
+
 
 # FastAPI's own docs would describe only the catch-all routes: /openapi.json is the manager's.
 app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -125,9 +126,11 @@ class RolloutIngress:
         return await self._forward(request)
 
 
-def build_app(api_socket: str, node_ip: str, owner_job: str | None = None) -> Any:  # noqa: ANN401
+def build_app(api_socket: str, node_ip: str, owner_job: str | None = None) -> Any:
     """The Serve application, its replica pinned to ``node_ip`` (where the socket is); with
     ``owner_job`` (a job id in hex) it deletes itself once that job is dead."""
-    return RolloutIngress.options(ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}).bind(
-        api_socket, owner_job
+    # @serve.deployment made the class a Deployment; Ray's stubs still see the class.
+    deployment = RolloutIngress.options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}
     )
+    return deployment.bind(api_socket, owner_job)

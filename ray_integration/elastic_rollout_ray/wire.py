@@ -7,7 +7,7 @@ wrong, so a manager of another version fails loudly instead of half-working.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, cast
+from typing import Literal, TypedDict, TypeVar, cast
 
 __all__ = [
     "AgentBinding",
@@ -19,6 +19,8 @@ __all__ = [
     "WireError",
     "parse_placement_list",
 ]
+
+T = TypeVar("T")
 
 Desired = Literal["present", "absent"]
 PlacementStatus = Literal["PENDING_RESOURCES", "BOUND", "RELEASING"]
@@ -75,7 +77,7 @@ class HostInfo(TypedDict):
     log: str
 
 
-def _field(obj: dict[str, object], key: str, kind: type | tuple[type, ...], where: str) -> object:
+def _field(obj: dict[str, object], key: str, kind: type[T], where: str) -> T:
     if key not in obj:
         raise WireError(f"{where}: missing {key!r}")
     value = obj[key]
@@ -89,10 +91,11 @@ def _placement(raw: object, index: int) -> Placement:
     if not isinstance(raw, dict):
         raise WireError(f"{where} is not an object")
     obj = cast(dict[str, object], raw)
-    engine_id = cast(str, _field(obj, "engine_id", str, where))
+    engine_id = _field(obj, "engine_id", str, where)
     where = f"placement {engine_id}"
     bundles: list[dict[str, float]] = []
-    for b in cast(list[object], _field(obj, "bundles", list, where)):
+    raw_bundles: list[object] = _field(obj, "bundles", list, where)
+    for b in raw_bundles:
         if not isinstance(b, dict) or not all(
             isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in b.items()
         ):
@@ -100,10 +103,11 @@ def _placement(raw: object, index: int) -> Placement:
         bundles.append({str(k): float(v) for k, v in b.items()})
     if not bundles:
         raise WireError(f"{where}: no bundles")
-    desired = _field(obj, "desired", str, where)
+    # Typed `object` so that the `not in` checks narrow them to their Literal types.
+    desired: object = _field(obj, "desired", str, where)
     if desired not in ("present", "absent"):
         raise WireError(f"{where}: desired {desired!r} is not present/absent")
-    status = _field(obj, "status", str, where)
+    status: object = _field(obj, "status", str, where)
     if status not in ("PENDING_RESOURCES", "BOUND", "RELEASING"):
         raise WireError(f"{where}: unknown status {status!r}")
     agent: AgentBinding | None = None
@@ -112,11 +116,11 @@ def _placement(raw: object, index: int) -> Placement:
         if not isinstance(raw_agent, dict):
             raise WireError(f"{where}: agent {raw_agent!r} is not an object")
         a = cast(dict[str, object], raw_agent)
-        gpu_ids = _field(a, "gpu_ids", list, f"{where} agent")
+        gpu_ids: list[object] = _field(a, "gpu_ids", list, f"{where} agent")
         agent = AgentBinding(
-            url=cast(str, _field(a, "url", str, f"{where} agent")),
-            node_id=cast(str, _field(a, "node_id", str, f"{where} agent")),
-            gpu_ids=[str(g) for g in cast(list[object], gpu_ids)],
+            url=_field(a, "url", str, f"{where} agent"),
+            node_id=_field(a, "node_id", str, f"{where} agent"),
+            gpu_ids=[str(g) for g in gpu_ids],
         )
     labels = obj.get("labels") or {}
     if not isinstance(labels, dict):
@@ -124,10 +128,10 @@ def _placement(raw: object, index: int) -> Placement:
     return Placement(
         engine_id=engine_id,
         bundles=bundles,
-        strategy=cast(str, _field(obj, "strategy", str, where)),
-        initial=bool(_field(obj, "initial", bool, where)),
-        desired=cast(Desired, desired),
-        status=cast(PlacementStatus, status),
+        strategy=_field(obj, "strategy", str, where),
+        initial=_field(obj, "initial", bool, where),
+        desired=desired,
+        status=status,
         agent=agent,
         labels={str(k): str(v) for k, v in labels.items()},
     )
@@ -142,6 +146,6 @@ def parse_placement_list(raw: object) -> PlacementList:
     if not isinstance(raw, dict):
         raise WireError(f"the placements answer is not an object: {raw!r:.200}")
     obj = cast(dict[str, object], raw)
-    revision = cast(int, _field(obj, "revision", int, "placements answer"))
-    items = cast(list[object], _field(obj, "placements", list, "placements answer"))
+    revision = _field(obj, "revision", int, "placements answer")
+    items: list[object] = _field(obj, "placements", list, "placements answer")
     return PlacementList(revision=revision, placements=[_placement(p, i) for i, p in enumerate(items)])
