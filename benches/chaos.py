@@ -36,8 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
 
 from _chaos import Chaos, Load, Report, Watcher, chaos_args, resume_frozen, shut_down  # noqa: E402
-from _support import STARTUP_TIMEOUT  # noqa: E402
-from _support import start_manager  # noqa: E402
+from _support import STARTUP_TIMEOUT, start_manager  # noqa: E402
 from conftest import _manager_binary  # noqa: E402
 
 
@@ -74,7 +73,10 @@ def main() -> int:
                     n += 1
                     if time.monotonic() - started >= args.minutes * 60:
                         break
-                print(f"{(time.monotonic() - started) / 60:.1f} min, {n} actions, {len(load.outcomes)} requests", flush=True)
+                print(
+                    f"{(time.monotonic() - started) / 60:.1f} min, {n} actions, {len(load.outcomes)} requests",
+                    flush=True,
+                )
             chaos.clear_slow_health(force=True)
             deadline = time.monotonic() + 120
             while chaos.broken() and time.monotonic() < deadline:
@@ -93,10 +95,15 @@ def main() -> int:
     for action, times in sorted(report.recoveries.items()):
         ordered = sorted(times)
         p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-        recovery[action] = {"n": len(times), "median_s": round(statistics.median(times), 2), "p90_s": round(p90, 2), "max_s": round(max(times), 2)}
+        recovery[action] = {
+            "n": len(times),
+            "median_s": round(statistics.median(times), 2),
+            "p90_s": round(p90, 2),
+            "max_s": round(max(times), 2),
+        }
     duration = max((o.end for o in load.outcomes), default=0) - min((o.start for o in load.outcomes), default=0)
     results = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "seed": args.seed,
@@ -136,7 +143,8 @@ def render(r: dict) -> str:
         "",
         "| measure | value | goal |",
         "|---|---|---|",
-        f"| requests (streaming) over {r['minutes']} min | {r['requests']} ({r['streams']}), {r['requests_per_s']}/s | |",
+        f"| requests (streaming) over {r['minutes']} min "
+        f"| {r['requests']} ({r['streams']}), {r['requests_per_s']}/s | |",
         f"| client-visible failures, no stream data yet, an engine routable | {r['unexcused']} | 0 |",
         f"| failures after stream data had reached the client | {r['excused_after_stream_data']} | (allowed) |",
         f"| failures while no engine was routable | {r['excused_no_routable_engine']} | (allowed) |",

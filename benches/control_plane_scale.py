@@ -154,7 +154,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cp-scale-"))
     procs: list[subprocess.Popen[bytes]] = []
     results: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "manager_binary": manager_bin,
@@ -164,15 +164,15 @@ def main() -> int:
     }
     try:
         base = consecutive_free_ports(total)
-        sim_log = open(work / "sim.log", "wb")  # noqa: SIM115 - closed with the process
+        sim_log = open(work / "sim.log", "wb")
         sim = subprocess.Popen(
             [sim_bin, "--model-path", "sim-model", "--port", str(base), "--instances", str(total),
              "--zero-cost", "--enable-metrics", "--log-level", "warning"],
             stdout=sim_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         procs.append(sim)
-        mgr_out = open(work / "manager.stdout", "wb")  # noqa: SIM115
-        mgr_err = open(work / "manager.stderr", "wb")  # noqa: SIM115
+        mgr_out = open(work / "manager.stdout", "wb")
+        mgr_err = open(work / "manager.stderr", "wb")
         manager = subprocess.Popen(
             [manager_bin, "serve", "--host", "127.0.0.1", "--port", "0", "--router-port", "0",
              "--state-dir", str(work / "state"), "--gpus", "1", "--rollout-num-gpus", "0",
@@ -318,12 +318,17 @@ def render(r: dict[str, Any]) -> str:
         "",
         "| measure | value | goal | met |",
         "|---|---|---|---|",
-        f"| manager CPU, idle with {r['engines']} engines | {r['cpu_share']:.1%} of one core | < 25% | {ok[r['goals']['cpu_share']]} |",
-        f"| manager resident memory (max over the window) | {r['rss_mb_max']} MB | < 200 MB | {ok[r['goals']['rss_mb']]} |",
+        f"| manager CPU, idle with {r['engines']} engines | {r['cpu_share']:.1%} of one core | < 25% "
+        f"| {ok[r['goals']['cpu_share']]} |",
+        f"| manager resident memory (max over the window) | {r['rss_mb_max']} MB | < 200 MB "
+        f"| {ok[r['goals']['rss_mb']]} |",
         f"| worst control-API GET p99 | {r['api_p99_ms_worst']} ms | < 20 ms | {ok[r['goals']['api_p99_ms']]} |",
-        f"| attach {r['engines']} external engines, {len(r['attach_n']['batches_s'])} scale-outs in a row | {r['attach_n']['secs']} s (per batch: {', '.join(map(str, r['attach_n']['batches_s']))}) | | |",
-        f"| scale out by {r['scale_n']} (POST to ACTIVE) | {r['scale']['out']['secs']} s ({r['scale']['out']['status']}) | | |",
-        f"| scale back in by {r['scale_n']} (POST to COMPLETED) | {r['scale']['in']['secs']} s ({r['scale']['in']['status']}) | | |",
+        f"| attach {r['engines']} external engines, {len(r['attach_n']['batches_s'])} scale-outs in a row "
+        f"| {r['attach_n']['secs']} s (per batch: {', '.join(map(str, r['attach_n']['batches_s']))}) | | |",
+        f"| scale out by {r['scale_n']} (POST to ACTIVE) "
+        f"| {r['scale']['out']['secs']} s ({r['scale']['out']['status']}) | | |",
+        f"| scale back in by {r['scale_n']} (POST to COMPLETED) "
+        f"| {r['scale']['in']['secs']} s ({r['scale']['in']['status']}) | | |",
         f"| manager memory after the scale test | {r['rss_mb_after_scale']} MB | | |",
         "",
         "| request | p50 ms | p99 ms | max ms | n | body bytes |",
@@ -331,7 +336,8 @@ def render(r: dict[str, Any]) -> str:
     ]
     for name, v in r["latency"].items():
         lines.append(
-            f"| {name} | {v.get('p50_ms', '')} | {v.get('p99_ms', '')} | {v.get('max_ms', '')} | {v.get('n', '')} | {v.get('bytes', '')} |"
+            f"| {name} | {v.get('p50_ms', '')} | {v.get('p99_ms', '')} | {v.get('max_ms', '')} "
+            f"| {v.get('n', '')} | {v.get('bytes', '')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,8 @@ group and is killed at the end):
 4. `--repeats` rounds of one run per router/policy, each on a fresh `sglang-sim --instances N`
    process: our manager (engines attached with `POST /rollout/scale_out {"engine_urls"}`) with
    `capacity` and `round_robin`, and `ours_lf:capacity`, the same with late binding
-   (`--max-inflight-per-engine` = `--late-binding-cap`, `--queue-order longest_first`), and `smg` with `cache_aware`, `power_of_two`, `least_load`,
+   (`--max-inflight-per-engine` = `--late-binding-cap`, `--queue-order longest_first`), and `smg`
+   with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
    straight to the engine an offline longest-processing-time-first partition of the exact output
    lengths chose (perfect balance, knowledge no router has), `oracle:lpt_longest_first` does the
@@ -168,7 +169,7 @@ class Procs:
         self.logs: list = []
 
     def start(self, name: str, cmd: list[str], env: dict | None = None, stdout_pipe: bool = False) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (closed in close())
+        log = open(self.tmp / f"{name}.log", "ab")
         self.logs.append(log)
         p = subprocess.Popen(
             cmd,
@@ -808,7 +809,7 @@ def plot(results: list[dict], lb: float, path: Path, n: int, period: float) -> s
     tmax = max(r["makespan_s"] for r in rows) * 1.03
     fig, axes = plt.subplots(len(rows), 2, figsize=(13, 3.6 * len(rows)), squeeze=False, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for row, r in zip(axes, rows):
+    for row, r in zip(axes, rows, strict=True):
         for e in range(n):
             ss = [s for s in r["samples"] if s["e"] == e]
             t = [s["t"] for s in ss]
@@ -912,13 +913,24 @@ def main() -> int:
         "--length-hint",
         choices=["exact", "hidden"],
         default="exact",
-        help="exact: max_new_tokens=L (the router sees L); hidden: max_new_tokens=cap, min_new_tokens=L-1, --eos-prob 1",
+        help=(
+            "exact: max_new_tokens=L (the router sees L); hidden: max_new_tokens=cap, min_new_tokens=L-1, --eos-prob 1"
+        ),
     )
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma-separated kind:policy list")
-    ap.add_argument("--ours-arg", action="append", default=[], metavar="ARG",
-                    help="extra rollout-manager flag for our router, e.g. --ours-arg=--max-inflight-per-engine=32")
-    ap.add_argument("--late-binding-cap", type=int, default=32,
-                    help="--max-inflight-per-engine of the ours_lf row (near the engines' full batch)")
+    ap.add_argument(
+        "--ours-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra rollout-manager flag for our router, e.g. --ours-arg=--max-inflight-per-engine=32",
+    )
+    ap.add_argument(
+        "--late-binding-cap",
+        type=int,
+        default=32,
+        help="--max-inflight-per-engine of the ours_lf row (near the engines' full batch)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router (the table shows median and range)")
     ap.add_argument("--sample-period", type=float, default=0.25)
     ap.add_argument(
@@ -973,7 +985,8 @@ def main() -> int:
                 results.append(res)
                 print(
                     f"  {name:26s} makespan {res['makespan_s']:6.2f} s = {res['makespan_s'] / lb:.2f} x LB, "
-                    f"errors {res['errors']}, cache hit {100 * res['cache_hit']:.1f}%, requests/engine {res['per_engine_requests']}"
+                    f"errors {res['errors']}, cache hit {100 * res['cache_hit']:.1f}%, "
+                    f"requests/engine {res['per_engine_requests']}"
                     f" ({time.monotonic() - t:.0f} s with setup)",
                     flush=True,
                 )

@@ -159,7 +159,10 @@ def drive(name: str, url: str, pids: list[int], conc: int, secs: float, lua: Pat
     before = cpu_seconds(pids)
     out = subprocess.run(
         ["wrk", "-t1", f"-c{conc}", f"-d{max(1, round(secs))}s", "--latency", "-s", str(lua), f"{url}/generate"],
-        capture_output=True, text=True, timeout=secs + 60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=secs + 60,
+        check=True,
     ).stdout
     used = cpu_seconds(pids) - before
     n = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
@@ -178,8 +181,14 @@ class Stack:
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p
 
@@ -202,24 +211,45 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; cells are medians over them")
-    ap.add_argument("--proxies", nargs="+", default=["direct", "nginx", "ours", "ours_round_robin", "smg", "sglang_router"])
-    ap.add_argument("--baseline-binary", type=Path, default=None,
-                    help="a rollout-manager binary of another build, run as the proxy `ours_baseline`")
+    ap.add_argument(
+        "--proxies", nargs="+", default=["direct", "nginx", "ours", "ours_round_robin", "smg", "sglang_router"]
+    )
+    ap.add_argument(
+        "--baseline-binary",
+        type=Path,
+        default=None,
+        help="a rollout-manager binary of another build, run as the proxy `ours_baseline`",
+    )
     args = ap.parse_args()
     if "ours_baseline" in args.proxies and args.baseline_binary is None:
         ap.error("--proxies ours_baseline needs --baseline-binary PATH")
     BASELINE[0] = args.baseline_binary
     sgr_python = ensure_tools()
     release = ROOT / "target" / "release"
-    subprocess.run(["cargo", "build", "--release", "-q", "-p", "rollout-manager", "-p", "sglang-sim"], cwd=ROOT, check=True)
+    subprocess.run(
+        ["cargo", "build", "--release", "-q", "-p", "rollout-manager", "-p", "sglang-sim"], cwd=ROOT, check=True
+    )
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     lua = tmp / "post.lua"
     lua.write_text(f"wrk.method = 'POST'\nwrk.body = '{BODY}'\nwrk.headers['Content-Type'] = 'application/json'\n")
     runs: list[Run] = []
     engines = Stack(tmp)
     base = free_ports(2)
-    engines.start("engines", [str(release / "sglang-sim"), "--model-path", "sim-model", "--port", str(base),
-                              "--instances", "2", "--zero-cost", "--log-level", "warn"])
+    engines.start(
+        "engines",
+        [
+            str(release / "sglang-sim"),
+            "--model-path",
+            "sim-model",
+            "--port",
+            str(base),
+            "--instances",
+            "2",
+            "--zero-cost",
+            "--log-level",
+            "warn",
+        ],
+    )
     urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     for u in urls:
         wait_http(f"{u}/health")
@@ -240,8 +270,11 @@ def main() -> None:
                     drive(proxy, url, pids, conc, 1.0, lua)  # warm the pools
                     run = drive(proxy, url, pids, conc, args.seconds, lua)
                     run.round = rnd
-                    print(f"round {rnd + 1} {proxy:>16} c={conc:<3} {run.rps:>9.0f} req/s  p50 {run.p50_ms:6.2f} ms  "
-                          f"p99 {run.p99_ms:6.2f} ms  cpu {run.cpu_us_per_req:6.1f} us/req  errors {run.errors}", flush=True)
+                    print(
+                        f"round {rnd + 1} {proxy:>16} c={conc:<3} {run.rps:>9.0f} req/s  p50 {run.p50_ms:6.2f} ms  "
+                        f"p99 {run.p99_ms:6.2f} ms  cpu {run.cpu_us_per_req:6.1f} us/req  errors {run.errors}",
+                        flush=True,
+                    )
                     runs.append(run)
     finally:
         for stack in reversed(stacks):
@@ -250,7 +283,9 @@ def main() -> None:
     report(runs, args)
 
 
-def start_proxy(proxy: str, stack: Stack, urls: list[str], tmp: Path, release: Path, sgr_python: Path) -> tuple[str, int]:
+def start_proxy(
+    proxy: str, stack: Stack, urls: list[str], tmp: Path, release: Path, sgr_python: Path
+) -> tuple[str, int]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if proxy == "direct":
@@ -261,9 +296,26 @@ def start_proxy(proxy: str, stack: Stack, urls: list[str], tmp: Path, release: P
         # ours_threads<N>: the default policy on N data-plane threads.
         threads = proxy.removeprefix("ours_threads") if proxy.startswith("ours_threads") else "0"
         binary = BASELINE[0] if proxy == "ours_baseline" and BASELINE[0] else release / "rollout-manager"
-        p = stack.start(proxy, [str(binary), "serve", "--port", "0", "--router-port", str(port),
-                                "--rollout-num-gpus", "0", "--state-dir", str(tmp / f"state-{proxy}"),
-                                "--routing-policy", policy, "--router-threads", threads], env={"RUST_LOG": "warn"})
+        p = stack.start(
+            proxy,
+            [
+                str(binary),
+                "serve",
+                "--port",
+                "0",
+                "--router-port",
+                str(port),
+                "--rollout-num-gpus",
+                "0",
+                "--state-dir",
+                str(tmp / f"state-{proxy}"),
+                "--routing-policy",
+                policy,
+                "--router-threads",
+                threads,
+            ],
+            env={"RUST_LOG": "warn"},
+        )
         control = None
         deadline = time.monotonic() + 30
         while control is None and time.monotonic() < deadline:
@@ -282,8 +334,22 @@ def start_proxy(proxy: str, stack: Stack, urls: list[str], tmp: Path, release: P
         return url, p.pid
     if proxy in ("smg", "sglang_router"):
         metrics = free_port()
-        common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "round_robin",
-                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--log-level", "warn"]
+        common = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics),
+            "--log-level",
+            "warn",
+        ]
         if proxy == "smg":
             smg = shutil.which("smg", path=str(Path(sys.executable).parent)) or "smg"
             p = stack.start(proxy, [smg, "launch", *common, "--disable-tokenizer-autoload"], env=DEAD_HF)
@@ -306,7 +372,9 @@ http {{
   upstream engines {{ server {urls[0][7:]}; server {urls[1][7:]}; keepalive 256; }}
   server {{
     listen 127.0.0.1:{port};
-    location / {{ proxy_pass http://engines; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }}
+    location / {{
+      proxy_pass http://engines; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off;
+    }}
   }}
 }}
 """)
@@ -337,32 +405,56 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
 
-    lines = [f"Router overhead, {meta['date']}, {meta['machine']}", f"`{meta['command']}`",
-             f"{args.rounds} interleaved rounds of {args.seconds:g} s per cell; medians over the rounds", "",
-             "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | errors |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Router overhead, {meta['date']}, {meta['machine']}",
+        f"`{meta['command']}`",
+        f"{args.rounds} interleaved rounds of {args.seconds:g} s per cell; medians over the rounds",
+        "",
+        "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (proxy, conc), rs in cells.items():
         cpu = "-" if proxy == "direct" else f"{med([r.cpu_us_per_req for r in rs]):.1f}"
-        lines.append(f"| {proxy} | {conc} | {med([r.rps for r in rs]):.0f} | {med([r.p50_ms for r in rs]):.2f} | "
-                     f"{med([r.p99_ms for r in rs]):.2f} | {cpu} | {sum(r.errors for r in rs)} |")
+        lines.append(
+            f"| {proxy} | {conc} | {med([r.rps for r in rs]):.0f} | {med([r.p50_ms for r in rs]):.2f} | "
+            f"{med([r.p99_ms for r in rs]):.2f} | {cpu} | {sum(r.errors for r in rs)} |"
+        )
 
     def ratio(a: str, b: str, conc: int, attr: str) -> str:
         """Median [min-max] over rounds of a/b, each from the same round."""
         by_round = {r.round: r for r in cells.get((b, conc), [])}
-        xs = [getattr(r, attr) / getattr(by_round[r.round], attr) for r in cells.get((a, conc), [])
-              if r.round in by_round and getattr(by_round[r.round], attr)]
+        xs = [
+            getattr(r, attr) / getattr(by_round[r.round], attr)
+            for r in cells.get((a, conc), [])
+            if r.round in by_round and getattr(by_round[r.round], attr)
+        ]
         return f"{med(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]" if xs else "-"
 
-    lines += ["", "Ratios from the same round, median [min-max] over rounds:", "",
-              "| conc | ours CPU / nginx CPU | ours req/s / sglang-router req/s | ours req/s / smg req/s |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "Ratios from the same round, median [min-max] over rounds:",
+        "",
+        "| conc | ours CPU / nginx CPU | ours req/s / sglang-router req/s | ours req/s / smg req/s |",
+        "|---|---|---|---|",
+    ]
     for c in args.concurrency:
-        lines.append(f"| {c} | {ratio('ours', 'nginx', c, 'cpu_us_per_req')} | {ratio('ours', 'sglang_router', c, 'rps')} | "
-                     f"{ratio('ours', 'smg', c, 'rps')} |")
+        lines.append(
+            f"| {c} | {ratio('ours', 'nginx', c, 'cpu_us_per_req')} | {ratio('ours', 'sglang_router', c, 'rps')} | "
+            f"{ratio('ours', 'smg', c, 'rps')} |"
+        )
     if "ours_baseline" in args.proxies:
-        lines += ["", f"This build against `{args.baseline_binary}`, same rounds, median [min-max]:", "",
-                  "| conc | ours CPU / baseline CPU | ours req/s / baseline req/s |", "|---|---|---|"]
+        lines += [
+            "",
+            f"This build against `{args.baseline_binary}`, same rounds, median [min-max]:",
+            "",
+            "| conc | ours CPU / baseline CPU | ours req/s / baseline req/s |",
+            "|---|---|---|",
+        ]
         for c in args.concurrency:
-            lines.append(f"| {c} | {ratio('ours', 'ours_baseline', c, 'cpu_us_per_req')} | "
-                         f"{ratio('ours', 'ours_baseline', c, 'rps')} |")
+            lines.append(
+                f"| {c} | {ratio('ours', 'ours_baseline', c, 'cpu_us_per_req')} | "
+                f"{ratio('ours', 'ours_baseline', c, 'rps')} |"
+            )
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(text)
     print("\n" + text)

@@ -111,8 +111,9 @@ def plain_copy(src: Path, work: Path) -> dict:
     dest.mkdir()
     port_file = work / "plain.port"
     port_file.unlink(missing_ok=True)
-    child = subprocess.Popen([sys.executable, __file__, "_plain_recv", str(port_file), str(dest)],
-                             stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "_plain_recv", str(port_file), str(dest)], stdout=subprocess.PIPE
+    )
     while not port_file.exists() or not port_file.read_text():
         if child.poll() is not None:
             sys.exit("the plain-copy receiver exited early")
@@ -171,14 +172,23 @@ def concurrent_copies(src: Path, work: Path, n: int) -> dict:
             dest.mkdir()
             port_file = work / f"copy{i}.port"
             port_file.unlink(missing_ok=True)
-            receivers.append(subprocess.Popen([sys.executable, __file__, "_plain_recv", str(port_file), str(dest)],
-                                              stdout=subprocess.PIPE))
+            receivers.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "_plain_recv", str(port_file), str(dest)], stdout=subprocess.PIPE
+                )
+            )
             while not port_file.exists() or not port_file.read_text():
                 if receivers[-1].poll() is not None:
                     sys.exit("a plain-copy receiver exited early")
                 time.sleep(0.01)
-            senders.append(subprocess.Popen([sys.executable, __file__, "_plain_send", port_file.read_text(), str(src)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            senders.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "_plain_send", port_file.read_text(), str(src)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for p in senders:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         start = time.perf_counter()
@@ -226,24 +236,47 @@ def relay_run(src: Path, work: Path, n: int, chunk_mib: int, version: str) -> Re
         addrs = []
         for i in range(n):
             dest = work / f"r{i}"
-            p = subprocess.Popen([str(relay_bin()), "recv", "--listen", "127.0.0.1:0", "--dest", str(dest)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            p = subprocess.Popen(
+                [str(relay_bin()), "recv", "--listen", "127.0.0.1:0", "--dest", str(dest)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
             procs.append(p)
             assert p.stdout is not None
             addrs.append(p.stdout.readline().decode().split()[-1])
         children0 = sum(os.times()[2:4])
         sender = subprocess.Popen(
-            [str(relay_bin()), "send", "--version", version, "--source", str(src), "--to", ",".join(addrs),
-             "--chunk-mib", str(chunk_mib), "--attempts", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            [
+                str(relay_bin()),
+                "send",
+                "--version",
+                version,
+                "--source",
+                str(src),
+                "--to",
+                ",".join(addrs),
+                "--chunk-mib",
+                str(chunk_mib),
+                "--attempts",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         out, _ = sender.communicate(timeout=1800)
         report = json.loads(out)
         cpu = sum(cpu_seconds(p.pid) for p in procs)
         # The sender is reaped: its CPU is the growth of our children's times.
         cpu += sum(os.times()[2:4]) - children0
-        return RelayRun(n, report["bytes"], report["seconds"], report["manifest_seconds"],
-                        report["bytes"] / report["seconds"] / 1e9, cpu,
-                        all(r["ok"] for r in report["receivers"]))
+        return RelayRun(
+            n,
+            report["bytes"],
+            report["seconds"],
+            report["manifest_seconds"],
+            report["bytes"] / report["seconds"] / 1e9,
+            cpu,
+            all(r["ok"] for r in report["receivers"]),
+        )
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -263,8 +296,13 @@ def plot(runs: list[RelayRun], plain: dict, peers: dict[int, dict], path: Path) 
     ns = [r.receivers for r in runs]
     a.plot(ns, [r.seconds for r in runs], "o-", label="relay chain")
     a.plot(ns, [runs[0].seconds * n for n in ns], ":", color="grey", label="n x time(1) (no pipelining)")
-    a.plot(ns, [peers[n]["seconds"] for n in ns], "s-", color="tab:purple",
-           label="n plain copies at once (this box's limit)")
+    a.plot(
+        ns,
+        [peers[n]["seconds"] for n in ns],
+        "s-",
+        color="tab:purple",
+        label="n plain copies at once (this box's limit)",
+    )
     a.axhline(runs[0].seconds * 1.3, color="tab:green", ls="--", label="goal: 1.3 x time(1)")
     a.set_xlabel("receivers")
     a.set_ylabel("seconds")
@@ -298,9 +336,13 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=4)
     ap.add_argument("--dir", default="/dev/shm/elastic-rollout-relay-bench")
     ap.add_argument("--relay-bin", type=Path, default=RELAY_BIN, help="the rollout-relay binary to measure")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs of each relay and N-copies measurement; the fastest is kept (a shared machine's "
-                         "noise only ever adds time)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each relay and N-copies measurement; the fastest is kept (a shared machine's "
+        "noise only ever adds time)",
+    )
     ap.add_argument("--name", default="weights_relay", help="results file names: benches/results/NAME.{json,md,png}")
     args = ap.parse_args()
     RELAY_BIN = args.relay_bin.resolve()
@@ -309,11 +351,14 @@ def main() -> None:
     need = size * (1 + max(args.receivers)) + (1 << 30)
     work = Path(args.dir)
     free = shutil.disk_usage(work.parent).free
-    avail = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable")).split()[1]) * 1024
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    avail = int(next(line for line in meminfo if line.startswith("MemAvailable")).split()[1]) * 1024
     if need > min(free, avail):
-        sys.exit(f"--size-gib {args.size_gib} with {max(args.receivers)} receivers needs {need / 2**30:.1f} GiB in "
-                 f"{work.parent} (free {free / 2**30:.1f} GiB, memory available {avail / 2**30:.1f} GiB); "
-                 "lower --size-gib or --receivers")
+        sys.exit(
+            f"--size-gib {args.size_gib} with {max(args.receivers)} receivers needs {need / 2**30:.1f} GiB in "
+            f"{work.parent} (free {free / 2**30:.1f} GiB, memory available {avail / 2**30:.1f} GiB); "
+            "lower --size-gib or --receivers"
+        )
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     load_before = f"{os.getloadavg()[0]:.2f}"
@@ -329,8 +374,10 @@ def main() -> None:
             for k in range(max(1, args.repeat)):
                 r = relay_run(src, work, n, args.chunk_mib, f"v{n}-{k}")
                 tries.append(r)
-                print(f"relay to {n}: {r.seconds:.2f} s, {r.gbps:.2f} GB/s per receiver, cpu {r.cpu_seconds:.1f} s, "
-                      f"ok={r.all_ok}")
+                print(
+                    f"relay to {n}: {r.seconds:.2f} s, {r.gbps:.2f} GB/s per receiver, cpu {r.cpu_seconds:.1f} s, "
+                    f"ok={r.all_ok}"
+                )
                 p = concurrent_copies(src, work, n)
                 peer_tries.append(p)
                 print(f"{n} plain copies at once: {p['seconds']:.2f} s, cpu {p['cpu_seconds']:.1f} s")
@@ -354,8 +401,9 @@ def main() -> None:
         "plain": [plain, plain2],
         "relay": [asdict(r) for r in runs],
         "time_ratio_vs_1": {r.receivers: r.seconds / t1 for r in runs},
-        "throughput_vs_plain": {r.receivers: (r.bytes / r.seconds) / (plain_best["bytes"] / plain_best["seconds"])
-                                for r in runs},
+        "throughput_vs_plain": {
+            r.receivers: (r.bytes / r.seconds) / (plain_best["bytes"] / plain_best["seconds"]) for r in runs
+        },
         "concurrent_copies": {n: peers[n] for n in args.receivers},
         "time_vs_concurrent_copies": {r.receivers: r.seconds / peers[r.receivers]["seconds"] for r in runs},
     }
@@ -375,12 +423,16 @@ def main() -> None:
     ]
     for r in runs:
         peer = peers[r.receivers]
-        lines.append(f"| {r.receivers} | {r.seconds:.2f} | {r.gbps:.2f} | {r.seconds / t1:.2f} | "
-                     f"{summary['throughput_vs_plain'][r.receivers]:.2f} | {peer['seconds']:.2f} | "
-                     f"{r.seconds / peer['seconds']:.2f} | {r.cpu_seconds:.1f} | {peer['cpu_seconds']:.1f} |")
+        lines.append(
+            f"| {r.receivers} | {r.seconds:.2f} | {r.gbps:.2f} | {r.seconds / t1:.2f} | "
+            f"{summary['throughput_vs_plain'][r.receivers]:.2f} | {peer['seconds']:.2f} | "
+            f"{r.seconds / peer['seconds']:.2f} | {r.cpu_seconds:.1f} | {peer['cpu_seconds']:.1f} |"
+        )
     for i, p in enumerate((plain, plain2)):
-        lines.append(f"| plain copy ({'before' if i == 0 else 'after'}) | {p['seconds']:.2f} | "
-                     f"{p['bytes'] / p['seconds'] / 1e9:.2f} | - | - | - | - | {p['cpu_seconds']:.1f} | - |")
+        lines.append(
+            f"| plain copy ({'before' if i == 0 else 'after'}) | {p['seconds']:.2f} | "
+            f"{p['bytes'] / p['seconds'] / 1e9:.2f} | - | - | - | - | {p['cpu_seconds']:.1f} | - |"
+        )
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

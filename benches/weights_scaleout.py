@@ -116,9 +116,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 op = request("POST", f"{control}/rollout/scale_out", {"num_replicas": 1 + n})
                 rid = op["request_id"]
                 record = wait(
-                    lambda: (r := request("GET", f"{control}/rollout/scale_out/{rid}"))["status"]
-                    in ("ACTIVE", "FAILED")
-                    and r,
+                    lambda: (
+                        (r := request("GET", f"{control}/rollout/scale_out/{rid}"))["status"]  # noqa: B023
+                        in ("ACTIVE", "FAILED")
+                        and r
+                    ),
                     600,
                     f"scale-out to {1 + n}",
                 )
@@ -145,8 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps(row), flush=True)
                 sin = request("POST", f"{control}/rollout/scale_in", {"num_replicas": 1, "force": True})
                 wait(
-                    lambda: request("GET", f"{control}/rollout/scale_in/{sin['request_id']}")["status"]
-                    in ("COMPLETED", "FAILED"),
+                    lambda: (
+                        request("GET", f"{control}/rollout/scale_in/{sin['request_id']}")["status"]  # noqa: B023
+                        in ("COMPLETED", "FAILED")
+                    ),
                     120,
                     "scale-in",
                 )

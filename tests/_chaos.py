@@ -40,6 +40,7 @@ from typing import Any
 from _checkpoints import write_checkpoint
 from _support import SHUTDOWN_TIMEOUT, ManagerHandle, ProcessIdentity, http, stop_manager
 
+
 #: Manager flags for a chaos fleet of ``engines`` engines with room for ``spare`` more.
 def chaos_args(engines: int, spare: int, time_scale: float) -> tuple[str, ...]:
     return (
@@ -259,7 +260,13 @@ class Chaos:
     """Breaks the fleet from a seeded schedule, never more than ``max_broken`` engines at once."""
 
     def __init__(
-        self, fleet: ManagerHandle, watcher: Watcher, seed: int, base_engines: int, max_engines: int, max_broken: int = 3
+        self,
+        fleet: ManagerHandle,
+        watcher: Watcher,
+        seed: int,
+        base_engines: int,
+        max_engines: int,
+        max_broken: int = 3,
     ) -> None:
         self.fleet = fleet
         self.watcher = watcher
@@ -455,9 +462,13 @@ class Report:
             f"actions done: {self.actions}",
         ]
         for action, times in sorted(self.recoveries.items()):
-            lines.append(f"recovery {action}: n={len(times)} max={max(times):.2f}s " + " ".join(f"{t:.2f}" for t in times))
+            lines.append(
+                f"recovery {action}: n={len(times)} max={max(times):.2f}s " + " ".join(f"{t:.2f}" for t in times)
+            )
         for o in self.unexcused[:10]:
-            lines.append(f"unexcused failure: stream={o.stream} engine={o.engine_id} after {o.end - o.start:.2f}s: {o.error}")
+            lines.append(
+                f"unexcused failure: stream={o.stream} engine={o.engine_id} after {o.end - o.start:.2f}s: {o.error}"
+            )
         for b in self.unrecovered:
             lines.append(f"not recovered: {b}")
         return "\n".join(lines)

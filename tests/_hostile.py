@@ -43,7 +43,11 @@ def ok_body(path: str, weight_version: str) -> bytes:
         }  # fmt: skip
         return json.dumps({"timestamp": 0, "loads": [rank]}).encode()
     if path == "/metrics":
-        return b'sglang:num_running_reqs{dp_rank="0"} 0\nsglang:num_queue_reqs{dp_rank="0"} 0\nsglang:token_usage{dp_rank="0"} 0\n'
+        return (
+            b'sglang:num_running_reqs{dp_rank="0"} 0\n'
+            b'sglang:num_queue_reqs{dp_rank="0"} 0\n'
+            b'sglang:token_usage{dp_rank="0"} 0\n'
+        )
     if path in ("/generate", "/v1/completions"):
         return json.dumps({"text": " hostile", "meta_info": {"id": "h", "completion_tokens": 1}}).encode()
     return b"{}"
@@ -73,13 +77,13 @@ class HostileEngine:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            def do_GET(self) -> None:
                 engine.answer(self)
 
-            def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)

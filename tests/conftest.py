@@ -21,6 +21,7 @@ from _support import (
     start_manager,
     stop_manager,
 )
+
 from elastic_rollout._find import ENV_OVERRIDES, BinaryNotFoundError, find_binary
 
 

@@ -116,9 +116,7 @@ class Shim:
                 if agent is not None:
                     agent.process.send_signal(signal.SIGTERM)
                     agent.process.wait(timeout=30)
-                done = http(
-                    "POST", f"{self.control_url}/rollout/placements/{engine_id}/released", headers=self.auth()
-                )
+                done = http("POST", f"{self.control_url}/rollout/placements/{engine_id}/released", headers=self.auth())
                 assert done.status == 200, done.body
                 self.released.append(engine_id)
 
@@ -131,7 +129,7 @@ class Shim:
                 revision = resp.json()["revision"] if resp.status == 200 else None
                 with self._lock:
                     self.reconcile()
-            except Exception as err:  # noqa: BLE001 - the loop must survive anything and report it
+            except Exception as err:
                 # The manager may be down (a restart test); try again.
                 self.errors.append(repr(err))
                 revision = None
@@ -192,6 +190,7 @@ def engine_pids(handle: ManagerHandle) -> dict[str, int]:
 
 def test_ray_mode_scales_routes_recovers_and_releases(start_fleet: StartManager, shim: Shim) -> None:
     fleet = start_fleet(*RAY_ARGS, wait=False)
+
     # Before the shim runs, the initial engines wait for resources, visibly.
     def listed() -> EnginesView | None:
         v = fleet.engines()
@@ -299,7 +298,9 @@ def test_bad_placement_requests_are_refused(start_fleet: StartManager, shim: Shi
     spec = http("GET", f"{fleet.control_url}/openapi.json").json()
 
     def check(name: str, value: Any) -> None:
-        jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": spec["components"]}).validate(value)
+        jsonschema.Draft202012Validator(
+            {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
+        ).validate(value)
 
     check("PlacementList", http("GET", url).json())
     check("EnginesView", http("GET", f"{fleet.control_url}/rollout/engines").json())
@@ -337,6 +338,7 @@ def test_pending_scale_out_is_cancellable(start_fleet: StartManager, shim: Shim)
     wait_no_operation(fleet)
     accepted = fleet.client.scale_out(num_replicas=3)
     op_url = f"{fleet.control_url}/rollout/scale_out/{accepted.request_id}"
+
     # The operation reports PENDING_RESOURCES once its placement is planned, just after it is accepted.
     def planned() -> dict[str, Any] | None:
         o: dict[str, Any] = http("GET", op_url).json()
@@ -388,8 +390,11 @@ def test_restarted_manager_re_adopts_agent_engines(manager_bin: Path, tmp_path: 
         # A re-adopted engine is watched again: kill -9 recovers it through its agent.
         os.kill(before["engine_1"], signal.SIGKILL)
         wait_until(
-            lambda: next(e for e in second.engines().engines if e.engine_id == "engine_1").pid not in (None, before["engine_1"])
-            and len(second.engines().with_status("ACTIVE")) == 2,
+            lambda: (
+                next(e for e in second.engines().engines if e.engine_id == "engine_1").pid
+                not in (None, before["engine_1"])
+                and len(second.engines().with_status("ACTIVE")) == 2
+            ),
             60,
             "engine_1 recovered after the restart",
         )
@@ -578,12 +583,20 @@ def test_a_lost_agent_sends_its_placement_back_and_the_engine_comes_back_elsewhe
         return p if p["status"] == "PENDING_RESOURCES" and p["agent"] is None else None
 
     wait_until(sent_back, 60, lambda: f"engine_1's placement back to PENDING_RESOURCES; {placements(fleet)}")
-    raw = {e["engine_id"]: e for e in http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]}
+    raw = {
+        e["engine_id"]: e
+        for e in http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]
+    }
     assert "refuses connections" in (raw["engine_1"]["last_error"] or ""), raw["engine_1"]
     assert raw["engine_0"]["status"] == "ACTIVE"
+
+    def engine_1() -> dict[str, Any]:
+        engines = http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"]
+        return next(x for x in engines if x["engine_id"] == "engine_1")
+
     # No engine is launched while no agent is bound: it waits, visibly, for resources.
     wait_until(
-        lambda: (e := next(x for x in http("GET", f"{fleet.control_url}/rollout/engines").json()["models"]["default"]["engines"] if x["engine_id"] == "engine_1"))
+        lambda: (e := engine_1())
         and e["status"] == "CREATING" and (e["detail"] or "").startswith("PENDING_RESOURCES") and e,
         60, "engine_1 waiting for an agent",
     )  # fmt: skip

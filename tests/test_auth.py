@@ -32,9 +32,17 @@ def test_mutations_need_the_token(start_fleet: StartManager, tmp_path: Path) -> 
     assert authed.scale_out(num_replicas=2).status == "NOOP"
     # The router's fan-out routes are guarded too; generation is not.
     assert http("POST", f"{fleet.router_url}/abort_request", {"abort_all": True}).status == 401
-    ok = http("POST", f"{fleet.router_url}/abort_request", {"abort_all": True}, headers={"Authorization": "Bearer s3cret-token"})
+    ok = http(
+        "POST",
+        f"{fleet.router_url}/abort_request",
+        {"abort_all": True},
+        headers={"Authorization": "Bearer s3cret-token"},
+    )
     assert ok.status == 200
-    assert http("POST", f"{fleet.router_url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}}).status == 200
+    assert (
+        http("POST", f"{fleet.router_url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}}).status
+        == 200
+    )
     # The token never reaches the logs or the engines' command lines.
     assert "s3cret" not in fleet.stderr_tail(1_000_000)
     for engine in fleet.engines().engines:
@@ -47,8 +55,21 @@ def test_token_file_readable_by_others_is_refused(manager_bin: Path, tmp_path: P
     token = tmp_path / "token"
     token.write_text("t")
     token.chmod(0o644)
-    argv = [str(manager_bin), "serve", "--port", "0", "--router-port", "0", "--state-dir", str(tmp_path), "--api-token-file", str(token)]
-    result = subprocess.run(argv, capture_output=True, timeout=20, stdin=subprocess.DEVNULL, check=False, env={**os.environ})
+    argv = [
+        str(manager_bin),
+        "serve",
+        "--port",
+        "0",
+        "--router-port",
+        "0",
+        "--state-dir",
+        str(tmp_path),
+        "--api-token-file",
+        str(token),
+    ]
+    result = subprocess.run(
+        argv, capture_output=True, timeout=20, stdin=subprocess.DEVNULL, check=False, env={**os.environ}
+    )
     assert result.returncode != 0
     assert "--api-token-file" in result.stderr.decode() and "chmod 600" in result.stderr.decode()
 

@@ -11,8 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _support import DEFAULT_ARGS, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
-from _support import start_manager, stop_manager
+from _support import (
+    DEFAULT_ARGS,
+    STARTUP_TIMEOUT,
+    ManagerHandle,
+    StartManager,
+    http,
+    start_manager,
+    stop_manager,
+    wait_until,
+)
 from test_openapi import check
 
 from elastic_rollout.client import RolloutClient

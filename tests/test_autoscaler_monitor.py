@@ -34,7 +34,10 @@ def screen(tmux: list[str]) -> str:
 def test_monitor_shows_the_fleet_and_quits_on_q(
     tmux: list[str], shared_fleet: ManagerHandle, manager_bin: Path
 ) -> None:
-    command = f"{shlex.quote(str(manager_bin))} monitor --url {shared_fleet.control_url}/autoscaler; echo MONITOR-EXITED rc=$?; sleep 60"
+    command = (
+        f"{shlex.quote(str(manager_bin))} monitor --url {shared_fleet.control_url}/autoscaler; "
+        "echo MONITOR-EXITED rc=$?; sleep 60"
+    )
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", "monitor", "-x", "140", "-y", "40", command],
         check=True,

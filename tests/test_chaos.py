@@ -77,7 +77,5 @@ def removed_since_broken(chaos: Chaos, present: set[str]) -> list[str]:
     """Breakages (kill, hang, freeze) of engines a scale-in has removed since: their restart
     counters left the registry, and /metrics, with them, whether or not they had recovered."""
     return [
-        b.engine_id
-        for b in chaos.breakages
-        if b.action in ("kill", "hang", "freeze") and b.engine_id not in present
+        b.engine_id for b in chaos.breakages if b.action in ("kill", "hang", "freeze") and b.engine_id not in present
     ]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from elastic_rollout import (
     BinaryNotFoundError,
     EnginesView,
@@ -378,4 +379,6 @@ def test_a_wait_on_a_manager_that_never_answers_times_out() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(TimeoutError, match="did not answer"):
-        RolloutClient(f"http://127.0.0.1:{port}").wait_for_operation("scale_out", "op-1", timeout=0.3, poll_interval=0.05)
+        RolloutClient(f"http://127.0.0.1:{port}").wait_for_operation(
+            "scale_out", "op-1", timeout=0.3, poll_interval=0.05
+        )

@@ -15,11 +15,18 @@ def start_long_requests(fleet: ManagerHandle, n: int) -> tuple[list[threading.Th
 
     def one(i: int) -> None:
         try:
-            resp = http("POST", f"{fleet.router_url}/generate", {"text": f"long request {i}", "sampling_params": LONG}, timeout=120)
+            resp = http(
+                "POST",
+                f"{fleet.router_url}/generate",
+                {"text": f"long request {i}", "sampling_params": LONG},
+                timeout=120,
+            )
         except OSError as err:  # the connection was cut (only acceptable under force)
             results.append(("connection-cut", str(err)))
             return
-        results.append((resp.headers.get("x-rollout-engine-id", "?"), resp.json() if resp.status == 200 else resp.status))
+        results.append(
+            (resp.headers.get("x-rollout-engine-id", "?"), resp.json() if resp.status == 200 else resp.status)
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -28,7 +35,9 @@ def start_long_requests(fleet: ManagerHandle, n: int) -> tuple[list[threading.Th
 
 
 def grow_to_three(fleet: ManagerHandle) -> str:
-    op = fleet.client.wait_for_operation("scale_out", fleet.client.scale_out(num_replicas=3).request_id, STARTUP_TIMEOUT)
+    op = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(num_replicas=3).request_id, STARTUP_TIMEOUT
+    )
     assert op.status == "ACTIVE"
     (victim,) = op.raw["engine_ids"]
     return str(victim)

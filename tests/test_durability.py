@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, http, wait_until
-from _support import start_manager
+from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, http, start_manager, wait_until
 
 from elastic_rollout import RolloutApiError
 
@@ -99,7 +98,9 @@ def test_restart_mid_scale_out_rolls_it_back(manager_bin: Path, tmp_path: Path, 
     second.wait_engines(3)
 
 
-def test_second_manager_on_same_state_dir_is_refused(manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]) -> None:
+def test_second_manager_on_same_state_dir_is_refused(
+    manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]
+) -> None:
     import subprocess
 
     state = tmp_path / "state"
@@ -116,7 +117,9 @@ def test_second_manager_on_same_state_dir_is_refused(manager_bin: Path, tmp_path
         first.client.scale_out_status("no-such-id")
 
 
-def test_live_engines_are_readopted_without_restart(manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]) -> None:
+def test_live_engines_are_readopted_without_restart(
+    manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]
+) -> None:
     state = tmp_path / "state"
     keep = ("--reattach-grace-secs", "60")
     first = start_manager(manager_bin, state, keep)
@@ -136,7 +139,14 @@ def test_live_engines_are_readopted_without_restart(manager_bin: Path, tmp_path:
     # ... and are re-adopted: same processes, never restarted.
     assert {k: (e.pid, e.restarts) for k, e in after.items()} == {k: (e.pid, e.restarts) for k, e in before.items()}
     for _ in range(6):
-        assert http("POST", f"{second.router_url}/generate", {"text": "still here", "sampling_params": {"max_new_tokens": 2}}).status == 200
+        assert (
+            http(
+                "POST",
+                f"{second.router_url}/generate",
+                {"text": "still here", "sampling_params": {"max_new_tokens": 2}},
+            ).status
+            == 200
+        )
     # Scale-in of a re-adopted engine stops it through its keeper.
     removal = second.client.scale_in(num_replicas=2)
     assert second.client.wait_for_operation("scale_in", removal.request_id, STARTUP_TIMEOUT).status == "COMPLETED"
@@ -144,7 +154,9 @@ def test_live_engines_are_readopted_without_restart(manager_bin: Path, tmp_path:
     wait_until(lambda: not first.engine_processes[victim.pid].alive(), 15, "the removed engine's process to exit")  # type: ignore[index]
 
 
-def test_unclaimed_engines_die_after_the_grace_period(manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]) -> None:
+def test_unclaimed_engines_die_after_the_grace_period(
+    manager_bin: Path, tmp_path: Path, managers: list[ManagerHandle]
+) -> None:
     handle = start_manager(manager_bin, tmp_path / "state", ("--reattach-grace-secs", "1"))
     managers.append(handle)
     handle.wait_engines(INITIAL_ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
@@ -153,4 +165,8 @@ def test_unclaimed_engines_die_after_the_grace_period(manager_bin: Path, tmp_pat
     assert len(handle.engine_processes) == 2 * INITIAL_ENGINES  # engines and their keepers
     handle.process.send_signal(signal.SIGKILL)
     handle.process.wait(timeout=10)
-    wait_until(lambda: not handle.surviving_engines(), 20, lambda: f"orphans to die after the grace: {handle.surviving_engines()}")
+    wait_until(
+        lambda: not handle.surviving_engines(),
+        20,
+        lambda: f"orphans to die after the grace: {handle.surviving_engines()}",
+    )

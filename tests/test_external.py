@@ -37,8 +37,17 @@ def external_engine(tmp_path: Path) -> Iterator[StartEngine]:
 
     def start(model: str = "sim-model", port: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:
         port = port or free_port()
-        log = open(tmp_path / f"external-{port}.log", "ab")  # noqa: SIM115 - closed with the process
-        argv = [str(find_binary("sglang-sim")), "--model-path", model, "--port", str(port), "--time-scale", "0.01", "--enable-metrics"]
+        log = open(tmp_path / f"external-{port}.log", "ab")
+        argv = [
+            str(find_binary("sglang-sim")),
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--time-scale",
+            "0.01",
+            "--enable-metrics",
+        ]
         proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         started.append(proc)
         url = f"http://127.0.0.1:{port}"
@@ -71,8 +80,13 @@ def test_attach_route_and_detach(start_fleet: StartManager, external_engine: Sta
     # The router sends traffic to the external engines too (round robin over 4 engines).
     for _ in range(8):
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
-        assert http("POST", f"{fleet.router_url}/generate", body, headers={"x-routing-policy": "round_robin"}).status == 200
-    served = sum(metric_total(http("GET", f"{u}/metrics").body.decode(), "sglang:num_requests_total") for u in (url_a, url_b))
+        assert (
+            http("POST", f"{fleet.router_url}/generate", body, headers={"x-routing-policy": "round_robin"}).status
+            == 200
+        )
+    served = sum(
+        metric_total(http("GET", f"{u}/metrics").body.decode(), "sglang:num_requests_total") for u in (url_a, url_b)
+    )
     assert served >= 4, f"external engines served {served} of 8 round-robin requests"
 
     # Scale-in by URL detaches the engine: it leaves the fleet but its process keeps running.

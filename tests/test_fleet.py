@@ -22,6 +22,7 @@ from _support import (
     sse_events,
     wait_until,
 )
+
 from elastic_rollout import Engine, RolloutApiError, ScaleOperation
 
 SCALE_TIMEOUT = 60.0
@@ -430,7 +431,9 @@ def test_killed_engine_is_reported_failed(start_fleet: StartManager) -> None:
         engine = fleet.engines().by_id(victim.engine_id)
         return engine if engine is not None and engine.status == "FAILED" and not engine.is_healthy else None
 
-    failed = wait_until(victim_failed, 20, lambda: f"{victim.engine_id} to be FAILED; engines: {fleet.engines().engines}")
+    failed = wait_until(
+        victim_failed, 20, lambda: f"{victim.engine_id} to be FAILED; engines: {fleet.engines().engines}"
+    )
     assert failed.last_error is not None and "signal 9" in failed.last_error, failed
     assert fleet.engines().by_id(survivor.engine_id) is not None
     # The router keeps serving from the survivor only.
@@ -452,7 +455,9 @@ def test_killed_engine_is_restarted_with_fleet_weights(start_fleet: StartManager
         ok = engine is not None and engine.status == "ACTIVE" and engine.restarts == 1 and engine.pid != victim.pid
         return engine if ok else None
 
-    engine = wait_until(recovered, 30, lambda: f"{victim.engine_id} to be restarted; engines: {fleet.engines().engines}")
+    engine = wait_until(
+        recovered, 30, lambda: f"{victim.engine_id} to be restarted; engines: {fleet.engines().engines}"
+    )
     assert engine.gpu_ids == victim.gpu_ids
     assert engine.weight_version == "default"
     assert engine.origin == "initial"

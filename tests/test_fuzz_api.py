@@ -127,7 +127,7 @@ def fuzz_operation(operation: Any, base_url: str, failures: list[str], seen: Cou
 
     try:
         run()
-    except BaseException as err:  # noqa: BLE001 - schemathesis raises exception groups; collect them all
+    except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         failures.append(f"{operation.method.upper()} {operation.path}:\n{str(err)[:3000]}")
@@ -170,7 +170,11 @@ def test_control_api_survives_fuzzing(start_fleet: StartManager) -> None:
 
     # Whatever the fuzzing started ends: cancel running scale-outs, let scale-ins finish.
     http("POST", f"{base}/rollout/scale_out_cancel", {})
-    wait_until(lambda: not operations_running(fleet), STARTUP_TIMEOUT, lambda: f"operations to end: {operations_running(fleet)}")
+    wait_until(
+        lambda: not operations_running(fleet),
+        STARTUP_TIMEOUT,
+        lambda: f"operations to end: {operations_running(fleet)}",
+    )
 
     # The fleet returns to its size: engines the fuzzing added are removed, the initial ones serve.
     def scaled_back() -> bool:
@@ -180,7 +184,12 @@ def test_control_api_survives_fuzzing(start_fleet: StartManager) -> None:
         view = fleet.engines()
         return view.total_engines == INITIAL_ENGINES and len(view.with_status("ACTIVE")) == INITIAL_ENGINES
 
-    wait_until(scaled_back, STARTUP_TIMEOUT, lambda: f"the fleet back at {INITIAL_ENGINES} ACTIVE engines; {fleet.describe([fleet.engines()], 'ACTIVE')}", interval=1.0)
+    wait_until(
+        scaled_back,
+        STARTUP_TIMEOUT,
+        lambda: f"the fleet back at {INITIAL_ENGINES} ACTIVE engines; {fleet.describe([fleet.engines()], 'ACTIVE')}",
+        interval=1.0,
+    )
     fleet.track_children()
     assert len(fleet.surviving_engines()) == INITIAL_ENGINES, fleet.surviving_engines()
     # The router still serves.

@@ -58,7 +58,7 @@ def generate(fleet: ManagerHandle, policy: str = "round_robin", timeout: float =
         ("trickle", "did not answer /model_info: timed out"),
         ("hang", "did not answer /model_info: timed out"),
         ("error", "unusable answer to /model_info: answered HTTP 500"),
-        ("wrong_version", "weight version \"v-from-elsewhere\""),
+        ("wrong_version", 'weight version "v-from-elsewhere"'),
     ],
 )
 def test_lying_engine_is_refused_at_attach(
@@ -82,7 +82,9 @@ def test_engine_that_turns_hostile_is_contained(
     start_fleet: StartManager, hostile: HostileEngine, tmp_path: Path
 ) -> None:
     autoscaler = tmp_path / "autoscaler.yaml"
-    autoscaler.write_text("enabled: false\nmetrics_interval_secs: 0.5\nevaluation_interval_secs: 1\ncondition_window_secs: 5\n")
+    autoscaler.write_text(
+        "enabled: false\nmetrics_interval_secs: 0.5\nevaluation_interval_secs: 1\ncondition_window_secs: 5\n"
+    )
     fleet = start_fleet(
         "--autoscaler-config", str(autoscaler),
         "--health-check-interval-secs", "0.3",
@@ -111,9 +113,10 @@ def test_engine_that_turns_hostile_is_contained(
         ("trickle", "timed out after"),
     ):
         hostile.set(mode, "/v1/loads", "/metrics")
-        wait_until(lambda: autoscaler_says(reason), 30, f"the autoscaler to report {reason!r} ({mode})")
+        # wait_until calls each lambda before the loop moves on, so the loop variables are current.
+        wait_until(lambda: autoscaler_says(reason), 30, f"the autoscaler to report {reason!r} ({mode})")  # noqa: B023
         seen = hostile.hits["/v1/loads"]
-        wait_until(lambda: hostile.hits["/v1/loads"] >= seen + 3, 30, f"the load poller to read /v1/loads ({mode})")
+        wait_until(lambda: hostile.hits["/v1/loads"] >= seen + 3, 30, f"the load poller to read /v1/loads ({mode})")  # noqa: B023
         assert engine_at(fleet, hostile.url)["status"] == "ACTIVE"
         assert peak_rss_kb(fleet.process.pid) < MEMORY_CEILING_KB, (mode, peak_rss_kb(fleet.process.pid))
 

@@ -52,13 +52,21 @@ def test_responses_match_the_schemas(start_fleet: StartManager) -> None:
     fleet.client.wait_for_operation("scale_out", accepted["request_id"], STARTUP_TIMEOUT)
     check(spec, "ScaleOutRecord", http("GET", f"{fleet.control_url}/rollout/scale_out/{accepted['request_id']}").json())
     check(spec, "ScaleOutList", http("GET", f"{fleet.control_url}/rollout/scale_out").json())
-    check(spec, "DryRun", http("POST", f"{fleet.control_url}/rollout/scale_in", {"num_replicas": 2, "dry_run": True}).json())
+    check(
+        spec,
+        "DryRun",
+        http("POST", f"{fleet.control_url}/rollout/scale_in", {"num_replicas": 2, "dry_run": True}).json(),
+    )
     removal = http("POST", f"{fleet.control_url}/rollout/scale_in", {"num_replicas": 2}).json()
     check(spec, "Accepted", removal)
     fleet.client.wait_for_operation("scale_in", removal["request_id"], STARTUP_TIMEOUT)
     check(spec, "ScaleInRecord", http("GET", f"{fleet.control_url}/rollout/scale_in/{removal['request_id']}").json())
     check(spec, "ScaleInList", http("GET", f"{fleet.control_url}/rollout/scale_in").json())
-    check(spec, "BatchCancelResult", http("POST", f"{fleet.control_url}/rollout/scale_out_cancel", {"dry_run": True}).json())
+    check(
+        spec,
+        "BatchCancelResult",
+        http("POST", f"{fleet.control_url}/rollout/scale_out_cancel", {"dry_run": True}).json(),
+    )
     for bad in ({"num_replicas": -1}, {"bogus": 1}, {"num_replicas": 1}):
         resp = http("POST", f"{fleet.control_url}/rollout/scale_in", bad)
         assert resp.status == 400

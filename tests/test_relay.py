@@ -85,8 +85,9 @@ def test_a_relayed_version_is_what_the_engines_load(
     checkpoint: tuple[Path, str], receivers: list[RelayReceiver], fleet: ManagerHandle
 ) -> None:
     src, checksum = checkpoint
-    done = run_send("--version", "v1", "--source", str(src), "--to", ",".join(r.addr for r in receivers),
-                    "--chunk-mib", "1")
+    done = run_send(
+        "--version", "v1", "--source", str(src), "--to", ",".join(r.addr for r in receivers), "--chunk-mib", "1"
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["checksum"] == checksum
@@ -99,9 +100,10 @@ def test_a_relayed_version_is_what_the_engines_load(
 
     # Each engine loads its node-local copy; the checksum it reports is the manifest's.
     engines = fleet.engines().with_status("ACTIVE")
-    for engine, r in zip(engines, receivers):
-        out = http("POST", engine.url + "/update_weights_from_disk",
-                   {"model_path": str(r.dest / "v1"), "weight_version": "v1"})
+    for engine, r in zip(engines, receivers, strict=False):  # more receivers than engines
+        out = http(
+            "POST", engine.url + "/update_weights_from_disk", {"model_path": str(r.dest / "v1"), "weight_version": "v1"}
+        )
         assert out.status == 200, out.body
         info = http("GET", engine.url + "/server_info").json()
         assert (info["weights_checksum"], info["weight_version"]) == (checksum, "v1")
@@ -119,8 +121,9 @@ def test_an_unreachable_receiver_fails_the_send_but_not_the_others(
     src, _ = checkpoint
     dead = receivers[1]
     assert dead.stop() == 0
-    done = run_send("--version", "v2", "--source", str(src), "--to", ",".join(r.addr for r in receivers),
-                    "--attempts", "2")
+    done = run_send(
+        "--version", "v2", "--source", str(src), "--to", ",".join(r.addr for r in receivers), "--attempts", "2"
+    )
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     oks = [r["ok"] for r in report["receivers"]]
@@ -147,19 +150,22 @@ def test_cli_errors_name_the_flag(tmp_path: Path, checkpoint: tuple[Path, str]) 
     assert bad_chunk.returncode == 2 and "--chunk-mib" in bad_chunk.stderr
     bad_to = run_send("--version", "v1", "--source", str(src), "--to", "not-an-address")
     assert bad_to.returncode == 2 and "--to" in bad_to.stderr
-    bad_token = run_send("--version", "v1", "--source", str(src), "--to", "127.0.0.1:9",
-                         "--token-file", str(tmp_path / "missing"))
+    bad_token = run_send(
+        "--version", "v1", "--source", str(src), "--to", "127.0.0.1:9", "--token-file", str(tmp_path / "missing")
+    )
     assert bad_token.returncode == 2 and "--token-file" in bad_token.stderr
     bad_version = run_send("--version", "../v1", "--source", str(src), "--to", "127.0.0.1:9")
     assert bad_version.returncode == 2 and "--version" in bad_version.stderr and "escape" in bad_version.stderr
-    listen = subprocess.run([str(relay_binary()), "recv", "--listen", "256.0.0.1:1", "--dest", str(tmp_path / "d")],
-                            capture_output=True, text=True, timeout=30)
+    listen = subprocess.run(
+        [str(relay_binary()), "recv", "--listen", "256.0.0.1:1", "--dest", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert listen.returncode == 2 and "--listen" in listen.stderr
 
 
-def test_a_receiver_with_a_token_refuses_senders_without_it(
-    tmp_path: Path, checkpoint: tuple[Path, str]
-) -> None:
+def test_a_receiver_with_a_token_refuses_senders_without_it(tmp_path: Path, checkpoint: tuple[Path, str]) -> None:
     src, _ = checkpoint
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -21,8 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, wait_until
-from _support import start_manager
+from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, start_manager, wait_until
 
 GRACE = ("--reattach-grace-secs", "60")
 #: Engines take 1.5 s to open their port, so a scale-out spends a while in CREATING/HEALTH_CHECKING.
@@ -201,7 +200,10 @@ def test_manager_killed_during_scale_ops_under_load(manager_bin: Path, tmp_path:
             wait_until(
                 lambda: not [p for p, ident in seen.items() if p not in current and ident.alive()],  # noqa: B023
                 20,
-                lambda: f"processes outside the fleet to exit: {[p for p, i in seen.items() if p not in current and i.alive()]}",  # noqa: B023
+                lambda: (
+                    "processes outside the fleet to exit: "
+                    + str([p for p, i in seen.items() if p not in current and i.alive()])  # noqa: B023
+                ),
             )
         # After the last restart, requests flow again.
         settled = time.monotonic()
@@ -231,7 +233,9 @@ def test_manager_killed_during_scale_ops_under_load(manager_bin: Path, tmp_path:
 
     attempts = clients.attempts
     failures = [a for a in attempts if not a.ok]
-    print(f"{len(attempts)} requests, {len(failures)} failed; manager down windows {[(round(b - a, 2)) for a, b in down]}")
+    print(
+        f"{len(attempts)} requests, {len(failures)} failed; manager down windows {[(round(b - a, 2)) for a, b in down]}"
+    )
     assert len(attempts) - len(failures) > 20
     unclean = [a for a in failures if not is_clean(a.error)]
     assert not unclean, unclean[:5]

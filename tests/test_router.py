@@ -45,14 +45,20 @@ def test_session_requests_stay_on_one_engine(four: ManagerHandle) -> None:
     homes = {}
     for session in ("alice", "bob", "carol"):
         engines = {
-            generate(four, {"text": f"turn {t}", "sampling_params": {"max_new_tokens": 2}}, {"x-session-id": session})[0]
+            generate(four, {"text": f"turn {t}", "sampling_params": {"max_new_tokens": 2}}, {"x-session-id": session})[
+                0
+            ]
             for t in range(5)
         }
         assert len(engines) == 1, (session, engines)
         homes[session] = engines.pop()
     # The body's session_params.id works the same way.
     engines = {
-        generate(four, {"text": f"t{t}", "session_params": {"id": "dave"}, "sampling_params": {"max_new_tokens": 1}}, {"x-routing-policy": "session"})[0]
+        generate(
+            four,
+            {"text": f"t{t}", "session_params": {"id": "dave"}, "sampling_params": {"max_new_tokens": 1}},
+            {"x-routing-policy": "session"},
+        )[0]
         for t in range(4)
     }
     assert len(engines) == 1
@@ -62,7 +68,10 @@ def test_grpo_siblings_share_an_engine_until_it_fills(start_fleet: StartManager)
     # Small KV pools so one prompt group can fill an engine.
     fleet = start_fleet("--engine-arg=--max-total-tokens=2048", "--engine-arg=--time-scale=0.2")
     wait_until(
-        lambda: metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens") == 2 * 2048,
+        lambda: (
+            metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens")
+            == 2 * 2048
+        ),
         STARTUP_TIMEOUT,
         "the engines' KV pool sizes to be polled",
     )
@@ -119,7 +128,9 @@ def test_pinned_request_waits_for_a_serving_engine(start_fleet: StartManager) ->
     fleet = start_fleet("--engine-arg=--startup-delay=1", "--weight-version", "7", wait=False)
     # No engine is ACTIVE yet: an unpinned request fails at once, a pinned one waits.
     assert http("POST", f"{fleet.router_url}/generate", {"text": "x"}).status == 503
-    _, body = generate(fleet, {"text": "x", "weight_version": {"min_version": "7"}, "sampling_params": {"max_new_tokens": 1}})
+    _, body = generate(
+        fleet, {"text": "x", "weight_version": {"min_version": "7"}, "sampling_params": {"max_new_tokens": 1}}
+    )
     assert body["meta_info"]["weight_version"] == "7"
 
 
@@ -145,7 +156,10 @@ def test_router_metrics(four: ManagerHandle) -> None:
     assert metric_total(text, "rollout_router_request_duration_seconds_count") >= 5
     # The load poller has read every engine's KV pool size.
     wait_until(
-        lambda: metric_total(http("GET", f"{four.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens") >= 4 * 65536,
+        lambda: (
+            metric_total(http("GET", f"{four.control_url}/metrics").body.decode(), "rollout_engine_kv_capacity_tokens")
+            >= 4 * 65536
+        ),
         STARTUP_TIMEOUT,
         "the engines' KV pool sizes to be polled",
     )
@@ -162,7 +176,9 @@ def test_data_plane_on_several_threads_routes_and_streams(start_fleet: StartMana
     body = {"text": "s", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
 
     def one(i: int) -> tuple[str, int]:
-        engine = generate(fleet, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}}, {"x-routing-policy": "round_robin"})[0]
+        engine = generate(
+            fleet, {"text": f"p{i}", "sampling_params": {"max_new_tokens": 2}}, {"x-routing-policy": "round_robin"}
+        )[0]
         events = list(sse_events(f"{fleet.router_url}/generate", body))
         assert events[-1] == "[DONE]", events
         return engine, json.loads(events[-2])["meta_info"]["completion_tokens"]
@@ -178,8 +194,14 @@ def test_queue_order_decides_which_waiting_request_gets_a_freed_slot(start_fleet
     """One engine with room for one request: requests that queue in the router behind it are
     served one at a time, in arrival order (fifo) or largest max_new_tokens first."""
     fleet = start_fleet(
-        "--rollout-num-gpus", "1", "--max-inflight-per-engine", "1", "--queue-order", order,
-        "--engine-arg=--time-scale=1", wait=False,
+        "--rollout-num-gpus",
+        "1",
+        "--max-inflight-per-engine",
+        "1",
+        "--queue-order",
+        order,
+        "--engine-arg=--time-scale=1",
+        wait=False,
     )
     fleet.wait_engines(1, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
     finished: list[int] = []
@@ -196,8 +218,14 @@ def test_queue_order_decides_which_waiting_request_gets_a_freed_slot(start_fleet
 
     blocker = threading.Thread(target=send, args=(150,))  # holds the only slot for ~1.2 s
     blocker.start()
-    wait_until(lambda: metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(),
-                                    "rollout_engine_in_flight") >= 1 or None, 30, "the first request in flight")
+    wait_until(
+        lambda: (
+            metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_engine_in_flight") >= 1
+            or None
+        ),
+        30,
+        "the first request in flight",
+    )
     waiting = []
     for i, tokens in enumerate((10, 60, 30), start=1):  # arrival order: 10, 60, 30
         t = threading.Thread(target=send, args=(tokens,))

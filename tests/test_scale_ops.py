@@ -20,7 +20,9 @@ def test_timed_out_scale_out_is_rolled_back(start_fleet: StartManager) -> None:
     view = fleet.wait_engines(INITIAL_ENGINES)
     assert view.total_engines == INITIAL_ENGINES
     # The GPU went back to the pool: a new scale-out to the pool's size succeeds.
-    ok = fleet.client.wait_for_operation("scale_out", fleet.client.scale_out(num_replicas=4).request_id, STARTUP_TIMEOUT)
+    ok = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(num_replicas=4).request_id, STARTUP_TIMEOUT
+    )
     assert ok.status == "ACTIVE"
 
 
@@ -33,7 +35,9 @@ def test_batch_cancel_by_status(start_fleet: StartManager) -> None:
         "the scale-out to wait on its engines",
     )
     fleet.track_children()
-    preview = fleet.client.request("POST", "/rollout/scale_out_cancel", {"dry_run": True, "status_filter": "health_checking"})
+    preview = fleet.client.request(
+        "POST", "/rollout/scale_out_cancel", {"dry_run": True, "status_filter": "health_checking"}
+    )
     assert preview["cancelled"] == [accepted.request_id] and preview["dry_run"] is True
     assert fleet.client.scale_out_status(accepted.request_id).status == "HEALTH_CHECKING"
     done = fleet.client.request("POST", "/rollout/scale_out_cancel", {"status_filter": "HEALTH_CHECKING"})

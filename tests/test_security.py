@@ -33,8 +33,18 @@ def sim_on(tmp_path: Path) -> Iterator[Callable[[str], str]]:
 
     def start(host: str) -> str:
         port = free_port(host)
-        log = open(tmp_path / f"sim-{host}-{port}.log", "ab")  # noqa: SIM115 - closed with the process
-        argv = [str(find_binary("sglang-sim")), "--model-path", "sim-model", "--host", host, "--port", str(port), "--time-scale", "0.01"]
+        log = open(tmp_path / f"sim-{host}-{port}.log", "ab")
+        argv = [
+            str(find_binary("sglang-sim")),
+            "--model-path",
+            "sim-model",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--time-scale",
+            "0.01",
+        ]
         started.append(subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
         url = f"http://{host}:{port}"
 
@@ -132,7 +142,10 @@ def test_keeper_sockets_are_private(start_fleet: StartManager) -> None:
         mode = sock.stat().st_mode
         assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (sock, oct(mode))
         parent = sock.parent.stat()
-        assert stat.S_IMODE(parent.st_mode) == 0o700 and parent.st_uid == os.geteuid(), (sock.parent, oct(parent.st_mode))
+        assert stat.S_IMODE(parent.st_mode) == 0o700 and parent.st_uid == os.geteuid(), (
+            sock.parent,
+            oct(parent.st_mode),
+        )
 
 
 def test_secrets_never_reach_the_log(start_fleet: StartManager, tmp_path: Path) -> None:
@@ -235,7 +248,10 @@ def test_the_manager_token_is_not_forwarded_to_engines(start_fleet: StartManager
         # sends an engine's own key: the first never reaches the engine, the second does.
         for headers in (auth, {"Authorization": "Bearer engine-own-key"}):
             wait_until(
-                lambda h=headers: http("POST", f"{fleet.router_url}/generate", body, headers=h).headers.get("x-rollout-engine-id") == op.raw["engine_ids"][0],
+                lambda h=headers: (
+                    http("POST", f"{fleet.router_url}/generate", body, headers=h).headers.get("x-rollout-engine-id")
+                    == op.raw["engine_ids"][0]
+                ),
                 30,
                 "a request routed to the external engine",
             )
@@ -250,7 +266,13 @@ def test_the_manager_token_is_not_forwarded_to_engines(start_fleet: StartManager
 def test_request_bodies_are_limited_everywhere(shared_fleet: ManagerHandle) -> None:
     fleet = shared_fleet
     big = b'{"num_replicas": 2, "x": "' + b"y" * (3 * 1024 * 1024) + b'"}'
-    for path in ("/rollout/scale_out", "/rollout/scale_in", "/rollout/scale_out_cancel", "/autoscaler/enable", "/rollout/pipeline"):
+    for path in (
+        "/rollout/scale_out",
+        "/rollout/scale_in",
+        "/rollout/scale_out_cancel",
+        "/autoscaler/enable",
+        "/rollout/pipeline",
+    ):
         resp = http("POST", f"{fleet.control_url}{path}", raw_body=big)
         assert resp.status == 413, (path, resp.status, resp.body[:200])
         assert resp.json()["error"]["code"] == "body_too_large", (path, resp.body[:200])

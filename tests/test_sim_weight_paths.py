@@ -60,8 +60,9 @@ def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSyn
 
 
 def test_plan_layout_follows_sglangs_rank_rule() -> None:
-    layout = plan_layout([("e0", "u0", 2), ("e1", "u1", 1), ("e2", "u2", 4)], group_name="g", master_address="a",
-                         master_port=1)
+    layout = plan_layout(
+        [("e0", "u0", 2), ("e1", "u1", 1), ("e2", "u2", 4)], group_name="g", master_address="a", master_port=1
+    )
     assert [m.rank_offset for m in layout.members] == [1, 3, 4]
     assert layout.world_size == 8
     with pytest.raises(ValueError):
@@ -80,8 +81,7 @@ def test_broadcast_reaches_every_active_engine_in_order(fleet: ManagerHandle) ->
         assert list(ws["weight_update_groups"]) == [first.layout.group_name]
         assert ws["weight_update_session"] is None, "the session was ended"
         assert http("GET", member.url + "/ready").status == 200, "generation was continued"
-    out = http("POST", fleet.router_url + "/generate",
-               {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).json()
+    out = http("POST", fleet.router_url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).json()
     assert out["meta_info"]["weight_version"] == "step-1"
 
     # Same engines: the group is reused, nobody joins again.
@@ -140,8 +140,7 @@ def test_a_trainer_that_cannot_join_leaves_no_group_behind(fleet: ManagerHandle)
         StandInRank0().join_group(layout)
         raise RuntimeError("NCCL init failed on the trainer")
 
-    sync = DistributedWeightSync(fleet.client, join_group=broken_join, broadcast=lambda layout, specs: None,
-                                 timeout=30)
+    sync = DistributedWeightSync(fleet.client, join_group=broken_join, broadcast=lambda layout, specs: None, timeout=30)
     with pytest.raises(RuntimeError, match="NCCL init failed"):
         sync.update("v1", SPECS)
     assert sync.layout is None

@@ -36,7 +36,7 @@ def smg(tmp_path: Path) -> Iterator[str]:
     ]  # fmt: skip
     # smg would fetch a tokenizer from the internet: point it at a dead loopback address.
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / "smg.log", "wb")  # noqa: SIM115 - closed below
+    log = open(tmp_path / "smg.log", "wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
 
@@ -67,20 +67,28 @@ def smg_workers(url: str) -> dict[str, str]:
 def test_engines_are_registered_and_unregistered(start_fleet: StartManager, smg: str) -> None:
     fleet = start_fleet("--router", f"smg={smg}")
     engines = {e.url for e in fleet.engines().engines}
-    wait_until(lambda: set(smg_workers(smg)) == engines, STARTUP_TIMEOUT, lambda: f"smg to list {engines}: {smg_workers(smg)}")
+    wait_until(
+        lambda: set(smg_workers(smg)) == engines, STARTUP_TIMEOUT, lambda: f"smg to list {engines}: {smg_workers(smg)}"
+    )
     wait_until(lambda: set(smg_workers(smg).values()) == {"ready"}, STARTUP_TIMEOUT, "smg to find the engines ready")
     # Traffic through smg reaches our engines.
     resp = http("POST", f"{smg}/generate", {"text": "via smg", "sampling_params": {"max_new_tokens": 2}})
     assert resp.status == 200 and resp.json()["meta_info"]["completion_tokens"] == 2
 
-    op = fleet.client.wait_for_operation("scale_out", fleet.client.scale_out(num_replicas=3).request_id, STARTUP_TIMEOUT)
+    op = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(num_replicas=3).request_id, STARTUP_TIMEOUT
+    )
     assert op.status == "ACTIVE"
     engines = {e.url for e in fleet.engines().engines}
-    wait_until(lambda: set(smg_workers(smg)) == engines, STARTUP_TIMEOUT, lambda: f"smg to list 3 engines: {smg_workers(smg)}")
+    wait_until(
+        lambda: set(smg_workers(smg)) == engines, STARTUP_TIMEOUT, lambda: f"smg to list 3 engines: {smg_workers(smg)}"
+    )
 
     victim_id = op.raw["engine_ids"][0]
     victim = next(e.url for e in fleet.engines().engines if e.engine_id == victim_id)
-    done = fleet.client.wait_for_operation("scale_in", fleet.client.scale_in(num_replicas=INITIAL_ENGINES).request_id, STARTUP_TIMEOUT)
+    done = fleet.client.wait_for_operation(
+        "scale_in", fleet.client.scale_in(num_replicas=INITIAL_ENGINES).request_id, STARTUP_TIMEOUT
+    )
     assert done.status == "COMPLETED"
     # smg drains a deleted worker before forgetting it: out of its rotation either way.
     assert smg_workers(smg).get(victim, "draining") == "draining"

@@ -17,8 +17,17 @@ from typing import Any
 import jsonschema
 import pytest
 from _checkpoints import corrupt, write_checkpoint
-from _support import INITIAL_ENGINES, STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
-from _support import ProcessIdentity, start_manager, stop_manager
+from _support import (
+    INITIAL_ENGINES,
+    STARTUP_TIMEOUT,
+    ManagerHandle,
+    ProcessIdentity,
+    StartManager,
+    http,
+    start_manager,
+    stop_manager,
+    wait_until,
+)
 from test_external import StartEngine, external_engine  # noqa: F401 - the fixture
 
 from elastic_rollout import RolloutApiError
@@ -138,8 +147,14 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
         assert result.status == expected, (body, result.status, result.body[:400])
         error = result.json()["error"]
         assert error["code"] == code and error["message"], (body, error)
-    assert "SHA-256" in http("POST", f"{fleet.control_url}/rollout/weights/publish",
-                              {"version": "v1", "path": str(good), "checksum": "0" * 64}).json()["error"]["message"]
+    assert (
+        "SHA-256"
+        in http(
+            "POST",
+            f"{fleet.control_url}/rollout/weights/publish",
+            {"version": "v1", "path": str(good), "checksum": "0" * 64},
+        ).json()["error"]["message"]
+    )
     weights = fleet.client.weights()
     assert weights["version"] == "default" and weights["update"] is None and weights["history"] == []
     missing = http("GET", f"{fleet.control_url}/rollout/weights/updates/nope")
@@ -397,7 +412,11 @@ def test_publish_needs_the_token(start_fleet: StartManager, tmp_path: Path) -> N
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
 
 
-def test_external_engines_are_updated_too(start_fleet: StartManager, external_engine: StartEngine, tmp_path: Path) -> None:
+def test_external_engines_are_updated_too(
+    start_fleet: StartManager,
+    external_engine: StartEngine,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
     fleet = start_fleet()
     url, _ = external_engine()
     op = fleet.client.scale_out(engine_urls=[url])

@@ -208,7 +208,7 @@ def test_a_relay_update_whose_staged_copy_vanished_with_the_manager_stages_it_ag
         shutil.rmtree(staged[0])
 
     more = ("--weight-transport", "relay", "--relay-dir", str(relay_dir))
-    _, ended, checksum = crash_mid_update(
+    _, ended, _ = crash_mid_update(
         manager_bin, tmp_path, "rolling", caught, load_delay=1, more=more, while_down=remove_staged_copy
     )
     assert ended["resumed"] == 1 and ended["engine_path"] == str(staged[0]), ended

@@ -95,7 +95,9 @@ class Traffic:
                     code, message = error["code"], error.get("message")
                 except (ValueError, KeyError, TypeError):
                     code, message = payload[:200].decode(errors="replace"), None
-                outcome = Outcome(pin, fleet if pin != "none" else None, fleet, err.code, None, None, code, None, message)
+                outcome = Outcome(
+                    pin, fleet if pin != "none" else None, fleet, err.code, None, None, code, None, message
+                )
                 outcome.fleet_after = self.fleet_version()
             with self.lock:
                 self.outcomes.append(outcome)
@@ -134,7 +136,12 @@ def check(outcome: Outcome) -> str | None:
     if outcome.status != 200:
         # An exact pin on a version the fleet has just left may find no engine: 503, said so.
         moved_on = outcome.fleet_after is not None and outcome.fleet_after != outcome.pinned
-        if outcome.status == 503 and outcome.pin == "exact" and outcome.error_code == "version_unavailable" and moved_on:
+        if (
+            outcome.status == 503
+            and outcome.pin == "exact"
+            and outcome.error_code == "version_unavailable"
+            and moved_on
+        ):
             return None
         return f"HTTP {outcome.status} {outcome.error_code}"
     if outcome.engine_id is None:
@@ -148,9 +155,7 @@ def check(outcome: Outcome) -> str | None:
     return None
 
 
-def test_publish_v1_to_v5_while_requests_flow_and_the_fleet_scales(
-    start_fleet: StartManager, tmp_path: Path
-) -> None:
+def test_publish_v1_to_v5_while_requests_flow_and_the_fleet_scales(start_fleet: StartManager, tmp_path: Path) -> None:
     # Each load takes 0.2 s more, so updates overlap many requests.
     fleet = start_fleet(
         "--gpus", "8", "--version-wait-secs", "2", "--scale-in-drain-timeout", "10",

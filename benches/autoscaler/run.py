@@ -21,6 +21,7 @@ results.png (needs matplotlib: pip install -e 'python[bench]') and prints a Mark
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -205,7 +206,7 @@ class Sampler(threading.Thread):
 
     def engine_seconds(self) -> float:
         total = 0.0
-        for (t0, n, _), (t1, _, _) in zip(self.timeline, self.timeline[1:]):
+        for (t0, n, _), (t1, _, _) in itertools.pairwise(self.timeline):
             total += n * (t1 - t0)
         return total
 
@@ -459,11 +460,16 @@ def run(binary: Path, workload: str, fleet: str, workdir: Path) -> dict[str, Any
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workload | fleet | completed tokens | vs static-max | engine-seconds | vs static-max | p95 engine queue time (s) | p95 latency (s) | trainer waited (s) | scale actions | direction changes |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    rows = [
+        "| workload | fleet | completed tokens | vs static-max | engine-seconds | vs static-max "
+        "| p95 engine queue time (s) | p95 latency (s) | trainer waited (s) | scale actions | direction changes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         ref = next((x for x in results if x["workload"] == r["workload"] and x["fleet"] == "static-max"), r)
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"
         rows.append(
             f"| {r['workload']} | {r['fleet']} | {r['tokens']:,} | {r['tokens'] / max(ref['tokens'], 1):.0%} "
             f"| {r['engine_seconds']:.0f} | {r['engine_seconds'] / max(ref['engine_seconds'], 1e-9):.0%} "
@@ -486,12 +492,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
     fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 6), squeeze=False, sharex="col")
     for col, w in enumerate(workloads):
         rs = [r for r in results if r["workload"] == w]
-        xs, ys = zip(*rs[0]["demand"])
+        xs, ys = zip(*rs[0]["demand"], strict=True)
         axes[0][col].plot(xs, ys, color="black")
         axes[0][col].set_title(f"{w}: demand")
         axes[0][col].set_ylabel("requests/s" if w == "serving" else "samples/s the trainer wants")
         for r in rs:
-            t, n, _ = zip(*r["timeline"]) if r["timeline"] else ((), (), ())
+            t, n, _ = zip(*r["timeline"], strict=True) if r["timeline"] else ((), (), ())
             axes[1][col].step(t, n, where="post", label=r["fleet"])
         axes[1][col].set_ylabel("engines (holding GPUs)")
         axes[1][col].set_xlabel("seconds")

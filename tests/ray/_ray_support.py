@@ -46,7 +46,10 @@ class RayCluster:
 
 @contextmanager
 def local_cluster(
-    temp_dir: Path, manager_bin: Path, head: dict[str, Any], workers: Sequence[dict[str, Any]] = (),
+    temp_dir: Path,
+    manager_bin: Path,
+    head: dict[str, Any],
+    workers: Sequence[dict[str, Any]] = (),
     home: Path | None = None,
 ) -> Iterator[RayCluster]:
     """A real Ray cluster on this machine: a head (with the dashboard, for ``ray job``) and one

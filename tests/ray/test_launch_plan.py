@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from elastic_rollout_ray.launch import plan
 
 

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from elastic_rollout import _native
 from elastic_rollout._find import find_binary
 
@@ -70,7 +71,12 @@ def test_autoscaler_replay_matches_the_binary(manager_bin: Path) -> None:
     from_python = _native.autoscaler_replay(config.read_text(), trace.read_text())
     assert len(from_python) == len(from_binary) > 0
     for py, cli in zip(from_python, from_binary, strict=True):
-        assert (py["at"], py["action"], py["reason"], py["signal"]) == (cli["at"], cli["action"], cli["reason"], cli["signal"])
+        assert (py["at"], py["action"], py["reason"], py["signal"]) == (
+            cli["at"],
+            cli["action"],
+            cli["reason"],
+            cli["signal"],
+        )
         if py["action"] != "none":
             assert (py["delta"], py["to_engines"]) == (cli["delta"], cli["to_engines"])
     assert {"scale_out", "scale_in"} <= {e["action"] for e in from_python}

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# ray_cluster is a fixture: imported here, taken by name as an argument below (hence F811 there).
+from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster  # noqa: F401
 from _support import ProcessIdentity, http, wait_until
-from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster  # noqa: F401 (the fixture)
+
 from elastic_rollout import RolloutApiError, RolloutClient
 
 NAMESPACE = "er-test"
@@ -91,14 +94,16 @@ def launch_args(state_dir: Path, serve_port: int) -> list[str]:
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     return [
-        "--api-token-file", str(token_file), "--agent-dir", str(state_dir / "agents"), "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+        "--api-token-file", str(token_file), "--agent-dir", str(state_dir / "agents"),
+        "--fully-async", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
         "--namespace", NAMESPACE, "--serve-port", str(serve_port), "--router-port", "0",
-        "--state-dir", str(state_dir), "--api-socket", str(state_dir / "api.sock"), "--engine-arg=--time-scale=0.01", "--health-check-interval-secs", "1",
+        "--state-dir", str(state_dir), "--api-socket", str(state_dir / "api.sock"),
+        "--engine-arg=--time-scale=0.01", "--health-check-interval-secs", "1",
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
+def fleet(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:  # noqa: F811
     state_dir = tmp_path_factory.mktemp("er-state")
     serve_port = free_port()
     job_id = f"er-test-{os.getpid()}"
@@ -126,13 +131,15 @@ def fleet(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         yield fleet
     finally:
         if job_status(ray_cluster, job_id) in ("PENDING", "RUNNING"):
-            subprocess.run([*ray_cluster.ray_cli(), "job", "stop", job_id], env=ray_cluster.env, timeout=300, check=False)
+            subprocess.run(
+                [*ray_cluster.ray_cli(), "job", "stop", job_id], env=ray_cluster.env, timeout=300, check=False
+            )
 
 
-def job_status(ray_cluster: RayCluster, job_id: str) -> str:
+def job_status(cluster: RayCluster, job_id: str) -> str:
     from ray.job_submission import JobSubmissionClient
 
-    return str(JobSubmissionClient(ray_cluster.dashboard_url).get_job_status(job_id).value)
+    return str(JobSubmissionClient(cluster.dashboard_url).get_job_status(job_id).value)
 
 
 def wait_engines(fleet: RayFleet, count: int, timeout: float = STARTUP) -> list[dict[str, Any]]:
@@ -147,18 +154,20 @@ def wait_engines(fleet: RayFleet, count: int, timeout: float = STARTUP) -> list[
 # -- before anything runs ----------------------------------------------------------------------
 
 
-def test_launch_validates_before_touching_the_cluster(ray_cluster: RayCluster, manager_bin: Path) -> None:
+def test_launch_validates_before_touching_the_cluster(ray_cluster: RayCluster, manager_bin: Path) -> None:  # noqa: F811
     launch = [sys.executable, "-m", "elastic_rollout_ray.launch"]
     bad = subprocess.run([*launch, "--fully-async", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
                          capture_output=True, text=True, env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
     assert bad.returncode == 2
     # The manager's own message for the same flags.
-    direct = subprocess.run([str(manager_bin), "serve", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    serve = [str(manager_bin), "serve", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"]
+    direct = subprocess.run(serve, capture_output=True, text=True, timeout=60, check=False)
     assert direct.stderr.strip() and direct.stderr.strip() in bad.stderr
     not_async = subprocess.run([*launch, "--rollout-num-gpus", "2"], capture_output=True, text=True,
                                env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
-    assert not_async.returncode == 2 and "--fully-async" in not_async.stderr and "fully-async pipeline" in not_async.stderr
+    assert (
+        not_async.returncode == 2 and "--fully-async" in not_async.stderr and "fully-async pipeline" in not_async.stderr
+    )
     local = subprocess.run([*launch, "--fully-async", "--placement", "local"], capture_output=True, text=True,
                            env=ray_cluster.env, timeout=60, check=False)  # fmt: skip
     assert local.returncode == 2 and "--placement" in local.stderr
@@ -234,7 +243,9 @@ def test_generate_through_the_router_reaches_agent_hosted_engines(fleet: RayFlee
         # The agent holds the manager's token (so it refuses other callers), in its environment.
         stat = Path(f"/proc/{e['pid']}/stat").read_text()
         agent_pid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        assert f"ROLLOUT_MANAGER_API_TOKEN={TOKEN}".encode() in Path(f"/proc/{agent_pid}/environ").read_bytes().split(b"\0")
+        assert f"ROLLOUT_MANAGER_API_TOKEN={TOKEN}".encode() in Path(f"/proc/{agent_pid}/environ").read_bytes().split(
+            b"\0"
+        )
         assert TOKEN not in Path(f"/proc/{agent_pid}/cmdline").read_text()
         assert TOKEN.encode() not in Path(f"/proc/{e['pid']}/environ").read_bytes()  # engines never get it
     for _ in range(8):
@@ -290,7 +301,10 @@ def test_scale_in_to_2_returns_the_gpus(fleet: RayFleet) -> None:
 def test_a_killed_reconciler_is_replaced_and_the_fleet_rebuilt(fleet: RayFleet) -> None:
     import ray
 
-    before = {p["engine_id"]: p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]}
+    before = {
+        p["engine_id"]: p["agent"]["url"]
+        for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    }
     assert len(before) == 2
     old = ray.get_actor("er-reconciler", namespace=NAMESPACE)
     ray.kill(old, no_restart=True)  # its host actors (and their agents and engines) die with it

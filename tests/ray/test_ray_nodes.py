@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 from _checkpoints import write_checkpoint
-from _support import ProcessIdentity, http, wait_until
 from _ray_support import RayCluster, free_port, local_cluster
+from _support import ProcessIdentity, http, wait_until
 
 from elastic_rollout import RolloutClient
 
@@ -151,7 +151,7 @@ def nothing_left(job: Job) -> str | None:
     try:
         if "elastic-rollout" in serve.status().applications:
             left.append("the Serve app")
-    except Exception:  # noqa: BLE001 - Serve not running at all: no app
+    except Exception:
         pass
     return "; ".join(left) or None
 
@@ -176,7 +176,7 @@ def job(cluster: RayCluster) -> Iterator[Job]:
     finally:
         try:
             running = job.status() in ("PENDING", "RUNNING")
-        except Exception:  # noqa: BLE001 - the cluster was restarted by a test: nothing to stop
+        except Exception:
             running = False
         if running:
             subprocess.run([*cluster.ray_cli(), "job", "stop", job.job_id], env=cluster.env, timeout=120, check=False)
