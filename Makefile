@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test setup venv build build-release wheel lint clean
+.PHONY: run test setup venv build build-release wheel lint lint-rust lint-python clean
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -66,10 +66,20 @@ run: build-release
 	  --port $(PORT) --router-port $(ROUTER_PORT) --state-dir $(STATE_DIR) \
 	  --engine-arg=--time-scale=0.1
 
-lint:
+lint: lint-rust lint-python
+
+lint-rust:
 	@$(CARGO) fmt --version >/dev/null 2>&1 && $(CARGO) clippy --version >/dev/null 2>&1 || rustup component add rustfmt clippy
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# ruff and mypy come pinned with python[test]; their one config is python/pyproject.toml.
+PY_CONFIG := python/pyproject.toml
+PY_LINTED := python ray_integration tests benches
+lint-python: venv
+	$(VENV)/bin/ruff check --config $(PY_CONFIG) $(PY_LINTED)
+	$(VENV)/bin/ruff format --config $(PY_CONFIG) --check $(PY_LINTED)
+	$(VENV)/bin/mypy --config-file $(PY_CONFIG) python/elastic_rollout ray_integration/elastic_rollout_ray
 
 test: venv build lint
 	$(CARGO) test --workspace
