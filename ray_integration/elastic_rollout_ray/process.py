@@ -1,8 +1,9 @@
 """A supervised child process: ``rollout-manager serve`` (or ``agent``), usable with or without Ray.
 
 Flow: :meth:`SupervisedProcess.start` spawns the argv list (never a shell string) in its own
-process group, with a parent-death signal set by ``prctl`` in the child before ``exec`` (so the
-child never outlives the process that started it), stdout read line by line (the manager prints
+process group, with ``ROLLOUT_MANAGER_PARENT_PID`` set to this process's pid: the binary then sets
+its own parent-death signal (``--parent-pid``) and never outlives the process that started it
+(nothing runs in the child between fork and exec). Stdout is read line by line (the manager prints
 ``rollout-manager listening control=... router=...``), stderr appended to a log file. Readiness is
 a caller-given probe polled until a deadline; if the child exits first or the deadline passes, the
 error carries the tail of its stderr. With ``restart=True`` a watcher thread restarts the child
@@ -13,7 +14,6 @@ process group, then SIGKILL after the grace period, and reaps the child.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -23,11 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["LISTENING_RE", "ProcessStartError", "SupervisedProcess", "stderr_tail"]
+__all__ = ["LISTENING_RE", "PARENT_PID_ENV", "ProcessStartError", "SupervisedProcess", "stderr_tail"]
 
 LISTENING_RE = re.compile(r"^rollout-manager listening control=(?P<control>http://\S+) router=(?P<router>http://\S+)")
-
-_PR_SET_PDEATHSIG = 1
 
 
 class ProcessStartError(RuntimeError):
@@ -47,16 +45,8 @@ def stderr_tail(path: Path, chars: int = 4000) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text).strip() or "<empty>"
 
 
-def _child_setup(parent_pid: int, death_signal: int) -> Callable[[], None]:
-    """preexec_fn: die with the parent (prctl PDEATHSIG), and not if the parent is already gone."""
-
-    def setup() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return setup
+#: The binary's ``--parent-pid`` from the environment (rust/rollout-manager/src/main.rs).
+PARENT_PID_ENV = "ROLLOUT_MANAGER_PARENT_PID"
 
 
 class SupervisedProcess:
@@ -118,14 +108,15 @@ class SupervisedProcess:
         with self.log_path.open("ab") as log:
             log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {self.name}\n".encode())
             log.flush()
+            env = dict(os.environ if self._env is None else self._env)
+            env[PARENT_PID_ENV] = str(os.getpid())
             proc = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env=self._env,
+                env=env,
                 start_new_session=True,
-                preexec_fn=_child_setup(os.getpid(), signal.SIGTERM),
                 close_fds=True,
             )
         self._proc = proc

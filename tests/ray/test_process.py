@@ -4,13 +4,17 @@ crash with the same ports, stderr tail in errors, clean stop)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from _support import ProcessIdentity, wait_until
+
 from elastic_rollout_ray.manager import ManagerSupervisor, manager_argv
 from elastic_rollout_ray.process import ProcessStartError, SupervisedProcess
 from elastic_rollout_ray.uds import ManagerApiError, UdsClient
@@ -65,7 +69,7 @@ def test_a_manager_that_cannot_start_reports_its_stderr(manager_bin: Path, tmp_p
 
 def test_readiness_deadline_stops_the_child(tmp_path: Path) -> None:
     proc = SupervisedProcess(["sleep", "600"], log_path=tmp_path / "s.log", ready=lambda _p: False, ready_timeout=0.5)
-    with pytest.raises(ProcessStartError, match="not ready within 0.5s"):
+    with pytest.raises(ProcessStartError, match=r"not ready within 0\.5s"):
         proc.start()
     assert not proc.running()
 
@@ -90,3 +94,34 @@ def test_supervisor_pins_ports_for_restarts(manager_bin: Path, tmp_path: Path) -
         assert (again["control_url"], again["router_url"]) == (info["control_url"], info["router_url"])
     finally:
         assert sup.stop(grace=30) == 0
+
+
+def test_the_child_dies_with_the_process_that_supervises_it(manager_bin: Path, tmp_path: Path) -> None:
+    """A supervisor killed outright (as a Ray worker is when its node or job goes) takes its child
+    with it: the binary set its own parent-death signal from ROLLOUT_MANAGER_PARENT_PID."""
+    ready = tmp_path / "agent.json"
+    argv = [str(manager_bin), "agent", "--listen", "127.0.0.1:0", "--ready-file", str(ready),
+            "--state-dir", str(tmp_path / "state")]  # fmt: skip
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from elastic_rollout_ray.process import SupervisedProcess\n"
+        f"p = SupervisedProcess({argv!r}, log_path=Path({str(tmp_path / 'agent.log')!r}),\n"
+        f"                      ready=lambda _p: Path({str(ready)!r}).exists(), ready_timeout=30)\n"
+        "p.start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert supervisor.stdout is not None
+        child = int(supervisor.stdout.readline())
+        assert json.loads(ready.read_text())["pid"] == child
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        assert f"ROLLOUT_MANAGER_PARENT_PID={supervisor.pid}".encode() in environ
+        ident = ProcessIdentity.of(child)
+        assert ident is not None and ident.alive()
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+    wait_until(lambda: not ident.alive(), 30, f"the agent (pid {child}) gone with its supervisor")

@@ -148,8 +148,11 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
     Ok(EngineProcess { pid, start_ticks: process_start_ticks(pid), stop_tx, exit_rx })
 }
 
-/// The command of a spec: argv, environment (without the manager's API token), no stdin,
-/// stdout and stderr appended to the log file.
+/// The environment variable of `--parent-pid` (whose process to die with).
+pub const PARENT_PID_ENV: &str = "ROLLOUT_MANAGER_PARENT_PID";
+
+/// The command of a spec: argv, environment (without the manager's API token or parent pid),
+/// no stdin, stdout and stderr appended to the log file.
 fn command(spec: &LaunchSpec) -> Result<Command, HostError> {
     let log = open_log(&spec.log_path)?;
     let log_err = log.try_clone().map_err(|source| HostError::Log { path: spec.log_path.clone(), source })?;
@@ -158,6 +161,8 @@ fn command(spec: &LaunchSpec) -> Result<Command, HostError> {
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         // The API token is the manager's secret, not the engines'.
         .env_remove(crate::auth::TOKEN_ENV)
+        // Whose process to die with is this process's business, not its children's.
+        .env_remove(PARENT_PID_ENV)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err));

@@ -12,6 +12,26 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Exit when the process PID, which started this one, exits (Linux parent-death signal):
+    /// `serve` gets SIGKILL (its engines stay with their agents or keepers, for a manager started
+    /// again to re-adopt), every other command SIGTERM (an agent stops its engines). Refused
+    /// when PID is not this process's parent (the parent is already gone). Never passed on to
+    /// engines.
+    #[arg(long, global = true, value_name = "PID", env = rollout_manager::host::PARENT_PID_ENV)]
+    parent_pid: Option<i32>,
+}
+
+/// `--parent-pid`: die with the process that started this one.
+fn die_with_parent(pid: i32, signal: nix::sys::signal::Signal) -> Result<(), String> {
+    nix::sys::prctl::set_pdeathsig(signal)
+        .map_err(|e| format!("--parent-pid: cannot set the parent-death signal: {e}"))?;
+    let parent = nix::unistd::getppid().as_raw();
+    if parent != pid {
+        return Err(format!(
+            "invalid --parent-pid {pid}: this process's parent is {parent}, so the process that started it is gone"
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -34,6 +54,17 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(pid) = cli.parent_pid {
+        // Before any thread starts; the signal is the process's own from now on.
+        let signal = match cli.command {
+            Command::Serve(_) => nix::sys::signal::Signal::SIGKILL,
+            _ => nix::sys::signal::Signal::SIGTERM,
+        };
+        if let Err(e) = die_with_parent(pid, signal) {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
