@@ -289,6 +289,41 @@ def test_a_killed_manager_is_restarted_and_readopts_every_engine(fleet: RayFleet
     assert len(er_placement_groups()) == 4
 
 
+def test_a_killed_manager_actor_is_started_again_and_readopts_every_engine(fleet: RayFleet) -> None:
+    import ray
+    from ray.exceptions import RayActorError
+
+    before = {e["engine_id"]: e["pid"] for e in wait_engines(fleet, 4)}
+    old_info = manager_info()
+    old = ray.get_actor("er-manager", namespace=NAMESPACE)
+    ray.kill(old, no_restart=True)  # its manager process dies with it (SIGKILL, --parent-pid)
+
+    def new_manager() -> dict[str, Any] | None:
+        try:
+            actor = ray.get_actor("er-manager", namespace=NAMESPACE)
+            if actor._actor_id == old._actor_id:
+                return None
+            info: dict[str, Any] = ray.get(actor.info.remote(), timeout=30)
+        except (ValueError, RayActorError):
+            return None
+        return info if info["running"] else None
+
+    info = wait_until(new_manager, 120, lambda: f"a new manager actor; {fleet.job_logs()}")
+    assert info["pid"] != old_info["pid"]
+    assert (info["router_url"], info["state_dir"]) == (old_info["router_url"], old_info["state_dir"])
+
+    def readopted() -> dict[str, int] | None:
+        try:
+            now = {e["engine_id"]: e["pid"] for e in fleet.active()}
+        except RolloutApiError as err:  # 503 from Serve while the manager starts
+            assert err.status == 503, err
+            return None
+        return now if len(now) == 4 else None
+
+    after = wait_until(readopted, STARTUP, lambda: f"4 ACTIVE engines after the new actor; {fleet.engines()}")
+    assert after == before  # the same engine processes, re-adopted through their agents
+
+
 def test_scale_in_to_2_returns_the_gpus(fleet: RayFleet) -> None:
     accepted = fleet.client.scale_in(num_replicas=2)
     op = fleet.client.wait_for_operation("scale_in", accepted.request_id, timeout=STARTUP)
@@ -395,20 +430,35 @@ def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
     pids = [ProcessIdentity.of(manager["pid"]), *(ProcessIdentity.of(e["pid"]) for e in engines if e["pid"])]
     agents = [p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]]
     assert len(agents) == len(engines) > 0
+
+    def app_actors() -> list[dict[str, str]]:
+        return [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and "elastic-rollout" in a["name"]
+        ]
+
+    assert app_actors(), "the Serve app's replica runs before the stop"
     stop = subprocess.run([*fleet.ray.ray_cli(), "job", "stop", fleet.job_id], capture_output=True, text=True,
                           env=fleet.ray.env, timeout=300, check=False)  # fmt: skip
     assert stop.returncode == 0, stop.stdout + stop.stderr
     wait_until(lambda: job_status(fleet.ray, fleet.job_id) == "STOPPED", 120, "the job stopped")
-    logs = fleet.job_logs()
-    assert "every actor and placement group it created is gone" in logs, logs
+    # Ray's default stop wait (3 s) may SIGKILL the launcher mid-teardown: what it did not finish,
+    # Ray does (the actors die with the driver, the groups with the job).
     wait_until(lambda: er_placement_groups() == {}, 60, lambda: f"no PG left; {er_placement_groups()}")
     wait_until(lambda: gpus_taken() == 0, 60, "every GPU free")
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
-    assert named == []
+
+    def named() -> list[dict[str, str]]:
+        return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+
+    wait_until(lambda: named() == [], 60, lambda: f"no actor of the fleet left; {named()}")
     for ident in pids:
         if ident is not None:
             wait_until(lambda i=ident: not i.alive(), 60, f"pid {ident.pid} gone")  # type: ignore[misc]
     for ident in fleet.seen.values():
         wait_until(lambda i=ident: not i.alive(), 60, f"engine pid {ident.pid} gone")  # type: ignore[misc]
-    serve_actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
-    assert serve_actors == []  # the launcher started Serve for its app alone, and shut it down
+
+    # The app's replica is gone (deleted by the launcher, or by itself once the job was dead).
+    # Serve's own controller and proxy are a cluster service, shut down only if the launcher got
+    # that far.
+    wait_until(lambda: app_actors() == [], 60, lambda: f"the Serve app's actors gone; {app_actors()}")
