@@ -48,3 +48,28 @@ def test_bad_runs_are_refused_with_the_flag_named(
         plan(argv)
     assert caught.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_each_job_gets_its_own_state_and_resume_is_explicit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    jobs = tmp_path / ".cache" / "elastic-rollout" / "fleet-b"
+    # A submitted job: Ray passes its submission id in the job config.
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"metadata": {"job_submission_id": "raysubmit_abc"}}')
+    first = plan(["--fully-async", "--namespace", "fleet-b"])
+    assert first.state_dir == str(jobs / "raysubmit_abc")
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"metadata": {"job_submission_id": "raysubmit_def"}}')
+    assert plan(["--fully-async", "--namespace", "fleet-b"]).state_dir == str(jobs / "raysubmit_def")
+    (jobs / "raysubmit_abc").mkdir(parents=True)
+    resumed = plan(["--fully-async", "--namespace", "fleet-b", "--resume", "raysubmit_abc"])
+    assert resumed.state_dir == first.state_dir
+    for argv, expected in [
+        (["--resume", "nosuch"], "invalid --resume 'nosuch'"),
+        (["--resume", "../x"], "invalid --resume"),
+        (["--resume", "raysubmit_abc", "--state-dir", str(tmp_path)], "--resume and --state-dir"),
+    ]:
+        with pytest.raises(SystemExit) as caught:
+            plan(["--fully-async", "--namespace", "fleet-b", *argv])
+        assert caught.value.code == 2
+        assert expected in capsys.readouterr().err
