@@ -269,21 +269,26 @@ def test_a_killed_engine_is_recovered_by_its_agent(fleet: RayFleet) -> None:
     wait_engines(fleet, 4)
 
 
+def active_pids(fleet: RayFleet, count: int) -> dict[str, int] | None:
+    """Engine id -> pid of the ACTIVE engines once there are ``count`` (None before, and while
+    Serve answers 503 because the manager is (re)starting)."""
+    try:
+        now = {e["engine_id"]: e["pid"] for e in fleet.active()}
+    except RolloutApiError as err:
+        assert err.status == 503, err
+        return None
+    return now if len(now) == count else None
+
+
 def test_a_killed_manager_is_restarted_and_readopts_every_engine(fleet: RayFleet) -> None:
     before = {e["engine_id"]: e["pid"] for e in wait_engines(fleet, 4)}
     info = manager_info()
     os.kill(info["pid"], signal.SIGKILL)
     wait_until(lambda: manager_info()["pid"] != info["pid"] and manager_info()["running"], 120, "a restarted manager")
 
-    def readopted() -> dict[str, int] | None:
-        try:
-            now = {e["engine_id"]: e["pid"] for e in fleet.active()}
-        except RolloutApiError as err:  # 503 from Serve while the manager restarts
-            assert err.status == 503, err
-            return None
-        return now if len(now) == 4 else None
-
-    after = wait_until(readopted, STARTUP, lambda: f"4 ACTIVE engines after the restart; {fleet.engines()}")
+    after = wait_until(
+        lambda: active_pids(fleet, 4), STARTUP, lambda: f"4 ACTIVE engines after the restart; {fleet.engines()}"
+    )
     assert after == before  # the same engines, same processes: re-adopted, not restarted
     assert manager_info()["router_url"] == info["router_url"]
     assert len(er_placement_groups()) == 4
@@ -312,15 +317,9 @@ def test_a_killed_manager_actor_is_started_again_and_readopts_every_engine(fleet
     assert info["pid"] != old_info["pid"]
     assert (info["router_url"], info["state_dir"]) == (old_info["router_url"], old_info["state_dir"])
 
-    def readopted() -> dict[str, int] | None:
-        try:
-            now = {e["engine_id"]: e["pid"] for e in fleet.active()}
-        except RolloutApiError as err:  # 503 from Serve while the manager starts
-            assert err.status == 503, err
-            return None
-        return now if len(now) == 4 else None
-
-    after = wait_until(readopted, STARTUP, lambda: f"4 ACTIVE engines after the new actor; {fleet.engines()}")
+    after = wait_until(
+        lambda: active_pids(fleet, 4), STARTUP, lambda: f"4 ACTIVE engines after the new actor; {fleet.engines()}"
+    )
     assert after == before  # the same engine processes, re-adopted through their agents
 
 
