@@ -38,11 +38,15 @@ def load_token(api_token_file: str | None) -> str | None:
     return os.environ.get("ROLLOUT_MANAGER_API_TOKEN", "").strip() or None
 
 
-def _headers(method: str, token: str | None, body: object) -> dict[str, str]:
+def _build(
+    client: httpx.Client | httpx.AsyncClient, method: str, path: str, body: object, token: str | None, timeout: float
+) -> httpx.Request:
+    """The request both clients send: a JSON body, and the token on mutating requests only."""
     headers = {"Authorization": f"Bearer {token}"} if token and method not in ("GET", "HEAD") else {}
     if body is not None:
         headers["Content-Type"] = "application/json"
-    return headers
+    content = None if body is None else json.dumps(body).encode()
+    return client.build_request(method, path, content=content, headers=headers, timeout=timeout)
 
 
 def _answer(method: str, path: str, resp: httpx.Response) -> Any:
@@ -78,14 +82,9 @@ class UdsClient:
             ManagerApiError: a non-2xx answer (status and body kept), or status 0 when the socket
                 cannot be reached.
         """
+        request = _build(self._client, method, path, body, self.token, self.timeout if timeout is None else timeout)
         try:
-            resp = self._client.request(
-                method,
-                path,
-                content=None if body is None else json.dumps(body).encode(),
-                headers=_headers(method, self.token, body),
-                timeout=timeout if timeout is not None else self.timeout,
-            )
+            resp = self._client.send(request)
         except httpx.HTTPError as err:
             raise ManagerApiError(method, path, 0, f"cannot reach the manager on {self.socket_path}: {err}") from err
         return _answer(method, path, resp)
@@ -115,14 +114,9 @@ class AsyncUdsClient:
 
     async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         """As :meth:`UdsClient.request`."""
+        request = _build(self._client, method, path, body, self.token, self.timeout if timeout is None else timeout)
         try:
-            resp = await self._client.request(
-                method,
-                path,
-                content=None if body is None else json.dumps(body).encode(),
-                headers=_headers(method, self.token, body),
-                timeout=timeout if timeout is not None else self.timeout,
-            )
+            resp = await self._client.send(request)
         except httpx.HTTPError as err:
             raise ManagerApiError(method, path, 0, f"cannot reach the manager on {self.socket_path}: {err}") from err
         return _answer(method, path, resp)
