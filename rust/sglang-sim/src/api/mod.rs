@@ -10,6 +10,7 @@ mod control;
 mod generate;
 mod generate_input;
 mod info;
+mod openai;
 mod weight_sync;
 
 use crate::engine::Engine;
@@ -64,6 +65,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/server_info", get(info::server_info))
         .route("/get_server_info", get(info::server_info))
         .route("/v1/loads", get(info::loads))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(info::models))
         .route("/v1/models/{*model}", get(info::model_card_route))
         .route("/metrics", get(info::metrics))
