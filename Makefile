@@ -46,11 +46,13 @@ build:
 build-release:
 	$(CARGO) build --release --workspace --bins
 
-# A wheel of python/ that carries the binaries (elastic_rollout/_bin/, where find_binary looks).
-wheel: build-release venv
-	mkdir -p python/elastic_rollout/_bin
-	cp target/release/rollout-manager target/release/sglang-sim python/elastic_rollout/_bin/
-	cd python && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" maturin build --release --out $(CURDIR)/dist
+# Two wheels into dist/: elastic-rollout (native module, the binaries in elastic_rollout/_bin/ and
+# console scripts for them; tagged manylinux_2_<N> for the newest glibc the binaries need, 2.34 when
+# built on Debian 12) and elastic-rollout-ray (pure Python). deploy/build-wheels.sh says how.
+# PROFILE=debug packages the debug build (`make build`) instead of a release build (CI, tests).
+PROFILE ?= release
+wheel: $(if $(filter debug,$(PROFILE)),build,build-release) venv
+	PROFILE=$(PROFILE) PYTHON=$(CURDIR)/$(PY) deploy/build-wheels.sh $(CURDIR)/dist
 
 setup: venv build
 

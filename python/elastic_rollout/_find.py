@@ -41,7 +41,7 @@ def _fix_hint(name: str) -> str:
     return hint
 
 
-def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = None) -> Path:
+def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = None, use_path: bool = True) -> Path:
     """Return the path of the executable ``name``.
 
     Lookup order (the first hit wins):
@@ -55,9 +55,11 @@ def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = Non
     3. a cargo build in the source tree: ``<root>/target/release/<name>``, then
        ``<root>/target/debug/<name>``, where ``<root>`` is the nearest directory above the
        package that contains ``Cargo.toml`` (present for editable installs from a checkout);
-    4. ``PATH`` (:func:`shutil.which`).
+    4. ``PATH`` (:func:`shutil.which`), unless ``use_path`` is false.
 
     ``package_dir`` replaces the package's own directory for steps 2 and 3 (for tests).
+    ``use_path=False`` is for the wheel's console scripts (:mod:`elastic_rollout._bin_entry`),
+    which are themselves on ``PATH`` under the binary's name and must never find themselves.
 
     Raises:
         BinaryNotFoundError: nothing was found; the message lists every place tried and says
@@ -92,10 +94,11 @@ def find_binary(name: str = "rollout-manager", *, package_dir: Path | None = Non
     if root is None:
         tried.append(f"<cargo workspace>/target/{{release,debug}}/{name} (no Cargo.toml above {base})")
 
-    on_path = shutil.which(name)
-    if on_path is not None:
-        return Path(on_path)
-    tried.append(f"PATH ({os.environ.get('PATH', '')})")
+    if use_path:
+        on_path = shutil.which(name)
+        if on_path is not None:
+            return Path(on_path)
+        tried.append(f"PATH ({os.environ.get('PATH', '')})")
 
     places = "\n".join(f"  - {place}" for place in tried)
     raise BinaryNotFoundError(f"could not find the {name!r} binary; tried:\n{places}\nTo fix: {_fix_hint(name)}.")
