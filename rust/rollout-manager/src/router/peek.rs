@@ -29,6 +29,9 @@ struct Body<'a> {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    /// OpenAI: samples per prompt (each holds its own output KV).
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
     #[serde(borrow, default)]
     routing_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -44,9 +47,16 @@ struct Session<'a> {
 }
 
 #[derive(Deserialize)]
-struct Sampling {
+struct Sampling<'a> {
     #[serde(default)]
     max_new_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
+}
+
+/// A sample count (`n`), read leniently: anything but a positive integer counts as 1.
+fn samples(n: Option<&RawValue>) -> Option<u64> {
+    n.and_then(|r| r.get().parse::<u64>().ok()).filter(|n| *n >= 1)
 }
 
 #[derive(Deserialize)]
@@ -64,7 +74,7 @@ enum Pin<'a> {
 /// What routing needs to know about one request.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct RequestInfo {
-    /// Estimated KV tokens (prompt + output budget).
+    /// Estimated KV tokens (prompt + output budget of every sample: `n` multiplies it).
     pub tokens: u64,
     /// The output budget (`max_new_tokens`, `max_completion_tokens` or `max_tokens`; 128 when
     /// absent): what orders the router's queue with `--queue-order longest_first`.
@@ -105,15 +115,25 @@ pub fn peek(
     };
     let prompt_bytes = prompt_raw.map_or(0, str::len);
     let prompt_ids = ids.then(|| prompt_raw.map_or(0, |r| r.bytes().filter(|b| *b == b',').count() + 1));
-    let max_new = match parsed.sampling_params.map(RawValue::get) {
-        Some(raw) if raw.starts_with('{') => serde_json::from_str::<Sampling>(raw).ok().and_then(|s| s.max_new_tokens),
-        Some(raw) if raw.starts_with('[') => serde_json::from_str::<Vec<Sampling>>(raw)
-            .ok()
-            .map(|v| v.iter().map(|s| s.max_new_tokens.unwrap_or(128)).sum()),
-        _ => None,
-    }
-    .or(parsed.max_completion_tokens)
-    .or(parsed.max_tokens);
+    // The output budget (per sample) and the output KV of all samples (`n` of each prompt).
+    let openai_max = parsed.max_completion_tokens.or(parsed.max_tokens);
+    let top_n = samples(parsed.n).unwrap_or(1);
+    let (max_new, output_kv) = match parsed.sampling_params.map(RawValue::get) {
+        Some(raw) if raw.starts_with('[') => match serde_json::from_str::<Vec<Sampling<'_>>>(raw) {
+            Ok(v) => {
+                let each = |s: &Sampling<'_>| s.max_new_tokens.unwrap_or(128);
+                let kv = v.iter().map(|s| each(s).saturating_mul(samples(s.n).unwrap_or(1))).sum();
+                (Some(v.iter().map(each).sum()), kv)
+            }
+            Err(_) => (openai_max, openai_max.unwrap_or(128).saturating_mul(top_n)),
+        },
+        raw => {
+            let s = raw.filter(|r| r.starts_with('{')).and_then(|r| serde_json::from_str::<Sampling<'_>>(r).ok());
+            let max_new = s.as_ref().and_then(|s| s.max_new_tokens).or(openai_max);
+            let n = s.and_then(|s| samples(s.n)).unwrap_or(top_n);
+            (max_new, max_new.unwrap_or(128).saturating_mul(n))
+        }
+    };
     let pin = match parsed.weight_version {
         None => pin_header,
         Some(raw) => Some(parse_pin(raw.get())?),
@@ -123,7 +143,7 @@ pub fn peek(
         .or_else(|| parsed.session_params.and_then(|s| s.id).map(Cow::into_owned))
         .or_else(|| parsed.routing_key.map(Cow::into_owned));
     Ok(RequestInfo {
-        tokens: estimate_tokens(prompt_bytes, prompt_ids, max_new, None),
+        tokens: estimate_tokens(prompt_bytes, prompt_ids, Some(output_kv), None),
         output_budget: max_new.unwrap_or(128).min(rollout_core::routing::MAX_ESTIMATE_TOKENS),
         session,
         prompt_hash: prompt_raw.map(|r| hash_bytes(r.as_bytes())),
@@ -182,6 +202,27 @@ mod tests {
         assert_eq!(info.tokens, (r#"["a", "b"]"#.len() as u64).div_ceil(4) + 3 + 128);
         let info = peek(br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}"#, None, None).unwrap();
         assert!(info.tokens > 7);
+    }
+
+    #[test]
+    fn n_samples_multiply_the_output_kv_but_not_the_budget() {
+        // OpenAI chat: max_completion_tokens wins over max_tokens (SGLang's `or`), times n.
+        let body = br#"{"messages": "0123456789abcdef", "n": 4, "max_tokens": 9, "max_completion_tokens": 10}"#;
+        let info = peek(body, None, None).unwrap();
+        assert_eq!((info.tokens, info.output_budget), (5 + 40, 10));
+        let info = peek(br#"{"prompt": "0123456789abcdef", "n": 2}"#, None, None).unwrap();
+        assert_eq!(info.tokens, 5 + 256);
+        // Native: sampling_params.n (it wins over a top-level n), per batch item too.
+        let info =
+            peek(br#"{"text": "0123456789abcdef", "sampling_params": {"max_new_tokens": 10, "n": 3}}"#, None, None)
+                .unwrap();
+        assert_eq!((info.tokens, info.output_budget), (5 + 30, 10));
+        let body =
+            br#"{"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 1}]}"#;
+        assert_eq!(peek(body, None, None).unwrap().tokens, 2 + 4 + 1);
+        // A malformed n counts as 1 and does not hide the other fields.
+        let info = peek(br#"{"prompt": "0123456789abcdef", "n": "x", "max_tokens": 7}"#, None, None).unwrap();
+        assert_eq!((info.tokens, info.output_budget), (5 + 7, 7));
     }
 
     #[test]
