@@ -24,7 +24,7 @@ committed versions) and the generated tokens, written to ``timeline.json`` and p
 Without ``--manager``/``--router`` the script starts ``rollout-manager serve --engine sim`` itself
 (loopback, free ports, a temporary state dir, the autoscaler enabled) and stops it at the end.
 
-    .venv/bin/python examples/fully_async/loop.py            # ~45 s, 20 steps
+    .venv/bin/python examples/fully_async/loop.py            # 20 steps, ~30 s
 """
 
 from __future__ import annotations
