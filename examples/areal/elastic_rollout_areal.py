@@ -1,0 +1,166 @@
+"""AReaL remote SGLang engine for an Elastic Rollout fleet (checked against inclusionAI/AReaL
+4aef98d8).
+
+``ElasticSGLangEngine`` is AReaL's ``RemoteSGLangEngine`` with three changes:
+
+- every ``/generate`` carries ``weight_version: {"min_version": "<AReaL's current version>"}``;
+- ``update_weights_from_disk`` publishes AReaL's HF checkpoint through the manager (version =
+  AReaL's new version number) instead of calling each server, and never deletes the directory;
+- ``pause_generation`` / ``continue_generation`` do nothing (the router refuses engine admin
+  routes; the manager's rolling update drains engines instead).
+
+It also reports each step to the autoscaler when ``ELASTIC_ROLLOUT_REPORT_STEPS=1``. Install it
+in your training script before the trainer is built (SPMD mode; see README.md):
+
+    import elastic_rollout_areal
+    elastic_rollout_areal.install()
+
+Environment: ``AREAL_LLM_SERVER_ADDRS=<manager-host>:30000`` (AReaL's own variable),
+``ELASTIC_ROLLOUT_MANAGER`` (default ``http://127.0.0.1:8000``), ``ROLLOUT_MANAGER_API_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from elastic_rollout import RolloutClient
+
+__all__ = ["ElasticSGLangEngine", "install"]
+
+_publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rollout-publish")
+
+
+def _client() -> RolloutClient:
+    url = os.environ.get("ELASTIC_ROLLOUT_MANAGER", "http://127.0.0.1:8000")
+    return RolloutClient(url, token=os.environ.get("ROLLOUT_MANAGER_API_TOKEN"), timeout=60.0)
+
+
+def _areal(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def _base(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:  # not inside AReaL: the classes below stay importable for reading
+        return object
+
+
+class ElasticSGLangBackend(_base("areal.engine.sglang_remote", "SGLangBackend")):  # type: ignore[misc]
+    """AReaL's SGLang request builder plus the version pin."""
+
+    def build_generation_request(self, req: Any, with_lora: bool, version: int) -> Any:
+        http_req = super().build_generation_request(req, with_lora, version)
+        http_req.payload["weight_version"] = {"min_version": str(version)}
+        return http_req
+
+
+class _Pipeline:
+    """Step timing on the rank that updates weights: time spent waiting in ``prepare_batch`` /
+    ``rollout_batch``, and time the staleness limit held rollout back (sampled every 0.5 s)."""
+
+    def __init__(self) -> None:
+        self.wait = 0.0
+        self.throttled = 0.0
+        self.accepted_at_report = 0
+        self.last_report: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_sampling(self, engine: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sample, args=(engine,), daemon=True)
+            self._thread.start()
+
+    def _sample(self, engine: Any) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                manager = engine.workflow_executor.staleness_manager
+                running = manager.get_stats().running
+                limit = getattr(manager, "max_concurrent_rollouts", None)
+                if manager.get_capacity() <= 0 and (limit is None or running < limit):
+                    self.throttled += 0.5
+            except Exception:  # not initialized yet, or shutting down
+                continue
+
+
+class ElasticSGLangEngine(_base("areal.engine.sglang_remote", "RemoteSGLangEngine")):  # type: ignore[misc]
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        remote_inf_engine = _areal("areal.infra").RemoteInfEngine
+        self._engine = remote_inf_engine(config, ElasticSGLangBackend())
+        self._pipeline = _Pipeline()
+
+    def pause_generation(self) -> None:
+        return None
+
+    def continue_generation(self) -> None:
+        return None
+
+    def init_weights_update_group(self, meta: Any, xccl_group_ranks: list[int] | None = None) -> Future[None]:
+        raise NotImplementedError("use actor.weight_update_mode=disk with an Elastic Rollout fleet")
+
+    def update_weights_from_distributed(self, meta: Any, param_specs: Any) -> Future[None]:
+        raise NotImplementedError("use actor.weight_update_mode=disk with an Elastic Rollout fleet")
+
+    def prepare_batch(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return super().prepare_batch(*args, **kwargs)
+        finally:
+            self._pipeline.wait += time.monotonic() - started
+
+    def rollout_batch(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return super().rollout_batch(*args, **kwargs)
+        finally:
+            self._pipeline.wait += time.monotonic() - started
+
+    def update_weights_from_disk(self, meta: Any) -> Future[None]:
+        """Waits (in a thread) for AReaL's "checkpoint saved" signal, then publishes ``meta.path``
+        as version ``meta.version`` and waits until the fleet serves it."""
+        if getattr(meta, "use_lora", False):
+            raise NotImplementedError("LoRA adapters are not published by the manager")
+        self._pipeline.start_sampling(self._engine)
+        config = self.config
+        saved_as = self.get_version()
+        return _publisher.submit(self._publish, config.experiment_name, config.trial_name, saved_as, meta)
+
+    def _publish(self, experiment: str, trial: str, saved_as: int, meta: Any) -> None:
+        names = _areal("areal.utils.names")
+        name_resolve = _areal("areal.utils.name_resolve")
+        name_resolve.wait(names.update_weights_from_disk(experiment, trial, saved_as), timeout=3600)
+        client = _client()
+        update = client.publish_weights(str(meta.version), os.path.abspath(str(meta.path)))
+        record = client.wait_for_weight_update(str(update["update_id"]), timeout=3600)
+        if record.get("status") != "COMPLETED":
+            raise RuntimeError(f"publishing {meta.version} failed: {record.get('error_message')}")
+        self._report(int(meta.version) - 1)
+
+    def _report(self, step: int) -> None:
+        pipeline, now = self._pipeline, time.monotonic()
+        if os.environ.get("ELASTIC_ROLLOUT_REPORT_STEPS") == "1" and pipeline.last_report is not None:
+            manager = self._engine.workflow_executor.staleness_manager
+            accepted = int(manager.get_stats().accepted)
+            _client().report_step(
+                step,
+                pipeline.wait,
+                min(pipeline.throttled, now - pipeline.last_report),
+                now - pipeline.last_report,
+                rollout_samples=accepted - pipeline.accepted_at_report,
+                next_step_samples=int(manager.consumer_batch_size),
+            )
+            pipeline.accepted_at_report = accepted
+        pipeline.last_report, pipeline.wait, pipeline.throttled = now, 0.0, 0.0
+
+
+def install() -> None:
+    """Makes AReaL's PPO trainer build ``ElasticSGLangEngine`` for ``sglang`` rollouts."""
+    rl_trainer = _areal("areal.trainer.rl_trainer")
+    rl_trainer.RemoteSGLangEngine = ElasticSGLangEngine
