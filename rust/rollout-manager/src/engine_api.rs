@@ -4,12 +4,15 @@
 //!
 //! The router's data plane does not go through here (it forwards bytes and has its own
 //! pooled connections); this is the control side: probes, `/model_info`, weight loads,
-//! pause/continue, abort.
+//! pause/continue, abort. Routes that older SGLang releases serve under another name
+//! (`/get_model_info`) are found through [`EngineRoutes`].
 
-use crate::engine_http::{get_json, ReadError};
+use crate::dialect::{EngineRoutes, Route};
+use crate::engine_http::{parse_json_object, ReadError, MAX_JSON_BYTES};
 use futures::future::BoxFuture;
 use rollout_core::weights::WeightVersion;
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Why bringing up, checking or updating one engine failed.
@@ -44,10 +47,12 @@ pub enum EngineError {
 /// The calls, by engine base URL (`http://host:port`).
 pub trait EngineApi: Send + Sync {
     /// One GET of `endpoint` (`/health`, `/model_info`): None when it answered 2xx within
-    /// `timeout`, else why not, in words.
+    /// `timeout`, else why not, in words. A route older releases name differently
+    /// (`/model_info`) is asked under the name the engine serves.
     fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, timeout: Duration) -> BoxFuture<'a, Option<String>>;
 
-    /// `GET /model_info`: a JSON object of at most 1 MiB, read within 10 s.
+    /// `GET /model_info` (`/get_model_info` on older releases): a JSON object of at most
+    /// 1 MiB, read within 10 s.
     fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>>;
 
     /// `POST /update_weights_from_disk` (SGLang 0.5: `model_path`, `weight_version`,
@@ -93,17 +98,24 @@ pub fn verify(want: &WeightVersion, found: Option<&str>, checksum: Option<&str>)
 /// [`EngineApi`] over HTTP.
 pub struct HttpEngineApi {
     http: reqwest::Client,
+    routes: Arc<EngineRoutes>,
 }
 
 impl HttpEngineApi {
-    pub fn new(http: reqwest::Client) -> Self {
-        Self { http }
+    pub fn new(http: reqwest::Client, routes: Arc<EngineRoutes>) -> Self {
+        Self { http, routes }
     }
 }
 
 impl EngineApi for HttpEngineApi {
     fn probe<'a>(&'a self, url: &'a str, endpoint: &'a str, timeout: Duration) -> BoxFuture<'a, Option<String>> {
         Box::pin(async move {
+            if let Some(route) = Route::of(endpoint) {
+                return match self.routes.get(&self.http, url, route, timeout, MAX_JSON_BYTES).await {
+                    Ok(_) => None,
+                    Err((name, e)) => Some(format!("{name}: {e}")),
+                };
+            }
             match self.http.get(format!("{url}{endpoint}")).timeout(timeout).send().await {
                 Ok(r) if r.status().is_success() => None,
                 Ok(r) => Some(format!("{endpoint} answered HTTP {}", r.status().as_u16())),
@@ -115,8 +127,16 @@ impl EngineApi for HttpEngineApi {
 
     fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>> {
         Box::pin(async move {
-            let path = "/model_info";
-            get_json(&self.http, &format!("{url}{path}"), Duration::from_secs(10)).await.map_err(|e| match e {
+            let timeout = Duration::from_secs(10);
+            let read = self.routes.get(&self.http, url, Route::ModelInfo, timeout, MAX_JSON_BYTES).await;
+            let (path, e) = match read {
+                Ok((path, body)) => match parse_json_object(&body) {
+                    Ok(info) => return Ok(info),
+                    Err(e) => (path, e),
+                },
+                Err(failed) => failed,
+            };
+            Err(match e {
                 ReadError::Request(_) | ReadError::Timeout(_) => {
                     EngineError::Unreachable { path, detail: e.to_string() }
                 }

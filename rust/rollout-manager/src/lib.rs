@@ -10,6 +10,7 @@ pub mod api;
 pub mod auth;
 pub mod autoscaler;
 pub mod clock;
+pub mod dialect;
 pub mod engine_api;
 pub mod engine_host;
 pub mod engine_http;

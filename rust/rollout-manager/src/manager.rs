@@ -30,6 +30,8 @@ pub struct Manager {
     pub http: reqwest::Client,
     /// The control calls to engines: probes, `/model_info`, weight loads, pause, abort.
     pub engine_api: Arc<dyn crate::engine_api::EngineApi>,
+    /// Which name of a renamed SGLang route each engine serves (`/v1/loads` or `/get_load`).
+    pub routes: Arc<crate::dialect::EngineRoutes>,
     /// Every background task the manager starts, joined at shutdown.
     pub tasks: TaskTracker,
     /// Cancelled when the manager shuts down.
@@ -93,9 +95,10 @@ impl Manager {
             config.max_inflight_per_engine > 0,
         ));
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
+        let routes = Arc::new(crate::dialect::EngineRoutes::new());
         let (engine_api, local) = seams.unwrap_or_else(|| {
             let local = LocalHost { reattach_grace: Duration::from_secs_f64(config.reattach_grace_secs.max(0.0)) };
-            (Arc::new(crate::engine_api::HttpEngineApi::new(http.clone())), Arc::new(local))
+            (Arc::new(crate::engine_api::HttpEngineApi::new(http.clone(), routes.clone())), Arc::new(local))
         });
         let agents = AgentHost::new(shutdown.clone(), tasks.clone(), token);
         let transport: Arc<dyn crate::weights::transport::WeightTransport> = match config.weight_transport {
@@ -111,6 +114,7 @@ impl Manager {
             fleet,
             launcher,
             engine_api,
+            routes,
             http,
             tasks,
             shutdown,

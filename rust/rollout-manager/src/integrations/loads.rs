@@ -2,10 +2,18 @@
 //! and record its KV pool size and the tokens it holds or has queued, so the router's own
 //! estimate is corrected by what the engine actually reports. An engine that does not answer
 //! keeps its last report; routing then relies on the router's exact in-flight counts.
+//!
+//! SGLang before 0.5.8 has no `/v1/loads`, only `/get_load` (which 0.5.23 removed), and it
+//! does not report the pool size there: 0.5.6 and 0.5.7 answer one
+//! `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}` per DP rank, 0.5.2 to 0.5.5 answer
+//! `{"load": tokens}` for DP rank 0 alone. For those engines the pool size is read once from
+//! `/get_server_info` (`max_total_num_tokens` per rank, times `dp_size`).
 
+use crate::dialect::Route;
 use crate::manager::Manager;
 use serde::Deserialize;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Deserialize)]
@@ -39,9 +47,42 @@ fn parse(body: &[u8]) -> Option<(u64, u64)> {
     Some((cap, used))
 }
 
+/// `/get_load`: the tokens used or queued, summed over the DP ranks it reports.
+fn parse_legacy(body: &[u8]) -> Option<u64> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Legacy {
+        /// 0.5.6 and later: one entry per DP rank.
+        Ranks(Vec<LegacyRank>),
+        /// 0.5.2 to 0.5.5: DP rank 0's tokens.
+        Total { load: u64 },
+    }
+    #[derive(Deserialize)]
+    struct LegacyRank {
+        num_tokens: u64,
+    }
+    match serde_json::from_slice(body).ok()? {
+        Legacy::Ranks(ranks) if !ranks.is_empty() => {
+            Some(ranks.iter().fold(0u64, |acc, r| acc.saturating_add(r.num_tokens)))
+        }
+        Legacy::Ranks(_) => None,
+        Legacy::Total { load } => Some(load),
+    }
+}
+
+/// `/get_server_info`: the KV pool size of the whole engine (`max_total_num_tokens` is one
+/// DP rank's).
+fn parse_pool_size(body: &[u8]) -> Option<u64> {
+    let info: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let per_rank = info.get("max_total_num_tokens")?.as_u64()?;
+    let ranks = info.get("dp_size").and_then(serde_json::Value::as_u64).unwrap_or(1).max(1);
+    Some(per_rank.saturating_mul(ranks))
+}
+
 pub fn spawn_poller(manager: &Arc<Manager>) {
     let m = manager.clone();
     manager.tasks.spawn(async move {
+        let pool_sizes = Mutex::new(HashMap::new());
         let period = Duration::from_secs_f64(m.config.load_poll_interval_secs);
         let mut ticker = tokio::time::interval(period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -53,24 +94,49 @@ pub fn spawn_poller(manager: &Arc<Manager>) {
                 Ok(()) = changes.changed() => {}
                 _ = m.shutdown.cancelled() => return,
             }
-            poll_all(&m, period.max(Duration::from_millis(500))).await;
+            poll_all(&m, period.max(Duration::from_millis(500)), &pool_sizes).await;
         }
     });
 }
 
-async fn poll_all(manager: &Manager, timeout: Duration) {
+/// Pool sizes read from `/get_server_info`, by engine URL (engines without `/v1/loads` only).
+type PoolSizes = Mutex<HashMap<String, u64>>;
+
+async fn poll_all(manager: &Manager, timeout: Duration, pool_sizes: &PoolSizes) {
     let routes = manager.fleet.routes();
     futures::future::join_all(routes.backends.iter().map(|b| async move {
-        let url = format!("{}/v1/loads?include=core", b.url);
-        let Ok(body) = crate::engine_http::get(&manager.http, &url, timeout, crate::engine_http::MAX_JSON_BYTES).await
-        else {
-            return;
-        };
-        if let Some((cap, used)) = parse(&body) {
+        if let Some((cap, used)) = poll_one(manager, &b.url, timeout, pool_sizes).await {
             b.load.report(cap, used);
         }
     }))
     .await;
+    let live: std::collections::HashSet<&str> = routes.backends.iter().map(|b| b.url.as_str()).collect();
+    lock(pool_sizes).retain(|url, _| live.contains(url.as_str()));
+}
+
+fn lock(pool_sizes: &PoolSizes) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+    pool_sizes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One engine's (pool size, tokens used or queued), from whichever route it serves.
+async fn poll_one(manager: &Manager, url: &str, timeout: Duration, pool_sizes: &PoolSizes) -> Option<(u64, u64)> {
+    let limit = crate::engine_http::MAX_JSON_BYTES;
+    let (name, body) = manager.routes.get(&manager.http, url, Route::Loads, timeout, limit).await.ok()?;
+    if name != "/get_load" {
+        return parse(&body);
+    }
+    let used = parse_legacy(&body)?;
+    let known = lock(pool_sizes).get(url).copied();
+    let cap = match known {
+        Some(cap) => cap,
+        None => {
+            let (_, info) = manager.routes.get(&manager.http, url, Route::ServerInfo, timeout, limit).await.ok()?;
+            let cap = parse_pool_size(&info)?;
+            lock(pool_sizes).insert(url.to_string(), cap);
+            cap
+        }
+    };
+    Some((cap, used))
 }
 
 #[cfg(test)]
@@ -94,11 +160,37 @@ mod tests {
         assert_eq!(parse(body.as_bytes()), Some((max, max)));
     }
 
+    #[test]
+    fn reads_the_legacy_shapes() {
+        // 0.5.6: one entry per DP rank.
+        let body = br#"[{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 700},
+                        {"dp_rank": 1, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 20}]"#;
+        assert_eq!(parse_legacy(body), Some(720));
+        // 0.5.2: DP rank 0's tokens.
+        assert_eq!(parse_legacy(br#"{"load": 42}"#), Some(42));
+        assert_eq!(parse_legacy(b"[]"), None);
+        assert_eq!(parse_legacy(br#"{"loads": []}"#), None);
+        assert_eq!(parse_legacy(br#"[{"num_tokens": -1}]"#), None);
+        let max = u64::MAX;
+        assert_eq!(parse_legacy(format!(r#"[{{"num_tokens": {max}}}, {{"num_tokens": 1}}]"#).as_bytes()), Some(max));
+        // The pool: per rank times the ranks.
+        assert_eq!(parse_pool_size(br#"{"max_total_num_tokens": 1000, "dp_size": 2, "version": "0.5.2"}"#), Some(2000));
+        assert_eq!(parse_pool_size(br#"{"max_total_num_tokens": 1000}"#), Some(1000));
+        assert_eq!(parse_pool_size(br#"{"max_total_num_tokens": 1000, "dp_size": 0}"#), Some(1000));
+        assert_eq!(parse_pool_size(br#"{"dp_size": 2}"#), None);
+        assert_eq!(
+            parse_pool_size(format!(r#"{{"max_total_num_tokens": {max}, "dp_size": 4}}"#).as_bytes()),
+            Some(max)
+        );
+    }
+
     proptest! {
         /// Whatever an engine answers: a report or nothing, never a panic.
         #[test]
         fn any_answer_is_read_without_panic(body in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = parse(&body);
+            let _ = parse_legacy(&body);
+            let _ = parse_pool_size(&body);
         }
 
         /// Any u64 in any field is summed without overflow.
