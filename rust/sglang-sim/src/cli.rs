@@ -151,6 +151,12 @@ pub struct Config {
     pub cuda_graph_max_bs: Option<u32>,
 
     // ---------------------------------------------------------------- simulator knobs
+    /// The SGLang release whose HTTP surface to serve (0.5.1 to 0.5.23): routes it lacks
+    /// answer 404, and `/get_load`, `/pause_generation` and `/server_info`'s `version` behave
+    /// as in that release. See docs/sglang-sim.md, "API profiles".
+    #[arg(long = "sglang-api", default_value = "0.5.23", value_parser = crate::api_profile::Release::parse, help_heading = "Simulation")]
+    pub sglang_api: crate::api_profile::Release,
+
     /// Seconds of simulated weight loading before the TCP port is even bound (wall clock).
     #[arg(long, default_value_t = 0.0, help_heading = "Simulation")]
     pub startup_delay: f64,
@@ -210,10 +216,13 @@ pub struct Config {
     pub enable_fault_api: bool,
 }
 
-/// The simulator's version string, reported where SGLang reports `__version__`.
-pub const SIM_VERSION: &str = "0.5.23-sim";
-
 impl Config {
+    /// The version string reported where SGLang reports `__version__`: the release of
+    /// `--sglang-api`, marked as simulated.
+    pub fn version(&self) -> String {
+        format!("{}-sim", self.sglang_api)
+    }
+
     /// Checks the values clap cannot check on its own.
     pub fn validate(mut self) -> Result<Self, String> {
         fn non_negative(name: &str, v: f64) -> Result<(), String> {

@@ -5,6 +5,7 @@
 //! 3 simulated crash (`--crash-after-requests`).
 
 mod api;
+mod api_profile;
 mod cli;
 mod engine;
 mod faults;

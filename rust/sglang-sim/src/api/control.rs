@@ -73,9 +73,14 @@ struct PauseReq {
 
 /// `/pause_generation`: new `/generate` calls wait until `/continue_generation`.
 pub async fn pause_generation(State(engine): State<AppState>, body: Bytes) -> Response {
-    let req: PauseReq = match parse_body(&body, true) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
+    // Before 0.5.6 the route reads no body: it always aborts every request.
+    let req: PauseReq = if engine.cfg.sglang_api.pause_has_modes() {
+        match parse_body(&body, true) {
+            Ok(r) => r,
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        PauseReq::default()
     };
     let mode_name = req.mode.unwrap_or_else(|| "abort".into());
     let Some(mode) = PauseMode::parse(&mode_name) else {

@@ -1,7 +1,6 @@
 //! Health, identity and load endpoints.
 
 use super::{handler_error, json_ok, validation_error, AppState};
-use crate::cli::SIM_VERSION;
 use crate::engine::{Engine, Status};
 use crate::scheduler::RankLoad;
 use axum::extract::rejection::QueryRejection;
@@ -128,7 +127,7 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
     m.insert("startup_time".into(), Value::from(engine.startup_secs()));
     m.insert("kv_events".into(), Value::Null);
     m.insert("internal_states".into(), loads.iter().map(|l| internal_state(&engine, l)).collect());
-    m.insert("version".into(), Value::from(SIM_VERSION));
+    m.insert("version".into(), Value::from(cfg.version()));
     m.insert("frontend".into(), Value::from("python"));
     m.insert("weights_checksum".into(), json!(w.checksum));
     m.insert("weights".into(), json!(w));
@@ -208,6 +207,25 @@ fn load_json(l: &RankLoad, include: &[&str], paused: usize) -> Map<String, Value
     m
 }
 
+/// `/get_load` (releases before 0.5.21): one `{dp_rank, num_reqs, num_waiting_reqs,
+/// num_tokens}` per DP rank from 0.5.6 on, `{"load": tokens}` of DP rank 0 before. The tokens
+/// are those held in the KV pool plus the waiting prompts' (SGLang's scheduler `get_load`).
+pub async fn get_load(State(engine): State<AppState>) -> Response {
+    let loads = engine.loads();
+    let tokens = |l: &RankLoad| l.num_total_tokens;
+    if !engine.cfg.sglang_api.load_per_rank() {
+        return json_ok(json!({"load": loads.first().map_or(0, tokens)}));
+    }
+    let ranks: Vec<Value> = loads
+        .iter()
+        .map(|l| {
+            json!({"dp_rank": l.dp_rank, "num_reqs": l.num_running_reqs + l.num_waiting_reqs,
+                   "num_waiting_reqs": l.num_waiting_reqs, "num_tokens": tokens(l)})
+        })
+        .collect();
+    json_ok(Value::Array(ranks))
+}
+
 /// `/v1/loads`.
 pub async fn loads(State(engine): State<AppState>, q: Result<Query<LoadsQuery>, QueryRejection>) -> Response {
     let q = match q {
@@ -278,7 +296,7 @@ pub async fn loads(State(engine): State<AppState>, q: Result<Query<LoadsQuery>, 
     }
     json_ok(json!({
         "timestamp": iso8601_now(),
-        "version": SIM_VERSION,
+        "version": engine.cfg.version(),
         "accelerator": "sglang-sim",
         "num_accelerators": engine.cfg.tp_size * engine.cfg.pp_size,
         "loads": rows,

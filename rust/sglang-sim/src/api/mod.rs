@@ -65,6 +65,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/server_info", get(info::server_info))
         .route("/get_server_info", get(info::server_info))
         .route("/v1/loads", get(info::loads))
+        .route("/get_load", get(info::get_load))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(info::models))
@@ -75,6 +76,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         // SGLang has no request size limit; batches of long prompts are large.
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(engine.clone(), release_gate))
         .layer(middleware::from_fn_with_state(engine.clone(), auth))
         .layer(middleware::from_fn_with_state(engine.clone(), hang_gate))
         .with_state(engine)
@@ -84,6 +86,14 @@ pub fn router(engine: Arc<Engine>) -> Router {
 async fn hang_gate(State(engine): State<AppState>, req: Request, next: Next) -> Response {
     if engine.shared.is_hung() {
         std::future::pending::<()>().await;
+    }
+    next.run(req).await
+}
+
+/// `--sglang-api`: a route the imitated release does not serve is an unknown route.
+async fn release_gate(State(engine): State<AppState>, req: Request, next: Next) -> Response {
+    if !engine.cfg.sglang_api.serves(req.uri().path()) {
+        return not_found().await;
     }
     next.run(req).await
 }

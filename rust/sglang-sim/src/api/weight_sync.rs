@@ -231,7 +231,8 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
             "Weight update group {name:?} is not initialized on this engine; call /init_weights_update_group first."
         ));
     }
-    if engine.weight_sync.session().is_none() {
+    // The session exists from 0.5.21 on; older releases update without one.
+    if engine.cfg.sglang_api.serves("/begin_weight_update") && engine.weight_sync.session().is_none() {
         return fail(
             "update_weights_from_distributed must run between begin_weight_update() and end_weight_update(); \
              call /begin_weight_update first.",
