@@ -11,6 +11,11 @@ layout and drives every engine's side over HTTP in the order SGLang 0.5.x requir
    broadcasts each tensor in the same order (``broadcast``);
 5. ``/end_weight_update``, ``/continue_generation``.
 
+SGLang before 0.5.23 has no ``/begin_weight_update`` / ``/end_weight_update`` (and needs
+none): an engine that answers 404 to the first is updated without a session, and is not
+asked the second. Releases before 0.5.6 have no ``/server_info``; ``/get_server_info`` is read
+instead.
+
 A group cannot grow: when the set of ACTIVE engines changed since the group was built, the
 old group is destroyed on the engines still there and a new one (new name, new port) is built.
 
@@ -208,6 +213,8 @@ class DistributedWeightSync:
             if self.model_name is not None and e.model_name != self.model_name:
                 continue
             status, info = self._engine_call(e.url, "/server_info", method="GET")
+            if status == 404:  # SGLang before 0.5.6
+                status, info = self._engine_call(e.url, "/get_server_info", method="GET")
             tp = int(info.get("tp_size", 0) or 0) if status == 200 and isinstance(info, dict) else 0
             out.append((e.engine_id, e.url, tp or max(1, len(e.gpu_ids))))
         return out
@@ -305,6 +312,23 @@ class DistributedWeightSync:
 
     # -- one update ----------------------------------------------------------------------
 
+    def _begin_sessions(self, members: Sequence[GroupMember]) -> list[GroupMember]:
+        """``/begin_weight_update`` on every member; the members now in a session. An engine
+        that answers 404 (SGLang before 0.5.23) has no sessions and is updated without one."""
+        with ThreadPoolExecutor(max_workers=len(members)) as pool:
+            results = list(pool.map(lambda m: (m, self._engine_call(m.url, "/begin_weight_update", {})), members))
+        in_session = [m for m, (status, out) in results if status == 200 and _succeeded(out)]
+        failures = [
+            EngineFailure(m.engine_id, "/begin_weight_update", status, _message(out))
+            for m, (status, out) in results
+            if status not in (200, 404) or (status == 200 and not _succeeded(out))
+        ]
+        if failures:
+            for m in in_session:
+                self._engine_call(m.url, "/end_weight_update", {})
+            raise WeightSyncError("begin_weight_update", failures)
+        return in_session
+
     def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
         """Broadcasts one weight version to every ACTIVE engine (see the module docs)."""
         if not specs:
@@ -316,8 +340,7 @@ class DistributedWeightSync:
         try:
             self._on_all("pause_generation", members, "/pause_generation", lambda m: {"mode": self.pause_mode})
             paused = list(members)
-            self._on_all("begin_weight_update", members, "/begin_weight_update", lambda m: {})
-            in_session = list(members)
+            in_session = self._begin_sessions(members)
             body = {
                 "names": [s.name for s in specs],
                 "dtypes": [s.dtype for s in specs],
@@ -336,7 +359,7 @@ class DistributedWeightSync:
                 )
                 self.broadcast(layout, specs)
                 responses = engines_side.result()
-            self._on_all("end_weight_update", members, "/end_weight_update", lambda m: {})
+            self._on_all("end_weight_update", in_session, "/end_weight_update", lambda m: {})
             in_session = []
             self._on_all("continue_generation", members, "/continue_generation", lambda m: {})
             paused = []
@@ -347,6 +370,10 @@ class DistributedWeightSync:
                 self._engine_call(m.url, "/end_weight_update", {})
             for m in paused:
                 self._engine_call(m.url, "/continue_generation", {})
+
+
+def _succeeded(out: Any) -> bool:
+    return not (isinstance(out, dict) and out.get("success") is False)
 
 
 def _message(out: Any) -> str:
