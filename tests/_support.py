@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from elastic_rollout import Engine, EnginesView, RolloutClient
+from elastic_rollout._find import ENV_OVERRIDES
 
 T = TypeVar("T")
 
@@ -37,6 +38,17 @@ SHUTDOWN_TIMEOUT = 30.0
 LISTENING_RE = re.compile(
     r"^rollout-manager listening control=(?P<control>http://\S+) router=(?P<router>http://\S+)\s*$"
 )
+
+
+def freshest_build(found: Path) -> Path:
+    """Prefer target/debug over target/release when the debug build is newer."""
+    if os.environ.get(ENV_OVERRIDES.get(found.name, "")) or found.parent.name != "release":
+        return found
+    debug = found.parent.parent / "debug" / found.name
+    if debug.is_file() and os.access(debug, os.X_OK) and debug.stat().st_mtime > found.stat().st_mtime:
+        return debug
+    return found
+
 
 
 def wait_until(

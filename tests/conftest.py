@@ -7,7 +7,6 @@ built one is used, so a stale release build never shadows a fresh ``cargo build`
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -18,25 +17,16 @@ from _support import (
     STARTUP_TIMEOUT,
     ManagerHandle,
     StartManager,
+    freshest_build,
     start_manager,
     stop_manager,
 )
 
-from elastic_rollout._find import ENV_OVERRIDES, BinaryNotFoundError, find_binary
-
-
-def _freshest_build(found: Path) -> Path:
-    """Prefer target/debug over target/release when the debug build is newer."""
-    if os.environ.get(ENV_OVERRIDES["rollout-manager"]) or found.parent.name != "release":
-        return found
-    debug = found.parent.parent / "debug" / found.name
-    if debug.is_file() and os.access(debug, os.X_OK) and debug.stat().st_mtime > found.stat().st_mtime:
-        return debug
-    return found
+from elastic_rollout._find import BinaryNotFoundError, find_binary
 
 
 def _manager_binary() -> Path:
-    return _freshest_build(find_binary("rollout-manager"))
+    return freshest_build(find_binary("rollout-manager"))
 
 
 def pytest_report_header() -> str:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, metric_total, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, freshest_build, http, metric_total, wait_until
 
 from elastic_rollout import RolloutApiError
 from elastic_rollout._find import find_binary
@@ -35,11 +35,11 @@ def external_engine(tmp_path: Path) -> Iterator[StartEngine]:
     """Starts standalone sglang-sim processes (as someone else's engines would be)."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(model: str = "sim-model", port: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+    def start(model: str = "sim-model", port: int | None = None, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
         port = port or free_port()
         log = open(tmp_path / f"external-{port}.log", "ab")
         argv = [
-            str(find_binary("sglang-sim")),
+            str(freshest_build(find_binary("sglang-sim"))),
             "--model-path",
             model,
             "--port",
@@ -47,6 +47,7 @@ def external_engine(tmp_path: Path) -> Iterator[StartEngine]:
             "--time-scale",
             "0.01",
             "--enable-metrics",
+            *extra,
         ]
         proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         started.append(proc)

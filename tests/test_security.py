@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, file_tail, http, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, file_tail, freshest_build, http, wait_until
 
 from elastic_rollout import RolloutApiError
 from elastic_rollout._find import find_binary
@@ -35,7 +35,7 @@ def sim_on(tmp_path: Path) -> Iterator[Callable[[str], str]]:
         port = free_port(host)
         log = open(tmp_path / f"sim-{host}-{port}.log", "ab")
         argv = [
-            str(find_binary("sglang-sim")),
+            str(freshest_build(find_binary("sglang-sim"))),
             "--model-path",
             "sim-model",
             "--host",
