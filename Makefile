@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test setup venv build build-release wheel lint lint-rust lint-python clean
+.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -68,6 +68,11 @@ run: build-release
 	  --port $(PORT) --router-port $(ROUTER_PORT) --state-dir $(STATE_DIR) \
 	  --engine-arg=--time-scale=0.1
 
+# The fully-async example: a CPU trainer stand-in against a simulated fleet that the autoscaler
+# grows; writes examples/fully_async/out/timeline.png (see examples/fully_async/README.md).
+example: build-release venv
+	$(PY) examples/fully_async/loop.py
+
 lint: lint-rust lint-python
 
 lint-rust:
@@ -77,11 +82,13 @@ lint-rust:
 
 # ruff and mypy come pinned with python[test]; their one config is python/pyproject.toml.
 PY_CONFIG := python/pyproject.toml
-PY_LINTED := python ray_integration tests benches
+PY_LINTED := python ray_integration tests benches examples
 lint-python: venv
 	$(VENV)/bin/ruff check --config $(PY_CONFIG) $(PY_LINTED)
 	$(VENV)/bin/ruff format --config $(PY_CONFIG) --check $(PY_LINTED)
 	$(VENV)/bin/mypy --config-file $(PY_CONFIG) python/elastic_rollout ray_integration/elastic_rollout_ray
+	$(VENV)/bin/mypy --config-file $(PY_CONFIG) examples/fully_async/loop.py examples/slime/elastic_rollout_hooks.py \
+	  examples/verl/elastic_rollout_verl.py examples/areal/elastic_rollout_areal.py
 
 test: venv build lint
 	$(CARGO) test --workspace
