@@ -50,7 +50,6 @@ def freshest_build(found: Path) -> Path:
     return found
 
 
-
 def wait_until(
     condition: Callable[[], T | None],
     timeout: float,
