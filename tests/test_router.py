@@ -143,6 +143,32 @@ def test_admin_routes_are_not_forwarded_and_abort_fans_out(four: ManagerHandle) 
     assert body["success"] is True and len(body["engines"]) == 4
 
 
+def test_workers_list_is_smgs_shape_and_read_only(four: ManagerHandle) -> None:
+    """Trainers written against smg (slime) list the router's workers to abort each engine."""
+    resp = http("GET", f"{four.router_url}/workers")
+    assert resp.status == 200, resp.body[:300]
+    listed = resp.json()
+    active = {e.engine_id: e for e in four.engines().with_status("ACTIVE")}
+    assert listed["total"] == len(listed["workers"]) == len(active) == 4
+    assert listed["stats"]["regular_count"] == 4
+    for worker in listed["workers"]:
+        engine = active[worker["id"]]
+        assert worker["url"] == engine.url and worker["weight_version"] == engine.weight_version
+        assert worker["is_healthy"] is True and worker["worker_type"] == "regular"
+    # slime's end-of-rollout abort, as it does it: each listed URL's /abort_request, then its load.
+    for worker in listed["workers"]:
+        assert http("POST", f"{worker['url']}/abort_request", {"abort_all": True}).status == 200
+        loads = http("GET", f"{worker['url']}/v1/loads?include=core").json()["loads"]
+        assert sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in loads) == 0
+    # The manager owns the list: registering or removing through the router is refused.
+    for method, path in [("POST", "/workers"), ("DELETE", f"/workers/{listed['workers'][0]['id']}")]:
+        resp = http(method, f"{four.router_url}{path}", {"url": "http://127.0.0.1:9"} if method == "POST" else None)
+        assert resp.status == 403, (method, path, resp.body)
+        error = resp.json()["error"]
+        assert error["code"] == "workers_managed" and "/rollout/scale_out" in error["message"]
+    assert len(four.engines().with_status("ACTIVE")) == 4
+
+
 def test_router_metrics(four: ManagerHandle) -> None:
     before = metric_total(http("GET", f"{four.control_url}/metrics").body.decode(), "rollout_router_requests_total")
     for i in range(5):

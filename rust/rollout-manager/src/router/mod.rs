@@ -1,6 +1,7 @@
 //! The data plane: an SGLang-compatible proxy in front of the fleet's ACTIVE engines.
 //!
-//! Every path other than the router's own health routes is forwarded unchanged (method, path,
+//! Every path other than the router's own routes (health, the fan-outs, a read-only smg-style
+//! `/workers` list) is forwarded unchanged (method, path,
 //! query, body, end-to-end headers) to one engine chosen by the routing policy
 //! (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
 //! `session`, set by `--routing-policy` or per request with the `x-routing-policy` header.
@@ -118,7 +119,11 @@ pub struct DataPlane {
 }
 
 /// Paths the router answers itself (the routes of [`DataPlane::own`]).
-const OWN_ROUTES: [&str; 5] = ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache"];
+const OWN_ROUTES: [&str; 6] = ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache", "/workers"];
+
+fn is_own(path: &str) -> bool {
+    OWN_ROUTES.contains(&path) || path.starts_with("/workers/")
+}
 
 impl tower_service::Service<Request> for DataPlane {
     type Response = Response;
@@ -130,7 +135,7 @@ impl tower_service::Service<Request> for DataPlane {
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        if OWN_ROUTES.contains(&request.uri().path()) {
+        if is_own(request.uri().path()) {
             Box::pin(tower_service::Service::call(&mut self.own, request))
         } else {
             Box::pin(proxy_service(self.state.clone(), request))
@@ -186,9 +191,44 @@ pub fn router(
                 .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token))
                 .layer(axum::middleware::from_fn_with_state(FAN_OUT_BODY_BYTES, read_body_first)),
         )
+        .route("/workers", get(workers).fallback(workers_managed))
+        .route("/workers/{*id}", axum::routing::any(workers_managed))
         .fallback(proxy)
         .with_state(state.clone());
     DataPlane { own, state }
+}
+
+/// `GET /workers` in the shape of smg's worker list, for trainers written against it (slime
+/// lists the workers to abort each engine at the end of a rollout): the routable engines, each
+/// with its URL and weight version.
+async fn workers(State(state): State<Arc<RouterState>>) -> Response {
+    let routes = state.fleet.routes();
+    let list: Vec<serde_json::Value> = routes
+        .backends
+        .iter()
+        .map(|b| {
+            serde_json::json!({
+                "id": b.engine_id, "url": b.url, "model_id": state.config.model_name,
+                "worker_type": "regular", "connection_mode": "http", "is_healthy": true, "status": "Ready",
+                "load": b.load.get(), "weight_version": b.weight_version,
+            })
+        })
+        .collect();
+    let body = serde_json::json!({
+        "total": list.len(), "workers": list,
+        "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": routes.backends.len()},
+    });
+    Json(body).into_response()
+}
+
+/// Changing the worker list through the router: refused, the manager owns it.
+async fn workers_managed() -> Response {
+    error(
+        StatusCode::FORBIDDEN,
+        "workers_managed",
+        "this router's workers are the manager's ACTIVE engines; attach an engine with POST \
+         /rollout/scale_out {\"engine_urls\": [...]} and detach it with POST /rollout/scale_in on the control port",
+    )
 }
 
 async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
