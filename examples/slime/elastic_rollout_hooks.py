@@ -60,7 +60,7 @@ def _fleet_version(client: RolloutClient) -> str | None:
 
 def _prepare(args: Any) -> None:
     """Once per process: give slime an engine count and an HTTP client, and wrap its module-level
-    ``get`` / ``post`` so ``/workers`` names the router and ``/generate`` carries the pin."""
+    ``post`` so ``/generate`` carries the pin."""
     global _prepared
     with _lock:
         if _prepared:
@@ -72,23 +72,13 @@ def _prepare(args: Any) -> None:
             active = len(_client().engines().with_status("ACTIVE"))
             args.rollout_num_engines = max(1, int(configured) if configured else active)
         http_utils.init_http_client(args)
-        router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-        original_get: Callable[[str], Any] = rollout_mod.get
         original_post: Callable[..., Any] = rollout_mod.post
-
-        async def get(url: str) -> Any:
-            # slime's abort lists the router's workers; our router fans /abort_request out to
-            # every engine itself, so it is the one "worker" to abort.
-            if url == f"{router}/workers":
-                return {"workers": [{"url": router}]}
-            return await original_get(url)
 
         async def post(url: str, payload: dict[str, Any], *rest: Any, **kwargs: Any) -> Any:
             if _pin is not None and url.endswith("/generate") and "weight_version" not in payload:
                 payload = {**payload, "weight_version": {"min_version": _pin}}
             return await original_post(url, payload, *rest, **kwargs)
 
-        rollout_mod.get = get
         rollout_mod.post = post
         _prepared = True
 
