@@ -9,7 +9,7 @@ use crate::scheduler::{NewRequest, Rank, RankConfig, RankLoad, Update};
 use crate::weights::WeightsInfo;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, watch, Notify};
 
 /// SGLang's `ServerStatus`, as reported by `/server_info`.
@@ -18,6 +18,9 @@ pub enum Status {
     Starting = 0,
     Up = 1,
     ShuttingDown = 2,
+    /// A health check timed out (SGLang's `ServerStatus.UnHealthy`); the next one that passes
+    /// sets `Up` again. `/ready` is 503 meanwhile; generation is not refused.
+    UnHealthy = 3,
 }
 
 impl Status {
@@ -26,6 +29,7 @@ impl Status {
             Status::Starting => "Starting",
             Status::Up => "Up",
             Status::ShuttingDown => "ShuttingDown",
+            Status::UnHealthy => "UnHealthy",
         }
     }
 }
@@ -59,6 +63,9 @@ pub struct Shared {
     hung: AtomicBool,
     /// Woken whenever a rank runs out of running and (non-retracted) queued requests.
     pub idle: Notify,
+    /// Counts scheduler steps (and aborts) that sent output, on any DP rank (see
+    /// [`Shared::note_output`]).
+    outputs: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -69,6 +76,7 @@ impl Shared {
             paused: watch::Sender::new(false),
             hung: AtomicBool::new(false),
             idle: Notify::new(),
+            outputs: watch::Sender::new(0),
         }
     }
 
@@ -76,12 +84,30 @@ impl Shared {
         match self.status.load(Ordering::Acquire) {
             0 => Status::Starting,
             1 => Status::Up,
+            3 => Status::UnHealthy,
             _ => Status::ShuttingDown,
         }
     }
 
     pub fn set_status(&self, s: Status) {
         self.status.store(s as u8, Ordering::Release);
+    }
+
+    /// Sets `to` only if the status is `from` now (a health verdict never overrides a
+    /// shutdown).
+    pub fn transition(&self, from: Status, to: Status) {
+        let _ = self.status.compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Called by a scheduler step (or abort) that sent output to a request's owner: what
+    /// SGLang's tokenizer manager records as `last_receive_tstamp`.
+    pub fn note_output(&self) {
+        self.outputs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver whose `changed()` resolves at the next scheduler output after this call.
+    pub fn watch_outputs(&self) -> watch::Receiver<u64> {
+        self.outputs.subscribe()
     }
 
     pub fn version(&self) -> VersionInfo {
@@ -149,6 +175,8 @@ pub struct Engine {
     pub startup_secs: Mutex<f64>,
     /// Weight-update groups, the update session and remote-instance send groups.
     pub weight_sync: crate::weight_sync::WeightSync,
+    /// `/health` settings from SGLang's environment variables.
+    pub health: HealthSettings,
 }
 
 impl Engine {
@@ -181,6 +209,7 @@ impl Engine {
             process_start,
             startup_secs: Mutex::new(0.0),
             weight_sync: Default::default(),
+            health: HealthSettings::from_env(),
         }
     }
 
@@ -282,6 +311,123 @@ impl Engine {
         *self.startup_secs.lock().unwrap_or_else(PoisonError::into_inner) = self.process_start.elapsed().as_secs_f64();
         self.shared.set_status(Status::Up);
         tracing::info!(port = self.port, "The server is fired up and ready to roll!");
+    }
+}
+
+/// SGLang's health-check settings, read from the environment at startup as SGLang reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthSettings {
+    /// `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` (default true; `true/1/yes/y`,
+    /// `false/0/no/n`, any case; another value warns and keeps the default): false makes
+    /// `/health` (not `/health_generate`) answer 200 without a generation.
+    pub generation: bool,
+    /// `SGLANG_HEALTH_CHECK_TIMEOUT`: integer wall-clock seconds (default 20; never scaled by
+    /// `--time-scale`); 0 or less fails every check at once. SGLang refuses to start on a
+    /// value that is not an integer; the simulator warns and keeps 20.
+    pub timeout_secs: i64,
+}
+
+impl HealthSettings {
+    pub const DEFAULT_TIMEOUT_SECS: i64 = 20;
+
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok();
+        Self::parse(
+            var("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION").as_deref(),
+            var("SGLANG_HEALTH_CHECK_TIMEOUT").as_deref(),
+        )
+    }
+
+    pub fn parse(generation: Option<&str>, timeout: Option<&str>) -> Self {
+        let generation = match generation.map(str::to_ascii_lowercase).as_deref() {
+            None | Some("true" | "1" | "yes" | "y") => true,
+            Some("false" | "0" | "no" | "n") => false,
+            Some(other) => {
+                tracing::warn!(value = other, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is not a boolean; using true");
+                true
+            }
+        };
+        let timeout_secs = match timeout.map(|t| t.trim().parse::<i64>()) {
+            None => Self::DEFAULT_TIMEOUT_SECS,
+            Some(Ok(t)) => t,
+            Some(Err(_)) => {
+                tracing::warn!(value = timeout, "SGLANG_HEALTH_CHECK_TIMEOUT is not an integer; using 20");
+                Self::DEFAULT_TIMEOUT_SECS
+            }
+        };
+        Self { generation, timeout_secs }
+    }
+}
+
+/// How the health request itself ended, when it ended before any scheduler output.
+enum HealthProbe {
+    /// `--zero-cost`: generation answers without a scheduler, so this counts as output.
+    Answered,
+    /// The server began shutting down while the request waited for `continue_generation`.
+    ShuttingDown,
+}
+
+impl Engine {
+    /// SGLang's `health_generate` once the server is up: sends a 1-token generation
+    /// (`input_ids [0]`, temperature 0, rid `HEALTH_CHECK_<uuid>`, not counted in metrics or
+    /// by the request faults) through the `/generate` path (it waits while generation is
+    /// paused and for a weight update holding the model lock), and passes as soon as any DP
+    /// rank's scheduler sends output after the call, its own or another request's. Fails after
+    /// `SGLANG_HEALTH_CHECK_TIMEOUT` wall-clock seconds. Runs in a task of its own, so a client
+    /// that gives up first does not stop it: a failure marks the server `UnHealthy` (as in
+    /// SGLang) and a later pass marks it `Up` again.
+    pub async fn health_generate(self: &Arc<Self>) -> bool {
+        let engine = self.clone();
+        let check = tokio::spawn(async move { engine.run_health_check().await });
+        check.await.unwrap_or(false)
+    }
+
+    async fn run_health_check(self: Arc<Self>) -> bool {
+        let timeout = self.health.timeout_secs;
+        let mut outputs = self.shared.watch_outputs();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(timeout).unwrap_or(0));
+        let probe = async {
+            self.shared.wait_unpaused().await;
+            if self.shared.status() == Status::ShuttingDown {
+                return HealthProbe::ShuttingDown;
+            }
+            let _guard = self.model_update_lock.clone().read_owned().await;
+            if self.cfg.zero_cost {
+                return HealthProbe::Answered;
+            }
+            let params = crate::sampling::RawSamplingParams {
+                max_new_tokens: Some(Some(1)),
+                temperature: Some(0.0),
+                ..Default::default()
+            }
+            .validate();
+            if let Ok(params) = params {
+                let prompt = vec![0];
+                let gen = crate::generator::GenState::new(&prompt, &params, 0, 1, 0.0);
+                let rid = format!("HEALTH_CHECK_{}", uuid::Uuid::new_v4().simple());
+                let handle = self.submit(self.pick_rank(None), NewRequestParts { rid, prompt, gen, stream: false });
+                // Its output (or an abort) is what `outputs` hears; the handle aborts the
+                // request if the check ends first.
+                let _ = handle.finish().await;
+            }
+            std::future::pending::<HealthProbe>().await
+        };
+        let passed = timeout > 0
+            && tokio::select! {
+                changed = outputs.changed() => changed.is_ok(),
+                end = probe => matches!(end, HealthProbe::Answered),
+                () = tokio::time::sleep_until(deadline) => false,
+            };
+        if passed {
+            self.shared.transition(Status::UnHealthy, Status::Up);
+        } else if self.shared.status() != Status::ShuttingDown {
+            tracing::error!(
+                port = self.port,
+                "Health check failed. Server couldn't get a response from detokenizer for last {timeout} seconds."
+            );
+            self.shared.transition(Status::Up, Status::UnHealthy);
+        }
+        passed
     }
 }
 

@@ -63,6 +63,9 @@ const NEW_TOKEN_RATIO_DECAY: f64 = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) 
 /// gen_throughput is recomputed after this many decode steps or this much wall time.
 const THROUGHPUT_WINDOW_STEPS: u32 = 40;
 const THROUGHPUT_WINDOW: Duration = Duration::from_millis(500);
+/// SGLang's `SGLANG_FORCE_STREAM_INTERVAL`: a non-streaming request's output goes to the
+/// tokenizer every this many tokens.
+const FORCE_STREAM_INTERVAL: usize = 50;
 /// How far behind its deadline the step loop may run before it stops catching up.
 const MAX_LAG: Duration = Duration::from_millis(20);
 
@@ -186,6 +189,10 @@ struct Core {
     new_token_ratio: f64,
     stats: Stats,
     next_key: u64,
+    /// Set when output went to a request's owner, as SGLang's scheduler would send it (every
+    /// token of a streaming request, every 50th of another, the end); the rank then calls
+    /// [`Shared::note_output`] (the health check's signal).
+    sent_output: bool,
 }
 
 /// One DP rank: its queue, batch and KV pool, driven by [`Rank::run`].
@@ -207,6 +214,13 @@ impl Rank {
         self.core.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Tells the health check about output sent under this lock (see `Core::sent_output`).
+    fn note_output(&self, c: &mut Core) {
+        if std::mem::take(&mut c.sent_output) {
+            self.shared.note_output();
+        }
+    }
+
     /// Queues a request; returns its key for [`Rank::abort`].
     pub fn submit(&self, r: NewRequest) -> u64 {
         let key = self.lock().enqueue(r);
@@ -219,6 +233,7 @@ impl Rank {
         let (found, idle) = {
             let mut c = self.lock();
             let found = c.finish(key, FinishReason::Abort(message.to_string()));
+            self.note_output(&mut c);
             (found, c.can_flush())
         };
         self.after_abort(idle);
@@ -233,6 +248,7 @@ impl Rank {
             for k in &keys {
                 c.finish(*k, FinishReason::Abort(message.to_string()));
             }
+            self.note_output(&mut c);
             (keys.len(), c.can_flush())
         };
         self.after_abort(idle);
@@ -247,6 +263,7 @@ impl Rank {
             for k in &keys {
                 c.finish(*k, FinishReason::Abort(message.to_string()));
             }
+            self.note_output(&mut c);
             (keys.len(), c.can_flush())
         };
         self.after_abort(idle);
@@ -335,8 +352,14 @@ impl Rank {
             if *shutdown.borrow() {
                 return;
             }
-            let plan =
-                if self.shared.is_paused() || self.shared.is_hung() { None } else { self.lock().plan(&self.cfg) };
+            let plan = if self.shared.is_paused() || self.shared.is_hung() {
+                None
+            } else {
+                let mut c = self.lock();
+                let plan = c.plan(&self.cfg);
+                self.note_output(&mut c);
+                plan
+            };
             let Some(plan) = plan else {
                 tokio::select! {
                     _ = self.wake.notified() => {}
@@ -363,6 +386,7 @@ impl Rank {
             let idle = {
                 let mut c = self.lock();
                 c.complete(&plan, &version, Instant::now());
+                self.note_output(&mut c);
                 c.can_flush()
             };
             if idle {
@@ -383,6 +407,7 @@ impl Core {
             new_token_ratio: INIT_NEW_TOKEN_RATIO,
             stats: Stats::default(),
             next_key: 1,
+            sent_output: false,
         }
     }
 
@@ -564,7 +589,12 @@ impl Core {
                 None if r.stream => {
                     // A closed channel means the client left; its handle aborts the request.
                     let _ = r.tx.send(Update::Tokens { ids: vec![token], cached_tokens: r.cached_tokens.unwrap_or(0) });
+                    self.sent_output = true;
                 }
+                // SGLang sends a non-streaming request's progress every
+                // SGLANG_FORCE_STREAM_INTERVAL (50) tokens; the simulator sends nothing, but the
+                // health check counts it.
+                None if r.gen.output.len() % FORCE_STREAM_INTERVAL == 0 => self.sent_output = true,
                 None => {}
             }
         }
@@ -639,6 +669,7 @@ impl Core {
         };
         // A closed channel means the client left; nothing more to do.
         let _ = r.tx.send(Update::Finished(Box::new(finished)));
+        self.sent_output = true;
         true
     }
 }

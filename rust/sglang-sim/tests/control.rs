@@ -54,7 +54,7 @@ async fn pause_in_place_holds_new_requests_until_continue() {
     assert_eq!(status, 200);
     assert_eq!(out, json!({"message": "Generation paused successfully.", "status": "ok"}));
     assert_eq!(sim.get("/ready").await.status(), 503);
-    assert_eq!(sim.get("/health").await.status(), 200);
+    // (`/health` on a paused engine times out with 503, as in SGLang: see tests/health.rs.)
 
     let client = sim.client.clone();
     let url = sim.url("/generate");

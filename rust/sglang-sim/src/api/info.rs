@@ -12,17 +12,31 @@ use serde_json::{json, Map, Value};
 use std::sync::atomic::Ordering;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// `/health` and `/health_generate`: 503 while starting or shutting down, 200 when up.
-/// (A hung engine never gets here: the hang gate holds every request.)
-pub async fn health(State(engine): State<AppState>) -> Response {
+/// `/health` and `/health_generate` (one handler, as in SGLang): after the `--slow-health`
+/// delay, an empty 503 while starting or shutting down; `/health` is 200 at once when
+/// `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is false; otherwise 200 when a 1-token
+/// generation gets any scheduler output within `SGLANG_HEALTH_CHECK_TIMEOUT`, else an empty
+/// 503 (see [`Engine::health_generate`]). A hung engine never gets here (the hang gate holds
+/// every request); one that hangs during the check never answers it.
+pub async fn health(State(engine): State<AppState>, uri: axum::http::Uri) -> Response {
     if let Some(delay) = engine.faults.slow_health() {
         tokio::time::sleep(delay).await;
     }
-    match engine.shared.status() {
-        Status::Up => StatusCode::OK.into_response(),
-        s => {
-            handler_error(StatusCode::SERVICE_UNAVAILABLE, format!("The server is not ready (status {}).", s.as_str()))
-        }
+    let unavailable = || StatusCode::SERVICE_UNAVAILABLE.into_response();
+    if matches!(engine.shared.status(), Status::Starting | Status::ShuttingDown) {
+        return unavailable();
+    }
+    if !engine.health.generation && uri.path() == "/health" {
+        return StatusCode::OK.into_response();
+    }
+    let passed = engine.health_generate().await;
+    if engine.shared.is_hung() {
+        std::future::pending::<()>().await;
+    }
+    if passed {
+        StatusCode::OK.into_response()
+    } else {
+        unavailable()
     }
 }
 
