@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: [(&str, &[&str]); 7] = [
     ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host"]),
     ("registry", &["store", "fleet"]),
-    ("adapters", &["engine_api", "launch", "keeper", "engine_host", "weights", "router"]),
+    ("adapters", &["engine_api", "dialect", "launch", "keeper", "engine_host", "weights", "router"]),
     ("ops", &["op_error", "manager", "health", "scale_out", "scaling", "scale_in", "weight_update", "restore"]),
     ("interfaces", &["api", "autoscaler", "integrations"]),
     ("app", &["server", "agent"]),
