@@ -113,6 +113,8 @@ impl EngineApi for HttpEngineApi {
             if let Some(route) = Route::of(endpoint) {
                 return match self.routes.get(&self.http, url, route, timeout, MAX_JSON_BYTES).await {
                     Ok(_) => None,
+                    // Worded as for any other endpoint: "{name} timed out after ..", "{name} answered HTTP ..".
+                    Err((name, e @ (ReadError::Timeout(_) | ReadError::Status(_)))) => Some(format!("{name} {e}")),
                     Err((name, e)) => Some(format!("{name}: {e}")),
                 };
             }
