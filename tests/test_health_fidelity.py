@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import pytest
 from _support import ManagerHandle, StartManager, http
 from _trainer import SPECS, StandInRank0
+
 from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
 
 #: How long the trainer holds the engines paused at most: past the manager's restart bound
@@ -26,10 +27,7 @@ PAUSE_LIMIT = 75.0
 
 
 def snapshot(fleet: ManagerHandle) -> dict[str, tuple[str, int, str | None]]:
-    return {
-        e.engine_id: (e.status, e.restarts, e.weight_version)
-        for e in fleet.engines().engines
-    }
+    return {e.engine_id: (e.status, e.restarts, e.weight_version) for e in fleet.engines().engines}
 
 
 @pytest.mark.xfail(
@@ -59,21 +57,15 @@ def test_trainer_pause_longer_than_the_health_timeout(
             now = snapshot(fleet)
             if not seen or seen[-1][1] != now:
                 seen.append((round(time.monotonic() - start, 1), now))
-            if any(
-                restarts > before[eid][1]
-                for eid, (_, restarts, _) in now.items()
-                if eid in before
-            ):
+            if any(restarts > before[eid][1] for eid, (_, restarts, _) in now.items() if eid in before):
                 break
             time.sleep(0.5)
 
-    sync = DistributedWeightSync(
-        fleet.client, join_group=rank0.join_group, broadcast=long_broadcast, timeout=120
-    )
+    sync = DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=long_broadcast, timeout=120)
     error: BaseException | None = None
     try:
         sync.update("step-1", SPECS)
-    except BaseException as err:  # noqa: BLE001 - reported below with what the manager did
+    except BaseException as err:
         error = err
     # After the update (or its failure) the trainer has continued generation everywhere.
     settle = time.monotonic() + 60
@@ -87,14 +79,8 @@ def test_trainer_pause_longer_than_the_health_timeout(
     report = "\n".join(f"t={t:>5}s {state}" for t, state in seen)
     print(f"\nupdate error: {error!r}\n{report}")
     statuses = {s for _, state in seen for s, _, _ in state.values()}
-    restarted = any(
-        state[eid][1] > before[eid][1]
-        for _, state in seen
-        for eid in before
-        if eid in state
-    )
+    restarted = any(state[eid][1] > before[eid][1] for _, state in seen for eid in before if eid in state)
     # What should happen: an engine the trainer paused is healthy and stays in the fleet.
     assert statuses == {"ACTIVE"} and not restarted and error is None, (
-        f"a healthy engine paused by the trainer was acted on by the manager\n"
-        f"update error: {error!r}\n{report}"
+        f"a healthy engine paused by the trainer was acted on by the manager\nupdate error: {error!r}\n{report}"
     )
