@@ -139,6 +139,12 @@ pub struct ServeConfig {
     /// Consecutive failed probes after which an engine is taken out of routing.
     #[arg(long, default_value_t = 3)]
     pub health_failure_threshold: u32,
+    /// How long a paused engine is not counted as failing its probes, in seconds. SGLang's
+    /// health check generates a token, which waits while generation is paused (a trainer
+    /// updating weights); a failed probe whose engine still answers `/v1/loads` is taken for
+    /// such a pause. 0: pauses count as failures.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    pub health_pause_grace_secs: f64,
     /// Restart managed engines whose process exits unexpectedly (with the fleet's current
     /// weights, on the same GPUs, with exponential backoff).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
@@ -363,6 +369,7 @@ impl ServeConfig {
         positive_secs("--engine-startup-timeout", self.engine_startup_timeout)?;
         positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
         positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
+        secs_or_zero("--health-pause-grace-secs", self.health_pause_grace_secs)?;
         positive_secs("--request-timeout-secs", self.request_timeout_secs)?;
         positive_secs("--header-read-timeout-secs", self.header_read_timeout_secs)?;
         self.external_allow_list()?;

@@ -4,6 +4,13 @@
 //! UNHEALTHY one whose probe passes tries to come back (the manager checks its weights first);
 //! an UNHEALTHY managed engine that keeps failing, three times the threshold in a row, is
 //! restarted when `--restart-failed-engines` is on. Every other case changes nothing.
+//!
+//! SGLang's health check is a 1-token generation, which waits while generation is paused: a
+//! trainer that pauses engines for its weight update makes every probe fail although nothing
+//! is wrong. A failed probe whose engine's scheduler still answers a control call (its load) is
+//! taken for such a pause, not counted, for at most `--health-pause-grace-secs`; past that it
+//! counts as the failure it is (a pause that never ends, or a scheduler that answers control
+//! calls but cannot generate).
 
 use crate::state::EngineStatus;
 
@@ -14,6 +21,29 @@ pub struct ProbePolicy {
     pub threshold: u32,
     /// `--restart-failed-engines`.
     pub restart_failed: bool,
+}
+
+/// What one probe found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Probe {
+    Passed,
+    Failed,
+    /// The probe failed but the scheduler answers control calls: generation is paused, since
+    /// `for_secs` (the first such probe in a row).
+    Paused {
+        for_secs: f64,
+    },
+}
+
+/// Whether `probe` counts as a passed probe (`Some(true)`), a failed one (`Some(false)`), or
+/// not at all (`None`: a pause within `grace_secs`).
+pub fn counts(probe: Probe, grace_secs: f64) -> Option<bool> {
+    match probe {
+        Probe::Passed => Some(true),
+        Probe::Failed => Some(false),
+        Probe::Paused { for_secs } if for_secs < grace_secs => None,
+        Probe::Paused { .. } => Some(false),
+    }
 }
 
 /// What to do about an engine after a probe.
@@ -92,6 +122,22 @@ mod tests {
         }
         let no_restart = ProbePolicy { restart_failed: false, ..POLICY };
         assert_eq!(verdict(S::Unhealthy, false, 9, true, no_restart), None);
+    }
+
+    #[test]
+    fn a_pause_counts_only_past_its_grace() {
+        let table = [
+            (Probe::Passed, 600.0, Some(true)),
+            (Probe::Failed, 600.0, Some(false)),
+            (Probe::Paused { for_secs: 0.0 }, 600.0, None),
+            (Probe::Paused { for_secs: 599.9 }, 600.0, None),
+            (Probe::Paused { for_secs: 600.0 }, 600.0, Some(false)),
+            (Probe::Paused { for_secs: 0.0 }, 0.0, Some(false)),
+            (Probe::Paused { for_secs: f64::NAN }, 600.0, Some(false)),
+        ];
+        for (probe, grace, want) in table {
+            assert_eq!(counts(probe, grace), want, "{probe:?} grace {grace}");
+        }
     }
 
     proptest! {

@@ -167,6 +167,9 @@ pub struct Engine {
     pub load: Arc<EngineLoad>,
     /// Consecutive failed health probes.
     pub probe_failures: u32,
+    /// Since when its probes have failed while its scheduler answered (a pause; see
+    /// `rollout_core::health`); None once a probe passes or fails outright.
+    pub paused_since: Option<std::time::Instant>,
     /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
     pub pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
@@ -339,6 +342,7 @@ impl FleetInner {
             process,
             load,
             probe_failures: 0,
+            paused_since: None,
             keeper_socket,
             held,
         };
@@ -487,7 +491,18 @@ pub struct Fleet {
     changes: watch::Sender<u64>,
     /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
     store_failures: AtomicU64,
+    /// Health probes by what they found: passed, failed, paused (`rollout_health_probes_total`).
+    probes: [AtomicU64; 3],
     slot_freed: Arc<SlotQueue>,
+}
+
+/// What a health probe found, for `rollout_health_probes_total`.
+#[derive(Debug, Clone, Copy)]
+pub enum ProbeResult {
+    Passed = 0,
+    Failed = 1,
+    /// Failed while the engine's scheduler answered: generation paused (not counted).
+    Paused = 2,
 }
 
 impl Fleet {
@@ -521,6 +536,7 @@ impl Fleet {
             routes: RwLock::new(Arc::new(RoutingTable::default())),
             changes: watch::channel(0).0,
             store_failures: AtomicU64::new(0),
+            probes: Default::default(),
             slot_freed,
         }
     }
@@ -646,6 +662,10 @@ impl Fleet {
 
     /// Appends the fleet's Prometheus metrics: engines by status, restarts per engine, running
     /// operations, store write failures (what the alerts in docs/operations.md watch).
+    pub fn count_probe(&self, result: ProbeResult) {
+        self.probes[result as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn render_metrics(&self, out: &mut String) {
         use std::fmt::Write;
         const STATUSES: [EngineStatus; 11] = EngineStatus::ALL;
@@ -692,6 +712,14 @@ impl Fleet {
              rollout_store_write_failures_total {}",
             self.store_failures.load(Ordering::Relaxed)
         );
+        let _ = writeln!(
+            out,
+            "# HELP rollout_health_probes_total Health probes of serving engines, by result (paused: failed while \
+             the engine's scheduler answered, not counted against it).\n# TYPE rollout_health_probes_total counter"
+        );
+        for (result, n) in ["passed", "failed", "paused"].iter().zip(&self.probes) {
+            let _ = writeln!(out, "rollout_health_probes_total{{result=\"{result}\"}} {}", n.load(Ordering::Relaxed));
+        }
     }
 
     /// Snapshot of every engine not yet removed, oldest first.
@@ -729,6 +757,7 @@ mod tests {
             process: None,
             load: Arc::new(EngineLoad::default()),
             probe_failures: 0,
+            paused_since: None,
             pid_start_ticks: None,
             keeper_socket: None,
             held: Held::default(),

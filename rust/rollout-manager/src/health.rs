@@ -13,12 +13,15 @@
 //!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
 //!   engines are only re-probed.
 //!
+//! - a failed probe of an engine whose scheduler still answers `/v1/loads` (or `/get_load`)
+//!   is a pause (a trainer updating its weights), not counted for `--health-pause-grace-secs`.
+//!
 //! Engines whose process exits are marked FAILED by the process watcher (`manager.rs`), which
 //! also restarts them. Probe counters are kept under the registry lock without publishing a new
 //! routing table; only status changes go through `Fleet::update`.
 
 use crate::manager::Manager;
-use rollout_core::health::{verdict as core_verdict, Incarnation, ProbePolicy, Verdict as CoreVerdict};
+use rollout_core::health::{counts, verdict as core_verdict, Incarnation, Probe, ProbePolicy, Verdict as CoreVerdict};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -71,11 +74,17 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let endpoint = &manager.config.health_check_endpoint;
     // Only the status is read: the body of a probe (of any size) is never buffered, and
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
-    let results = futures::future::join_all(
-        targets
-            .iter()
-            .map(|(id, at)| async move { (id, at, manager.engine_api.probe(&at.url, endpoint, timeout).await) }),
-    )
+    let results = futures::future::join_all(targets.iter().map(|(id, at)| async move {
+        let failure = manager.engine_api.probe(&at.url, endpoint, timeout).await;
+        // A failed generation probe: is the scheduler still answering control calls (paused)?
+        let paused = match &failure {
+            Some(_) if manager.config.health_pause_grace_secs > 0.0 => {
+                manager.engine_api.probe(&at.url, "/v1/loads?include=core", timeout).await.is_none()
+            }
+            _ => false,
+        };
+        (id, at, failure, paused)
+    }))
     .await;
     let policy = ProbePolicy {
         threshold: manager.config.health_failure_threshold,
@@ -84,13 +93,34 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let verdicts: Vec<(String, Verdict)> = {
         let mut inner = manager.fleet.lock();
         let mut out = Vec::new();
-        for (id, at, failure) in results {
-            let passed = failure.is_none();
+        let now = std::time::Instant::now();
+        for (id, at, failure, paused) in results {
             let Some(engine) = inner.engines.get_mut(id) else { continue };
             // Probed before a restart (or a move): says nothing about the engine there now.
             if incarnation(engine) != *at {
                 continue;
             }
+            let probe = match (&failure, paused) {
+                (None, _) => Probe::Passed,
+                (Some(_), false) => Probe::Failed,
+                (Some(_), true) => {
+                    let since = *engine.paused_since.get_or_insert(now);
+                    Probe::Paused { for_secs: now.duration_since(since).as_secs_f64() }
+                }
+            };
+            if !matches!(probe, Probe::Paused { .. }) {
+                engine.paused_since = None;
+            }
+            let counted = counts(probe, manager.config.health_pause_grace_secs);
+            manager.fleet.count_probe(match counted {
+                Some(true) => crate::fleet::ProbeResult::Passed,
+                Some(false) => crate::fleet::ProbeResult::Failed,
+                None => crate::fleet::ProbeResult::Paused,
+            });
+            let Some(passed) = counted else {
+                tracing::debug!(engine_id = %id, "health probe failed while the engine is paused; not counted");
+                continue;
+            };
             let managed = engine.record.origin != EngineOrigin::External;
             engine.probe_failures = if passed { 0 } else { engine.probe_failures.saturating_add(1) };
             let failures = engine.probe_failures;
