@@ -21,7 +21,8 @@
 //!   ends it FAILED with the reason, and the fleet stays on its version). Re-adopted engines
 //!   return to routing on the version they serve if it is the fleet's current one or the
 //!   update's target; an engine the update had out of routing mid-turn (its load may still run
-//!   in it) returns only through the resumed update's turn (load and verify the target), or,
+//!   in it, and it may still be paused, so SGLang's `/health` cannot pass: only its answering
+//!   `/model_info` is checked) returns only through the resumed update's turn (load and verify the target), or,
 //!   when the update cannot resume, is restarted on the current version;
 //! - an external engine is kept, out of routing (UNHEALTHY) until a health probe passes;
 //! - Ray mode: placements are restored with their agents; an engine whose agent still runs it
@@ -280,6 +281,17 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
     Rebuilt { keep, drop_live, resumed, mid_turn }
 }
 
+/// Waits until the engine's HTTP server answers `/model_info` (the caller bounds the wait).
+async fn wait_answering(manager: &Manager, engine_id: &str) -> Result<(), crate::engine_api::EngineError> {
+    let url = manager.url_of(engine_id).ok_or(crate::engine_api::EngineError::Cancelled)?;
+    let mut backoff = Duration::from_millis(50);
+    while manager.engine_api.probe(&url, "/model_info", Duration::from_secs(5)).await.is_some() {
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
 /// Takes a re-attached engine back into service: healthy and on the fleet's version (or the
 /// running update's target) -> ACTIVE, no restart; otherwise it is stopped and recovered like a
 /// crash. An engine caught mid-turn by the restart is handed to the resumed update instead
@@ -297,7 +309,13 @@ async fn readopt(
                 "it was loading weights for an update that cannot resume".into(),
             ));
         }
-        manager.wait_healthy(engine_id, &manager.shutdown).await?;
+        if turn == MidTurn::HandOver {
+            // Its turn paused it, and the dead manager never continued it: SGLang's /health
+            // (a generation) cannot pass until the resumed turn does. Alive is enough here.
+            wait_answering(manager, engine_id).await?;
+        } else {
+            manager.wait_healthy(engine_id, &manager.shutdown).await?;
+        }
         if turn == MidTurn::HandOver {
             return manager.fleet.update(|inner| {
                 inner
