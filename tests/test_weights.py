@@ -288,6 +288,8 @@ def test_other_engines_are_still_probed_while_one_loads_weights_to_rejoin(
         "--engine-arg=--weight-load-delay=20", "--engine-arg=--enable-fault-api",
         "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "1",
         "--health-failure-threshold", "2", "--restart-failed-engines", "false",
+        # A slow /health with a scheduler that answers looks like a pause; here it is the fault.
+        "--health-pause-grace-secs", "0",
     )  # fmt: skip
     a, b = sorted(fleet.engines().engines, key=lambda e: e.engine_id)
 
