@@ -597,7 +597,7 @@ def test_a_lost_agent_sends_its_placement_back_and_the_engine_comes_back_elsewhe
     # No engine is launched while no agent is bound: it waits, visibly, for resources.
     wait_until(
         lambda: (e := engine_1())
-        and e["status"] == "CREATING" and (e["detail"] or "").startswith("PENDING_RESOURCES") and e,
+        and e["status"] == "CREATING" and (e.get("detail") or "").startswith("PENDING_RESOURCES") and e,
         60, "engine_1 waiting for an agent",
     )  # fmt: skip
     # Requests keep being served by the engine left.
