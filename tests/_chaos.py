@@ -289,6 +289,10 @@ class Chaos:
     def note(self, action: str, detail: str) -> None:
         self.log.append((time.monotonic(), action, detail))
 
+    def done(self) -> set[str]:
+        """The kinds of action performed so far (not skipped)."""
+        return {action for _, action, detail in self.log if not detail.startswith("skipped")}
+
     def broken(self) -> list[Breakage]:
         self.update_recoveries()
         return [b for b in self.breakages if b.recovered_at is None]
