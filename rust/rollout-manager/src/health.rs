@@ -75,15 +75,16 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     // Only the status is read: the body of a probe (of any size) is never buffered, and
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
     let results = futures::future::join_all(targets.iter().map(|(id, at)| async move {
-        let failure = manager.engine_api.probe(&at.url, endpoint, timeout).await;
-        // A failed generation probe: is the scheduler still answering control calls (paused)?
-        let paused = match &failure {
-            Some(_) if manager.config.health_pause_grace_secs > 0.0 => {
-                manager.engine_api.probe(&at.url, "/v1/loads?include=core", timeout).await.is_none()
-            }
-            _ => false,
-        };
-        (id, at, failure, paused)
+        let health = manager.engine_api.probe(&at.url, endpoint, timeout);
+        if manager.config.health_pause_grace_secs <= 0.0 {
+            return (id, at, health.await, false);
+        }
+        // Beside it, whether the scheduler answers control calls: if the generation probe fails
+        // and this answers, generation is paused. Asked at the same time, so a hung engine costs
+        // one probe timeout per round, not two.
+        let (failure, scheduler) =
+            tokio::join!(health, manager.engine_api.probe(&at.url, "/v1/loads?include=core", timeout));
+        (id, at, failure, scheduler.is_none())
     }))
     .await;
     let policy = ProbePolicy {
