@@ -1,301 +1,523 @@
-"""Typed client for the rollout-manager control API (``/rollout/*``), stdlib only.
+"""Typed clients for the rollout-manager control API (``/rollout/*``, ``/autoscaler/*``), on httpx.
 
-Every response is parsed into a frozen dataclass that keeps the full JSON object in ``raw``,
-so fields the manager adds later stay reachable without a client release.
+:class:`RolloutClient` (blocking) and :class:`AsyncRolloutClient` (asyncio) have the same methods
+with the same arguments and results; they share how each request is built and how each answer is
+parsed (:mod:`elastic_rollout.models`), and differ only in how they wait. Both talk TCP
+(``base_url``) or the manager's Unix socket (``uds=``, ``rollout-manager serve --api-socket``)::
 
-Errors: any non-2xx answer raises :class:`RolloutApiError` with the HTTP status and the
-``{"error": {"code", "message"}}`` body the manager sends. Network failures propagate as
-:class:`urllib.error.URLError` (or :class:`TimeoutError`).
+    with RolloutClient("http://127.0.0.1:8000") as client:
+        client.scale_out(num_replicas=4)
+
+    async with AsyncRolloutClient(uds="/run/rollout/api.sock") as client:
+        update = await client.publish_weights("v3", "/ckpt/step_3")
+        await client.wait_for_weight_update(update.update_id, timeout=600)
+
+Token: ``token=`` when given (an empty string means none), else the environment variable
+``ROLLOUT_MANAGER_API_TOKEN`` (read when the client is made), the same variable the manager reads.
+It is sent as ``Authorization: Bearer <token>`` and never appears in ``repr``, logs or errors.
+
+Errors: one type, :class:`RolloutApiError` (``status``, ``code``, ``message``, ``body``). An HTTP
+error answer (any non-2xx status) carries the manager's ``{"error": {"code", "message"}}``. When
+no answer came at all (connection refused or reset, socket missing, timeout) the error is the
+subclass :class:`RolloutConnectionError` with ``status`` 0, which is also a
+:class:`ConnectionError`; a timeout is :class:`RolloutTimeoutError`, also a :class:`TimeoutError`.
+A POST that timed out may still have been carried out by the manager.
+
+Timeouts: ``timeout`` (default 30 s) bounds each HTTP request; the ``wait_for_*`` helpers take
+their own deadline and poll until it. ``publish_weights`` answers at once (the manager hashes the
+checkpoint in the background, status ``CHECKSUMMING``), so the default suffices for any checkpoint
+size; wait for the update with :meth:`RolloutClient.wait_for_weight_update`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import httpx
+
+from elastic_rollout.models import (
+    SCALE_IN_TERMINAL,
+    SCALE_OUT_TERMINAL,
+    TERMINAL,
+    WEIGHT_UPDATE_TERMINAL,
+    AutoscalerDecision,
+    AutoscalerStatus,
+    Engine,
+    EnginesView,
+    EngineUpdateProgress,
+    EngineWeights,
+    JsonObject,
+    JsonRecord,
+    OperationKind,
+    PublishResult,
+    ScaleOperation,
+    ScaleResponse,
+    StepReport,
+    WeightsView,
+    WeightUpdate,
+)
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "SCALE_IN_TERMINAL",
     "SCALE_OUT_TERMINAL",
+    "TOKEN_ENV",
+    "WEIGHT_UPDATE_TERMINAL",
+    "AsyncRolloutClient",
+    "AutoscalerDecision",
+    "AutoscalerStatus",
     "Engine",
+    "EngineUpdateProgress",
+    "EngineWeights",
     "EnginesView",
+    "JsonObject",
+    "JsonRecord",
     "OperationKind",
+    "PublishResult",
     "RolloutApiError",
     "RolloutClient",
+    "RolloutConnectionError",
+    "RolloutTimeoutError",
     "ScaleOperation",
     "ScaleResponse",
+    "StepReport",
+    "WeightUpdate",
+    "WeightsView",
 ]
 
-OperationKind = Literal["scale_out", "scale_in"]
+#: The environment variable a client reads its token from when ``token=`` is not given.
+TOKEN_ENV = "ROLLOUT_MANAGER_API_TOKEN"
+#: Seconds allowed for each HTTP request unless the client is given another ``timeout``.
+DEFAULT_TIMEOUT = 30.0
+#: Host part of URLs sent over a Unix socket (only the path matters to the manager).
+UDS_BASE_URL = "http://rollout-manager"
 
-#: Statuses after which a scale-out operation never changes again.
-SCALE_OUT_TERMINAL: frozenset[str] = frozenset({"ACTIVE", "FAILED", "CANCELLED", "NOOP"})
-#: Statuses after which a scale-in operation never changes again.
-SCALE_IN_TERMINAL: frozenset[str] = frozenset({"COMPLETED", "FAILED", "NOOP"})
-_TERMINAL: dict[str, frozenset[str]] = {"scale_out": SCALE_OUT_TERMINAL, "scale_in": SCALE_IN_TERMINAL}
+T = TypeVar("T")
 
-JsonObject = dict[str, Any]
+
+# -- errors ----------------------------------------------------------------------------------
 
 
 class RolloutApiError(Exception):
-    """The manager answered with an HTTP error status.
+    """A control API call failed.
 
     Attributes:
-        status: the HTTP status code (400, 404, 409, 500, ...).
-        code: ``error.code`` from the JSON body, or ``"http_<status>"`` if the body had none.
-        message: ``error.message`` from the JSON body, or the raw body text.
+        status: the HTTP status code (400, 401, 404, 409, 500, ...), or 0 when no answer came
+            (:class:`RolloutConnectionError`).
+        code: ``error.code`` from the JSON body (``"below_initial_engines"``, ...), ``"http_<status>"``
+            if the body had none, or for status 0 ``"unreachable"`` / ``"timeout"``.
+        message: ``error.message`` from the JSON body, else the body's text, else a description.
+        body: the whole answer: its decoded JSON, or its text when it was not JSON (``None`` for
+            status 0).
+        method, path: the request that failed, when known.
     """
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}")
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: Any = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        where = f"{method} {path} -> " if method and path else ""
+        what = f"HTTP {status} {code}" if status else code
+        super().__init__(f"{where}{what}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.body = body
+        self.method = method
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.status, self.code, self.message, self.body, self.method, self.path))
+
+    @property
+    def details(self) -> JsonObject:
+        """The body's ``error`` object (``code``, ``message`` and anything else it carries), or
+        ``{}`` when the body was not the manager's error model."""
+        error = self.body.get("error") if isinstance(self.body, Mapping) else None
+        return dict(error) if isinstance(error, Mapping) else {}
 
     @classmethod
-    def from_body(cls, status: int, body: bytes) -> RolloutApiError:
+    def from_body(cls, status: int, body: bytes, method: str | None = None, path: str | None = None) -> RolloutApiError:
         """Build the error from a response body, tolerating bodies that are not the JSON model."""
         text = body.decode("utf-8", errors="replace")
         code, message = f"http_{status}", text.strip() or f"HTTP {status}"
+        parsed: Any = text
         try:
             parsed = json.loads(text)
         except ValueError:
-            return cls(status, code, message)
+            return cls(status, code, message, text, method, path)
         error = parsed.get("error") if isinstance(parsed, dict) else None
         if isinstance(error, dict):
             code = str(error.get("code") or code)
             message = str(error.get("message") or message)
         elif isinstance(error, str):
             message = error
-        return cls(status, code, message)
+        return cls(status, code, message, parsed, method, path)
 
 
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+class RolloutConnectionError(RolloutApiError, ConnectionError):
+    """No answer from the manager: connection refused or reset, no socket, a broken answer.
+    ``status`` is 0 and ``code`` ``"unreachable"``. Also a :class:`ConnectionError` (an
+    :class:`OSError`), as the network errors of the earlier urllib client were."""
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+class RolloutTimeoutError(RolloutConnectionError, TimeoutError):
+    """The manager did not answer within the request's timeout (``code`` ``"timeout"``). Also a
+    :class:`TimeoutError`. A mutating request may still have been carried out."""
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _transport_error(err: httpx.RequestError, method: str, path: str, where: str) -> RolloutApiError:
+    detail = str(err) or type(err).__name__
+    if isinstance(err, httpx.TimeoutException):
+        message = f"no answer from the manager at {where} in time ({detail})"
+        return RolloutTimeoutError(0, "timeout", message, None, method, path)
+    message = f"cannot reach the manager at {where}: {detail}"
+    return RolloutConnectionError(0, "unreachable", message, None, method, path)
 
 
-@dataclass(frozen=True)
-class Engine:
-    """One engine as listed by ``GET /rollout/engines``."""
-
-    engine_id: str
-    url: str
-    status: str
-    is_healthy: bool
-    model_name: str = "default"
-    origin: str | None = None
-    weight_version: str | None = None
-    #: SHA-256 of the weights the engine reports it loaded (when it reports one).
-    weights_checksum: str | None = None
-    gpu_ids: tuple[int, ...] = ()
-    pid: int | None = None
-    started_at: float | None = None
-    log_path: str | None = None
-    restarts: int = 0
-    last_error: str | None = None
-    raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], model_name: str = "default") -> Engine:
-        return cls(
-            engine_id=str(data["engine_id"]),
-            url=str(data["url"]),
-            status=str(data["status"]),
-            is_healthy=bool(data.get("is_healthy", False)),
-            model_name=str(data.get("model_name") or model_name),
-            origin=_opt_str(data.get("origin")),
-            weight_version=_opt_str(data.get("weight_version")),
-            weights_checksum=_opt_str(data.get("weights_checksum")),
-            gpu_ids=tuple(int(gpu) for gpu in data.get("gpu_ids") or ()),
-            pid=_opt_int(data.get("pid")),
-            started_at=_opt_float(data.get("started_at")),
-            log_path=_opt_str(data.get("log_path")),
-            restarts=int(data.get("restarts") or 0),
-            last_error=_opt_str(data.get("last_error")),
-            raw=dict(data),
-        )
+# -- requests and answers, shared by both clients ----------------------------------------------
 
 
 @dataclass(frozen=True)
-class EnginesView:
-    """The answer of ``GET /rollout/engines``: every engine not yet removed, by model."""
+class _Call(Generic[T]):
+    """One API call: the request to send and how to read its answer (JSON, HTTP status)."""
 
-    models: dict[str, tuple[Engine, ...]]
-    total_engines: int
-    raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def engines(self) -> tuple[Engine, ...]:
-        """All engines of all models."""
-        return tuple(engine for engines in self.models.values() for engine in engines)
-
-    def with_status(self, status: str) -> list[Engine]:
-        """The engines whose status is ``status``."""
-        return [engine for engine in self.engines if engine.status == status]
-
-    def by_id(self, engine_id: str) -> Engine | None:
-        return next((engine for engine in self.engines if engine.engine_id == engine_id), None)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> EnginesView:
-        models: dict[str, tuple[Engine, ...]] = {}
-        for model_name, model in (data.get("models") or {}).items():
-            models[model_name] = tuple(Engine.from_json(engine, model_name) for engine in model.get("engines") or ())
-        total = data.get("total_engines")
-        count = sum(len(engines) for engines in models.values())
-        return cls(models=models, total_engines=count if total is None else int(total), raw=dict(data))
+    method: str
+    path: str
+    body: Mapping[str, Any] | None
+    parse: Callable[[Any, int], T]
 
 
-@dataclass(frozen=True)
-class ScaleResponse:
-    """The answer of ``POST /rollout/scale_out`` or ``POST /rollout/scale_in``.
-
-    For a dry run, ``dry_run`` is true, ``request_id``/``status`` are usually ``None`` and
-    ``engines`` lists the engines that would be removed.
-    """
-
-    request_id: str | None
-    status: str | None
-    message: str | None = None
-    dry_run: bool = False
-    engines: tuple[Engine, ...] = ()
-    raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ScaleResponse:
-        return cls(
-            request_id=_opt_str(data.get("request_id")),
-            status=_opt_str(data.get("status")),
-            message=_opt_str(data.get("message")),
-            dry_run=bool(data.get("dry_run", False)),
-            engines=tuple(Engine.from_json(engine) for engine in data.get("engines") or ()),
-            raw=dict(data),
-        )
+def _json(data: Any, _status: int) -> Any:
+    return data
 
 
-@dataclass(frozen=True)
-class ScaleOperation:
-    """A scale-out or scale-in operation record (``GET /rollout/scale_{out,in}/{id}``)."""
-
-    kind: OperationKind
-    request_id: str
-    status: str
-    model_name: str | None = None
-    num_replicas: int | None = None
-    engine_urls: tuple[str, ...] = ()
-    engine_ids: tuple[str, ...] = ()
-    failed_engines: tuple[Any, ...] = ()
-    created_at: float | None = None
-    updated_at: float | None = None
-    error_message: str | None = None
-    weight_version: str | None = None
-    history: tuple[JsonObject, ...] = ()
-    raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def is_terminal(self) -> bool:
-        """True once the status can no longer change."""
-        return self.status in _TERMINAL[self.kind]
-
-    @property
-    def statuses(self) -> list[str]:
-        """The statuses this operation went through, oldest first (from ``history``)."""
-        return [str(entry.get("status")) for entry in self.history]
-
-    @classmethod
-    def from_json(cls, kind: OperationKind, data: Mapping[str, Any]) -> ScaleOperation:
-        return cls(
-            kind=kind,
-            request_id=str(data["request_id"]),
-            status=str(data["status"]),
-            model_name=_opt_str(data.get("model_name")),
-            num_replicas=_opt_int(data.get("num_replicas")),
-            engine_urls=tuple(str(url) for url in data.get("engine_urls") or ()),
-            engine_ids=tuple(str(engine_id) for engine_id in data.get("engine_ids") or ()),
-            failed_engines=tuple(data.get("failed_engines") or ()),
-            created_at=_opt_float(data.get("created_at")),
-            updated_at=_opt_float(data.get("updated_at")),
-            error_message=_opt_str(data.get("error_message")),
-            weight_version=_opt_str(data.get("weight_version")),
-            history=tuple(dict(entry) for entry in data.get("history") or ()),
-            raw=dict(data),
-        )
+def _quote(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
 
 
-class RolloutClient:
-    """Client for one rollout-manager's control API.
+def _scale_body(
+    model_name: str, num_replicas: int | None, engine_urls: list[str] | None, timeout_secs: float | None
+) -> JsonObject:
+    body: JsonObject = {"model_name": model_name}
+    if num_replicas is not None:
+        body["num_replicas"] = num_replicas
+    if engine_urls is not None:
+        body["engine_urls"] = list(engine_urls)
+    if timeout_secs is not None:
+        body["timeout_secs"] = timeout_secs
+    return body
 
-    Args:
-        base_url: the control address, e.g. ``http://127.0.0.1:8000``.
-        token: sent as ``Authorization: Bearer <token>`` when given.
-        timeout: seconds allowed for each HTTP request.
-    """
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.token = token
+class _Calls:
+    """The request and the parser of every API method (no I/O)."""
+
+    @staticmethod
+    def health() -> _Call[JsonObject]:
+        return _Call("GET", "/health", None, _json)
+
+    @staticmethod
+    def engines() -> _Call[EnginesView]:
+        return _Call("GET", "/rollout/engines", None, lambda data, _s: EnginesView.from_json(data))
+
+    @staticmethod
+    def engine(engine_id: str) -> _Call[Engine]:
+        return _Call("GET", f"/rollout/engines/{_quote(engine_id)}", None, lambda data, _s: Engine.from_json(data))
+
+    @staticmethod
+    def scale_out(
+        num_replicas: int | None, engine_urls: list[str] | None, model_name: str, timeout_secs: float | None
+    ) -> _Call[ScaleResponse]:
+        body = _scale_body(model_name, num_replicas, engine_urls, timeout_secs)
+        return _Call("POST", "/rollout/scale_out", body, lambda data, _s: ScaleResponse.from_json(data))
+
+    @staticmethod
+    def scale_out_requests() -> _Call[list[ScaleOperation]]:
+        def parse(data: Any, _status: int) -> list[ScaleOperation]:
+            return [ScaleOperation.from_json("scale_out", record) for record in data.get("requests") or ()]
+
+        return _Call("GET", "/rollout/scale_out", None, parse)
+
+    @staticmethod
+    def cancel_scale_out(request_id: str) -> _Call[JsonObject]:
+        return _Call("POST", f"/rollout/scale_out/{_quote(request_id)}/cancel", {}, _json)
+
+    @staticmethod
+    def scale_in(
+        num_replicas: int | None,
+        engine_urls: list[str] | None,
+        force: bool,
+        dry_run: bool,
+        timeout_secs: float | None,
+        model_name: str,
+    ) -> _Call[ScaleResponse]:
+        body: JsonObject = {"model_name": model_name, "force": force, "dry_run": dry_run}
+        body.update(_scale_body(model_name, num_replicas, engine_urls, timeout_secs))
+        return _Call("POST", "/rollout/scale_in", body, lambda data, _s: ScaleResponse.from_json(data))
+
+    @staticmethod
+    def operation(kind: OperationKind, request_id: str) -> _Call[ScaleOperation]:
+        if kind not in TERMINAL:
+            raise ValueError(f"kind must be 'scale_out' or 'scale_in', not {kind!r}")
+        path = f"/rollout/{kind}/{_quote(request_id)}"
+        return _Call("GET", path, None, lambda data, _s: ScaleOperation.from_json(kind, data))
+
+    @staticmethod
+    def report_step(
+        step: int,
+        trainer_wait_secs: float,
+        rollout_throttled_secs: float,
+        step_secs: float,
+        rollout_samples: int | None,
+        next_step_samples: int | None,
+    ) -> _Call[StepReport]:
+        body: JsonObject = {
+            "step": step,
+            "trainer_wait_secs": trainer_wait_secs,
+            "rollout_throttled_secs": rollout_throttled_secs,
+            "step_secs": step_secs,
+        }
+        if rollout_samples is not None:
+            body["rollout_samples"] = rollout_samples
+        if next_step_samples is not None:
+            body["next_step_samples"] = next_step_samples
+        return _Call("POST", "/rollout/pipeline", body, lambda data, _s: StepReport.from_json(data))
+
+    @staticmethod
+    def autoscaler_status() -> _Call[AutoscalerStatus]:
+        return _Call("GET", "/autoscaler/status", None, lambda data, _s: AutoscalerStatus.from_json(data))
+
+    @staticmethod
+    def set_autoscaler_enabled(enabled: bool) -> _Call[JsonObject]:
+        return _Call("POST", "/autoscaler/enable", {"enabled": enabled}, _json)
+
+    @staticmethod
+    def weights() -> _Call[WeightsView]:
+        return _Call("GET", "/rollout/weights", None, lambda data, _s: WeightsView.from_json(data))
+
+    @staticmethod
+    def publish_weights(
+        version: str,
+        path: str,
+        strategy: str,
+        max_unavailable: int | None,
+        checksum: str | None,
+        pause_mode: str | None,
+    ) -> _Call[PublishResult]:
+        body: JsonObject = {"version": version, "path": path, "strategy": strategy}
+        if max_unavailable is not None:
+            body["max_unavailable"] = max_unavailable
+        if checksum is not None:
+            body["checksum"] = checksum
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
+        return _Call("POST", "/rollout/weights/publish", body, PublishResult.from_json)
+
+    @staticmethod
+    def weight_update(update_id: str) -> _Call[WeightUpdate]:
+        path = f"/rollout/weights/updates/{_quote(update_id)}"
+        return _Call("GET", path, None, lambda data, _s: WeightUpdate.from_json(data))
+
+    @staticmethod
+    def weight_updates(status: str | None) -> _Call[list[WeightUpdate]]:
+        query = "" if status is None else "?" + urllib.parse.urlencode({"status": status})
+
+        def parse(data: Any, _status: int) -> list[WeightUpdate]:
+            return [WeightUpdate.from_json(update) for update in data.get("updates") or ()]
+
+        return _Call("GET", f"/rollout/weights/updates{query}", None, parse)
+
+
+def _operation_late(kind: str, request_id: str, timeout: float) -> Callable[[ScaleOperation | None], str]:
+    def late(op: ScaleOperation | None) -> str:
+        last = "unknown (the manager did not answer)" if op is None else op.status
+        history = "none" if op is None else " -> ".join(op.statuses) or "none"
+        return f"{kind} {request_id} not finished after {timeout:g}s; last status {last} (history: {history})"
+
+    return late
+
+
+def _engines_late(count: int, status: str, timeout: float) -> Callable[[EnginesView | None], str]:
+    def late(view: EnginesView | None) -> str:
+        seen = "no answer" if view is None else ", ".join(f"{e.engine_id}={e.status}" for e in view.engines)
+        return f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen or 'no engines'}"
+
+    return late
+
+
+def _update_late(update_id: str, timeout: float) -> Callable[[WeightUpdate | None], str]:
+    def late(update: WeightUpdate | None) -> str:
+        last = "unknown (the manager did not answer)" if update is None else update.status
+        return f"weight update {update_id} not finished after {timeout:g}s; last status {last}"
+
+    return late
+
+
+def _restarting(err: RolloutApiError) -> bool:
+    """Whether a failed poll means the manager is restarting (connection refused or reset, or the
+    Ray ingress's 503 ``manager_unreachable``): the wait helpers then poll on until their deadline
+    instead of failing on the first refused poll."""
+    return isinstance(err, RolloutConnectionError) or (err.status == 503 and err.code == "manager_unreachable")
+
+
+def _env_token() -> str | None:
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+class _Base:
+    """What both clients hold: where the manager is, the token, the timeout; request building."""
+
+    def __init__(self, base_url: str | None, token: str | None, timeout: float, uds: str | None) -> None:
+        if base_url is None and uds is None:
+            raise ValueError("give the manager's base_url (http://host:port) or its Unix socket (uds=PATH)")
+        self.base_url = (base_url or UDS_BASE_URL).rstrip("/")
+        self.uds = uds
         self.timeout = timeout
+        self._token = _env_token() if token is None else (token.strip() or None)
+
+    @property
+    def token(self) -> str | None:
+        """The token sent with each request (``None``: none). Not shown by ``repr``."""
+        return self._token
+
+    @property
+    def _where(self) -> str:
+        return f"unix:{self.uds}" if self.uds else self.base_url
 
     def __repr__(self) -> str:
-        return f"RolloutClient({self.base_url!r})"
+        where = f"uds={self.uds!r}" if self.uds else repr(self.base_url)
+        auth = ", token=<set>" if self._token else ""
+        return f"{type(self).__name__}({where}{auth})"
+
+    def _headers(self, has_body: bool) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if has_body:
+            headers["Content-Type"] = "application/json"
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    def _build(self, http: httpx.Client | httpx.AsyncClient, call: _Call[Any], timeout: float | None) -> httpx.Request:
+        content = None if call.body is None else json.dumps(call.body).encode()
+        return http.build_request(
+            call.method,
+            call.path,
+            content=content,
+            headers=self._headers(content is not None),
+            timeout=self.timeout if timeout is None else timeout,
+        )
+
+    @staticmethod
+    def _answer(call: _Call[T], resp: httpx.Response) -> T:
+        """The parsed answer of a 2xx response; a :class:`RolloutApiError` for any other."""
+        if not resp.is_success:
+            raise RolloutApiError.from_body(resp.status_code, resp.content, call.method, call.path)
+        payload = resp.content
+        data = json.loads(payload) if payload.strip() else None
+        return call.parse(data, resp.status_code)
+
+
+# -- the blocking client -----------------------------------------------------------------------
+
+
+class RolloutClient(_Base):
+    """Blocking client for one rollout-manager's control API (safe to share between threads).
+
+    Args:
+        base_url: the control address, e.g. ``http://127.0.0.1:8000`` (or the Ray Serve ingress).
+        token: sent as ``Authorization: Bearer <token>``. ``None`` (the default): the environment
+            variable ``ROLLOUT_MANAGER_API_TOKEN`` if set; ``""``: no token.
+        timeout: seconds allowed for each HTTP request (default 30).
+        uds: the manager's Unix socket (``--api-socket``) instead of ``base_url``.
+        transport: an httpx transport to use instead (tests: ``httpx.MockTransport``).
+
+    Use it as a context manager, or :meth:`close` it, to release its pooled connections.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        uds: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, uds)
+        if transport is None and uds is not None:
+            transport = httpx.HTTPTransport(uds=uds)
+        self._http = httpx.Client(base_url=self.base_url, transport=transport, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     # -- transport -----------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+    def _call(self, call: _Call[T], timeout: float | None = None) -> T:
+        request = self._build(self._http, call, timeout)
+        try:
+            resp = self._http.send(request)
+        except httpx.RequestError as err:
+            raise _transport_error(err, call.method, call.path, self._where) from err
+        return self._answer(call, resp)
+
+    def request(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Any:
         """Send one request and return the decoded JSON answer (``None`` for an empty body).
 
+        ``path`` may carry a query string. ``timeout`` overrides the client's for this request.
+
         Raises:
-            RolloutApiError: the manager answered with a status >= 400.
+            RolloutApiError: the manager answered with a status outside 2xx.
+            RolloutConnectionError: no answer (status 0; :class:`RolloutTimeoutError` on timeout).
         """
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        if self.token is not None:
-            headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as err:
-            try:
-                error_body = err.read()
-            except OSError:
-                error_body = b""
-            finally:
-                err.close()
-            raise RolloutApiError.from_body(err.code, error_body) from None
-        return json.loads(payload) if payload.strip() else None
+        return self._call(_Call(method.upper(), path, body, _json), timeout)
+
+    def get(self, path: str, *, timeout: float | None = None) -> Any:
+        """``GET path``; the decoded JSON answer."""
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        """``POST path`` with ``body`` (``{}`` when omitted); the decoded JSON answer."""
+        return self.request("POST", path, {} if body is None else body, timeout=timeout)
 
     # -- read ----------------------------------------------------------------------------
 
     def health(self) -> JsonObject:
         """``GET /health``."""
-        result: JsonObject = self.request("GET", "/health")
-        return result
+        return self._call(_Calls.health())
 
     def engines(self) -> EnginesView:
         """``GET /rollout/engines``: every engine not yet removed, in any status."""
-        return EnginesView.from_json(self.request("GET", "/rollout/engines"))
-
-    # -- scale-out -----------------------------------------------------------------------
+        return self._call(_Calls.engines())
 
     def engine(self, engine_id: str) -> Engine:
         """``GET /rollout/engines/{id}``: one engine (``RolloutApiError`` 404 if unknown)."""
-        return Engine.from_json(self.request("GET", f"/rollout/engines/{_quote(engine_id)}"))
+        return self._call(_Calls.engine(engine_id))
+
+    # -- scale-out -----------------------------------------------------------------------
 
     def scale_out(
         self,
@@ -306,14 +528,7 @@ class RolloutClient:
     ) -> ScaleResponse:
         """``POST /rollout/scale_out``: grow to ``num_replicas`` engines in total (absolute), or
         attach the external ``engine_urls``. Answers ``NOOP`` when the target is already met."""
-        body: JsonObject = {"model_name": model_name}
-        if num_replicas is not None:
-            body["num_replicas"] = num_replicas
-        if engine_urls is not None:
-            body["engine_urls"] = list(engine_urls)
-        if timeout_secs is not None:
-            body["timeout_secs"] = timeout_secs
-        return ScaleResponse.from_json(self.request("POST", "/rollout/scale_out", body))
+        return self._call(_Calls.scale_out(num_replicas, engine_urls, model_name, timeout_secs))
 
     def scale_out_status(self, request_id: str) -> ScaleOperation:
         """``GET /rollout/scale_out/{id}``."""
@@ -321,13 +536,11 @@ class RolloutClient:
 
     def scale_out_requests(self) -> list[ScaleOperation]:
         """``GET /rollout/scale_out``: every scale-out request the manager remembers."""
-        data = self.request("GET", "/rollout/scale_out")
-        return [ScaleOperation.from_json("scale_out", record) for record in data.get("requests") or ()]
+        return self._call(_Calls.scale_out_requests())
 
     def cancel_scale_out(self, request_id: str) -> JsonObject:
         """``POST /rollout/scale_out/{id}/cancel``; returns the manager's JSON answer."""
-        result: JsonObject = self.request("POST", f"/rollout/scale_out/{_quote(request_id)}/cancel", {})
-        return result
+        return self._call(_Calls.cancel_scale_out(request_id))
 
     # -- scale-in ------------------------------------------------------------------------
 
@@ -343,14 +556,7 @@ class RolloutClient:
         """``POST /rollout/scale_in``: shrink to ``num_replicas`` engines (newest dynamic ones
         first), or remove the engines at ``engine_urls``. ``dry_run`` only reports which
         engines would go; ``force`` skips the drain wait."""
-        body: JsonObject = {"model_name": model_name, "force": force, "dry_run": dry_run}
-        if num_replicas is not None:
-            body["num_replicas"] = num_replicas
-        if engine_urls is not None:
-            body["engine_urls"] = list(engine_urls)
-        if timeout_secs is not None:
-            body["timeout_secs"] = timeout_secs
-        return ScaleResponse.from_json(self.request("POST", "/rollout/scale_in", body))
+        return self._call(_Calls.scale_in(num_replicas, engine_urls, force, dry_run, timeout_secs, model_name))
 
     def scale_in_status(self, request_id: str) -> ScaleOperation:
         """``GET /rollout/scale_in/{id}``."""
@@ -360,8 +566,7 @@ class RolloutClient:
 
     def operation(self, kind: OperationKind, request_id: str) -> ScaleOperation:
         """The record of a scale-out or scale-in operation."""
-        data = self.request("GET", f"/rollout/{kind}/{_quote(request_id)}")
-        return ScaleOperation.from_json(kind, data)
+        return self._call(_Calls.operation(kind, request_id))
 
     def wait_for_operation(
         self, kind: OperationKind, request_id: str, timeout: float, poll_interval: float = 0.1
@@ -369,20 +574,15 @@ class RolloutClient:
         """Poll an operation until it reaches a terminal status and return its record.
 
         Terminal statuses: scale-out ACTIVE, FAILED, CANCELLED, NOOP; scale-in COMPLETED,
-        FAILED, NOOP. A FAILED operation is returned, not raised: check ``status``.
+        FAILED, NOOP. A FAILED operation is returned, not raised: check ``status``. Polls on
+        through a restarting manager (no answer, or the Ray ingress's 503) until the deadline.
 
         Raises:
             TimeoutError: still not terminal after ``timeout`` seconds; names the last status.
         """
-        if kind not in _TERMINAL:
-            raise ValueError(f"kind must be 'scale_out' or 'scale_in', not {kind!r}")
-
-        def late(op: ScaleOperation | None) -> str:
-            last = "unknown (the manager did not answer)" if op is None else op.status
-            history = "none" if op is None else " -> ".join(op.statuses) or "none"
-            return f"{kind} {request_id} not finished after {timeout:g}s; last status {last} (history: {history})"
-
-        return _poll(lambda: self.operation(kind, request_id), lambda op: op.is_terminal, late, timeout, poll_interval)
+        call = _Calls.operation(kind, request_id)
+        late = _operation_late(kind, request_id, timeout)
+        return _poll(lambda: self._call(call), lambda op: op.is_terminal, late, timeout, poll_interval)
 
     def wait_for_engines(
         self, count: int, status: str = "ACTIVE", timeout: float = 60.0, poll_interval: float = 0.1
@@ -393,14 +593,10 @@ class RolloutClient:
             TimeoutError: the condition did not hold within ``timeout`` seconds; the message
                 shows the last status of every engine.
         """
+        done: Callable[[EnginesView], bool] = lambda view: len(view.with_status(status)) == count  # noqa: E731
+        return _poll(self.engines, done, _engines_late(count, status, timeout), timeout, poll_interval)
 
-        def late(view: EnginesView | None) -> str:
-            seen = "no answer" if view is None else ", ".join(f"{e.engine_id}={e.status}" for e in view.engines)
-            return f"wanted {count} engine(s) {status} within {timeout:g}s; last seen: {seen or 'no engines'}"
-
-        return _poll(self.engines, lambda view: len(view.with_status(status)) == count, late, timeout, poll_interval)
-
-    # -- the RL pipeline signal -------------------------------------------------------------
+    # -- the RL pipeline signal and the autoscaler -------------------------------------------
 
     def report_step(
         self,
@@ -410,7 +606,7 @@ class RolloutClient:
         step_secs: float,
         rollout_samples: int | None = None,
         next_step_samples: int | None = None,
-    ) -> JsonObject:
+    ) -> StepReport:
         """``POST /rollout/pipeline``: one trainer step, for the autoscaler.
 
         ``trainer_wait_secs``: how long the trainer waited for rollout data in the step;
@@ -418,29 +614,29 @@ class RolloutClient:
         ``step_secs``: the step's wall time. Optionally, both of ``rollout_samples`` (samples
         rollout completed during the step) and ``next_step_samples`` (samples the next step will
         consume): with them the autoscaler compares rollout's rate with the trainer's and can
-        scale out before the trainer starves. Returns ``{accepted, signal, trainer_starved,
-        rollout_short, rollout_throttled, decision}``.
+        scale out before the trainer starves. Returns which conditions the step triggered
+        (``trainer_starved``, ``rollout_short``, ``rollout_throttled``) and the ``decision``.
         """
-        body: JsonObject = {
-            "step": step,
-            "trainer_wait_secs": trainer_wait_secs,
-            "rollout_throttled_secs": rollout_throttled_secs,
-            "step_secs": step_secs,
-        }
-        if rollout_samples is not None:
-            body["rollout_samples"] = rollout_samples
-        if next_step_samples is not None:
-            body["next_step_samples"] = next_step_samples
-        result: JsonObject = self.request("POST", "/rollout/pipeline", body)
-        return result
+        call = _Calls.report_step(
+            step, trainer_wait_secs, rollout_throttled_secs, step_secs, rollout_samples, next_step_samples
+        )
+        return self._call(call)
+
+    def autoscaler_status(self) -> AutoscalerStatus:
+        """``GET /autoscaler/status``: enabled/running, the fleet's size and bounds, the last
+        decision, the pending requests and the config."""
+        return self._call(_Calls.autoscaler_status())
+
+    def set_autoscaler_enabled(self, enabled: bool) -> JsonObject:
+        """``POST /autoscaler/enable``: turn the autoscaler's decisions on or off."""
+        return self._call(_Calls.set_autoscaler_enabled(enabled))
 
     # -- weights ---------------------------------------------------------------------------
 
-    def weights(self) -> JsonObject:
+    def weights(self) -> WeightsView:
         """``GET /rollout/weights``: the fleet's version, the update in flight, each engine's
         version and checksum, and the history of updates."""
-        result: JsonObject = self.request("GET", "/rollout/weights")
-        return result
+        return self._call(_Calls.weights())
 
     def publish_weights(
         self,
@@ -450,51 +646,35 @@ class RolloutClient:
         max_unavailable: int | None = None,
         checksum: str | None = None,
         pause_mode: str | None = None,
-    ) -> JsonObject:
+    ) -> PublishResult:
         """``POST /rollout/weights/publish``: make the fleet converge to the checkpoint directory
-        ``path`` as ``version``. Returns ``{update_id, status, version, checksum, message}``
-        (the existing update when the same version, path and checksum were published before)."""
-        body: JsonObject = {"version": version, "path": path, "strategy": strategy}
-        if max_unavailable is not None:
-            body["max_unavailable"] = max_unavailable
-        if checksum is not None:
-            body["checksum"] = checksum
-        if pause_mode is not None:
-            body["pause_mode"] = pause_mode
-        result: JsonObject = self.request("POST", "/rollout/weights/publish", body)
-        return result
+        ``path`` as ``version``. Answers at once, 202 (a new update, ``accepted``) or 200 (the
+        same version, path and checksum were published before: the existing update); the
+        checkpoint is checked and hashed afterwards (status ``CHECKSUMMING`` on managers that
+        do it in the background), and a bad one ends the update FAILED. Follow it with
+        :meth:`wait_for_weight_update`."""
+        return self._call(_Calls.publish_weights(version, path, strategy, max_unavailable, checksum, pause_mode))
 
-    def weight_update(self, update_id: str) -> JsonObject:
+    def weight_update(self, update_id: str) -> WeightUpdate:
         """``GET /rollout/weights/updates/{id}``: one update with per-engine progress."""
-        result: JsonObject = self.request("GET", f"/rollout/weights/updates/{_quote(update_id)}")
-        return result
+        return self._call(_Calls.weight_update(update_id))
 
-    def wait_for_weight_update(self, update_id: str, timeout: float, poll_interval: float = 0.1) -> JsonObject:
-        """Poll an update until it is COMPLETED or FAILED and return its record (a FAILED one
-        is returned, not raised).
+    def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
+        """``GET /rollout/weights/updates``: the updates the manager remembers, oldest first,
+        optionally only those in ``status``."""
+        return self._call(_Calls.weight_updates(status))
+
+    def wait_for_weight_update(self, update_id: str, timeout: float, poll_interval: float = 0.1) -> WeightUpdate:
+        """Poll an update until it is COMPLETED or FAILED and return its record (a FAILED one is
+        returned, not raised: check ``status``/``error_message``). Any other status
+        (``CHECKSUMMING``, ``PENDING``, ``UPDATING``, ...) counts as still running.
 
         Raises:
             TimeoutError: still running after ``timeout`` seconds; names the last status.
         """
-
-        def late(update: JsonObject | None) -> str:
-            last = "unknown (the manager did not answer)" if update is None else update.get("status")
-            return f"weight update {update_id} not finished after {timeout:g}s; last status {last}"
-
-        return _poll(
-            lambda: self.weight_update(update_id),
-            lambda update: update.get("status") in WEIGHT_UPDATE_TERMINAL,
-            late,
-            timeout,
-            poll_interval,
-        )
-
-
-#: Statuses in which a weight update has ended.
-WEIGHT_UPDATE_TERMINAL = frozenset({"COMPLETED", "FAILED"})
-
-
-T = TypeVar("T")
+        call = _Calls.weight_update(update_id)
+        late = _update_late(update_id, timeout)
+        return _poll(lambda: self._call(call), lambda update: update.is_terminal, late, timeout, poll_interval)
 
 
 def _poll(
@@ -505,7 +685,12 @@ def _poll(
     deadline = time.monotonic() + timeout
     last: T | None = None
     while True:
-        answer = _unless_restarting(fetch)
+        try:
+            answer: T | None = fetch()
+        except RolloutApiError as err:
+            if not _restarting(err):
+                raise
+            answer = None
         if answer is not None:
             last = answer
             if done(answer):
@@ -515,21 +700,209 @@ def _poll(
         time.sleep(interval)
 
 
-def _unless_restarting(call: Callable[[], T]) -> T | None:
-    """``call()``, or None while the manager is unreachable (restarting: connection refused or
-    reset, or the Ray ingress's 503 ``manager_unreachable``). The wait helpers poll through a
-    manager restart until their deadline instead of failing on the first refused poll."""
-    try:
-        return call()
-    except RolloutApiError as e:
-        if e.status == 503 and e.code == "manager_unreachable":
-            return None
-        raise
-    except (urllib.error.URLError, ConnectionError) as e:
-        if isinstance(e, urllib.error.HTTPError):
-            raise
-        return None
+# -- the asyncio client ------------------------------------------------------------------------
 
 
-def _quote(segment: str) -> str:
-    return urllib.parse.quote(segment, safe="")
+class AsyncRolloutClient(_Base):
+    """The same client for asyncio programs (an async trainer, the Ray reconciler): every method
+    of :class:`RolloutClient`, as a coroutine, with the same arguments and results; the waits
+    sleep with :func:`asyncio.sleep`, never blocking the event loop.
+
+    Args: as :class:`RolloutClient` (``transport`` an ``httpx.AsyncBaseTransport``).
+
+    Use it within one event loop, as ``async with``, or :meth:`aclose` it.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        uds: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, uds)
+        if transport is None and uds is not None:
+            transport = httpx.AsyncHTTPTransport(uds=uds)
+        self._http = httpx.AsyncClient(base_url=self.base_url, transport=transport, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- transport -----------------------------------------------------------------------
+
+    async def _call(self, call: _Call[T], timeout: float | None = None) -> T:
+        request = self._build(self._http, call, timeout)
+        try:
+            resp = await self._http.send(request)
+        except httpx.RequestError as err:
+            raise _transport_error(err, call.method, call.path, self._where) from err
+        return self._answer(call, resp)
+
+    async def request(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Any:
+        """As :meth:`RolloutClient.request`."""
+        return await self._call(_Call(method.upper(), path, body, _json), timeout)
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Any:
+        """As :meth:`RolloutClient.get`."""
+        return await self.request("GET", path, timeout=timeout)
+
+    async def post(self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        """As :meth:`RolloutClient.post`."""
+        return await self.request("POST", path, {} if body is None else body, timeout=timeout)
+
+    # -- read ----------------------------------------------------------------------------
+
+    async def health(self) -> JsonObject:
+        return await self._call(_Calls.health())
+
+    async def engines(self) -> EnginesView:
+        """As :meth:`RolloutClient.engines`."""
+        return await self._call(_Calls.engines())
+
+    async def engine(self, engine_id: str) -> Engine:
+        return await self._call(_Calls.engine(engine_id))
+
+    # -- scale -----------------------------------------------------------------------------
+
+    async def scale_out(
+        self,
+        num_replicas: int | None = None,
+        engine_urls: list[str] | None = None,
+        model_name: str = "default",
+        timeout_secs: float | None = None,
+    ) -> ScaleResponse:
+        """As :meth:`RolloutClient.scale_out`."""
+        return await self._call(_Calls.scale_out(num_replicas, engine_urls, model_name, timeout_secs))
+
+    async def scale_out_status(self, request_id: str) -> ScaleOperation:
+        return await self.operation("scale_out", request_id)
+
+    async def scale_out_requests(self) -> list[ScaleOperation]:
+        return await self._call(_Calls.scale_out_requests())
+
+    async def cancel_scale_out(self, request_id: str) -> JsonObject:
+        return await self._call(_Calls.cancel_scale_out(request_id))
+
+    async def scale_in(
+        self,
+        num_replicas: int | None = None,
+        engine_urls: list[str] | None = None,
+        force: bool = False,
+        dry_run: bool = False,
+        timeout_secs: float | None = None,
+        model_name: str = "default",
+    ) -> ScaleResponse:
+        """As :meth:`RolloutClient.scale_in`."""
+        return await self._call(_Calls.scale_in(num_replicas, engine_urls, force, dry_run, timeout_secs, model_name))
+
+    async def scale_in_status(self, request_id: str) -> ScaleOperation:
+        return await self.operation("scale_in", request_id)
+
+    async def operation(self, kind: OperationKind, request_id: str) -> ScaleOperation:
+        return await self._call(_Calls.operation(kind, request_id))
+
+    async def wait_for_operation(
+        self, kind: OperationKind, request_id: str, timeout: float, poll_interval: float = 0.1
+    ) -> ScaleOperation:
+        """As :meth:`RolloutClient.wait_for_operation`."""
+        call = _Calls.operation(kind, request_id)
+        late = _operation_late(kind, request_id, timeout)
+        return await _apoll(lambda: self._call(call), lambda op: op.is_terminal, late, timeout, poll_interval)
+
+    async def wait_for_engines(
+        self, count: int, status: str = "ACTIVE", timeout: float = 60.0, poll_interval: float = 0.1
+    ) -> EnginesView:
+        """As :meth:`RolloutClient.wait_for_engines`."""
+        done: Callable[[EnginesView], bool] = lambda view: len(view.with_status(status)) == count  # noqa: E731
+        return await _apoll(self.engines, done, _engines_late(count, status, timeout), timeout, poll_interval)
+
+    # -- the RL pipeline signal and the autoscaler -------------------------------------------
+
+    async def report_step(
+        self,
+        step: int,
+        trainer_wait_secs: float,
+        rollout_throttled_secs: float,
+        step_secs: float,
+        rollout_samples: int | None = None,
+        next_step_samples: int | None = None,
+    ) -> StepReport:
+        """As :meth:`RolloutClient.report_step`."""
+        call = _Calls.report_step(
+            step, trainer_wait_secs, rollout_throttled_secs, step_secs, rollout_samples, next_step_samples
+        )
+        return await self._call(call)
+
+    async def autoscaler_status(self) -> AutoscalerStatus:
+        return await self._call(_Calls.autoscaler_status())
+
+    async def set_autoscaler_enabled(self, enabled: bool) -> JsonObject:
+        return await self._call(_Calls.set_autoscaler_enabled(enabled))
+
+    # -- weights ---------------------------------------------------------------------------
+
+    async def weights(self) -> WeightsView:
+        """As :meth:`RolloutClient.weights`."""
+        return await self._call(_Calls.weights())
+
+    async def publish_weights(
+        self,
+        version: str,
+        path: str,
+        strategy: str = "rolling",
+        max_unavailable: int | None = None,
+        checksum: str | None = None,
+        pause_mode: str | None = None,
+    ) -> PublishResult:
+        """As :meth:`RolloutClient.publish_weights`."""
+        return await self._call(_Calls.publish_weights(version, path, strategy, max_unavailable, checksum, pause_mode))
+
+    async def weight_update(self, update_id: str) -> WeightUpdate:
+        return await self._call(_Calls.weight_update(update_id))
+
+    async def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
+        return await self._call(_Calls.weight_updates(status))
+
+    async def wait_for_weight_update(self, update_id: str, timeout: float, poll_interval: float = 0.1) -> WeightUpdate:
+        """As :meth:`RolloutClient.wait_for_weight_update`."""
+        call = _Calls.weight_update(update_id)
+        late = _update_late(update_id, timeout)
+        return await _apoll(lambda: self._call(call), lambda update: update.is_terminal, late, timeout, poll_interval)
+
+
+async def _apoll(
+    fetch: Callable[[], Awaitable[T]],
+    done: Callable[[T], bool],
+    late: Callable[[T | None], str],
+    timeout: float,
+    interval: float,
+) -> T:
+    """:func:`_poll` for coroutines: sleeps with :func:`asyncio.sleep`."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while True:
+        try:
+            answer: T | None = await fetch()
+        except RolloutApiError as err:
+            if not _restarting(err):
+                raise
+            answer = None
+        if answer is not None:
+            last = answer
+            if done(answer):
+                return answer
+        if time.monotonic() >= deadline:
+            raise TimeoutError(late(last))
+        await asyncio.sleep(interval)
