@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from elastic_rollout import RolloutClient
 from elastic_rollout_ray.process import SupervisedProcess
-from elastic_rollout_ray.uds import UdsClient
 
 __all__ = ["ManagerSupervisor", "manager_argv"]
 
@@ -37,12 +37,10 @@ def manager_argv(binary: str, serve_args: Sequence[str], *, api_socket: str, sta
 
 
 def _probe(api_socket: str) -> bool:
-    client = UdsClient(api_socket, timeout=2.0)
-    try:
+    # No token: reads are open (and a token in the environment must not matter here).
+    with RolloutClient(uds=api_socket, token="", timeout=2.0) as client:
         client.get("/rollout/engines")
-        return True
-    finally:
-        client.close()
+    return True
 
 
 class ManagerSupervisor:

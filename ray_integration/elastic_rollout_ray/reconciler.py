@@ -42,8 +42,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastic_rollout import AsyncRolloutClient, RolloutApiError
 from elastic_rollout_ray.actors import EngineHost
-from elastic_rollout_ray.uds import AsyncUdsClient, ManagerApiError
 from elastic_rollout_ray.wire import BindRequest, HostInfo, LostRequest, Placement, parse_placement_list
 
 __all__ = ["HOST_PREFIX", "PG_PREFIX", "PlacementWorker", "Reconciler", "ReconcilerImpl", "ReconcilerStatus"]
@@ -282,7 +282,7 @@ class PlacementWorker:
         body = BindRequest(agent_url=info["url"], node_id=info["node_id"], gpu_ids=info["gpu_ids"])
         try:
             await self.owner.client.post(f"/rollout/placements/{self.engine_id}/bind", body)
-        except ManagerApiError as err:
+        except RolloutApiError as err:
             if err.status == 409:  # no longer wanted, or another live agent: re-read the placement
                 self.owner.error(f"{self.engine_id}: bind to {info['url']} refused: {err}")
                 await self.changed.wait()
@@ -308,7 +308,7 @@ class PlacementWorker:
                 await self.owner.client.post(
                     f"/rollout/placements/{self.engine_id}/lost", LostRequest(agent_url=info["url"], reason=why)
                 )
-            except ManagerApiError as err:
+            except RolloutApiError as err:
                 if err.status != 404:
                     self.owner.error(f"{self.engine_id}: reporting the lost agent failed: {err}")
         if info is not None:
@@ -338,7 +338,7 @@ class PlacementWorker:
         await self._remove_pg()
         try:
             await self.owner.client.post(f"/rollout/placements/{self.engine_id}/released")
-        except ManagerApiError as err:
+        except RolloutApiError as err:
             if err.status != 404:
                 raise
         self.owner.event(self.engine_id, "released")
@@ -350,7 +350,8 @@ class ReconcilerImpl:
     def __init__(
         self, api_socket: str, binary: str, namespace: str, token: str | None = None, agent_dir: str | None = None
     ) -> None:
-        self.client = AsyncUdsClient(api_socket, token=token, timeout=WAIT_SECS + 15.0)
+        # An explicit token ("" for none): the launcher read it as the manager does.
+        self.client = AsyncRolloutClient(uds=api_socket, token=token or "", timeout=WAIT_SECS + 15.0)
         self.token = token
         self.agent_dir = agent_dir
         self.binary = binary
@@ -383,7 +384,7 @@ class ReconcilerImpl:
             try:
                 raw = await self.client.get(f"/rollout/placements?{after}wait_secs={WAIT_SECS}")
                 view = parse_placement_list(raw)
-            except (ManagerApiError, ValueError) as err:
+            except (RolloutApiError, ValueError) as err:
                 self.error(f"cannot read placements: {err}")
                 self.revision = None
                 await asyncio.sleep(1.0)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from _support import ProcessIdentity, wait_until
 
+from elastic_rollout import RolloutClient, RolloutConnectionError
 from elastic_rollout_ray.manager import ManagerSupervisor, manager_argv
 from elastic_rollout_ray.process import ProcessStartError, SupervisedProcess
-from elastic_rollout_ray.uds import ManagerApiError, UdsClient
 
 
 def local_manager(manager_bin: Path, tmp_path: Path) -> tuple[SupervisedProcess, str]:
@@ -26,7 +26,8 @@ def local_manager(manager_bin: Path, tmp_path: Path) -> tuple[SupervisedProcess,
             "--api-socket", sock, "--state-dir", str(tmp_path / "state")]  # fmt: skip
 
     def ready(_p: SupervisedProcess) -> bool:
-        UdsClient(sock, timeout=2).get("/rollout/engines")
+        with RolloutClient(uds=sock, timeout=2) as client:
+            client.engines()
         return True
 
     proc = SupervisedProcess(argv, log_path=tmp_path / "manager.log", ready=ready, ready_timeout=60, restart=True)
@@ -42,19 +43,21 @@ def test_ready_over_the_socket_restart_on_crash_and_stop(manager_bin: Path, tmp_
         assert first is not None and os.getpgid(first.pid) == first.pid  # its own process group
         urls = proc.wait_listening(10)
         assert urls["control"].startswith("http://127.0.0.1:")
-        assert UdsClient(sock).get("/rollout/engines")["total_engines"] == 0
+        with RolloutClient(uds=sock) as client:
+            assert client.engines().total_engines == 0
         os.kill(first.pid, signal.SIGKILL)
         wait_until(lambda: proc.restarts == 1 and proc.running(), 60, "the manager restarted")
         assert proc.pid != first.pid and not first.alive()
-        assert UdsClient(sock).get("/rollout/engines")["total_engines"] == 0
+        with RolloutClient(uds=sock) as client:
+            assert client.engines().total_engines == 0
         assert "exited with status -9" in (proc.last_error or "")
     finally:
         code = proc.stop(grace=30)
     assert code == 0  # SIGTERM: the manager shuts down cleanly
     assert not proc.running()
-    with pytest.raises(ManagerApiError) as caught:
-        UdsClient(sock, timeout=2).get("/rollout/engines")
-    assert caught.value.status == 0
+    with pytest.raises(RolloutConnectionError) as caught, RolloutClient(uds=sock, timeout=2) as client:
+        client.engines()
+    assert caught.value.status == 0 and caught.value.code == "unreachable" and sock in str(caught.value)
 
 
 def test_a_manager_that_cannot_start_reports_its_stderr(manager_bin: Path, tmp_path: Path) -> None:
