@@ -1,9 +1,12 @@
-"""Client and binary-finder behaviour that needs no manager: canned answers from a loopback server."""
+"""Client and binary-finder behaviour that needs no manager: canned answers from a loopback server
+or an ``httpx.MockTransport``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import pickle
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -12,14 +15,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from elastic_rollout import (
+    TOKEN_ENV,
+    AsyncRolloutClient,
+    AutoscalerDecision,
+    AutoscalerStatus,
     BinaryNotFoundError,
     EnginesView,
+    EngineUpdateProgress,
+    EngineWeights,
+    PublishResult,
     RolloutApiError,
     RolloutClient,
+    RolloutConnectionError,
+    RolloutTimeoutError,
     ScaleOperation,
+    StepReport,
+    WeightsView,
+    WeightUpdate,
     find_binary,
 )
 
@@ -382,3 +398,291 @@ def test_a_wait_on_a_manager_that_never_answers_times_out() -> None:
         RolloutClient(f"http://127.0.0.1:{port}").wait_for_operation(
             "scale_out", "op-1", timeout=0.3, poll_interval=0.05
         )
+
+
+# -- httpx transport: parsing, errors and the token without a server ----------------------------
+
+WEIGHT_UPDATE: dict[str, Any] = {
+    "update_id": "u-1", "version": "v3", "path": "/ckpt/v3", "checksum": "ab" * 32, "engine_path": "/ckpt/v3",
+    "previous_version": "v2", "strategy": "rolling", "max_unavailable": 1, "pause_mode": "abort",
+    "transport": "disk", "status": "UPDATING",
+    "engines": {
+        "engine_0": {"status": "VERIFIED", "error": None, "started_at": 1.0, "finished_at": 1.5},
+        "engine_1": {"status": "UPDATING", "error": None, "started_at": 1.5, "finished_at": None},
+    },
+    "created_at": 1.0, "updated_at": 1.5, "finished_at": None, "error_message": None, "message": "publishing v3",
+    "history": [{"status": "PENDING", "at": 1.0}, {"status": "UPDATING", "at": 1.0}], "resumed": 0,
+    "future_field": {"x": 1},
+}  # fmt: skip
+
+WEIGHTS: dict[str, Any] = {
+    "version": "v2", "path": "/ckpt/v2", "checksum": "cd" * 32, "source": "publish", "since": 0.5,
+    "update_id": "u-0", "strategy": "rolling", "transport": "disk", "update": WEIGHT_UPDATE,
+    "engines": [
+        {"engine_id": "engine_0", "status": "ACTIVE", "weight_version": "v3", "weights_checksum": "ab" * 32},
+        {"engine_id": "engine_1", "status": "WEIGHT_SYNCING", "weight_version": "v2", "weights_checksum": None},
+    ],
+    "history": [
+        {"update_id": "u-1", "version": "v3", "path": "/ckpt/v3", "checksum": "ab" * 32, "strategy": "rolling",
+         "status": "UPDATING", "published_at": 1.0, "finished_at": None, "error_message": None, "resumed": 0},
+    ],
+}  # fmt: skip
+
+STEP_REPORT: dict[str, Any] = {
+    "accepted": True, "step": 7, "signal": 0.4, "trainer_starved": False, "rollout_throttled": False,
+    "rollout_short": True,
+    "decision": {"action": "scale_out", "delta": 1, "reason": "rollout short",
+                 "triggered_conditions": ["rollout_short"], "signal": 0.4, "at": 2.0},
+}  # fmt: skip
+
+AUTOSCALER_STATUS: dict[str, Any] = {
+    "enabled": True, "running": True, "config_path": "/etc/as.yaml", "current_engines": 2, "active_engines": 2,
+    "starting_engines": 0, "min_engines": 1, "max_engines": 4, "effective_min_engines": 2, "effective_max_engines": 4,
+    "last_scale_time": None, "last_scale_action": None, "last_decision": None, "pending_requests": ["r-1"],
+    "recent_metrics": None, "signal": None, "next_evaluation_in_secs": 1.5, "expected_time_to_ready_secs": 20.0,
+    "config": {"min_engines": 1, "max_engines": 4},
+}  # fmt: skip
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def mock(handler: Handler, **kwargs: Any) -> RolloutClient:
+    return RolloutClient("http://manager", transport=httpx.MockTransport(handler), **kwargs)
+
+
+def amock(handler: Handler, **kwargs: Any) -> AsyncRolloutClient:
+    return AsyncRolloutClient("http://manager", transport=httpx.MockTransport(handler), **kwargs)
+
+
+def routes(table: dict[tuple[str, str], Any]) -> Handler:
+    """A handler answering ``(method, path)`` with ``(status, json)`` or a list of them in turn
+    (the last one repeating)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        answer = table.get((request.method, request.url.path))
+        if answer is None:
+            return httpx.Response(404, json={"error": {"code": "no_such_route", "message": request.url.path}})
+        if isinstance(answer, list):
+            answer = answer.pop(0) if len(answer) > 1 else answer[0]
+        status, body = answer
+        return httpx.Response(status, json=body)
+
+    return handle
+
+
+@pytest.fixture(autouse=True)
+def no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+
+
+def test_weights_results_are_typed_and_stay_dicts() -> None:
+    client = mock(routes({("GET", "/rollout/weights"): (200, WEIGHTS)}))
+    weights = client.weights()
+    assert isinstance(weights, WeightsView)
+    assert (weights.version, weights.source, weights.since) == ("v2", "publish", 0.5)
+    assert weights.engine_versions() == {"engine_0": "v3", "engine_1": "v2"}
+    assert weights.engines[1] == EngineWeights("engine_1", "WEIGHT_SYNCING", "v2", None)
+    flight = weights.in_flight
+    assert flight is not None and flight.update_id == "u-1" and not flight.is_terminal
+    assert flight.engines["engine_0"] == EngineUpdateProgress("VERIFIED", None, 1.0, 1.5)
+    assert [(u.update_id, u.created_at) for u in weights.history] == [("u-1", 1.0)]
+    # The answer as the dict the client returned before: subscripts, get, json, equality.
+    assert weights["version"] == "v2" and weights["update"]["update_id"] == "u-1"
+    assert json.loads(json.dumps(weights)) == WEIGHTS and weights == WEIGHTS
+    with pytest.raises(TypeError, match="read-only"):
+        weights["version"] = "v9"
+    with pytest.raises(TypeError, match="read-only"):
+        weights.update({"version": "v9"})
+    assert pickle.loads(pickle.dumps(weights)).in_flight == flight
+
+
+def test_weight_update_parsing_keeps_unknown_statuses_and_fields() -> None:
+    update = WeightUpdate.from_json({**WEIGHT_UPDATE, "status": "VERIFYING_SOMETHING_NEW"})
+    assert update.status == "VERIFYING_SOMETHING_NEW" and not update.is_terminal
+    assert update.raw["future_field"] == {"x": 1} and update["future_field"] == {"x": 1}
+    assert update.statuses == ["PENDING", "UPDATING"] and update.previous_version == "v2"
+    assert update.engines["engine_1"].finished_at is None and update.max_unavailable == 1
+    failed = WeightUpdate.from_json({**WEIGHT_UPDATE, "status": "FAILED", "error_message": "engine_1: bad shard"})
+    assert failed.is_terminal and not failed.succeeded and failed.error_message == "engine_1: bad shard"
+    assert "u-1" in repr(update) and "future_field" not in repr(update)
+
+
+@pytest.mark.parametrize(("status", "accepted"), [(202, True), (200, False)])
+def test_publish_accepts_202_and_200(status: int, accepted: bool) -> None:
+    answer = {"update_id": "u-1", "status": "CHECKSUMMING", "version": "v3", "checksum": None, "message": "hashing"}
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(status, json=answer)
+
+    result = mock(handle).publish_weights("v3", "/ckpt/v3", strategy="all_at_once", pause_mode="retract")
+    assert isinstance(result, PublishResult)
+    assert (result.update_id, result.status, result.checksum, result.accepted) == (
+        "u-1",
+        "CHECKSUMMING",
+        None,
+        accepted,
+    )
+    assert result["update_id"] == "u-1"
+    body = json.loads(seen[0].content)
+    assert body == {"version": "v3", "path": "/ckpt/v3", "strategy": "all_at_once", "pause_mode": "retract"}
+
+
+def test_wait_for_weight_update_runs_through_every_non_terminal_status() -> None:
+    states = ["CHECKSUMMING", "CHECKSUMMING", "PENDING", "UPDATING", "SOMETHING_NEW", "COMPLETED"]
+    answers = [(200, {**WEIGHT_UPDATE, "status": s}) for s in states]
+    client = mock(routes({("GET", "/rollout/weights/updates/u-1"): list(answers)}))
+    done = client.wait_for_weight_update("u-1", timeout=30, poll_interval=0)
+    assert done.status == "COMPLETED" and done.succeeded
+    stuck = mock(routes({("GET", "/rollout/weights/updates/u-1"): (200, {**WEIGHT_UPDATE, "status": "CHECKSUMMING"})}))
+    with pytest.raises(TimeoutError, match="last status CHECKSUMMING"):
+        stuck.wait_for_weight_update("u-1", timeout=0.05, poll_interval=0.01)
+
+
+def test_step_report_and_autoscaler_status() -> None:
+    seen: list[Any] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/rollout/pipeline":
+            seen.append(json.loads(request.content))
+            return httpx.Response(200, json=STEP_REPORT)
+        if request.url.path == "/autoscaler/enable":
+            return httpx.Response(200, json={"enabled": False, "message": "autoscaler disabled"})
+        return httpx.Response(200, json=AUTOSCALER_STATUS)
+
+    client = mock(handle)
+    report = client.report_step(7, 0.5, 0.0, 2.0, rollout_samples=10, next_step_samples=20)
+    assert isinstance(report, StepReport) and report.rollout_short and not report.trainer_starved
+    assert report.decision == AutoscalerDecision("scale_out", 1, "rollout short", ("rollout_short",), 0.4, 2.0)
+    assert report["rollout_short"] is True  # the dict the client returned before
+    assert seen == [
+        {"step": 7, "trainer_wait_secs": 0.5, "rollout_throttled_secs": 0.0, "step_secs": 2.0,
+         "rollout_samples": 10, "next_step_samples": 20},
+    ]  # fmt: skip
+    status = client.autoscaler_status()
+    assert isinstance(status, AutoscalerStatus) and status.enabled and status.pending_requests == ("r-1",)
+    assert (status.effective_min_engines, status.expected_time_to_ready_secs) == (2, 20.0)
+    assert status.last_decision is None and status.config["max_engines"] == 4
+    assert client.set_autoscaler_enabled(False)["enabled"] is False
+
+
+def test_error_keeps_body_and_details() -> None:
+    body = {"error": {"code": "operation_in_progress", "message": "scale_out r-1 is running", "request_id": "r-1"}}
+    client = mock(lambda _r: httpx.Response(409, json=body))
+    with pytest.raises(RolloutApiError) as caught:
+        client.scale_out(num_replicas=3)
+    err = caught.value
+    assert (err.status, err.code, err.message) == (409, "operation_in_progress", "scale_out r-1 is running")
+    assert err.body == body and err.details["request_id"] == "r-1"
+    assert (err.method, err.path) == ("POST", "/rollout/scale_out")
+    assert str(err) == "POST /rollout/scale_out -> HTTP 409 operation_in_progress: scale_out r-1 is running"
+    assert not isinstance(err, RolloutConnectionError)
+    again = pickle.loads(pickle.dumps(err))  # crosses Ray's process boundaries
+    assert (type(again), again.status, again.code, again.body) == (RolloutApiError, 409, err.code, body)
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind", "code"),
+    [
+        (httpx.ConnectError("connection refused"), RolloutConnectionError, "unreachable"),
+        (httpx.RemoteProtocolError("server disconnected"), RolloutConnectionError, "unreachable"),
+        (httpx.ReadTimeout("timed out"), RolloutTimeoutError, "timeout"),
+    ],
+)
+def test_no_answer_is_a_connection_error_with_status_0(raised: Exception, kind: type[Exception], code: str) -> None:
+    def handle(_request: httpx.Request) -> httpx.Response:
+        raise raised
+
+    with pytest.raises(kind) as caught:
+        mock(handle, token="s3cret").engines()
+    err = caught.value
+    assert isinstance(err, RolloutApiError) and isinstance(err, ConnectionError) and isinstance(err, OSError)
+    assert isinstance(err, TimeoutError) == (kind is RolloutTimeoutError)
+    assert (err.status, err.code) == (0, code) and "http://manager" in str(err)
+    assert "s3cret" not in str(err) and "s3cret" not in repr(err)
+
+
+def test_token_from_the_environment_explicit_wins_and_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(401, json={"error": {"code": "unauthorized", "message": "bad token"}})
+
+    monkeypatch.setenv(TOKEN_ENV, " env-s3cret\n")
+    from_env, explicit, none = mock(handle), mock(handle, token="arg-s3cret"), mock(handle, token="")
+    for client in (from_env, explicit, none):
+        with pytest.raises(RolloutApiError) as caught:
+            client.scale_in(num_replicas=1)
+        assert "s3cret" not in str(caught.value) and "s3cret" not in repr(client)
+    assert [r.headers.get("authorization") for r in seen] == ["Bearer env-s3cret", "Bearer arg-s3cret", None]
+    assert (
+        repr(from_env) == "RolloutClient('http://manager', token=<set>)"
+        and repr(none) == "RolloutClient('http://manager')"
+    )
+    monkeypatch.delenv(TOKEN_ENV)
+    assert mock(handle).token is None  # read when the client is made
+
+
+def test_client_needs_an_address_and_closes() -> None:
+    with pytest.raises(ValueError, match="uds="):
+        RolloutClient()
+    with mock(routes({("GET", "/health"): (200, {"status": "ok"})})) as client:
+        assert client.health() == {"status": "ok"}
+    with pytest.raises(RuntimeError):  # closed by the with block
+        client.health()
+    assert repr(RolloutClient(uds="/run/x.sock")) == "RolloutClient(uds='/run/x.sock')"
+
+
+def test_async_client_same_calls_same_results() -> None:
+    polls = [(200, {**WEIGHT_UPDATE, "status": s}) for s in ("CHECKSUMMING", "PENDING", "UPDATING", "COMPLETED")]
+    table: dict[tuple[str, str], Any] = {
+        ("GET", "/rollout/engines"): (200, ENGINES),
+        ("GET", "/rollout/weights"): (200, WEIGHTS),
+        ("POST", "/rollout/weights/publish"): (202, {"update_id": "u-1", "status": "PENDING", "version": "v3"}),
+        ("GET", "/rollout/weights/updates/u-1"): polls,
+        ("POST", "/rollout/pipeline"): (200, STEP_REPORT),
+        ("GET", "/rollout/scale_out/op-1"): [(200, op_record("PENDING")), (200, op_record("ACTIVE"))],
+        ("POST", "/rollout/scale_in"): (400, {"error": {"code": "below_initial_engines", "message": "keep 2"}}),
+    }
+
+    async def main() -> None:
+        async with amock(routes(table), token="t0k") as client:
+            assert (await client.engines()) == EnginesView.from_json(ENGINES)
+            assert (await client.weights()).in_flight is not None
+            published = await client.publish_weights("v3", "/ckpt/v3")
+            assert published.accepted and published.update_id == "u-1"
+            done = await client.wait_for_weight_update("u-1", timeout=30, poll_interval=0)
+            assert done.status == "COMPLETED"
+            assert (await client.report_step(7, 0.5, 0.0, 2.0)).rollout_short
+            op = await client.wait_for_operation("scale_out", "op-1", timeout=30, poll_interval=0)
+            assert op.status == "ACTIVE"
+            with pytest.raises(RolloutApiError) as caught:
+                await client.scale_in(num_replicas=1)
+            assert (caught.value.status, caught.value.code) == (400, "below_initial_engines")
+            with pytest.raises(ValueError, match="scale_sideways"):
+                await client.wait_for_operation("scale_sideways", "x", timeout=1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_async_wait_polls_through_a_restarting_manager_and_times_out() -> None:
+    calls = 0
+
+    def handle(_request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json=op_record("CREATING") if calls < 4 else op_record("ACTIVE"))
+
+    async def main() -> None:
+        async with amock(handle) as client:
+            op = await client.wait_for_operation("scale_out", "op-1", timeout=30, poll_interval=0)
+            assert op.status == "ACTIVE" and calls == 4
+            with pytest.raises(TimeoutError, match="did not answer"):
+                async with amock(lambda _r: (_ for _ in ()).throw(httpx.ConnectError("refused"))) as down:
+                    await down.wait_for_operation("scale_out", "op-1", timeout=0.05, poll_interval=0.01)
+
+    asyncio.run(main())
