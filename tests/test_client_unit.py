@@ -429,10 +429,10 @@ WEIGHTS: dict[str, Any] = {
 }  # fmt: skip
 
 STEP_REPORT: dict[str, Any] = {
-    "accepted": True, "step": 7, "signal": 0.4, "trainer_starved": False, "rollout_throttled": False,
+    "accepted": True, "step": 7, "signal": "pipeline", "trainer_starved": False, "rollout_throttled": False,
     "rollout_short": True,
     "decision": {"action": "scale_out", "delta": 1, "reason": "rollout short",
-                 "triggered_conditions": ["rollout_short"], "signal": 0.4, "at": 2.0},
+                 "triggered_conditions": ["rollout_short"], "signal": "pipeline", "at": 2.0},
 }  # fmt: skip
 
 AUTOSCALER_STATUS: dict[str, Any] = {
@@ -554,7 +554,7 @@ def test_step_report_and_autoscaler_status() -> None:
     client = mock(handle)
     report = client.report_step(7, 0.5, 0.0, 2.0, rollout_samples=10, next_step_samples=20)
     assert isinstance(report, StepReport) and report.rollout_short and not report.trainer_starved
-    assert report.decision == AutoscalerDecision("scale_out", 1, "rollout short", ("rollout_short",), 0.4, 2.0)
+    assert report.decision == AutoscalerDecision("scale_out", 1, "rollout short", ("rollout_short",), "pipeline", 2.0)
     assert report["rollout_short"] is True  # the dict the client returned before
     assert seen == [
         {"step": 7, "trainer_wait_secs": 0.5, "rollout_throttled_secs": 0.0, "step_secs": 2.0,

@@ -466,13 +466,14 @@ class WeightsView(JsonRecord):
 @dataclass(frozen=True)
 class AutoscalerDecision:
     """What the autoscaler decided at one evaluation: ``action`` ``scale_out``, ``scale_in`` or
-    ``none``, by ``delta`` engines, why (``reason``, ``triggered_conditions``)."""
+    ``none``, by ``delta`` engines, why (``reason``, ``triggered_conditions``), and on which
+    ``signal`` (``serving``: the engines' load; ``pipeline``: the trainer's step reports)."""
 
     action: str
     delta: int = 0
     reason: str | None = None
     triggered_conditions: tuple[str, ...] = ()
-    signal: float | None = None
+    signal: str | None = None
     at: float | None = None
     raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
 
@@ -483,7 +484,7 @@ class AutoscalerDecision:
             delta=int(data.get("delta") or 0),
             reason=_opt_str(data.get("reason")),
             triggered_conditions=tuple(str(c) for c in data.get("triggered_conditions") or ()),
-            signal=_opt_float(data.get("signal")),
+            signal=_opt_str(data.get("signal")),
             at=_opt_float(data.get("at")),
             raw=dict(data),
         )
@@ -500,7 +501,7 @@ class StepReport(JsonRecord):
 
     accepted: bool
     step: int | None = None
-    signal: float | None = None
+    signal: str | None = None
     trainer_starved: bool = False
     rollout_throttled: bool = False
     rollout_short: bool = False
@@ -512,7 +513,7 @@ class StepReport(JsonRecord):
         return cls(
             accepted=bool(data.get("accepted", False)),
             step=_opt_int(data.get("step")),
-            signal=_opt_float(data.get("signal")),
+            signal=_opt_str(data.get("signal")),
             trainer_starved=bool(data.get("trainer_starved", False)),
             rollout_throttled=bool(data.get("rollout_throttled", False)),
             rollout_short=bool(data.get("rollout_short", False)),
@@ -541,7 +542,7 @@ class AutoscalerStatus(JsonRecord):
     last_decision: AutoscalerDecision | None = None
     pending_requests: tuple[str, ...] = ()
     recent_metrics: JsonObject | None = None
-    signal: float | None = None
+    signal: str | None = None
     next_evaluation_in_secs: float | None = None
     expected_time_to_ready_secs: float | None = None
     config: JsonObject = field(default_factory=dict)
@@ -566,7 +567,7 @@ class AutoscalerStatus(JsonRecord):
             last_decision=_opt_decision(data.get("last_decision")),
             pending_requests=tuple(str(r) for r in data.get("pending_requests") or ()),
             recent_metrics=dict(metrics) if isinstance(metrics, Mapping) else None,
-            signal=_opt_float(data.get("signal")),
+            signal=_opt_str(data.get("signal")),
             next_evaluation_in_secs=_opt_float(data.get("next_evaluation_in_secs")),
             expected_time_to_ready_secs=_opt_float(data.get("expected_time_to_ready_secs")),
             config=dict(_obj(data.get("config"))),
