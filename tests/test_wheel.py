@@ -3,7 +3,9 @@
 One module fixture builds both wheels with deploy/build-wheels.sh (what `make wheel` runs) with
 PROFILE=debug, so it packages the debug binaries `make test` has just built instead of a release
 build, creates a venv in a temp dir outside the repository (``python -m venv``, with pip, without
-the checkout's site-packages) and pip-installs the wheels there with ``--no-index``. The Ray shim's
+the checkout's site-packages) and pip-installs the wheels there with ``--no-index`` (the client's
+runtime dependencies, httpx and its own, from a directory the checkout's pip downloads them to
+first: the one step that needs the package index). The Ray shim's
 wheel is installed with ``--no-deps``: Ray itself is not installed in that venv (that would need the
 package index and ~1 GB), so what is proven for it is that the wheel installs, imports, declares
 its dependencies, and that its launcher parses and validates a command line with the installed
@@ -69,6 +71,14 @@ def _wheel(directory: Path, prefix: str) -> Path:
     return found[0]
 
 
+def _runtime_requires(wheel: Path) -> list[str]:
+    """The wheel's ``Requires-Dist`` entries that are not behind an extra."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    found = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    return [r for r in found if "extra ==" not in r]
+
+
 def _clean_env(venv: Path) -> dict[str, str]:
     """The environment of a shell in which only the fresh venv is activated."""
     drop = {"ELASTIC_ROLLOUT_MANAGER_BIN", "ELASTIC_ROLLOUT_SIM_BIN", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}
@@ -95,9 +105,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     )
     assert build.returncode == 0, f"{BUILD_SCRIPT.name} failed ({build.returncode}):\n{build.stdout}\n{build.stderr}"
 
+    # The client's runtime dependencies (httpx and what it needs), fetched once by the checkout's
+    # pip into a local directory: the wheels themselves are still installed with --no-index.
+    requires = _runtime_requires(_wheel(wheels, "elastic_rollout"))
+    assert any(r.startswith("httpx") for r in requires), requires
+    deps = root / "deps"
+    fetch = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--dest", str(deps), *requires]
+    done = subprocess.run(fetch, cwd=cwd, capture_output=True, text=True, timeout=PIP_TIMEOUT)
+    assert done.returncode == 0, f"{' '.join(fetch)} failed:\n{done.stdout}\n{done.stderr}"
+
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, cwd=cwd, timeout=PIP_TIMEOUT)
     env = _clean_env(venv)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(deps)]
     for argv in (
         [*pip, str(_wheel(wheels, "elastic_rollout"))],
         [*pip, "--no-deps", str(_wheel(wheels, "elastic_rollout_ray"))],
