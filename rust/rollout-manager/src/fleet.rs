@@ -170,6 +170,9 @@ pub struct Engine {
     /// Since when its probes have failed while its scheduler answered (a pause; see
     /// `rollout_core::health`); None once a probe passes or fails outright.
     pub paused_since: Option<std::time::Instant>,
+    /// Since when, and why ("create", "restart"), the engine is being brought up: observed as
+    /// `rollout_engine_startup_seconds` when it becomes ACTIVE.
+    pub bringup: Option<(std::time::Instant, &'static str)>,
     /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
     pub pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
@@ -297,6 +300,9 @@ impl FleetInner {
         let record = record(&new);
         debug_assert_eq!(record.engine_id, new.engine_id);
         self.insert(new.seq, record, None, None, held);
+        if let Some(e) = self.engines.get_mut(&new.engine_id) {
+            e.bringup = Some((std::time::Instant::now(), "create"));
+        }
         new.engine_id
     }
 
@@ -343,6 +349,7 @@ impl FleetInner {
             load,
             probe_failures: 0,
             paused_since: None,
+            bringup: None,
             keeper_socket,
             held,
         };
@@ -431,6 +438,19 @@ impl FleetInner {
         engine.record.status = to;
         engine.record.updated_at = unix_now();
         engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
+        match (event, to) {
+            (EngineEvent::Restart, _) => engine.bringup = Some((std::time::Instant::now(), "restart")),
+            (_, EngineStatus::Active) => {
+                if let Some((since, reason)) = engine.bringup.take() {
+                    crate::telemetry::events()
+                        .engine_startup_seconds
+                        .with_label_values(&[reason])
+                        .observe(since.elapsed().as_secs_f64());
+                }
+            }
+            (_, EngineStatus::Failed | EngineStatus::Removing | EngineStatus::Removed) => engine.bringup = None,
+            _ => {}
+        }
         Ok(to)
     }
 
@@ -660,66 +680,92 @@ impl Fleet {
         self.changes.subscribe()
     }
 
-    /// Appends the fleet's Prometheus metrics: engines by status, restarts per engine, running
-    /// operations, store write failures (what the alerts in docs/operations.md watch).
     pub fn count_probe(&self, result: ProbeResult) {
         self.probes[result as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write;
+    /// The fleet's metrics as read now: engines by status, restarts and weight version per
+    /// engine, the fleet's version, running operations and updates, store write failures,
+    /// health probes (what the alerts of deploy/prometheus/ watch). Engines that are gone have
+    /// no series.
+    pub fn metric_families(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use crate::telemetry::{counter_vec, gauge_vec};
+        use prometheus::core::Collector;
+        use rollout_core::weights::WeightUpdateStatus;
         const STATUSES: [EngineStatus; 11] = EngineStatus::ALL;
+        let engines = gauge_vec("rollout_engines", "Engines in the registry, by status.", &["status"]);
+        for status in STATUSES {
+            engines.with_label_values(&[status.to_string()]).set(0);
+        }
+        let restarts = gauge_vec(
+            "rollout_engine_restarts",
+            "Times the manager restarted the engine (crash, hang, manager restart).",
+            &["engine_id"],
+        );
+        let versions = gauge_vec(
+            "rollout_engine_weight_version_info",
+            "The weight version each engine serves (always 1; the version is the label).",
+            &["engine_id", "version"],
+        );
+        let fleet_version = gauge_vec(
+            "rollout_weight_version_info",
+            "The fleet's weight version: what every routable engine serves once no update runs (always 1).",
+            &["version"],
+        );
+        let updates = gauge_vec(
+            "rollout_weight_updates_running",
+            "Weight updates in flight, by status (at most one).",
+            &["status"],
+        );
+        for status in [WeightUpdateStatus::Pending, WeightUpdateStatus::Updating] {
+            updates.with_label_values(&[status.to_string()]).set(0);
+        }
+        let operations = gauge_vec("rollout_operations_running", "Scale operations in flight, by kind.", &["kind"]);
         let inner = self.lock();
-        let mut counts = [0u64; STATUSES.len()];
-        let mut restarts = String::new();
         for e in inner.engines.values() {
-            if let Some(i) = STATUSES.iter().position(|s| *s == e.record.status) {
-                counts[i] += 1;
-            }
+            engines.with_label_values(&[e.record.status.to_string()]).inc();
             if e.record.status != EngineStatus::Removed {
-                let _ = writeln!(
-                    restarts,
-                    "rollout_engine_restarts{{engine_id=\"{}\"}} {}",
-                    e.record.engine_id, e.record.restarts
-                );
+                let id = e.record.engine_id.as_str();
+                restarts.with_label_values(&[id]).set(i64::from(e.record.restarts));
+                if let Some(v) = &e.record.weight_version {
+                    versions.with_label_values(&[id, v.as_str()]).set(1);
+                }
             }
         }
-        let scale_out_running = inner.scale_outs.values().filter(|o| !o.status.is_terminal()).count();
-        let scale_in_running = inner.scale_ins.values().filter(|o| !o.status.is_terminal()).count();
-        drop(inner);
-        let _ =
-            writeln!(out, "# HELP rollout_engines Engines in the registry, by status.\n# TYPE rollout_engines gauge");
-        for (status, n) in STATUSES.iter().zip(counts) {
-            let _ = writeln!(out, "rollout_engines{{status=\"{status}\"}} {n}");
+        fleet_version.with_label_values(&[inner.weights.current.version.as_str()]).set(1);
+        for u in inner.weights.updates.values().filter(|u| !u.status.is_terminal()) {
+            updates.with_label_values(&[u.status.to_string()]).inc();
         }
-        let _ = writeln!(
-            out,
-            "# HELP rollout_engine_restarts Times the manager restarted the engine (crash, hang, manager restart).\n\
-             # TYPE rollout_engine_restarts gauge"
+        let running = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        operations
+            .with_label_values(&["scale_out"])
+            .set(running(inner.scale_outs.values().filter(|o| !o.status.is_terminal()).count()));
+        operations
+            .with_label_values(&["scale_in"])
+            .set(running(inner.scale_ins.values().filter(|o| !o.status.is_terminal()).count()));
+        drop(inner);
+        let store = counter_vec(
+            "rollout_store_write_failures_total",
+            "Registry changes the state store could not commit.",
+            &[],
         );
-        out.push_str(&restarts);
-        let _ = writeln!(
-            out,
-            "# HELP rollout_operations_running Scale operations in flight, by kind.\n\
-             # TYPE rollout_operations_running gauge\n\
-             rollout_operations_running{{kind=\"scale_out\"}} {scale_out_running}\n\
-             rollout_operations_running{{kind=\"scale_in\"}} {scale_in_running}"
-        );
-        let _ = writeln!(
-            out,
-            "# HELP rollout_store_write_failures_total Registry changes the state store could not commit.\n\
-             # TYPE rollout_store_write_failures_total counter\n\
-             rollout_store_write_failures_total {}",
-            self.store_failures.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP rollout_health_probes_total Health probes of serving engines, by result (paused: failed while \
-             the engine's scheduler answered, not counted against it).\n# TYPE rollout_health_probes_total counter"
+        store.with_label_values::<&str>(&[]).inc_by(self.store_failures.load(Ordering::Relaxed));
+        let probes = counter_vec(
+            "rollout_health_probes_total",
+            "Health probes of serving engines, by result (paused: failed while the engine's scheduler \
+             answered, not counted against it).",
+            &["result"],
         );
         for (result, n) in ["passed", "failed", "paused"].iter().zip(&self.probes) {
-            let _ = writeln!(out, "rollout_health_probes_total{{result=\"{result}\"}} {}", n.load(Ordering::Relaxed));
+            probes.with_label_values(&[*result]).inc_by(n.load(Ordering::Relaxed));
         }
+        let mut out = Vec::new();
+        for c in [&engines, &restarts, &versions, &fleet_version, &updates, &operations] {
+            out.extend(c.collect());
+        }
+        out.extend(store.collect());
+        out.extend(probes.collect());
+        out
     }
 
     /// Snapshot of every engine not yet removed, oldest first.
@@ -758,6 +804,7 @@ mod tests {
             load: Arc::new(EngineLoad::default()),
             probe_failures: 0,
             paused_since: None,
+            bringup: None,
             pid_start_ticks: None,
             keeper_socket: None,
             held: Held::default(),

@@ -33,6 +33,7 @@ pub mod scaling;
 pub mod server;
 pub mod slots;
 pub mod store;
+pub mod telemetry;
 #[cfg(test)]
 mod testing;
 #[cfg(test)]

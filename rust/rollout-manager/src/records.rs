@@ -132,6 +132,9 @@ impl ScaleOutRecord {
         self.status = next;
         self.updated_at = unix_now();
         self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        if next.is_terminal() {
+            observe_finished("scale_out", &next.to_string(), self.updated_at - self.created_at);
+        }
         Ok(())
     }
 }
@@ -143,8 +146,16 @@ impl ScaleInRecord {
         self.status = next;
         self.updated_at = unix_now();
         self.history.push(Transition { status: next.to_string(), at: self.updated_at });
+        if next.is_terminal() {
+            observe_finished("scale_in", &next.to_string(), self.updated_at - self.created_at);
+        }
         Ok(())
     }
+}
+
+/// Counts a scale operation that reached a final status, with how long it took.
+fn observe_finished(kind: &str, status: &str, secs: f64) {
+    crate::telemetry::events().scale_seconds.with_label_values(&[kind, &status.to_lowercase()]).observe(secs.max(0.0));
 }
 
 /// The kind and id of the scale operation in progress.
@@ -208,6 +219,10 @@ impl UpdateRecord {
         self.updated_at = unix_now();
         if next.is_terminal() {
             self.finished_at = Some(self.updated_at);
+            crate::telemetry::events()
+                .weight_update_seconds
+                .with_label_values(&[next.to_string().to_lowercase()])
+                .observe((self.updated_at - self.created_at).max(0.0));
         }
         self.history.push(Transition { status: next.to_string(), at: self.updated_at });
         Ok(())

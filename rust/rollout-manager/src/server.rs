@@ -118,7 +118,7 @@ impl Server {
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
         let Self { manager, control, data, socket, snapshot, autoscaler, token, smg } = self;
         let cancels = Arc::new(Cancels::default());
-        let router_metrics = Arc::new(crate::router::metrics::RouterMetrics::default());
+        let router_metrics = Arc::new(crate::router::metrics::RouterMetrics::new(manager.config.request_timeout_secs));
         let autoscaler =
             crate::autoscaler::Autoscaler::new(manager.clone(), router_metrics.clone(), cancels.clone(), autoscaler);
         let api = api::router(ApiState {

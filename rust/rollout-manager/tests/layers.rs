@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 /// Layers, lowest first, with their modules.
 const LAYERS: [(&str, &[&str]); 7] = [
-    ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host"]),
+    ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host", "telemetry"]),
     ("registry", &["store", "fleet"]),
     ("adapters", &["engine_api", "dialect", "launch", "keeper", "engine_host", "weights", "router"]),
     ("ops", &["op_error", "manager", "health", "scale_out", "scaling", "scale_in", "weight_update", "restore"]),

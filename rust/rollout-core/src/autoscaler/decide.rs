@@ -118,9 +118,26 @@ pub enum Signal {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "action", rename_all = "snake_case")]
 pub enum Action {
-    ScaleOut { delta: u32, from_engines: u32, to_engines: u32, reason: String, triggered_conditions: Vec<String> },
-    ScaleIn { delta: u32, from_engines: u32, to_engines: u32, reason: String, triggered_conditions: Vec<String> },
-    None { reason: String },
+    ScaleOut {
+        delta: u32,
+        from_engines: u32,
+        to_engines: u32,
+        reason: String,
+        triggered_conditions: Vec<String>,
+    },
+    ScaleIn {
+        delta: u32,
+        from_engines: u32,
+        to_engines: u32,
+        reason: String,
+        triggered_conditions: Vec<String>,
+    },
+    None {
+        reason: String,
+        /// Why, as one word of a short fixed list (a metric label): see [`Action::reason_code`].
+        #[serde(skip)]
+        code: &'static str,
+    },
 }
 
 impl Action {
@@ -134,7 +151,19 @@ impl Action {
 
     pub fn reason(&self) -> &str {
         match self {
-            Action::ScaleOut { reason, .. } | Action::ScaleIn { reason, .. } | Action::None { reason } => reason,
+            Action::ScaleOut { reason, .. } | Action::ScaleIn { reason, .. } | Action::None { reason, .. } => reason,
+        }
+    }
+
+    /// The reason as a short, bounded label: the triggered conditions of a scaling action
+    /// (joined by `+`), or for no action one of `operation_in_progress`, `engines_starting`,
+    /// `cooldown`, `at_maximum`, `waiting_for_metrics`, `at_minimum`, `holding`, `no_condition`.
+    pub fn reason_code(&self) -> String {
+        match self {
+            Action::ScaleOut { triggered_conditions, .. } | Action::ScaleIn { triggered_conditions, .. } => {
+                triggered_conditions.join("+")
+            }
+            Action::None { code, .. } => code.to_string(),
         }
     }
 }
@@ -465,8 +494,8 @@ struct Choice<'a> {
     missing: u32,
 }
 
-fn none(reason: impl Into<String>) -> Action {
-    Action::None { reason: reason.into() }
+fn none(code: &'static str, reason: impl Into<String>) -> Action {
+    Action::None { reason: reason.into(), code }
 }
 
 fn choose(c: Choice<'_>) -> Action {
@@ -480,13 +509,13 @@ fn choose(c: Choice<'_>) -> Action {
 
     // 1. Guard.
     if let Some(op) = &fleet.operation_in_progress {
-        return none(format!("waiting: {op} is in progress"));
+        return none("operation_in_progress", format!("waiting: {op} is in progress"));
     }
     if fleet.starting_engines > 0 || memory.pending {
         let eta = memory
             .expected_time_to_ready()
             .map_or_else(String::new, |t| format!("; engines usually take {t:.0}s to become ready"));
-        return none(format!("waiting: {} engines still starting{eta}", fleet.starting_engines));
+        return none("engines_starting", format!("waiting: {} engines still starting{eta}", fleet.starting_engines));
     }
     // 2. Bounds.
     if live < config.min_engines.min(ceiling) {
@@ -514,7 +543,7 @@ fn choose(c: Choice<'_>) -> Action {
         (memory.last_scale_in_at, config.scale_in_cooldown_secs, "scale-in"),
     ] {
         if let Some(left) = last.map(|t| t + cooldown - now).filter(|l| *l > 0.0) {
-            return none(format!("cooldown after {what}: {left:.0}s left"));
+            return none("cooldown", format!("cooldown after {what}: {left:.0}s left"));
         }
     }
     // 4. Signals.
@@ -533,10 +562,10 @@ fn choose(c: Choice<'_>) -> Action {
     let fired: Vec<String> = out_names.iter().filter(|n| triggered(n)).map(|n| n.to_string()).collect();
     if !fired.is_empty() {
         if live >= ceiling {
-            return none(format!(
-                "scale-out wanted ({}) but the fleet is at its maximum of {ceiling}",
-                fired.join(", ")
-            ));
+            return none(
+                "at_maximum",
+                format!("scale-out wanted ({}) but the fleet is at its maximum of {ceiling}", fired.join(", ")),
+            );
         }
         let max_delta = config.scale_out_policy.max_delta;
         let delta = match (signal, metrics) {
@@ -561,16 +590,19 @@ fn choose(c: Choice<'_>) -> Action {
         };
     }
     if metrics.is_none() {
-        return none(if missing > 0 {
-            format!("waiting for metrics: {missing} engines did not answer (missing data never counts as idle)")
-        } else {
-            "waiting for metrics".to_string()
-        });
+        return none(
+            "waiting_for_metrics",
+            if missing > 0 {
+                format!("waiting for metrics: {missing} engines did not answer (missing data never counts as idle)")
+            } else {
+                "waiting for metrics".to_string()
+            },
+        );
     }
     let all_in = in_names.iter().all(|n| triggered(n)) && queue_empty;
     if all_in {
         if live <= floor || fleet.active_engines <= config.min_engines {
-            return none(format!("scale-in conditions met but the fleet is at its minimum of {floor}"));
+            return none("at_minimum", format!("scale-in conditions met but the fleet is at its minimum of {floor}"));
         }
         return Action::ScaleIn {
             delta: 1,
@@ -588,8 +620,11 @@ fn choose(c: Choice<'_>) -> Action {
         .map(|(n, c)| format!("{n} ({:.0}s of {:.0}s)", c.held_secs, c.duration_secs))
         .collect();
     if holding.is_empty() {
-        none(format!("no condition met ({} signal)", if signal == Signal::Pipeline { "pipeline" } else { "serving" }))
+        none(
+            "no_condition",
+            format!("no condition met ({} signal)", if signal == Signal::Pipeline { "pipeline" } else { "serving" }),
+        )
     } else {
-        none(format!("holding, not yet long enough: {}", holding.join(", ")))
+        none("holding", format!("holding, not yet long enough: {}", holding.join(", ")))
     }
 }

@@ -426,6 +426,29 @@ fn decision_table() {
             ev.action.reason(),
             c.reason
         );
+        // The metric label: a word of the fixed list, or the triggered conditions.
+        let code = ev.action.reason_code();
+        match &ev.action {
+            Action::None { .. } => assert!(
+                [
+                    "operation_in_progress",
+                    "engines_starting",
+                    "cooldown",
+                    "at_maximum",
+                    "waiting_for_metrics",
+                    "at_minimum",
+                    "holding",
+                    "no_condition"
+                ]
+                .contains(&code.as_str()),
+                "{}: reason code {code:?}",
+                c.name
+            ),
+            Action::ScaleOut { triggered_conditions, .. } | Action::ScaleIn { triggered_conditions, .. } => {
+                assert!(!code.is_empty() && code == triggered_conditions.join("+"), "{}: reason code {code:?}", c.name);
+                assert!(code.chars().all(|ch| ch.is_ascii_lowercase() || ch == '_' || ch == '+'), "{code}");
+            }
+        }
     }
 }
 

@@ -32,6 +32,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
+        .route("/rollout/prometheus/targets", get(prometheus_targets))
         .route("/rollout/engines", get(engines))
         .route("/rollout/engines/{id}", get(get_engine))
         .route("/rollout/scale_out", post(scale_out).get(list_scale_outs))
@@ -114,6 +115,40 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
         models: [(model, ModelEngines { engines, weight_version, weights_checksum })].into(),
         total_engines,
     })
+}
+
+/// Prometheus HTTP service discovery (`http_sd_configs`): one target group per engine whose
+/// process is up, so Prometheus scrapes each engine's own `/metrics` (SGLang's `sglang:*`) and
+/// follows the fleet as it grows and shrinks. Label: `engine_id` (SGLang's series carry
+/// `model_name` themselves); the model name, status and origin as `__meta_rollout_*` for
+/// relabelling.
+async fn prometheus_targets(State(s): State<ApiState>) -> Json<Value> {
+    use rollout_core::EngineStatus as S;
+    let groups: Vec<Value> = s
+        .manager
+        .fleet
+        .engine_records()
+        .into_iter()
+        .filter(|e| {
+            matches!(e.status, S::HealthChecking | S::WeightSyncing | S::Ready | S::Active | S::Unhealthy | S::Draining)
+        })
+        .filter_map(|e| {
+            let url = reqwest::Url::parse(&e.url).ok()?;
+            let target = format!("{}:{}", url.host_str()?, url.port_or_known_default()?);
+            let origin = serde_json::to_value(e.origin).ok()?;
+            let mut labels = json!({
+                "engine_id": e.engine_id,
+                "__meta_rollout_model_name": e.model_name,
+                "__meta_rollout_status": e.status.to_string(),
+                "__meta_rollout_origin": origin,
+            });
+            if url.scheme() != "http" {
+                labels["__scheme__"] = json!(url.scheme());
+            }
+            Some(json!({"targets": [target], "labels": labels}))
+        })
+        .collect();
+    Json(Value::Array(groups))
 }
 
 async fn get_engine(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
@@ -245,12 +280,12 @@ async fn openapi() -> axum::response::Response {
     ([("content-type", "application/json")], OPENAPI).into_response()
 }
 
-/// Prometheus metrics of the router and of each routable engine's load.
+/// The manager's Prometheus metrics: the process, the fleet, the router and each routable
+/// engine's load (the same text on the router port's `/metrics`).
 async fn metrics(State(s): State<ApiState>) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let mut text = s.router_metrics.render(&s.manager.fleet.routes().backends);
-    s.manager.fleet.render_metrics(&mut text);
-    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+    let text = crate::router::metrics::render(&s.manager.fleet, &s.router_metrics);
+    ([("content-type", crate::telemetry::CONTENT_TYPE)], text).into_response()
 }
 
 /// A use case's refusal as HTTP: invalid 400, unknown 404, conflict 409, internal 500.

@@ -71,7 +71,7 @@ impl Collector {
             observations.insert(id, observation);
         }
         self.no_loads_route.retain(|id| observations.contains_key(id));
-        let router_queued = router_metrics.queued.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        let router_queued = router_metrics.queued.get() as f64;
         Tick { at, engines: observations, router_queued }
     }
 }

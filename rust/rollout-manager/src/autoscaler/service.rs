@@ -295,6 +295,10 @@ impl Autoscaler {
         s.latest = Some(latest);
         s.fleet = fleet;
         let Some(evaluation) = due else { return trace };
+        crate::telemetry::events()
+            .autoscaler_decisions
+            .with_label_values(&[evaluation.action.name(), evaluation.action.reason_code().as_str()])
+            .inc();
         s.evaluations += 1;
         s.last_decision = Some(evaluation.clone());
         let act = s.enabled && !matches!(evaluation.action, Action::None { .. });

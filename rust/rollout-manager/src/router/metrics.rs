@@ -1,47 +1,17 @@
-//! The router's Prometheus metrics, served on the control port's `/metrics`.
+//! The router's Prometheus metrics, served on `/metrics` of both ports.
 //!
-//! Counters and histograms are plain atomics (no lock on the request path); per-engine gauges
-//! (in flight, estimated tokens, the engine's reported KV pool) are read from the fleet's
-//! routing table when scraped.
+//! Counters, the queue gauge and the latency histograms are the `prometheus` crate's atomics,
+//! resolved to their label values once, so the request path takes no lock and looks nothing up.
+//! The latency buckets reach `--request-timeout-secs`. Per-engine gauges (in flight, estimated
+//! tokens, the engine's reported KV pool) are read from the fleet's routing table when scraped,
+//! so an engine that left routing has no series.
 
 use crate::fleet::Backend;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::telemetry::{counter_vec, gauge_vec, histogram, latency_buckets};
+use prometheus::core::Collector;
+use prometheus::proto::MetricFamily;
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 use std::time::Duration;
-
-/// Upper bounds (seconds) of the latency histogram buckets.
-const BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
-
-#[derive(Debug, Default)]
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (i, b) in BUCKETS.iter().enumerate() {
-            cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6);
-        let _ = writeln!(out, "{name}_count {count}");
-    }
-}
 
 /// Why a request got an error from the router itself.
 #[derive(Debug, Clone, Copy)]
@@ -56,121 +26,189 @@ pub enum ErrorKind {
     QueueTimeout,
 }
 
-#[derive(Debug, Default)]
+const ERROR_KINDS: [&str; 6] =
+    ["no_engine", "version_unavailable", "no_answer", "bad_request", "timeout", "queue_timeout"];
+
+/// A latency histogram observed with a [`Duration`].
+#[derive(Debug, Clone)]
+pub struct Latency(Histogram);
+
+impl Latency {
+    pub fn observe(&self, d: Duration) {
+        self.0.observe(d.as_secs_f64());
+    }
+}
+
+#[derive(Debug)]
 pub struct RouterMetrics {
-    pub requests: AtomicU64,
+    requests: IntCounter,
+    responses_by_class: IntCounterVec,
     /// Responses forwarded from engines, by status class (1xx..5xx).
-    pub responses: [AtomicU64; 5],
-    pub retries: AtomicU64,
-    pub errors_no_engine: AtomicU64,
-    pub errors_version: AtomicU64,
-    pub errors_no_answer: AtomicU64,
-    pub errors_bad_request: AtomicU64,
-    pub errors_timeout: AtomicU64,
+    responses: [IntCounter; 5],
+    retries: IntCounter,
+    errors_by_kind: IntCounterVec,
+    errors: [IntCounter; 6],
+    affinity: IntCounterVec,
     /// Requests kept on their session's or prompt's engine / moved off it by the gate.
-    pub affinity_kept: AtomicU64,
-    pub affinity_moved: AtomicU64,
-    /// Requests waiting in the router for a slot (`--max-inflight-per-engine`), and how many
-    /// ended their wait without one.
-    pub queued: AtomicU64,
-    pub errors_queue_timeout: AtomicU64,
+    affinity_kept: IntCounter,
+    affinity_moved: IntCounter,
+    /// Requests waiting in the router for a slot (`--max-inflight-per-engine`).
+    pub queued: IntGauge,
     /// Time to the engine's response headers.
-    pub first_byte: Histogram,
+    pub first_byte: Latency,
     /// Time until the response body ended.
-    pub duration: Histogram,
+    pub duration: Latency,
 }
 
 impl RouterMetrics {
+    /// Metrics whose latency buckets end at `request_timeout_secs`.
+    pub fn new(request_timeout_secs: f64) -> Self {
+        let responses_by_class =
+            counter_vec("rollout_router_responses_total", "Engine responses forwarded, by status class.", &["class"]);
+        let errors_by_kind = counter_vec(
+            "rollout_router_errors_total",
+            "Requests the router answered with an error itself, by kind.",
+            &["kind"],
+        );
+        let affinity = counter_vec(
+            "rollout_router_affinity_total",
+            "Affine requests kept on, or moved off, their engine.",
+            &["outcome"],
+        );
+        let buckets = latency_buckets(request_timeout_secs);
+        Self {
+            requests: counter_vec("rollout_router_requests_total", "Requests received by the router.", &[])
+                .with_label_values::<&str>(&[]),
+            responses: ["1xx", "2xx", "3xx", "4xx", "5xx"].map(|c| responses_by_class.with_label_values(&[c])),
+            responses_by_class,
+            retries: counter_vec("rollout_router_retries_total", "Attempts repeated on another engine.", &[])
+                .with_label_values::<&str>(&[]),
+            errors: ERROR_KINDS.map(|k| errors_by_kind.with_label_values(&[k])),
+            errors_by_kind,
+            affinity_kept: affinity.with_label_values(&["kept"]),
+            affinity_moved: affinity.with_label_values(&["moved"]),
+            affinity,
+            queued: gauge_vec(
+                "rollout_router_queued_requests",
+                "Requests waiting in the router for an engine slot (--max-inflight-per-engine).",
+                &[],
+            )
+            .with_label_values::<&str>(&[]),
+            first_byte: Latency(histogram(
+                "rollout_router_time_to_headers_seconds",
+                "Time until the engine's response headers.",
+                buckets.clone(),
+            )),
+            duration: Latency(histogram(
+                "rollout_router_request_duration_seconds",
+                "Time until the response body ended (or was cut).",
+                buckets,
+            )),
+        }
+    }
+
+    pub fn request(&self) {
+        self.requests.inc();
+    }
+
+    pub fn retry(&self) {
+        self.retries.inc();
+    }
+
+    pub fn affinity(&self, kept: bool) {
+        if kept { &self.affinity_kept } else { &self.affinity_moved }.inc();
+    }
+
     pub fn error(&self, kind: ErrorKind) {
-        let c = match kind {
-            ErrorKind::NoEngine => &self.errors_no_engine,
-            ErrorKind::VersionUnavailable => &self.errors_version,
-            ErrorKind::NoAnswer => &self.errors_no_answer,
-            ErrorKind::BadRequest => &self.errors_bad_request,
-            ErrorKind::Timeout => &self.errors_timeout,
-            ErrorKind::QueueTimeout => &self.errors_queue_timeout,
-        };
-        c.fetch_add(1, Ordering::Relaxed);
+        self.errors[kind as usize].inc();
     }
 
     pub fn response(&self, status: u16) {
         let class = usize::from(status / 100).clamp(1, 5) - 1;
-        self.responses[class].fetch_add(1, Ordering::Relaxed);
+        self.responses[class].inc();
     }
 
-    /// Prometheus text exposition.
-    pub fn render(&self, backends: &[Backend]) -> String {
-        let mut out = String::with_capacity(4096);
-        let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
-        };
-        counter(&mut out, "rollout_router_requests_total", "Requests received by the router.", &self.requests);
-        let _ = writeln!(out, "# HELP rollout_router_responses_total Engine responses forwarded, by status class.");
-        let _ = writeln!(out, "# TYPE rollout_router_responses_total counter");
-        for (i, c) in self.responses.iter().enumerate() {
-            let _ =
-                writeln!(out, "rollout_router_responses_total{{class=\"{}xx\"}} {}", i + 1, c.load(Ordering::Relaxed));
-        }
-        counter(&mut out, "rollout_router_retries_total", "Attempts repeated on another engine.", &self.retries);
-        let _ = writeln!(out, "# HELP rollout_router_errors_total Requests the router answered with an error itself.");
-        let _ = writeln!(out, "# TYPE rollout_router_errors_total counter");
-        for (kind, c) in [
-            ("no_engine", &self.errors_no_engine),
-            ("version_unavailable", &self.errors_version),
-            ("no_answer", &self.errors_no_answer),
-            ("bad_request", &self.errors_bad_request),
-            ("timeout", &self.errors_timeout),
-            ("queue_timeout", &self.errors_queue_timeout),
-        ] {
-            let _ = writeln!(out, "rollout_router_errors_total{{kind=\"{kind}\"}} {}", c.load(Ordering::Relaxed));
-        }
-        let _ =
-            writeln!(out, "# HELP rollout_router_affinity_total Affine requests kept on, or moved off, their engine.");
-        let _ = writeln!(out, "# TYPE rollout_router_affinity_total counter");
-        let _ = writeln!(
-            out,
-            "rollout_router_affinity_total{{outcome=\"kept\"}} {}",
-            self.affinity_kept.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "rollout_router_affinity_total{{outcome=\"moved\"}} {}",
-            self.affinity_moved.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP rollout_router_queued_requests Requests waiting in the router for an engine slot \
-             (--max-inflight-per-engine).\n# TYPE rollout_router_queued_requests gauge\nrollout_router_queued_requests {}",
-            self.queued.load(Ordering::Relaxed)
-        );
-        self.first_byte.render(
-            &mut out,
-            "rollout_router_time_to_headers_seconds",
-            "Time until the engine's response headers.",
-        );
-        self.duration.render(
-            &mut out,
-            "rollout_router_request_duration_seconds",
-            "Time until the response body ended.",
-        );
-        type Reader = fn(&Backend) -> f64;
-        let gauges: [(&str, &str, Reader); 4] = [
-            ("rollout_engine_in_flight", "Requests the router has in flight to the engine.", |b| b.load.get() as f64),
+    /// The router's metrics now, with one series per engine in `backends` for the gauges.
+    pub fn families(&self, backends: &[Backend]) -> Vec<MetricFamily> {
+        let mut out = Vec::new();
+        out.extend(self.requests.collect());
+        out.extend(self.responses_by_class.collect());
+        out.extend(self.retries.collect());
+        out.extend(self.errors_by_kind.collect());
+        out.extend(self.affinity.collect());
+        out.extend(self.queued.collect());
+        out.extend(self.first_byte.0.collect());
+        out.extend(self.duration.0.collect());
+        type Reader = fn(&Backend) -> i64;
+        let gauges: [(&str, &str, Reader); 3] = [
+            ("rollout_engine_in_flight", "Requests the router has in flight to the engine.", |b| {
+                i64::try_from(b.load.get()).unwrap_or(i64::MAX)
+            }),
             ("rollout_engine_estimated_tokens", "KV tokens the router estimates its in-flight requests hold.", |b| {
-                b.load.est_tokens() as f64
+                i64::try_from(b.load.est_tokens()).unwrap_or(i64::MAX)
             }),
             ("rollout_engine_kv_capacity_tokens", "KV pool size last reported by the engine (0: unknown).", |b| {
-                b.load.snapshot().capacity as f64
+                i64::try_from(b.load.snapshot().capacity).unwrap_or(i64::MAX)
             }),
-            ("rollout_engine_served_total", "Requests the router sent to the engine.", |b| b.load.served() as f64),
         ];
-        for (name, help, f) in gauges {
-            let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (name, help, read) in gauges {
+            let g = gauge_vec(name, help, &["engine_id"]);
             for b in backends {
-                let _ = writeln!(out, "{name}{{engine_id=\"{}\"}} {}", b.engine_id, f(b));
+                g.with_label_values(&[b.engine_id.as_str()]).set(read(b));
             }
+            out.extend(g.collect());
         }
+        let served =
+            counter_vec("rollout_engine_served_total", "Requests the router sent to the engine.", &["engine_id"]);
+        for b in backends {
+            served.with_label_values(&[b.engine_id.as_str()]).inc_by(b.load.served());
+        }
+        out.extend(served.collect());
         out
+    }
+}
+
+/// The text of `/metrics` on both ports: the process-wide metrics, the fleet's and the router's.
+pub fn render(fleet: &crate::fleet::Fleet, router: &RouterMetrics) -> String {
+    let mut families = router.families(&fleet.routes().backends);
+    families.extend(fleet.metric_families());
+    crate::telemetry::render(families)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(m: &RouterMetrics) -> String {
+        crate::telemetry::render(m.families(&[]))
+    }
+
+    #[test]
+    fn a_long_generation_lands_in_a_bucket_below_the_timeout() {
+        let m = RouterMetrics::new(1800.0);
+        m.duration.observe(Duration::from_secs(700));
+        let t = text(&m);
+        assert!(t.contains("rollout_router_request_duration_seconds_bucket{le=\"600\"} 0"), "{t}");
+        assert!(t.contains("rollout_router_request_duration_seconds_bucket{le=\"900\"} 1"), "{t}");
+        assert!(t.contains("rollout_router_request_duration_seconds_bucket{le=\"1800\"} 1"), "{t}");
+    }
+
+    #[test]
+    fn counters_keep_their_labels() {
+        let m = RouterMetrics::new(60.0);
+        m.request();
+        m.response(503);
+        m.error(ErrorKind::QueueTimeout);
+        m.affinity(false);
+        let t = text(&m);
+        for line in [
+            "rollout_router_requests_total 1",
+            "rollout_router_responses_total{class=\"5xx\"} 1",
+            "rollout_router_errors_total{kind=\"queue_timeout\"} 1",
+            "rollout_router_errors_total{kind=\"no_engine\"} 0",
+            "rollout_router_affinity_total{outcome=\"moved\"} 1",
+        ] {
+            assert!(t.lines().any(|l| l == line), "{line} missing from:\n{t}");
+        }
     }
 }

@@ -119,7 +119,8 @@ pub struct DataPlane {
 }
 
 /// Paths the router answers itself (the routes of [`DataPlane::own`]).
-const OWN_ROUTES: [&str; 6] = ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache", "/workers"];
+const OWN_ROUTES: [&str; 7] =
+    ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache", "/workers", "/metrics"];
 
 fn is_own(path: &str) -> bool {
     OWN_ROUTES.contains(&path) || path.starts_with("/workers/")
@@ -191,6 +192,7 @@ pub fn router(
                 .layer(axum::middleware::from_fn_with_state(token, crate::auth::require_token))
                 .layer(axum::middleware::from_fn_with_state(FAN_OUT_BODY_BYTES, read_body_first)),
         )
+        .route("/metrics", get(metrics_text))
         .route("/workers", get(workers).fallback(workers_managed))
         .route("/workers/{*id}", axum::routing::any(workers_managed))
         .fallback(proxy)
@@ -443,7 +445,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
 
 async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Response {
     let metrics = &state.metrics;
-    metrics.requests.fetch_add(1, Ordering::Relaxed);
+    metrics.request();
     if ADMIN_ROUTES.contains(&request.uri().path()) {
         metrics.error(ErrorKind::BadRequest);
         let msg = format!(
@@ -534,7 +536,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             if cap > 0 {
                 let queue = state.fleet.slot_queue();
                 // A new request queues behind waiting ones rather than take a slot freed for them.
-                let behind = queued.is_none() && metrics.queued.load(Ordering::Relaxed) > 0;
+                let behind = queued.is_none() && metrics.queued.get() > 0;
                 if open.is_empty() || behind {
                     let (ticket, _) = queued.get_or_insert_with(|| {
                         (
@@ -603,15 +605,14 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         let Some((routes, index, had_affine, kept, guard)) = picked else { break };
         let backend = &routes[index];
         if had_affine {
-            let counter = if kept { &metrics.affinity_kept } else { &metrics.affinity_moved };
-            counter.fetch_add(1, Ordering::Relaxed);
+            metrics.affinity(kept);
         }
         if let (Some(k), false) = (affinity_key, kept) {
             state.affinity.put(k, &backend.engine_id);
         }
         tried[attempt] = load_addr(&backend.load);
         if attempt > 0 {
-            metrics.retries.fetch_add(1, Ordering::Relaxed);
+            metrics.retry();
         }
         let mut req = hyper::Request::new(Full::new(body.clone()));
         *req.method_mut() = method.clone();
@@ -702,6 +703,14 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     error(StatusCode::BAD_GATEWAY, "no_engine_answered", &msg)
 }
 
+/// The manager's own metrics, as on the control port (not an engine's: scrape engines through
+/// the control API's service discovery, `GET /rollout/prometheus/targets`).
+async fn metrics_text(State(state): State<Arc<RouterState>>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let text = metrics::render(&state.fleet, &state.metrics);
+    ([(axum::http::header::CONTENT_TYPE, crate::telemetry::CONTENT_TYPE)], text).into_response()
+}
+
 /// Whether some routable engine is under the cap (one a pinned or retried request may not use).
 fn room_elsewhere(state: &RouterState, cap: usize) -> bool {
     state.fleet.routes().backends.iter().any(|b| b.load.get() < cap)
@@ -712,14 +721,14 @@ struct QueuedGuard(Arc<RouterMetrics>);
 
 impl QueuedGuard {
     fn new(metrics: Arc<RouterMetrics>) -> Self {
-        metrics.queued.fetch_add(1, Ordering::Relaxed);
+        metrics.queued.inc();
         Self(metrics)
     }
 }
 
 impl Drop for QueuedGuard {
     fn drop(&mut self) {
-        self.0.queued.fetch_sub(1, Ordering::Relaxed);
+        self.0.queued.dec();
     }
 }
 
