@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean
+.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean prometheus-tools
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -90,7 +90,20 @@ lint-python: venv
 	$(VENV)/bin/mypy --config-file $(PY_CONFIG) examples/fully_async/loop.py examples/slime/elastic_rollout_hooks.py \
 	  examples/verl/elastic_rollout_verl.py examples/areal/elastic_rollout_areal.py
 
-test: venv build lint
+# promtool and prometheus for tests/test_observability.py: Debian's prometheus package unpacked
+# into the venv (nothing installed system-wide, no daemon started).
+PROM_TOOLS := $(VENV)/tools/prometheus
+$(PROM_TOOLS)/.ok: $(VENV)/.ok
+	@rm -rf $(PROM_TOOLS) && mkdir -p $(PROM_TOOLS)
+	@cd $(PROM_TOOLS) && { apt-get download -qq prometheus 2>/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && apt-get download -qq prometheus; }; } \
+	  && dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb
+	@$(PROM_TOOLS)/usr/bin/promtool --version | head -1
+	@touch $@
+
+prometheus-tools: $(PROM_TOOLS)/.ok
+
+test: venv build lint prometheus-tools
 	$(CARGO) test --workspace
 	@# The monitor's test drives it in tmux, as a person would.
 	@command -v tmux >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -qq tmux || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq tmux; }; }
