@@ -56,6 +56,7 @@ def test_monitor_shows_the_fleet_and_quits_on_q(
         "Conditions",
         "token_usage_high",
         "Recent decisions",
+        "weights: default (no update running)",
         "q quit",
     ):
         assert needle in text, f"{needle!r} not on screen:\n{text}"

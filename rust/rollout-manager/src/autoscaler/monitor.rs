@@ -2,7 +2,7 @@
 //! and the autoscaler, redrawn in place every `--interval-secs`; `q` (or Esc, Ctrl-C) quits,
 //! `r` refreshes at once. A failed refresh keeps the last data on screen and shows the error.
 
-use super::monitor_view::{draw, Screen};
+use super::monitor_view::{draw, Screen, WeightsLine};
 use crate::clock::unix_now;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,13 +50,15 @@ async fn get_json(http: &reqwest::Client, url: String) -> Result<serde_json::Val
 
 /// One refresh: every answer, or the first error.
 async fn fetch(http: &reqwest::Client, base: &str) -> Result<Screen, String> {
-    let (engines, status, conditions, history) = tokio::join!(
+    let (engines, status, conditions, history, weights) = tokio::join!(
         get_json(http, format!("{base}/rollout/engines")),
         get_json(http, format!("{base}/autoscaler/status")),
         get_json(http, format!("{base}/autoscaler/conditions")),
         get_json(http, format!("{base}/autoscaler/scale_history?limit=6")),
+        get_json(http, format!("{base}/rollout/weights")),
     );
     let mut screen = Screen::from_json(base, &engines?, &status?, &conditions?, &history?);
+    screen.weights = WeightsLine::from_json(&weights?);
     screen.updated_at = Some(unix_now());
     Ok(screen)
 }

@@ -62,6 +62,75 @@ pub struct Screen {
     pub decision: String,
     pub conditions: Vec<ConditionRow>,
     pub history: Vec<DecisionRow>,
+    /// The fleet's weight version and the update in flight (`GET /rollout/weights`).
+    pub weights: WeightsLine,
+}
+
+/// The fleet's weight version, and a running update's progress.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WeightsLine {
+    pub version: String,
+    /// The update in flight: target version, status, engines done / in it, failed.
+    pub update: Option<UpdateProgress>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateProgress {
+    pub update_id: String,
+    pub version: String,
+    pub status: String,
+    pub engines_done: u64,
+    pub engines_total: u64,
+    pub engines_failed: u64,
+    /// Checkpoint bytes checksummed so far and in all, while the update is checksumming.
+    pub hashed: Option<(u64, u64)>,
+}
+
+impl WeightsLine {
+    pub fn from_json(weights: &Value) -> Self {
+        let update = weights.get("update").filter(|u| u.is_object()).map(|u| {
+            let engines: Vec<&Value> =
+                u.get("engines").and_then(Value::as_object).map(|m| m.values().collect()).unwrap_or_default();
+            let count = |wanted: &[&str]| engines.iter().filter(|e| wanted.contains(&s(e, "status").as_str())).count();
+            let hashed =
+                match (u.get("hashed_bytes").and_then(Value::as_u64), u.get("total_bytes").and_then(Value::as_u64)) {
+                    (Some(done), Some(total)) => Some((done, total)),
+                    _ => None,
+                };
+            UpdateProgress {
+                update_id: s(u, "update_id"),
+                version: s(u, "version"),
+                status: s(u, "status"),
+                engines_done: count(&["VERIFIED", "SKIPPED"]) as u64,
+                engines_total: engines.len() as u64,
+                engines_failed: count(&["FAILED"]) as u64,
+                hashed,
+            }
+        });
+        Self { version: s(weights, "version"), update }
+    }
+
+    /// One line: the fleet's version, then the update in flight if any.
+    pub fn text(&self) -> String {
+        let version = if self.version.is_empty() { "-" } else { &self.version };
+        match &self.update {
+            None => format!("weights: {version} (no update running)"),
+            Some(u) => {
+                let mut line = format!(
+                    "weights: {version} -> {} {} ({}): {}/{} engines done",
+                    u.version, u.status, u.update_id, u.engines_done, u.engines_total
+                );
+                if u.engines_failed > 0 {
+                    line.push_str(&format!(", {} failed", u.engines_failed));
+                }
+                if let Some((done, total)) = u.hashed {
+                    let pct = if total == 0 { 100.0 } else { done as f64 * 100.0 / total as f64 };
+                    line.push_str(&format!(", checksum {pct:.0}% of {:.1} GiB", total as f64 / (1u64 << 30) as f64));
+                }
+                line
+            }
+        }
+    }
 }
 
 fn f(v: &Value, k: &str) -> Option<f64> {
@@ -154,6 +223,7 @@ impl Screen {
             decision,
             conditions: conds,
             history,
+            weights: WeightsLine::default(),
         }
     }
 }
@@ -180,9 +250,9 @@ fn status_color(status: &str) -> Color {
 /// Draws the whole screen.
 pub fn draw(frame: &mut Frame, screen: &Screen) {
     let [header, middle, bottom, footer] =
-        Layout::vertical([Constraint::Length(5), Constraint::Min(8), Constraint::Length(8), Constraint::Length(1)])
+        Layout::vertical([Constraint::Length(6), Constraint::Min(8), Constraint::Length(8), Constraint::Length(1)])
             .areas(frame.area());
-    let [left, right] = Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(middle);
+    let [left, right] = Layout::horizontal([Constraint::Percentage(58), Constraint::Percentage(42)]).areas(middle);
 
     let state = match screen.enabled {
         Some(true) => Span::styled("ENABLED", Style::default().fg(Color::Green).add_modifier(Modifier::BOLD)),
@@ -204,6 +274,7 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
             )),
         ]),
         Line::from(format!("decision: {}", screen.decision)),
+        Line::from(screen.weights.text()),
     ];
     if let Some(e) = &screen.error {
         lines.push(Line::from(Span::styled(format!("error: {e}"), Style::default().fg(Color::Red))));
@@ -229,7 +300,7 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
         [
             Constraint::Length(9),
             Constraint::Length(15),
-            Constraint::Length(7),
+            Constraint::Length(10),
             Constraint::Length(8),
             Constraint::Length(5),
             Constraint::Length(4),
@@ -336,6 +407,9 @@ mod tests {
         let mut terminal = Terminal::new(TestBackend::new(120, 30)).unwrap();
         let mut s = screen();
         s.error = Some("connection refused".into());
+        s.weights = WeightsLine::from_json(&json!({"version": "step-3", "update": {"update_id": "wu-4",
+            "version": "step-4", "status": "UPDATING",
+            "engines": {"engine_0": {"status": "VERIFIED"}, "engine_2": {"status": "UPDATING"}}}}));
         terminal.draw(|f| draw(f, &s)).unwrap();
         let text: String = terminal
             .backend()
@@ -355,9 +429,24 @@ mod tests {
             "01:01:01",
             "2 -> 3",
             "error: connection refused",
+            "weights: step-3 -> step-4 UPDATING (wu-4): 1/2 engines done",
             "q quit",
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn weights_line_shows_the_version_and_a_running_update() {
+        let idle = WeightsLine::from_json(&json!({"version": "v1", "update": null}));
+        assert_eq!(idle.text(), "weights: v1 (no update running)");
+        let hashing = WeightsLine::from_json(&json!({"version": "v1", "update": {"update_id": "wu-2",
+            "version": "v2", "status": "CHECKSUMMING", "engines": {},
+            "hashed_bytes": 1u64 << 30, "total_bytes": 4u64 << 30}}));
+        assert_eq!(hashing.text(), "weights: v1 -> v2 CHECKSUMMING (wu-2): 0/0 engines done, checksum 25% of 4.0 GiB");
+        let failing = WeightsLine::from_json(&json!({"version": "v1", "update": {"update_id": "wu-3",
+            "version": "v3", "status": "UPDATING",
+            "engines": {"a": {"status": "FAILED"}, "b": {"status": "VERIFIED"}, "c": {"status": "PENDING"}}}}));
+        assert_eq!(failing.text(), "weights: v1 -> v3 UPDATING (wu-3): 1/3 engines done, 1 failed");
     }
 }
