@@ -5,11 +5,25 @@ from typing import Any
 def parse_serve_args(argv: list[str]) -> dict[str, Any]:
     """Parse and validate ``rollout-manager serve`` arguments exactly as the binary does.
 
-    ``argv`` excludes the program and subcommand names. Returns the configuration as a dict
-    (the field names of the manager's ``ServeConfig`` JSON form, e.g. ``rollout_num_gpus``).
+    ``argv`` excludes the program and subcommand names. Layered as in the binary: ``argv``, then
+    this process's ``ROLLOUT_MANAGER_*`` environment variables, then the ``--config`` file (or
+    ``ROLLOUT_MANAGER_CONFIG``), then the defaults. Returns the configuration as a dict (the
+    field names of the manager's ``ServeConfig`` JSON form, e.g. ``rollout_num_gpus``).
 
     Raises:
-        ValueError: the binary's own error message for the same arguments (it names the flag).
+        ValueError: the binary's own error message for the same arguments, environment and file
+            (it names the flag; for the file, also the file and the key).
+    """
+
+def describe_serve_args(argv: list[str]) -> dict[str, Any]:
+    """:func:`parse_serve_args`, and where each value came from.
+
+    Returns ``{"config": <parse_serve_args' dict>, "config_file": <the --config path as given,
+    or None>, "log_format": "text" | "json", "sources": {<ServeConfig field, "config_file" or
+    "log_format">: "command_line" | "env" | "config_file" | "default"}}``.
+
+    Raises:
+        ValueError: as :func:`parse_serve_args`.
     """
 
 def binary_path() -> str:

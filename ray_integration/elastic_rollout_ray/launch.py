@@ -3,11 +3,16 @@
 Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. Flow:
 
 1. split the launcher's own flags (``--serve-host``, ``--serve-port``, ``--namespace``,
-   ``--ray-address``, ``--ready-timeout``, ``--agent-dir``, ``--resume``,
+   ``--ray-address``, ``--ready-timeout-secs``, ``--agent-dir``, ``--resume``,
    ``--serve-proxy-location``) from the manager's, add the flags the shim owns
    (``--placement ray --api-socket ... --state-dir ...``) and validate everything with the
-   manager's own parser (:func:`elastic_rollout._native.parse_serve_args`) BEFORE touching the
-   cluster; refuse a run without ``--fully-async``;
+   manager's own parser (:func:`elastic_rollout._native.describe_serve_args`) BEFORE touching
+   the cluster; refuse a run without ``--fully-async``. The parser layers the manager's flags as
+   the binary does: command line, then this process's ``ROLLOUT_MANAGER_*`` environment
+   variables, then the ``--config`` file, then the defaults. The manager is started with this
+   process's environment and the config file's absolute path, so it sees what was validated;
+   a setting from any of these sources counts as given (``--port``, ``--api-socket`` and
+   ``--state-dir`` are then not defaulted by the launcher);
 2. connect to Ray; start, pinned to this node, the manager actor (it spawns and supervises
    ``rollout-manager serve --placement ray``), the placement reconciler, and the Serve ingress;
 3. print where the API is (Serve's HTTP URL and the manager's router URL) and a machine-readable
@@ -89,7 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--namespace", default="elastic-rollout", help="Ray namespace of the fleet's actors")
     p.add_argument("--ray-address", default="auto", help="Ray cluster to join (default: the running one)")
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds the manager may take to answer")
+    p.add_argument(
+        "--ready-timeout-secs",
+        "--ready-timeout",
+        dest="ready_timeout",
+        type=float,
+        default=120.0,
+        help="seconds the manager may take to answer (default 120; --ready-timeout is the old spelling)",
+    )
     p.add_argument(
         "--resume",
         metavar="JOB",
@@ -105,10 +117,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _given(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
 def plan(argv: Sequence[str]) -> LaunchPlan:
     """Parse and validate the command line with the manager's own parser.
 
@@ -117,16 +125,20 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
     """
     options, rest = _parser().parse_known_args(list(argv))
     serve_args = list(rest)
-    if _given(serve_args, "--placement"):
-        cfg = _try_parse(serve_args)
-        if cfg.get("placement") != "ray":
-            _fail("error: invalid --placement: the Ray launcher always runs with --placement ray; drop the flag")
+    first = _try_parse(serve_args)
+    # Given on the command line, in a ROLLOUT_MANAGER_* variable or in the --config file.
+    given = {field for field, source in first["sources"].items() if source != "default"}
+    if "placement" in given and first["config"]["placement"] != "ray":
+        _fail("error: invalid --placement: the Ray launcher always runs with --placement ray; drop the flag")
+    if first["config_file"] is not None:
+        # The manager actor may run in another working directory.
+        serve_args += ["--config", str(Path(first["config_file"]).expanduser().resolve())]
     private = Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}" / options.namespace
-    if not _given(serve_args, "--api-socket"):
+    if "api_socket" not in given:
         serve_args += ["--api-socket", str(private / "api.sock")]
     jobs = Path.home() / ".cache" / "elastic-rollout" / options.namespace
     if options.resume is not None:
-        if _given(serve_args, "--state-dir"):
+        if "state_dir" in given:
             _fail("error: --resume and --state-dir both name the state to use; give one")
         if not options.resume or "/" in options.resume or options.resume in (".", ".."):
             _fail(f"error: invalid --resume {options.resume!r}: give the submission id of an earlier job")
@@ -137,13 +149,13 @@ def plan(argv: Sequence[str]) -> LaunchPlan:
                 f"known jobs: {known}"
             )
         serve_args += ["--state-dir", str(jobs / options.resume)]
-    elif not _given(serve_args, "--state-dir"):
+    elif "state_dir" not in given:
         serve_args += ["--state-dir", str(jobs / job_key())]
-    if not _given(serve_args, "--port"):
+    if "port" not in given:
         # Serve's proxy is the control API's front door; the manager's own TCP port is a free one.
         serve_args += ["--port", "0"]
     serve_args += ["--placement", "ray"]
-    config = _try_parse(serve_args)
+    config = _try_parse(serve_args)["config"]
     if not config.get("fully_async"):
         _fail(NOT_FULLY_ASYNC)
     config["state_dir"] = str(Path(config["state_dir"]).expanduser().resolve())
@@ -166,10 +178,11 @@ def job_key() -> str:
 
 
 def _try_parse(serve_args: list[str]) -> dict[str, Any]:
+    """``describe_serve_args``: the config, the config file, and where each value came from."""
     from elastic_rollout import _native
 
     try:
-        return _native.parse_serve_args(serve_args)
+        return _native.describe_serve_args(serve_args)
     except ValueError as err:
         _fail(str(err))
 

@@ -73,3 +73,43 @@ def test_each_job_gets_its_own_state_and_resume_is_explicit(
             plan(["--fully-async", "--namespace", "fleet-b", *argv])
         assert caught.value.code == 2
         assert expected in capsys.readouterr().err
+
+
+def test_environment_and_config_file_count_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher validates what the manager will read: its ROLLOUT_MANAGER_* variables (the
+    manager actor gets the launcher's environment) and the --config file (passed on by absolute
+    path, as the actor may run elsewhere); a setting from either is not overridden by the
+    launcher's own defaults."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fleet.yaml").write_text(f"port: 9200\nrollout-num-gpus: 4\nstate-dir: {tmp_path / 'st'}\n")
+    monkeypatch.setenv("ROLLOUT_MANAGER_FULLY_ASYNC", "true")
+    monkeypatch.setenv("ROLLOUT_MANAGER_API_SOCKET", str(tmp_path / "env.sock"))
+    p = plan(["--config", "fleet.yaml"])
+    assert (p.config["port"], p.config["rollout_num_gpus"], p.config["fully_async"]) == (9200, 4, True)
+    assert (p.state_dir, p.api_socket) == (str(tmp_path / "st"), str(tmp_path / "env.sock"))
+    assert p.serve_args[p.serve_args.index("--config", 2) + 1] == str(tmp_path / "fleet.yaml")
+    assert "--port" not in p.serve_args and "--state-dir" not in p.serve_args and "--api-socket" not in p.serve_args
+    # --resume conflicts with a state dir from the file as with the flag.
+    with pytest.raises(SystemExit):
+        plan(["--config", "fleet.yaml", "--resume", "x"])
+    assert "--resume and --state-dir" in capsys.readouterr().err
+    # A placement other than ray, from the environment, is refused as the flag is.
+    monkeypatch.setenv("ROLLOUT_MANAGER_PLACEMENT", "local")
+    with pytest.raises(SystemExit):
+        plan([])
+    assert "invalid --placement" in capsys.readouterr().err
+    monkeypatch.delenv("ROLLOUT_MANAGER_PLACEMENT")
+    # Bad files fail before anything starts, naming --config, the file and the key.
+    (tmp_path / "bad.yml").write_text("rollout_num_gpus: 4\n")
+    with pytest.raises(SystemExit) as caught:
+        plan(["--config", "bad.yml"])
+    assert caught.value.code == 2
+    assert "invalid --config bad.yml: unknown key `rollout_num_gpus`" in capsys.readouterr().err
+
+
+def test_the_old_ready_timeout_spelling_still_works(tmp_path: Path) -> None:
+    args = ["--fully-async", "--state-dir", str(tmp_path)]
+    assert plan([*args, "--ready-timeout", "7"]).options.ready_timeout == 7.0
+    assert plan([*args, "--ready-timeout-secs", "8"]).options.ready_timeout == 8.0

@@ -61,6 +61,42 @@ def test_valid_flags_parse_as_the_manager_reads_them() -> None:
     assert _native.parse_serve_args([])["fully_async"] is False
 
 
+def test_environment_and_config_file_are_layered_as_in_the_binary(
+    manager_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('max-engines = 12\nmodel-name = "from-file"\nscale-out-timeout = 60\nlog-format = "json"\n')
+    monkeypatch.setenv("ROLLOUT_MANAGER_CONFIG", str(config))
+    monkeypatch.setenv("ROLLOUT_MANAGER_MODEL_NAME", "from-env")
+    described = _native.describe_serve_args(["--max-engines", "13"])
+    assert described["config"]["max_engines"] == 13
+    assert described["config"]["model_name"] == "from-env"
+    assert described["config"]["scale_out_timeout"] == 60.0
+    assert (described["config_file"], described["log_format"]) == (str(config), "json")
+    sources = described["sources"]
+    assert (sources["max_engines"], sources["model_name"], sources["scale_out_timeout"]) == (
+        "command_line",
+        "env",
+        "config_file",
+    )
+    assert (sources["config_file"], sources["log_format"], sources["gpus"]) == ("env", "config_file", "default")
+    assert _native.parse_serve_args([]) == {**described["config"], "max_engines": 12}
+    # A bad file or variable: the binary's own message, naming the flag (and the file and key).
+    config.write_text("max_engines = 3\n")
+    code, stderr = binary_stderr(manager_bin, [])
+    assert code == 2 and "unknown key `max_engines`" in stderr
+    with pytest.raises(ValueError) as caught:
+        _native.parse_serve_args([])
+    assert str(caught.value) == stderr
+    monkeypatch.delenv("ROLLOUT_MANAGER_CONFIG")
+    monkeypatch.setenv("ROLLOUT_MANAGER_PORT", "http")
+    code, stderr = binary_stderr(manager_bin, [])
+    assert code == 2 and "ROLLOUT_MANAGER_PORT" in stderr
+    with pytest.raises(ValueError) as caught:
+        _native.parse_serve_args([])
+    assert str(caught.value) == stderr
+
+
 def test_autoscaler_replay_matches_the_binary(manager_bin: Path) -> None:
     config, trace = EXAMPLE / "example.yaml", EXAMPLE / "example-trace.jsonl"
     done = subprocess.run(

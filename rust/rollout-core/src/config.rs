@@ -52,179 +52,274 @@ pub enum PartialSuccessPolicy {
     KeepPartial,
 }
 
+/// The `--help` headings of `serve`'s flags (the order of their first flag is the order shown).
+pub mod heading {
+    pub const NETWORK: &str = "Network & security";
+    pub const ENGINES: &str = "Engines";
+    pub const PLACEMENT: &str = "Placement (GPUs, Ray)";
+    pub const SCALING: &str = "Scaling & lifecycle";
+    pub const HEALTH: &str = "Health & recovery";
+    pub const WEIGHTS: &str = "Weights";
+    pub const ROUTER: &str = "Router";
+    pub const AUTOSCALER: &str = "Autoscaler";
+    pub const STATE: &str = "State, config & logging";
+}
+
+/// Every setting of `rollout-manager serve`. Each field is one flag; its doc comment is the flag's
+/// help: the first paragraph is what `-h` shows, the whole comment what `--help` shows.
+///
+/// Flags whose value may hold a secret (`--engine-arg=--api-key=...`, a URL with credentials)
+/// have `hide_env_values` and `hide_default_value`: `--help` names their environment variable
+/// without printing its value, nor a value the `--config` file gave them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 pub struct ServeConfig {
     /// Address of the control API (and of the router). Loopback unless told otherwise.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", help_heading = heading::NETWORK)]
     pub host: String,
     /// Port of the control API (`/rollout/*`); 0 picks a free port.
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, help_heading = heading::NETWORK)]
     pub port: u16,
     /// Port of the data plane (SGLang-compatible `/generate`); 0 picks a free port.
-    #[arg(long, default_value_t = 30000)]
+    #[arg(long, default_value_t = 30000, help_heading = heading::NETWORK)]
     pub router_port: u16,
     /// What to launch as an engine.
-    #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
+    #[arg(long, value_enum, default_value_t = EngineKind::Sim, help_heading = heading::ENGINES)]
     pub engine: EngineKind,
-    /// Program to launch as an engine, overriding the lookup (`sglang-sim` beside the manager
-    /// or on PATH for `--engine sim`; `python3` on PATH for `--engine sglang`).
-    #[arg(long, value_name = "PATH")]
+    /// Program to launch as an engine, overriding the lookup.
+    ///
+    /// By default: `sglang-sim` beside the manager or on PATH for `--engine sim`; `python3` on
+    /// PATH for `--engine sglang`.
+    #[arg(long, value_name = "PATH", help_heading = heading::ENGINES)]
     pub engine_program: Option<PathBuf>,
     /// Model path passed to every engine (`--model-path`).
-    #[arg(long, default_value = "sim-model")]
+    #[arg(long, default_value = "sim-model", help_heading = heading::ENGINES)]
     pub model_path: String,
     /// Name under which the fleet's model is listed in `/rollout/engines`.
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "default", help_heading = heading::ENGINES)]
     pub model_name: String,
     /// Size of the local GPU pool (logical GPUs for `--engine sim`).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, help_heading = heading::PLACEMENT)]
     pub gpus: u32,
     /// GPUs used by the initial engines at startup.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, help_heading = heading::PLACEMENT)]
     pub rollout_num_gpus: u32,
     /// GPUs per engine (its tensor-parallel size).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = heading::PLACEMENT)]
     pub rollout_num_gpus_per_engine: u32,
-    /// Extra argument appended to every engine's command line (repeatable), e.g.
-    /// `--engine-arg=--startup-delay=10`.
-    #[arg(long = "engine-arg", value_name = "ARG", allow_hyphen_values = true)]
+    /// Extra argument appended to every engine's command line (repeatable).
+    ///
+    /// E.g. `--engine-arg=--startup-delay=10`. Values of engine flags named like a key, token,
+    /// secret or password are redacted in the manager's log.
+    #[arg(
+        long = "engine-arg",
+        value_name = "ARG",
+        allow_hyphen_values = true,
+        hide_env_values = true,
+        hide_default_value = true,
+        help_heading = heading::ENGINES
+    )]
     pub engine_args: Vec<String>,
     /// Address engines listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", help_heading = heading::ENGINES)]
     pub engine_host: String,
     /// Weight version the fleet starts from (passed as `--weight-version`).
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "default", help_heading = heading::WEIGHTS)]
     pub weight_version: String,
-    /// How long one engine may take to load a published version
-    /// (`/update_weights_from_disk`), in seconds.
-    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    /// How long one engine may take to load a published version, in seconds.
+    ///
+    /// Bounds each engine's `/update_weights_from_disk` call.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS", help_heading = heading::WEIGHTS)]
     pub weight_update_timeout_secs: f64,
-    /// How published versions reach the engines: `disk` (engines read the published directory)
-    /// or `relay` (copied once to node-local `--relay-dir`, loaded from there).
-    #[arg(long, value_enum, default_value_t = WeightTransportKind::Disk)]
+    /// How published versions reach the engines: `disk` or `relay`.
+    ///
+    /// `disk`: engines read the published directory (shared storage, or one node). `relay`: the
+    /// version is copied once to node-local `--relay-dir` and loaded from there.
+    #[arg(long, value_enum, default_value_t = WeightTransportKind::Disk, help_heading = heading::WEIGHTS)]
     pub weight_transport: WeightTransportKind,
     /// Node-local directory where the relay transport stages versions.
-    #[arg(long, default_value = "/dev/shm/elastic-rollout")]
+    #[arg(long, default_value = "/dev/shm/elastic-rollout", help_heading = heading::WEIGHTS)]
     pub relay_dir: PathBuf,
-    /// Directory for engine logs and the manager's state.
-    #[arg(long, default_value = ".rollout-state")]
-    pub state_dir: PathBuf,
     /// Accepted for compatibility with fully-async trainers' launch lines.
-    #[arg(long)]
+    #[arg(long, help_heading = heading::SCALING)]
     pub fully_async: bool,
     /// Upper bound on the number of engines in the fleet.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, help_heading = heading::SCALING)]
     pub max_engines: u32,
     /// Total time allowed for a scale-out (startup, health check, weight sync), in seconds.
-    #[arg(long, default_value_t = 1800.0)]
+    #[arg(
+        long = "scale-out-timeout-secs",
+        visible_alias = "scale-out-timeout",
+        default_value_t = 1800.0,
+        value_name = "SECS",
+        help_heading = heading::SCALING
+    )]
     pub scale_out_timeout: f64,
     /// What to keep when some engines of a scale-out fail.
-    #[arg(long, value_enum, default_value_t = PartialSuccessPolicy::RollbackAll)]
+    #[arg(long, value_enum, default_value_t = PartialSuccessPolicy::RollbackAll, help_heading = heading::SCALING)]
     pub scale_out_partial_success_policy: PartialSuccessPolicy,
     /// How long scale-in waits for in-flight requests before aborting them, in seconds.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(
+        long = "scale-in-drain-timeout-secs",
+        visible_alias = "scale-in-drain-timeout",
+        default_value_t = 30.0,
+        value_name = "SECS",
+        help_heading = heading::SCALING
+    )]
     pub scale_in_drain_timeout: f64,
     /// How long an engine gets to exit after SIGTERM before SIGKILL, in seconds.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(
+        long = "scale-in-shutdown-timeout-secs",
+        visible_alias = "scale-in-shutdown-timeout",
+        default_value_t = 20.0,
+        value_name = "SECS",
+        help_heading = heading::SCALING
+    )]
     pub scale_in_shutdown_timeout: f64,
     /// How long an engine may take from launch to healthy, in seconds.
-    #[arg(long, default_value_t = 1800.0)]
+    #[arg(
+        long = "engine-startup-timeout-secs",
+        visible_alias = "engine-startup-timeout",
+        default_value_t = 1800.0,
+        value_name = "SECS",
+        help_heading = heading::SCALING
+    )]
     pub engine_startup_timeout: f64,
     /// Interval between health probes of each engine, in seconds.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_name = "SECS", help_heading = heading::HEALTH)]
     pub health_check_interval_secs: f64,
     /// Timeout of one health probe, in seconds.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = 20.0, value_name = "SECS", help_heading = heading::HEALTH)]
     pub health_check_timeout_secs: f64,
     /// Consecutive failed probes after which an engine is taken out of routing.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_name = "N", help_heading = heading::HEALTH)]
     pub health_failure_threshold: u32,
-    /// How long a paused engine is not counted as failing its probes, in seconds. SGLang's
-    /// health check generates a token, which waits while generation is paused (a trainer
-    /// updating weights); a failed probe whose engine still answers `/v1/loads` is taken for
-    /// such a pause. 0: pauses count as failures.
-    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    /// How long a paused engine is not counted as failing its probes, in seconds.
+    ///
+    /// SGLang's health check generates a token, which waits while generation is paused (a
+    /// trainer updating weights); a failed probe whose engine still answers `/v1/loads` is taken
+    /// for such a pause. 0: pauses count as failures.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS", help_heading = heading::HEALTH)]
     pub health_pause_grace_secs: f64,
-    /// Restart managed engines whose process exits unexpectedly (with the fleet's current
-    /// weights, on the same GPUs, with exponential backoff).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    /// Restart managed engines whose process exits unexpectedly.
+    ///
+    /// A restarted engine gets the fleet's current weights and the same GPUs, with exponential
+    /// backoff between attempts.
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = heading::HEALTH
+    )]
     pub restart_failed_engines: bool,
-    /// How long local engines outlive a manager that died without stopping them, waiting for a
-    /// restarted manager to re-adopt them (each engine then runs under a small keeper process).
-    /// 0: engines die with the manager.
-    #[arg(long, default_value_t = 0.0, value_name = "SECS")]
+    /// How long local engines outlive a dead manager, waiting to be re-adopted, in seconds.
+    ///
+    /// When the manager dies without stopping its engines, a restarted manager may re-adopt them
+    /// within this time (each engine then runs under a small keeper process). 0: engines die
+    /// with the manager.
+    #[arg(long, default_value_t = 0.0, value_name = "SECS", help_heading = heading::SCALING)]
     pub reattach_grace_secs: f64,
     /// How the router picks an engine (a request can override it with `x-routing-policy`).
-    #[arg(long, value_enum, default_value_t = crate::routing::Policy::Capacity)]
+    #[arg(long, value_enum, default_value_t = crate::routing::Policy::Capacity, help_heading = heading::ROUTER)]
     pub routing_policy: crate::routing::Policy,
-    /// How long a request pinned to a weight version waits for an engine serving it.
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    /// How long a request pinned to a weight version waits for an engine serving it, in seconds.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", help_heading = heading::ROUTER)]
     pub version_wait_secs: f64,
-    /// How long a client has to send a request's headers on the control port, the router port
-    /// and --api-socket before its connection is closed (slow-header clients hold nothing).
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    /// How long a client may take to send a request's headers, in seconds.
+    ///
+    /// Applies on the control port, the router port and --api-socket; a slow-header client's
+    /// connection is then closed (it holds nothing).
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", help_heading = heading::NETWORK)]
     pub header_read_timeout_secs: f64,
-    /// At most this many requests in flight at one engine (0: no limit). Requests beyond it
-    /// wait in the router and go to the first engine with a free slot, a new engine included,
-    /// instead of queueing inside one engine: set it near the engines' `--max-running-requests`
-    /// for elastic fleets. A request waits at most --request-timeout-secs for a slot.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// At most this many requests in flight at one engine (0: no limit).
+    ///
+    /// Requests beyond it wait in the router and go to the first engine with a free slot, a new
+    /// engine included, instead of queueing inside one engine: set it near the engines'
+    /// `--max-running-requests` for elastic fleets. A request waits at most
+    /// --request-timeout-secs for a slot.
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::ROUTER)]
     pub max_inflight_per_engine: usize,
-    /// Which waiting request gets a freed slot under --max-inflight-per-engine: `fifo`
-    /// (arrival), or `longest_first` (session turns, then the largest max_new_tokens first: for a batch of
-    /// rollouts sent at once, long generations start first instead of last; short requests may
-    /// wait behind long ones, at most --request-timeout-secs).
-    #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo)]
+    /// Which waiting request gets a freed slot under --max-inflight-per-engine.
+    ///
+    /// `fifo`: arrival order. `longest_first`: session turns, then the largest max_new_tokens
+    /// first; for a batch of rollouts sent at once, long generations start first instead of
+    /// last; short requests may wait behind long ones, at most --request-timeout-secs.
+    #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo, help_heading = heading::ROUTER)]
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
-    /// Threads of the data plane (the router port). Each runs a single-thread runtime of its
-    /// own, and client connections are handed to them in turn: a connection, its requests and
-    /// the engine connections they use stay on one thread, never waking another. Idle threads
-    /// cost nothing. 0: one per available core.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// Threads of the data plane (the router port); 0: one per available core.
+    ///
+    /// Each runs a single-thread runtime of its own, and client connections are handed to them
+    /// in turn: a connection, its requests and the engine connections they use stay on one
+    /// thread, never waking another. Idle threads cost nothing.
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::ROUTER)]
     #[serde(default)]
     pub router_threads: usize,
-    /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage).
-    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    /// Interval of the router's reads of each engine's `/v1/loads` (KV pool and usage), in seconds.
+    #[arg(long, default_value_t = 1.0, value_name = "SECS", help_heading = heading::ROUTER)]
     pub load_poll_interval_secs: f64,
-    /// Also register every ACTIVE engine with an external SGLang router, e.g.
-    /// `smg=http://127.0.0.1:30100` (its `/workers` API), and unregister it before it drains.
-    #[arg(long = "router", value_name = "KIND=URL")]
+    /// Also register every ACTIVE engine with an external SGLang router.
+    ///
+    /// E.g. `smg=http://127.0.0.1:30100` (its `/workers` API); each engine is unregistered there
+    /// before it drains.
+    #[arg(
+        long = "router",
+        value_name = "KIND=URL",
+        hide_env_values = true,
+        hide_default_value = true,
+        help_heading = heading::ROUTER
+    )]
     pub external_router: Option<String>,
-    /// YAML file of the autoscaler (see docs/autoscaler.md). Without it the autoscaler still
-    /// collects metrics and serves `/autoscaler/*`, but is disabled until `POST /autoscaler/enable`.
-    #[arg(long, value_name = "PATH")]
+    /// YAML file of the autoscaler (see docs/autoscaler.md).
+    ///
+    /// Without it the autoscaler still collects metrics and serves `/autoscaler/*`, but is
+    /// disabled until `POST /autoscaler/enable`.
+    #[arg(long, value_name = "PATH", help_heading = heading::AUTOSCALER)]
     #[serde(default)]
     pub autoscaler_config: Option<PathBuf>,
-    /// File holding the API token (mode 0600). When set (or when ROLLOUT_MANAGER_API_TOKEN
-    /// is), every mutating control request needs `Authorization: Bearer <token>`.
-    #[arg(long, value_name = "PATH")]
+    /// File holding the API token (mode 0600); or set ROLLOUT_MANAGER_API_TOKEN.
+    ///
+    /// With a token (from this file, else from the environment variable
+    /// ROLLOUT_MANAGER_API_TOKEN; never a command-line value), every mutating control request
+    /// needs `Authorization: Bearer <token>`.
+    #[arg(long, value_name = "PATH", help_heading = heading::NETWORK)]
     #[serde(default)]
     pub api_token_file: Option<PathBuf>,
     /// Engine endpoint used by health probes.
-    #[arg(long, default_value = "/health_generate")]
+    #[arg(long, default_value = "/health_generate", help_heading = heading::HEALTH)]
     pub health_check_endpoint: String,
-    /// Networks external engines may be attached from (repeatable), e.g. `10.0.0.0/8`; a
-    /// scale-out naming an engine elsewhere is refused with 400. Host names must resolve to
+    /// Networks external engines may be attached from (repeatable), e.g. `10.0.0.0/8`.
+    ///
+    /// A scale-out naming an engine elsewhere is refused with 400. Host names must resolve to
     /// allowed addresses only. Without the flag any address is accepted.
-    #[arg(long = "external-allow-cidr", value_name = "CIDR")]
+    #[arg(long = "external-allow-cidr", value_name = "CIDR", help_heading = heading::NETWORK)]
     #[serde(default)]
     pub external_allow_cidr: Vec<String>,
-    /// Longest time the router waits for an engine's whole answer (headers and body, streams
-    /// included) before it gives up on it: 504 before the headers, a cut stream after.
-    #[arg(long, default_value_t = 1800.0, value_name = "SECS")]
+    /// Longest wait for an engine's whole answer (headers and body, streams included), in seconds.
+    ///
+    /// Past it the router gives up on the engine: 504 before the headers, a cut stream after.
+    #[arg(long, default_value_t = 1800.0, value_name = "SECS", help_heading = heading::ROUTER)]
     #[serde(default = "default_request_timeout")]
     pub request_timeout_secs: f64,
-    /// Where engines run: `local` (child processes on `--gpus`) or `ray` (node agents that the
-    /// Ray shim starts and binds through `/rollout/placements`; `--gpus` is then not used).
-    #[arg(long, value_enum, default_value_t = PlacementMode::Local)]
+    /// Where engines run: `local` (child processes on `--gpus`) or `ray` (node agents).
+    ///
+    /// `ray`: node agents that the Ray shim starts and binds through `/rollout/placements`;
+    /// `--gpus` is then not used.
+    #[arg(long, value_enum, default_value_t = PlacementMode::Local, help_heading = heading::PLACEMENT)]
     #[serde(default)]
     pub placement: PlacementMode,
-    /// Also serve the control API (`/rollout/*`, `/autoscaler/*`, `/metrics`) on this Unix
-    /// socket, created with mode 0600 (same token rules as the TCP port).
-    #[arg(long, value_name = "PATH")]
+    /// Also serve the control API on this Unix socket (mode 0600, same token rules).
+    ///
+    /// Serves `/rollout/*`, `/autoscaler/*` and `/metrics`, as the TCP port does.
+    #[arg(long, value_name = "PATH", help_heading = heading::NETWORK)]
     #[serde(default)]
     pub api_socket: Option<PathBuf>,
+    /// Directory for engine logs and the manager's state (`fleet.redb`).
+    ///
+    /// A manager started again on the same directory resumes the fleet it holds.
+    // Last, so that its heading comes last in --help.
+    #[arg(long, default_value = ".rollout-state", value_name = "DIR", help_heading = heading::STATE)]
+    pub state_dir: PathBuf,
 }
 
 fn default_request_timeout() -> f64 {
@@ -350,7 +445,7 @@ impl ServeConfig {
         if self.max_engines > 100_000 {
             return Err(bad("--max-engines", format!("{} is above the supported 100000", self.max_engines)));
         }
-        positive_secs("--scale-out-timeout", self.scale_out_timeout)?;
+        positive_secs("--scale-out-timeout-secs", self.scale_out_timeout)?;
         positive_secs("--load-poll-interval-secs", self.load_poll_interval_secs)?;
         secs_or_zero("--version-wait-secs", self.version_wait_secs)?;
         positive_secs("--weight-update-timeout-secs", self.weight_update_timeout_secs)?;
@@ -364,9 +459,9 @@ impl ServeConfig {
                 )
             })?;
         }
-        positive_secs("--scale-in-drain-timeout", self.scale_in_drain_timeout)?;
-        positive_secs("--scale-in-shutdown-timeout", self.scale_in_shutdown_timeout)?;
-        positive_secs("--engine-startup-timeout", self.engine_startup_timeout)?;
+        positive_secs("--scale-in-drain-timeout-secs", self.scale_in_drain_timeout)?;
+        positive_secs("--scale-in-shutdown-timeout-secs", self.scale_in_shutdown_timeout)?;
+        positive_secs("--engine-startup-timeout-secs", self.engine_startup_timeout)?;
         positive_secs("--health-check-interval-secs", self.health_check_interval_secs)?;
         positive_secs("--health-check-timeout-secs", self.health_check_timeout_secs)?;
         secs_or_zero("--health-pause-grace-secs", self.health_pause_grace_secs)?;
@@ -431,7 +526,7 @@ mod tests {
             (&["--external-allow-cidr", "10.0.0.0/40"], "--external-allow-cidr"),
             (&["--request-timeout-secs", "0"], "--request-timeout-secs"),
             (&["--api-socket", long.as_str()], "--api-socket"),
-            (&["--scale-out-timeout", "1e20"], "--scale-out-timeout"),
+            (&["--scale-out-timeout", "1e20"], "--scale-out-timeout-secs"),
             (&["--reattach-grace-secs=-1"], "--reattach-grace-secs"),
             (&["--router", "nginx=http://x"], "--router"),
             (&["--load-poll-interval-secs", "0"], "--load-poll-interval-secs"),
@@ -439,7 +534,7 @@ mod tests {
             (&["--rollout-num-gpus", "8", "--gpus", "4"], "--gpus"),
             (&["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine"),
             (&["--port", "9000", "--router-port", "9000"], "--router-port"),
-            (&["--scale-in-drain-timeout=-1"], "--scale-in-drain-timeout"),
+            (&["--scale-in-drain-timeout-secs=-1"], "--scale-in-drain-timeout-secs"),
             (&["--max-engines", "1"], "--max-engines"),
         ];
         for (args, flag) in cases {

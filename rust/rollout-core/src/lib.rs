@@ -10,6 +10,7 @@
 pub mod addr;
 pub mod autoscaler;
 pub mod cidr;
+pub mod cli;
 pub mod config;
 #[cfg(test)]
 mod fuzz_tests;
@@ -23,6 +24,7 @@ pub mod state;
 pub mod weights;
 
 pub use addr::EngineAddr;
+pub use cli::{LogArgs, LogFormat, ServeArgs};
 pub use config::{ConfigError, EngineKind, PartialSuccessPolicy, PlacementMode, ServeConfig, WeightTransportKind};
 pub use placement::{
     AgentBinding, BindOutcome, Desired, GpuPool, LoseOutcome, Placement, PlacementConflict, PlacementError,

@@ -151,12 +151,23 @@ pub fn spawn(spec: &LaunchSpec) -> Result<EngineProcess, HostError> {
 /// The environment variable of `--parent-pid` (whose process to die with).
 pub const PARENT_PID_ENV: &str = "ROLLOUT_MANAGER_PARENT_PID";
 
-/// The command of a spec: argv, environment (without the manager's API token or parent pid),
-/// no stdin, stdout and stderr appended to the log file.
+/// Whether a variable of this process's environment stays out of its children's: every
+/// `ROLLOUT_MANAGER_*` is a setting of this process (its flags, its token, its parent's pid),
+/// which an engine, or a keeper or agent reading the same names, must not take for its own.
+pub fn withheld_from_children(name: &std::ffi::OsStr) -> bool {
+    name.as_encoded_bytes().starts_with(rollout_core::cli::ENV_PREFIX.as_bytes())
+}
+
+/// The command of a spec: argv, this process's environment without its own settings
+/// ([`withheld_from_children`]) plus the spec's (but never the API token or parent pid), no
+/// stdin, stdout and stderr appended to the log file.
 fn command(spec: &LaunchSpec) -> Result<Command, HostError> {
     let log = open_log(&spec.log_path)?;
     let log_err = log.try_clone().map_err(|source| HostError::Log { path: spec.log_path.clone(), source })?;
     let mut cmd = Command::new(&spec.program);
+    for (name, _) in std::env::vars_os().filter(|(name, _)| withheld_from_children(name)) {
+        cmd.env_remove(name);
+    }
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         // The API token is the manager's secret, not the engines'.
@@ -282,6 +293,34 @@ mod tests {
         let log = std::fs::read_to_string(dir.join("logs/e.log")).unwrap();
         assert_eq!(log.trim(), "hello");
         assert!(!alive(p.pid));
+    }
+
+    #[test]
+    fn the_managers_own_settings_are_withheld_from_children() {
+        use std::ffi::OsStr;
+        for name in
+            ["ROLLOUT_MANAGER_PORT", "ROLLOUT_MANAGER_API_TOKEN", "ROLLOUT_MANAGER_PARENT_PID", "ROLLOUT_MANAGER_"]
+        {
+            assert!(withheld_from_children(OsStr::new(name)), "{name}");
+        }
+        for name in ["CUDA_VISIBLE_DEVICES", "PATH", "ELASTIC_ROLLOUT_MANAGER_BIN", "rollout_manager_port"] {
+            assert!(!withheld_from_children(OsStr::new(name)), "{name}");
+        }
+    }
+
+    #[tokio::test]
+    async fn children_do_not_inherit_rollout_manager_variables() {
+        let dir = tempdir();
+        // A name of this test only, so no other test's child can be affected by it.
+        let name = format!("ROLLOUT_MANAGER_TEST_WITHHELD_{}", std::process::id());
+        std::env::set_var(&name, "parent-only");
+        let p = spawn(&spec(&dir, "env")).unwrap();
+        let info = p.wait().await;
+        std::env::remove_var(&name);
+        assert_eq!(info.code, Some(0));
+        let log = std::fs::read_to_string(dir.join("logs/e.log")).unwrap();
+        assert!(log.contains("ENGINE_TEST_VAR=hello"), "{log}");
+        assert!(!log.contains(&name), "{log}");
     }
 
     #[tokio::test]

@@ -1,23 +1,27 @@
 //! `elastic_rollout._native`: the few pieces of the manager that Python front ends need, from the
 //! manager's own Rust code, so nothing is declared twice.
 //!
-//! - [`parse_serve_args`]: `rollout-manager serve`'s clap parser and [`ServeConfig::validate`],
-//!   so `python -m elastic_rollout_ray.launch` rejects a bad flag with the binary's own message
-//!   before anything starts on a cluster. The dict it returns is `ServeConfig`'s serde form.
+//! - [`parse_serve_args`] and [`describe_serve_args`]: `rollout-manager serve`'s clap parser,
+//!   layered as the binary layers it (command line > `ROLLOUT_MANAGER_*` environment variables of
+//!   this process > `--config` file > defaults), then [`ServeConfig::validate`], so
+//!   `python -m elastic_rollout_ray.launch` rejects a bad flag with the binary's own message
+//!   before anything starts on a cluster. The dict returned is `ServeConfig`'s serde form.
 //! - [`binary_path`]: the `rollout-manager` binary that matches this module (bundled in the
 //!   package's `_bin/`, or the cargo build of the source tree this module was built from).
 //! - [`autoscaler_replay`]: the pure `replay()` of `rollout-manager autoscaler-replay` (the same
 //!   `decide()` as the live autoscaler) over a YAML config and a JSONL trace given as strings.
 //!
-//! Errors: a bad argument list or config raises `ValueError` whose message is exactly what the
-//! binary prints on stderr for the same input; a missing binary raises `FileNotFoundError`
-//! listing every place tried.
+//! Errors: a bad argument list, environment variable, config file or config raises `ValueError`
+//! whose message is exactly what the binary prints on stderr for the same input; a missing
+//! binary raises `FileNotFoundError` listing every place tried.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
 use rollout_core::autoscaler::{parse_trace, replay, AutoscalerConfig};
-use rollout_core::ServeConfig;
+use rollout_core::cli::{self, LayerError, Source};
+use rollout_core::{LogArgs, ServeArgs, ServeConfig};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// `rollout-manager serve` as the binary parses it (a flag given twice takes its last value).
@@ -25,16 +29,43 @@ use std::path::{Path, PathBuf};
 #[command(name = "rollout-manager", bin_name = "rollout-manager serve", args_override_self = true)]
 struct Serve {
     #[command(flatten)]
-    config: ServeConfig,
+    log: LogArgs,
+    #[command(flatten)]
+    args: ServeArgs,
 }
 
-/// Parses and validates `serve`'s arguments (without the program and subcommand names).
-/// Returns the binary's stderr text on error (without the trailing newline).
-fn parse(argv: &[String]) -> Result<ServeConfig, String> {
-    let full = ["rollout-manager serve".to_string()].into_iter().chain(argv.iter().cloned());
-    let serve = Serve::try_parse_from(full).map_err(|e| e.render().to_string().trim_end().to_string())?;
-    serve.config.validate().map_err(|e| format!("error: {e}"))?;
-    Ok(serve.config)
+/// A parse of `serve`'s arguments, and where each value came from.
+#[derive(serde::Serialize)]
+struct Described {
+    config: ServeConfig,
+    /// The `--config` file, as given (flag or `ROLLOUT_MANAGER_CONFIG`).
+    config_file: Option<PathBuf>,
+    log_format: rollout_core::LogFormat,
+    /// By `ServeConfig` field name (and `config_file`, `log_format`).
+    sources: BTreeMap<String, Source>,
+}
+
+/// Parses and validates `serve`'s arguments (without the program and subcommand names), with
+/// the environment of this process and the `--config` file. Returns the binary's stderr text on
+/// error (without the trailing newline).
+fn parse(argv: &[String]) -> Result<Described, String> {
+    let full: Vec<std::ffi::OsString> =
+        std::iter::once("rollout-manager serve".into()).chain(argv.iter().map(Into::into)).collect();
+    let command = cli::with_env(Serve::command(), cli::ENV_PREFIX);
+    let layered = cli::layered_matches(command, &full, None, |path| std::fs::read_to_string(path))
+        .and_then(|layered| Ok((Serve::from_arg_matches(&layered.matches)?, layered)));
+    let (serve, layered) = match layered {
+        Ok(parsed) => parsed,
+        Err(LayerError::Clap(e)) => return Err(e.render().to_string().trim_end().to_string()),
+        Err(LayerError::File(e)) => return Err(format!("error: {e}")),
+    };
+    serve.args.config.validate().map_err(|e| format!("error: {e}"))?;
+    Ok(Described {
+        config: serve.args.config,
+        config_file: serve.args.config_file,
+        log_format: serve.log.log_format,
+        sources: layered.sources(None),
+    })
 }
 
 /// A JSON value as Python objects (through the standard `json` module, so the mapping of
@@ -49,8 +80,20 @@ fn to_python<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<
 /// Raises ValueError with the binary's own error message (which names the flag).
 #[pyfunction]
 fn parse_serve_args<'py>(py: Python<'py>, argv: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
-    let config = parse(&argv).map_err(PyValueError::new_err)?;
-    let value = serde_json::to_value(&config).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let described = parse(&argv).map_err(PyValueError::new_err)?;
+    let value = serde_json::to_value(&described.config).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    to_python(py, &value)
+}
+
+/// Like `parse_serve_args`, and says where each value came from.
+///
+/// Returns `{"config": <parse_serve_args' dict>, "config_file": path or None, "log_format":
+/// "text" or "json", "sources": {field: "command_line" | "env" | "config_file" | "default"}}`.
+/// Raises ValueError with the binary's own error message (which names the flag).
+#[pyfunction]
+fn describe_serve_args<'py>(py: Python<'py>, argv: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
+    let described = parse(&argv).map_err(PyValueError::new_err)?;
+    let value = serde_json::to_value(&described).map_err(|e| PyValueError::new_err(e.to_string()))?;
     to_python(py, &value)
 }
 
@@ -146,6 +189,7 @@ fn autoscaler_replay<'py>(py: Python<'py>, config_yaml: &str, trace_jsonl: &str)
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_serve_args, m)?)?;
+    m.add_function(wrap_pyfunction!(describe_serve_args, m)?)?;
     m.add_function(wrap_pyfunction!(binary_path, m)?)?;
     m.add_function(wrap_pyfunction!(autoscaler_replay, m)?)?;
     Ok(())
