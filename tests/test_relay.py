@@ -180,3 +180,57 @@ def test_a_receiver_with_a_token_refuses_senders_without_it(tmp_path: Path, chec
         assert "s3cret" not in ok.stdout + ok.stderr + r.stderr_path.read_text(), "the token is never logged"
     finally:
         assert r.stop() == 0
+
+
+def test_the_chain_crosses_rate_limited_links_between_network_namespaces(tmp_path: Path) -> None:
+    """Sender and two receivers each in their own network namespace, on a bridge, every link
+    limited with tc (as `benches/weights_relay.py --netns` measures it): the version arrives
+    byte-identical at both. Skipped where namespaces cannot be made (not root, no iproute2, no
+    veth/bridge/tbf in the kernel, a container that forbids it)."""
+    import _netns
+
+    try:
+        _netns.check_available()
+        _netns.remove_stale()
+        net = _netns.Net(3, mbps=2000)
+    except (_netns.Unavailable, OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"network namespaces unavailable: {e}")
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    write_safetensors(src / "model-00001-of-00002.safetensors", 3 << 20, 11)
+    write_safetensors(src / "model-00002-of-00002.safetensors", (1 << 20) + 7, 12)
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        addrs = []
+        for i in (1, 2):
+            argv = [str(relay_binary()), "recv", "--listen", f"{net.ips[i]}:0", "--dest", str(tmp_path / f"dest{i}")]
+            p = subprocess.Popen(net.exec_argv(i, argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            assert p.stdout is not None
+            line = p.stdout.readline().decode()
+            assert line.startswith(f"listening on {net.ips[i]}:"), line
+            addrs.append(line.split()[-1])
+        send = [str(relay_binary()), "send", "--version", "v1", "--source", str(src), "--to", ",".join(addrs)]
+        done = subprocess.run(
+            net.exec_argv(0, [*send, "--chunk-mib", "1"]), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads(done.stdout)
+        assert [r["ok"] for r in report["receivers"]] == [True, True]
+        for i in (1, 2):
+            got = tmp_path / f"dest{i}" / "v1"
+            assert {f.name for f in src.iterdir()} <= set(os.listdir(got))  # and the receiver's manifest
+            for f in src.iterdir():
+                assert (got / f.name).read_bytes() == f.read_bytes()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=20) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=20)
+        net.close()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert not any(ns in left.split() for ns in [net.switch, *net.nodes]), left
