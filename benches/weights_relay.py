@@ -559,6 +559,7 @@ def main_netns(args: argparse.Namespace, size: int, work: Path) -> None:
         # SIGTERM/SIGHUP unwind like Ctrl-C does, so every finally below runs.
         raise SystemExit(128 + signum)
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with SIGINT ignored
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, stop)
     link = args.link_mbps * 1e6 / 8
@@ -697,7 +698,7 @@ def main() -> None:
         "with tc in both directions; needs root. Reports the relay against the link rate and a plain copy over "
         "one link instead of the loopback peers",
     )
-    ap.add_argument("--link-mbps", type=float, default=800.0, help="--netns: each link's rate, Mbit/s per direction")
+    ap.add_argument("--link-mbps", type=float, default=400.0, help="--netns: each link's rate, Mbit/s per direction")
     ap.add_argument("--burst-kib", type=int, default=256, help="--netns: tbf bucket size per link")
     args = ap.parse_args()
     if args.name is None:
