@@ -568,7 +568,7 @@ def main_netns(args: argparse.Namespace, size: int, work: Path) -> None:
     work.mkdir(parents=True)
     net = None
     try:
-        net = _netns.Net(1 + max(args.receivers), args.link_mbps, burst_kib=args.burst_kib)
+        net = _netns.Net(1 + max(args.receivers), args.link_mbps, burst_kib=args.burst_kib, nice=args.nice)
         print(
             f"{len(net.nodes)} namespaces on a bridge, {args.link_mbps:g} Mbit/s = {link / 1e6:.0f} MB/s per "
             f"link and direction (tbf burst {args.burst_kib} KiB)"
@@ -614,6 +614,7 @@ def main_netns(args: argparse.Namespace, size: int, work: Path) -> None:
         "link_mbps": args.link_mbps,
         "link_bytes_per_second": link,
         "tbf_burst_kib": args.burst_kib,
+        "nice": args.nice,
         "load_average_before": load_before,
         "chunk_mib": args.chunk_mib,
         "repeat": args.repeat,
@@ -629,7 +630,8 @@ def main_netns(args: argparse.Namespace, size: int, work: Path) -> None:
         f"Results, {summary['date']}, {summary['machine']}",
         f"`{summary['command']}`, {size / 2**30:.2f} GiB in {args.shards} shards, {args.chunk_mib} MiB chunks, "
         f"{args.link_mbps:g} Mbit/s ({link / 1e6:.0f} MB/s) per link and direction"
-        + (f", fastest of {repeat} runs each" if repeat > 1 else ""),
+        + (f", fastest of {repeat} runs each" if repeat > 1 else "")
+        + (f", transfer processes at nice {args.nice}" if args.nice else ""),
         "",
         f"Load average before the run: {load_before}; after: {os.getloadavg()[0]:.2f}. Binary: `{RELAY_BIN}`.",
         "",
@@ -700,6 +702,13 @@ def main() -> None:
     )
     ap.add_argument("--link-mbps", type=float, default=400.0, help="--netns: each link's rate, Mbit/s per direction")
     ap.add_argument("--burst-kib", type=int, default=256, help="--netns: tbf bucket size per link")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="--netns: niceness of the senders and receivers (e.g. -10, as root: ahead of other work on a shared "
+        "box, as if each node had its own cores)",
+    )
     args = ap.parse_args()
     if args.name is None:
         args.name = "weights_relay_netns" if args.netns else "weights_relay"
