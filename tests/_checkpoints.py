@@ -2,15 +2,17 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the raw bytes. The checksum the manager and ``sglang-sim``
-report is SHA-256 over every ``*.safetensors`` file's bytes in sorted file-name order.
+report is :func:`elastic_rollout.checkpoint_checksum`'s (the SHA-256 of the shards' ``sha256sum``
+listing).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from pathlib import Path
+
+from elastic_rollout import checkpoint_checksum
 
 
 def safetensors_bytes(tensors: dict[str, bytes]) -> bytes:
@@ -27,7 +29,6 @@ def safetensors_bytes(tensors: dict[str, bytes]) -> bytes:
 def write_checkpoint(directory: Path, seed: int, files: int = 2) -> str:
     """Write ``files`` safetensors shards whose bytes depend on ``seed``; return their checksum."""
     directory.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
     for i in range(files):
         tensors = {
             f"layers.{i}.weight": struct.pack("<16f", *[seed + i + k / 16 for k in range(16)]),
@@ -35,10 +36,8 @@ def write_checkpoint(directory: Path, seed: int, files: int = 2) -> str:
         }
         data = safetensors_bytes(tensors)
         (directory / f"model-{i:05d}-of-{files:05d}.safetensors").write_bytes(data)
-    for path in sorted(directory.glob("*.safetensors"), key=lambda p: p.name.encode()):
-        digest.update(path.read_bytes())
     (directory / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    return digest.hexdigest()
+    return checkpoint_checksum(directory)
 
 
 def corrupt(directory: Path) -> None:

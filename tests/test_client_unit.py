@@ -686,3 +686,29 @@ def test_async_wait_polls_through_a_restarting_manager_and_times_out() -> None:
                     await down.wait_for_operation("scale_out", "op-1", timeout=0.05, poll_interval=0.01)
 
     asyncio.run(main())
+
+
+def test_checkpoint_checksum_is_what_coreutils_prints(tmp_path: Path) -> None:
+    """``checkpoint_checksum`` equals ``LC_ALL=C sha256sum -- *.safetensors | sha256sum``, the rule
+    the manager, sglang-sim and the relay use (docs/api.md)."""
+    import shutil
+    import subprocess
+
+    from elastic_rollout import checkpoint_checksum
+
+    if shutil.which("sha256sum") is None:
+        pytest.skip("coreutils sha256sum is not installed")
+    for name, size in (("model-00002.safetensors", 70_000), ("B.safetensors", 3), ("model-00001.safetensors", 0)):
+        (tmp_path / name).write_bytes(bytes(i % 251 for i in range(size)))
+    (tmp_path / "config.json").write_text("{}")  # not part of the checksum
+    listing = subprocess.run(
+        ["sha256sum", "--", *sorted((p.name for p in tmp_path.glob("*.safetensors")), key=str.encode)],
+        cwd=tmp_path,
+        capture_output=True,
+        check=True,
+        env={**os.environ, "LC_ALL": "C"},
+    ).stdout
+    whole = subprocess.run(["sha256sum"], input=listing, capture_output=True, check=True).stdout.split()[0].decode()
+    assert checkpoint_checksum(tmp_path) == whole
+    with pytest.raises(FileNotFoundError):
+        checkpoint_checksum(tmp_path / "nothing-here")

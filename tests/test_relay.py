@@ -38,13 +38,17 @@ def write_safetensors(path: Path, n: int, seed: int) -> bytes:
 
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> tuple[Path, str]:
-    """A two-shard checkpoint and its version checksum (SHA-256 of the shards in name order)."""
+    """A two-shard checkpoint and its version checksum (SHA-256 of the shards' sha256sum listing)."""
     src = tmp_path / "ckpt"
     src.mkdir()
     a = write_safetensors(src / "model-00001-of-00002.safetensors", 700_000, 1)
     b = write_safetensors(src / "model-00002-of-00002.safetensors", 300_001, 2)
     (src / "config.json").write_text('{"model_type": "llama"}')
-    return src, hashlib.sha256(a + b).hexdigest()
+    listing = "".join(
+        f"{hashlib.sha256(blob).hexdigest()}  {name}\n"
+        for name, blob in (("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b))
+    )
+    return src, hashlib.sha256(listing.encode()).hexdigest()
 
 
 class RelayReceiver:

@@ -73,9 +73,11 @@ def assert_fleet_on(fleet: ManagerHandle, version: str, checksum: str, engines: 
 
 def run_update(fleet: ManagerHandle, version: str, path: Path, **kwargs: Any) -> dict[str, Any]:
     answer = publish(fleet, version, path, **kwargs)
-    assert answer["status"] == "PENDING", answer
+    # Answered before the files are hashed: the checksum is not known yet.
+    assert answer["status"] == "CHECKSUMMING" and answer["checksum"] is None, answer
     update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
     assert update["status"] == "COMPLETED", json.dumps(update, indent=1)
+    assert update["hashed_bytes"] == update["total_bytes"] > 0, update
     return update
 
 
@@ -87,7 +89,7 @@ def test_publish_v1_to_v3_rolling_and_all_at_once(fleet: ManagerHandle, tmp_path
     assert update["checksum"] == sums["v1"] and update["previous_version"] == "default"
     assert {e["status"] for e in update["engines"].values()} == {"VERIFIED"}, update["engines"]
     assert len(update["engines"]) == INITIAL_ENGINES
-    assert [h["status"] for h in update["history"]] == ["PENDING", "UPDATING", "COMPLETED"]
+    assert [h["status"] for h in update["history"]] == ["CHECKSUMMING", "PENDING", "UPDATING", "COMPLETED"]
     assert_fleet_on(fleet, "v1", sums["v1"], INITIAL_ENGINES)
     check_schema(fleet, "WeightUpdate", update)
     check_schema(fleet, "Weights", fleet.client.weights())
@@ -132,7 +134,7 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
         ({"version": "v1", "path": str(empty)}, "invalid_checkpoint"),
         ({"version": "v1", "path": str(bad)}, "invalid_checkpoint"),
         ({"version": "v1", "path": "relative/dir"}, "invalid_path"),
-        ({"version": "v1", "path": str(good), "checksum": "0" * 64}, "checksum_mismatch"),
+        ({"version": "v1", "path": str(good), "checksum": "not-hex"}, "invalid_checksum"),
         ({"version": "v 1", "path": str(good)}, "invalid_version"),
         ({"version": "v1", "path": str(good), "strategy": "sideways"}, "invalid_body"),
         ({"version": "v1", "path": str(good), "max_unavailable": 0}, "invalid_max_unavailable"),
@@ -147,14 +149,6 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
         assert result.status == expected, (body, result.status, result.body[:400])
         error = result.json()["error"]
         assert error["code"] == code and error["message"], (body, error)
-    assert (
-        "SHA-256"
-        in http(
-            "POST",
-            f"{fleet.control_url}/rollout/weights/publish",
-            {"version": "v1", "path": str(good), "checksum": "0" * 64},
-        ).json()["error"]["message"]
-    )
     weights = fleet.client.weights()
     assert weights["version"] == "default" and weights["update"] is None and weights["history"] == []
     missing = http("GET", f"{fleet.control_url}/rollout/weights/updates/nope")
@@ -170,6 +164,28 @@ def test_bad_publishes_are_refused_and_change_nothing(fleet: ManagerHandle, tmp_
     assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
 
 
+def test_a_checksum_the_files_do_not_have_fails_the_update_with_nothing_loaded(
+    fleet: ManagerHandle, tmp_path: Path
+) -> None:
+    good = tmp_path / "v1"
+    checksum = write_checkpoint(good, 1)
+    answer = publish(fleet, "v1", good, checksum="0" * 64)
+    assert answer["status"] == "CHECKSUMMING", answer
+    update = fleet.client.wait_for_weight_update(answer["update_id"], UPDATE_TIMEOUT)
+    assert update["status"] == "FAILED", json.dumps(update, indent=1)
+    assert update.statuses == ["CHECKSUMMING", "FAILED"], update.statuses
+    message = update["error_message"] or ""
+    assert "0" * 64 in message and checksum in message and "nothing was loaded" in message, message
+    assert update["engines"] == {} and update["checksum"] is None, update
+    weights = fleet.client.weights()
+    assert weights["version"] == "default" and weights["update"] is None, weights
+    for engine in fleet.wait_engines(INITIAL_ENGINES).engines:
+        assert model_info(engine.url)["weight_version"] == "default"
+    # A failed version's name is free again: the right checksum publishes it.
+    run_update(fleet, "v1", good, checksum=checksum.upper())
+    assert_fleet_on(fleet, "v1", checksum, INITIAL_ENGINES)
+
+
 def test_second_publish_while_one_runs_is_409(start_fleet: StartManager, tmp_path: Path) -> None:
     fleet = start_fleet("--engine-arg=--weight-load-delay=1")
     write_checkpoint(tmp_path / "v1", 1)
@@ -179,9 +195,14 @@ def test_second_publish_while_one_runs_is_409(start_fleet: StartManager, tmp_pat
         fleet.client.publish_weights("v2", str(tmp_path / "v2"))
     assert err.value.status == 409 and err.value.code == "update_in_progress", err.value
     assert first["update_id"] in err.value.message
-    # Publishing the running version again is not a conflict: it answers with that update.
+    # Publishing the running version from the same path again joins it.
     again = fleet.client.publish_weights("v1", str(tmp_path / "v1"))
-    assert again["update_id"] == first["update_id"]
+    assert again["update_id"] == first["update_id"] and "joins" in again["message"], again
+    # ... unless it expects other bytes.
+    with pytest.raises(RolloutApiError) as conflict:
+        fleet.client.publish_weights("v1", str(tmp_path / "v1"), checksum="1" * 64)
+    # (version_conflict once its checksum is known; update_in_progress while it is still hashing)
+    assert conflict.value.status == 409 and conflict.value.code in ("version_conflict", "update_in_progress")
     assert fleet.client.wait_for_weight_update(first["update_id"], UPDATE_TIMEOUT)["status"] == "COMPLETED"
 
 

@@ -179,7 +179,9 @@ def test_a_rolling_update_killed_mid_wave_resumes_and_commits(manager_bin: Path,
     before, ended, _ = crash_mid_update(manager_bin, tmp_path, "rolling", caught, load_delay=2)
     assert before["status"] == "UPDATING", before
     assert ended["resumed"] == 1, ended
-    assert [h["status"] for h in ended["history"]] == ["PENDING", "UPDATING", "RESUMED", "COMPLETED"], ended
+    assert [h["status"] for h in ended["history"]] == ["CHECKSUMMING", "PENDING", "UPDATING", "RESUMED", "COMPLETED"], (
+        ended
+    )
     assert {e["status"] for e in ended["engines"].values()} == {"VERIFIED"}, ended["engines"]
     assert len(ended["engines"]) == ENGINES, ended["engines"]
     # Engines already done at the kill were not taken out again.

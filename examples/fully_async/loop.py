@@ -30,7 +30,6 @@ Without ``--manager``/``--router`` the script starts ``rollout-manager serve --e
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -53,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_rollout import RolloutApiError, RolloutClient
+from elastic_rollout import RolloutApiError, RolloutClient, checkpoint_checksum
 from elastic_rollout._find import find_binary
 
 HERE = Path(__file__).resolve().parent
@@ -129,14 +128,11 @@ def safetensors_bytes(tensors: dict[str, list[float]]) -> bytes:
 
 def write_checkpoint(directory: Path, tensors: dict[str, list[float]]) -> str:
     """Write one ``model.safetensors`` (plus a ``config.json``) and return the checksum the
-    manager computes: SHA-256 over every ``*.safetensors`` file in byte-wise name order."""
+    manager computes (:func:`elastic_rollout.checkpoint_checksum`)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "model.safetensors").write_bytes(safetensors_bytes(tensors))
     (directory / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    digest = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors"), key=lambda p: p.name.encode()):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return checkpoint_checksum(directory)
 
 
 # -- the train step stand-in ---------------------------------------------------------------------

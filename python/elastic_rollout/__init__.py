@@ -2,10 +2,12 @@
 
 The manager itself is the native ``rollout-manager`` binary; this package finds it
 (:func:`find_binary`) and talks to its control API (:class:`RolloutClient`, and
-:class:`AsyncRolloutClient` for asyncio programs).
+:class:`AsyncRolloutClient` for asyncio programs); :func:`checkpoint_checksum` computes a
+checkpoint's checksum the way the manager does.
 """
 
 from elastic_rollout._find import BinaryNotFoundError, find_binary
+from elastic_rollout.checksum import checkpoint_checksum
 from elastic_rollout.client import (
     DEFAULT_TIMEOUT,
     SCALE_IN_TERMINAL,
@@ -57,5 +59,6 @@ __all__ = [
     "StepReport",
     "WeightUpdate",
     "WeightsView",
+    "checkpoint_checksum",
     "find_binary",
 ]

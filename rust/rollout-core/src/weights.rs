@@ -1,7 +1,7 @@
 //! Weight versions and fleet-wide weight updates: the pure model.
 //!
 //! A [`WeightVersion`] is one published policy: a version name, the checkpoint directory it was
-//! published from, and the checksum of that directory ([`Checksum`]). A fleet update moves every
+//! published from, and the checksum of that directory ([`checkpoint_checksum`]). A fleet update moves every
 //! serving engine to a new version, by one of two [`UpdateStrategy`]s:
 //! - `all_at_once`: every engine leaves routing, pauses, loads, is verified and comes back;
 //! - `rolling`: waves of at most `max_unavailable` engines ([`wave_size`]) leave routing, drain,
@@ -9,13 +9,18 @@
 //!
 //! Each engine's part of an update moves through [`EngineUpdateStatus`]
 //! (`PENDING -> UPDATING -> VERIFIED | FAILED`, or `SKIPPED` when it leaves the fleet first); the
-//! update itself through [`WeightUpdateStatus`] (`PENDING -> UPDATING -> COMPLETED | FAILED`).
+//! update itself through [`WeightUpdateStatus`]
+//! (`CHECKSUMMING -> PENDING -> UPDATING -> COMPLETED | FAILED`; a publish answers while the
+//! checkpoint is still being hashed, in `CHECKSUMMING`).
 //! Both are moved by one pure `on(state, event)` like the machines in [`crate::state`].
 //!
-//! Checksum rule (shared with `sglang-sim`): lowercase hex SHA-256 of the bytes of every
-//! `*.safetensors` file of the directory, concatenated in byte-wise sorted file-name order.
-//! [`Checksum`] hashes bytes it is given; [`safetensors_header`] checks one file's header; the
-//! manager does the reading.
+//! Checksum rule (shared with `sglang-sim` and `rollout-relay`): every `*.safetensors` file of
+//! the directory is hashed on its own (SHA-256), so files can be hashed in parallel; the
+//! checkpoint's checksum is the lowercase hex SHA-256 of the listing `sha256sum` prints for those
+//! files in byte-wise sorted name order, one line `<file hex digest>  <file name>\n` per file.
+//! From a shell: `cd DIR && LC_ALL=C sha256sum -- *.safetensors | sha256sum`.
+//! [`FileHash`] hashes one file's bytes, [`checkpoint_checksum`] combines the files' digests;
+//! [`safetensors_header`] checks one file's header; the manager does the reading.
 
 use crate::state::IllegalTransition;
 use serde::{Deserialize, Serialize};
@@ -152,6 +157,8 @@ impl EngineUpdateStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum WeightUpdateStatus {
+    /// Published; the checkpoint is being checked and hashed. Nothing is loaded yet.
+    Checksumming,
     Pending,
     Updating,
     Completed,
@@ -160,6 +167,8 @@ pub enum WeightUpdateStatus {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightUpdateEvent {
+    /// The checkpoint was hashed (and matched what the publish expected).
+    Checksummed,
     Start,
     Commit,
     Fail,
@@ -174,9 +183,10 @@ impl WeightUpdateStatus {
         use WeightUpdateEvent as E;
         use WeightUpdateStatus as S;
         Ok(match (self, event) {
+            (S::Checksumming, E::Checksummed) => S::Pending,
             (S::Pending, E::Start) => S::Updating,
             (S::Updating, E::Commit) => S::Completed,
-            (S::Pending | S::Updating, E::Fail) => S::Failed,
+            (S::Checksumming | S::Pending | S::Updating, E::Fail) => S::Failed,
             (s, e) => {
                 return Err(IllegalTransition {
                     machine: "weight update",
@@ -191,6 +201,7 @@ impl WeightUpdateStatus {
 impl std::fmt::Display for WeightUpdateStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Self::Checksumming => "CHECKSUMMING",
             Self::Pending => "PENDING",
             Self::Updating => "UPDATING",
             Self::Completed => "COMPLETED",
@@ -199,59 +210,80 @@ impl std::fmt::Display for WeightUpdateStatus {
     }
 }
 
-/// What a publish of `version` at `path` with `checksum` means given what is already known.
+/// What a publish of `version` from `path` (expecting `checksum`, when given) means given what
+/// is already known.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PublishCheck {
     /// A new version: start an update.
     New,
-    /// The same version, path and checksum as one already published: nothing to do.
+    /// The same version from the same path (and the same checksum, when both are known): nothing
+    /// to do.
     Same,
-    /// The version name is taken by different bytes (or a different path).
+    /// The version name is taken by a different path, or by different bytes.
     Conflict(String),
 }
 
-/// Compares a publish with the versions already known (current, in flight, history).
+/// Compares a publish with the versions already known (current, in flight, history). A version
+/// name stands for one path and one checksum for good; a publish that repeats both (or the path,
+/// when it gives no checksum) is the same publish again.
 pub fn check_publish<'a>(
     known: impl IntoIterator<Item = &'a WeightVersion>,
     version: &str,
     path: &str,
-    checksum: &str,
+    checksum: Option<&str>,
 ) -> PublishCheck {
     for k in known {
         if k.version != version {
             continue;
         }
-        return match (k.path.as_deref(), k.checksum.as_deref()) {
-            (Some(p), Some(c)) if p == path && c == checksum => PublishCheck::Same,
-            (_, Some(c)) if c != checksum => PublishCheck::Conflict(format!(
-                "version {version:?} was already published with checksum {c}; this checkpoint's is {checksum}"
-            )),
-            (None, _) => PublishCheck::Conflict(format!(
+        return match (k.path.as_deref(), k.checksum.as_deref(), checksum) {
+            (None, _, _) => PublishCheck::Conflict(format!(
                 "version {version:?} is the fleet's startup version (--weight-version); publish under a new name"
             )),
-            _ => PublishCheck::Conflict(format!(
-                "version {version:?} was already published from {:?}; publish under a new name",
-                k.path.as_deref().unwrap_or("")
+            (Some(p), _, _) if p != path => PublishCheck::Conflict(format!(
+                "version {version:?} was already published from {p:?}; publish under a new name"
             )),
+            (_, Some(c), Some(given)) if c != given => PublishCheck::Conflict(format!(
+                "version {version:?} was already published with checksum {c}; this publish expects {given}"
+            )),
+            _ => PublishCheck::Same,
         };
     }
     PublishCheck::New
 }
 
-/// Incremental SHA-256 over a checkpoint's files (see the module docs for the rule): feed each
-/// `*.safetensors` file's bytes in sorted name order, then [`Checksum::finish`].
-#[derive(Default)]
-pub struct Checksum(Sha256);
+/// SHA-256 of one file's bytes, fed in order (see the module docs for the rule).
+#[derive(Default, Clone)]
+pub struct FileHash(Sha256);
 
-impl Checksum {
+impl FileHash {
     pub fn update(&mut self, bytes: &[u8]) {
         self.0.update(bytes);
     }
 
     /// Lowercase hex digest.
     pub fn finish(self) -> String {
-        self.0.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.0.finalize())
     }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A checkpoint's checksum from its files' digests: `(file name, lowercase hex SHA-256)` for
+/// every `*.safetensors` file. Sorts by name itself (byte-wise), so callers may hash in any order.
+pub fn checkpoint_checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut files: Vec<(&str, &str)> = files.into_iter().collect();
+    files.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut listing = Sha256::new();
+    for (name, digest) in files {
+        listing.update(digest.as_bytes());
+        listing.update(b"  ");
+        listing.update(name.as_bytes());
+        listing.update(b"\n");
+    }
+    hex(&listing.finalize())
 }
 
 /// Safetensors headers larger than this are rejected (the format's own limit is 100 MB).

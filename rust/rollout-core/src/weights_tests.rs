@@ -102,21 +102,64 @@ fn served_by_compares_version_and_checksum_when_both_known() {
 #[test]
 fn publish_checks() {
     let known = [WeightVersion::startup("v0"), v("v1", Some("/a"), Some("c1"))];
-    assert_eq!(check_publish(&known, "v2", "/b", "c2"), PublishCheck::New);
-    assert_eq!(check_publish(&known, "v1", "/a", "c1"), PublishCheck::Same);
-    let PublishCheck::Conflict(why) = check_publish(&known, "v1", "/a", "c9") else { panic!() };
+    assert_eq!(check_publish(&known, "v2", "/b", Some("c2")), PublishCheck::New);
+    assert_eq!(check_publish(&known, "v2", "/b", None), PublishCheck::New);
+    assert_eq!(check_publish(&known, "v1", "/a", Some("c1")), PublishCheck::Same);
+    assert_eq!(check_publish(&known, "v1", "/a", None), PublishCheck::Same, "same path, no checksum given");
+    let PublishCheck::Conflict(why) = check_publish(&known, "v1", "/a", Some("c9")) else { panic!() };
     assert!(why.contains("c1") && why.contains("c9"), "{why}");
-    assert!(matches!(check_publish(&known, "v1", "/other", "c1"), PublishCheck::Conflict(_)));
-    assert!(matches!(check_publish(&known, "v0", "/a", "c1"), PublishCheck::Conflict(_)));
+    assert!(matches!(check_publish(&known, "v1", "/other", Some("c1")), PublishCheck::Conflict(_)));
+    assert!(matches!(check_publish(&known, "v1", "/other", None), PublishCheck::Conflict(_)));
+    assert!(matches!(check_publish(&known, "v0", "/a", Some("c1")), PublishCheck::Conflict(_)));
+    assert!(matches!(check_publish(&known, "v0", "/a", None), PublishCheck::Conflict(_)));
+    // A version still being hashed (checksum unknown) with the same path is the same publish.
+    let hashing = [v("v3", Some("/c"), None)];
+    assert_eq!(check_publish(&hashing, "v3", "/c", Some("c3")), PublishCheck::Same);
 }
 
 #[test]
-fn checksum_is_sha256_of_concatenated_bytes() {
-    let mut c = Checksum::default();
+fn file_hash_is_sha256_of_its_bytes() {
+    let mut c = FileHash::default();
     c.update(b"ab");
     c.update(b"c");
     // SHA-256("abc")
     assert_eq!(c.finish(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+#[test]
+fn checkpoint_checksum_is_sha256_of_the_sha256sum_listing() {
+    let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+    let empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+    // printf 'abc' > b.safetensors; : > a.safetensors; sha256sum a.safetensors b.safetensors | sha256sum
+    let listing = format!("{empty}  a.safetensors\n{abc}  b.safetensors\n");
+    let mut want = FileHash::default();
+    want.update(listing.as_bytes());
+    let want = want.finish();
+    assert_eq!(want, "2103dfed16ee882912fdd1827dbb1fc64af654ff953db30022957e1cddd155d7", "what coreutils prints");
+    assert_eq!(checkpoint_checksum([("a.safetensors", empty), ("b.safetensors", abc)]), want);
+    // Order of the input does not matter; names and digests do.
+    assert_eq!(checkpoint_checksum([("b.safetensors", abc), ("a.safetensors", empty)]), want);
+    assert_ne!(checkpoint_checksum([("a.safetensors", abc), ("b.safetensors", empty)]), want);
+    assert_ne!(checkpoint_checksum([("c.safetensors", empty), ("b.safetensors", abc)]), want);
+    // Byte-wise order: upper case sorts before lower case.
+    let upper_first = format!("{abc}  B.safetensors\n{empty}  a.safetensors\n");
+    let mut h = FileHash::default();
+    h.update(upper_first.as_bytes());
+    assert_eq!(checkpoint_checksum([("a.safetensors", empty), ("B.safetensors", abc)]), h.finish());
+}
+
+#[test]
+fn update_status_machine() {
+    use WeightUpdateEvent as E;
+    use WeightUpdateStatus as S;
+    assert_eq!(S::Checksumming.on(E::Checksummed), Ok(S::Pending));
+    assert_eq!(S::Checksumming.on(E::Fail), Ok(S::Failed));
+    assert!(S::Checksumming.on(E::Start).is_err(), "nothing loads before the checksum is known");
+    assert!(S::Checksumming.on(E::Commit).is_err());
+    assert!(S::Pending.on(E::Checksummed).is_err());
+    assert!(!S::Checksumming.is_terminal());
+    assert_eq!(S::Checksumming.to_string(), "CHECKSUMMING");
+    assert_eq!(serde_json::to_value(S::Checksumming).unwrap(), "CHECKSUMMING");
 }
 
 #[test]

@@ -636,7 +636,7 @@ impl Fleet {
         let previous = self.routes();
         let version_order =
             if *previous.version_order == order { previous.version_order.clone() } else { Arc::new(order) };
-        RoutingTable { backends, finishing, version_order, weights_updating: inner.weights.running.is_some() }
+        RoutingTable { backends, finishing, version_order, weights_updating: inner.weights.loading_update().is_some() }
     }
 
     /// Runs `request` (a request sent to `engine_id`, whose load is `load`, up to its response
@@ -717,7 +717,7 @@ impl Fleet {
             "Weight updates in flight, by status (at most one).",
             &["status"],
         );
-        for status in [WeightUpdateStatus::Pending, WeightUpdateStatus::Updating] {
+        for status in [WeightUpdateStatus::Checksumming, WeightUpdateStatus::Pending, WeightUpdateStatus::Updating] {
             updates.with_label_values(&[status.to_string()]).set(0);
         }
         let operations = gauge_vec("rollout_operations_running", "Scale operations in flight, by kind.", &["kind"]);

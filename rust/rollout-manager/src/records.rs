@@ -177,15 +177,34 @@ pub struct EngineUpdate {
     pub finished_at: Option<f64>,
 }
 
+impl EngineUpdate {
+    /// An engine's part before its turn.
+    pub fn pending() -> Self {
+        Self { status: EngineUpdateStatus::Pending, error: None, started_at: None, finished_at: None }
+    }
+}
+
 /// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UpdateRecord {
     pub update_id: String,
     pub version: String,
     pub path: String,
-    pub checksum: String,
+    /// SHA-256 of the checkpoint (see [`rollout_core::weights`] for the rule); `None` while the
+    /// update is CHECKSUMMING.
+    pub checksum: Option<String>,
+    /// The checksum the publish asked for, if any: the update fails unless the files have it.
+    #[serde(default)]
+    pub expected_checksum: Option<String>,
+    /// Bytes of the checkpoint's `*.safetensors` files.
+    #[serde(default)]
+    pub total_bytes: u64,
+    /// Bytes hashed so far (equal to `total_bytes` once the checksum is known).
+    #[serde(default)]
+    pub hashed_bytes: HashProgress,
     /// Where engines load it from (the published path for `disk`; for `relay` the staged copy
     /// on the manager's node, whose name engines on agents find under their node's relay dir).
+    /// Empty while the update is CHECKSUMMING (nothing is staged before the checksum is known).
     pub engine_path: String,
     pub previous_version: String,
     pub strategy: UpdateStrategy,
@@ -232,12 +251,7 @@ impl UpdateRecord {
     /// ignored (an engine already VERIFIED stays so).
     pub fn engine(&mut self, engine_id: &str, event: EngineUpdateEvent, error: Option<String>) {
         let now = unix_now();
-        let e = self.engines.entry(engine_id.to_string()).or_insert(EngineUpdate {
-            status: EngineUpdateStatus::Pending,
-            error: None,
-            started_at: None,
-            finished_at: None,
-        });
+        let e = self.engines.entry(engine_id.to_string()).or_insert_with(EngineUpdate::pending);
         if let Ok(next) = e.status.on(event) {
             e.status = next;
             if event == EngineUpdateEvent::Start {
@@ -256,9 +270,49 @@ impl UpdateRecord {
         WeightVersion {
             version: self.version.clone(),
             path: Some(self.path.clone()),
-            checksum: Some(self.checksum.clone()),
+            checksum: self.checksum.clone().or_else(|| self.expected_checksum.clone()),
             published_seq: 0,
         }
+    }
+}
+
+/// Bytes of a checkpoint hashed so far: shared between the hashing threads, which add to it,
+/// and the record, which shows it (serialised as a plain number).
+#[derive(Debug, Clone, Default)]
+pub struct HashProgress(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl HashProgress {
+    pub fn counter(&self) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        self.0.clone()
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set(&self, bytes: u64) {
+        self.0.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl PartialEq for HashProgress {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Serialize for HashProgress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(self.get())
+    }
+}
+
+impl<'de> Deserialize<'de> for HashProgress {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let bytes = u64::deserialize(deserializer)?;
+        let out = Self::default();
+        out.set(bytes);
+        Ok(out)
     }
 }
 
@@ -338,11 +392,19 @@ impl WeightsState {
 
     /// The version engines must serve to become routable: the running update's target, else
     /// the current version; with the path they load it from (None: the startup model path).
+    /// While the running update is still CHECKSUMMING its target is not known to be loadable,
+    /// so engines keep starting on the current version.
     pub fn desired(&self) -> (WeightVersion, Option<String>) {
-        match self.running_update() {
+        match self.loading_update() {
             Some(u) => (u.version_record(), Some(u.engine_path.clone())),
             None => (self.current.clone(), self.current_engine_path.clone()),
         }
+    }
+
+    /// The running update once its checksum is known (PENDING or UPDATING): engines may be
+    /// moving to its target.
+    pub fn loading_update(&self) -> Option<&UpdateRecord> {
+        self.running_update().filter(|u| u.status != WeightUpdateStatus::Checksumming)
     }
 
     /// Versions in publication order, oldest first (orders non-numeric versions for pins).
@@ -426,7 +488,10 @@ mod tests {
             update_id: id.into(),
             version: version.into(),
             path: format!("/ckpt/{version}"),
-            checksum: format!("sum-{version}"),
+            checksum: Some(format!("sum-{version}")),
+            expected_checksum: None,
+            total_bytes: 0,
+            hashed_bytes: HashProgress::default(),
             engine_path: format!("/stage/{version}"),
             previous_version: "default".into(),
             strategy: UpdateStrategy::Rolling,
@@ -454,6 +519,23 @@ mod tests {
         let (want, path) = w.desired();
         assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
         assert_eq!(path.as_deref(), Some("/stage/v1"));
+        // While its checkpoint is still being hashed, engines keep starting on the current one.
+        w.updates.get_mut("u1").unwrap().status = WeightUpdateStatus::Checksumming;
+        assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
+        assert!(w.loading_update().is_none() && w.running_update().is_some());
+    }
+
+    #[test]
+    fn hash_progress_serialises_as_a_number_and_is_shared_by_clones() {
+        let u = record("u", "v1", 0.0, WeightUpdateStatus::Checksumming);
+        let counter = u.hashed_bytes.counter();
+        let copy = u.clone();
+        counter.fetch_add(42, std::sync::atomic::Ordering::Relaxed);
+        let v = serde_json::to_value(&copy).unwrap();
+        assert_eq!(v["hashed_bytes"], 42);
+        let back: UpdateRecord = serde_json::from_value(v).unwrap();
+        assert_eq!(back.hashed_bytes.get(), 42);
+        assert_eq!(back, copy);
     }
 
     #[test]

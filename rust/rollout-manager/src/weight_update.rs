@@ -1,6 +1,9 @@
 //! Running one fleet update (see the module docs of [`crate::weights`] for the guarantees).
 //!
-//! Expected flow: the update turns UPDATING, then repeats until nothing is left:
+//! Expected flow: a publish answers with the update CHECKSUMMING, and [`checksum_then_run`]
+//! hashes the checkpoint (several files at once), checks it against the checksum the publish
+//! expected, stages it (relay transport), and moves it to PENDING; nothing is loaded before.
+//! Then the update turns UPDATING, and repeats until nothing is left:
 //! 1. under the registry lock, pick the next wave ([`rollout_core::weights::next_wave`]): ACTIVE
 //!    engines not yet on the target, at most the wave size; they leave routing at once
 //!    (ACTIVE -> WEIGHT_SYNCING), so no new request (pinned or not) reaches them;
@@ -30,11 +33,13 @@
 
 use crate::engine_api::{DiskLoad, EngineError};
 use crate::manager::Manager;
+use crate::records::EngineUpdate;
 use rollout_core::weights::{
     next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
 };
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +59,101 @@ enum Stop {
     Failed(String),
     /// The manager is shutting down: the update stays in flight for a restart to resume.
     Interrupted,
+}
+
+/// Hashes a CHECKSUMMING update's checkpoint, stages it and runs the update. A checkpoint that
+/// cannot be read, changes while hashed, or does not have the checksum the publish expected ends
+/// the update FAILED with the reason, before any engine is touched. A shutdown stops the hashing
+/// and leaves the update CHECKSUMMING; a restarted manager hashes it again.
+pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
+    let plan = manager.fleet.update(|inner| {
+        let u = inner.weights.updates.get(&update_id)?;
+        if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
+            return None;
+        }
+        u.hashed_bytes.set(0);
+        Some((u.version_record(), u.expected_checksum.clone(), u.hashed_bytes.counter()))
+    });
+    let Some((mut want, expected, progress)) = plan else { return };
+    let path = want.path.clone().unwrap_or_default();
+    let dir = std::path::PathBuf::from(&path);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_hashing = stop.clone();
+    let started = std::time::Instant::now();
+    let mut hashing = tokio::task::spawn_blocking(move || {
+        let ckpt = crate::weights::checkpoint::inspect(&dir)?;
+        let checksum = crate::weights::checkpoint::hash(&ckpt, &progress, &stop_hashing)?;
+        Ok::<_, crate::weights::checkpoint::CheckpointError>((ckpt, checksum))
+    });
+    let hashed = tokio::select! {
+        joined = &mut hashing => joined,
+        _ = manager.shutdown.cancelled() => {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = hashing.await;
+            manager.fleet.update(|inner| {
+                if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+                    u.message = format!(
+                        "interrupted by the manager's shutdown while hashing {}; a manager restarted on the same --state-dir hashes it again",
+                        u.version
+                    );
+                }
+            });
+            return;
+        }
+    };
+    let (ckpt, checksum) = match hashed {
+        Ok(Ok(done)) => done,
+        Ok(Err(e)) => {
+            let why = format!("the checkpoint at {path} could not be hashed: {e}; nothing was loaded");
+            return fail(&manager, &update_id, &want, &why).await;
+        }
+        Err(e) => return fail(&manager, &update_id, &want, &format!("the hashing task failed: {e}")).await,
+    };
+    tracing::info!(update_id, version = %want.version, checksum, bytes = ckpt.total_bytes, files = ckpt.files.len(),
+        seconds = started.elapsed().as_secs_f64(), "checkpoint hashed");
+    if let Some(expected) = expected.filter(|e| *e != checksum) {
+        let why = format!(
+            "checksum {expected} given to the publish does not match the checkpoint's checksum {checksum} (SHA-256 of its files' sha256sum listing: the files changed, are incomplete, or the checksum was computed another way); nothing was loaded"
+        );
+        return fail(&manager, &update_id, &want, &why).await;
+    }
+    want.checksum = Some(checksum.clone());
+    let engine_path = match manager.transport.stage(&want, &manager.weight_nodes()).await {
+        Ok(p) => p,
+        Err(e) => {
+            let why = format!("could not stage the checkpoint: {e}; nothing was loaded");
+            return fail(&manager, &update_id, &want, &why).await;
+        }
+    };
+    let go = manager.fleet.update(|inner| {
+        let engines: BTreeMap<String, EngineUpdate> = inner
+            .engines
+            .values()
+            .filter(|e| e.record.status.is_routable())
+            .map(|e| (e.record.engine_id.clone(), EngineUpdate::pending()))
+            .collect();
+        let Some(u) = inner.weights.updates.get_mut(&update_id) else { return false };
+        if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
+            return false;
+        }
+        u.checksum = Some(checksum.clone());
+        u.engine_path = engine_path.clone();
+        u.total_bytes = ckpt.total_bytes;
+        u.hashed_bytes.set(ckpt.total_bytes);
+        u.engines = engines;
+        u.message = format!(
+            "publishing {} ({} files, {} bytes) to the fleet, {}",
+            u.version,
+            ckpt.files.len(),
+            ckpt.total_bytes,
+            u.strategy
+        );
+        crate::records::checked(u.apply(WeightUpdateEvent::Checksummed));
+        true
+    });
+    if go {
+        run(manager, update_id).await;
+    }
 }
 
 /// Runs the update to its end. Never panics; every outcome is recorded on the update.
@@ -101,6 +201,17 @@ pub async fn resume(
             _ = manager.shutdown.cancelled() => return,
         }
     }
+    let checksumming = manager
+        .fleet
+        .lock()
+        .weights
+        .updates
+        .get(&update_id)
+        .is_some_and(|u| u.status == rollout_core::weights::WeightUpdateStatus::Checksumming);
+    if checksumming {
+        tracing::info!(update_id, "resuming the weight update: hashing its checkpoint again");
+        return checksum_then_run(manager, update_id).await;
+    }
     tracing::info!(update_id, mid_turn = ?carry.iter().map(|c| &c.0).collect::<Vec<_>>(), "resuming the weight update");
     run_with(manager, update_id, carry).await;
 }
@@ -118,7 +229,7 @@ async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngin
         let want = WeightVersion {
             version: u.version.clone(),
             path: Some(u.path.clone()),
-            checksum: Some(u.checksum.clone()),
+            checksum: u.checksum.clone(),
             published_seq: 0,
         };
         Some((want, u.engine_path.clone(), u.strategy, u.max_unavailable, u.pause_mode.clone()))
@@ -451,9 +562,10 @@ async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why
 /// still be loaded, and stages it again where its staged copy is gone. Err: why not (the
 /// checkpoint directory vanished or changed, or staging failed); the caller fails the update.
 pub async fn check_resumable(manager: &crate::manager::Manager) -> Result<(), String> {
+    // An update still CHECKSUMMING loaded nothing and staged nothing: it is simply hashed again.
     let Some((update_id, want, engine_path)) = ({
         let inner = manager.fleet.lock();
-        inner.weights.running_update().map(|u| (u.update_id.clone(), u.version_record(), u.engine_path.clone()))
+        inner.weights.loading_update().map(|u| (u.update_id.clone(), u.version_record(), u.engine_path.clone()))
     }) else {
         return Ok(());
     };

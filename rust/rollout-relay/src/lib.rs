@@ -8,8 +8,8 @@
 //! same time, so the time for N receivers is close to the time for one (plus N chunk times).
 //!
 //! Integrity, end to end: the manifest (sent first) lists every file with its size and SHA-256
-//! and the version checksum (SHA-256 over the `*.safetensors` bytes in name order, the rule
-//! the engines' loaders use); every chunk carries a CRC-32 checked at every hop; a receiver
+//! and the version checksum (the SHA-256 of the `sha256sum` listing of the `*.safetensors`
+//! files in name order, the rule the engines' loaders use); every chunk carries a CRC-32 checked at every hop; a receiver
 //! writes under `<dest>/<version>.partial/` and renames to `<dest>/<version>/` only after every
 //! hash matched. A corrupted, reordered or truncated transfer is detected, reported per
 //! receiver, retried (by the sender, for the failed receivers only) and never exposed.

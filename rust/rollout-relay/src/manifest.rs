@@ -2,11 +2,12 @@
 //! checksum.
 //!
 //! The version checksum is the rule `sglang-sim` (and the manager) use for a loaded checkpoint:
-//! lowercase hex SHA-256 over the bytes of every `*.safetensors` file, concatenated in
-//! byte-wise sorted file-name order. Files are listed (and sent) in that same order.
-//! [`Manifest::build`] computes the per-file SHA-256s and the version checksum in one read, so
-//! files that match their per-file hashes also have the manifest's version checksum: receivers
-//! check the per-file hashes only (see [`crate::sink`]).
+//! lowercase hex SHA-256 of the listing `sha256sum` prints for the `*.safetensors` files in
+//! byte-wise sorted name order (`<file hex digest>  <file name>\n` per file), i.e. it follows
+//! from the per-file SHA-256s alone ([`version_checksum`]). Files are listed (and sent) in that
+//! same order. [`Manifest::build`] reads every file once, so files that match their per-file
+//! hashes also have the manifest's version checksum: receivers check the per-file hashes only
+//! (see [`crate::sink`]).
 //!
 //! Only regular files directly in the version directory are part of it (checkpoints are flat);
 //! subdirectories are skipped and named in [`Manifest::skipped`], and so is a receiver's marker
@@ -52,6 +53,8 @@ pub enum ManifestError {
     TooManyFiles(usize),
     #[error("files are not in sorted order or repeat a name: {0:?}")]
     Order(String),
+    #[error("manifest checksum {0} is not the one its files' SHA-256s give (a corrupt or forged manifest)")]
+    ChecksumDisagrees(String),
     #[error("manifest checksum {0:?} is not 64 lowercase hex digits")]
     BadChecksum(String),
     #[error("{path} is not a directory of files")]
@@ -65,6 +68,19 @@ pub const MARKER: &str = ".relay-manifest.json";
 /// Lowercase hex of a digest.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The version checksum from the files' `(name, hex SHA-256)`, given in sorted name order: the
+/// SHA-256 of their `sha256sum` listing, counting only [`in_version_checksum`] files.
+pub fn version_checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut listing = Sha256::new();
+    for (name, digest) in files.into_iter().filter(|(name, _)| in_version_checksum(name)) {
+        listing.update(digest.as_bytes());
+        listing.update(b"  ");
+        listing.update(name.as_bytes());
+        listing.update(b"\n");
+    }
+    hex(&listing.finalize())
 }
 
 /// Whether a file takes part in the version checksum.
@@ -104,7 +120,6 @@ impl Manifest {
             return Err(ManifestError::TooManyFiles(names.len()));
         }
         let mut files = Vec::with_capacity(names.len());
-        let mut version_hash = Sha256::new();
         let mut buf = vec![0u8; 4 << 20];
         for name in names {
             if let Some(p) = name_problem(&name) {
@@ -116,21 +131,18 @@ impl Manifest {
             let mut f = std::fs::File::open(&path).map_err(io)?;
             let mut file_hash = Sha256::new();
             let mut size = 0u64;
-            let counted = in_version_checksum(&name);
             loop {
                 let n = f.read(&mut buf).map_err(io)?;
                 if n == 0 {
                     break;
                 }
                 file_hash.update(&buf[..n]);
-                if counted {
-                    version_hash.update(&buf[..n]);
-                }
                 size += n as u64;
             }
             files.push(FileEntry { name, size, sha256: hex(&file_hash.finalize()) });
         }
-        Ok(Manifest { version: version.to_string(), files, checksum: hex(&version_hash.finalize()), skipped })
+        let checksum = version_checksum(files.iter().map(|f| (f.name.as_str(), f.sha256.as_str())));
+        Ok(Manifest { version: version.to_string(), files, checksum, skipped })
     }
 
     /// Checks a manifest that came over the wire: names, limits, order, hash shapes.
@@ -161,6 +173,9 @@ impl Manifest {
         if !is_hex64(&self.checksum) {
             return Err(ManifestError::BadChecksum(self.checksum.clone()));
         }
+        if version_checksum(self.files.iter().map(|f| (f.name.as_str(), f.sha256.as_str()))) != self.checksum {
+            return Err(ManifestError::ChecksumDisagrees(self.checksum.clone()));
+        }
         Ok(())
     }
 
@@ -189,7 +204,12 @@ mod tests {
         assert_eq!(names, ["a.safetensors", "b.safetensors", "config.json"]);
         assert_eq!(m.skipped, [MARKER, "sub"], "a received copy's marker is not part of the version");
         assert_eq!(m.files[0].sha256, hex(&Sha256::digest(b"aa")));
-        assert_eq!(m.checksum, hex(&Sha256::digest(b"aabbbb")), "config.json is not part of the checksum");
+        let listing = format!(
+            "{}  a.safetensors\n{}  b.safetensors\n",
+            hex(&Sha256::digest(b"aa")),
+            hex(&Sha256::digest(b"bbbb"))
+        );
+        assert_eq!(m.checksum, hex(&Sha256::digest(listing.as_bytes())), "config.json is not part of the checksum");
         assert_eq!(m.total_bytes(), 8);
         m.validate().unwrap();
 
@@ -203,6 +223,9 @@ mod tests {
         let mut unsorted = m.clone();
         unsorted.files.swap(0, 1);
         assert!(matches!(unsorted.validate(), Err(ManifestError::Order(_))));
+        let mut forged = m.clone();
+        forged.files[1].sha256 = hex(&Sha256::digest(b"other"));
+        assert!(matches!(forged.validate(), Err(ManifestError::ChecksumDisagrees(_))));
         let mut partial = m;
         partial.version = "v1.partial".into();
         assert!(partial.validate().is_err());

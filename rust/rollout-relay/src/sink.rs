@@ -9,17 +9,14 @@
 //! files have the manifest's names and sizes; anything else (no marker, another manifest, a
 //! file missing, added or of another size) is discarded and the version received again.
 //!
-//! One SHA-256 pass per byte, not two. The version checksum (SHA-256 over the
-//! `*.safetensors` bytes in name order) is not recomputed here: it is a deterministic function
-//! of the files' bytes, and the source computes it together with the per-file SHA-256s in one
-//! read of the same bytes ([`Manifest::build`]). Once every file's SHA-256 matches the
-//! manifest, the bytes here are the bytes the source hashed, so their version checksum is the
-//! manifest's; a second pass would cost a core's worth of hashing per receiver and detect
-//! nothing the per-file hashes do not. What it could catch, a manifest whose checksum disagrees
-//! with its own file hashes, is a forged or buggy manifest, and whoever can forge the manifest
-//! can forge both. The checksum stays the version's identity: the sender reports the
-//! manifest's, the manager compares it with the published one, and the engines' loaders
-//! report the checksum of what they actually loaded, which the manager checks against it.
+//! One SHA-256 pass per byte. The version checksum follows from the per-file SHA-256s (the
+//! SHA-256 of their `sha256sum` listing, [`crate::manifest::version_checksum`]), and
+//! [`Manifest::validate`] checks that the manifest's checksum is the one its file hashes give;
+//! so once every file's SHA-256 matches the manifest, the bytes here have the manifest's
+//! version checksum without hashing them a second time. The checksum stays the version's
+//! identity: the sender reports the manifest's, the manager compares it with the published
+//! one, and the engines' loaders report the checksum of what they actually loaded, which the
+//! manager checks against it.
 
 use crate::manifest::{hex, Manifest, MARKER};
 use crate::protocol::HopResult;

@@ -292,10 +292,25 @@ async fn a_version_that_cannot_fit_is_refused_before_anything_is_written() {
     let dest = scratch("nospace");
     let r = receiver(&dest).await;
     let sha = "0".repeat(64);
-    let huge = serde_json::json!({"version": "v1", "checksum": sha,
+    // A well-formed manifest: its checksum is the one its file hash gives.
+    let checksum = rollout_relay::manifest::version_checksum([("model.safetensors", sha.as_str())]);
+    let huge = serde_json::json!({"version": "v1", "checksum": checksum,
         "files": [{"name": "model.safetensors", "size": 1u64 << 60, "sha256": sha}]});
     let msg = raw_manifest(r.local_addr(), "v1", huge).await;
     assert!(msg.contains("not enough space"), "{msg}");
+    assert!(entries(&dest).is_empty());
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_manifest_whose_checksum_its_files_do_not_give_is_refused() {
+    let dest = scratch("forged");
+    let r = receiver(&dest).await;
+    let sha = "0".repeat(64);
+    let forged = serde_json::json!({"version": "v1", "checksum": "1".repeat(64),
+        "files": [{"name": "model.safetensors", "size": 4, "sha256": sha}]});
+    let msg = raw_manifest(r.local_addr(), "v1", forged).await;
+    assert!(msg.contains("not the one its files"), "{msg}");
     assert!(entries(&dest).is_empty());
     r.shutdown().await;
 }

@@ -2,8 +2,10 @@
 //! (8-byte little-endian header length, a JSON header whose tensors fit in the file) and
 //! hashed, so a test can prove which bytes an engine loaded.
 //!
-//! Checksum: lowercase hex SHA-256 of the bytes of every `*.safetensors` file, concatenated in
-//! byte-wise sorted file-name order (for a single-file path, of that file).
+//! Checksum (the rule the manager and the relay use): lowercase hex SHA-256 of the listing
+//! `sha256sum` prints for every `*.safetensors` file in byte-wise sorted name order, one line
+//! `<file hex digest>  <file name>\n` per file (for a single-file path, that file alone):
+//! `cd DIR && LC_ALL=C sha256sum -- *.safetensors | sha256sum`.
 
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -107,6 +109,10 @@ fn validate_header(path: &Path, file_len: u64, f: &mut std::fs::File) -> Result<
     Ok(tensors)
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Validates and hashes a checkpoint (blocking IO: call from `spawn_blocking`).
 pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
     let root = Path::new(path);
@@ -114,7 +120,9 @@ pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
         return Err(WeightsError::NotFound(path.to_string()));
     }
     let files = checkpoint_files(root)?;
-    let mut hasher = Sha256::new();
+    // The checksum rule shared with the manager and the relay: each file's SHA-256, then the
+    // SHA-256 of their `sha256sum` listing in name order (`files` is sorted).
+    let mut listing = Sha256::new();
     let mut info = WeightsInfo { path: Some(path.to_string()), ..WeightsInfo::default() };
     let mut buf = vec![0u8; 1 << 20];
     for file in &files {
@@ -124,6 +132,7 @@ pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
         let len = f.metadata().map_err(io)?.len();
         info.num_tensors += validate_header(file, len, &mut f)?;
         let mut f = std::fs::File::open(file).map_err(io)?;
+        let mut hasher = Sha256::new();
         loop {
             let n = f.read(&mut buf).map_err(io)?;
             if n == 0 {
@@ -131,10 +140,15 @@ pub fn load_checkpoint(path: &str) -> Result<WeightsInfo, WeightsError> {
             }
             hasher.update(&buf[..n]);
         }
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        listing.update(hex(&hasher.finalize()).as_bytes());
+        listing.update(b"  ");
+        listing.update(name.as_bytes());
+        listing.update(b"\n");
         info.total_bytes += len;
-        info.files.push(file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        info.files.push(name);
     }
-    info.checksum = Some(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect());
+    info.checksum = Some(hex(&listing.finalize()));
     Ok(info)
 }
 
@@ -193,10 +207,9 @@ mod tests {
         let info = load_checkpoint(d.to_str().unwrap()).unwrap();
         assert_eq!(info.files, vec!["a.safetensors", "b.safetensors"]);
         assert_eq!(info.num_tensors, 2);
-        let mut h = Sha256::new();
-        h.update(&a);
-        h.update(&b);
-        let expect: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let listing =
+            format!("{}  a.safetensors\n{}  b.safetensors\n", hex(&Sha256::digest(&a)), hex(&Sha256::digest(&b)));
+        let expect = hex(&Sha256::digest(listing.as_bytes()));
         assert_eq!(info.checksum.as_deref(), Some(expect.as_str()));
         let meta = read_model_config(d.to_str().unwrap());
         assert_eq!(meta.model_type.as_deref(), Some("llama"));

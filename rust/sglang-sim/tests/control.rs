@@ -119,10 +119,14 @@ async fn update_weights_from_disk_reads_and_checks_files() {
     std::fs::write(dir.join("model-00002.safetensors"), &b).unwrap();
     std::fs::write(dir.join("model-00001.safetensors"), &a).unwrap();
     std::fs::write(dir.join("config.json"), "{}").unwrap();
-    let mut h = Sha256::new();
-    h.update(&a);
-    h.update(&b);
-    let expected: String = h.finalize().iter().map(|x| format!("{x:02x}")).collect();
+    // The shared rule: SHA-256 of the shards' `sha256sum` listing in name order.
+    let hex = |bytes: &[u8]| -> String { bytes.iter().map(|x| format!("{x:02x}")).collect() };
+    let listing = format!(
+        "{}  model-00001.safetensors\n{}  model-00002.safetensors\n",
+        hex(&Sha256::digest(&a)),
+        hex(&Sha256::digest(&b))
+    );
+    let expected = hex(&Sha256::digest(listing.as_bytes()));
 
     let (status, out) = sim
         .post_json(

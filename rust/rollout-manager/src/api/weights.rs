@@ -2,17 +2,22 @@
 //!
 //! - `GET /rollout/weights`: current version (path, checksum, source, since when), the update
 //!   in flight with per-engine progress, each engine's version and checksum, and the history.
-//! - `POST /rollout/weights/publish`: 202 with an `update_id` (200 with the existing one when the
-//!   same version, path and checksum were published before). 400: bad body, missing or invalid
-//!   checkpoint, or a given checksum that does not match; 409: another update runs, or the version
-//!   name was published with other bytes.
+//! - `POST /rollout/weights/publish`: answers at once. The files' headers are checked here (400
+//!   for a bad body, or a missing, empty or invalid checkpoint: nothing is published); then 202
+//!   with an update in `CHECKSUMMING` while the files are hashed in the background
+//!   ([`crate::weight_update::checksum_then_run`]), or 202 with the running update when it
+//!   publishes the same version from the same path (joined), or 200 with the earlier update when
+//!   that version was published from that path before. 409: another update runs, or the version
+//!   name is taken by another path or (given `checksum`) other bytes. A checksum that does not
+//!   match, or a file that changes or vanishes while hashed, ends the update FAILED with nothing
+//!   loaded.
 //! - `GET /rollout/weights/updates[?status=]` and `GET /rollout/weights/updates/{id}`.
 
 use super::{parse_body, status_filter, ApiState};
 use crate::clock::unix_now;
 use crate::error::ApiError;
 use crate::records::Transition;
-use crate::records::{EngineUpdate, UpdateRecord};
+use crate::records::UpdateRecord;
 use crate::weights::checkpoint;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -20,7 +25,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus, WeightVersion};
+use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -95,137 +100,156 @@ async fn publish(
             format!("path {:?} must be absolute: engines resolve it from their own working directory", req.path),
         ));
     }
-    let dir = std::path::PathBuf::from(&req.path);
-    let info = tokio::task::spawn_blocking(move || checkpoint::read(&dir))
-        .await
-        .map_err(|e| ApiError::internal("checksum_task", e.to_string()))?
-        .map_err(|e| ApiError::bad_request("invalid_checkpoint", format!("{e}; nothing was published")))?;
-    if let Some(given) = &req.checksum {
-        if !given.eq_ignore_ascii_case(&info.checksum) {
+    let given = match &req.checksum {
+        None => None,
+        Some(c) if c.len() == 64 && c.bytes().all(|b| b.is_ascii_hexdigit()) => Some(c.to_ascii_lowercase()),
+        Some(c) => {
             return Err(ApiError::bad_request(
-                "checksum_mismatch",
-                format!(
-                    "checksum {given} does not match the checkpoint's SHA-256 {} (the files changed or are incomplete); nothing was published",
-                    info.checksum
-                ),
-            ));
+                "invalid_checksum",
+                format!("checksum {c:?} must be 64 hex digits (SHA-256, see docs/api.md for the rule), or left out"),
+            ))
         }
-    }
-    let version = WeightVersion {
-        version: req.version.clone(),
-        path: Some(req.path.clone()),
-        checksum: Some(info.checksum.clone()),
-        published_seq: 0,
     };
+    // Only the headers are read here; the files are hashed in the background (CHECKSUMMING).
+    let dir = std::path::PathBuf::from(&req.path);
+    let ckpt = tokio::task::spawn_blocking(move || checkpoint::inspect(&dir))
+        .await
+        .map_err(|e| ApiError::internal("checkpoint_task", e.to_string()))?
+        .map_err(|e| ApiError::bad_request("invalid_checkpoint", format!("{e}; nothing was published")))?;
 
     let manager = &s.manager;
-    // Decide under the lock first (cheap), then stage outside it, then record.
-    let decided = {
-        let inner = manager.fleet.lock();
-        decide(&inner.weights, &req.version, &req.path, &info.checksum)?
-    };
-    if let Some(existing) = decided {
-        return Ok((StatusCode::OK, Json(existing)));
-    }
-    let nodes = manager.weight_nodes();
-    let engine_path = manager
-        .transport
-        .stage(&version, &nodes)
-        .await
-        .map_err(|e| ApiError::unavailable("stage_failed", format!("{e}; nothing was published")))?;
     let update_id = uuid::Uuid::new_v4().to_string();
-    let answer = manager.fleet.update(|inner| -> Result<Value, ApiError> {
-        // Checked again: another publish may have won the race while we staged.
-        if let Some(existing) = decide(&inner.weights, &req.version, &req.path, &info.checksum)? {
-            return Ok(existing);
+    let (status, answer) = manager.fleet.update(|inner| -> Result<(StatusCode, Value), ApiError> {
+        match decide(&inner.weights, &req.version, &req.path, given.as_deref())? {
+            Decision::Existing(answer) => return Ok((StatusCode::OK, answer)),
+            Decision::Join(id) => {
+                let Some(u) = inner.weights.updates.get(&id) else {
+                    return Err(ApiError::internal("join", format!("update {id} vanished")));
+                };
+                let answer = json!({
+                    "update_id": u.update_id,
+                    "status": u.status,
+                    "version": u.version,
+                    "checksum": u.checksum,
+                    "message": format!(
+                        "update {} already publishes {} from this path ({}); this publish joins it",
+                        u.update_id, u.version, u.status
+                    ),
+                });
+                return Ok((StatusCode::ACCEPTED, answer));
+            }
+            Decision::New => {}
         }
         let now = unix_now();
-        let engines: BTreeMap<String, EngineUpdate> = inner
-            .engines
-            .values()
-            .filter(|e| e.record.status.is_routable())
-            .map(|e| {
-                (
-                    e.record.engine_id.clone(),
-                    EngineUpdate {
-                        status: rollout_core::weights::EngineUpdateStatus::Pending,
-                        error: None,
-                        started_at: None,
-                        finished_at: None,
-                    },
-                )
-            })
-            .collect();
         let record = UpdateRecord {
             update_id: update_id.clone(),
             version: req.version.clone(),
             path: req.path.clone(),
-            checksum: info.checksum.clone(),
-            engine_path: engine_path.clone(),
+            checksum: None,
+            expected_checksum: given.clone(),
+            total_bytes: ckpt.total_bytes,
+            hashed_bytes: crate::records::HashProgress::default(),
+            engine_path: String::new(),
             previous_version: inner.weights.current.version.clone(),
             strategy: req.strategy,
             max_unavailable: req.max_unavailable,
             pause_mode: pause_mode.clone(),
             transport: manager.transport.name().to_string(),
-            status: WeightUpdateStatus::Pending,
-            engines,
+            status: WeightUpdateStatus::Checksumming,
+            engines: BTreeMap::new(),
             created_at: now,
             updated_at: now,
             finished_at: None,
             error_message: None,
             message: format!(
-                "publishing {} ({} files, {} bytes) to the fleet, {}",
+                "checking {} ({} files, {} bytes, {} tensors) before publishing it, {}",
                 req.version,
-                info.files.len(),
-                info.total_bytes,
+                ckpt.files.len(),
+                ckpt.total_bytes,
+                ckpt.num_tensors,
                 req.strategy
             ),
-            history: vec![Transition { status: "PENDING".into(), at: now }],
+            history: vec![Transition { status: WeightUpdateStatus::Checksumming.to_string(), at: now }],
             resumed: 0,
         };
         let out = json!({
             "update_id": update_id,
-            "status": "PENDING",
+            "status": record.status,
             "version": req.version,
-            "checksum": info.checksum,
+            "checksum": null,
             "message": record.message,
         });
         inner.weights.updates.insert(update_id.clone(), record);
         inner.weights.running = Some(update_id.clone());
         inner.weights.prune();
-        Ok(out)
+        Ok((StatusCode::ACCEPTED, out))
     })?;
-    if answer.get("update_id").and_then(|v| v.as_str()) != Some(update_id.as_str()) {
-        return Ok((StatusCode::OK, Json(answer)));
+    if answer.get("update_id").and_then(|v| v.as_str()) == Some(update_id.as_str()) {
+        let m = manager.clone();
+        manager.tasks.spawn(crate::weight_update::checksum_then_run(m, update_id));
     }
-    let m = manager.clone();
-    manager.tasks.spawn(crate::weight_update::run(m, update_id));
-    Ok((StatusCode::ACCEPTED, Json(answer)))
+    Ok((status, Json(answer)))
 }
 
-/// Ok(Some(answer)): already published (idempotent); Ok(None): go ahead; Err: 409.
+/// What a publish means given the updates the manager knows.
+enum Decision {
+    /// A new version: start an update.
+    New,
+    /// The running update publishes this version from this path: answer with it.
+    Join(String),
+    /// Published before (same version and path, and the checksum, when given, matches).
+    Existing(Value),
+}
+
+/// `given`: the checksum the publish asked for. Err: 409.
 fn decide(
     w: &crate::records::WeightsState,
     version: &str,
     path: &str,
-    checksum: &str,
-) -> Result<Option<Value>, ApiError> {
-    match check_publish(&w.known_versions(), version, path, checksum) {
+    given: Option<&str>,
+) -> Result<Decision, ApiError> {
+    if let Some(u) = w.running_update().filter(|u| u.version == version && u.path == path) {
+        let known = u.checksum.as_deref().or(u.expected_checksum.as_deref());
+        if let (Some(_), None) = (given, known) {
+            // Joining would mean failing the running update if the files lack this checksum.
+            return Err(ApiError::conflict(
+                "update_in_progress",
+                format!(
+                    "update {} is still hashing {version} from {path}, published without a checksum; publish again once it is PENDING (GET /rollout/weights/updates/{}) to compare checksums",
+                    u.update_id, u.update_id
+                ),
+            ));
+        }
+        if let (Some(g), Some(k)) = (given, known) {
+            if g != k {
+                return Err(ApiError::conflict(
+                    "version_conflict",
+                    format!(
+                        "update {} publishes {version} from {path} with checksum {k}; this publish expects {g}: publish other bytes under a new version name",
+                        u.update_id
+                    ),
+                ));
+            }
+        }
+        return Ok(Decision::Join(u.update_id.clone()));
+    }
+    match check_publish(&w.known_versions(), version, path, given) {
         PublishCheck::Same => {
             let existing = w
                 .updates
                 .values()
                 .filter(|u| u.version == version && u.status != WeightUpdateStatus::Failed)
                 .max_by(|a, b| a.created_at.total_cmp(&b.created_at));
-            let (id, status) = existing.map_or((Value::Null, "COMPLETED".to_string()), |u| {
-                (json!(u.update_id), u.status.to_string())
-            });
-            Ok(Some(json!({
+            let (id, status, checksum) = existing.map_or_else(
+                || (Value::Null, "COMPLETED".to_string(), w.current.checksum.clone()),
+                |u| (json!(u.update_id), u.status.to_string(), u.checksum.clone()),
+            );
+            Ok(Decision::Existing(json!({
                 "update_id": id,
                 "status": status,
                 "version": version,
                 "checksum": checksum,
-                "message": format!("version {version} with this checksum was already published; nothing to do"),
+                "message": format!("version {version} was already published from this path; nothing to do (its files are not hashed again)"),
             })))
         }
         PublishCheck::Conflict(why) => Err(ApiError::conflict("version_conflict", why)),
@@ -233,11 +257,11 @@ fn decide(
             Some(u) => Err(ApiError::conflict(
                 "update_in_progress",
                 format!(
-                    "update {} to {} is in progress; wait for it to finish (GET /rollout/weights/updates/{}), then publish again",
-                    u.update_id, u.version, u.update_id
+                    "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then publish again",
+                    u.update_id, u.version, u.status, u.update_id
                 ),
             )),
-            None => Ok(None),
+            None => Ok(Decision::New),
         },
     }
 }

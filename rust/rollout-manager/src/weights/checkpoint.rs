@@ -1,19 +1,37 @@
-//! Reading a published checkpoint: every `*.safetensors` file of a directory is checked (header
-//! length, JSON header, tensors within the file) and hashed with the rule shared with
-//! `sglang-sim` ([`rollout_core::weights::Checksum`]: SHA-256 over the files' bytes in sorted
-//! file-name order). Blocking IO: call from `spawn_blocking`.
+//! Reading a published checkpoint, in two steps so a publish can answer before the slow one:
+//! [`inspect`] lists every `*.safetensors` file of a directory and checks each header (header
+//! length, JSON header, tensors within the file) without reading the tensors; [`hash`] then
+//! hashes the files, several at once, with the rule shared with `sglang-sim` and the relay
+//! ([`rollout_core::weights::checkpoint_checksum`]). Blocking IO: call from `spawn_blocking`.
 //!
-//! Errors name the file and what is wrong, so a publish can be answered 400 with a fix.
+//! Errors name the file and what is wrong, so a publish can be answered 400 with a fix, or an
+//! update end FAILED with a reason.
 
-use rollout_core::weights::{safetensors_header, safetensors_header_len, Checksum};
+use rollout_core::weights::{checkpoint_checksum, safetensors_header, safetensors_header_len, FileHash};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// At most this many files are hashed at once (storage rarely reads faster with more).
+const MAX_HASH_THREADS: usize = 8;
+/// Read size while hashing.
+const CHUNK: usize = 4 << 20;
 
 /// What a checkpoint directory holds.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CheckpointInfo {
     pub checksum: String,
     pub files: Vec<String>,
+    pub total_bytes: u64,
+    pub num_tensors: usize,
+}
+
+/// A checkpoint whose headers were checked: its files in name order, not yet hashed.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// `(file name, path, size in bytes)`, sorted by name (byte-wise).
+    pub files: Vec<(String, PathBuf, u64)>,
     pub total_bytes: u64,
     pub num_tensors: usize,
 }
@@ -30,6 +48,10 @@ pub enum CheckpointError {
     Io { path: String, source: std::io::Error },
     #[error("{path} is not a valid safetensors file: {reason}")]
     Invalid { path: String, reason: String },
+    #[error("{path} changed while it was hashed ({expected} bytes when the publish was checked, {found} read); write the checkpoint completely before publishing it")]
+    Changed { path: String, expected: u64, found: u64 },
+    #[error("hashing was stopped (the manager is shutting down)")]
+    Stopped,
 }
 
 /// The `*.safetensors` files of `dir`, sorted by file name (byte-wise).
@@ -56,11 +78,9 @@ fn files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Ok(out)
 }
 
-/// Validates and checksums a checkpoint directory.
-pub fn read(dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
-    let mut sum = Checksum::default();
-    let mut info = CheckpointInfo { checksum: String::new(), files: Vec::new(), total_bytes: 0, num_tensors: 0 };
-    let mut buf = vec![0u8; 1 << 20];
+/// Lists a checkpoint directory and checks every file's header; reads only the headers.
+pub fn inspect(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let mut out = Checkpoint { files: Vec::new(), total_bytes: 0, num_tensors: 0 };
     for file in files(dir)? {
         let shown = file.display().to_string();
         let io = |source| CheckpointError::Io { path: shown.clone(), source };
@@ -74,21 +94,104 @@ pub fn read(dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
         let header_len = safetensors_header_len(prefix, len).map_err(invalid)?;
         let mut header = vec![0u8; usize::try_from(header_len).map_err(|_| invalid("header too large".into()))?];
         f.read_exact(&mut header).map_err(io)?;
-        info.num_tensors += safetensors_header(&header, len - 8 - header_len).map_err(invalid)?;
-        sum.update(&prefix);
-        sum.update(&header);
-        loop {
-            let n = f.read(&mut buf).map_err(io)?;
-            if n == 0 {
-                break;
-            }
-            sum.update(&buf[..n]);
-        }
-        info.total_bytes += len;
-        info.files.push(file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        out.num_tensors += safetensors_header(&header, len - 8 - header_len).map_err(invalid)?;
+        out.total_bytes += len;
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        out.files.push((name, file, len));
     }
-    info.checksum = sum.finish();
-    Ok(info)
+    Ok(out)
+}
+
+/// One file's SHA-256; adds what it reads to `progress`. The file must still have the size
+/// [`inspect`] saw. Stops early when either flag is set.
+fn hash_file(path: &Path, len: u64, progress: &AtomicU64, stop: [&AtomicBool; 2]) -> Result<String, CheckpointError> {
+    let shown = path.display().to_string();
+    let io = |source| CheckpointError::Io { path: shown.clone(), source };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut sum = FileHash::default();
+    let mut buf = vec![0u8; CHUNK];
+    let mut read = 0u64;
+    loop {
+        if stop.iter().any(|s| s.load(Ordering::Relaxed)) {
+            return Err(CheckpointError::Stopped);
+        }
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        sum.update(&buf[..n]);
+        read += n as u64;
+        progress.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    if read != len {
+        return Err(CheckpointError::Changed { path: shown, expected: len, found: read });
+    }
+    Ok(sum.finish())
+}
+
+/// Hashes the checkpoint's files, up to [`MAX_HASH_THREADS`] (and the machine's cores) at once,
+/// largest first; returns its checksum. `progress` counts the bytes read; setting `stop` ends the
+/// hashing early with [`CheckpointError::Stopped`]. The first error stops the other threads.
+pub fn hash(ckpt: &Checkpoint, progress: &AtomicU64, stop: &AtomicBool) -> Result<String, CheckpointError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.clamp(1, MAX_HASH_THREADS).min(ckpt.files.len()).max(1);
+    // Largest first, so one big file does not start last and leave the other threads idle.
+    let mut order: Vec<usize> = (0..ckpt.files.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(ckpt.files[i].2));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let digests: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; ckpt.files.len()]);
+    let first_error: Mutex<Option<CheckpointError>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { return };
+                let (_, path, len) = &ckpt.files[i];
+                match hash_file(path, *len, progress, [stop, &failed]) {
+                    Ok(digest) => {
+                        if let Ok(mut d) = digests.lock() {
+                            d[i] = Some(digest);
+                        }
+                    }
+                    Err(e) => {
+                        failed.store(true, Ordering::Relaxed);
+                        if let Ok(mut slot) = first_error.lock() {
+                            // A Stopped error caused by another thread's failure is not the cause.
+                            if slot.is_none() || matches!(slot.as_ref(), Some(CheckpointError::Stopped)) {
+                                *slot = Some(e);
+                            }
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_error.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    if stop.load(Ordering::Relaxed) {
+        return Err(CheckpointError::Stopped);
+    }
+    let digests = digests.into_inner().unwrap_or_default();
+    let mut listed = Vec::with_capacity(digests.len());
+    for ((name, _, _), digest) in ckpt.files.iter().zip(&digests) {
+        listed.push((name.as_str(), digest.as_deref().ok_or(CheckpointError::Stopped)?));
+    }
+    Ok(checkpoint_checksum(listed))
+}
+
+/// Validates and checksums a checkpoint directory in one call.
+pub fn read(dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
+    let ckpt = inspect(dir)?;
+    let checksum = hash(&ckpt, &AtomicU64::new(0), &AtomicBool::new(false))?;
+    Ok(CheckpointInfo {
+        checksum,
+        files: ckpt.files.iter().map(|(name, _, _)| name.clone()).collect(),
+        total_bytes: ckpt.total_bytes,
+        num_tensors: ckpt.num_tensors,
+    })
 }
 
 #[cfg(test)]
@@ -121,10 +224,55 @@ mod tests {
         assert_eq!(info.files, vec!["a.safetensors", "b.safetensors"]);
         assert_eq!(info.num_tensors, 2);
         assert_eq!(info.total_bytes, (a.len() + b.len()) as u64);
-        let mut want = Checksum::default();
-        want.update(&a);
-        want.update(&b);
-        assert_eq!(info.checksum, want.finish());
+        let digest = |bytes: &[u8]| {
+            let mut h = FileHash::default();
+            h.update(bytes);
+            h.finish()
+        };
+        let (da, db) = (digest(&a), digest(&b));
+        assert_eq!(
+            info.checksum,
+            checkpoint_checksum([("a.safetensors", da.as_str()), ("b.safetensors", db.as_str())])
+        );
+        let progress = AtomicU64::new(0);
+        assert_eq!(hash(&inspect(&d).unwrap(), &progress, &AtomicBool::new(false)).unwrap(), info.checksum);
+        assert_eq!(progress.load(Ordering::Relaxed), info.total_bytes, "every byte counted once");
+    }
+
+    #[test]
+    fn many_files_hash_in_parallel_to_the_same_checksum() {
+        let d = tmpdir("many");
+        let mut listed = Vec::new();
+        for i in 0..13u8 {
+            let data = vec![i; 1000 * usize::from(i) + 3];
+            let header =
+                format!(r#"{{"w":{{"dtype":"U8","shape":[{}],"data_offsets":[0,{}]}}}}"#, data.len(), data.len());
+            let bytes = safetensors(&header, &data);
+            let mut h = FileHash::default();
+            h.update(&bytes);
+            listed.push((format!("model-{i:05}.safetensors"), h.finish()));
+            std::fs::write(d.join(&listed.last().unwrap().0), &bytes).unwrap();
+        }
+        let want = checkpoint_checksum(listed.iter().map(|(n, h)| (n.as_str(), h.as_str())));
+        assert_eq!(read(&d).unwrap().checksum, want);
+    }
+
+    #[test]
+    fn a_file_that_changes_after_inspect_or_a_stop_is_an_error() {
+        let d = tmpdir("changed");
+        let bytes = safetensors(r#"{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, &[7; 4]);
+        std::fs::write(d.join("a.safetensors"), &bytes).unwrap();
+        let ckpt = inspect(&d).unwrap();
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 16]);
+        std::fs::write(d.join("a.safetensors"), &longer).unwrap();
+        let err = hash(&ckpt, &AtomicU64::new(0), &AtomicBool::new(false)).unwrap_err();
+        assert!(matches!(err, CheckpointError::Changed { .. }) && err.to_string().contains("a.safetensors"), "{err}");
+        let stopped = hash(&inspect(&d).unwrap(), &AtomicU64::new(0), &AtomicBool::new(true)).unwrap_err();
+        assert!(matches!(stopped, CheckpointError::Stopped), "{stopped}");
+        std::fs::remove_file(d.join("a.safetensors")).unwrap();
+        let gone = hash(&ckpt, &AtomicU64::new(0), &AtomicBool::new(false)).unwrap_err();
+        assert!(matches!(gone, CheckpointError::Io { .. }), "{gone}");
     }
 
     #[test]
