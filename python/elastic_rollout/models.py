@@ -369,10 +369,11 @@ class WeightUpdate(JsonRecord):
 class PublishResult(JsonRecord):
     """The answer of ``POST /rollout/weights/publish``.
 
-    ``accepted`` is true when the manager started a new update (HTTP 202); false when the same
-    version, path and checksum had been published before and the existing update answered
-    (HTTP 200; ``update_id`` may then be ``None`` for a version the fleet started on). ``checksum``
-    is ``None`` while the manager still hashes the checkpoint (status ``CHECKSUMMING``).
+    ``accepted`` is true when the manager started a new update, or this publish joined the running
+    update of the same version and path (HTTP 202); false when that version had been published
+    from that path before and the existing update answered (HTTP 200; ``update_id`` may then be
+    ``None`` for a version the fleet started on). ``checksum`` is ``None`` while the manager still
+    hashes the checkpoint (status ``CHECKSUMMING``).
     """
 
     update_id: str | None

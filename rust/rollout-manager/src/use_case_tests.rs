@@ -232,6 +232,111 @@ fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &
     update_id
 }
 
+/// A publish as the API records it: CHECKSUMMING, hashed in the background.
+fn start_publish(m: &Arc<crate::manager::Manager>, version: &str, dir: &std::path::Path, expected: Option<String>) -> String {
+    use crate::records::{Transition, UpdateRecord};
+    use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
+    let update_id = format!("update-{version}");
+    m.fleet.update(|inner| {
+        let record = UpdateRecord {
+            update_id: update_id.clone(),
+            version: version.into(),
+            path: dir.display().to_string(),
+            checksum: None,
+            expected_checksum: expected,
+            total_bytes: 0,
+            hashed_bytes: crate::records::HashProgress::default(),
+            engine_path: String::new(),
+            previous_version: inner.weights.current.version.clone(),
+            strategy: UpdateStrategy::Rolling,
+            max_unavailable: Some(1),
+            pause_mode: "abort".into(),
+            transport: "disk".into(),
+            status: WeightUpdateStatus::Checksumming,
+            engines: std::collections::BTreeMap::new(),
+            created_at: 1.0,
+            updated_at: 1.0,
+            finished_at: None,
+            error_message: None,
+            message: String::new(),
+            history: vec![Transition { status: "CHECKSUMMING".into(), at: 1.0 }],
+            resumed: 0,
+        };
+        inner.weights.updates.insert(update_id.clone(), record);
+        inner.weights.running = Some(update_id.clone());
+    });
+    m.tasks.spawn(crate::weight_update::checksum_then_run(m.clone(), update_id.clone()));
+    update_id
+}
+
+/// A two-shard checkpoint; returns its checksum.
+fn write_checkpoint(dir: &std::path::Path) -> String {
+    let mut listed = Vec::new();
+    for (name, byte) in [("b.safetensors", 2u8), ("a.safetensors", 1u8)] {
+        let header = r#"{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[byte; 8]);
+        std::fs::write(dir.join(name), &bytes).expect("written");
+        let mut h = rollout_core::weights::FileHash::default();
+        h.update(&bytes);
+        listed.push((name, h.finish()));
+    }
+    rollout_core::weights::checkpoint_checksum(listed.iter().map(|(n, h)| (*n, h.as_str())))
+}
+
+#[tokio::test]
+async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let dir = TempDir::new();
+    let checksum = write_checkpoint(&dir.0);
+    let update = start_publish(&m, "v1", &dir.0, Some(checksum.clone()));
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    let inner = m.fleet.lock();
+    let record = &inner.weights.updates[&update];
+    assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
+    assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
+    let size = |n: &str| std::fs::metadata(dir.0.join(n)).map(|m| m.len()).unwrap_or_default();
+    let total = size("a.safetensors") + size("b.safetensors");
+    assert_eq!((record.hashed_bytes.get(), record.total_bytes), (total, total));
+    let statuses: Vec<&str> = record.history.iter().map(|t| t.status.as_str()).collect();
+    assert_eq!(statuses, ["CHECKSUMMING", "PENDING", "UPDATING", "COMPLETED"]);
+    assert_eq!(record.engines.len(), 2, "the engines serving when the checksum was known take part");
+    assert_eq!(inner.weights.current.checksum.as_deref(), Some(checksum.as_str()));
+}
+
+#[tokio::test]
+async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let dir = TempDir::new();
+    write_checkpoint(&dir.0);
+    let update = start_publish(&m, "v1", &dir.0, Some("0".repeat(64)));
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    {
+        let inner = m.fleet.lock();
+        let record = &inner.weights.updates[&update];
+        assert_eq!(record.status.to_string(), "FAILED");
+        let why = record.error_message.as_deref().unwrap_or_default();
+        assert!(why.contains("does not match") && why.contains("nothing was loaded"), "{why}");
+        assert!(inner.weights.running.is_none() && inner.weights.current.version == "default");
+    }
+    // A checkpoint that vanished fails the same way.
+    std::fs::remove_dir_all(&dir.0).expect("removed");
+    let gone = start_publish(&m, "v2", &dir.0, None);
+    wait_for(&m, "the second update to end", |i| i.weights.updates[&gone].status.is_terminal()).await;
+    let why = m.fleet.lock().weights.updates[&gone].error_message.clone().unwrap_or_default();
+    assert!(why.contains("does not exist") && why.contains("nothing was loaded"), "{why}");
+    assert!(engines.calls().iter().all(|c| !c.starts_with("load ")), "no engine loaded anything: {:?}", engines.calls());
+}
+
 #[tokio::test]
 async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     let engines = Arc::new(FakeEngines::default());
