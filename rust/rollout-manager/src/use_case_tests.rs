@@ -233,7 +233,12 @@ fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &
 }
 
 /// A publish as the API records it: CHECKSUMMING, hashed in the background.
-fn start_publish(m: &Arc<crate::manager::Manager>, version: &str, dir: &std::path::Path, expected: Option<String>) -> String {
+fn start_publish(
+    m: &Arc<crate::manager::Manager>,
+    version: &str,
+    dir: &std::path::Path,
+    expected: Option<String>,
+) -> String {
     use crate::records::{Transition, UpdateRecord};
     use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
     let update_id = format!("update-{version}");
@@ -334,7 +339,11 @@ async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
     wait_for(&m, "the second update to end", |i| i.weights.updates[&gone].status.is_terminal()).await;
     let why = m.fleet.lock().weights.updates[&gone].error_message.clone().unwrap_or_default();
     assert!(why.contains("does not exist") && why.contains("nothing was loaded"), "{why}");
-    assert!(engines.calls().iter().all(|c| !c.starts_with("load ")), "no engine loaded anything: {:?}", engines.calls());
+    assert!(
+        engines.calls().iter().all(|c| !c.starts_with("load ")),
+        "no engine loaded anything: {:?}",
+        engines.calls()
+    );
 }
 
 #[tokio::test]
