@@ -23,6 +23,13 @@ Run from the repository root after `cargo build --release -p rollout-relay`
     .venv/bin/python benches/weights_relay.py                   # 1 GiB, 1 2 4 8 receivers
     .venv/bin/python benches/weights_relay.py --size-gib 2 --receivers 1 2 4
     .venv/bin/python benches/weights_relay.py --relay-bin /tmp/old/rollout-relay --name before
+
+With --netns (as root) every node is its own network namespace instead, on a bridge, each link
+rate-limited with tc in both directions (tests/_netns.py), so the links and not the cores bound
+the transfer; the peer is then a plain copy over one such link:
+
+    sudo .venv/bin/python benches/weights_relay.py --netns                  # 400 Mbit/s links
+    sudo .venv/bin/python benches/weights_relay.py --netns --link-mbps 800 --receivers 1 8
 """
 
 from __future__ import annotations
@@ -373,7 +380,9 @@ class CpuSampler:
         return (b[1] - a[1]) / (b[0] - a[0]), (b[2] - a[2]) / (b[0] - a[0])
 
 
-def netns_relay_run(net: Any, src: Path, work: Path, n: int, chunk_mib: int, version: str, link: float) -> dict:
+def netns_relay_run(
+    net: Any, src: Path, work: Path, n: int, chunk_mib: int, version: str, link: float
+) -> dict[str, Any]:
     """The relay from node 0 to nodes 1..n, in that chain order. `link`: bytes/s of one link."""
     procs = []
     try:
@@ -449,7 +458,7 @@ def netns_relay_run(net: Any, src: Path, work: Path, n: int, chunk_mib: int, ver
             shutil.rmtree(work / f"r{i}", ignore_errors=True)
 
 
-def netns_plain_copy(net: Any, src: Path, work: Path, link: float) -> dict:
+def netns_plain_copy(net: Any, src: Path, work: Path, link: float) -> dict[str, Any]:
     """The plain copy over one link: a Python sender in node 0, a Python receiver in node 1
     writing to /dev/shm; timed from "go" to "done" (start-up and connecting are outside)."""
     dest = work / "plain"
@@ -507,7 +516,7 @@ def netns_plain_copy(net: Any, src: Path, work: Path, link: float) -> dict:
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def plot_netns(runs: list[dict], plains: list[dict], link: float, mbps: float, path: Path) -> None:
+def plot_netns(runs: list[dict[str, Any]], plains: list[dict[str, Any]], link: float, mbps: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -578,7 +587,7 @@ def main_netns(args: argparse.Namespace, size: int, work: Path) -> None:
         make_checkpoint(src, size, args.shards)
         repeat = max(1, args.repeat)
 
-        def plain() -> dict:
+        def plain() -> dict[str, Any]:
             p = min((netns_plain_copy(net, src, work, link) for _ in range(repeat)), key=lambda p: p["seconds"])
             print(f"plain copy over one link: {p['seconds']:.2f} s, {p['throughput_vs_link']:.2f} x link")
             return p
