@@ -166,7 +166,7 @@ def test_publish_v1_to_v5_while_requests_flow_and_the_fleet_scales(start_fleet: 
 
     def publish(version: str, **kwargs: Any) -> str:
         answer = client.publish_weights(version, str(tmp_path / version), **kwargs)
-        assert answer["status"] == "PENDING", answer
+        assert answer["status"] == "CHECKSUMMING", answer
         update_id: str = answer["update_id"]
         return update_id
 
