@@ -1,0 +1,214 @@
+//! Expected output lengths, learned from the answers the router forwards.
+//!
+//! RL frameworks give every rollout request the same output budget (the run's longest
+//! response), so `max_new_tokens` does not tell a long request from a short one. What does:
+//! GRPO siblings share a prompt and their lengths correlate (the prompt's difficulty), and a
+//! multi-turn session's turns resemble each other. The router therefore keys each request by a
+//! *class* (its session key, else a hash of its prompt) and records the output length of every
+//! answer it forwards (`completion_tokens`). A waiting request of a class with finished members
+//! is expected to be about as long as they were; one of a class never seen is unknown.
+//!
+//! [`LengthEstimator`] is that memory: per class the count and sum of observed lengths, plus
+//! fleet-wide running means (output length, prompt + output footprint, and how often answers
+//! used their whole budget). Memory is bounded: classes live in two generations of at most
+//! `capacity` entries each; a class unseen for two generations is forgotten.
+//!
+//! When budgets are informative (most answers end at their budget, as when a client sends each
+//! request's real length), the budget is the better prediction and is used as is.
+
+use std::collections::HashMap;
+
+/// What is known about one class (GRPO group or session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ClassStats {
+    /// Answers observed.
+    pub count: u32,
+    /// Sum of their output lengths (tokens).
+    pub sum: u64,
+    /// The longest of them.
+    pub max: u64,
+}
+
+impl ClassStats {
+    fn add(&mut self, output: u64) {
+        self.count = self.count.saturating_add(1);
+        self.sum = self.sum.saturating_add(output);
+        self.max = self.max.max(output);
+    }
+}
+
+/// Observations after which the fleet-wide means become moving averages (they are plain means
+/// before, so the first answers count fully).
+pub const MEAN_WINDOW: f64 = 256.0;
+
+/// A running mean that turns into an exponential moving average after [`MEAN_WINDOW`] samples.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct Mean {
+    n: f64,
+    value: f64,
+}
+
+impl Mean {
+    fn add(&mut self, x: f64) {
+        self.n = (self.n + 1.0).min(MEAN_WINDOW);
+        self.value += (x - self.value) / self.n;
+    }
+
+    fn get(&self) -> Option<f64> {
+        (self.n > 0.0).then_some(self.value)
+    }
+}
+
+/// Learned output lengths (see the module docs).
+#[derive(Debug, Clone)]
+pub struct LengthEstimator {
+    capacity: usize,
+    current: HashMap<u64, ClassStats>,
+    previous: HashMap<u64, ClassStats>,
+    output: Mean,
+    footprint: Mean,
+    /// Share of answers that used their whole budget.
+    at_budget: Mean,
+}
+
+impl LengthEstimator {
+    /// Remembers up to `capacity` classes per generation (at least 1).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            current: HashMap::new(),
+            previous: HashMap::new(),
+            output: Mean::default(),
+            footprint: Mean::default(),
+            at_budget: Mean::default(),
+        }
+    }
+
+    /// Records one answer: its class (if any), the budget it was given, its prompt and output
+    /// sizes in tokens.
+    pub fn observe(&mut self, class: Option<u64>, budget: u64, prompt: u64, output: u64) {
+        self.output.add(output as f64);
+        self.footprint.add(prompt.saturating_add(output) as f64);
+        self.at_budget.add(if budget > 0 && output >= budget { 1.0 } else { 0.0 });
+        let Some(class) = class else { return };
+        if let Some(stats) = self.current.get_mut(&class) {
+            stats.add(output);
+            return;
+        }
+        // Seen in the previous generation: carried over, so a live class is never forgotten.
+        let mut stats = self.previous.remove(&class).unwrap_or_default();
+        stats.add(output);
+        if self.current.len() >= self.capacity {
+            self.previous = std::mem::take(&mut self.current);
+        }
+        self.current.insert(class, stats);
+    }
+
+    /// What was observed of `class`.
+    pub fn class(&self, class: u64) -> Option<ClassStats> {
+        self.current.get(&class).or_else(|| self.previous.get(&class)).copied()
+    }
+
+    /// Classes remembered (both generations).
+    pub fn classes(&self) -> usize {
+        self.current.len() + self.previous.len()
+    }
+
+    /// Mean output length of recent answers, fleet-wide.
+    pub fn mean_output(&self) -> Option<u64> {
+        self.output.get().map(|v| v.round() as u64)
+    }
+
+    /// Mean KV footprint (prompt + output tokens) of recent answers, fleet-wide.
+    pub fn mean_footprint(&self) -> Option<u64> {
+        self.footprint.get().map(|v| v.round() as u64)
+    }
+
+    /// Whether budgets look informative: most recent answers used their whole budget.
+    pub fn budgets_are_lengths(&self) -> bool {
+        self.at_budget.get().is_some_and(|share| share > 0.5)
+    }
+
+    /// The expected output of a request of `class` with output budget `budget`, from its class
+    /// alone: the class mean, with the fleet-wide mean counted as one more observation (one
+    /// sibling is weak evidence), never above the budget. None when the class was never seen or
+    /// when budgets are informative (the budget is then the better guess).
+    pub fn predict(&self, class: Option<u64>, budget: u64) -> Option<u64> {
+        if self.budgets_are_lengths() {
+            return None;
+        }
+        let stats = self.class(class?)?;
+        let (prior_n, prior) = self.output.get().map_or((0.0, 0.0), |m| (1.0, m));
+        let mean = (stats.sum as f64 + prior) / (f64::from(stats.count) + prior_n);
+        Some((mean.round() as u64).min(budget))
+    }
+
+    /// The output a request is expected to hold in KV: its class's prediction, else the
+    /// fleet-wide mean, else (nothing observed yet, or budgets are informative) its budget.
+    pub fn expected(&self, class: Option<u64>, budget: u64) -> u64 {
+        if self.budgets_are_lengths() {
+            return budget;
+        }
+        self.predict(class, budget).or_else(|| self.mean_output().map(|m| m.min(budget))).unwrap_or(budget)
+    }
+}
+
+impl LengthEstimator {
+    /// A waiting request's place under `--queue-order longest_first` (larger first): turns of
+    /// multi-turn sessions above everything (the session's next turn waits on this one), then
+    /// the expected output: the class's prediction, or the budget while the class is unknown. An
+    /// unknown class ranks high on purpose: it may be the longest, and its first answer teaches
+    /// the router the length of its waiting siblings.
+    pub fn queue_priority(&self, class: Option<u64>, budget: u64, session: bool) -> u64 {
+        let len = self.predict(class, budget).unwrap_or(budget).min(crate::routing::MAX_ESTIMATE_TOKENS);
+        len | (u64::from(session) << 63)
+    }
+}
+
+/// Footprint (prompt + output tokens) assumed for a request before any answer was observed.
+pub const PRIOR_FOOTPRINT: u64 = 512;
+
+/// The automatic cap of an engine that has not reported its pool yet (or never does: it does
+/// not answer `/v1/loads`, or is not SGLang).
+pub const AUTO_CAP_UNREPORTED: usize = 32;
+
+/// Fewest requests an engine is allowed in flight by the automatic cap.
+pub const MIN_AUTO_CAP: usize = 4;
+
+/// What one engine reported, for its automatic in-flight cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineReport {
+    /// KV pool size in tokens (0: not known yet).
+    pub pool_tokens: u64,
+    /// Requests it is running.
+    pub running: u64,
+    /// Its `--max-running-requests` (0: not reported).
+    pub max_running: u64,
+}
+
+/// The automatic per-engine in-flight cap (`--max-inflight-per-engine auto`): as many requests
+/// as the engine's KV pool holds at the mean footprint of recent requests (`footprint`, or
+/// [`PRIOR_FOOTPRINT`] before any was observed), and never fewer than the engine is running
+/// plus a quarter more (at least 2): the engine keeps a short queue of its own to admit from
+/// between two reports, and an engine that runs more than the footprint suggests gets more.
+/// At most the engine's own running limit plus that margin; at least [`MIN_AUTO_CAP`]. An
+/// engine that has not reported its pool yet gets `fallback`.
+pub fn auto_inflight_cap(report: EngineReport, footprint: Option<u64>, fallback: usize) -> usize {
+    if report.pool_tokens == 0 {
+        return fallback.max(MIN_AUTO_CAP);
+    }
+    let footprint = footprint.unwrap_or(PRIOR_FOOTPRINT).max(1);
+    let fits = usize::try_from(report.pool_tokens / footprint).unwrap_or(usize::MAX);
+    let running = usize::try_from(report.running).unwrap_or(usize::MAX);
+    let margin = (running / 4).max(2);
+    let mut cap = fits.max(running.saturating_add(margin));
+    if report.max_running > 0 {
+        let limit = usize::try_from(report.max_running).unwrap_or(usize::MAX);
+        cap = cap.min(limit.saturating_add(margin));
+    }
+    cap.max(MIN_AUTO_CAP)
+}
+
+#[cfg(test)]
+#[path = "lengths_tests.rs"]
+mod tests;
