@@ -8,10 +8,17 @@
 //! answer it forwards (`completion_tokens`). A waiting request of a class with finished members
 //! is expected to be about as long as they were; one of a class never seen is unknown.
 //!
-//! [`LengthEstimator`] is that memory: per class the count and sum of observed lengths, plus
-//! fleet-wide running means (output length, prompt + output footprint, and how often answers
+//! [`LengthEstimator`] is that memory: per class the count and sum of observed lengths and the
+//! members still generating (how many, since when), plus fleet-wide running means (output
+//! length, prompt + output footprint, generation rate of one request, and how often answers
 //! used their whole budget). Memory is bounded: classes live in two generations of at most
 //! `capacity` entries each; a class unseen for two generations is forgotten.
+//!
+//! The members of a class that finish first are its short ones, so the finished answers alone
+//! underestimate the rest. Members still generating correct that: one that has run `t` seconds
+//! has at least about `t` times the fleet's per-request generation rate tokens, so it counts at
+//! that lower bound when it is above the finished members' mean. The clock is an input
+//! ([`LengthEstimator::set_now`]): a class's prediction grows while its members keep running.
 //!
 //! When budgets are informative (most answers end at their budget, as when a client sends each
 //! request's real length), the budget is the better prediction and is used as is.
@@ -19,7 +26,7 @@
 use std::collections::HashMap;
 
 /// What is known about one class (GRPO group or session).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ClassStats {
     /// Answers observed.
     pub count: u32,
@@ -27,6 +34,10 @@ pub struct ClassStats {
     pub sum: u64,
     /// The longest of them.
     pub max: u64,
+    /// Members generating now (sent to an engine, not ended).
+    pub running: u32,
+    /// Sum of their start times (seconds on the estimator's clock).
+    pub started_sum: f64,
 }
 
 impl ClassStats {
@@ -69,6 +80,10 @@ pub struct LengthEstimator {
     footprint: Mean,
     /// Share of answers that used their whole budget.
     at_budget: Mean,
+    /// Output tokens per second of one request, from start to end.
+    rate: Mean,
+    /// The clock (seconds), set by the caller.
+    now: f64,
 }
 
 impl LengthEstimator {
@@ -81,6 +96,53 @@ impl LengthEstimator {
             output: Mean::default(),
             footprint: Mean::default(),
             at_budget: Mean::default(),
+            rate: Mean::default(),
+            now: 0.0,
+        }
+    }
+
+    /// Sets the clock (seconds, any origin, never going back).
+    pub fn set_now(&mut self, now: f64) {
+        if now.is_finite() {
+            self.now = self.now.max(now);
+        }
+    }
+
+    /// The class's entry, carried from the previous generation or new.
+    fn entry(&mut self, class: u64) -> &mut ClassStats {
+        if !self.current.contains_key(&class) {
+            // Seen in the previous generation: carried over, so a live class is never forgotten.
+            let stats = self.previous.remove(&class).unwrap_or_default();
+            if self.current.len() >= self.capacity {
+                self.previous = std::mem::take(&mut self.current);
+            }
+            self.current.insert(class, stats);
+        }
+        self.current.entry(class).or_default()
+    }
+
+    /// A member of `class` was sent to an engine at `at` (seconds on the clock).
+    pub fn started(&mut self, class: Option<u64>, at: f64) {
+        let Some(class) = class else { return };
+        let stats = self.entry(class);
+        stats.running = stats.running.saturating_add(1);
+        stats.started_sum += at;
+    }
+
+    /// A member of `class` that started at `at` ended (answered or not). `answer`: its output
+    /// tokens, when it answered, for the generation rate.
+    pub fn ended(&mut self, class: Option<u64>, at: f64, answer: Option<u64>) {
+        if let Some(output) = answer {
+            let secs = self.now - at;
+            if secs > 0.01 && output > 0 {
+                self.rate.add(output as f64 / secs);
+            }
+        }
+        let Some(class) = class else { return };
+        let found = self.current.get_mut(&class).or_else(|| self.previous.get_mut(&class));
+        if let Some(stats) = found.filter(|s| s.running > 0) {
+            stats.running -= 1;
+            stats.started_sum = if stats.running == 0 { 0.0 } else { (stats.started_sum - at).max(0.0) };
         }
     }
 
@@ -91,17 +153,7 @@ impl LengthEstimator {
         self.footprint.add(prompt.saturating_add(output) as f64);
         self.at_budget.add(if budget > 0 && output >= budget { 1.0 } else { 0.0 });
         let Some(class) = class else { return };
-        if let Some(stats) = self.current.get_mut(&class) {
-            stats.add(output);
-            return;
-        }
-        // Seen in the previous generation: carried over, so a live class is never forgotten.
-        let mut stats = self.previous.remove(&class).unwrap_or_default();
-        stats.add(output);
-        if self.current.len() >= self.capacity {
-            self.previous = std::mem::take(&mut self.current);
-        }
-        self.current.insert(class, stats);
+        self.entry(class).add(output);
     }
 
     /// What was observed of `class`.
@@ -130,16 +182,28 @@ impl LengthEstimator {
     }
 
     /// The expected output of a request of `class` with output budget `budget`, from its class
-    /// alone: the class mean, with the fleet-wide mean counted as one more observation (one
-    /// sibling is weak evidence), never above the budget. None when the class was never seen or
-    /// when budgets are informative (the budget is then the better guess).
+    /// alone: the mean of its finished members, with the fleet-wide mean counted as one more
+    /// (one sibling is weak evidence), raised by its members still generating (each counted at
+    /// what it has generated at least by now, if more than that mean); never above the budget.
+    /// None when no member of the class has finished, or when budgets are informative (the
+    /// budget is then the better guess).
     pub fn predict(&self, class: Option<u64>, budget: u64) -> Option<u64> {
         if self.budgets_are_lengths() {
             return None;
         }
-        let stats = self.class(class?)?;
+        let stats = self.class(class?).filter(|s| s.count > 0)?;
         let (prior_n, prior) = self.output.get().map_or((0.0, 0.0), |m| (1.0, m));
-        let mean = (stats.sum as f64 + prior) / (f64::from(stats.count) + prior_n);
+        let (sum, n) = (stats.sum as f64 + prior, f64::from(stats.count) + prior_n);
+        let finished = sum / n;
+        let mean = match self.rate.get() {
+            Some(rate) if stats.running > 0 => {
+                let running = f64::from(stats.running);
+                let elapsed = (self.now - stats.started_sum / running).max(0.0);
+                let each = (elapsed * rate).min(budget as f64).max(finished);
+                (sum + running * each) / (n + running)
+            }
+            _ => finished,
+        };
         Some((mean.round() as u64).min(budget))
     }
 

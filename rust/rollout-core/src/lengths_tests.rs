@@ -24,6 +24,37 @@ fn a_class_predicts_its_waiting_siblings() {
 }
 
 #[test]
+fn members_still_generating_raise_their_class() {
+    let mut e = LengthEstimator::new(100);
+    // Five siblings start at 0; a fast one ends at 1 s with 100 tokens (100 tokens/s).
+    for _ in 0..5 {
+        e.started(Some(1), 0.0);
+    }
+    e.set_now(1.0);
+    e.observe(Some(1), 4096, 0, 100);
+    e.ended(Some(1), 0.0, Some(100));
+    assert_eq!(e.class(1).map(|s| s.running), Some(4));
+    // At 1 s the four running ones have at least 100 tokens: no more than the finished mean.
+    assert_eq!(e.predict(Some(1), 4096), Some(100));
+    // At 10 s they have at least 1000 each: (100 + 100 + 4 x 1000) / 6.
+    e.set_now(10.0);
+    assert_eq!(e.predict(Some(1), 4096), Some(700));
+    // A running member counts at most at the budget; the clock never goes back.
+    assert_eq!(e.predict(Some(1), 500), Some(367));
+    e.set_now(2.0);
+    assert_eq!(e.predict(Some(1), 4096), Some(700));
+    // Members that end unanswered leave the running count; a class never finished is unknown.
+    for _ in 0..4 {
+        e.ended(Some(1), 0.0, None);
+    }
+    e.ended(Some(1), 0.0, None); // one too many: ignored
+    assert_eq!(e.class(1).map(|s| (s.running, s.started_sum)), Some((0, 0.0)));
+    assert_eq!(e.predict(Some(1), 4096), Some(100));
+    e.started(Some(2), 9.0);
+    assert_eq!(e.predict(Some(2), 4096), None);
+}
+
+#[test]
 fn informative_budgets_win_over_predictions() {
     let mut e = LengthEstimator::new(100);
     for (class, len) in [(1, 300), (1, 50), (2, 900)] {
@@ -63,7 +94,7 @@ fn memory_is_bounded_by_two_generations() {
     e.observe(Some(3), 0, 0, 10); // 1 and 2 move to the previous generation
     assert!(e.class(1).is_some());
     e.observe(Some(1), 0, 0, 30); // seen again: carried into the current generation
-    assert_eq!(e.class(1), Some(ClassStats { count: 2, sum: 40, max: 30 }));
+    assert_eq!(e.class(1), Some(ClassStats { count: 2, sum: 40, max: 30, ..ClassStats::default() }));
     e.observe(Some(4), 0, 0, 10); // current {3, 1} was full: {3, 1} becomes previous
     e.observe(Some(5), 0, 0, 10); // current {4, 5}
     e.observe(Some(6), 0, 0, 10); // {4, 5} previous: 1, 2 and 3 are forgotten
@@ -108,13 +139,20 @@ proptest! {
     /// nothing overflows or panics.
     #[test]
     fn predictions_stay_within_budget(
-        obs in proptest::collection::vec((0u64..20, any::<u64>(), any::<u64>(), any::<u64>()), 0..200),
+        obs in proptest::collection::vec((0u64..20, any::<u64>(), any::<u64>(), any::<u64>(), 0u8..3, -1e3f64..1e6), 0..200),
         budget in any::<u64>(),
         class in 0u64..25,
     ) {
         let mut e = LengthEstimator::new(8);
-        for (c, b, p, o) in obs {
-            e.observe(Some(c), b, p, o);
+        for (c, b, p, o, what, t) in obs {
+            match what {
+                0 => e.observe(Some(c), b, p, o),
+                1 => e.started(Some(c), t),
+                _ => {
+                    e.set_now(t);
+                    e.ended(Some(c), t / 2.0, Some(o));
+                }
+            }
         }
         prop_assert!(e.classes() <= 16);
         if let Some(p) = e.predict(Some(class), budget) {

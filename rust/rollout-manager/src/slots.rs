@@ -7,8 +7,10 @@
 //! largest first, then how many siblings (requests of the same class: session or prompt) were
 //! already waiting when it joined, then arrival. The expected length is the output budget
 //! (`max_new_tokens`) until the router has seen answers of the request's class; then it is
-//! what [`LengthEstimator::queue_priority`] predicts from them, and waiting requests of a class
-//! move in the queue when one of its answers ends ([`SlotQueue::observe`]). So for GRPO groups
+//! what [`LengthEstimator::queue_priority`] predicts from them (its finished members, and how
+//! long its running ones have been generating), and waiting requests move in the queue when an
+//! answer of their class ends ([`SlotQueue::ended`]) and, as running members age, at most every
+//! [`REKEY_EVERY`]. So for GRPO groups
 //! that all ask for the same budget, one request of every group starts first (the sibling
 //! rank), the groups whose first answers came back long go next, and the groups known to be
 //! short are left for the end of the batch.
@@ -46,6 +48,21 @@ type Key = (Reverse<u64>, u32, u64);
 /// Classes the length estimator remembers per generation.
 const LENGTH_CLASSES: usize = 100_000;
 
+/// How often every waiting request's place is recomputed (predictions grow while a class's
+/// members keep generating).
+pub const REKEY_EVERY: f64 = 0.1;
+
+/// An answer, as the length estimator learns from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Answer {
+    /// The request's output budget.
+    pub budget: u64,
+    /// Its prompt tokens.
+    pub prompt: u64,
+    /// Its output tokens.
+    pub output: u64,
+}
+
 #[derive(Debug)]
 struct Waiter {
     key: Key,
@@ -61,9 +78,42 @@ struct Inner {
     order: BTreeMap<Key, u64>,
     waiters: HashMap<u64, Waiter>,
     lengths: LengthEstimator,
+    /// When every waiter's place was last recomputed (seconds on the queue's clock).
+    rekeyed: f64,
 }
 
 impl Inner {
+    /// Recomputes the place of the waiters of `class` (every waiter with None).
+    fn rekey(&mut self, order: QueueOrder, class: Option<u64>) {
+        if order != QueueOrder::LongestFirst {
+            return;
+        }
+        let lengths = &self.lengths;
+        let mut moved = Vec::new();
+        for w in self.waiters.values_mut().filter(|w| class.is_none() || w.class == class) {
+            let key = (Reverse(lengths.queue_priority(w.class, w.budget, w.session)), w.key.1, w.key.2);
+            if key != w.key {
+                moved.push((w.key, key));
+                w.key = key;
+            }
+        }
+        for (old, _) in &moved {
+            self.order.remove(old);
+        }
+        for (_, new) in moved {
+            self.order.insert(new, new.2);
+        }
+    }
+
+    /// Recomputes every waiter's place if the last time was [`REKEY_EVERY`] ago.
+    fn rekey_if_stale(&mut self, order: QueueOrder, now: f64) {
+        if now - self.rekeyed >= REKEY_EVERY {
+            self.rekeyed = now;
+            self.lengths.set_now(now);
+            self.rekey(order, None);
+        }
+    }
+
     fn wake_first(&mut self, from: Bound<Key>) {
         for id in self.order.range((from, Bound::Unbounded)).map(|(_, id)| *id) {
             if let Some(w) = self.waiters.get_mut(&id) {
@@ -93,13 +143,24 @@ pub struct SlotQueue {
     order: QueueOrder,
     seq: AtomicU64,
     inner: Mutex<Inner>,
+    /// The length estimator's clock.
+    epoch: std::time::Instant,
 }
 
 impl SlotQueue {
     pub fn new(order: QueueOrder) -> Self {
-        let inner =
-            Inner { order: BTreeMap::new(), waiters: HashMap::new(), lengths: LengthEstimator::new(LENGTH_CLASSES) };
-        Self { order, seq: AtomicU64::new(0), inner: Mutex::new(inner) }
+        let inner = Inner {
+            order: BTreeMap::new(),
+            waiters: HashMap::new(),
+            lengths: LengthEstimator::new(LENGTH_CLASSES),
+            rekeyed: 0.0,
+        };
+        Self { order, seq: AtomicU64::new(0), inner: Mutex::new(inner), epoch: std::time::Instant::now() }
+    }
+
+    /// Seconds since the queue was made (the length estimator's clock).
+    fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -116,7 +177,8 @@ impl SlotQueue {
         self.len() == 0
     }
 
-    fn priority(&self, lengths: &LengthEstimator, r: &Joining) -> u64 {
+    fn priority(&self, lengths: &mut LengthEstimator, r: &Joining) -> u64 {
+        lengths.set_now(self.now());
         match self.order {
             QueueOrder::Fifo => 0,
             QueueOrder::LongestFirst => lengths.queue_priority(r.class, r.budget, r.session),
@@ -135,7 +197,7 @@ impl SlotQueue {
             }
             _ => 0,
         };
-        let key = (Reverse(self.priority(&inner.lengths, &r)), rank, id);
+        let key = (Reverse(self.priority(&mut inner.lengths, &r)), rank, id);
         inner.order.insert(key, id);
         let waiter =
             Waiter { key, notify: notify.clone(), woken: false, class: r.class, budget: r.budget, session: r.session };
@@ -145,25 +207,35 @@ impl SlotQueue {
 
     /// A slot freed: wakes the first waiter that is not already woken.
     pub fn wake_next(&self) {
-        self.lock().wake_first(Bound::Unbounded);
+        let now = self.now();
+        let mut inner = self.lock();
+        inner.rekey_if_stale(self.order, now);
+        inner.wake_first(Bound::Unbounded);
     }
 
-    /// An answer of `class` ended with `output` tokens (prompt `prompt`, budget `budget`):
-    /// learn from it, and move the waiting requests of its class to their new places.
-    pub fn observe(&self, class: Option<u64>, budget: u64, prompt: u64, output: u64) {
-        let mut guard = self.lock();
-        let inner = &mut *guard;
-        inner.lengths.observe(class, budget, prompt, output);
-        let (Some(class), QueueOrder::LongestFirst) = (class, self.order) else { return };
-        for w in inner.waiters.values_mut().filter(|w| w.class == Some(class)) {
-            let joining = Joining { class: w.class, budget: w.budget, session: w.session };
-            let key = (Reverse(self.priority(&inner.lengths, &joining)), w.key.1, w.key.2);
-            if key != w.key {
-                inner.order.remove(&w.key);
-                inner.order.insert(key, key.2);
-                w.key = key;
-            }
+    /// A request of `class` was sent to an engine; returns when, for [`Self::ended`].
+    pub fn started(&self, class: Option<u64>) -> f64 {
+        let now = self.now();
+        let mut inner = self.lock();
+        inner.lengths.set_now(now);
+        inner.lengths.started(class, now);
+        now
+    }
+
+    /// A request of `class` sent at `at` ended, with `answer` if it answered: learn from it,
+    /// and move the waiting requests of its class to their new places.
+    pub fn ended(&self, class: Option<u64>, at: f64, answer: Option<Answer>) {
+        let now = self.now();
+        let mut inner = self.lock();
+        inner.lengths.set_now(now);
+        if let Some(a) = answer {
+            inner.lengths.observe(class, a.budget, a.prompt, a.output);
         }
+        inner.lengths.ended(class, at, answer.map(|a| a.output));
+        if answer.is_some() && class.is_some() {
+            inner.rekey(self.order, class);
+        }
+        inner.rekey_if_stale(self.order, now);
     }
 
     /// Reads the length estimator.
@@ -223,6 +295,12 @@ mod tests {
 
     fn j(budget: u64, session: bool) -> Joining {
         Joining { class: None, budget, session }
+    }
+
+    /// A request of `class` starts and answers `output` tokens.
+    fn answer(q: &SlotQueue, class: u64, output: u64) {
+        let at = q.started(Some(class));
+        q.ended(Some(class), at, Some(Answer { budget: 4096, prompt: 100, output }));
     }
 
     fn sibling(class: u64) -> Joining {
@@ -336,15 +414,15 @@ mod tests {
         let a: Vec<Ticket> = (0..2).map(|_| q.join(sibling(1))).collect();
         assert!(b[0].is_head(), "group 2's first request before group 1's later ones");
         // Group 1 answers short, group 2 long: group 2's waiting requests go first.
-        q.observe(Some(1), 4096, 100, 50);
-        q.observe(Some(2), 4096, 100, 3000);
+        answer(&q, 1, 50);
+        answer(&q, 2, 3000);
         assert!(b[0].is_head());
         drop(b);
         assert!(a[0].is_head());
         // Learned, not told: a class still unknown outranks a known short one.
         let c = q.join(sibling(3));
         assert!(c.is_head());
-        q.observe(Some(3), 4096, 100, 10);
+        answer(&q, 3, 10);
         assert!(a[0].is_head());
         assert_eq!(q.len(), 3);
         assert!(q.lengths(|l| l.mean_output()).is_some());
@@ -355,8 +433,8 @@ mod tests {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
         let first = q.join(sibling(1));
         let _second = q.join(sibling(2));
-        q.observe(Some(2), 4096, 0, 4000);
-        q.observe(Some(1), 4096, 0, 1);
+        answer(&q, 2, 4000);
+        answer(&q, 1, 1);
         assert!(first.is_head());
         assert_eq!(q.lengths(|l| l.mean_output()), Some(2001));
     }

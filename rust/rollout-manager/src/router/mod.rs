@@ -57,7 +57,7 @@ use crate::error::error_body;
 use crate::fleet::Fleet;
 use crate::fleet::InFlightGuard;
 use crate::http_serve::read_body_first;
-use crate::slots::{Joining, SlotQueue, Ticket};
+use crate::slots::{Answer, Joining, SlotQueue, Ticket};
 use affinity::Affinity;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -617,6 +617,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         };
         drop(queued);
         let Some((routes, index, had_affine, kept, guard)) = picked else { break };
+        let learn = Learn::start(&queue, class, budget, info.prompt_tokens);
         let backend = &routes[index];
         if had_affine {
             metrics.affinity(kept);
@@ -694,13 +695,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 if let Some(v) = &backend.id_header {
                     head.headers.insert(ENGINE_ID_HEADER, v.clone());
                 }
-                let learn = (head.status == StatusCode::OK).then(|| Learn {
-                    queue: queue.clone(),
-                    class,
-                    budget,
-                    prompt: info.prompt_tokens,
-                    usage: peek::Usage::default(),
-                });
+                // Only a successful answer's length is learned (the others just end).
+                let learn = (head.status == StatusCode::OK).then_some(learn);
                 let tracked = Tracked {
                     learn,
                     inner: incoming,
@@ -747,13 +743,36 @@ fn engine_cap(cap: InflightCap, load: &crate::fleet::EngineLoad) -> usize {
     }
 }
 
-/// What a successful answer teaches the length estimator, once its body has ended.
+/// A request sent to an engine, as the length estimator follows it: started when sent, ended
+/// when dropped, with the answer's token counts if [`Learn::answered`] read them to its end.
 struct Learn {
     queue: Arc<SlotQueue>,
     class: Option<u64>,
     budget: u64,
     prompt: u64,
+    /// When it was sent, on the estimator's clock.
+    at: f64,
     usage: peek::Usage,
+    answered: bool,
+}
+
+impl Learn {
+    fn start(queue: &Arc<SlotQueue>, class: Option<u64>, budget: u64, prompt: u64) -> Self {
+        let at = queue.started(class);
+        Self { queue: queue.clone(), class, budget, prompt, at, usage: peek::Usage::default(), answered: false }
+    }
+}
+
+impl Drop for Learn {
+    fn drop(&mut self) {
+        let answer = match (self.answered, self.usage.completion_tokens) {
+            (true, Some(output)) => {
+                Some(Answer { budget: self.budget, prompt: self.usage.prompt_tokens.unwrap_or(self.prompt), output })
+            }
+            _ => None,
+        };
+        self.queue.ended(self.class, self.at, answer);
+    }
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.
@@ -797,10 +816,8 @@ impl Drop for Tracked {
             if let Some(lease) = &mut self.lease {
                 lease.release();
             }
-            if let Some(l) = self.learn.take() {
-                if let Some(output) = l.usage.completion_tokens {
-                    l.queue.observe(l.class, l.budget, l.usage.prompt_tokens.unwrap_or(l.prompt), output);
-                }
+            if let Some(l) = &mut self.learn {
+                l.answered = true;
             }
         }
         self.metrics.duration.observe(self.started.elapsed());
