@@ -26,7 +26,9 @@ group and is killed at the end):
    its default flags (late binding with each engine's automatic cap, `longest_first` with learned
    lengths) and `capacity` or `round_robin`; `ours_lf:capacity`, the same with a fixed cap
    (`--max-inflight-per-engine` = `--late-binding-cap`); `ours_old:capacity`, the defaults before
-   issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding); and `smg`
+   issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding);
+   `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
+   traffic: late binding in arrival order); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
    straight to the engine an offline longest-processing-time-first partition of the exact output
@@ -75,6 +77,7 @@ ALL_ROUTERS = [
     "ours:capacity",
     "ours_lf:capacity",
     "ours_old:capacity",
+    "ours_fifo:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -385,6 +388,7 @@ class Rec:
     cached_tokens: int = 0
     completion_tokens: int = 0
     retractions: int = 0
+    e2e: float = 0.0  # the engine's e2e_latency: from its receipt of the request to its end
     error: str = ""
 
 
@@ -410,6 +414,7 @@ def send(router_url: str, body: dict, headers: dict, rec: Rec, t0: float, timeou
             rec.cached_tokens = mi.get("cached_tokens", 0)
             rec.completion_tokens = mi.get("completion_tokens", 0)
             rec.retractions = mi.get("num_retractions", 0)
+            rec.e2e = mi.get("e2e_latency", 0.0) or 0.0
             text = d.get("text", "")
         else:
             rec.error = raw[:300].decode(errors="replace")
@@ -698,13 +703,14 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf", "ours_old"):
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo"):
             # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
             # instead of each engine's automatic one. ours_old: no late binding, arrival order.
             extra = {
                 "ours": [],
                 "ours_lf": ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"],
                 "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
+                "ours_fifo": ["--queue-order", "fifo"],
             }[kind]
             target, info = start_ours(procs, a, policy, urls, tmp, extra)
             engine_index = {eid: urls.index(u) for eid, u in info["engine_urls"].items()}
@@ -723,7 +729,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
         recs = run_batch(target, w, grpo, list(range(len(w.sessions))), t0, a.run_timeout)
         samples = sampler.stop()
         engines = [scrape_engine(u) for u in urls]
-        extra = scrape_ours(info["control"]) if kind in ("ours", "ours_lf", "ours_old") else {}
+        extra = scrape_ours(info["control"]) if kind.startswith("ours") else {}
     finally:
         if router is not None:
             procs.stop(router)
@@ -784,6 +790,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
                 r.prompt_tokens,
                 r.cached_tokens,
                 r.retractions,
+                round(r.end - r.e2e, 3),  # when the engine got it (approximately)
             ]
             for r in recs
         ],
@@ -870,6 +877,7 @@ def table(results: list[dict], lb: float) -> str:
         "ours": "ours (defaults)",
         "ours_lf": "ours, fixed cap (--late-binding-cap)",
         "ours_old": "ours, old defaults (no cap, fifo)",
+        "ours_fifo": "ours, --queue-order fifo",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",
     }
