@@ -181,19 +181,24 @@ impl LengthEstimator {
         self.at_budget.get().is_some_and(|share| share > 0.5)
     }
 
-    /// The expected output of a request of `class` with output budget `budget`, from its class
-    /// alone: the mean of its finished members, with the fleet-wide mean counted as one more
-    /// (one sibling is weak evidence), raised by its members still generating (each counted at
-    /// what it has generated at least by now, if more than that mean); never above the budget.
-    /// None when no member of the class has finished, or when budgets are informative (the
-    /// budget is then the better guess).
+    /// The expected output of a request of `class` with output budget `budget`, from its class:
+    /// the mean of its finished members, with the fleet-wide mean counted as one more (one
+    /// sibling is weak evidence), raised by its members still generating (each counted at what
+    /// it has generated at least by now, if more than that mean); never above the budget. A
+    /// class with members generating and none finished is predicted from them and the fleet
+    /// mean alone. None when the router knows nothing of the class (no member sent, or nothing
+    /// finished anywhere yet), or when budgets are informative (the budget is then the better
+    /// guess).
     pub fn predict(&self, class: Option<u64>, budget: u64) -> Option<u64> {
         if self.budgets_are_lengths() {
             return None;
         }
-        let stats = self.class(class?).filter(|s| s.count > 0)?;
+        let stats = self.class(class?)?;
         let (prior_n, prior) = self.output.get().map_or((0.0, 0.0), |m| (1.0, m));
         let (sum, n) = (stats.sum as f64 + prior, f64::from(stats.count) + prior_n);
+        if n == 0.0 {
+            return None;
+        }
         let finished = sum / n;
         let mean = match self.rate.get() {
             Some(rate) if stats.running > 0 => {
@@ -219,15 +224,28 @@ impl LengthEstimator {
 
 impl LengthEstimator {
     /// A waiting request's place under `--queue-order longest_first` (larger first): turns of
-    /// multi-turn sessions above everything (the session's next turn waits on this one), then
-    /// the expected output: the class's prediction, or the budget while the class is unknown. An
-    /// unknown class ranks high on purpose: it may be the longest, and its first answer teaches
-    /// the router the length of its waiting siblings.
+    /// multi-turn sessions above everything (the session's next turn waits on this one); then
+    /// requests of classes with no finished member yet, by budget: any of them may be the
+    /// longest, and the first answer teaches the router the length of the waiting siblings
+    /// (the queue sends one request per class before a second: the sibling rank); then the
+    /// classes known from finished members, by their prediction. When budgets are
+    /// informative, the budget alone.
     pub fn queue_priority(&self, class: Option<u64>, budget: u64, session: bool) -> u64 {
-        let len = self.predict(class, budget).unwrap_or(budget).min(crate::routing::MAX_ESTIMATE_TOKENS);
-        len | (u64::from(session) << 63)
+        let known = class.and_then(|c| self.class(c)).is_some_and(|s| s.count > 0);
+        let len = if self.budgets_are_lengths() {
+            budget
+        } else if known {
+            self.predict(class, budget).unwrap_or(budget)
+        } else {
+            budget.min(crate::routing::MAX_ESTIMATE_TOKENS) | UNKNOWN_TIER
+        };
+        len.min(UNKNOWN_TIER | crate::routing::MAX_ESTIMATE_TOKENS) | (u64::from(session) << 63)
     }
 }
+
+/// The bit that puts requests of classes without a finished member above the known ones in
+/// [`LengthEstimator::queue_priority`] (lengths are at most 2^40).
+pub const UNKNOWN_TIER: u64 = 1 << 62;
 
 /// Footprint (prompt + output tokens) assumed for a request before any answer was observed.
 pub const PRIOR_FOOTPRINT: u64 = 512;

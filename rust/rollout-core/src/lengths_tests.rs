@@ -50,8 +50,11 @@ fn members_still_generating_raise_their_class() {
     e.ended(Some(1), 0.0, None); // one too many: ignored
     assert_eq!(e.class(1).map(|s| (s.running, s.started_sum)), Some((0, 0.0)));
     assert_eq!(e.predict(Some(1), 4096), Some(100));
+    // A class with a member generating and none finished: the fleet mean (100), and that
+    // member at what it generated at least (6 s at 100 tokens/s).
     e.started(Some(2), 9.0);
-    assert_eq!(e.predict(Some(2), 4096), None);
+    e.set_now(15.0);
+    assert_eq!(e.predict(Some(2), 4096), Some(350));
 }
 
 #[test]
@@ -73,17 +76,25 @@ fn queue_priority_table() {
     e.observe(Some(8), 4096, 0, 3000); // a long group
                                        // (class, budget, session) -> priority
     let table = [
-        ((Some(8), 4096, false), 2275),         // (3000 + mean 1550) / 2
-        ((Some(7), 4096, false), 825),          // (100 + 1550) / 2
-        ((Some(9), 4096, false), 4096),         // unknown: its budget (explore it first)
-        ((None, 4096, false), 4096),            // no class
-        ((Some(7), 50, false), 50),             // capped by its budget
-        ((Some(7), 4096, true), 825 | 1 << 63), // session turns above all
+        ((Some(8), 4096, false), 2275),                // (3000 + mean 1550) / 2
+        ((Some(7), 4096, false), 825),                 // (100 + 1550) / 2
+        ((Some(9), 4096, false), 4096 | UNKNOWN_TIER), // unknown: above the known, by budget
+        ((None, 4096, false), 4096 | UNKNOWN_TIER),    // no class
+        ((Some(7), 50, false), 50),                    // capped by its budget
+        ((Some(7), 4096, true), 825 | 1 << 63),        // session turns above all
     ];
     for ((class, budget, session), want) in table {
         assert_eq!(e.queue_priority(class, budget, session), want, "{class:?} {budget} {session}");
     }
     assert!(e.queue_priority(Some(8), 4096, false) > e.queue_priority(Some(7), 4096, false));
+    // Before any answer: the budget.
+    assert_eq!(LengthEstimator::new(10).queue_priority(Some(8), 4096, false), 4096 | UNKNOWN_TIER);
+    // A class with members generating but none finished is still unknown.
+    let mut e = LengthEstimator::new(10);
+    e.started(Some(1), 0.0);
+    e.observe(Some(2), 4096, 0, 100);
+    assert_eq!(e.queue_priority(Some(1), 4096, false), 4096 | UNKNOWN_TIER);
+    assert_eq!(e.queue_priority(Some(2), 4096, false), 100);
 }
 
 #[test]
