@@ -9,8 +9,8 @@
 //! (`max_new_tokens`) until the router has seen answers of the request's class; then it is
 //! what [`LengthEstimator::queue_priority`] predicts from them (its finished members, and how
 //! long its running ones have been generating), and waiting requests move in the queue when an
-//! answer of their class ends ([`SlotQueue::ended`]) and, as running members age, at most every
-//! [`REKEY_EVERY`]. So for GRPO groups
+//! answer ends ([`SlotQueue::ended`]: every waiter while at most [`REKEY_ALL_BELOW`] wait, else
+//! those of its class) and, as running members age, every [`REKEY_EVERY`]. So for GRPO groups
 //! that all ask for the same budget, one request of every group starts first (the sibling
 //! rank), the groups whose first answers came back long go next, and the groups known to be
 //! short are left for the end of the batch.
@@ -51,6 +51,10 @@ const LENGTH_CLASSES: usize = 100_000;
 /// How often every waiting request's place is recomputed (predictions grow while a class's
 /// members keep generating).
 pub const REKEY_EVERY: f64 = 0.1;
+
+/// Up to this many waiting requests, every answer recomputes every waiter's place; above it,
+/// only its class's, and the others every [`REKEY_EVERY`].
+pub const REKEY_ALL_BELOW: usize = 1024;
 
 /// An answer, as the length estimator learns from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -232,7 +236,10 @@ impl SlotQueue {
             inner.lengths.observe(class, a.budget, a.prompt, a.output);
         }
         inner.lengths.ended(class, at, answer.map(|a| a.output));
-        if answer.is_some() && class.is_some() {
+        if answer.is_some() && inner.waiters.len() <= REKEY_ALL_BELOW {
+            // The fleet-wide mean moved too: every prediction may have changed.
+            inner.rekey(self.order, None);
+        } else if answer.is_some() && class.is_some() {
             inner.rekey(self.order, class);
         }
         inner.rekey_if_stale(self.order, now);
