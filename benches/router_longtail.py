@@ -23,8 +23,12 @@ group and is killed at the end):
 3. Lower bound LB = max(T_solo, T_chain, W / (N x R_sat)) with W the batch's output tokens.
 4. `--repeats` rounds of one run per router/policy, each on a fresh `sglang-sim --instances N`
    process: our manager (engines attached with `POST /rollout/scale_out {"engine_urls"}`) with
-   `capacity` and `round_robin`, and `ours_lf:capacity`, the same with late binding
-   (`--max-inflight-per-engine` = `--late-binding-cap`, `--queue-order longest_first`), and `smg`
+   its default flags (late binding with each engine's automatic cap, `longest_first` with learned
+   lengths) and `capacity` or `round_robin`; `ours_lf:capacity`, the same with a fixed cap
+   (`--max-inflight-per-engine` = `--late-binding-cap`); `ours_old:capacity`, the defaults before
+   issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding);
+   `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
+   traffic: late binding in arrival order); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
    straight to the engine an offline longest-processing-time-first partition of the exact output
@@ -33,7 +37,7 @@ group and is killed at the end):
    cap = batch size); every engine's `/v1/loads` is sampled every 0.25 s.
 5. Prints a markdown table (median and range over the repeats), writes
    benches/results/router_longtail.{json,md} and a PNG of load across engines over time
-   (ours_lf, else ours capacity, vs the best smg policy by median makespan).
+   (ours capacity, vs the best smg policy by median makespan).
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ ALL_ROUTERS = [
     "oracle:lpt_longest_first",
     "ours:capacity",
     "ours_lf:capacity",
+    "ours_old:capacity",
+    "ours_fifo:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -382,6 +388,7 @@ class Rec:
     cached_tokens: int = 0
     completion_tokens: int = 0
     retractions: int = 0
+    e2e: float = 0.0  # the engine's e2e_latency: from its receipt of the request to its end
     error: str = ""
 
 
@@ -407,6 +414,7 @@ def send(router_url: str, body: dict, headers: dict, rec: Rec, t0: float, timeou
             rec.cached_tokens = mi.get("cached_tokens", 0)
             rec.completion_tokens = mi.get("completion_tokens", 0)
             rec.retractions = mi.get("num_retractions", 0)
+            rec.e2e = mi.get("e2e_latency", 0.0) or 0.0
             text = d.get("text", "")
         else:
             rec.error = raw[:300].decode(errors="replace")
@@ -598,6 +606,7 @@ def scrape_ours(control: str) -> dict:
         "affinity_moved": g(r'^rollout_router_affinity_total\{outcome="moved"\} (\S+)$'),
         "retries": g(r"^rollout_router_retries_total (\S+)$"),
         "errors": g(r"^rollout_router_errors_total\{[^}]*\} (\S+)$"),
+        "auto_caps": [int(float(v)) for v in re.findall(r"^rollout_engine_auto_inflight_cap\{[^}]*\} (\S+)$", text, re.MULTILINE)],
     }
 
 
@@ -694,14 +703,15 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf"):
-            # ours_lf: late binding, the router holds work beyond --late-binding-cap requests per
-            # engine and hands the largest waiting request to the next free slot.
-            extra = (
-                ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"]
-                if kind == "ours_lf"
-                else []
-            )
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo"):
+            # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
+            # instead of each engine's automatic one. ours_old: no late binding, arrival order.
+            extra = {
+                "ours": [],
+                "ours_lf": ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"],
+                "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
+                "ours_fifo": ["--queue-order", "fifo"],
+            }[kind]
             target, info = start_ours(procs, a, policy, urls, tmp, extra)
             engine_index = {eid: urls.index(u) for eid, u in info["engine_urls"].items()}
         elif kind == "smg":
@@ -719,7 +729,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
         recs = run_batch(target, w, grpo, list(range(len(w.sessions))), t0, a.run_timeout)
         samples = sampler.stop()
         engines = [scrape_engine(u) for u in urls]
-        extra = scrape_ours(info["control"]) if kind in ("ours", "ours_lf") else {}
+        extra = scrape_ours(info["control"]) if kind.startswith("ours") else {}
     finally:
         if router is not None:
             procs.stop(router)
@@ -780,6 +790,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
                 r.prompt_tokens,
                 r.cached_tokens,
                 r.retractions,
+                round(r.end - r.e2e, 3),  # when the engine got it (approximately)
             ]
             for r in recs
         ],
@@ -799,7 +810,7 @@ def plot(results: list[dict], lb: float, path: Path, n: int, period: float) -> s
     except ImportError:
         return "matplotlib is not installed (pip install -e 'python[bench]'); no plot"
     groups = by_name(results)
-    mine = next((n for n in ("ours_lf:capacity", "ours:capacity") if n in groups), None)
+    mine = next((n for n in ("ours:capacity", "ours_lf:capacity") if n in groups), None)
     ours = representative(groups[mine]) if mine else None
     smg = [n for n in groups if n.startswith("smg:") and all(r["errors"] == 0 for r in groups[n])]
     best = representative(groups[min(smg, key=lambda n: median([r["makespan_s"] for r in groups[n]]))]) if smg else None
@@ -863,8 +874,10 @@ def table(results: list[dict], lb: float) -> str:
         "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|",
     ]
     label = {
-        "ours": "ours",
-        "ours_lf": "ours, late binding, longest first",
+        "ours": "ours (defaults)",
+        "ours_lf": "ours, fixed cap (--late-binding-cap)",
+        "ours_old": "ours, old defaults (no cap, fifo)",
+        "ours_fifo": "ours, --queue-order fifo",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",
     }

@@ -231,20 +231,27 @@ pub struct ServeConfig {
     /// connection is then closed (it holds nothing).
     #[arg(long, default_value_t = 30.0, value_name = "SECS", help_heading = heading::NETWORK)]
     pub header_read_timeout_secs: f64,
-    /// At most this many requests in flight at one engine (0: no limit).
+    /// Requests one engine may hold at once: `auto` (each engine its own cap), N, or 0 (no cap).
     ///
     /// Requests beyond it wait in the router and go to the first engine with a free slot, a new
-    /// engine included, instead of queueing inside one engine: set it near the engines'
-    /// `--max-running-requests` for elastic fleets. A request waits at most
+    /// engine included, instead of queueing inside one engine (late binding), in the order of
+    /// --queue-order. `auto`: the engine's KV pool (`/v1/loads`) over the mean size (prompt +
+    /// output) of recent answers, and at least what the engine runs plus a quarter, at most its
+    /// own --max-running-requests plus that margin: engines of every size, external ones
+    /// included, get their own. A number sets the same cap for every engine; 0 turns late
+    /// binding off (each request goes to an engine at once). A request waits at most
     /// --request-timeout-secs for a slot.
-    #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::ROUTER)]
-    pub max_inflight_per_engine: usize,
+    #[arg(long, default_value = "auto", value_name = "auto|N", help_heading = heading::ROUTER)]
+    #[serde(default)]
+    pub max_inflight_per_engine: crate::routing::InflightCap,
     /// Which waiting request gets a freed slot under --max-inflight-per-engine.
     ///
-    /// `fifo`: arrival order. `longest_first`: session turns, then the largest max_new_tokens
-    /// first; for a batch of rollouts sent at once, long generations start first instead of
-    /// last; short requests may wait behind long ones, at most --request-timeout-secs.
-    #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::Fifo, help_heading = heading::ROUTER)]
+    /// `longest_first` (default, for rollout batches): session turns, then the largest expected
+    /// output first (max_new_tokens, or the lengths the router saw for the same prompt or
+    /// session when every request asks for the same budget), so long generations start first
+    /// instead of last; short requests may wait behind long ones, at most
+    /// --request-timeout-secs. `fifo`: arrival order, for interactive traffic.
+    #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::LongestFirst, help_heading = heading::ROUTER)]
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
     /// Threads of the data plane (the router port); 0: one per available core.

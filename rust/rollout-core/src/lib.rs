@@ -15,6 +15,7 @@ pub mod config;
 #[cfg(test)]
 mod fuzz_tests;
 pub mod health;
+pub mod lengths;
 pub mod placement;
 pub mod restore;
 pub mod routing;

@@ -61,12 +61,76 @@ impl std::str::FromStr for Policy {
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
 pub enum QueueOrder {
-    /// Arrival order.
-    #[default]
+    /// Arrival order (interactive traffic: no request waits behind a longer one).
     Fifo,
-    /// Turns of multi-turn sessions first, then the largest output budget (`max_new_tokens`),
-    /// then arrival.
+    /// Turns of multi-turn sessions first, then the largest expected output (the output budget,
+    /// or what answers of the same prompt or session showed: `crate::lengths`), then arrival.
+    #[default]
     LongestFirst,
+}
+
+/// `--max-inflight-per-engine`: how many of the router's requests one engine may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InflightCap {
+    /// Each engine its own cap, from its reports and the requests' learned sizes
+    /// (`crate::lengths::auto_inflight_cap`).
+    #[default]
+    Auto,
+    /// The same cap for every engine; 0: no cap (no late binding).
+    Fixed(usize),
+}
+
+impl InflightCap {
+    /// Whether requests beyond a cap wait in the router (late binding).
+    pub fn enabled(self) -> bool {
+        self != Self::Fixed(0)
+    }
+}
+
+impl std::str::FromStr for InflightCap {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Fixed(0)),
+            n => n.parse().map(Self::Fixed).map_err(|_| {
+                format!("{s:?} is not a cap: use auto (each engine its own), a number of requests, or 0 (no cap)")
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for InflightCap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Fixed(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl Serialize for InflightCap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Fixed(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for InflightCap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(usize),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(Self::Fixed(n)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// What the router knows about one engine at decision time.

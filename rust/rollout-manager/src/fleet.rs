@@ -74,6 +74,12 @@ pub struct EngineLoad {
     reported_tokens: AtomicU64,
     /// Requests ever sent to this engine by the router.
     served: AtomicU64,
+    /// Its automatic in-flight cap (`--max-inflight-per-engine auto`), set by the load poller
+    /// from the engine's reports; 0 until the first.
+    auto_cap: AtomicUsize,
+    /// Requests it runs and its running limit, as last reported (0: not reported).
+    running: AtomicU64,
+    max_running: AtomicU64,
     idle: Notify,
 }
 
@@ -115,6 +121,31 @@ impl EngineLoad {
     pub fn report(&self, capacity: u64, used: u64) {
         self.reported_tokens.store(used, Ordering::Relaxed);
         self.capacity.store(capacity, Ordering::Relaxed);
+    }
+
+    /// Records the engine's running requests and running limit (0 where not reported).
+    pub fn report_running(&self, running: u64, max_running: u64) {
+        self.running.store(running, Ordering::Relaxed);
+        self.max_running.store(max_running, Ordering::Relaxed);
+    }
+
+    /// What the engine last reported, for its automatic cap.
+    pub fn engine_report(&self) -> rollout_core::lengths::EngineReport {
+        rollout_core::lengths::EngineReport {
+            pool_tokens: self.capacity.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            max_running: self.max_running.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets the automatic in-flight cap.
+    pub fn set_auto_cap(&self, cap: usize) {
+        self.auto_cap.store(cap, Ordering::Relaxed);
+    }
+
+    /// The automatic in-flight cap; None before the load poller set one.
+    pub fn auto_cap(&self) -> Option<usize> {
+        Some(self.auto_cap.load(Ordering::Relaxed)).filter(|c| *c > 0)
     }
 
     /// A consistent-enough snapshot for a routing decision.

@@ -92,7 +92,7 @@ impl Manager {
             config.restart_failed_engines,
             store,
             config.queue_order,
-            config.max_inflight_per_engine > 0,
+            config.max_inflight_per_engine.enabled(),
         ));
         let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
         let routes = Arc::new(crate::dialect::EngineRoutes::new());

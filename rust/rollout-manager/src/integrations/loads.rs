@@ -8,9 +8,15 @@
 //! `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}` per DP rank, 0.5.2 to 0.5.5 answer
 //! `{"load": tokens}` for DP rank 0 alone. For those engines the pool size is read once from
 //! `/get_server_info` (`max_total_num_tokens` per rank, times `dp_size`).
+//!
+//! Each poll also sets every engine's automatic in-flight cap (`--max-inflight-per-engine
+//! auto`, [`rollout_core::lengths::auto_inflight_cap`]) from its pool, the requests it runs and
+//! its running limit (`num_running_reqs`, `max_running_requests` of `/v1/loads`), and the mean
+//! size of the answers the router saw.
 
 use crate::dialect::Route;
 use crate::manager::Manager;
+use rollout_core::lengths::AUTO_CAP_UNREPORTED;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,21 +36,39 @@ struct RankLoad {
     num_waiting_uncached_tokens: u64,
     #[serde(default)]
     max_total_num_tokens: u64,
+    #[serde(default)]
+    num_running_reqs: u64,
+    #[serde(default)]
+    max_running_requests: u64,
 }
 
-/// Sums an engine's DP ranks: (pool size, tokens used or queued). Sums saturate: an engine
-/// that reports absurd numbers looks full, it does not overflow the router.
-fn parse(body: &[u8]) -> Option<(u64, u64)> {
+/// One engine's load report, its DP ranks summed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Report {
+    /// KV pool size.
+    cap: u64,
+    /// Tokens used or queued.
+    used: u64,
+    /// Requests running (0 where not reported).
+    running: u64,
+    /// Running limit (0 where not reported).
+    max_running: u64,
+}
+
+/// Sums an engine's DP ranks. Sums saturate: an engine that reports absurd numbers looks full,
+/// it does not overflow the router.
+fn parse(body: &[u8]) -> Option<Report> {
     let loads: Loads = serde_json::from_slice(body).ok()?;
     if loads.loads.is_empty() {
         return None;
     }
-    let cap = loads.loads.iter().fold(0u64, |acc, l| acc.saturating_add(l.max_total_num_tokens));
-    let used = loads
-        .loads
-        .iter()
-        .fold(0u64, |acc, l| acc.saturating_add(l.num_used_tokens).saturating_add(l.num_waiting_uncached_tokens));
-    Some((cap, used))
+    let sum = |f: fn(&RankLoad) -> u64| loads.loads.iter().fold(0u64, |acc, l| acc.saturating_add(f(l)));
+    Some(Report {
+        cap: sum(|l| l.max_total_num_tokens),
+        used: sum(|l| l.num_used_tokens.saturating_add(l.num_waiting_uncached_tokens)),
+        running: sum(|l| l.num_running_reqs),
+        max_running: sum(|l| l.max_running_requests),
+    })
 }
 
 /// `/get_load`: the tokens used or queued, summed over the DP ranks it reports.
@@ -104,10 +128,14 @@ type PoolSizes = Mutex<HashMap<String, u64>>;
 
 async fn poll_all(manager: &Manager, timeout: Duration, pool_sizes: &PoolSizes) {
     let routes = manager.fleet.routes();
+    let footprint = manager.fleet.slot_queue().lengths(rollout_core::lengths::LengthEstimator::mean_footprint);
     futures::future::join_all(routes.backends.iter().map(|b| async move {
-        if let Some((cap, used)) = poll_one(manager, &b.url, timeout, pool_sizes).await {
-            b.load.report(cap, used);
+        if let Some(r) = poll_one(manager, &b.url, timeout, pool_sizes).await {
+            b.load.report(r.cap, r.used);
+            b.load.report_running(r.running, r.max_running);
         }
+        let cap = rollout_core::lengths::auto_inflight_cap(b.load.engine_report(), footprint, AUTO_CAP_UNREPORTED);
+        b.load.set_auto_cap(cap);
     }))
     .await;
     let live: std::collections::HashSet<&str> = routes.backends.iter().map(|b| b.url.as_str()).collect();
@@ -118,8 +146,8 @@ fn lock(pool_sizes: &PoolSizes) -> std::sync::MutexGuard<'_, HashMap<String, u64
     pool_sizes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// One engine's (pool size, tokens used or queued), from whichever route it serves.
-async fn poll_one(manager: &Manager, url: &str, timeout: Duration, pool_sizes: &PoolSizes) -> Option<(u64, u64)> {
+/// One engine's report, from whichever route it serves.
+async fn poll_one(manager: &Manager, url: &str, timeout: Duration, pool_sizes: &PoolSizes) -> Option<Report> {
     let limit = crate::engine_http::MAX_JSON_BYTES;
     let (name, body) = manager.routes.get(&manager.http, url, Route::Loads, timeout, limit).await.ok()?;
     if name != "/get_load" {
@@ -136,7 +164,7 @@ async fn poll_one(manager: &Manager, url: &str, timeout: Duration, pool_sizes: &
             cap
         }
     };
-    Some((cap, used))
+    Some(Report { cap, used, ..Report::default() })
 }
 
 #[cfg(test)]
@@ -149,7 +177,11 @@ mod tests {
         let body = br#"{"timestamp": 1, "loads": [
             {"dp_rank": 0, "num_used_tokens": 100, "num_waiting_uncached_tokens": 5, "max_total_num_tokens": 1000},
             {"dp_rank": 1, "num_used_tokens": 50, "max_total_num_tokens": 1000}]}"#;
-        assert_eq!(parse(body), Some((2000, 155)));
+        assert_eq!(parse(body), Some(Report { cap: 2000, used: 155, running: 0, max_running: 0 }));
+        let body = br#"{"loads": [
+            {"num_running_reqs": 3, "max_running_requests": 48, "max_total_num_tokens": 1000},
+            {"num_running_reqs": 2, "max_running_requests": 48, "max_total_num_tokens": 1000}]}"#;
+        assert_eq!(parse(body), Some(Report { cap: 2000, used: 0, running: 5, max_running: 96 }));
         assert_eq!(parse(b"{}"), None);
         assert_eq!(parse(b"garbage"), None);
         let max = u64::MAX;
@@ -157,7 +189,7 @@ mod tests {
             r#"{{"loads": [{{"num_used_tokens": {max}, "num_waiting_uncached_tokens": {max}, "max_total_num_tokens": {max}}},
                             {{"num_used_tokens": {max}, "max_total_num_tokens": 1}}]}}"#
         );
-        assert_eq!(parse(body.as_bytes()), Some((max, max)));
+        assert_eq!(parse(body.as_bytes()).map(|r| (r.cap, r.used)), Some((max, max)));
     }
 
     #[test]

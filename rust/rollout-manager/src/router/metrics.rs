@@ -140,7 +140,7 @@ impl RouterMetrics {
         out.extend(self.first_byte.0.collect());
         out.extend(self.duration.0.collect());
         type Reader = fn(&Backend) -> i64;
-        let gauges: [(&str, &str, Reader); 3] = [
+        let gauges: [(&str, &str, Reader); 4] = [
             ("rollout_engine_in_flight", "Requests the router has in flight to the engine.", |b| {
                 i64::try_from(b.load.get()).unwrap_or(i64::MAX)
             }),
@@ -150,6 +150,11 @@ impl RouterMetrics {
             ("rollout_engine_kv_capacity_tokens", "KV pool size last reported by the engine (0: unknown).", |b| {
                 i64::try_from(b.load.snapshot().capacity).unwrap_or(i64::MAX)
             }),
+            (
+                "rollout_engine_auto_inflight_cap",
+                "The engine's automatic in-flight cap (--max-inflight-per-engine auto; 0: not computed yet).",
+                |b| i64::try_from(b.load.auto_cap().unwrap_or(0)).unwrap_or(i64::MAX),
+            ),
         ];
         for (name, help, read) in gauges {
             let g = gauge_vec(name, help, &["engine_id"]);

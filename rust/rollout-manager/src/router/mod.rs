@@ -31,12 +31,18 @@
 //!
 //! Each forwarded request counts in its engine's in-flight load (requests and estimated KV
 //! tokens) until its response body ends: routing decisions and scale-in's drain both use it.
+//! The KV estimate is the prompt plus the output the router expects (`rollout_core::lengths`:
+//! what answers of the same prompt or session showed, else the recent mean, never above the
+//! budget). Every successful answer's `completion_tokens` (read from its body as it streams
+//! by) is observed into that estimate, keyed by the request's session, else its prompt.
 //!
-//! Late binding (`--max-inflight-per-engine N`): an engine gets at most about N requests at
-//! once (two requests deciding at the same instant may both take the last slot). The rest wait
-//! in the router's queue (`crate::slots`: arrival order, or with `--queue-order longest_first`
-//! session turns first, then the largest output budget), and each goes to the first engine with a free slot when one frees or an
-//! engine joins. Work then never sits in one engine's queue while another, e.g. one a
+//! Late binding (`--max-inflight-per-engine`, `auto` by default: each engine its own cap, set by
+//! the load poller from the engine's pool and the learned size of requests; or a fixed N; 0
+//! turns it off): an engine gets at most about its cap of requests at once (two requests
+//! deciding at the same instant may both take the last slot). The rest wait in the router's
+//! queue (`crate::slots`: by default session turns first, then the largest expected output;
+//! `--queue-order fifo`: arrival order), and each goes to the first engine with a free slot
+//! when one frees or an engine joins. Work then never sits in one engine's queue while another, e.g. one a
 //! scale-out just added, is idle. A request waits at most `--request-timeout-secs` for a slot,
 //! then gets 503 `router_queue_timeout`.
 
@@ -51,7 +57,7 @@ use crate::error::error_body;
 use crate::fleet::Fleet;
 use crate::fleet::InFlightGuard;
 use crate::http_serve::read_body_first;
-use crate::slots::Ticket;
+use crate::slots::{Answer, Joining, SlotQueue, Ticket};
 use affinity::Affinity;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -67,6 +73,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics::{ErrorKind, RouterMetrics};
+use rollout_core::routing::InflightCap;
 use rollout_core::routing::{choose, Gate, Policy, VersionPin};
 use rollout_core::ServeConfig;
 use std::future::Future;
@@ -488,6 +495,11 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     // capacity: a session key if the request has one, else its prompt (GRPO siblings);
     // session: the session key only.
     let session_key = info.session.as_deref().map(affinity::session_key);
+    // What learned lengths are keyed by: the session, else the prompt (GRPO siblings).
+    let class = session_key.or(info.prompt_hash);
+    let queue = state.fleet.slot_queue().clone();
+    let budget = info.output_budget;
+    let tokens = info.tokens_expecting(queue.lengths(|l| l.expected(class, budget)));
     let affinity_key = match policy {
         Policy::Capacity => session_key.or(info.prompt_hash),
         Policy::Session => session_key,
@@ -500,7 +512,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     // Engines already tried, by the address of their load (as in `Arc::ptr_eq`).
     let mut tried = [0usize; MAX_ATTEMPTS];
     let mut last_error = String::new();
-    let cap = state.config.max_inflight_per_engine;
+    let cap_mode = state.config.max_inflight_per_engine;
+    let capped = cap_mode.enabled();
     let queue_deadline = tokio::time::Instant::now() + timeout;
     for attempt in 0..MAX_ATTEMPTS {
         if attempt > 0 {
@@ -525,7 +538,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             for (i, b) in routes.iter().enumerate() {
                 if !skip.contains(&load_addr(&b.load)) {
                     untried += 1;
-                    if cap == 0 || b.load.get() < cap {
+                    if !capped || b.load.get() < engine_cap(cap_mode, &b.load) {
                         open.push(i);
                     }
                 }
@@ -533,21 +546,18 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             if untried == 0 {
                 break None;
             }
-            if cap > 0 {
-                let queue = state.fleet.slot_queue();
+            if capped {
                 // A new request queues behind waiting ones rather than take a slot freed for them.
                 let behind = queued.is_none() && metrics.queued.get() > 0;
                 if open.is_empty() || behind {
                     let (ticket, _) = queued.get_or_insert_with(|| {
-                        (
-                            queue.join(info.output_budget, info.session.is_some()),
-                            QueuedGuard::new(state.metrics.clone()),
-                        )
+                        let joining = Joining { class, budget, session: info.session.is_some() };
+                        (queue.join(joining), QueuedGuard::new(state.metrics.clone()))
                     });
                     if !open.is_empty() {
                         // Room, but others wait: the head of the queue (maybe this request) takes it.
                         queue.wake_next();
-                    } else if (info.pin.is_some() || attempt > 0) && room_elsewhere(&state, cap) {
+                    } else if (info.pin.is_some() || attempt > 0) && room_elsewhere(&state, cap_mode) {
                         // The free slot is on an engine this request may not use: pass it on.
                         ticket.pass_on();
                     }
@@ -562,7 +572,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                             () = tokio::time::sleep_until(queue_deadline) => {
                                 metrics.error(ErrorKind::QueueTimeout);
                                 let msg = format!(
-                                    "every engine had --max-inflight-per-engine ({cap}) requests in flight for \
+                                    "every engine had its --max-inflight-per-engine ({cap_mode}) requests in flight for \
                                      --request-timeout-secs ({timeout:?}); retry later, add engines, or raise the limit"
                                 );
                                 return error(StatusCode::SERVICE_UNAVAILABLE, "router_queue_timeout", &msg);
@@ -577,16 +587,17 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 .and_then(|k| state.affinity.get(k))
                 .and_then(|id| open.iter().position(|&i| routes[i].engine_id.as_str() == &*id));
             let rotor = state.rotor.fetch_add(1, Ordering::Relaxed);
-            let Some((pos, kept)) = choose(policy, &loads, info.tokens, affine, rotor, &state.gate) else {
+            let Some((pos, kept)) = choose(policy, &loads, tokens, affine, rotor, &state.gate) else {
                 break None;
             };
             let index = open[pos];
-            let guard = if cap > 0 {
+            let guard = if capped {
                 // Another request may have taken the last slot since the check: look again.
-                let Some(guard) = routes[index].load.try_enter(info.tokens, cap) else { continue };
+                let cap = engine_cap(cap_mode, &routes[index].load);
+                let Some(guard) = routes[index].load.try_enter(tokens, cap) else { continue };
                 guard
             } else {
-                routes[index].load.enter(info.tokens)
+                routes[index].load.enter(tokens)
             };
             // Counted first, then checked: a scale-in or weight update that took the engine out
             // of routing before this request was counted sees it in its drain; one that did
@@ -595,7 +606,10 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 drop(guard);
                 continue;
             }
-            if cap > 0 && queued.take().is_some() && (open.len() > 1 || routes[index].load.get() < cap) {
+            if capped
+                && queued.take().is_some()
+                && (open.len() > 1 || routes[index].load.get() < engine_cap(cap_mode, &routes[index].load))
+            {
                 // More than one slot was free (an engine joined): the next in line takes one.
                 state.fleet.slot_queue().wake_next();
             }
@@ -603,6 +617,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         };
         drop(queued);
         let Some((routes, index, had_affine, kept, guard)) = picked else { break };
+        let learn = Learn::start(&queue, class, budget, info.prompt_tokens);
         let backend = &routes[index];
         if had_affine {
             metrics.affinity(kept);
@@ -680,7 +695,10 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 if let Some(v) = &backend.id_header {
                     head.headers.insert(ENGINE_ID_HEADER, v.clone());
                 }
+                // Only a successful answer's length is learned (the others just end).
+                let learn = (head.status == StatusCode::OK).then_some(learn);
                 let tracked = Tracked {
+                    learn,
                     inner: incoming,
                     ended: false,
                     lease,
@@ -711,9 +729,50 @@ async fn metrics_text(State(state): State<Arc<RouterState>>) -> axum::response::
     ([(axum::http::header::CONTENT_TYPE, crate::telemetry::CONTENT_TYPE)], text).into_response()
 }
 
-/// Whether some routable engine is under the cap (one a pinned or retried request may not use).
-fn room_elsewhere(state: &RouterState, cap: usize) -> bool {
-    state.fleet.routes().backends.iter().any(|b| b.load.get() < cap)
+/// Whether some routable engine is under its cap (one a pinned or retried request may not use).
+fn room_elsewhere(state: &RouterState, cap: InflightCap) -> bool {
+    state.fleet.routes().backends.iter().any(|b| b.load.get() < engine_cap(cap, &b.load))
+}
+
+/// An engine's in-flight cap: the fixed one, or its own automatic one (the fallback until the
+/// load poller set it).
+fn engine_cap(cap: InflightCap, load: &crate::fleet::EngineLoad) -> usize {
+    match cap {
+        InflightCap::Fixed(n) => n,
+        InflightCap::Auto => load.auto_cap().unwrap_or(rollout_core::lengths::AUTO_CAP_UNREPORTED),
+    }
+}
+
+/// A request sent to an engine, as the length estimator follows it: started when sent, ended
+/// when dropped, with the answer's token counts if [`Learn::answered`] read them to its end.
+struct Learn {
+    queue: Arc<SlotQueue>,
+    class: Option<u64>,
+    budget: u64,
+    prompt: u64,
+    /// When it was sent, on the estimator's clock.
+    at: f64,
+    usage: peek::Usage,
+    answered: bool,
+}
+
+impl Learn {
+    fn start(queue: &Arc<SlotQueue>, class: Option<u64>, budget: u64, prompt: u64) -> Self {
+        let at = queue.started(class);
+        Self { queue: queue.clone(), class, budget, prompt, at, usage: peek::Usage::default(), answered: false }
+    }
+}
+
+impl Drop for Learn {
+    fn drop(&mut self) {
+        let answer = match (self.answered, self.usage.completion_tokens) {
+            (true, Some(output)) => {
+                Some(Answer { budget: self.budget, prompt: self.usage.prompt_tokens.unwrap_or(self.prompt), output })
+            }
+            _ => None,
+        };
+        self.queue.ended(self.class, self.at, answer);
+    }
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.
@@ -736,6 +795,8 @@ impl Drop for QueuedGuard {
 /// the body ends (or the client goes away, or the deadline passes and the stream is cut), then
 /// records the request's duration.
 struct Tracked {
+    /// Learned lengths: the answer's token counts, observed when it ends.
+    learn: Option<Learn>,
     inner: hyper::body::Incoming,
     /// The body was read to its end (its connection can carry another request).
     ended: bool,
@@ -755,6 +816,9 @@ impl Drop for Tracked {
             if let Some(lease) = &mut self.lease {
                 lease.release();
             }
+            if let Some(l) = &mut self.learn {
+                l.answered = true;
+            }
         }
         self.metrics.duration.observe(self.started.elapsed());
     }
@@ -770,6 +834,11 @@ impl http_body::Body for Tracked {
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
             self.ended = frame.is_none();
+            if let (Some(learn), Some(Ok(f))) = (self.learn.as_mut(), frame.as_ref()) {
+                if let Some(data) = f.data_ref() {
+                    learn.usage.scan(data);
+                }
+            }
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         if self.deadline.as_mut().poll(cx).is_ready() {

@@ -79,6 +79,10 @@ pub struct RequestInfo {
     /// The output budget (`max_new_tokens`, `max_completion_tokens` or `max_tokens`; 128 when
     /// absent): what orders the router's queue with `--queue-order longest_first`.
     pub output_budget: u64,
+    /// Estimated prompt tokens (all prompts of a batch).
+    pub prompt_tokens: u64,
+    /// Output KV of every sample at its full budget (`tokens` less the prompt).
+    pub output_kv: u64,
     pub session: Option<String>,
     /// Hash of the prompt, for prefix affinity.
     pub prompt_hash: Option<u64>,
@@ -142,14 +146,68 @@ pub fn peek(
         .map(str::to_string)
         .or_else(|| parsed.session_params.and_then(|s| s.id).map(Cow::into_owned))
         .or_else(|| parsed.routing_key.map(Cow::into_owned));
+    let tokens = estimate_tokens(prompt_bytes, prompt_ids, Some(output_kv), None);
+    let prompt_tokens = estimate_tokens(prompt_bytes, prompt_ids, Some(0), None);
     Ok(RequestInfo {
-        tokens: estimate_tokens(prompt_bytes, prompt_ids, Some(output_kv), None),
+        tokens,
         output_budget: max_new.unwrap_or(128).min(rollout_core::routing::MAX_ESTIMATE_TOKENS),
+        prompt_tokens,
+        output_kv: tokens.saturating_sub(prompt_tokens),
         session,
         prompt_hash: prompt_raw.map(|r| hash_bytes(r.as_bytes())),
         pin,
         pin_in_body: parsed.weight_version.is_some(),
     })
+}
+
+impl RequestInfo {
+    /// The KV estimate with each sample's output at `expected` tokens instead of its budget
+    /// (never more than at the budget).
+    pub fn tokens_expecting(&self, expected: u64) -> u64 {
+        if expected >= self.output_budget || self.output_budget == 0 {
+            return self.tokens;
+        }
+        let scaled = u128::from(self.output_kv) * u128::from(expected) / u128::from(self.output_budget);
+        self.prompt_tokens.saturating_add(u64::try_from(scaled).unwrap_or(u64::MAX))
+    }
+}
+
+/// Token counts an engine's answer reports (`meta_info` of SGLang's `/generate`, `usage` of the
+/// OpenAI routes), read from the body as it streams by: the last value seen wins (a stream
+/// repeats them, growing, in every chunk).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// Reads one chunk of a response body. A number split across two chunks is missed (the
+    /// next chunk, or the next answer, brings another).
+    pub fn scan(&mut self, chunk: &[u8]) {
+        if let Some(v) = last_number_after(chunk, b"\"completion_tokens\"") {
+            self.completion_tokens = Some(v);
+        }
+        if let Some(v) = last_number_after(chunk, b"\"prompt_tokens\"") {
+            self.prompt_tokens = Some(v);
+        }
+    }
+}
+
+/// The integer after the last `key` (then optional blanks, a colon, blanks) in `hay`.
+fn last_number_after(hay: &[u8], key: &[u8]) -> Option<u64> {
+    let at = hay.windows(key.len()).rposition(|w| w == key)?;
+    let rest = &hay[at + key.len()..];
+    let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+    let rest = rest.strip_prefix(b":")?;
+    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    let digits: &[u8] = &rest[start..];
+    let end = digits.iter().position(|b| !b.is_ascii_digit()).unwrap_or(digits.len());
+    if end == 0 || end == digits.len() {
+        // No digits, or the number may go on in the next chunk.
+        return None;
+    }
+    std::str::from_utf8(&digits[..end]).ok()?.parse().ok()
 }
 
 fn parse_pin(raw: &str) -> Result<VersionPin, PeekError> {
@@ -258,6 +316,35 @@ mod tests {
         assert_eq!(header.pin, Some(VersionPin::AtLeast("v1".into())));
         let stripped = strip_pin(br#"{"text": "x", "weight_version": "v3"}"#).unwrap();
         assert_eq!(stripped, br#"{"text":"x"}"#);
+    }
+
+    #[test]
+    fn usage_is_read_from_answers_and_stream_chunks() {
+        let mut u = Usage::default();
+        u.scan(br#"{"text": "x", "meta_info": {"prompt_tokens": 12, "completion_tokens": 340, "id": "a"}}"#);
+        assert_eq!(u, Usage { prompt_tokens: Some(12), completion_tokens: Some(340) });
+        // Streams: the last chunk's count wins; compact JSON too.
+        let mut u = Usage::default();
+        u.scan(
+            b"data: {\"meta_info\":{\"completion_tokens\":1}}\n\ndata: {\"meta_info\":{\"completion_tokens\":2}}\n\n",
+        );
+        u.scan(br#"data: {"usage": {"prompt_tokens": 5, "completion_tokens": 9}}"#);
+        assert_eq!(u, Usage { prompt_tokens: Some(5), completion_tokens: Some(9) });
+        // Nothing to read, or a number cut at the chunk's end: unchanged.
+        u.scan(br#"{"completion_tokens": "many"}"#);
+        u.scan(br#"{"completion_tokens": 12"#);
+        u.scan(b"completion_tokens");
+        assert_eq!(u.completion_tokens, Some(9));
+    }
+
+    #[test]
+    fn the_kv_estimate_follows_the_expected_output() {
+        let info =
+            peek(br#"{"text": "0123456789abcdef", "sampling_params": {"max_new_tokens": 100, "n": 2}}"#, None, None)
+                .unwrap();
+        assert_eq!((info.prompt_tokens, info.output_kv, info.tokens), (5, 200, 205));
+        assert_eq!(info.tokens_expecting(25), 5 + 50);
+        assert_eq!(info.tokens_expecting(1000), 205, "never above the budget");
     }
 
     #[test]
