@@ -220,6 +220,7 @@ def main() -> None:
         default=None,
         help="a rollout-manager binary of another build, run as the proxy `ours_baseline`",
     )
+    ap.add_argument("--name", default=None, help="results file name under benches/results (default by proxies)")
     args = ap.parse_args()
     if "ours_baseline" in args.proxies and args.baseline_binary is None:
         ap.error("--proxies ours_baseline needs --baseline-binary PATH")
@@ -396,7 +397,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         "load_average": os.getloadavg(),
     }
     # A comparison with another build goes to its own files, beside the peers' results.
-    name = "router_overhead_vs_baseline" if "ours_baseline" in args.proxies else "router_overhead"
+    name = args.name or ("router_overhead_vs_baseline" if "ours_baseline" in args.proxies else "router_overhead")
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
     cells: dict[tuple[str, int], list[Run]] = {}
     for r in runs:

@@ -5,11 +5,13 @@
 //!
 //! Borrowed `RawValue`s point into the body; only the small fields are decoded.
 
+use memchr::memmem;
 use rollout_core::routing::{estimate_tokens, VersionPin};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
+use std::sync::LazyLock;
 
 #[derive(Deserialize, Default)]
 struct Body<'a> {
@@ -185,19 +187,26 @@ impl Usage {
     /// Reads one chunk of a response body. A number split across two chunks is missed (the
     /// next chunk, or the next answer, brings another).
     pub fn scan(&mut self, chunk: &[u8]) {
-        if let Some(v) = last_number_after(chunk, b"\"completion_tokens\"") {
+        // Searched from the end with a SIMD prefilter (`memchr::memmem`): the counts sit at the
+        // end of an answer or of a stream chunk, and every proxied answer is scanned.
+        static COMPLETION: LazyLock<memmem::FinderRev<'static>> =
+            LazyLock::new(|| memmem::FinderRev::new(b"\"completion_tokens\""));
+        static PROMPT: LazyLock<memmem::FinderRev<'static>> =
+            LazyLock::new(|| memmem::FinderRev::new(b"\"prompt_tokens\""));
+        if let Some(v) = last_number_after(chunk, &COMPLETION) {
             self.completion_tokens = Some(v);
         }
-        if let Some(v) = last_number_after(chunk, b"\"prompt_tokens\"") {
+        if let Some(v) = last_number_after(chunk, &PROMPT) {
             self.prompt_tokens = Some(v);
         }
     }
 }
 
-/// The integer after the last `key` (then optional blanks, a colon, blanks) in `hay`.
-fn last_number_after(hay: &[u8], key: &[u8]) -> Option<u64> {
-    let at = hay.windows(key.len()).rposition(|w| w == key)?;
-    let rest = &hay[at + key.len()..];
+/// The integer after the last occurrence of the finder's key (then optional blanks, a colon,
+/// blanks) in `hay`.
+fn last_number_after(hay: &[u8], key: &memmem::FinderRev<'_>) -> Option<u64> {
+    let at = key.rfind(hay)?;
+    let rest = &hay[at + key.needle().len()..];
     let rest = rest.strip_prefix(b" ").unwrap_or(rest);
     let rest = rest.strip_prefix(b":")?;
     let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
