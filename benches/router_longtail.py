@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+AUTO_CAP = r"^rollout_engine_auto_inflight_cap\{[^}]*\} (\S+)$"
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
 SIM = ROOT / "target" / "release" / "sglang-sim"
@@ -606,7 +607,7 @@ def scrape_ours(control: str) -> dict:
         "affinity_moved": g(r'^rollout_router_affinity_total\{outcome="moved"\} (\S+)$'),
         "retries": g(r"^rollout_router_retries_total (\S+)$"),
         "errors": g(r"^rollout_router_errors_total\{[^}]*\} (\S+)$"),
-        "auto_caps": [int(float(v)) for v in re.findall(r"^rollout_engine_auto_inflight_cap\{[^}]*\} (\S+)$", text, re.MULTILINE)],
+        "auto_caps": [int(float(v)) for v in re.findall(AUTO_CAP, text, re.MULTILINE)],
     }
 
 
