@@ -239,6 +239,18 @@ fn start_publish(
     dir: &std::path::Path,
     expected: Option<String>,
 ) -> String {
+    let update_id = start_publish_record(m, version, dir, expected);
+    m.tasks.spawn(crate::weight_update::checksum_then_run(m.clone(), update_id.clone()));
+    update_id
+}
+
+/// The record of a publish, CHECKSUMMING, as the API writes it (nothing hashes it yet).
+fn start_publish_record(
+    m: &Arc<crate::manager::Manager>,
+    version: &str,
+    dir: &std::path::Path,
+    expected: Option<String>,
+) -> String {
     use crate::records::{Transition, UpdateRecord};
     use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
     let update_id = format!("update-{version}");
@@ -270,8 +282,28 @@ fn start_publish(
         inner.weights.updates.insert(update_id.clone(), record);
         inner.weights.running = Some(update_id.clone());
     });
-    m.tasks.spawn(crate::weight_update::checksum_then_run(m.clone(), update_id.clone()));
     update_id
+}
+
+#[tokio::test]
+async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 1, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let dir = TempDir::new();
+    let checksum = write_checkpoint(&dir.0);
+    // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
+    let update = start_publish_record(&m, "v1", &dir.0, None);
+    m.fleet.update(|inner| inner.weights.updates.get_mut(&update).map(|u| u.hashed_bytes.set(7)));
+    crate::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
+    let inner = m.fleet.lock();
+    let record = &inner.weights.updates[&update];
+    assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
+    assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
+    assert_eq!(record.hashed_bytes.get(), record.total_bytes, "hashed again from the start");
+    assert_eq!(inner.weights.current.version, "v1");
 }
 
 /// A two-shard checkpoint; returns its checksum.
