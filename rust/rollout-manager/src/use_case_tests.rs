@@ -182,51 +182,25 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
 
 /// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
 /// the checkpoint is read and staged; the disk transport loads it from `path` as it is).
+/// An update whose checkpoint is already hashed and staged (PENDING), running.
 fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &str) -> String {
-    use crate::records::{EngineUpdate, Transition, UpdateRecord};
-    use rollout_core::weights::{EngineUpdateStatus, UpdateStrategy, WeightUpdateStatus};
-    let update_id = format!("update-{version}");
+    use crate::records::{EngineUpdate, Transition};
+    use rollout_core::weights::WeightUpdateStatus;
+    let update_id = start_publish_record(m, version, std::path::Path::new(path), None);
     m.fleet.update(|inner| {
         let engines = inner
             .engines
             .values()
             .filter(|e| e.record.status.is_routable())
-            .map(|e| {
-                let pending = EngineUpdate {
-                    status: EngineUpdateStatus::Pending,
-                    error: None,
-                    started_at: None,
-                    finished_at: None,
-                };
-                (e.record.engine_id.clone(), pending)
-            })
+            .map(|e| (e.record.engine_id.clone(), EngineUpdate::pending()))
             .collect();
-        let record = UpdateRecord {
-            update_id: update_id.clone(),
-            version: version.into(),
-            path: path.into(),
-            checksum: Some("0".repeat(64)),
-            expected_checksum: None,
-            total_bytes: 0,
-            hashed_bytes: crate::records::HashProgress::default(),
-            engine_path: path.into(),
-            previous_version: inner.weights.current.version.clone(),
-            strategy: UpdateStrategy::Rolling,
-            max_unavailable: Some(1),
-            pause_mode: "abort".into(),
-            transport: "disk".into(),
-            status: WeightUpdateStatus::Pending,
-            engines,
-            created_at: 1.0,
-            updated_at: 1.0,
-            finished_at: None,
-            error_message: None,
-            message: String::new(),
-            history: vec![Transition { status: "PENDING".into(), at: 1.0 }],
-            resumed: 0,
-        };
-        inner.weights.updates.insert(update_id.clone(), record);
-        inner.weights.running = Some(update_id.clone());
+        if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+            u.checksum = Some("0".repeat(64));
+            u.engine_path = path.into();
+            u.status = WeightUpdateStatus::Pending;
+            u.engines = engines;
+            u.history = vec![Transition { status: "PENDING".into(), at: 1.0 }];
+        }
     });
     m.tasks.spawn(crate::weight_update::run(m.clone(), update_id.clone()));
     update_id
