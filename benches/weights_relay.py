@@ -65,6 +65,24 @@ def relay_bin() -> Path:
     return RELAY_BIN
 
 
+def send_argv(version: str, src: Path, addrs: list[str], chunk_mib: int) -> list[str]:
+    """One `rollout-relay send` of `src` as `version` down the chain `addrs`, one attempt."""
+    return [
+        str(relay_bin()),
+        "send",
+        "--version",
+        version,
+        "--source",
+        str(src),
+        "--to",
+        ",".join(addrs),
+        "--chunk-mib",
+        str(chunk_mib),
+        "--attempts",
+        "1",
+    ]
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a (still unreaped) process and its reaped children."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -256,20 +274,7 @@ def relay_run(src: Path, work: Path, n: int, chunk_mib: int, version: str) -> Re
             addrs.append(p.stdout.readline().decode().split()[-1])
         children0 = sum(os.times()[2:4])
         sender = subprocess.Popen(
-            [
-                str(relay_bin()),
-                "send",
-                "--version",
-                version,
-                "--source",
-                str(src),
-                "--to",
-                ",".join(addrs),
-                "--chunk-mib",
-                str(chunk_mib),
-                "--attempts",
-                "1",
-            ],
+            send_argv(version, src, addrs, chunk_mib),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
@@ -404,23 +409,7 @@ def netns_relay_run(
         children0 = sum(os.times()[2:4])
         with CpuSampler() as sampler:
             sender = subprocess.Popen(
-                net.exec_argv(
-                    0,
-                    [
-                        str(relay_bin()),
-                        "send",
-                        "--version",
-                        version,
-                        "--source",
-                        str(src),
-                        "--to",
-                        ",".join(addrs),
-                        "--chunk-mib",
-                        str(chunk_mib),
-                        "--attempts",
-                        "1",
-                    ],
-                ),
+                net.exec_argv(0, send_argv(version, src, addrs, chunk_mib)),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
             )
