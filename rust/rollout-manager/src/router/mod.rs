@@ -61,7 +61,6 @@ use crate::slots::{Answer, Joining, SlotQueue, Ticket};
 use affinity::Affinity;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::header::HOST;
 use axum::http::uri::{PathAndQuery, Scheme};
 use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -301,8 +300,38 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response {
     (status, Json(error_body(code, message))).into_response()
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers.get(name).and_then(|v| v.to_str().ok())
+/// The router's own request headers (each one's first value), read in one pass over the few
+/// headers a request has rather than one hashed lookup per name.
+#[derive(Default)]
+struct OwnHeaders<'a> {
+    routing_policy: Option<&'a str>,
+    weight_version: Option<&'a str>,
+    min_weight_version: Option<&'a str>,
+    session_id: Option<&'a str>,
+    smg_routing_key: Option<&'a str>,
+}
+
+impl<'a> OwnHeaders<'a> {
+    fn of(headers: &'a HeaderMap) -> Self {
+        let mut own = Self::default();
+        let mut seen = 0u8;
+        for (name, value) in headers {
+            let (bit, slot) = match name.as_str() {
+                "x-routing-policy" => (1, &mut own.routing_policy),
+                "x-weight-version" => (2, &mut own.weight_version),
+                "x-min-weight-version" => (4, &mut own.min_weight_version),
+                "x-session-id" => (8, &mut own.session_id),
+                "x-smg-routing-key" => (16, &mut own.smg_routing_key),
+                _ => continue,
+            };
+            // The first value counts (as `HeaderMap::get`); one that is not text counts as absent.
+            if seen & bit == 0 {
+                seen |= bit;
+                *slot = value.to_str().ok();
+            }
+        }
+        own
+    }
 }
 
 /// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
@@ -314,7 +343,7 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
     // so no change between the first read and the subscription is missed).
     let mut changes: Option<tokio::sync::watch::Receiver<u64>> = None;
     loop {
-        let current = state.routes.current(fleet);
+        let current = state.routes.current(fleet, &state.pools);
         let found = match pin {
             None => !current.all.is_empty(),
             Some(pin) => {
@@ -421,7 +450,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     };
     let path = path_and_query(&parts.uri);
     let headers = to_engine(parts.headers, state.token.as_deref());
-    let routes = state.routes.current(&state.fleet).all.clone();
+    let routes = state.routes.current(&state.fleet, &state.pools).all.clone();
     let client = &state.client;
     let results = futures::future::join_all(routes.iter().map(|b| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
@@ -471,7 +500,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &msg);
         }
     };
-    let policy = match header(&parts.headers, "x-routing-policy").map(str::parse::<Policy>) {
+    let own = OwnHeaders::of(&parts.headers);
+    let policy = match own.routing_policy.map(str::parse::<Policy>) {
         None => state.config.routing_policy,
         Some(Ok(p)) => p,
         Some(Err(e)) => {
@@ -479,11 +509,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             return error(StatusCode::BAD_REQUEST, "invalid_routing_policy", &format!("x-routing-policy: {e}"));
         }
     };
-    let pin_header = peek::pin_from_headers(
-        header(&parts.headers, "x-weight-version"),
-        header(&parts.headers, "x-min-weight-version"),
-    );
-    let session_header = header(&parts.headers, "x-session-id").or_else(|| header(&parts.headers, "x-smg-routing-key"));
+    let pin_header = peek::pin_from_headers(own.weight_version, own.min_weight_version);
+    let session_header = own.session_id.or(own.smg_routing_key);
     let info = match peek::peek(&body, session_header, pin_header) {
         Ok(info) => info,
         Err(e) => {
@@ -629,36 +656,37 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         if attempt > 0 {
             metrics.retry();
         }
-        let mut req = hyper::Request::new(Full::new(body.clone()));
-        *req.method_mut() = method.clone();
-        *req.headers_mut() = headers.clone();
         // Engines with a plain host:port take the router's own pooled connections (origin-form
-        // URI, Host set here); any other URL, and CONNECT, goes through hyper-util's client.
-        let direct = match (&backend.host_header, method == Method::CONNECT) {
-            (Some(host), false) => {
-                req.headers_mut().insert(HOST, host.clone());
-                *req.uri_mut() = Uri::from(path.clone());
-                Some(state.pools.get(&backend.authority, &state.fleet))
+        // target, Host set there); any other URL, and CONNECT, goes through hyper-util's client.
+        let sent = match (&backend.host_header, &backend.pool, method == Method::CONNECT) {
+            (Some(host), Some(pool), false) => {
+                let (method, path, headers, body) = (&method, &path, &headers, &body);
+                let authority = backend.authority.as_str();
+                futures::future::Either::Left(async move {
+                    let outgoing = pool::Outgoing { method, target: path.as_str(), host, headers, body };
+                    match pool::send(pool, authority, &outgoing).await {
+                        Ok(r) => Ok(r.map(EngineBody::Direct)),
+                        Err(e) => Err(e.to_string()),
+                    }
+                })
             }
             _ => {
+                let mut req = hyper::Request::new(Full::new(body.clone()));
+                *req.method_mut() = method.clone();
+                *req.headers_mut() = headers.clone();
                 match engine_uri(backend, &path) {
                     Ok(u) => *req.uri_mut() = u,
                     Err(e) => {
                         return error(StatusCode::BAD_REQUEST, "invalid_path", &format!("cannot forward {path:?}: {e}"))
                     }
                 }
-                None
-            }
-        };
-        let client = &state.client;
-        let authority = backend.authority.as_str();
-        let sent = async move {
-            match direct {
-                Some(pool) => pool::send(&pool, authority, req)
-                    .await
-                    .map(|(r, lease)| (r, Some(lease)))
-                    .map_err(|e| e.to_string()),
-                None => client.request(req).await.map(|r| (r, None)).map_err(|e| e.to_string()),
+                let client = &state.client;
+                futures::future::Either::Right(async move {
+                    match client.request(req).await {
+                        Ok(r) => Ok(r.map(EngineBody::Client)),
+                        Err(e) => Err(e.to_string()),
+                    }
+                })
             }
         };
         let started = Instant::now();
@@ -681,13 +709,13 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
         };
         match answer {
-            Ok((resp, _))
+            Ok(resp)
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < MAX_ATTEMPTS.min(routes.len()) =>
             {
                 tracing::debug!(engine_id = %backend.engine_id, "engine answered 503; trying another");
                 last_error = format!("{}: 503", backend.engine_id);
             }
-            Ok((resp, lease)) => {
+            Ok(resp) => {
                 metrics.first_byte.observe(started.elapsed());
                 metrics.response(resp.status().as_u16());
                 let (mut head, incoming) = resp.into_parts();
@@ -701,7 +729,6 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     learn,
                     inner: incoming,
                     ended: false,
-                    lease,
                     _guard: guard,
                     started,
                     metrics: state.metrics.clone(),
@@ -797,11 +824,9 @@ impl Drop for QueuedGuard {
 struct Tracked {
     /// Learned lengths: the answer's token counts, observed when it ends.
     learn: Option<Learn>,
-    inner: hyper::body::Incoming,
-    /// The body was read to its end (its connection can carry another request).
+    inner: EngineBody,
+    /// The body was read to its end.
     ended: bool,
-    /// The pooled connection it comes on, if any.
-    lease: Option<pool::Lease>,
     _guard: InFlightGuard,
     started: Instant,
     metrics: Arc<RouterMetrics>,
@@ -813,9 +838,6 @@ struct Tracked {
 impl Drop for Tracked {
     fn drop(&mut self) {
         if self.ended || http_body::Body::is_end_stream(&self.inner) {
-            if let Some(lease) = &mut self.lease {
-                lease.release();
-            }
             if let Some(l) = &mut self.learn {
                 l.answered = true;
             }
@@ -839,7 +861,7 @@ impl http_body::Body for Tracked {
                     learn.usage.scan(data);
                 }
             }
-            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+            return Poll::Ready(frame);
         }
         if self.deadline.as_mut().poll(cx).is_ready() {
             self.metrics.error(ErrorKind::Timeout);
@@ -856,5 +878,41 @@ impl http_body::Body for Tracked {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// An engine's answer body: from the router's own connections ([`pool::send`]), or from
+/// hyper-util's client (engines whose URL is not a plain `host:port`).
+enum EngineBody {
+    Direct(pool::EngineBody),
+    Client(hyper::body::Incoming),
+}
+
+impl http_body::Body for EngineBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        match self.get_mut() {
+            EngineBody::Direct(b) => Pin::new(b).poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into))),
+            EngineBody::Client(b) => Pin::new(b).poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            EngineBody::Direct(b) => b.is_end_stream(),
+            EngineBody::Client(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            EngineBody::Direct(b) => b.size_hint(),
+            EngineBody::Client(b) => b.size_hint(),
+        }
     }
 }

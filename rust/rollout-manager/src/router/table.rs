@@ -2,6 +2,7 @@
 //! path derives from its address (the parsed authority, the `Host` header, the engine id as a
 //! response header), computed once per published table instead of once per request.
 
+use super::pool::{Pool, Pools};
 use crate::fleet::{Backend, Fleet, RoutingTable};
 use axum::http::uri::Authority;
 use axum::http::HeaderValue;
@@ -21,17 +22,21 @@ pub struct Route {
     /// The engine id as the `x-rollout-engine-id` response header (None if it is not a valid
     /// header value).
     pub id_header: Option<HeaderValue>,
+    /// The router's idle connections to this engine (with `host_header`, a plain `host:port`).
+    pub pool: Option<Arc<Pool>>,
 }
 
 impl Route {
-    fn of(backend: &Backend) -> Self {
+    fn of(backend: &Backend, pools: &Pools, fleet: &Fleet) -> Self {
         let uri_authority: Option<Authority> = backend.authority.parse().ok();
         let host_header = uri_authority.as_ref().and_then(|a| match a.port_u16() {
             Some(port) if port != 80 => HeaderValue::from_str(&format!("{}:{port}", a.host())).ok(),
             _ => HeaderValue::from_str(a.host()).ok(),
         });
+        let pool = host_header.as_ref().map(|_| pools.get(&backend.authority, fleet));
         Self {
             id_header: HeaderValue::from_str(&backend.engine_id).ok(),
+            pool,
             backend: backend.clone(),
             uri_authority,
             host_header,
@@ -66,7 +71,7 @@ impl Default for RouteCache {
 
 impl RouteCache {
     /// The routes of `fleet`'s table as it is now (never an older table's).
-    pub fn current(&self, fleet: &Fleet) -> Arc<Routes> {
+    pub fn current(&self, fleet: &Fleet, pools: &Pools) -> Arc<Routes> {
         let table = fleet.routes();
         {
             let cached = self.0.read().unwrap_or_else(|e| e.into_inner());
@@ -74,7 +79,7 @@ impl RouteCache {
                 return cached.clone();
             }
         }
-        let all = Arc::new(table.backends.iter().map(Route::of).collect());
+        let all = Arc::new(table.backends.iter().map(|b| Route::of(b, pools, fleet)).collect());
         let routes = Arc::new(Routes { table, all });
         *self.0.write().unwrap_or_else(|e| e.into_inner()) = routes.clone();
         routes
