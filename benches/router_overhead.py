@@ -108,15 +108,17 @@ def ensure_tools() -> Path:
     return py
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU seconds of the processes (utime, stime from /proc)."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            user += int(fields[11])
+            system += int(fields[12])
         except (OSError, IndexError, ValueError):
             pass
-    return total / TICK
+    return user / TICK, system / TICK
 
 
 def process_tree(pid: int) -> list[int]:
@@ -145,6 +147,10 @@ class Run:
     cpu_us_per_req: float
     errors: int
     round: int = 0
+    # The CPU split: user space (the proxy's own code and libraries) and the kernel (mostly
+    # loopback TCP, which every proxy pays alike for the same syscalls).
+    user_us_per_req: float = 0.0
+    sys_us_per_req: float = 0.0
 
 
 def parse_latency(text: str, label: str) -> float:
@@ -156,7 +162,7 @@ def parse_latency(text: str, label: str) -> float:
 
 
 def drive(name: str, url: str, pids: list[int], conc: int, secs: float, lua: Path) -> Run:
-    before = cpu_seconds(pids)
+    user0, sys0 = cpu_split(pids)
     out = subprocess.run(
         ["wrk", "-t1", f"-c{conc}", f"-d{max(1, round(secs))}s", "--latency", "-s", str(lua), f"{url}/generate"],
         capture_output=True,
@@ -164,13 +170,26 @@ def drive(name: str, url: str, pids: list[int], conc: int, secs: float, lua: Pat
         timeout=secs + 60,
         check=True,
     ).stdout
-    used = cpu_seconds(pids) - before
+    user1, sys1 = cpu_split(pids)
+    used = (user1 - user0) + (sys1 - sys0)
     n = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     errors = (int(errs.group(1)) if errs else 0) + (sum(int(x) for x in sock.groups()) if sock else 0)
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    return Run(name, conc, n, rps, parse_latency(out, "50"), parse_latency(out, "99"), used / max(n, 1) * 1e6, errors)
+    per_req = 1e6 / max(n, 1)
+    return Run(
+        name,
+        conc,
+        n,
+        rps,
+        parse_latency(out, "50"),
+        parse_latency(out, "99"),
+        used * per_req,
+        errors,
+        user_us_per_req=(user1 - user0) * per_req,
+        sys_us_per_req=(sys1 - sys0) * per_req,
+    )
 
 
 class Stack:
@@ -411,14 +430,19 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         f"`{meta['command']}`",
         f"{args.rounds} interleaved rounds of {args.seconds:g} s per cell; medians over the rounds",
         "",
-        "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| proxy | conc | req/s | p50 ms | p99 ms | proxy CPU us/req | user / system us/req | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (proxy, conc), rs in cells.items():
         cpu = "-" if proxy == "direct" else f"{med([r.cpu_us_per_req for r in rs]):.1f}"
+        split = (
+            "-"
+            if proxy == "direct"
+            else f"{med([r.user_us_per_req for r in rs]):.1f} / {med([r.sys_us_per_req for r in rs]):.1f}"
+        )
         lines.append(
             f"| {proxy} | {conc} | {med([r.rps for r in rs]):.0f} | {med([r.p50_ms for r in rs]):.2f} | "
-            f"{med([r.p99_ms for r in rs]):.2f} | {cpu} | {sum(r.errors for r in rs)} |"
+            f"{med([r.p99_ms for r in rs]):.2f} | {cpu} | {split} | {sum(r.errors for r in rs)} |"
         )
 
     def ratio(a: str, b: str, conc: int, attr: str) -> str:
