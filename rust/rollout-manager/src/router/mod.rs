@@ -246,10 +246,13 @@ async fn readiness(State(state): State<Arc<RouterState>>) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// Headers that are not forwarded: hop-by-hop ones, the ones the proxy sets itself (`host`,
-/// `content-length`) and the router's own request headers.
-const HOP_BY_HOP: [&str; 14] = [
+/// Headers that are not forwarded: hop-by-hop ones (and any a `connection` header names), the
+/// ones the proxy sets itself (`host`, `content-length`), `expect` (the router has read the whole
+/// body already) and the router's own request headers.
+const HOP_BY_HOP: [&str; 16] = [
     "connection",
+    "proxy-connection",
+    "expect",
     "keep-alive",
     "proxy-authenticate",
     "proxy-authorization",
@@ -277,6 +280,19 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in headers.keys() {
         if let Some(i) = hop_by_hop_index(name) {
             found |= 1 << i;
+        }
+    }
+    if found & 1 != 0 {
+        // Headers the sender declared hop-by-hop in `connection` (RFC 9110 section 7.6.1).
+        let named: Vec<HeaderName> = headers
+            .get_all("connection")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
         }
     }
     while found != 0 {
@@ -914,5 +930,33 @@ impl http_body::Body for EngineBody {
             EngineBody::Direct(b) => b.size_hint(),
             EngineBody::Client(b) => b.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_the_ones_connection_names_are_not_forwarded() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-private"),
+            ("x-private", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("expect", "100-continue"),
+            ("transfer-encoding", "chunked"),
+            ("content-length", "5"),
+            ("host", "router"),
+            ("x-session-id", "s"),
+            ("content-type", "application/json"),
+            ("authorization", "Bearer engine-key"),
+        ] {
+            h.append(HeaderName::from_static(k), v.parse().unwrap());
+        }
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["authorization", "content-type"]);
     }
 }

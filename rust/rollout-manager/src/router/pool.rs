@@ -21,7 +21,8 @@
 //!
 //! A pooled connection the engine closed meanwhile (its keep-alive timeout) is noticed when taken
 //! (the socket is readable) or, in a race, when it ends before any byte of an answer; the request
-//! is then sent again on another connection, as hyper-util's pooled client does.
+//! is then sent again, once, on a new connection (a request whose answer had begun is never sent
+//! again here; the router's own retries decide, see `router/mod.rs`).
 
 use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
@@ -48,9 +49,11 @@ pub fn set_thread_slot(slot: usize) {
     SLOT.with(|s| s.set(slot));
 }
 
-/// How long an idle connection is kept.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Most idle connections kept per engine.
+/// How long an idle connection is kept: below the 5 s keep-alive of uvicorn, SGLang's HTTP
+/// server, so that the engine rarely closes a connection the router still counts as idle.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+/// Most idle connections kept per engine and data-plane thread (each holds a socket and a read
+/// buffer of up to [`READ_SIZE`]).
 const MAX_IDLE: usize = 1024;
 /// Longest wait for a TCP connection to an engine.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -76,6 +79,8 @@ pub enum SendError {
     Closed,
     #[error("engine connection: {0}")]
     Io(#[from] io::Error),
+    #[error("the engine's connection failed within its answer's head: {0}")]
+    HeadCut(io::Error),
     #[error("the engine's answer is not valid HTTP/1.1: {0}")]
     Protocol(String),
 }
@@ -288,26 +293,43 @@ struct Head {
 pub async fn send(pool: &Arc<Pool>, addr: &str, request: &Outgoing<'_>) -> Result<Response<EngineBody>, SendError> {
     let slot = SLOT.with(Cell::get);
     let (head, body) = request.encode();
-    loop {
-        let (mut conn, reused) = match pool.take(slot) {
-            Some(c) => (c, true),
-            None => (connect(addr).await?, false),
-        };
-        match exchange(&mut conn, &head, body, request).await {
-            Ok(answer) => return Ok(answer.into_response(conn, pool.clone(), slot)),
-            // The engine had closed this pooled connection: another one.
-            Err(e) if reused && e.connection_gone() => continue,
-            Err(e) => return Err(e),
+    let pooled = pool.take(slot);
+    let reused = pooled.is_some();
+    let mut conn = match pooled {
+        Some(c) => c,
+        None => connect(addr).await?,
+    };
+    match exchange(&mut conn, &head, body, request).await {
+        Ok(answer) => Ok(answer.into_response(conn, pool.clone(), slot)),
+        // The engine had closed this pooled connection before the request reached it: once
+        // more, on a new connection (not another pooled one, which may be as stale).
+        Err(e) if reused && e.connection_gone() => {
+            let mut conn = connect(addr).await?;
+            let answer = exchange(&mut conn, &head, body, request).await?;
+            Ok(answer.into_response(conn, pool.clone(), slot))
         }
+        Err(e) => Err(e),
     }
 }
 
 async fn exchange(conn: &mut Conn, head: &[u8], coalesced: bool, request: &Outgoing<'_>) -> Result<Head, SendError> {
-    conn.stream.write_all(head).await?;
-    if !coalesced {
-        conn.stream.write_all(request.body).await?;
+    let head_request = request.method == Method::HEAD;
+    let written = match conn.stream.write_all(head).await {
+        Ok(()) if !coalesced => conn.stream.write_all(request.body).await,
+        other => other,
+    };
+    if let Err(e) = written {
+        // The engine may have answered before reading the whole request (a 413) and closed:
+        // its answer, if it arrived, is the one to give; the connection is not reused.
+        return match read_head(conn, head_request).await {
+            Ok(mut answer) => {
+                answer.reusable = false;
+                Ok(answer)
+            }
+            Err(_) => Err(e.into()),
+        };
     }
-    read_head(conn, request.method == Method::HEAD).await
+    read_head(conn, head_request).await
 }
 
 /// Reads and parses the answer's head (skipping interim 1xx answers).
@@ -334,7 +356,13 @@ async fn read_head(conn: &mut Conn, head_request: bool) -> Result<Head, SendErro
                 Err(e) => return Err(SendError::Protocol(e.to_string())),
             }
         }
-        if conn.fill().await? == 0 {
+        let n = match conn.fill().await {
+            Ok(n) => n,
+            // Part of an answer came: the engine got the request; not a stale connection.
+            Err(e) if any => return Err(SendError::HeadCut(e)),
+            Err(e) => return Err(e.into()),
+        };
+        if n == 0 {
             return Err(if any {
                 SendError::Protocol("the engine closed the connection within the answer's head".into())
             } else {
@@ -389,7 +417,11 @@ fn framing(status: StatusCode, headers: &HeaderMap, head_request: bool) -> Resul
     let mut length: Option<u64> = None;
     for value in headers.get_all(CONTENT_LENGTH) {
         for part in value.to_str().unwrap_or("x").split(',') {
-            let n: u64 = part.trim().parse().map_err(|_| SendError::Protocol(format!("content-length {value:?}")))?;
+            let part = part.trim();
+            let n: u64 = Some(part)
+                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|p| p.parse().ok())
+                .ok_or_else(|| SendError::Protocol(format!("content-length {value:?}")))?;
             if length.is_some_and(|l| l != n) {
                 return Err(SendError::Protocol("two different content-length values".into()));
             }
@@ -456,8 +488,8 @@ fn line_end(buf: &[u8]) -> Option<usize> {
 /// A chunk-size line's size (extensions after `;` ignored).
 fn chunk_size(line: &[u8]) -> Option<u64> {
     let digits = line.split(|b| *b == b';').next()?;
-    let digits = std::str::from_utf8(digits).ok()?.trim_matches([' ', '\t']);
-    if digits.is_empty() || digits.len() > 15 {
+    let digits = std::str::from_utf8(digits).ok()?.trim_end_matches([' ', '\t']);
+    if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     u64::from_str_radix(digits, 16).ok()
@@ -883,6 +915,78 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_request_is_sent_again_at_most_once_and_then_on_a_new_connection() {
+        // Every connection answers its first request and drops the next unanswered.
+        let requests = Arc::new(AtomicUsize::new(0));
+        let seen = requests.clone();
+        let (addr, accepted) = server(move |n, _| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            match n {
+                0 => reply("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+                _ => Reply { pieces: vec![], close: true },
+            }
+        })
+        .await;
+        let pool = Arc::new(Pool::default());
+        // Three connections in the pool at once.
+        let (a, b, c) = tokio::join!(round_trip(&pool, &addr), round_trip(&pool, &addr), round_trip(&pool, &addr));
+        assert_eq!((a, b, c), (b"ok".to_vec(), b"ok".to_vec(), b"ok".to_vec()));
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        // One pooled connection is tried, then a new one (not the other pooled ones).
+        assert_eq!(round_trip(&pool, &addr).await, b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        // 3 answered, 1 dropped on the pooled connection, 1 answered on the new one.
+        assert_eq!(requests.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test]
+    async fn a_connection_cut_within_an_answer_is_not_sent_again() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                let _ = stream.read(&mut buf).await;
+                // The second request: part of a head, then a reset.
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\n").await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let _ = stream.set_zero_linger();
+                drop(stream);
+            }
+        });
+        let pool = Arc::new(Pool::default());
+        assert_eq!(round_trip(&pool, &addr).await, b"ok");
+        let err = request(&pool, &addr, Method::POST, "{}").await.unwrap_err();
+        assert!(err.contains("within") && err.contains("head"), "{err}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn an_answer_given_before_the_whole_body_was_read_reaches_the_caller() {
+        // An engine that refuses a large body from its head (413) and closes without reading it.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream.write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig").await;
+                let _ = stream.shutdown().await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        let pool = Arc::new(Pool::default());
+        let body = "x".repeat(32 << 20);
+        let (status, answer) = request(&pool, &addr, Method::POST, &body).await.unwrap();
+        assert_eq!((status, &answer[..]), (StatusCode::PAYLOAD_TOO_LARGE, &b"big"[..]));
+    }
+
+    #[tokio::test]
     async fn a_fresh_connection_closed_without_an_answer_is_an_error() {
         let (addr, _) = server(|_, _| Reply { pieces: vec![], close: true }).await;
         let pool = Arc::new(Pool::default());
@@ -925,6 +1029,7 @@ mod tests {
         for (raw, expect) in [
             ("HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok", "two different content-length"),
             ("HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", "content-length"),
+            ("HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\nok", "content-length"),
             ("NOT HTTP\r\n\r\n", "not valid HTTP/1.1"),
             ("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "invalid chunk size"),
             ("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nokXX", "not followed by CRLF"),
@@ -962,7 +1067,9 @@ mod tests {
         assert_eq!(chunk_size(b"1a"), Some(26));
         assert_eq!(chunk_size(b"1A;name=value"), Some(26));
         assert_eq!(chunk_size(b"0"), Some(0));
-        assert_eq!(chunk_size(b" 10 "), Some(16));
+        assert_eq!(chunk_size(b"10 "), Some(16));
+        assert_eq!(chunk_size(b" 10"), None);
+        assert_eq!(chunk_size(b"+1"), None);
         assert_eq!(chunk_size(b""), None);
         assert_eq!(chunk_size(b"g"), None);
         assert_eq!(chunk_size(b"1234567890abcdef0"), None);
