@@ -28,7 +28,8 @@ group and is killed at the end):
    (`--max-inflight-per-engine` = `--late-binding-cap`); `ours_old:capacity`, the defaults before
    issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding);
    `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
-   traffic: late binding in arrival order); and `smg`
+   traffic: late binding in arrival order); `ours_base:<policy>`, the defaults of another build
+   (`--baseline-binary`, to measure a change in the same invocation); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
    straight to the engine an offline longest-processing-time-first partition of the exact output
@@ -466,11 +467,17 @@ def run_batch(target, w: Workload, grpo: list[Req], sessions: list[int], t0: flo
 
 
 def start_ours(
-    procs: Procs, a: argparse.Namespace, policy: str, urls: list[str], tmp: Path, extra: list[str]
+    procs: Procs,
+    a: argparse.Namespace,
+    policy: str,
+    urls: list[str],
+    tmp: Path,
+    extra: list[str],
+    binary: Path = MANAGER,
 ) -> tuple[str, dict]:
     state = Path(tempfile.mkdtemp(prefix=f"state-{policy}-", dir=tmp))  # fresh: no fleet to restore
     cmd = [
-        str(MANAGER),
+        str(binary),
         "serve",
         "--rollout-num-gpus",
         "0",
@@ -704,16 +711,19 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo"):
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_base"):
             # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
             # instead of each engine's automatic one. ours_old: no late binding, arrival order.
+            # ours_base: the defaults of another build (--baseline-binary).
             extra = {
                 "ours": [],
+                "ours_base": [],
                 "ours_lf": ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"],
                 "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
                 "ours_fifo": ["--queue-order", "fifo"],
             }[kind]
-            target, info = start_ours(procs, a, policy, urls, tmp, extra)
+            binary = Path(a.baseline_binary) if kind == "ours_base" else MANAGER
+            target, info = start_ours(procs, a, policy, urls, tmp, extra, binary)
             engine_index = {eid: urls.index(u) for eid, u in info["engine_urls"].items()}
         elif kind == "smg":
             target, info = start_smg(procs, a, policy, urls)
@@ -879,6 +889,7 @@ def table(results: list[dict], lb: float) -> str:
         "ours_lf": "ours, fixed cap (--late-binding-cap)",
         "ours_old": "ours, old defaults (no cap, fifo)",
         "ours_fifo": "ours, --queue-order fifo",
+        "ours_base": "ours (defaults), --baseline-binary",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",
     }
@@ -945,6 +956,10 @@ def main() -> int:
         default=32,
         help="--max-inflight-per-engine of the ours_lf row (near the engines' full batch)",
     )
+    ap.add_argument(
+        "--baseline-binary",
+        help="a rollout-manager of another build, for the ours_base:<policy> rows (its defaults)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router (the table shows median and range)")
     ap.add_argument("--sample-period", type=float, default=0.25)
     ap.add_argument(
@@ -959,8 +974,13 @@ def main() -> int:
     a = ap.parse_args()
     routers = [r.strip() for r in a.routers.split(",") if r.strip()]
     for r in routers:
-        if r not in ALL_ROUTERS:
-            ap.error(f"unknown router {r!r}; choose from {ALL_ROUTERS}")
+        if r.startswith("ours_base:"):
+            if r.split(":")[1] not in ("capacity", "round_robin"):
+                ap.error(f"--routers {r!r}: ours_base takes capacity or round_robin")
+            if not a.baseline_binary or not Path(a.baseline_binary).is_file():
+                ap.error(f"--routers {r!r} needs --baseline-binary pointing at a rollout-manager binary")
+        elif r not in ALL_ROUTERS:
+            ap.error(f"unknown router {r!r}; choose from {ALL_ROUTERS} (or ours_base:<policy> with --baseline-binary)")
     for b in (SIM, MANAGER):
         if not b.exists():
             ap.error(f"{b} is missing: cargo build --release --workspace --bins")
