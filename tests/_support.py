@@ -152,6 +152,14 @@ def http(
         return HttpResult(err.code, {k.lower(): v for k, v in err.headers.items()}, payload)
 
 
+def health_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET {url}/health`` answers 200 (False while nothing listens there yet)."""
+    try:
+        return http("GET", f"{url}/health", timeout=timeout).status == 200
+    except OSError:
+        return False
+
+
 def sse_events(url: str, body: Any, timeout: float = 30.0) -> Iterator[str]:
     """POST ``body`` and yield the ``data:`` payloads of the server-sent-event answer."""
     req = urllib.request.Request(

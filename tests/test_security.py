@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, file_tail, freshest_build, http, wait_until
+from _support import (
+    STARTUP_TIMEOUT,
+    ManagerHandle,
+    StartManager,
+    file_tail,
+    freshest_build,
+    health_ok,
+    http,
+    wait_until,
+)
 
 from elastic_rollout import RolloutApiError
 from elastic_rollout._find import find_binary
@@ -48,13 +57,7 @@ def sim_on(tmp_path: Path) -> Iterator[Callable[[str], str]]:
         started.append(subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
         url = f"http://{host}:{port}"
 
-        def up() -> bool:
-            try:
-                return http("GET", f"{url}/health", timeout=5).status == 200
-            except OSError:
-                return False
-
-        wait_until(up, 30, f"sglang-sim on {url}")
+        wait_until(lambda: health_ok(url, timeout=5), 30, f"sglang-sim on {url}")
         return url
 
     yield start

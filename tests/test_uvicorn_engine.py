@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from _support import STARTUP_TIMEOUT, StartManager, http, metric_total, sse_events, wait_until
+from _support import STARTUP_TIMEOUT, StartManager, health_ok, http, metric_total, sse_events, wait_until
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -68,14 +68,8 @@ def uvicorn_engine(tmp_path: Path) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
-    def up() -> bool:
-        try:
-            return http("GET", f"{url}/health", timeout=2).status == 200
-        except OSError:
-            return False
-
     try:
-        wait_until(up, 30, f"uvicorn engine at {url}")
+        wait_until(lambda: health_ok(url), 30, f"uvicorn engine at {url}")
         yield url, port
     finally:
         proc.kill()
