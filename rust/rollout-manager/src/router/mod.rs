@@ -283,13 +283,16 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         }
     }
     if found & 1 != 0 {
-        // Headers the sender declared hop-by-hop in `connection` (RFC 9110 section 7.6.1).
+        // Headers the sender declared hop-by-hop in `connection` (RFC 9110 section 7.6.1). The
+        // usual `keep-alive` and `close` name nothing more, so they cost no allocation.
         let named: Vec<HeaderName> = headers
             .get_all("connection")
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .map(str::trim)
+            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
         for name in named {
             headers.remove(name);
