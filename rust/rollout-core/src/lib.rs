@@ -9,6 +9,7 @@
 
 pub mod addr;
 pub mod autoscaler;
+pub mod catchup;
 pub mod cidr;
 pub mod cli;
 pub mod config;

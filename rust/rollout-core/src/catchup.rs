@@ -1,0 +1,162 @@
+//! Weights from the trainer: the pure decisions behind a trainer-driven update and behind an
+//! engine catching up with a version that has no checkpoint.
+//!
+//! A trainer update (SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`)
+//! puts the trainer at rank 0 of an NCCL group and the engines behind it ([`plan_ranks`]); the
+//! group is kept while its members stay the same and rebuilt under a new name when they change
+//! ([`reuse_group`]). A version that reached the fleet this way exists only in the engines'
+//! memory, so an engine that starts later copies it from a peer that serves it (SGLang's
+//! `--load-format remote_instance`); [`pick_seed`] spreads such copies over the peers, since one
+//! seed sends to one new engine at a time (a 2-rank group each).
+
+/// Ranks of engines behind the trainer's rank 0: each engine's `rank_offset` (1 plus the TP
+/// sizes of the engines before it) and the group's `world_size` (1 plus every TP size).
+/// A TP size of 0 counts as 1 (an engine always holds at least one rank).
+pub fn plan_ranks(tp_sizes: &[u32]) -> (Vec<u32>, u32) {
+    let mut next = 1u32;
+    let offsets = tp_sizes
+        .iter()
+        .map(|tp| {
+            let at = next;
+            next = next.saturating_add((*tp).max(1));
+            at
+        })
+        .collect();
+    (offsets, next)
+}
+
+/// One member of a weight-update group as the group sees it: engine id, URL, TP size.
+pub type Member<'a> = (&'a str, &'a str, u32);
+
+/// Whether an update can use the existing group `current` (name, master address, members in
+/// rank order) instead of building a new one: the trainer asks for that group by name
+/// (`asked`, None when it holds no group), from the same master address, and the members
+/// are exactly the same engines, at the same URLs, with the same TP sizes, in the same order.
+pub fn reuse_group(
+    current: Option<(&str, &str, &[Member<'_>])>,
+    asked: Option<&str>,
+    master_address: &str,
+    members: &[Member<'_>],
+) -> bool {
+    match (current, asked) {
+        (Some((name, address, had)), Some(asked)) => name == asked && address == master_address && had == members,
+        _ => false,
+    }
+}
+
+/// One engine a new engine could copy its weights from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeedCandidate<'a> {
+    pub engine_id: &'a str,
+    /// Serving now (ACTIVE): a seed must be healthy and verified on its version.
+    pub serving: bool,
+    /// The version it serves, as last verified.
+    pub version: Option<&'a str>,
+    pub tp_size: u32,
+    /// Engines copying from it right now.
+    pub sending: u32,
+}
+
+/// The seed for an engine of `tp_size` that must start on `version`: a serving engine on that
+/// version with the same TP size (SGLang's remote-instance loader needs the same layout), not
+/// one of `tried` (seeds that already failed this engine), sending to the fewest engines now;
+/// among equals the first in `candidates` order. None when there is no such engine.
+pub fn pick_seed<'a>(
+    candidates: &[SeedCandidate<'a>],
+    version: &str,
+    tp_size: u32,
+    tried: &[String],
+) -> Option<&'a str> {
+    candidates
+        .iter()
+        .filter(|c| c.serving && c.version == Some(version) && c.tp_size == tp_size)
+        .filter(|c| !tried.iter().any(|t| t == c.engine_id))
+        .min_by_key(|c| c.sending)
+        .map(|c| c.engine_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn seed(id: &'static str, version: &'static str, sending: u32) -> SeedCandidate<'static> {
+        SeedCandidate { engine_id: id, serving: true, version: Some(version), tp_size: 1, sending }
+    }
+
+    #[test]
+    fn ranks_follow_sglangs_rule() {
+        assert_eq!(plan_ranks(&[]), (vec![], 1));
+        assert_eq!(plan_ranks(&[1]), (vec![1], 2));
+        assert_eq!(plan_ranks(&[2, 1, 4]), (vec![1, 3, 4], 8));
+        assert_eq!(plan_ranks(&[0, 2]), (vec![1, 2], 4), "a TP size of 0 counts as 1");
+    }
+
+    proptest! {
+        #[test]
+        fn ranks_never_overlap_and_fill_the_world(tps in proptest::collection::vec(0u32..16, 0..64)) {
+            let (offsets, world) = plan_ranks(&tps);
+            let mut next = 1;
+            for (off, tp) in offsets.iter().zip(&tps) {
+                prop_assert_eq!(*off, next);
+                next += (*tp).max(1);
+            }
+            prop_assert_eq!(world, next);
+        }
+    }
+
+    #[test]
+    fn a_group_is_reused_only_when_nothing_changed() {
+        let a: [Member<'_>; 2] = [("e0", "u0", 1), ("e1", "u1", 1)];
+        let moved: [Member<'_>; 2] = [("e0", "u0", 1), ("e1", "u9", 1)];
+        let current = Some(("g_1", "10.0.0.1", &a[..]));
+        let table = [
+            (current, Some("g_1"), "10.0.0.1", &a[..], true),
+            (current, None, "10.0.0.1", &a[..], false),
+            (current, Some("g_0"), "10.0.0.1", &a[..], false),
+            (current, Some("g_1"), "10.0.0.2", &a[..], false),
+            (current, Some("g_1"), "10.0.0.1", &a[..1], false),
+            (current, Some("g_1"), "10.0.0.1", &moved[..], false),
+            (None, Some("g_1"), "10.0.0.1", &a[..], false),
+        ];
+        for (i, (cur, asked, addr, members, want)) in table.into_iter().enumerate() {
+            assert_eq!(reuse_group(cur, asked, addr, members), want, "row {i}");
+        }
+    }
+
+    #[test]
+    fn seeds_are_spread_and_failed_ones_skipped() {
+        let c = [seed("e0", "v1", 2), seed("e1", "v1", 0), seed("e2", "v0", 0), seed("e3", "v1", 0)];
+        assert_eq!(pick_seed(&c, "v1", 1, &[]), Some("e1"), "the least busy, first among equals");
+        assert_eq!(pick_seed(&c, "v1", 1, &["e1".into()]), Some("e3"));
+        assert_eq!(pick_seed(&c, "v1", 1, &["e1".into(), "e3".into()]), Some("e0"));
+        assert_eq!(pick_seed(&c, "v1", 1, &["e0".into(), "e1".into(), "e3".into()]), None);
+        assert_eq!(pick_seed(&c, "v2", 1, &[]), None, "nobody serves v2");
+        assert_eq!(pick_seed(&c, "v1", 2, &[]), None, "no seed with the same TP size");
+        let mut out = c.clone();
+        out[1].serving = false;
+        out[3].serving = false;
+        assert_eq!(pick_seed(&out, "v1", 1, &[]), Some("e0"), "only serving engines are seeds");
+    }
+
+    proptest! {
+        #[test]
+        fn a_burst_spreads_over_every_seed(seeds in 1usize..8, burst in 0usize..64) {
+            // Each pick adds one copy to the chosen seed: no seed ever carries two more than another.
+            let names: Vec<String> = (0..seeds).map(|i| format!("e{i}")).collect();
+            let mut sending = vec![0u32; seeds];
+            for _ in 0..burst {
+                let c: Vec<SeedCandidate<'_>> = names
+                    .iter()
+                    .zip(&sending)
+                    .map(|(n, s)| SeedCandidate { engine_id: n, serving: true, version: Some("v"), tp_size: 1, sending: *s })
+                    .collect();
+                let chosen = pick_seed(&c, "v", 1, &[]).unwrap().to_string();
+                let i = names.iter().position(|n| *n == chosen).unwrap();
+                sending[i] += 1;
+            }
+            let (lo, hi) = (sending.iter().min().unwrap(), sending.iter().max().unwrap());
+            prop_assert!(hi - lo <= 1, "{sending:?}");
+        }
+    }
+}
