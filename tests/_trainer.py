@@ -16,11 +16,14 @@ SPECS = [
 
 
 class StandInRank0:
-    """Plays the trainer's rank 0: accepts one rendezvous per engine and checks the layout."""
+    """Plays the trainer's rank 0: accepts one rendezvous per engine and checks the layout,
+    then broadcasts (sends each engine the names of the tensors) when asked."""
 
     def __init__(self) -> None:
         self.joined: list[list[dict]] = []
         self.broadcasts: list[tuple[str, list[str]]] = []
+        #: members known to be gone (killed by the test): the broadcast does not wait for them.
+        self.gone: set[str] = set()
 
     def join_group(self, layout: GroupLayout) -> None:
         lines: list[dict] = []
@@ -41,4 +44,20 @@ class StandInRank0:
         self.joined.append(lines)
 
     def broadcast(self, layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
-        self.broadcasts.append((layout.group_name, [s.name for s in specs]))
+        """Sends the tensors' names to every engine of the group: each connects while its
+        ``/update_weights_from_distributed`` waits for rank 0, as NCCL's receiving ranks do."""
+        names = [s.name for s in specs]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((layout.master_address, layout.master_port))
+            receivers = [m for m in layout.members if m.engine_id not in self.gone]
+            srv.listen(len(layout.members))
+            srv.settimeout(30)
+            for _ in receivers:
+                conn, _addr = srv.accept()
+                with conn, conn.makefile("rw") as f:
+                    hello = json.loads(f.readline())
+                    assert hello["group_name"] == layout.group_name, hello
+                    f.write(json.dumps({"names": names}) + "\n")
+                    f.flush()
+        self.broadcasts.append((layout.group_name, names))

@@ -2,9 +2,10 @@
 
 SGLang's ``/health`` and ``/health_generate`` (the manager's default probe) run a 1-token
 generation, which waits while generation is paused: on a paused engine every probe fails after
-``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s by default). The trainer's ``DistributedWeightSync``
-pauses the engines itself for as long as its broadcast takes, and the manager is not told.
-Before ``--health-pause-grace-secs`` the manager took both engines out of routing after 3
+``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s by default). A trainer that calls SGLang itself (an
+unmodified slime) pauses the engines for as long as its broadcast takes, and the manager is not
+told; a trainer update through the manager takes its members out of routing instead, so they are
+not probed while paused. Before ``--health-pause-grace-secs`` the manager took both engines out of routing after 3
 failed probes and killed them mid-update after 9, losing the trainer's update. Now a failed
 probe whose engine's scheduler still answers ``/v1/loads`` is a pause and is not counted, for
 at most the grace; a pause past the grace counts again, so an engine that never resumes is
@@ -42,35 +43,53 @@ def snapshot(fleet: ManagerHandle) -> dict[str, tuple[str, int]]:
 
 
 def test_a_trainer_pause_is_not_a_failure(start_fleet: StartManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that pauses the engines itself (an unmodified slime, which calls SGLang
+    directly): the manager is not told, and must not take the pause for a failure."""
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     fleet = start_fleet(*FAST_PROBES)
     before = snapshot(fleet)
-    rank0 = StandInRank0()
+    engines = fleet.engines().with_status("ACTIVE")
     during: list[dict[str, tuple[str, int]]] = []
+    for e in engines:
+        assert http("POST", e.url + "/pause_generation", {"mode": "retract"}).status == 200
+        assert http("GET", e.url + "/ready").status == 503, "the engine should be paused"
+    # Hold them paused until the manager has seen twice as many failed probes per engine as
+    # would restart it.
+    start = probes(fleet, "paused")
+    target = start + 2 * RESTART_AFTER * len(engines)
 
-    def long_broadcast(layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
-        rank0.broadcast(layout, specs)
-        # The engines are paused now (retract mode, the trainer's default): hold them paused
-        # until the manager has seen twice as many failed probes per engine as would restart it.
-        for m in layout.members:
-            assert http("GET", m.url + "/ready").status == 503, "the engine should be paused"
-        start = probes(fleet, "paused")
-        target = start + 2 * RESTART_AFTER * len(layout.members)
+    def enough() -> bool:
+        during.append(snapshot(fleet))
+        return probes(fleet, "paused") >= target
 
-        def enough() -> bool:
-            during.append(snapshot(fleet))
-            return probes(fleet, "paused") >= target
-
-        wait_until(enough, 120, f"{target - start:.0f} probes of the paused engines")
-
-    sync = DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=long_broadcast, timeout=120)
-    result = sync.update("step-1", SPECS)
-    assert {m.engine_id for m in result.layout.members} == set(before)
+    wait_until(enough, 120, f"{target - start:.0f} probes of the paused engines")
+    for e in engines:
+        assert http("POST", e.url + "/continue_generation", {}).status == 200
     # Throughout the pause: every engine ACTIVE, none restarted.
     assert during and all(state == before for state in during), during
-    # After it: the trainer's version is served, and the engines pass their probes again.
+    # After it: the engines pass their probes again.
     passed = probes(fleet, "passed")
     wait_until(lambda: probes(fleet, "passed") >= passed + len(before), 30, "passing probes after the pause")
+    assert snapshot(fleet) == before
+
+
+def test_a_pause_the_manager_drives_is_out_of_routing_not_probed(start_fleet: StartManager) -> None:
+    """A trainer update through the manager: its members are paused out of routing
+    (WEIGHT_SYNCING) for as long as the broadcast takes, and come back on the new version."""
+    fleet = start_fleet(*FAST_PROBES)
+    before = snapshot(fleet)
+    rank0 = StandInRank0()
+    seen: list[dict[str, tuple[str, int]]] = []
+
+    def slow_broadcast(layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
+        for m in layout.members:
+            assert http("GET", m.url + "/ready").status == 503, "the engine should be paused"
+        seen.append(snapshot(fleet))
+        rank0.broadcast(layout, specs)
+
+    sync = DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=slow_broadcast, timeout=120)
+    sync.update("step-1", SPECS)
+    assert seen == [{k: ("WEIGHT_SYNCING", restarts) for k, (_, restarts) in before.items()}]
     assert snapshot(fleet) == before
     for e in fleet.engines().with_status("ACTIVE"):
         assert http("GET", f"{e.url}/model_info").json()["weight_version"] == "step-1"

@@ -7,6 +7,9 @@ from typing import Any
 import jsonschema
 import pytest
 from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http
+from _trainer import SPECS, StandInRank0
+
+from elastic_rollout.trainer import DistributedWeightSync
 
 
 def schema_of(spec: dict[str, Any], name: str) -> dict[str, Any]:
@@ -74,3 +77,30 @@ def test_responses_match_the_schemas(start_fleet: StartManager) -> None:
     # The request schemas reject what the server rejects.
     with pytest.raises(jsonschema.ValidationError):
         check(spec, "ScaleOutRequest", {"num_replica": 3})
+
+
+def test_trainer_update_answers_match_the_schemas(start_fleet: StartManager) -> None:
+    fleet = start_fleet()
+    spec = http("GET", f"{fleet.control_url}/openapi.json").json()
+    rank0 = StandInRank0()
+    seen: list[dict[str, Any]] = []
+
+    def join(layout: Any) -> None:
+        # Mid-update: the update in flight, as GET /rollout/weights shows it.
+        seen.append(http("GET", f"{fleet.control_url}/rollout/weights").json())
+        rank0.join_group(layout)
+
+    sync = DistributedWeightSync(fleet.client, join_group=join, broadcast=rank0.broadcast, timeout=60)
+    done = sync.update("step-1", SPECS)
+    assert done.update is not None
+    check(spec, "Weights", seen[0])
+    assert seen[0]["update"]["source"] == "trainer" and seen[0]["update"]["status"] == "PENDING"
+    check(spec, "WeightUpdate", done.update.raw)
+    check(spec, "Weights", http("GET", f"{fleet.control_url}/rollout/weights").json())
+    bad = {"version": "v9", "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[1]], "master_address": "127.0.0.1"}
+    resp = http("POST", f"{fleet.control_url}/rollout/weights/trainer_updates", bad)
+    assert resp.status == 400 and "master_port" in resp.json()["error"]["message"]
+    check(spec, "Error", resp.json())
+    with pytest.raises(jsonschema.ValidationError):
+        check(spec, "TrainerUpdateRequest", bad)
+    check(spec, "GroupDestroyed", http("POST", f"{fleet.control_url}/rollout/weights/trainer_group/destroy", {}).json())

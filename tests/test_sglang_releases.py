@@ -7,7 +7,8 @@ SGLang renamed and removed routes across 0.5.x: 0.5.2 serves only ``/get_model_i
 the router's load poller, the autoscaler and the trainer helper must work with each: engines
 launched and attached by URL come up ACTIVE, a published checkpoint is verified on every
 engine, the router learns each engine's KV pool, the autoscaler reads every engine, and the
-trainer helper's distributed update succeeds.
+trainer's distributed update, run by the manager, succeeds and is the fleet's version, and an
+engine added after it starts on that version.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from elastic_rollout.trainer import DistributedWeightSync
 RELEASES = [
     ("0.5.2", ["/model_info", "/server_info", "/v1/loads", "/begin_weight_update"], ["/get_model_info", "/get_load"]),
     ("0.5.6", ["/v1/loads", "/begin_weight_update"], ["/model_info", "/get_model_info", "/get_load"]),
+    ("0.5.10.post1", ["/begin_weight_update"], ["/model_info", "/v1/loads", "/get_load"]),
     ("0.5.23", ["/get_load"], ["/model_info", "/v1/loads"]),
 ]
 POOL_TOKENS = 65536  # sglang-sim's --max-total-tokens default
@@ -98,7 +100,8 @@ def test_lifecycle_on_each_release(
 
     wait_until(read_all, 30, "the autoscaler to read every engine")
 
-    # The trainer helper's distributed update, with or without begin/end_weight_update.
+    # The trainer's distributed update through the manager, with or without
+    # begin/end_weight_update; the manager then says the trainer's version.
     rank0 = StandInRank0()
     sync = DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=rank0.broadcast, timeout=30)
     result = sync.update("step-3", SPECS)
@@ -107,4 +110,30 @@ def test_lifecycle_on_each_release(
     for url in (e.url for e in view.with_status("ACTIVE")):
         info = http("GET", f"{url}/get_model_info").json()
         assert info["weight_version"] == "step-3", (url, info)
+    assert fleet.client.weights().version == "step-3"
+    assert {e.weight_version for e in view.engines} == {"step-3"}
+
+    # A new engine starts on the trainer's version: copied from a running engine where the
+    # release can send weights to a new instance (0.5.3 on); on 0.5.2 it waits out of routing
+    # and the trainer's next update includes it.
+    op = fleet.client.scale_out(num_replicas=INITIAL_ENGINES + 2)
+    if release == "0.5.2":
+
+        def waiting() -> bool:
+            new = [e for e in fleet.engines().engines if e.status == "WEIGHT_SYNCING"]
+            return bool(new) and "waiting for weight version step-3" in str(new[0].raw.get("detail"))
+
+        wait_until(waiting, 60, "the new engine to wait for the trainer")
+        assert fleet.client.operation("scale_out", op.request_id).status not in ("ACTIVE", "FAILED")
+        next_update = sync.update("step-4", SPECS)
+        assert next_update.layout.world_size == 1 + INITIAL_ENGINES + 2, "the waiting engine took part"
+        expected = "step-4"
+    else:
+        expected = "step-3"
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    fleet.track_children()
+    view = fleet.wait_engines(INITIAL_ENGINES + 2)
+    assert {e.weight_version for e in view.engines} == {expected}
+    for url in (e.url for e in view.engines):
+        assert http("GET", f"{url}/get_model_info").json()["weight_version"] == expected
     sync.close()

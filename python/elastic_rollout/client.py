@@ -36,7 +36,7 @@ import json
 import os
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -330,6 +330,48 @@ class _Calls:
     def weight_update(update_id: str) -> _Call[WeightUpdate]:
         path = f"/rollout/weights/updates/{_quote(update_id)}"
         return _Call("GET", path, None, lambda data, _s: WeightUpdate.from_json(data))
+
+    @staticmethod
+    def open_trainer_update(
+        version: str,
+        tensors: Sequence[tuple[str, str, Sequence[int]]],
+        master_address: str,
+        master_port: int,
+        group_name: str | None,
+        pause_mode: str | None,
+        flush_cache: bool,
+        group_prefix: str | None,
+    ) -> _Call[WeightUpdate]:
+        body: JsonObject = {
+            "version": version,
+            "names": [t[0] for t in tensors],
+            "dtypes": [t[1] for t in tensors],
+            "shapes": [list(t[2]) for t in tensors],
+            "master_address": master_address,
+            "master_port": master_port,
+            "flush_cache": flush_cache,
+        }
+        if group_name is not None:
+            body["group_name"] = group_name
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
+        if group_prefix is not None:
+            body["group_prefix"] = group_prefix
+        return _Call("POST", "/rollout/weights/trainer_updates", body, lambda data, _s: WeightUpdate.from_json(data))
+
+    @staticmethod
+    def destroy_trainer_group() -> _Call[JsonObject]:
+        return _Call("POST", "/rollout/weights/trainer_group/destroy", {}, _json)
+
+    @staticmethod
+    def start_broadcast(update_id: str) -> _Call[WeightUpdate]:
+        path = f"/rollout/weights/updates/{_quote(update_id)}/broadcast"
+        return _Call("POST", path, {}, lambda data, _s: WeightUpdate.from_json(data))
+
+    @staticmethod
+    def abort_weight_update(update_id: str, reason: str) -> _Call[WeightUpdate]:
+        path = f"/rollout/weights/updates/{_quote(update_id)}/abort"
+        return _Call("POST", path, {"reason": reason}, lambda data, _s: WeightUpdate.from_json(data))
 
     @staticmethod
     def weight_updates(status: str | None) -> _Call[list[WeightUpdate]]:
@@ -659,6 +701,45 @@ class RolloutClient(_Base):
         """``GET /rollout/weights/updates/{id}``: one update with per-engine progress."""
         return self._call(_Calls.weight_update(update_id))
 
+    def open_trainer_update(
+        self,
+        version: str,
+        tensors: Sequence[tuple[str, str, Sequence[int]]],
+        master_address: str,
+        master_port: int,
+        group_name: str | None = None,
+        pause_mode: str | None = None,
+        flush_cache: bool = True,
+        group_prefix: str | None = None,
+    ) -> WeightUpdate:
+        """``POST /rollout/weights/trainer_updates``: open an update whose bytes the trainer
+        broadcasts (``tensors``: ``(name, dtype, shape)`` in broadcast order). The answer's
+        ``trainer["group"]`` is the group layout; when its ``new`` is true the trainer joins it
+        as rank 0 at ``master_address:master_port``. Then :meth:`start_broadcast`, broadcast,
+        and :meth:`wait_for_weight_update`. ``elastic_rollout.trainer.DistributedWeightSync``
+        does all of this."""
+        return self._call(
+            _Calls.open_trainer_update(
+                version, tensors, master_address, master_port, group_name, pause_mode, flush_cache, group_prefix
+            )
+        )
+
+    def start_broadcast(self, update_id: str) -> WeightUpdate:
+        """``POST /rollout/weights/updates/{id}/broadcast``: the trainer is about to broadcast;
+        answered once every member joined the group (the manager then pauses them and starts
+        their side)."""
+        return self._call(_Calls.start_broadcast(update_id))
+
+    def abort_weight_update(self, update_id: str, reason: str) -> WeightUpdate:
+        """``POST /rollout/weights/updates/{id}/abort``: the trainer gives up before its
+        broadcast; answered once the update is FAILED and its group destroyed."""
+        return self._call(_Calls.abort_weight_update(update_id, reason))
+
+    def destroy_trainer_group(self) -> JsonObject:
+        """``POST /rollout/weights/trainer_group/destroy``: the engines leave the trainer's
+        weight-update group; the next trainer update builds a new one."""
+        return self._call(_Calls.destroy_trainer_group())
+
     def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
         """``GET /rollout/weights/updates``: the updates the manager remembers, oldest first,
         optionally only those in ``status``."""
@@ -871,6 +952,36 @@ class AsyncRolloutClient(_Base):
 
     async def weight_update(self, update_id: str) -> WeightUpdate:
         return await self._call(_Calls.weight_update(update_id))
+
+    async def open_trainer_update(
+        self,
+        version: str,
+        tensors: Sequence[tuple[str, str, Sequence[int]]],
+        master_address: str,
+        master_port: int,
+        group_name: str | None = None,
+        pause_mode: str | None = None,
+        flush_cache: bool = True,
+        group_prefix: str | None = None,
+    ) -> WeightUpdate:
+        """As :meth:`RolloutClient.open_trainer_update`."""
+        return await self._call(
+            _Calls.open_trainer_update(
+                version, tensors, master_address, master_port, group_name, pause_mode, flush_cache, group_prefix
+            )
+        )
+
+    async def start_broadcast(self, update_id: str) -> WeightUpdate:
+        """As :meth:`RolloutClient.start_broadcast`."""
+        return await self._call(_Calls.start_broadcast(update_id))
+
+    async def abort_weight_update(self, update_id: str, reason: str) -> WeightUpdate:
+        """As :meth:`RolloutClient.abort_weight_update`."""
+        return await self._call(_Calls.abort_weight_update(update_id, reason))
+
+    async def destroy_trainer_group(self) -> JsonObject:
+        """As :meth:`RolloutClient.destroy_trainer_group`."""
+        return await self._call(_Calls.destroy_trainer_group())
 
     async def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
         return await self._call(_Calls.weight_updates(status))

@@ -322,6 +322,11 @@ class WeightUpdate(JsonRecord):
     message: str | None = None
     history: tuple[JsonObject, ...] = ()
     resumed: int = 0
+    #: ``checkpoint`` (a publish) or ``trainer`` (the trainer's broadcast).
+    source: str = "checkpoint"
+    #: A trainer update's group layout and tensors (``group``: ``group_name``,
+    #: ``master_address``, ``master_port``, ``world_size``, ``members``, ``new``), else None.
+    trainer: JsonObject | None = None
     raw: JsonObject = field(default_factory=dict, repr=False)
 
     @property
@@ -361,6 +366,8 @@ class WeightUpdate(JsonRecord):
             message=_opt_str(data.get("message")),
             history=tuple(dict(entry) for entry in data.get("history") or ()),
             resumed=int(data.get("resumed") or 0),
+            source=str(data.get("source") or "checkpoint"),
+            trainer=dict(data["trainer"]) if isinstance(data.get("trainer"), Mapping) else None,
             raw=dict(data),
         )
 

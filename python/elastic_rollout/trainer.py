@@ -1,29 +1,26 @@
-"""Trainer-side helper for SGLang's distributed weight update (the trainer is NCCL rank 0).
+"""Trainer-side helper for weights the trainer broadcasts over NCCL (the trainer is rank 0).
 
-The manager knows which engines are ACTIVE; this helper turns that into a weight-update group
-layout and drives every engine's side over HTTP in the order SGLang 0.5.x requires:
+The manager runs the update, so the fleet's version, the registry, the version pins and the
+metrics follow it, and engines that start later copy the new version from an engine that has
+it. This helper is the trainer's side of that API; the trainer keeps its torch callables:
 
-1. ``/init_weights_update_group`` on every engine, in parallel, while the trainer joins the
-   group as rank 0 (``join_group``); engine *k* gets ``rank_offset = 1 + sum of the earlier
-   engines' tp_size`` and ``world_size = 1 + sum of every tp_size``;
-2. ``/pause_generation``, 3. ``/begin_weight_update``;
-4. ``/update_weights_from_distributed`` on every engine, in parallel, while the trainer
-   broadcasts each tensor in the same order (``broadcast``);
-5. ``/end_weight_update``, ``/continue_generation``.
+1. ``POST /rollout/weights/trainer_updates`` opens the update and answers the group layout
+   (the trainer's group from the last update when the engines did not change, else a new one
+   with a new name at ``master_address:master_port``; engine *k* gets ``rank_offset = 1 + the
+   earlier engines' tp_size`` and ``world_size = 1 + every tp_size``);
+2. for a new group, ``join_group(layout)`` joins it as rank 0 while the manager has every
+   engine call ``/init_weights_update_group``;
+3. ``POST /rollout/weights/updates/{id}/broadcast``, then ``broadcast(layout, specs)`` sends
+   every tensor in order while the manager has each engine pause, open its update session
+   (SGLang 0.5.21 and later), receive (``/update_weights_from_distributed``), close the
+   session, continue, and report the version;
+4. the helper waits for the update to end and raises :class:`WeightSyncError` if no engine got
+   the version. Engines that failed their part are out of routing and restarted on a copy of
+   the new version; :attr:`UpdateResult.failed` names them.
 
-SGLang before 0.5.23 has no ``/begin_weight_update`` / ``/end_weight_update`` (and needs
-none): an engine that answers 404 to the first is updated without a session, and is not
-asked the second. Releases before 0.5.6 have no ``/server_info``; ``/get_server_info`` is read
-instead.
-
-A group cannot grow: when the set of ACTIVE engines changed since the group was built, the
-old group is destroyed on the engines still there and a new one (new name, new port) is built.
-
-Guarantees: every engine that was paused is continued and every session that was begun is
-ended, also when a step fails; a failure raises :class:`WeightSyncError` naming each engine,
-route and SGLang's message. Nothing here touches torch: ``join_group`` and ``broadcast`` are
-the trainer's own callables (``init_custom_process_group(rank=0)`` and
-``torch.distributed.broadcast(t, src=0, group)`` in a real trainer).
+A trainer that fails to join tells the manager (the update ends FAILED, the group is destroyed,
+nothing was paused) and the exception is raised. Membership is frozen while an update runs:
+a scale-out's engines wait out of routing, a scale-in waits before removing a member.
 
 Example::
 
@@ -31,27 +28,32 @@ Example::
                                  join_group=lambda layout: init_group(layout),
                                  broadcast=lambda layout, specs: send_tensors(layout, specs))
     sync.update("step-12", [TensorSpec("lm_head.weight", "bfloat16", (151936, 4096)), ...])
+
+:class:`AsyncDistributedWeightSync` is the same for asyncio trainers (its callables may be
+coroutine functions).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import inspect
 import socket
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_rollout.client import RolloutClient
+from elastic_rollout.client import AsyncRolloutClient, RolloutApiError, RolloutClient
+from elastic_rollout.models import WeightUpdate
 
 __all__ = [
+    "AsyncDistributedWeightSync",
     "DistributedWeightSync",
+    "EngineFailure",
     "GroupLayout",
     "GroupMember",
     "TensorSpec",
+    "UpdateResult",
     "WeightSyncError",
     "plan_layout",
 ]
@@ -90,11 +92,26 @@ class GroupLayout:
         """What makes two layouts the same group: each engine's id, url and tp_size, in order."""
         return tuple((m.engine_id, m.url, m.tp_size) for m in self.members)
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupLayout:
+        members = tuple(
+            GroupMember(str(m["engine_id"]), str(m["url"]), int(m["tp_size"]), int(m["rank_offset"]))
+            for m in data.get("members") or ()
+        )
+        return cls(
+            str(data["group_name"]),
+            str(data["master_address"]),
+            int(data["master_port"]),
+            int(data["world_size"]),
+            members,
+        )
+
 
 def plan_layout(
     engines: Sequence[tuple[str, str, int]], *, group_name: str, master_address: str, master_port: int
 ) -> GroupLayout:
-    """Ranks for ``engines`` (``(engine_id, url, tp_size)``, in order) behind the trainer's rank 0."""
+    """The rank rule the manager applies: ``engines`` (``(engine_id, url, tp_size)``, in order)
+    behind the trainer's rank 0."""
     members = []
     next_rank = 1
     for engine_id, url, tp_size in engines:
@@ -107,22 +124,29 @@ def plan_layout(
 
 @dataclass
 class EngineFailure:
+    """What went wrong, where: an engine's part of an update (``route`` empty: the manager's
+    record says what), or the manager's refusal (``engine_id`` ``"-"``)."""
+
     engine_id: str
     route: str
     status: int
     message: str
 
     def __str__(self) -> str:
-        return f"{self.engine_id} {self.route} -> {self.status}: {self.message}"
+        where = f" {self.route}" if self.route else ""
+        code = f" -> {self.status}" if self.status else ""
+        return f"{self.engine_id}{where}{code}: {self.message}"
 
 
 class WeightSyncError(Exception):
-    """One or more engines refused a step; ``failures`` says which, where and why."""
+    """An update failed; ``step`` says where (``open``, ``join_group``, ``broadcast``, ``update``)
+    and ``failures`` which engines (or the manager) and why."""
 
-    def __init__(self, step: str, failures: list[EngineFailure]) -> None:
+    def __init__(self, step: str, failures: list[EngineFailure], update: WeightUpdate | None = None) -> None:
         self.step = step
         self.failures = failures
-        super().__init__(f"{step} failed on {len(failures)} engine(s): " + "; ".join(str(f) for f in failures))
+        self.update = update
+        super().__init__(f"{step} failed: " + "; ".join(str(f) for f in failures))
 
 
 @dataclass(frozen=True)
@@ -131,7 +155,10 @@ class UpdateResult:
     layout: GroupLayout
     #: True when this update built a new group (first use or the engine set changed).
     rebuilt: bool
-    responses: dict[str, Any] = field(default_factory=dict)
+    #: The manager's record of the update (per-engine progress in ``update.engines``).
+    update: WeightUpdate | None = None
+    #: Engines that failed their part (restarted by the manager on a copy of the version).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def _free_port(address: str) -> int:
@@ -140,14 +167,73 @@ def _free_port(address: str) -> int:
         return int(s.getsockname()[1])
 
 
-class DistributedWeightSync:
-    """Keeps one weight-update group matching the manager's ACTIVE engines and runs updates.
+def _refused(step: str, err: RolloutApiError) -> WeightSyncError:
+    return WeightSyncError(step, [EngineFailure("-", err.path or "", err.status, err.message)])
+
+
+def _outcome(version: str, layout: GroupLayout, rebuilt: bool, done: WeightUpdate) -> UpdateResult:
+    failed = {k: p.error or "failed" for k, p in done.engines.items() if p.status == "FAILED"}
+    if done.status != "COMPLETED":
+        failures = [EngineFailure(k, "", 0, why) for k, why in failed.items()]
+        if not failures:
+            failures = [EngineFailure("-", "", 0, done.error_message or done.status)]
+        raise WeightSyncError("update", failures, done)
+    return UpdateResult(version, layout, rebuilt, done, failed)
+
+
+def _open_args(
+    sync: _SyncBase, version: str, specs: Sequence[TensorSpec], flush_cache: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not specs:
+        raise ValueError("specs is empty: name at least one tensor to broadcast")
+    port = sync.master_port if sync.master_port is not None else _free_port(sync.master_address)
+    tensors = [(s.name, s.dtype, tuple(s.shape)) for s in specs]
+    kwargs = {
+        "group_name": sync.layout.group_name if sync.layout is not None else None,
+        "pause_mode": sync.pause_mode,
+        "flush_cache": flush_cache,
+        "group_prefix": sync.group_prefix,
+    }
+    return (version, tensors, sync.master_address, port), kwargs
+
+
+def _layout_of(opened: WeightUpdate) -> tuple[GroupLayout, bool]:
+    group = (opened.trainer or {}).get("group")
+    if not isinstance(group, Mapping):
+        raise WeightSyncError("open", [EngineFailure("-", "", 0, "the manager's answer has no group layout")], opened)
+    return GroupLayout.from_json(group), bool(group.get("new"))
+
+
+class _SyncBase:
+    def __init__(
+        self,
+        *,
+        master_address: str,
+        master_port: int | None,
+        group_prefix: str,
+        pause_mode: str,
+        timeout: float,
+    ) -> None:
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place, got {pause_mode!r}")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_prefix = group_prefix
+        self.pause_mode = pause_mode
+        self.timeout = timeout
+        #: The group the trainer holds (joined as rank 0), if any.
+        self.layout: GroupLayout | None = None
+
+
+class DistributedWeightSync(_SyncBase):
+    """Runs trainer updates through the manager (see the module docs).
 
     ``join_group(layout)`` must join the group as rank 0 and return once every engine has
     joined (it runs while the engines' ``/init_weights_update_group`` calls are in flight).
-    ``broadcast(layout, specs)`` must broadcast every tensor of ``specs`` in order (it runs
-    while the engines' ``/update_weights_from_distributed`` calls are in flight).
+    ``broadcast(layout, specs)`` must broadcast every tensor of ``specs`` in order.
     ``destroy_group(layout)``, if given, leaves the trainer's side of an old group.
+    ``engine_api_key`` and ``model_name`` are accepted for compatibility and not used: the
+    manager calls the engines.
     """
 
     def __init__(
@@ -165,221 +251,143 @@ class DistributedWeightSync:
         model_name: str | None = None,
         timeout: float = 600.0,
     ) -> None:
-        if pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode must be abort, retract or in_place, got {pause_mode!r}")
+        super().__init__(
+            master_address=master_address,
+            master_port=master_port,
+            group_prefix=group_prefix,
+            pause_mode=pause_mode,
+            timeout=timeout,
+        )
+        del engine_api_key, model_name
         self.manager = manager if isinstance(manager, RolloutClient) else RolloutClient(manager)
         self.join_group = join_group
         self.broadcast = broadcast
         self.destroy_group = destroy_group
-        self.master_address = master_address
-        self.master_port = master_port
-        self.group_prefix = group_prefix
-        self.pause_mode = pause_mode
-        self.engine_api_key = engine_api_key
-        self.model_name = model_name
-        self.timeout = timeout
-        self.layout: GroupLayout | None = None
-        self._generation = 0
         self._lock = threading.Lock()
 
-    # -- engines -------------------------------------------------------------------------
-
-    def _engine_call(self, url: str, route: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self.engine_api_key:
-            headers["Authorization"] = f"Bearer {self.engine_api_key}"
-        req = urllib.request.Request(url.rstrip("/") + route, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as err:
-            raw, status = err.read(), err.code
-            err.close()
-        except OSError as err:
-            return 0, {"message": f"unreachable: {err}"}
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, {"message": raw.decode(errors="replace")}
-
-    def active_engines(self) -> list[tuple[str, str, int]]:
-        """``(engine_id, url, tp_size)`` of every ACTIVE engine, sorted by id; tp_size from
-        the engine's own ``/server_info``."""
-        view = self.manager.engines()
-        out = []
-        for e in sorted(view.with_status("ACTIVE"), key=lambda e: e.engine_id):
-            if self.model_name is not None and e.model_name != self.model_name:
-                continue
-            status, info = self._engine_call(e.url, "/server_info", method="GET")
-            if status == 404:  # SGLang before 0.5.6
-                status, info = self._engine_call(e.url, "/get_server_info", method="GET")
-            tp = int(info.get("tp_size", 0) or 0) if status == 200 and isinstance(info, dict) else 0
-            out.append((e.engine_id, e.url, tp or max(1, len(e.gpu_ids))))
-        return out
-
-    def _on_all(
-        self, step: str, members: Sequence[GroupMember], route: str, body: Callable[[GroupMember], Any]
-    ) -> dict[str, Any]:
-        """``route`` on every member in parallel; raises with every failure."""
-        if not members:
-            return {}
-        with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            futures = {m.engine_id: pool.submit(self._engine_call, m.url, route, body(m)) for m in members}
-            results = {k: f.result() for k, f in futures.items()}
-        failures = [
-            EngineFailure(k, route, status, _message(out))
-            for k, (status, out) in results.items()
-            if status != 200 or (isinstance(out, dict) and out.get("success") is False)
-        ]
-        if failures:
-            raise WeightSyncError(step, failures)
-        return {k: out for k, (_, out) in results.items()}
-
-    # -- the group -----------------------------------------------------------------------
-
-    def ensure_group(self) -> tuple[GroupLayout, bool]:
-        """The current group, rebuilt first if the ACTIVE engines changed. True if rebuilt."""
+    def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
+        """Broadcasts one weight version to the fleet through the manager (see the module docs)."""
         with self._lock:
-            engines = self.active_engines()
-            if not engines:
-                raise WeightSyncError("group layout", [EngineFailure("-", "/rollout/engines", 0, "no ACTIVE engines")])
-            if self.layout is not None and self.layout.engine_set() == tuple(engines):
-                return self.layout, False
-            self._leave_current(keep={url for _, url, _ in engines})
-            self._generation += 1
-            port = self.master_port if self.master_port is not None else _free_port(self.master_address)
-            layout = plan_layout(
-                engines,
-                group_name=f"{self.group_prefix}_{self._generation}",
-                master_address=self.master_address,
-                master_port=port,
-            )
-
-            def body(m: GroupMember) -> dict[str, Any]:
-                return {
-                    "master_address": layout.master_address,
-                    "master_port": layout.master_port,
-                    "rank_offset": m.rank_offset,
-                    "world_size": layout.world_size,
-                    "group_name": layout.group_name,
-                    "backend": "nccl",
-                }
-
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                engines_side = pool.submit(
-                    self._on_all, "init_weights_update_group", layout.members, "/init_weights_update_group", body
-                )
-                trainer_error: BaseException | None = None
+            args, kwargs = _open_args(self, version, specs, flush_cache)
+            try:
+                opened = self.manager.open_trainer_update(*args, **kwargs)
+            except RolloutApiError as err:
+                raise _refused("open", err) from err
+            layout, rebuilt = _layout_of(opened)
+            if rebuilt:
+                old, self.layout = self.layout, None
+                if old is not None and self.destroy_group is not None:
+                    self.destroy_group(old)
                 try:
                     self.join_group(layout)
-                except BaseException as err:  # re-raised below, after the engines answered
-                    trainer_error = err
-                try:
-                    engines_side.result()
-                except WeightSyncError:
-                    self._destroy_on(layout, layout.members)
+                except BaseException as err:
+                    self._abort(opened.update_id, f"the trainer could not join group {layout.group_name}: {err}")
                     raise
-            if trainer_error is not None:
-                self._destroy_on(layout, layout.members)
-                raise trainer_error
-            self.layout = layout
-            return layout, True
+                self.layout = layout
+            try:
+                self.manager.start_broadcast(opened.update_id)
+            except RolloutApiError as err:
+                self.layout = None
+                done = self.manager.weight_update(opened.update_id)
+                raise WeightSyncError("join_group", [EngineFailure("-", "", err.status, err.message)], done) from err
+            self.broadcast(layout, specs)
+            done = self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout)
+            return _outcome(version, layout, rebuilt, done)
 
-    def _destroy_on(self, layout: GroupLayout, members: Sequence[GroupMember]) -> None:
-        """Best effort: engines that are gone or never joined answer with an error, ignored."""
-        for m in members:
-            self._engine_call(m.url, "/destroy_weights_update_group", {"group_name": layout.group_name})
-
-    def _leave_current(self, keep: set[str]) -> None:
-        old = self.layout
-        if old is None:
-            return
-        self._destroy_on(old, [m for m in old.members if m.url in keep])
-        if self.destroy_group is not None:
-            self.destroy_group(old)
-        self.layout = None
+    def _abort(self, update_id: str, reason: str) -> None:
+        try:
+            self.manager.abort_weight_update(update_id, reason)
+        except RolloutApiError:
+            pass  # the update ends by its timeout instead
 
     def close(self) -> None:
-        """Destroys the group on every engine still ACTIVE (and on the trainer's side)."""
+        """Leaves the group: the manager destroys it on the engines, then the trainer's side."""
         with self._lock:
+            old, self.layout = self.layout, None
             try:
-                keep = {url for _, url, _ in self.active_engines()}
-            except Exception:  # the manager is gone: still try every member
-                keep = {m.url for m in self.layout.members} if self.layout else set()
-            self._leave_current(keep)
-
-    # -- one update ----------------------------------------------------------------------
-
-    def _begin_sessions(self, members: Sequence[GroupMember]) -> list[GroupMember]:
-        """``/begin_weight_update`` on every member; the members now in a session. An engine
-        that answers 404 (SGLang before 0.5.23) has no sessions and is updated without one."""
-        with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            results = list(pool.map(lambda m: (m, self._engine_call(m.url, "/begin_weight_update", {})), members))
-        in_session = [m for m, (status, out) in results if status == 200 and _succeeded(out)]
-        failures = [
-            EngineFailure(m.engine_id, "/begin_weight_update", status, _message(out))
-            for m, (status, out) in results
-            if status not in (200, 404) or (status == 200 and not _succeeded(out))
-        ]
-        if failures:
-            for m in in_session:
-                self._engine_call(m.url, "/end_weight_update", {})
-            raise WeightSyncError("begin_weight_update", failures)
-        return in_session
-
-    def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
-        """Broadcasts one weight version to every ACTIVE engine (see the module docs)."""
-        if not specs:
-            raise ValueError("specs is empty: name at least one tensor to broadcast")
-        layout, rebuilt = self.ensure_group()
-        members = layout.members
-        paused: list[GroupMember] = []
-        in_session: list[GroupMember] = []
-        try:
-            self._on_all("pause_generation", members, "/pause_generation", lambda m: {"mode": self.pause_mode})
-            paused = list(members)
-            in_session = self._begin_sessions(members)
-            body = {
-                "names": [s.name for s in specs],
-                "dtypes": [s.dtype for s in specs],
-                "shapes": [list(s.shape) for s in specs],
-                "group_name": layout.group_name,
-                "weight_version": version,
-                "flush_cache": flush_cache,
-            }
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                engines_side = pool.submit(
-                    self._on_all,
-                    "update_weights_from_distributed",
-                    members,
-                    "/update_weights_from_distributed",
-                    lambda m: body,
-                )
-                self.broadcast(layout, specs)
-                responses = engines_side.result()
-            self._on_all("end_weight_update", in_session, "/end_weight_update", lambda m: {})
-            in_session = []
-            self._on_all("continue_generation", members, "/continue_generation", lambda m: {})
-            paused = []
-            return UpdateResult(version, layout, rebuilt, responses)
-        finally:
-            # A failed step must not leave engines in a session or paused.
-            for m in in_session:
-                self._engine_call(m.url, "/end_weight_update", {})
-            for m in paused:
-                self._engine_call(m.url, "/continue_generation", {})
+                self.manager.destroy_trainer_group()
+            except RolloutApiError:
+                pass  # the manager is gone or an update runs: the next update builds a new group
+            if old is not None and self.destroy_group is not None:
+                self.destroy_group(old)
 
 
-def _succeeded(out: Any) -> bool:
-    return not (isinstance(out, dict) and out.get("success") is False)
+async def _maybe_await(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
 
 
-def _message(out: Any) -> str:
-    if isinstance(out, dict):
-        if isinstance(out.get("error"), dict):
-            return str(out["error"].get("message"))
-        if "message" in out:
-            return str(out["message"])
-    return json.dumps(out)[:500]
+class AsyncDistributedWeightSync(_SyncBase):
+    """:class:`DistributedWeightSync` for asyncio trainers: ``join_group``, ``broadcast`` and
+    ``destroy_group`` may be plain or coroutine functions."""
+
+    def __init__(
+        self,
+        manager: AsyncRolloutClient | str,
+        *,
+        join_group: Callable[[GroupLayout], Awaitable[None] | None],
+        broadcast: Callable[[GroupLayout, Sequence[TensorSpec]], Awaitable[None] | None],
+        destroy_group: Callable[[GroupLayout], Awaitable[None] | None] | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_prefix: str = "elastic_rollout_weights",
+        pause_mode: str = "retract",
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__(
+            master_address=master_address,
+            master_port=master_port,
+            group_prefix=group_prefix,
+            pause_mode=pause_mode,
+            timeout=timeout,
+        )
+        self.manager = manager if isinstance(manager, AsyncRolloutClient) else AsyncRolloutClient(manager)
+        self.join_group = join_group
+        self.broadcast = broadcast
+        self.destroy_group = destroy_group
+        self._lock = asyncio.Lock()
+
+    async def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
+        """As :meth:`DistributedWeightSync.update`."""
+        async with self._lock:
+            args, kwargs = _open_args(self, version, specs, flush_cache)
+            try:
+                opened = await self.manager.open_trainer_update(*args, **kwargs)
+            except RolloutApiError as err:
+                raise _refused("open", err) from err
+            layout, rebuilt = _layout_of(opened)
+            if rebuilt:
+                old, self.layout = self.layout, None
+                if old is not None and self.destroy_group is not None:
+                    await _maybe_await(self.destroy_group(old))
+                try:
+                    await _maybe_await(self.join_group(layout))
+                except BaseException as err:
+                    try:
+                        await self.manager.abort_weight_update(
+                            opened.update_id, f"the trainer could not join group {layout.group_name}: {err}"
+                        )
+                    except RolloutApiError:
+                        pass
+                    raise
+                self.layout = layout
+            try:
+                await self.manager.start_broadcast(opened.update_id)
+            except RolloutApiError as err:
+                self.layout = None
+                done = await self.manager.weight_update(opened.update_id)
+                raise WeightSyncError("join_group", [EngineFailure("-", "", err.status, err.message)], done) from err
+            await _maybe_await(self.broadcast(layout, specs))
+            done = await self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout)
+            return _outcome(version, layout, rebuilt, done)
+
+    async def close(self) -> None:
+        """As :meth:`DistributedWeightSync.close`."""
+        async with self._lock:
+            old, self.layout = self.layout, None
+            try:
+                await self.manager.destroy_trainer_group()
+            except RolloutApiError:
+                pass
+            if old is not None and self.destroy_group is not None:
+                await _maybe_await(self.destroy_group(old))

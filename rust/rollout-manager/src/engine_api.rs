@@ -40,6 +40,9 @@ pub enum EngineError {
     /// It answered, but not with what SGLang answers (garbage, too large, wrong shape).
     #[error("engine gave an unusable answer to {path}: {detail}")]
     BadAnswer { path: &'static str, detail: String },
+    /// It answered a weight-update call with an error (SGLang's `{success: false, message}`).
+    #[error("engine refused {path}: {detail}")]
+    Refused { path: &'static str, detail: String },
     #[error("cancelled")]
     Cancelled,
 }
@@ -69,6 +72,27 @@ pub trait EngineApi: Send + Sync {
 
     /// `POST /abort_request {"abort_all": true}`, best effort (a drain that timed out).
     fn abort_all<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ()>;
+
+    /// One of SGLang's distributed weight-update routes (`/init_weights_update_group`,
+    /// `/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`,
+    /// `/destroy_weights_update_group`), answered within `timeout`. Ok(true): done; Ok(false):
+    /// the engine does not serve the route (404, as `/begin_weight_update` before 0.5.21);
+    /// [`EngineError::Refused`] with SGLang's message when it answers an error.
+    fn weights_call<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        body: serde_json::Value,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<bool, EngineError>>;
+
+    /// Whether the engine serves the POST route `path` at all, asked without calling it: a GET
+    /// is answered 405 by a route that exists and 404 by one the release does not have
+    /// (`/send_weights_to_remote_instance` before 0.5.3). Unreachable counts as not served.
+    fn serves<'a>(&'a self, url: &'a str, path: &'static str) -> BoxFuture<'a, bool> {
+        let _ = (url, path);
+        Box::pin(async { true })
+    }
 }
 
 /// What [`EngineApi::load_from_disk`] asks an engine to load.
@@ -188,6 +212,51 @@ impl EngineApi for HttpEngineApi {
                 .and_then(reqwest::Response::error_for_status)
                 .map(|_| ())
                 .map_err(|e| EngineError::Unreachable { path, detail: e.to_string() })
+        })
+    }
+
+    fn weights_call<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        body: serde_json::Value,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<bool, EngineError>> {
+        Box::pin(async move {
+            let response = self
+                .http
+                .post(format!("{url}{path}"))
+                .json(&body)
+                .timeout(timeout)
+                .send()
+                .await
+                .map_err(|e| EngineError::Unreachable { path, detail: crate::engine_http::describe(e) })?;
+            let status = response.status();
+            if status == reqwest::StatusCode::NOT_FOUND {
+                return Ok(false);
+            }
+            let raw = crate::engine_http::read_capped(response, MAX_JSON_BYTES, Duration::from_secs(10))
+                .await
+                .unwrap_or_default();
+            let answer = parse_json_object(&raw).unwrap_or_default();
+            let message = answer
+                .get("message")
+                .and_then(|m| m.as_str())
+                .map(crate::engine_http::shorten)
+                .unwrap_or_else(|| crate::engine_http::shorten(&String::from_utf8_lossy(&raw)));
+            if !status.is_success() || answer.get("success").and_then(|s| s.as_bool()) == Some(false) {
+                return Err(EngineError::Refused { path, detail: format!("HTTP {}: {message}", status.as_u16()) });
+            }
+            Ok(true)
+        })
+    }
+
+    fn serves<'a>(&'a self, url: &'a str, path: &'static str) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            match self.http.get(format!("{url}{path}")).timeout(Duration::from_secs(10)).send().await {
+                Ok(r) => r.status() != reqwest::StatusCode::NOT_FOUND,
+                Err(_) => false,
+            }
         })
     }
 

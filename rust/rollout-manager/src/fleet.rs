@@ -208,6 +208,13 @@ pub struct Engine {
     pub pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
     pub keeper_socket: Option<PathBuf>,
+    /// The engine it copies its weights from while it starts (SGLang's remote-instance
+    /// loading of a version the trainer broadcast); None once it is healthy.
+    pub copying_from: Option<String>,
+    /// It runs, but no engine serves the fleet's version to copy it from and the version has
+    /// no checkpoint: it waits out of routing (WEIGHT_SYNCING) for the trainer's next update,
+    /// which includes it.
+    pub awaiting_trainer: bool,
     /// What this engine holds of the fleet's local pool, returned when it is forgotten.
     held: Held,
 }
@@ -381,6 +388,8 @@ impl FleetInner {
             probe_failures: 0,
             paused_since: None,
             bringup: None,
+            copying_from: None,
+            awaiting_trainer: false,
             keeper_socket,
             held,
         };
@@ -479,8 +488,16 @@ impl FleetInner {
                         .observe(since.elapsed().as_secs_f64());
                 }
             }
-            (_, EngineStatus::Failed | EngineStatus::Removing | EngineStatus::Removed) => engine.bringup = None,
+            (_, EngineStatus::Failed | EngineStatus::Removing | EngineStatus::Removed) => {
+                engine.bringup = None;
+                engine.copying_from = None;
+                engine.awaiting_trainer = false;
+            }
             _ => {}
+        }
+        if event == EngineEvent::Healthy {
+            // A copy from a seed is over once the engine answers.
+            engine.copying_from = None;
         }
         Ok(to)
     }
@@ -836,6 +853,8 @@ mod tests {
             probe_failures: 0,
             paused_since: None,
             bringup: None,
+            copying_from: None,
+            awaiting_trainer: false,
             pid_start_ticks: None,
             keeper_socket: None,
             held: Held::default(),

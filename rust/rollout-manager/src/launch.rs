@@ -104,6 +104,34 @@ impl EngineLauncher {
     }
 }
 
+/// Where a starting engine copies the fleet's version from: a running engine that serves it
+/// (SGLang's `--load-format remote_instance`; the new engine asks the seed over HTTP to send
+/// its weights through a 2-rank NCCL group per TP rank on `group_ports`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seed {
+    pub engine_id: String,
+    pub host: String,
+    pub port: u16,
+    pub group_ports: Vec<u16>,
+}
+
+impl Seed {
+    /// The flags SGLang's remote-instance loader reads.
+    pub fn args(&self) -> Vec<String> {
+        let ports = self.group_ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+        vec![
+            "--load-format".into(),
+            "remote_instance".into(),
+            "--remote-instance-weight-loader-seed-instance-ip".into(),
+            self.host.clone(),
+            "--remote-instance-weight-loader-seed-instance-service-port".into(),
+            self.port.to_string(),
+            "--remote-instance-weight-loader-send-weights-group-ports".into(),
+            format!("[{ports}]"),
+        ]
+    }
+}
+
 impl EngineLauncher {
     /// The launch of one engine on a node agent (Ray mode): the agent replaces `{host}` with
     /// the address it listens on and `{port}` with a free port of its node; the GPUs are the

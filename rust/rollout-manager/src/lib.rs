@@ -36,6 +36,7 @@ pub mod store;
 pub mod telemetry;
 #[cfg(test)]
 mod testing;
+pub mod trainer_update;
 #[cfg(test)]
 mod use_case_tests;
 pub mod weight_update;

@@ -314,27 +314,53 @@ impl Manager {
     }
 
     async fn launch_now(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
-        // Engines start on the newest version: an update's target, else the current one,
-        // staged on the engine's node first when the node does not hold it.
+        let seed = self.usable_seed(engine_id, &mut Vec::new()).await;
+        let hosted = self.start_process(engine_id, seed).await?;
+        self.register_process(engine_id, hosted, Some(EngineEvent::Launched))
+    }
+
+    /// What a starting engine loads: the newest version (an update's target, else the current
+    /// one) from its checkpoint, staged on the engine's node first when the node does not hold
+    /// it; a version the trainer broadcast (no checkpoint) from `seed`, an engine that serves
+    /// it; without a seed, the startup `--model-path` under the startup `--weight-version`, so
+    /// the engine never claims a version it does not hold (it catches up before it is routable,
+    /// see [`Manager::sync_weights`]). Returns the model path, the weight version, and the
+    /// seed's flags.
+    async fn launch_weights(
+        &self,
+        node: Node,
+        seed: Option<&crate::launch::Seed>,
+    ) -> Result<(String, String, Vec<String>), EngineError> {
+        let (version, engine_path, from_trainer) = {
+            let inner = self.fleet.lock();
+            let (version, path) = inner.weights.desired();
+            (version, path, inner.weights.desired_from_trainer())
+        };
+        Ok(match (engine_path, from_trainer, seed) {
+            (Some(p), _, _) => (self.weights_path_on(&node, &version, &p).await?, version.version, Vec::new()),
+            (None, true, Some(seed)) => (self.config.model_path.clone(), version.version, seed.args()),
+            (None, true, None) => (self.config.model_path.clone(), self.config.weight_version.clone(), Vec::new()),
+            (None, false, _) => (self.config.model_path.clone(), version.version, Vec::new()),
+        })
+    }
+
+    /// Starts the engine's process (see [`Manager::launch_weights`] for what it loads).
+    async fn start_process(
+        self: &Arc<Self>,
+        engine_id: &str,
+        seed: Option<crate::launch::Seed>,
+    ) -> Result<crate::engine_host::Hosted, EngineError> {
         let (spec, at) = if self.ray() {
             let binding = self.wait_bound(engine_id).await?;
-            let (version, engine_path) = self.fleet.lock().weights.desired();
-            let model_path = match engine_path {
-                Some(p) => self.weights_path_on(&Node::Agent(binding.url.clone()), &version, &p).await?,
-                None => self.config.model_path.clone(),
-            };
-            let weight_version = version.version;
+            let (model_path, weight_version, seed_args) =
+                self.launch_weights(Node::Agent(binding.url.clone()), seed.as_ref()).await?;
             let log_path = self.config.state_dir.join("logs").join(format!("{engine_id}.log"));
-            let spec =
+            let mut spec =
                 self.launcher.spec_on_agent(&self.config, &model_path, &binding.gpu_ids, &weight_version, log_path);
+            spec.args.extend(seed_args);
             (spec, Location::Agent { agent_url: binding.url })
         } else {
-            let (version, engine_path) = self.fleet.lock().weights.desired();
-            let model_path = match engine_path {
-                Some(p) => self.weights_path_on(&Node::Local, &version, &p).await?,
-                None => self.config.model_path.clone(),
-            };
-            let weight_version = version.version;
+            let (model_path, weight_version, seed_args) = self.launch_weights(Node::Local, seed.as_ref()).await?;
             let (port, gpu_ids, log_path, url) = {
                 let inner = self.fleet.lock();
                 let e =
@@ -342,7 +368,8 @@ impl Manager {
                 let port = rollout_core::EngineAddr::port_of(&e.record.url).unwrap_or(0);
                 (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default(), e.record.url.clone())
             };
-            let spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
+            let mut spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
+            spec.args.extend(seed_args);
             let keeper_socket = if self.config.reattach_grace_secs > 0.0 {
                 Some(
                     keeper_socket_path(&self.config.state_dir, engine_id)
@@ -355,12 +382,33 @@ impl Manager {
         };
         let args = crate::launch::redacted(&spec.args);
         tracing::info!(engine_id, program = %spec.program.display(), ?args, at = ?at, "launching engine");
-        let hosted = self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Launch(e.to_string()))?;
+        self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Launch(e.to_string()))
+    }
+
+    /// Records a started process on its engine, moved by `event` (None: the engine keeps its
+    /// state, as for a restart in place), and watches it. A process whose engine left the
+    /// fleet meanwhile is stopped.
+    fn register_process(
+        self: &Arc<Self>,
+        engine_id: &str,
+        hosted: crate::engine_host::Hosted,
+        event: Option<EngineEvent>,
+    ) -> Result<(), EngineError> {
         let (process, keeper_socket) = (hosted.process, hosted.keeper_socket);
         let pid = process.pid;
         let registered = self.fleet.update(|inner| {
             // The engine may have been removed (scale-in, cancel) while we were forking.
-            let moved = inner.engine_event(engine_id, EngineEvent::Launched);
+            let moved = match event {
+                Some(event) => inner.engine_event(engine_id, event).map(|_| ()),
+                None => match inner.engines.get(engine_id).map(|e| e.record.status) {
+                    Some(EngineStatus::WeightSyncing) => Ok(()),
+                    other => Err(rollout_core::IllegalTransition {
+                        machine: "engine",
+                        state: format!("{other:?}"),
+                        event: "restart in place".into(),
+                    }),
+                },
+            };
             if moved.is_ok() {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.record.pid = Some(pid);
@@ -670,7 +718,11 @@ impl Manager {
     /// `/update_weights_from_disk` if it does not, then records the verified version and
     /// checksum and applies `events` in one registry update, against the target at that instant:
     /// if a publish moved the target meanwhile, the engine is synced again.
-    pub async fn sync_weights(&self, engine_id: &str, events: &[EngineEvent]) -> Result<String, EngineError> {
+    pub async fn sync_weights(
+        self: &Arc<Self>,
+        engine_id: &str,
+        events: &[EngineEvent],
+    ) -> Result<String, EngineError> {
         self.sync_weights_inner(engine_id, events, false).await
     }
 
@@ -679,7 +731,7 @@ impl Manager {
     /// back on it as it is, and the update's waves move it later, so a resumed `rolling`
     /// update keeps its waves instead of reloading every re-adopted engine at once.
     pub async fn sync_weights_keeping_current(
-        &self,
+        self: &Arc<Self>,
         engine_id: &str,
         events: &[EngineEvent],
     ) -> Result<String, EngineError> {
@@ -687,17 +739,17 @@ impl Manager {
     }
 
     async fn sync_weights_inner(
-        &self,
+        self: &Arc<Self>,
         engine_id: &str,
         events: &[EngineEvent],
         keep_current: bool,
     ) -> Result<String, EngineError> {
         let mut last = None;
-        for _ in 0..3 {
-            let (desired, engine_path, current) = {
+        for _ in 0..5 {
+            let (desired, engine_path, current, from_trainer) = {
                 let inner = self.fleet.lock();
                 let (desired, path) = inner.weights.desired();
-                (desired, path, inner.weights.current.clone())
+                (desired, path, inner.weights.current.clone(), inner.weights.desired_from_trainer())
             };
             let (mut found, mut checksum) = self.served_weights(engine_id).await?;
             // The version this engine is recorded on: the desired one, or (re-adoption) the
@@ -712,6 +764,13 @@ impl Manager {
             };
             if !want.served_by(found.as_deref(), checksum.as_deref()) {
                 let Some(path) = engine_path else {
+                    if from_trainer && want == desired {
+                        // The trainer's version: copied from a peer (or from the trainer's
+                        // next update), then checked again.
+                        self.catch_up(engine_id, &want).await?;
+                        last = Some(want.version);
+                        continue;
+                    }
                     // The startup version has no checkpoint to load: the engine must come with it.
                     return Err(EngineError::WrongVersion {
                         expected: want.version.clone(),
@@ -758,6 +817,191 @@ impl Manager {
             "the fleet's weight version kept changing while this engine synced (last {:?}); retry",
             last.unwrap_or_default()
         )))
+    }
+
+    /// Picks the engine `engine_id` copies the fleet's version from when that version came from
+    /// the trainer and no update is moving it ([`rollout_core::catchup::pick_seed`]: a serving
+    /// engine on it, the least busy, none of `tried`), and notes the copy on the engine so the
+    /// next pick spreads. None: the version has a checkpoint, an update is under way (its
+    /// target has no engine on it yet), or no engine serves it.
+    pub fn choose_seed(&self, engine_id: &str, tried: &[String]) -> Option<crate::launch::Seed> {
+        let chosen = self.fleet.update(|inner| {
+            let (want, path) = inner.weights.desired();
+            if path.is_some() || !inner.weights.desired_from_trainer() || inner.weights.loading_update().is_some() {
+                return None;
+            }
+            let tp = self.config.rollout_num_gpus_per_engine.max(1);
+            let mut engines: Vec<&crate::fleet::Engine> =
+                inner.engines.values().filter(|e| e.record.engine_id != engine_id).collect();
+            engines.sort_by_key(|e| e.seq);
+            let sending = |id: &str| {
+                u32::try_from(inner.engines.values().filter(|e| e.copying_from.as_deref() == Some(id)).count())
+                    .unwrap_or(u32::MAX)
+            };
+            let candidates: Vec<rollout_core::catchup::SeedCandidate<'_>> = engines
+                .iter()
+                .map(|e| rollout_core::catchup::SeedCandidate {
+                    engine_id: &e.record.engine_id,
+                    serving: e.record.status == EngineStatus::Active,
+                    version: e.record.weight_version.as_deref(),
+                    tp_size: u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1),
+                    sending: sending(&e.record.engine_id),
+                })
+                .collect();
+            let seed_id = rollout_core::catchup::pick_seed(&candidates, &want.version, tp, tried)?.to_string();
+            let url = inner.engines.get(&seed_id)?.record.url.clone();
+            let addr = rollout_core::EngineAddr::parse(&url)?;
+            let port = addr.port?;
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.copying_from = Some(seed_id.clone());
+            }
+            Some((seed_id, url_host_ip(&addr.host), port))
+        })?;
+        let (seed_id, host, port) = chosen;
+        // One port per TP rank for the seed's send groups, free on this machine now (on an
+        // agent's node, a port the seed's node happens to use makes that copy fail; the engine
+        // is then restarted and copies from another seed).
+        let group_ports = (0..self.config.rollout_num_gpus_per_engine.max(1))
+            .map(|_| std::net::TcpListener::bind((host.as_str(), 0)).and_then(|l| l.local_addr()).map(|a| a.port()))
+            .collect::<Result<Vec<u16>, _>>()
+            .ok()?;
+        Some(crate::launch::Seed { engine_id: seed_id, host, port, group_ports })
+    }
+
+    /// [`Manager::choose_seed`], skipping (and adding to `tried`) seeds whose SGLang release
+    /// cannot send weights to a new instance (no `/send_weights_to_remote_instance`: 0.5.2
+    /// and older).
+    async fn usable_seed(&self, engine_id: &str, tried: &mut Vec<String>) -> Option<crate::launch::Seed> {
+        loop {
+            let seed = self.choose_seed(engine_id, tried)?;
+            let url = self.url_of(&seed.engine_id).unwrap_or_default();
+            if self.engine_api.serves(&url, "/send_weights_to_remote_instance").await {
+                return Some(seed);
+            }
+            tracing::info!(engine_id, seed = %seed.engine_id, "the seed's SGLang cannot send weights to a new instance");
+            self.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.copying_from = None;
+                }
+            });
+            tried.push(seed.engine_id);
+        }
+    }
+
+    /// WEIGHT_SYNCING for a version the trainer broadcast that the engine does not serve: the
+    /// engine is restarted in place copying it from a peer that serves it (spread over the
+    /// peers; a seed that fails the copy is not asked again for this engine). While an update
+    /// runs, or no peer serves the version, the engine waits out of routing, marked
+    /// `awaiting_trainer` (the next trainer update includes it). Returns when the engine was
+    /// restarted on a seed's copy, the trainer's update reached it, or the version it must
+    /// serve changed; the caller checks what it serves again.
+    async fn catch_up(
+        self: &Arc<Self>,
+        engine_id: &str,
+        want: &rollout_core::weights::WeightVersion,
+    ) -> Result<(), EngineError> {
+        let mut changes = self.fleet.subscribe();
+        let mut tried: Vec<String> = Vec::new();
+        let mut parked = false;
+        loop {
+            if self.shutdown.is_cancelled() {
+                return Err(EngineError::Cancelled);
+            }
+            let (still, reached) = {
+                let inner = self.fleet.lock();
+                let Some(e) = inner.engines.get(engine_id) else { return Err(EngineError::Cancelled) };
+                if e.record.status != EngineStatus::WeightSyncing {
+                    return Err(EngineError::Launch(format!("{engine_id} is {} while catching up", e.record.status)));
+                }
+                let still = inner.weights.desired().0 == *want && inner.weights.desired_from_trainer();
+                (still, parked && !e.awaiting_trainer)
+            };
+            if !still || reached {
+                self.set_awaiting(engine_id, false, None);
+                return Ok(());
+            }
+            if let Some(seed) = self.usable_seed(engine_id, &mut tried).await {
+                let detail =
+                    format!("copying weight version {} from {} (remote instance)", want.version, seed.engine_id);
+                self.set_awaiting(engine_id, false, Some(detail));
+                tracing::info!(engine_id, seed = %seed.engine_id, version = %want.version, "restarting the engine on a copy from a seed");
+                let seed_id = seed.engine_id.clone();
+                match self.restart_in_place(engine_id, seed).await {
+                    Ok(()) => {
+                        self.set_awaiting(engine_id, false, None);
+                        return Ok(());
+                    }
+                    Err(EngineError::Cancelled) => return Err(EngineError::Cancelled),
+                    Err(e) => {
+                        tracing::warn!(engine_id, seed = %seed_id, error = %e, "copy from the seed failed; trying another");
+                        tried.push(seed_id);
+                        continue;
+                    }
+                }
+            }
+            if !parked {
+                let detail = format!(
+                    "waiting for weight version {}: it came from the trainer, has no checkpoint, and no serving engine \
+                     can send it yet; the engine joins the next trainer update, or copies it once an engine serves it",
+                    want.version
+                );
+                tracing::info!(engine_id, version = %want.version, "engine waits for the trainer's version");
+                self.set_awaiting(engine_id, true, Some(detail));
+                parked = true;
+            }
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return Err(EngineError::Cancelled) },
+                // Seeds that failed may serve again; ask them again now and then.
+                () = tokio::time::sleep(Duration::from_secs(5)) => tried.clear(),
+                () = self.shutdown.cancelled() => return Err(EngineError::Cancelled),
+            }
+        }
+    }
+
+    fn set_awaiting(&self, engine_id: &str, awaiting: bool, detail: Option<String>) {
+        self.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.awaiting_trainer = awaiting;
+                e.record.detail = detail;
+            }
+        });
+    }
+
+    /// Stops the engine's process and starts it again on a copy from `seed`, keeping its
+    /// state (WEIGHT_SYNCING) and its GPUs; on this machine it moves to a fresh port. Returns
+    /// once it is healthy.
+    async fn restart_in_place(self: &Arc<Self>, engine_id: &str, seed: crate::launch::Seed) -> Result<(), EngineError> {
+        let process = self.fleet.update(|inner| {
+            if !self.ray() {
+                let host = &self.config.engine_host;
+                if let Err(e) = inner.move_port(
+                    engine_id,
+                    |taken| free_port(host, taken),
+                    |port| format!("http://{}:{port}", url_host(host)),
+                ) {
+                    tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
+                }
+            }
+            inner.engines.get_mut(engine_id).and_then(|e| {
+                e.copying_from = Some(seed.engine_id.clone());
+                e.process.take()
+            })
+        });
+        if let Some(p) = process {
+            p.stop(self.shutdown_grace()).await;
+        }
+        let started = async {
+            let hosted = self.start_process(engine_id, Some(seed)).await?;
+            self.register_process(engine_id, hosted, None)?;
+            self.wait_healthy(engine_id, &self.shutdown).await
+        }
+        .await;
+        self.fleet.update(|inner| {
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.copying_from = None;
+            }
+        });
+        started
     }
 
     /// Stops an engine's process (SIGTERM, then SIGKILL after the shutdown grace), releases
@@ -840,6 +1084,11 @@ pub fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &str) -> std::
 }
 
 /// The host part of an engine URL: IPv6 literals need brackets.
+/// The address to bind on `host` (a URL host: brackets around IPv6 removed).
+fn url_host_ip(host: &str) -> String {
+    host.trim_start_matches('[').trim_end_matches(']').to_string()
+}
+
 fn url_host(host: &str) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]")

@@ -224,6 +224,72 @@ pub struct UpdateRecord {
     /// How many times a restarted manager took this update up again (0: never interrupted).
     #[serde(default)]
     pub resumed: u32,
+    /// Where the bytes come from: a checkpoint on disk (a publish) or the trainer's broadcast.
+    #[serde(default)]
+    pub source: UpdateSource,
+    /// A trainer update's group and tensors (None for a publish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer: Option<TrainerPart>,
+}
+
+/// Where an update's bytes come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpdateSource {
+    /// A checkpoint directory, published with `POST /rollout/weights/publish`.
+    #[default]
+    Checkpoint,
+    /// The trainer's NCCL broadcast (`POST /rollout/weights/trainer_updates`).
+    Trainer,
+}
+
+/// One engine's place in a weight-update group (the trainer is rank 0).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupMember {
+    pub engine_id: String,
+    pub url: String,
+    pub tp_size: u32,
+    pub rank_offset: u32,
+}
+
+/// A weight-update group: SGLang's `/init_weights_update_group` arguments for every member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainerGroup {
+    pub group_name: String,
+    pub master_address: String,
+    pub master_port: u16,
+    pub world_size: u32,
+    pub members: Vec<GroupMember>,
+    /// Built for this update (the trainer must join it as rank 0), or kept from the last one.
+    pub new: bool,
+}
+
+impl TrainerGroup {
+    /// Members as [`rollout_core::catchup::reuse_group`] compares them.
+    pub fn member_keys(&self) -> Vec<rollout_core::catchup::Member<'_>> {
+        self.members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect()
+    }
+}
+
+/// The trainer's side of a trainer update: the group, the tensors it broadcasts, and how far
+/// the handshake with the trainer got.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerPart {
+    pub group: TrainerGroup,
+    pub names: Vec<String>,
+    pub dtypes: Vec<String>,
+    pub shapes: Vec<Vec<u64>>,
+    pub flush_cache: bool,
+    /// Every member joined the group (or the group was kept): the trainer may broadcast.
+    pub group_ready: bool,
+    /// When the trainer said it broadcasts (`POST .../broadcast`); engines are paused then.
+    pub broadcast_at: Option<f64>,
+    /// When every member was paused and about to receive.
+    #[serde(default)]
+    pub receiving_at: Option<f64>,
+    /// Why the trainer gave up before broadcasting (`POST .../abort`).
+    #[serde(default)]
+    pub aborted: Option<String>,
 }
 
 /// The `history` entry written when a restarted manager resumes an update (not a status: the
@@ -269,7 +335,8 @@ impl UpdateRecord {
     pub fn version_record(&self) -> WeightVersion {
         WeightVersion {
             version: self.version.clone(),
-            path: Some(self.path.clone()),
+            // A trainer's version exists only in the engines: no checkpoint to load it from.
+            path: (self.source == UpdateSource::Checkpoint).then(|| self.path.clone()),
             checksum: self.checksum.clone().or_else(|| self.expected_checksum.clone()),
             published_seq: 0,
         }
@@ -322,8 +389,11 @@ impl<'de> Deserialize<'de> for HashProgress {
 pub enum VersionSource {
     /// The `--weight-version` flag the manager started with.
     Startup,
-    /// A committed weight update.
+    /// A committed weight update from a checkpoint.
     Publish,
+    /// A committed update broadcast by the trainer: no checkpoint; engines that start later
+    /// copy it from an engine that serves it.
+    Trainer,
 }
 
 /// Who started a scale-out.
@@ -365,6 +435,12 @@ pub struct WeightsState {
     pub running: Option<String>,
     pub updates: BTreeMap<String, UpdateRecord>,
     pub next_seq: u64,
+    /// The trainer's weight-update group the engines joined last (kept while its members stay).
+    #[serde(default)]
+    pub group: Option<TrainerGroup>,
+    /// Groups built so far (names the next one).
+    #[serde(default)]
+    pub groups_built: u64,
 }
 
 impl WeightsState {
@@ -378,6 +454,8 @@ impl WeightsState {
             running: None,
             updates: BTreeMap::new(),
             next_seq: 1,
+            group: None,
+            groups_built: 0,
         }
     }
 
@@ -396,8 +474,19 @@ impl WeightsState {
     /// so engines keep starting on the current version.
     pub fn desired(&self) -> (WeightVersion, Option<String>) {
         match self.loading_update() {
+            Some(u) if u.source == UpdateSource::Trainer => (u.version_record(), None),
             Some(u) => (u.version_record(), Some(u.engine_path.clone())),
             None => (self.current.clone(), self.current_engine_path.clone()),
+        }
+    }
+
+    /// Whether the version engines must serve ([`WeightsState::desired`]) came from the
+    /// trainer: it has no checkpoint, and an engine that does not serve it copies it from a
+    /// peer (or waits for the trainer's next update) instead of loading it.
+    pub fn desired_from_trainer(&self) -> bool {
+        match self.loading_update() {
+            Some(u) => u.source == UpdateSource::Trainer,
+            None => self.source == VersionSource::Trainer,
         }
     }
 
@@ -507,6 +596,8 @@ mod tests {
             message: String::new(),
             history: Vec::new(),
             resumed: 0,
+            source: UpdateSource::Checkpoint,
+            trainer: None,
         }
     }
 

@@ -69,7 +69,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     let Rebuilt { keep, drop_live, resumed, mid_turn } = rebuild(manager, snapshot, &adopted);
     crate::weight_update::restage_if_missing(manager).await;
     let resumed = match resumed {
-        Some(id) => match crate::weight_update::check_resumable(manager).await {
+        Some(id) => match resumable(manager).await {
             Ok(()) => Some(id),
             Err(why) => {
                 tracing::warn!(update_id = %id, error = %why, "the interrupted weight update cannot resume; it ends FAILED");
@@ -362,4 +362,11 @@ async fn readopt(
             None
         }
     }
+}
+
+/// Whether the update in flight can go on after the restart: a trainer update cannot (its
+/// members are continued); a publish can once its checkpoint is checked (and staged) again.
+pub async fn resumable(manager: &Manager) -> Result<(), String> {
+    crate::trainer_update::check_resumable(manager).await?;
+    crate::weight_update::check_resumable(manager).await
 }

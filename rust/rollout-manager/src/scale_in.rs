@@ -193,6 +193,19 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         _ = drained => {}
         _ = manager.shutdown.cancelled() => {}
     }
+    // A member of a trainer update in flight stays until it ends: the trainer's broadcast
+    // needs every member of its group.
+    crate::trainer_update::wait_not_members(manager, &victims, |update_id| {
+        tracing::info!(request_id, update_id, "scale-in waits for the trainer update to finish");
+        manager.fleet.update(|inner| {
+            if let Some(r) = inner.scale_ins.get_mut(request_id) {
+                r.message = format!(
+                    "drained; waiting for trainer update {update_id} to finish before removing its members (membership is frozen while it runs)"
+                );
+            }
+        });
+    })
+    .await;
     manager.fleet.update(|inner| {
         if let Some(r) = inner.scale_ins.get_mut(request_id) {
             crate::records::checked(r.apply(ScaleInEvent::Drained));

@@ -153,7 +153,7 @@ impl Server {
                 });
                 crate::weight_update::restage_if_missing(&manager).await;
                 if let Some(update_id) = resumed {
-                    match crate::weight_update::check_resumable(&manager).await {
+                    match crate::restore::resumable(&manager).await {
                         Ok(()) => {
                             let m = manager.clone();
                             manager.tasks.spawn(crate::weight_update::resume(m, update_id, Vec::new(), Vec::new()));

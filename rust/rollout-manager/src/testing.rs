@@ -222,6 +222,31 @@ impl EngineApi for FakeEngines {
     fn abort_all<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move { self.record(format!("abort {url}")) })
     }
+
+    fn weights_call<'a>(
+        &'a self,
+        url: &'a str,
+        path: &'static str,
+        body: serde_json::Value,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Result<bool, EngineError>> {
+        Box::pin(async move {
+            self.record(format!("weights {url}{path}"));
+            let mut s = self.state();
+            if !s.serving.contains_key(url) || s.down.contains(url) {
+                return Err(EngineError::Unreachable { path, detail: "connection refused".into() });
+            }
+            if s.refuse_loads.contains(url) && path == "/update_weights_from_distributed" {
+                return Err(EngineError::Refused { path, detail: "HTTP 400: refused".into() });
+            }
+            if path == "/update_weights_from_distributed" {
+                if let Some(v) = body.get("weight_version").and_then(|v| v.as_str()) {
+                    s.serving.insert(url.to_string(), v.to_string());
+                }
+            }
+            Ok(true)
+        })
+    }
 }
 
 /// A manager on `engines` with `gpus` GPUs, one per engine, and `flags` on top (as on the

@@ -252,6 +252,8 @@ fn start_publish_record(
             message: String::new(),
             history: vec![Transition { status: "CHECKSUMMING".into(), at: 1.0 }],
             resumed: 0,
+            source: crate::records::UpdateSource::Checkpoint,
+            trainer: None,
         };
         inner.weights.updates.insert(update_id.clone(), record);
         inner.weights.running = Some(update_id.clone());

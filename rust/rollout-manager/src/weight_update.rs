@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// How one engine's turn ended.
-enum Turn {
+pub(crate) enum Turn {
     Verified,
     Skipped,
     Failed(String),
@@ -400,6 +400,18 @@ async fn turn(
         result = work => result,
         why = crate::health::stops_answering(manager, url) => Err(EngineError::Unresponsive(why)),
     };
+    finish_turn(manager, id, want, result).await
+}
+
+/// The end of one engine's turn in an update: verified, back into routing with the version it
+/// reports; or failed, out of routing (FAILED, process stopped; the update's end restarts it);
+/// or skipped when it left the fleet meanwhile.
+pub(crate) async fn finish_turn(
+    manager: &Arc<Manager>,
+    id: &str,
+    want: &WeightVersion,
+    result: Result<(Option<String>, Option<String>), EngineError>,
+) -> Turn {
     let left = |inner: &crate::fleet::FleetInner| {
         inner.engines.get(id).is_none_or(|e| matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
     };
@@ -442,7 +454,7 @@ async fn turn(
 }
 
 /// Moves the fleet version to `want` if every READY or ACTIVE engine serves it.
-fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
+pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
     let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
             matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
@@ -464,8 +476,13 @@ fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
         crate::records::checked(u.apply(WeightUpdateEvent::Commit));
         w.current = WeightVersion { published_seq: w.next_seq, ..want.clone() };
         w.next_seq += 1;
-        w.current_engine_path = Some(u.engine_path.clone());
-        w.source = crate::records::VersionSource::Publish;
+        if u.source == crate::records::UpdateSource::Trainer {
+            w.current_engine_path = None;
+            w.source = crate::records::VersionSource::Trainer;
+        } else {
+            w.current_engine_path = Some(u.engine_path.clone());
+            w.source = crate::records::VersionSource::Publish;
+        }
         w.current_since = crate::clock::unix_now();
         w.current_update = Some(update_id.to_string());
         w.running = None;
@@ -488,7 +505,7 @@ fn retain_current(manager: &Manager) {
 
 /// Ends the update FAILED: the fleet stays on its current version; engines FAILED by the update
 /// and engines already serving the failed version are restarted on the current checkpoint.
-async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why: &str) {
+pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why: &str) {
     tracing::warn!(update_id, version = %want.version, error = why, "weight update failed");
     let restart: Vec<(String, Option<crate::host::EngineProcess>)> = manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(update_id) {

@@ -14,7 +14,20 @@ const LAYERS: [(&str, &[&str]); 7] = [
     ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host", "telemetry"]),
     ("registry", &["store", "fleet"]),
     ("adapters", &["engine_api", "dialect", "launch", "keeper", "engine_host", "weights", "router"]),
-    ("ops", &["op_error", "manager", "health", "scale_out", "scaling", "scale_in", "weight_update", "restore"]),
+    (
+        "ops",
+        &[
+            "op_error",
+            "manager",
+            "health",
+            "scale_out",
+            "scaling",
+            "scale_in",
+            "weight_update",
+            "trainer_update",
+            "restore",
+        ],
+    ),
     ("interfaces", &["api", "autoscaler", "integrations"]),
     ("app", &["server", "agent"]),
     // Compiled only for `cargo test`: fakes behind the seams and the use cases' unit tests.

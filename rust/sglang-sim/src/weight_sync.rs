@@ -22,6 +22,10 @@ use tokio::io::AsyncWriteExt;
 /// How long `/init_weights_update_group` waits for rank 0 to accept.
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long `/update_weights_from_distributed` waits for rank 0's broadcast (NCCL's own
+/// timeout is longer; a stand-in rank 0 answers at once).
+pub const BROADCAST_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// One weight-update group this engine joined.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct UpdateGroup {
@@ -165,6 +169,50 @@ pub async fn rendezvous(addr: &str, port: u16, line: &serde_json::Value) -> Resu
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Receives one broadcast from rank 0: connects to it (retrying until [`BROADCAST_TIMEOUT`],
+/// as a rank posted into an NCCL broadcast waits for the root), announces itself with one JSON
+/// line, and reads rank 0's line `{"names": [...]}`: the tensors it broadcast, which must be
+/// `names`, in order.
+pub async fn receive_broadcast(
+    addr: &str,
+    port: u16,
+    line: &serde_json::Value,
+    names: &[String],
+) -> Result<(), String> {
+    use tokio::io::AsyncBufReadExt;
+    let target = format!("{addr}:{port}");
+    let work = async {
+        let mut stream = loop {
+            match tokio::net::TcpStream::connect(&target).await {
+                Ok(s) => break s,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        let mut text = line.to_string();
+        text.push('\n');
+        stream.write_all(text.as_bytes()).await.map_err(|e| format!("rank 0 at {target}: {e}"))?;
+        let mut reply = String::new();
+        tokio::io::BufReader::new(stream)
+            .read_line(&mut reply)
+            .await
+            .map_err(|e| format!("rank 0 at {target}: {e}"))?;
+        let sent: serde_json::Value =
+            serde_json::from_str(reply.trim()).map_err(|e| format!("rank 0 at {target} sent no broadcast ({e})"))?;
+        let sent: Vec<String> = sent
+            .get("names")
+            .and_then(|n| n.as_array())
+            .map(|n| n.iter().filter_map(|v| v.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        if sent != names {
+            return Err(format!("rank 0 broadcast {sent:?}; this engine was told to receive {names:?}"));
+        }
+        Ok(())
+    };
+    tokio::time::timeout(BROADCAST_TIMEOUT, work).await.unwrap_or_else(|_| {
+        Err(format!("rank 0 (the trainer) did not broadcast at {target} within {}s", BROADCAST_TIMEOUT.as_secs()))
+    })
 }
 
 #[cfg(test)]

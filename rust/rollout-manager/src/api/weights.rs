@@ -39,6 +39,88 @@ pub fn routes() -> Router<ApiState> {
         .route("/rollout/weights/publish", post(publish))
         .route("/rollout/weights/updates", get(list_updates))
         .route("/rollout/weights/updates/{id}", get(get_update))
+        .route("/rollout/weights/trainer_updates", post(open_trainer_update))
+        .route("/rollout/weights/updates/{id}/broadcast", post(start_broadcast))
+        .route("/rollout/weights/updates/{id}/abort", post(abort_update))
+        .route("/rollout/weights/trainer_group/destroy", post(destroy_group))
+}
+
+async fn destroy_group(State(s): State<ApiState>) -> Result<Json<Value>, ApiError> {
+    let group = crate::trainer_update::destroy_group(&s.manager).await?;
+    Ok(Json(json!({"destroyed": group})))
+}
+
+/// Body of `POST /rollout/weights/trainer_updates` (see [`crate::trainer_update`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerUpdateRequest {
+    pub version: String,
+    /// The tensors the trainer broadcasts, in broadcast order (SGLang's
+    /// `/update_weights_from_distributed` fields).
+    pub names: Vec<String>,
+    pub dtypes: Vec<String>,
+    pub shapes: Vec<Vec<u64>>,
+    pub master_address: String,
+    pub master_port: u16,
+    /// The group the trainer holds from its last update, if any (kept when the members did
+    /// not change).
+    #[serde(default)]
+    pub group_name: Option<String>,
+    #[serde(default)]
+    pub group_prefix: Option<String>,
+    /// `/pause_generation` mode: `retract` (default), `abort` or `in_place`.
+    #[serde(default)]
+    pub pause_mode: Option<String>,
+    #[serde(default)]
+    pub flush_cache: Option<bool>,
+}
+
+async fn open_trainer_update(
+    State(s): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let req: TrainerUpdateRequest = parse_body(&body)?;
+    check_version_name(&req.version)?;
+    let open = crate::trainer_update::OpenRequest {
+        version: req.version,
+        names: req.names,
+        dtypes: req.dtypes,
+        shapes: req.shapes,
+        pause_mode: req.pause_mode.unwrap_or_else(|| "retract".into()),
+        flush_cache: req.flush_cache.unwrap_or(true),
+        master_address: req.master_address,
+        master_port: req.master_port,
+        group_name: req.group_name,
+        group_prefix: req.group_prefix.unwrap_or_else(|| "elastic_rollout_weights".into()),
+    };
+    let record = crate::trainer_update::open(&s.manager, open)?;
+    let out = serde_json::to_value(&record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
+    Ok((StatusCode::ACCEPTED, Json(out)))
+}
+
+async fn start_broadcast(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let record = crate::trainer_update::start_broadcast(&s.manager, &id).await?;
+    serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AbortRequest {
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+async fn abort_update(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let empty = matches!(&body, Ok(b) if b.iter().all(u8::is_ascii_whitespace));
+    let req: AbortRequest = if empty { AbortRequest::default() } else { parse_body(&body)? };
+    let reason = req.reason.unwrap_or_else(|| "no reason given".into());
+    let reason: String = reason.chars().take(500).collect();
+    let record = crate::trainer_update::abort(&s.manager, &id, &reason).await?;
+    serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
 /// Body of `POST /rollout/weights/publish`.
@@ -171,6 +253,8 @@ async fn publish(
             ),
             history: vec![Transition { status: WeightUpdateStatus::Checksumming.to_string(), at: now }],
             resumed: 0,
+            source: crate::records::UpdateSource::Checkpoint,
+            trainer: None,
         };
         let out = json!({
             "update_id": update_id,
@@ -288,7 +372,8 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
         .map(|u| {
             json!({"update_id": u.update_id, "version": u.version, "path": u.path, "checksum": u.checksum,
                    "strategy": u.strategy, "status": u.status, "published_at": u.created_at,
-                   "finished_at": u.finished_at, "error_message": u.error_message, "resumed": u.resumed})
+                   "finished_at": u.finished_at, "error_message": u.error_message, "resumed": u.resumed,
+                   "source": u.source})
         })
         .collect();
     let last_strategy = done.first().map(|u| u.strategy);

@@ -13,7 +13,7 @@
 //! validation error (400, SGLang's validation shape).
 
 use super::{json_ok, parse_body, AppState};
-use crate::weight_sync::{rendezvous, SendGroup, UpdateGroup};
+use crate::weight_sync::{receive_broadcast, rendezvous, SendGroup, UpdateGroup};
 use crate::weights::WeightsInfo;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -226,17 +226,23 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
             "Unsupported load_format {f:?} for distributed updates (use flattened_bucket or omit it)."
         ));
     }
-    if engine.weight_sync.group(&name).is_none() {
+    let Some(group) = engine.weight_sync.group(&name) else {
         return fail(format!(
             "Weight update group {name:?} is not initialized on this engine; call /init_weights_update_group first."
         ));
-    }
+    };
     // The session exists from 0.5.21 on; older releases update without one.
     if engine.cfg.sglang_api.serves("/begin_weight_update") && engine.weight_sync.session().is_none() {
         return fail(
             "update_weights_from_distributed must run between begin_weight_update() and end_weight_update(); \
              call /begin_weight_update first.",
         );
+    }
+    // The tensors come from rank 0's broadcast: wait for it, as SGLang's receiving ranks do.
+    let line = json!({"group_name": name, "rank_offset": group.rank_offset, "engine_port": engine.port});
+    if let Err(e) = receive_broadcast(&group.master_address, group.master_port, &line, &req.names).await {
+        tracing::warn!(port = engine.port, group = name, error = e, "distributed weight update failed");
+        return fail(format!("Failed to update weights from group {name}: {e}"));
     }
     if req.abort_all_requests.unwrap_or(false) {
         engine.abort_all("Abort for weight update.");

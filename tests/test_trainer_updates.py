@@ -1,0 +1,262 @@
+"""Weights from the trainer, run by the manager: the documented trainer API
+(``elastic_rollout.trainer.DistributedWeightSync``) with a stand-in rank 0 against real sim
+engines the manager started.
+
+After an update the manager says the trainer's version everywhere (registry, engines, metrics,
+answers, pins); engines added by a scale-out or restarted after SIGKILL copy that version from
+a running engine (SGLang's remote-instance loading) before they are routable, so no answer ever
+comes from another version; an update during a scale-out and a scale-in during an update both
+end correctly; an engine killed before the broadcast is caught up after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from _support import STARTUP_TIMEOUT, ManagerHandle, http, wait_until
+from _trainer import SPECS, StandInRank0
+
+from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
+
+
+def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSync:
+    return DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=rank0.broadcast, timeout=60)
+
+
+def model_info(url: str) -> dict:
+    return dict(http("GET", url + "/model_info").json())
+
+
+def send_count(url: str) -> int:
+    """How many times this engine sent its weights to a new instance (it was a seed)."""
+    groups = http("GET", url + "/server_info").json()["weight_sync"]["weight_send_groups"]
+    return sum(int(g["sends"]) for g in groups.values())
+
+
+class Traffic:
+    """Sends ``/generate`` requests to the router from one thread until stopped (at most
+    ``limit`` of them) and counts the answers by the weight version that made them."""
+
+    def __init__(self, router_url: str, limit: int = 2000) -> None:
+        self.router_url = router_url
+        self.limit = limit
+        self.versions: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"text": "count the sheep", "sampling_params": {"max_new_tokens": 4}}
+        for _ in range(self.limit):
+            if self._stop.is_set():
+                return
+            resp = http("POST", self.router_url + "/generate", body, timeout=60)
+            if resp.status == 200:
+                self.versions[str(resp.json()["meta_info"]["weight_version"])] += 1
+            else:
+                self.errors.append(f"{resp.status}: {resp.body[:200]!r}")
+
+    def answered(self) -> int:
+        return sum(self.versions.values())
+
+    @contextmanager
+    def running(self) -> Iterator[Traffic]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=120)
+
+
+def test_an_update_is_the_fleets_version_everywhere(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    result = sync.update("step-1", SPECS)
+    assert result.rebuilt and result.update is not None
+    assert result.update.status == "COMPLETED" and result.update.source == "trainer"
+    assert {p.status for p in result.update.engines.values()} == {"VERIFIED"}
+    assert rank0.broadcasts == [(result.layout.group_name, [s.name for s in SPECS])]
+
+    weights = fleet.client.weights()
+    assert (weights.version, weights.raw["source"]) == ("step-1", "trainer")
+    assert weights.raw["history"][0]["source"] == "trainer"
+    view = fleet.engines()
+    assert {e.weight_version for e in view.engines} == {"step-1"}
+    for e in view.engines:
+        assert model_info(e.url)["weight_version"] == "step-1"
+    metrics = http("GET", fleet.control_url + "/metrics").body.decode()
+    for e in view.engines:
+        assert f'rollout_engine_weight_version_info{{engine_id="{e.engine_id}",version="step-1"}} 1' in metrics
+    assert 'rollout_weight_version_info{version="step-1"} 1' in metrics
+
+    # A pin on the trainer's version is served at once; its answer says the version.
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "weight_version": {"min_version": "step-1"}}
+    out = http("POST", fleet.router_url + "/generate", body)
+    assert out.status == 200 and out.json()["meta_info"]["weight_version"] == "step-1"
+
+    # The same engines: the group is kept, nobody joins again.
+    again = sync.update("step-2", SPECS)
+    assert not again.rebuilt and again.layout == result.layout and len(rank0.joined) == 1
+    assert fleet.client.weights().version == "step-2"
+
+    # A version name is never reused; a refused update changes nothing.
+    refused = http(
+        "POST",
+        fleet.control_url + "/rollout/weights/trainer_updates",
+        {
+            "version": "step-1",
+            "names": ["w"],
+            "dtypes": ["bfloat16"],
+            "shapes": [[2]],
+            "master_address": "127.0.0.1",
+            "master_port": 1,
+        },
+    )
+    assert refused.status == 409 and refused.json()["error"]["code"] == "version_conflict"
+    assert fleet.client.weights().version == "step-2"
+
+
+def test_a_scale_out_and_a_sigkilled_engine_never_answer_on_another_version(fleet: ManagerHandle) -> None:
+    sync = make_sync(fleet, StandInRank0())
+    sync.update("step-1", SPECS)
+    seeds = fleet.engines().with_status("ACTIVE")
+
+    with Traffic(fleet.router_url).running() as traffic:
+        wait_until(lambda: traffic.answered() >= 5, 30, "answers before the scale-out")
+        op = fleet.client.scale_out(num_replicas=4)
+        assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+        fleet.track_children()
+        during_scale_out = traffic.answered()
+        wait_until(lambda: traffic.answered() >= during_scale_out + 20, 30, "answers after the scale-out")
+
+        # The new engines copied step-1 from the two running ones, one each.
+        view = fleet.wait_engines(4)
+        new = [e for e in view.engines if e.engine_id not in {s.engine_id for s in seeds}]
+        assert len(new) == 2
+        for e in new:
+            info = model_info(e.url)
+            assert info["weight_version"] == "step-1", info
+        assert sorted(send_count(s.url) for s in seeds) == [1, 1]
+
+        # SIGKILL one engine: it comes back on step-1, copied from a peer.
+        victim = view.with_status("ACTIVE")[0]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+
+        def back() -> bool:
+            e = fleet.engines().by_id(victim.engine_id)
+            return e is not None and e.status == "ACTIVE" and e.restarts == victim.restarts + 1
+
+        wait_until(back, STARTUP_TIMEOUT, f"{victim.engine_id} restarted")
+        fleet.track_children()
+        after_kill = traffic.answered()
+        wait_until(lambda: traffic.answered() >= after_kill + 20, 30, "answers after the restart")
+        restarted = fleet.engines().by_id(victim.engine_id)
+        assert restarted is not None and model_info(restarted.url)["weight_version"] == "step-1"
+
+    assert traffic.answered() >= 45 and set(traffic.versions) == {"step-1"}, traffic.versions
+    assert {e.weight_version for e in fleet.engines().engines} == {"step-1"}
+
+
+def test_an_update_during_a_scale_out_reaches_every_engine(fleet: ManagerHandle) -> None:
+    sync = make_sync(fleet, StandInRank0())
+    sync.update("step-1", SPECS)
+    op = fleet.client.scale_out(num_replicas=4)
+    # The update's members are the engines ACTIVE now; the scale-out's engines wait for it to
+    # end, then copy step-2 from a member.
+    result = sync.update("step-2", SPECS)
+    assert result.update is not None and result.update.status == "COMPLETED"
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    fleet.track_children()
+    view = fleet.wait_engines(4)
+    assert {e.weight_version for e in view.engines} == {"step-2"}
+    for e in view.engines:
+        assert model_info(e.url)["weight_version"] == "step-2"
+    assert fleet.client.weights().version == "step-2"
+
+
+def test_a_scale_in_waits_for_the_update_its_engine_is_part_of(fleet: ManagerHandle) -> None:
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    fleet.track_children()
+    dynamic = [e for e in fleet.engines().with_status("ACTIVE") if e.origin == "dynamic"]
+    assert len(dynamic) == 1
+    rank0 = StandInRank0()
+    scale_ins: list[str] = []
+
+    def join_while_scaling_in(layout: GroupLayout) -> None:
+        assert dynamic[0].engine_id in {m.engine_id for m in layout.members}
+        scale_ins.append(fleet.client.scale_in(num_replicas=2).request_id)
+
+        def waiting() -> bool:
+            record = fleet.client.operation("scale_in", scale_ins[0])
+            return "waiting for trainer update" in str(record.raw.get("message"))
+
+        wait_until(waiting, 30, "the scale-in to wait for the update")
+        assert fleet.engines().by_id(dynamic[0].engine_id) is not None, "removed while the update runs"
+        rank0.join_group(layout)
+
+    sync = DistributedWeightSync(fleet.client, join_group=join_while_scaling_in, broadcast=rank0.broadcast, timeout=60)
+    result = sync.update("step-1", SPECS)
+    assert result.update is not None and result.update.status == "COMPLETED"
+    assert result.update.engines[dynamic[0].engine_id].status == "VERIFIED", "the draining member took part"
+    done = fleet.client.wait_for_operation("scale_in", scale_ins[0], STARTUP_TIMEOUT)
+    assert done.status == "COMPLETED"
+    view = fleet.wait_engines(2)
+    assert {e.weight_version for e in view.engines} == {"step-1"}
+
+
+def test_an_engine_killed_before_the_broadcast_is_caught_up(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    sync.update("step-1", SPECS)
+    victim = fleet.engines().with_status("ACTIVE")[1]
+    assert victim.pid is not None
+
+    def kill_then_broadcast(layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
+        os.kill(victim.pid or 0, signal.SIGKILL)
+        rank0.gone.add(victim.engine_id)
+        wait_until(lambda: fleet.engines().by_id(victim.engine_id).status != "ACTIVE", 30, "the kill to be seen")
+        rank0.broadcast(layout, specs)
+
+    sync.broadcast = kill_then_broadcast
+    result = sync.update("step-2", SPECS)
+    assert result.update is not None and result.update.status == "COMPLETED"
+    assert result.update.engines[victim.engine_id].status in ("SKIPPED", "FAILED")
+
+    def caught_up() -> bool:
+        e = fleet.engines().by_id(victim.engine_id)
+        return e is not None and e.status == "ACTIVE" and e.weight_version == "step-2"
+
+    wait_until(caught_up, STARTUP_TIMEOUT, f"{victim.engine_id} back on step-2")
+    fleet.track_children()
+    e = fleet.engines().by_id(victim.engine_id)
+    assert e is not None and e.restarts == victim.restarts + 1
+    assert model_info(e.url)["weight_version"] == "step-2"
+    assert fleet.client.weights().version == "step-2"
+
+
+def test_a_trainer_that_cannot_join_leaves_no_group_and_nothing_paused(fleet: ManagerHandle) -> None:
+    def broken_join(layout: GroupLayout) -> None:
+        StandInRank0().join_group(layout)
+        raise RuntimeError("NCCL init failed on the trainer")
+
+    sync = DistributedWeightSync(fleet.client, join_group=broken_join, broadcast=lambda layout, specs: None, timeout=30)
+    try:
+        sync.update("v1", SPECS)
+        raise AssertionError("the update should have raised")
+    except RuntimeError as err:
+        assert "NCCL init failed" in str(err)
+    failed = fleet.client.weight_updates(status="FAILED")
+    assert len(failed) == 1 and "could not join" in (failed[0].error_message or "")
+    assert fleet.client.weights().version == "default"
+    for e in fleet.engines().with_status("ACTIVE"):
+        info = http("GET", e.url + "/server_info").json()
+        assert info["weight_sync"]["weight_update_groups"] == {}
+        assert http("GET", e.url + "/ready").status == 200
