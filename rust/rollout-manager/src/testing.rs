@@ -132,6 +132,9 @@ impl EngineHost for FakeEngines {
             s.next_pid += 1;
             let pid = 10_000 + s.next_pid;
             let version = arg_after(&spec.args, "--weight-version").unwrap_or_default().to_string();
+            if let Some(seed) = arg_after(&spec.args, "--remote-instance-weight-loader-seed-instance-service-port") {
+                s.calls.push(format!("copy {engine_id} from port {seed}"));
+            }
             s.serving.insert(url.clone(), version);
             let (stop_tx, mut stop_rx) = mpsc::channel::<Duration>(1);
             let (exit_tx, exit_rx) = watch::channel(None);

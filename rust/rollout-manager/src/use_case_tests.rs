@@ -498,3 +498,98 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
         assert_eq!(launched, ["launch engine_0"]);
     });
 }
+
+/// Opens a trainer update to `version` (one tensor; the fake engines take any).
+fn open_trainer_update(m: &Arc<crate::manager::Manager>, version: &str) -> String {
+    let req = crate::trainer_update::OpenRequest {
+        version: version.into(),
+        names: vec!["w".into()],
+        dtypes: vec!["bfloat16".into()],
+        shapes: vec![vec![2]],
+        pause_mode: "retract".into(),
+        flush_cache: true,
+        master_address: "127.0.0.1".into(),
+        master_port: 29500,
+        group_name: None,
+        group_prefix: "g".into(),
+    };
+    crate::trainer_update::open(m, req).expect("opened").update_id
+}
+
+async fn scale_to(m: &Arc<crate::manager::Manager>, n: i64) {
+    let id = scaling::scale_out(m, &Arc::new(Cancels::default()), scale_out_request(n)).expect("accepted").request_id;
+    wait_for(m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
+}
+
+async fn finish_trainer_update(m: &Arc<crate::manager::Manager>, id: &str) {
+    crate::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
+    wait_for(m, "the trainer update to end", |i| i.weights.updates[id].status.is_terminal()).await;
+}
+
+fn copies(engines: &FakeEngines) -> Vec<String> {
+    engines.calls().into_iter().filter(|c| c.starts_with("copy ")).collect()
+}
+
+#[tokio::test]
+async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seeds() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 4, &[]);
+    scale_to(&m, 2).await;
+    let id = open_trainer_update(&m, "step-1");
+    finish_trainer_update(&m, &id).await;
+    {
+        let inner = m.fleet.lock();
+        let u = &inner.weights.updates[&id];
+        assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+        assert_eq!(inner.weights.current.version, "step-1");
+        assert_eq!(inner.weights.source, crate::records::VersionSource::Trainer);
+        assert!(inner.weights.group.as_ref().is_some_and(|g| g.members.len() == 2));
+    }
+    let calls = engines.calls();
+    let order: Vec<&str> = ["/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed"]
+        .iter()
+        .map(|route| {
+            let at = calls.iter().position(|c| c.ends_with(route)).expect("every route was called");
+            &calls[at][..]
+        })
+        .collect();
+    assert_eq!(order.len(), 3);
+    assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("step-1")));
+
+    // Two new engines: each copies step-1 from a different running engine.
+    scale_to(&m, 4).await;
+    let copied = copies(&engines);
+    assert_eq!(copied.len(), 2, "{copied:?}");
+    assert_ne!(copied[0].rsplit(' ').next(), copied[1].rsplit(' ').next(), "spread over the seeds: {copied:?}");
+    let table = m.fleet.routes();
+    assert_eq!(table.backends.len(), 4);
+    assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-1")), "{table:?}");
+}
+
+#[tokio::test]
+async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 3, &[]);
+    scale_to(&m, 2).await;
+    let first = open_trainer_update(&m, "step-1");
+    finish_trainer_update(&m, &first).await;
+    let second = open_trainer_update(&m, "step-2");
+    // Started while step-2 is the target: no engine serves step-2 yet, so it waits out of routing.
+    let cancels = Arc::new(Cancels::default());
+    let op = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
+    wait_for(&m, "the new engine to wait for the trainer", |i| {
+        i.engines.get("engine_2").is_some_and(|e| e.awaiting_trainer)
+    })
+    .await;
+    assert_eq!(m.fleet.routes().backends.len(), 2, "the waiting engine is not routable");
+    assert!(copies(&engines).is_empty(), "nothing to copy step-2 from yet");
+    finish_trainer_update(&m, &second).await;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&op).is_some_and(|o| o.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
+    assert_eq!(copies(&engines).len(), 1, "restarted in place on a copy of step-2");
+    let table = m.fleet.routes();
+    assert_eq!(table.backends.len(), 3);
+    assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-2")), "{table:?}");
+    assert_eq!(m.fleet.lock().weights.current.version, "step-2");
+}
