@@ -17,9 +17,11 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, http, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, http, stop_manager, wait_until
 from _trainer import SPECS, StandInRank0
+from test_weights_resume import ENGINES, engine_identities, free_port, start
 
 from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
 
@@ -260,3 +262,54 @@ def test_a_trainer_that_cannot_join_leaves_no_group_and_nothing_paused(fleet: Ma
         info = http("GET", e.url + "/server_info").json()
         assert info["weight_sync"]["weight_update_groups"] == {}
         assert http("GET", e.url + "/ready").status == 200
+
+
+def test_a_manager_killed_mid_broadcast_fails_the_update_and_restarts_its_members(
+    manager_bin: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the manager while the members receive (engines under keepers, so they outlive
+    it): the restarted manager cannot resume the broadcast, ends the update FAILED, and does not
+    trust what the members report (their receive may still finish): it restarts them on the
+    fleet's version."""
+    state = tmp_path / "state"
+    ports = (free_port(), free_port())
+    first = start(manager_bin, state, ports, load_delay=3)
+    second: ManagerHandle | None = None
+    identities: dict[str, ProcessIdentity] = {}
+    try:
+        first.wait_engines(ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        rank0 = StandInRank0()
+        specs = [(s.name, s.dtype, s.shape) for s in SPECS]
+        opened = first.client.open_trainer_update("step-1", specs, "127.0.0.1", free_port())
+        layout = GroupLayout.from_json((opened.trainer or {})["group"])
+        rank0.join_group(layout)
+        first.client.start_broadcast(opened.update_id)
+        # Every member is paused and in its session; they receive, then load for 3 s.
+        rank0.broadcast(layout, SPECS)
+        before = first.client.weight_update(opened.update_id)
+        assert before.status == "UPDATING", before
+        identities = engine_identities(first)
+        first.process.kill()
+        first.process.wait()
+
+        second = start(manager_bin, state, ports, load_delay=3)
+        ended = second.client.wait_for_weight_update(opened.update_id, timeout=60)
+        assert ended.status == "FAILED" and "cannot resume" in (ended.error_message or ""), ended
+        view = second.wait_engines(ENGINES, "ACTIVE", STARTUP_TIMEOUT)
+        second.track_children()
+        assert {e.weight_version for e in view.engines} == {"default"}
+        for e in view.engines:
+            assert e.restarts == 1, e
+            assert model_info(e.url)["weight_version"] == "default"
+            assert http("GET", e.url + "/ready").status == 200
+        assert second.client.weights().version == "default"
+    finally:
+        if first.process.poll() is None:
+            stop_manager(first, check=False)
+        if second is not None:
+            stop_manager(second)
+            assert not [i for i in identities.values() if i.alive()], "engine processes outlived the manager"
+        else:
+            for identity in identities.values():
+                first.engine_processes.setdefault(identity.pid, identity)
+            first.kill_leftovers()
