@@ -197,6 +197,15 @@ pub struct Config {
     /// Extra wall-clock seconds a successful `/update_weights_from_disk` takes.
     #[arg(long, default_value_t = 0.0, help_heading = "Simulation")]
     pub weight_load_delay: f64,
+    /// Bytes of weights the transfer model moves (with `--transfer-gbps`).
+    #[arg(long, default_value_t = 0, help_heading = "Simulation")]
+    pub weight_bytes: u64,
+    /// Link rate of the transfer model, in Gbit/s (0: transfers take no time). A seed sends
+    /// `--weight-bytes` to one new instance at a time (`/send_weights_to_remote_instance`, a
+    /// 2-rank group each: a queue); a rank of the trainer's broadcast receives them in one
+    /// transfer time, whatever the group's size.
+    #[arg(long, default_value_t = 0.0, help_heading = "Simulation")]
+    pub transfer_gbps: f64,
 
     // ---------------------------------------------------------------- fault injection
     /// The process exits (code 3) right after answering its N-th `/generate` request.
@@ -217,6 +226,14 @@ pub struct Config {
 }
 
 impl Config {
+    /// How long moving `--weight-bytes` over one `--transfer-gbps` link takes.
+    pub fn transfer_time(&self) -> std::time::Duration {
+        if self.transfer_gbps <= 0.0 || self.weight_bytes == 0 {
+            return std::time::Duration::ZERO;
+        }
+        std::time::Duration::from_secs_f64(self.weight_bytes as f64 * 8.0 / (self.transfer_gbps * 1e9))
+    }
+
     /// The version string reported where SGLang reports `__version__`: the release of
     /// `--sglang-api`, marked as simulated.
     pub fn version(&self) -> String {
@@ -241,6 +258,7 @@ impl Config {
         non_negative("decode-step-ms-per-req", self.decode_step_ms_per_req)?;
         non_negative("decode-step-ms-per-1k-ctx", self.decode_step_ms_per_1k_ctx)?;
         non_negative("weight-load-delay", self.weight_load_delay)?;
+        non_negative("transfer-gbps", self.transfer_gbps)?;
         if let Some(s) = self.slow_health {
             non_negative("slow-health", s)?;
         }

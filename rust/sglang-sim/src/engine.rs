@@ -175,6 +175,8 @@ pub struct Engine {
     pub startup_secs: Mutex<f64>,
     /// Weight-update groups, the update session and remote-instance send groups.
     pub weight_sync: crate::weight_sync::WeightSync,
+    /// Held while this engine sends its weights to a new instance: one send at a time.
+    pub send_lock: tokio::sync::Mutex<()>,
     /// `/health` settings from SGLang's environment variables.
     pub health: HealthSettings,
 }
@@ -209,6 +211,7 @@ impl Engine {
             process_start,
             startup_secs: Mutex::new(0.0),
             weight_sync: Default::default(),
+            send_lock: tokio::sync::Mutex::new(()),
             health: HealthSettings::from_env(),
         }
     }

@@ -19,8 +19,9 @@ use serde_json::{json, Value};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Longest wait for one call to the seed.
-const SEED_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for one call to the seed (a send may queue behind others, see
+/// `--transfer-gbps`).
+const SEED_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// `p0,p1` or `[p0, p1]`.
 pub fn parse_ports(s: &str) -> Result<Vec<u16>, String> {

@@ -113,14 +113,18 @@ impl WeightSync {
         self.lock().session.clone()
     }
 
+    /// Records a send group. Like SGLang's seed, which makes one group per TP rank named
+    /// `<group_name>_<port>_<tp_rank>`, groups are told apart by name *and* ports: several new
+    /// instances on one host (the same `send_weights_<host>` name) each get their own.
     pub fn set_send_group(&self, name: &str, g: SendGroup) {
-        self.lock().send_groups.insert(name.to_string(), g);
+        let key = send_key(name, &g.ports);
+        self.lock().send_groups.insert(key, g);
     }
 
     /// Counts one send on a group whose master address and ports match the init.
     pub fn record_send(&self, name: &str, master_address: &str, ports: &[u16]) -> Result<SendGroup, String> {
         let mut s = self.lock();
-        let Some(g) = s.send_groups.get_mut(name) else {
+        let Some(g) = s.send_groups.get_mut(&send_key(name, ports)) else {
             return Err(format!(
                 "Send group {name:?} is not initialized; call /init_weights_send_group_for_remote_instance first."
             ));
@@ -144,6 +148,11 @@ impl WeightSync {
             "weight_send_groups": s.send_groups,
         })
     }
+}
+
+fn send_key(name: &str, ports: &[u16]) -> String {
+    let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+    format!("{name}_{}", ports.join("_"))
 }
 
 /// Connects to rank 0 and announces this engine's ranks (see the module docs).
@@ -254,6 +263,22 @@ mod tests {
             },
         );
         assert!(w.record_send("s", "a", &[2]).is_err());
+        assert!(w.record_send("s", "b", &[1]).is_err());
         assert_eq!(w.record_send("s", "a", &[1]).unwrap().sends, 1);
+        // A second new instance on the same host (same group name), other ports: its own group.
+        assert!(w.snapshot()["weight_send_groups"].get("s_1").is_some());
+        w.set_send_group(
+            "s",
+            SendGroup {
+                master_address: "a".into(),
+                ports: vec![2],
+                group_rank: 0,
+                world_size: 2,
+                backend: "nccl".into(),
+                sends: 0,
+            },
+        );
+        assert_eq!(w.record_send("s", "a", &[2]).unwrap().sends, 1);
+        assert_eq!(w.record_send("s", "a", &[1]).unwrap().sends, 2, "the first group is still there");
     }
 }

@@ -244,6 +244,11 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
         tracing::warn!(port = engine.port, group = name, error = e, "distributed weight update failed");
         return fail(format!("Failed to update weights from group {name}: {e}"));
     }
+    // The transfer model: every rank of a broadcast receives in one transfer time.
+    let transfer = engine.cfg.transfer_time();
+    if !transfer.is_zero() {
+        tokio::time::sleep(transfer).await;
+    }
     if req.abort_all_requests.unwrap_or(false) {
         engine.abort_all("Abort for weight update.");
     }
@@ -349,6 +354,12 @@ pub async fn send_weights_to_remote_instance(State(engine): State<AppState>, b: 
     };
     match engine.weight_sync.record_send(&name, &req.master_address, &ports) {
         Ok(g) => {
+            // The transfer model: one send at a time per seed, each one transfer time long.
+            let transfer = engine.cfg.transfer_time();
+            if !transfer.is_zero() {
+                let _sending = engine.send_lock.lock().await;
+                tokio::time::sleep(transfer).await;
+            }
             let w = engine.weights();
             tracing::info!(port = engine.port, group = name, sends = g.sends, "weights sent to a remote instance");
             json_ok(json!({
