@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from typing import Any
 import httpx
 
 from elastic_rollout import RolloutClient
+from elastic_rollout.sim import SimRank0
 from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec, plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,31 +68,6 @@ def binary() -> Path:
     if not found:
         sys.exit("build first: cargo build --release --workspace --bins")
     return max(found, key=lambda p: p.stat().st_mtime)
-
-
-class StandInRank0:
-    """The trainer's rank 0 without torch: accepts each engine's rendezvous, then sends each
-    engine the tensor names when it broadcasts (the simulator's receive)."""
-
-    def _serve(self, layout: GroupLayout, reply: bytes | None) -> None:
-        with socket.socket() as srv:
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((layout.master_address, layout.master_port))
-            srv.listen(len(layout.members))
-            srv.settimeout(120)
-            for _ in layout.members:
-                conn, _ = srv.accept()
-                with conn, conn.makefile("rwb") as f:
-                    f.readline()
-                    if reply is not None:
-                        f.write(reply)
-                        f.flush()
-
-    def join_group(self, layout: GroupLayout) -> None:
-        self._serve(layout, None)
-
-    def broadcast(self, layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
-        self._serve(layout, (json.dumps({"names": [s.name for s in specs]}) + "\n").encode())
 
 
 class Fleet:
@@ -148,8 +123,8 @@ def catch_up(args: argparse.Namespace, seeds: int, work: Path) -> list[dict[str,
     fleet = Fleet(seeds, seeds + max(args.new), args, work / f"state-{seeds}")
     rows = []
     try:
-        sync = DistributedWeightSync(fleet.client, join_group=StandInRank0().join_group,
-                                     broadcast=StandInRank0().broadcast, timeout=600)  # fmt: skip
+        sync = DistributedWeightSync(fleet.client, join_group=SimRank0().join_group,
+                                     broadcast=SimRank0().broadcast, timeout=600)  # fmt: skip
         sync.update("step-1", SPECS)
         for n in args.new:
             for r in range(args.repeats):
@@ -179,7 +154,7 @@ def catch_up(args: argparse.Namespace, seeds: int, work: Path) -> list[dict[str,
 def direct_update(engines: list[tuple[str, str, int]], version: str, layout: GroupLayout | None) -> GroupLayout:
     """What DistributedWeightSync did before the manager ran updates: the trainer calls every
     engine itself. Builds its own group on first use (a name of its own beside the manager's)."""
-    rank0 = StandInRank0()
+    rank0 = SimRank0()
     http = httpx.Client(timeout=600)
 
     def on_all(route: str, body: dict[str, Any]) -> None:

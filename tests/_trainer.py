@@ -1,12 +1,17 @@
-"""A stand-in for the trainer's side of SGLang's distributed weight update (NCCL rank 0)."""
+"""The trainer's side of SGLang's distributed weight update in tests: tensors, the stand-in rank 0
+(``elastic_rollout.sim.SimRank0``), and a trainer that calls the engines itself."""
 
 from __future__ import annotations
 
-import json
 import socket
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from elastic_rollout.trainer import GroupLayout, TensorSpec
+from _support import http
+
+from elastic_rollout.sim import SimRank0
+from elastic_rollout.trainer import TensorSpec, plan_layout
 
 SPECS = [
     TensorSpec("model.embed_tokens.weight", "bfloat16", (1024, 64)),
@@ -15,49 +20,46 @@ SPECS = [
 ]
 
 
-class StandInRank0:
-    """Plays the trainer's rank 0: accepts one rendezvous per engine and checks the layout,
-    then broadcasts (sends each engine the names of the tensors) when asked."""
+#: The stand-in rank 0 the tests use: the package's, for simulated engines.
+StandInRank0 = SimRank0
 
-    def __init__(self) -> None:
-        self.joined: list[list[dict]] = []
-        self.broadcasts: list[tuple[str, list[str]]] = []
-        #: members known to be gone (killed by the test): the broadcast does not wait for them.
-        self.gone: set[str] = set()
 
-    def join_group(self, layout: GroupLayout) -> None:
-        lines: list[dict] = []
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((layout.master_address, layout.master_port))
-            srv.listen(len(layout.members))
-            srv.settimeout(20)
-            for _ in layout.members:
-                conn, _addr = srv.accept()
-                with conn, conn.makefile("r") as f:
-                    lines.append(json.loads(f.readline()))
-        expected = sorted((m.rank_offset, m.tp_size) for m in layout.members)
-        got = sorted((line["rank_offset"], line["tp_size"]) for line in lines)
-        assert got == expected, f"engines joined as {got}, layout says {expected}"
-        assert {line["group_name"] for line in lines} == {layout.group_name}
-        assert {line["world_size"] for line in lines} == {layout.world_size}
-        self.joined.append(lines)
+def update_engines_directly(rank0: StandInRank0, engines: Sequence[tuple[str, str]], version: str) -> None:
+    """What an unmodified trainer (slime calling SGLang itself) does, around the manager: a
+    group of its own, then pause, begin, receive while rank 0 broadcasts, end, continue, on every
+    engine (``(engine_id, url)``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    layout = plan_layout(
+        [(e, u, 1) for e, u in engines], group_name="trainer_own_group", master_address="127.0.0.1", master_port=port
+    )
 
-    def broadcast(self, layout: GroupLayout, specs: Sequence[TensorSpec]) -> None:
-        """Sends the tensors' names to every engine of the group: each connects while its
-        ``/update_weights_from_distributed`` waits for rank 0, as NCCL's receiving ranks do."""
-        names = [s.name for s in specs]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((layout.master_address, layout.master_port))
-            receivers = [m for m in layout.members if m.engine_id not in self.gone]
-            srv.listen(len(layout.members))
-            srv.settimeout(30)
-            for _ in receivers:
-                conn, _addr = srv.accept()
-                with conn, conn.makefile("rw") as f:
-                    hello = json.loads(f.readline())
-                    assert hello["group_name"] == layout.group_name, hello
-                    f.write(json.dumps({"names": names}) + "\n")
-                    f.flush()
-        self.broadcasts.append((layout.group_name, names))
+    def on_all(route: str, body: dict) -> None:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            for resp in pool.map(lambda m: http("POST", m.url + route, body, timeout=60), layout.members):
+                assert resp.status in (200, 404), (route, resp.status, resp.body[:200])
+
+    joined = threading.Thread(target=rank0.join_group, args=(layout,))
+    joined.start()
+    with ThreadPoolExecutor(len(engines)) as pool:
+        bodies = [
+            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": m.rank_offset,
+             "world_size": layout.world_size, "group_name": layout.group_name}
+            for m in layout.members
+        ]  # fmt: skip
+        for resp in pool.map(lambda mb: http("POST", mb[0].url + "/init_weights_update_group", mb[1]),
+                             zip(layout.members, bodies, strict=True)):  # fmt: skip
+            assert resp.status == 200, resp.body[:200]
+    joined.join()
+    on_all("/pause_generation", {"mode": "retract"})
+    on_all("/begin_weight_update", {})
+    body = {"names": [s.name for s in SPECS], "dtypes": [s.dtype for s in SPECS],
+            "shapes": [list(s.shape) for s in SPECS], "group_name": layout.group_name,
+            "weight_version": version}  # fmt: skip
+    sender = threading.Thread(target=rank0.broadcast, args=(layout, SPECS))
+    sender.start()
+    on_all("/update_weights_from_distributed", body)
+    sender.join()
+    on_all("/end_weight_update", {})
+    on_all("/continue_generation", {})

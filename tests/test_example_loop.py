@@ -38,7 +38,7 @@ def loop_run(manager_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
         sys.executable, str(SCRIPT),
         "--steps", str(STEPS), "--prompts", str(PROMPTS), "--group-size", str(GROUP),
         "--max-new-tokens", "32", "--max-staleness", str(STALENESS),
-        # Two initial engines: a rolling update takes one out at a time, so one stays ACTIVE.
+        # Two initial engines, so the autoscaler's floor keeps both while it grows the fleet.
         "--engines-min", "2", "--engines-max", "3",
         "--out", str(out),
     ]  # fmt: skip
@@ -84,6 +84,9 @@ def test_one_version_per_step_and_the_fleet_ends_on_the_last(loop_run: tuple[dic
     published = timeline["published"]
     assert [p["version"] for p in published] == [f"step-{k}" for k in range(1, STEPS + 1)]
     assert {p["status"] for p in published} == {"COMPLETED"}, published
+    # By default the trainer broadcasts each step through the manager, as RL frameworks do.
+    assert {p["source"] for p in published} == {"trainer"}, published
+    assert timeline["final"]["fleet_source"] == "trainer", timeline["final"]
     final = timeline["final"]
     last = f"step-{STEPS}"
     assert final["fleet_version"] == last, final

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, http, stop_manager, wait_until
-from _trainer import SPECS, StandInRank0
+from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, stop_manager, wait_until
+from _trainer import SPECS, StandInRank0, update_engines_directly
 from test_weights_resume import ENGINES, engine_identities, free_port, start
 
 from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
@@ -313,3 +313,31 @@ def test_a_manager_killed_mid_broadcast_fails_the_update_and_restarts_its_member
             for identity in identities.values():
                 first.engine_processes.setdefault(identity.pid, identity)
             first.kill_leftovers()
+
+
+def test_a_trainer_that_calls_the_engines_itself_is_followed(start_fleet: StartManager) -> None:
+    """An unmodified trainer updates the engines around the manager: the health round reads
+    each engine's version, the registry follows it, the fleet takes it once every ACTIVE engine
+    reports it, and an engine added afterwards copies it from a peer."""
+    fleet = start_fleet("--health-check-interval-secs", "0.2")
+    engines = [(e.engine_id, e.url) for e in fleet.engines().with_status("ACTIVE")]
+    update_engines_directly(StandInRank0(), engines, "slime-1")
+
+    def taken() -> bool:
+        w = fleet.client.weights()
+        return w.version == "slime-1" and w.raw["source"] == "trainer"
+
+    wait_until(taken, 30, "the fleet to take the trainer's version")
+    assert {e.weight_version for e in fleet.engines().engines} == {"slime-1"}
+    history = fleet.client.weights().raw["history"]
+    assert history[0]["version"] == "slime-1" and history[0]["source"] == "trainer"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "weight_version": {"min_version": "slime-1"}}
+    out = http("POST", fleet.router_url + "/generate", body)
+    assert out.status == 200 and out.json()["meta_info"]["weight_version"] == "slime-1"
+
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    fleet.track_children()
+    view = fleet.wait_engines(3)
+    for e in view.engines:
+        assert model_info(e.url)["weight_version"] == "slime-1"

@@ -11,11 +11,16 @@ Three threads do the work, as in a fully-async trainer (slime, AReaL):
   it waits for it is "rollout throttled". Every sample's ``meta_info.weight_version`` is checked
   against the pin (a violation raises :class:`PinViolation` and ends the run).
 - **trainer** (this thread) takes batch k (the time it waits is "trainer wait"), runs a CPU
-  stand-in of a GRPO step over the returned token ids, writes a tiny ``*.safetensors``
-  checkpoint, hands it to the publisher without waiting for the fleet to load it, and reports
-  the step to the autoscaler (``POST /rollout/pipeline``).
-- **publisher** publishes each checkpoint as ``step-<k>`` (``POST /rollout/weights/publish``,
-  rolling) once the previous update has ended (the manager runs one update at a time).
+  stand-in of a GRPO step over the returned token ids, hands the new weights to the publisher
+  without waiting for the fleet to take them, and reports the step to the autoscaler
+  (``POST /rollout/pipeline``).
+- **publisher** moves each step's weights to the fleet as ``step-<k>`` once the previous update
+  has ended (the manager runs one update at a time): by default the way slime, AReaL and verl's
+  async mode do, as NCCL rank 0 of a broadcast the manager runs (``DistributedWeightSync``; on
+  simulated engines the rank 0 is ``elastic_rollout.sim.SimRank0``); with ``--weights
+  checkpoint`` by writing a tiny ``*.safetensors`` checkpoint and publishing it (rolling).
+  Engines the autoscaler adds meanwhile copy the fleet's version from a running engine before
+  they serve, so every sample's version is checked against its pin either way.
 
 A sampler thread records the fleet (ACTIVE engines, the version each serves, the published and
 committed versions) and the generated tokens, written to ``timeline.json`` and plotted to
@@ -54,6 +59,8 @@ from typing import Any
 
 from elastic_rollout import RolloutApiError, RolloutClient, checkpoint_checksum
 from elastic_rollout._find import find_binary
+from elastic_rollout.sim import SimRank0
+from elastic_rollout.trainer import DistributedWeightSync, TensorSpec
 
 HERE = Path(__file__).resolve().parent
 LISTENING_RE = re.compile(r"^rollout-manager listening control=(?P<control>http://\S+) router=(?P<router>http://\S+)")
@@ -64,6 +71,8 @@ REQUEST_TIMEOUT = 120.0
 UPDATE_TIMEOUT = 120.0
 SAMPLE_INTERVAL = 0.5
 POLICY_DIM = 256
+#: What the trainer broadcasts each step (``--weights trainer``), in broadcast order.
+POLICY_TENSORS = [TensorSpec("policy.weight", "float32", (POLICY_DIM,)), TensorSpec("policy.step", "float32", (1,))]
 #: Seconds over which the plot reads the token rate.
 TPS_WINDOW = 2.0
 
@@ -317,14 +326,23 @@ class Rollout(threading.Thread):
 
 
 class Publisher(threading.Thread):
-    """Publishes checkpoints in order, each once the previous update has ended."""
+    """Moves each step's weights to the fleet in order, each once the previous update has ended.
 
-    def __init__(self, book: Book, client: RolloutClient) -> None:
+    ``--weights trainer`` (the default, what slime, AReaL and verl's async mode do): the
+    trainer broadcasts them as NCCL rank 0 through the manager (``DistributedWeightSync``; on
+    simulated engines rank 0 is :class:`elastic_rollout.sim.SimRank0`, which needs no torch).
+    ``--weights checkpoint``: it publishes the step's checkpoint directory (``rolling``).
+    """
+
+    def __init__(self, book: Book, client: RolloutClient, mode: str) -> None:
         super().__init__(name="publisher", daemon=True)
-        self.book, self.client = book, client
-        self.todo: queue.Queue[tuple[int, Path, str] | None] = queue.Queue()
+        self.book, self.client, self.mode = book, client, mode
+        self.todo: queue.Queue[tuple[int, Path | None, str | None] | None] = queue.Queue()
         self.records: list[JsonObject] = []
         self.last_update: str | None = None
+        rank0 = SimRank0()
+        self.sync = DistributedWeightSync(client, join_group=rank0.join_group, broadcast=rank0.broadcast,
+                                          timeout=UPDATE_TIMEOUT)  # fmt: skip
 
     def run(self) -> None:
         try:
@@ -334,13 +352,20 @@ class Publisher(threading.Thread):
                 self.finish_last()
                 waited = time.monotonic() - waited
                 version = self.book.versions.name(num)
-                answer = self.client.publish_weights(version, str(path), strategy="rolling", checksum=checksum)
-                self.last_update = str(answer["update_id"])
+                if path is None:
+                    # The trainer's broadcast: answered when the fleet serves the version.
+                    self.book.published(num)
+                    result = self.sync.update(version, POLICY_TENSORS)
+                    assert result.update is not None
+                    self.last_update = result.update.update_id
+                else:
+                    answer = self.client.publish_weights(version, str(path), strategy="rolling", checksum=checksum)
+                    self.last_update = str(answer["update_id"])
+                    self.book.published(num)
                 self.records.append(
                     {"version": version, "update_id": self.last_update, "at": time.time(), "checksum": checksum,
-                     "waited_for_previous_secs": round(waited, 3)}
+                     "source": self.mode, "waited_for_previous_secs": round(waited, 3)}
                 )  # fmt: skip
-                self.book.published(num)
         except BaseException as err:
             self.book.fail(err)
 
@@ -387,6 +412,7 @@ class Sampler(threading.Thread):
             "engines_total": view.total_engines,
             "engines": {e.engine_id: {"status": e.status, "version": e.weight_version} for e in view.engines},
             "fleet_version": weights.get("version"),
+            "fleet_source": weights.get("source"),
             "updating_to": (weights.get("update") or {}).get("version"),
             "published": self.book.versions.name(published),
             "tokens_total": tokens,
@@ -497,7 +523,7 @@ def run(args: argparse.Namespace, client: RolloutClient, router: str, ckpt_root:
     book = Book(versions=versions, published_num=versions.base_num)
     t0 = time.time()
     sampler = Sampler(book, client, t0)
-    publisher = Publisher(book, client)
+    publisher = Publisher(book, client, args.weights)
     batches: queue.Queue[Batch | BaseException] = queue.Queue()
     rollout = Rollout(book, router, args, batches)
     sampler.start()
@@ -523,8 +549,12 @@ def run(args: argparse.Namespace, client: RolloutClient, router: str, ckpt_root:
                 raise PinViolation(f"step {step}: a sample is {max(staleness)} versions stale (> {args.max_staleness})")
             policy, mean_reward = train_step(policy, item.groups)
             version = versions.name(num)
-            checksum = write_checkpoint(ckpt_root / version, {"policy.weight": policy, "policy.step": [float(num)]})
-            publisher.todo.put((num, ckpt_root / version, checksum))  # published in the background
+            if args.weights == "trainer":
+                publisher.todo.put((num, None, None))  # broadcast in the background
+            else:
+                tensors = {"policy.weight": policy, "policy.step": [float(num)]}
+                checksum = write_checkpoint(ckpt_root / version, tensors)
+                publisher.todo.put((num, ckpt_root / version, checksum))  # published in the background
             with book.cond:
                 throttled, samples_done = book.throttled_secs - throttled0, book.samples_total - samples0
             step_secs = time.monotonic() - began
@@ -688,6 +718,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="own manager: sglang-sim --time-scale (1: modelled GPU speed)"
     )
+    weights_help = (
+        "how each step's weights reach the fleet: the trainer's NCCL broadcast through the manager "
+        "(default, as slime, AReaL and verl's async mode do), or a checkpoint from disk"
+    )
+    p.add_argument("--weights", choices=("trainer", "checkpoint"), default="trainer", help=weights_help)
     args = p.parse_args(argv)
     if (args.manager is None) != (args.router is None):
         p.error("--manager and --router go together")

@@ -75,6 +75,18 @@ pub fn pick_seed<'a>(
         .map(|c| c.engine_id)
 }
 
+/// A version a trainer put on the engines without the manager (an unmodified slime calling
+/// SGLang itself): the fleet takes it as its own once every serving engine reports it. Given the
+/// fleet's `current` version, the names the manager already knows (`known`), and what each
+/// serving engine reports (`serving`, one entry per ACTIVE engine): the new version when they
+/// all report the same one, it is not `current`, and its name is new; else None (no engines, a
+/// fleet still in the middle of the trainer's update, or an engine that reports nothing).
+pub fn observed_version<'a>(current: &str, known: &[&str], serving: &[Option<&'a str>]) -> Option<&'a str> {
+    let first = (*serving.first()?)?;
+    let all_same = serving.iter().all(|v| *v == Some(first));
+    (all_same && first != current && !known.contains(&first)).then_some(first)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +114,23 @@ mod tests {
                 next += (*tp).max(1);
             }
             prop_assert_eq!(world, next);
+        }
+    }
+
+    #[test]
+    fn the_fleet_takes_a_version_only_when_every_serving_engine_reports_it() {
+        let known = ["v0", "v1"];
+        let table: [(&[Option<&str>], Option<&str>); 7] = [
+            (&[Some("t1"), Some("t1")], Some("t1")),
+            (&[Some("t1"), Some("v1")], None),
+            (&[Some("t1"), None], None),
+            (&[Some("v1"), Some("v1")], None),
+            (&[Some("v0"), Some("v0")], None),
+            (&[], None),
+            (&[Some("t1")], Some("t1")),
+        ];
+        for (i, (serving, want)) in table.into_iter().enumerate() {
+            assert_eq!(observed_version("v1", &known, serving), want, "row {i}");
         }
     }
 

@@ -74,7 +74,14 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let endpoint = &manager.config.health_check_endpoint;
     // Only the status is read: the body of a probe (of any size) is never buffered, and
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
-    let results = futures::future::join_all(targets.iter().map(|(id, at)| async move {
+    // Beside each probe, the version the engine reports (`/model_info`, answered by SGLang's
+    // HTTP process): a trainer that updates the engines itself is seen within a round.
+    let reported = futures::future::join_all(targets.iter().map(|(id, at)| async move {
+        let served = manager.engine_api.model_info(&at.url).await.ok();
+        let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
+        (id.clone(), at.clone(), served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))))
+    }));
+    let probed = futures::future::join_all(targets.iter().map(|(id, at)| async move {
         let health = manager.engine_api.probe(&at.url, endpoint, timeout);
         if manager.config.health_pause_grace_secs <= 0.0 {
             return (id, at, health.await, false);
@@ -85,8 +92,9 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         let (failure, scheduler) =
             tokio::join!(health, manager.engine_api.probe(&at.url, "/v1/loads?include=core", timeout));
         (id, at, failure, scheduler.is_none())
-    }))
-    .await;
+    }));
+    let (results, reported) = tokio::join!(probed, reported);
+    observe_versions(manager, &reported);
     let policy = ProbePolicy {
         threshold: manager.config.health_failure_threshold,
         restart_failed: manager.config.restart_failed_engines,
@@ -228,4 +236,57 @@ pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
             }
         }
     }
+}
+
+/// What an engine's `/model_info` said in a health round: its version and checksum (None: no
+/// answer), for the start of the engine the round probed.
+type Reported = (String, Incarnation, Option<(Option<String>, Option<String>)>);
+
+/// The registry follows what serving engines report: an ACTIVE engine whose `/model_info`
+/// names another version than its record (a trainer that calls SGLang itself) has its record
+/// corrected, so pins and metrics see it; once every ACTIVE engine reports the same new
+/// version and no update runs, it becomes the fleet's version
+/// ([`rollout_core::catchup::observed_version`]), and engines that start later copy it.
+fn observe_versions(manager: &Manager, reported: &[Reported]) {
+    let changed = {
+        let inner = manager.fleet.lock();
+        reported.iter().any(|(id, at, served)| {
+            let Some((version, _)) = served else { return false };
+            inner.engines.get(id).is_some_and(|e| {
+                e.record.status == EngineStatus::Active && incarnation(e) == *at && e.record.weight_version != *version
+            })
+        })
+    };
+    if !changed {
+        return;
+    }
+    manager.fleet.update(|inner| {
+        for (id, at, served) in reported {
+            let Some((version, checksum)) = served else { continue };
+            let Some(e) = inner.engines.get_mut(id) else { continue };
+            if e.record.status != EngineStatus::Active || incarnation(e) != *at || e.record.weight_version == *version {
+                continue;
+            }
+            tracing::warn!(engine_id = %id, recorded = ?e.record.weight_version, reports = ?version,
+                "engine reports another weight version than recorded (loaded without the manager); the registry follows it");
+            e.record.weight_version = version.clone();
+            e.record.weights_checksum = checksum.clone();
+        }
+        if inner.weights.running.is_some() {
+            return;
+        }
+        let mut active: Vec<&crate::fleet::Engine> =
+            inner.engines.values().filter(|e| e.record.status == EngineStatus::Active).collect();
+        active.sort_by_key(|e| e.seq);
+        let serving: Vec<Option<&str>> = active.iter().map(|e| e.record.weight_version.as_deref()).collect();
+        let known: Vec<String> = inner.weights.known_versions().into_iter().map(|v| v.version).collect();
+        let known: Vec<&str> = known.iter().map(String::as_str).collect();
+        let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current.version, &known, &serving)
+        else {
+            return;
+        };
+        let found = found.to_string();
+        let ids: Vec<String> = active.iter().map(|e| e.record.engine_id.clone()).collect();
+        inner.weights.observe_trainer_version(&found, &ids);
+    });
 }

@@ -522,6 +522,64 @@ impl WeightsState {
         out
     }
 
+    /// A trainer updated the engines without the manager and every serving engine (`engines`)
+    /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
+    /// COMPLETED update recording what was observed, so the version history (and the pins'
+    /// order) has it and engines that start later copy it from a peer.
+    pub fn observe_trainer_version(&mut self, version: &str, engines: &[String]) -> String {
+        let now = unix_now();
+        let update_id = uuid::Uuid::new_v4().to_string();
+        let done = EngineUpdate {
+            status: EngineUpdateStatus::Verified,
+            error: None,
+            started_at: Some(now),
+            finished_at: Some(now),
+        };
+        let record = UpdateRecord {
+            update_id: update_id.clone(),
+            version: version.to_string(),
+            path: String::new(),
+            checksum: None,
+            expected_checksum: None,
+            total_bytes: 0,
+            hashed_bytes: HashProgress::default(),
+            engine_path: String::new(),
+            previous_version: self.current.version.clone(),
+            strategy: UpdateStrategy::AllAtOnce,
+            max_unavailable: None,
+            pause_mode: String::new(),
+            transport: "trainer".into(),
+            status: WeightUpdateStatus::Completed,
+            engines: engines.iter().map(|id| (id.clone(), done.clone())).collect(),
+            created_at: now,
+            updated_at: now,
+            finished_at: Some(now),
+            error_message: None,
+            message: format!(
+                "observed: every serving engine reports {version}, which a trainer loaded without the manager"
+            ),
+            history: vec![Transition { status: WeightUpdateStatus::Completed.to_string(), at: now }],
+            resumed: 0,
+            source: UpdateSource::Trainer,
+            trainer: None,
+        };
+        self.updates.insert(update_id.clone(), record);
+        self.current =
+            WeightVersion { version: version.to_string(), path: None, checksum: None, published_seq: self.next_seq };
+        self.next_seq += 1;
+        self.current_engine_path = None;
+        self.source = VersionSource::Trainer;
+        self.current_since = now;
+        self.current_update = Some(update_id.clone());
+        self.prune();
+        tracing::info!(
+            version,
+            update_id,
+            "fleet weight version taken from the engines (a trainer updated them directly)"
+        );
+        update_id
+    }
+
     /// Forgets the oldest finished updates beyond [`KEEP_UPDATES`]; running ones stay.
     pub fn prune(&mut self) {
         if self.updates.len() <= KEEP_UPDATES {

@@ -563,15 +563,27 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
         }
     });
     let part = &part;
-    let turns = futures::future::join_all(plan.iter().zip(prepared).map(|((m, routed), ready)| async move {
-        let result = match ready {
+    let results = futures::future::join_all(plan.iter().zip(prepared).map(|((m, _), ready)| async move {
+        match ready {
             Ok(session) => watched(manager, &m.url, receive(manager, m, session, part, want)).await,
             Err(e) => {
                 // Resume even after a failed step: SGLang keeps serving what it holds.
                 let _ = manager.engine_api.control(&m.url, "/continue_generation", json!({})).await;
                 Err(e)
             }
-        };
+        }
+    }))
+    .await;
+    // When no member got the version, the fleet stays on its own, and a member that failed
+    // but still verifiably serves it goes back to routing: restarting it could leave no engine
+    // holding a version that exists only in the engines.
+    let none_got_it = results.iter().all(Result::is_err);
+    let turns = futures::future::join_all(plan.iter().zip(results).map(|((m, routed), result)| async move {
+        if none_got_it && *routed {
+            if let Some(turn) = back_on_current(manager, m, &result).await {
+                return turn;
+            }
+        }
         settle(manager, m, *routed, want, result).await
     }))
     .await;
@@ -701,6 +713,29 @@ async fn receive(
     let (found, checksum) = manager.served_weights(&m.engine_id).await?;
     crate::engine_api::verify(want, found.as_deref(), checksum.as_deref())?;
     Ok((found, checksum))
+}
+
+/// A routed member whose part failed, put back into routing on the fleet's current version if
+/// it still serves it (`/model_info`; SGLang keeps the old weights when a receive fails). None:
+/// it does not (or cannot be asked), and the usual failure applies.
+async fn back_on_current(
+    manager: &Manager,
+    m: &GroupMember,
+    result: &Result<(Option<String>, Option<String>), EngineError>,
+) -> Option<Turn> {
+    let Err(why) = result else { return None };
+    let (found, checksum) = manager.served_weights(&m.engine_id).await.ok()?;
+    manager.fleet.update(|inner| {
+        if !inner.weights.current.served_by(found.as_deref(), checksum.as_deref()) {
+            return None;
+        }
+        let back = inner
+            .engine_event(&m.engine_id, EngineEvent::WeightsSynced)
+            .and_then(|_| inner.engine_event(&m.engine_id, EngineEvent::Activated));
+        back.ok()?;
+        tracing::warn!(engine_id = %m.engine_id, error = %why, "member failed its part; it still serves the fleet's version and is back in routing");
+        Some(Turn::Failed(format!("{why} (it still serves the fleet's version and is back in routing)")))
+    })
 }
 
 /// How a member's part ended. A routed member (taken out of routing for its turn) returns to

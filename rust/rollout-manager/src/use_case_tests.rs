@@ -593,3 +593,28 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-2")), "{table:?}");
     assert_eq!(m.fleet.lock().weights.current.version, "step-2");
 }
+
+#[tokio::test]
+async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    scale_to(&m, 2).await;
+    let first = open_trainer_update(&m, "step-1");
+    finish_trainer_update(&m, &first).await;
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record.url.clone()).collect();
+    for url in &urls {
+        engines.refuse_loads(url);
+    }
+    let second = open_trainer_update(&m, "step-2");
+    finish_trainer_update(&m, &second).await;
+    let inner = m.fleet.lock();
+    let u = &inner.weights.updates[&second];
+    assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Failed, "{u:?}");
+    assert_eq!(inner.weights.current.version, "step-1");
+    // Not restarted: the only copies of step-1 are in these engines.
+    for e in inner.engines.values() {
+        assert_eq!((e.record.status, e.record.restarts), (EngineStatus::Active, 0), "{:?}", e.record);
+        assert_eq!(e.record.weight_version.as_deref(), Some("step-1"));
+    }
+    assert_eq!(m.fleet.routes().backends.len(), 2);
+}

@@ -248,14 +248,16 @@ impl Engine {
     /// Flushes every rank's prefix cache; false (nothing flushed) if any request is queued or
     /// running (see [`Rank::flush_cache`]).
     fn can_flush(&self) -> bool {
-        self.ranks.iter().all(|r| r.can_flush())
+        let paused = self.shared.is_paused();
+        self.ranks.iter().all(|r| r.can_flush(paused))
     }
 
     pub fn flush_cache(&self) -> bool {
         if !self.can_flush() {
             return false;
         }
-        self.ranks.iter().all(|r| r.flush_cache())
+        let paused = self.shared.is_paused();
+        self.ranks.iter().all(|r| r.flush_cache(paused))
     }
 
     /// Waits up to `timeout` until the cache can be flushed (no running or queued requests

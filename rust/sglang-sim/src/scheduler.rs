@@ -293,15 +293,23 @@ impl Rank {
     }
 
     /// Empties the prefix cache; false (nothing flushed) when requests are running or queued.
-    /// Requests retracted by `pause_generation` (mode retract) hold no KV and do not count,
-    /// as in SGLang where they sit in a separate queue while paused.
-    pub fn flush_cache(&self) -> bool {
+    /// Requests retracted by `pause_generation` (mode retract) hold no KV and do not count.
+    /// With `ignore_waiting` (the engine is paused) no queued request counts, as in SGLang
+    /// 0.5.23, whose flush asks `is_fully_idle(ignore_waiting=<paused>)`: requests that arrive
+    /// while generation is paused wait, holding no KV.
+    pub fn flush_cache(&self, ignore_waiting: bool) -> bool {
         let mut c = self.lock();
-        c.can_flush() && c.pool.flush()
+        let idle = if ignore_waiting { c.running.is_empty() } else { c.can_flush() };
+        idle && c.pool.flush()
     }
 
-    pub fn can_flush(&self) -> bool {
-        self.lock().can_flush()
+    pub fn can_flush(&self, ignore_waiting: bool) -> bool {
+        let c = self.lock();
+        if ignore_waiting {
+            c.running.is_empty()
+        } else {
+            c.can_flush()
+        }
     }
 
     /// Wakes the step loop (after continue_generation).

@@ -10,16 +10,28 @@ use common::{gen_body, within, Sim};
 use serde_json::{json, Value};
 use tokio::io::AsyncBufReadExt;
 
-/// A stand-in trainer rank 0: accepts the engines' rendezvous and hands back their lines.
+/// The tensors [`update_body`] names, which the stand-in rank 0 broadcasts.
+const NAMES: [&str; 2] = ["model.embed_tokens.weight", "lm_head.weight"];
+
+/// A stand-in trainer rank 0: accepts the engines' rendezvous and hands back their lines; to
+/// an engine that waits for the broadcast (its line has no `tp_size`) it sends [`NAMES`].
 async fn rank0() -> (u16, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Ok((s, _)) = listener.accept().await {
-            let mut lines = tokio::io::BufReader::new(s).lines();
+            let (read, mut write) = s.into_split();
+            let mut lines = tokio::io::BufReader::new(read).lines();
             if let Ok(Some(l)) = lines.next_line().await {
-                let _ = tx.send(serde_json::from_str(&l).unwrap());
+                let line: Value = serde_json::from_str(&l).unwrap();
+                if line.get("tp_size").is_none() {
+                    let reply = format!("{}\n", json!({"names": NAMES}));
+                    let _ = write.write_all(reply.as_bytes()).await;
+                    continue;
+                }
+                let _ = tx.send(line);
             }
         }
     });
@@ -32,7 +44,7 @@ fn init_body(port: u16, rank_offset: u32, world_size: u32) -> Value {
 }
 
 fn update_body(version: &str) -> Value {
-    json!({"names": ["model.embed_tokens.weight", "lm_head.weight"], "dtypes": ["bfloat16", "bfloat16"],
+    json!({"names": NAMES, "dtypes": ["bfloat16", "bfloat16"],
            "shapes": [[128, 64], [128, 64]], "group_name": "g1", "weight_version": version})
 }
 
@@ -158,12 +170,16 @@ async fn remote_instance_send_needs_its_group() {
     assert_eq!(sim.post_json("/init_weights_send_group_for_remote_instance", init).await.0, 200);
     let mut wrong = send.clone();
     wrong["ports"] = json!("4000,4002");
-    assert_refused(&sim, "/send_weights_to_remote_instance", wrong, "was initialized for").await;
+    assert_refused(&sim, "/send_weights_to_remote_instance", wrong, "not initialized").await;
+    let mut elsewhere = send.clone();
+    elsewhere["master_address"] = json!("127.0.0.9");
+    assert_refused(&sim, "/send_weights_to_remote_instance", elsewhere, "was initialized for").await;
     let (status, out) = sim.post_json("/send_weights_to_remote_instance", send).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["weight_version"], "default");
     let info = sim.get_json("/server_info").await;
-    assert_eq!(info["weight_sync"]["weight_send_groups"]["send_weights_10.0.0.2"]["sends"], 1);
+    // Named as SGLang's seed names its groups: the name, then the ports.
+    assert_eq!(info["weight_sync"]["weight_send_groups"]["send_weights_10.0.0.2_4000_4001"]["sends"], 1);
 }
 
 #[tokio::test]
@@ -207,7 +223,7 @@ async fn a_new_instance_loads_the_seeds_weights_through_the_remote_instance_rout
     assert_eq!(info["weights_checksum"], seed_sum, "the new instance holds the seed's weights");
     assert_eq!(info["weight_version"], "v4");
     let sent = seed.get_json("/server_info").await;
-    assert_eq!(sent["weight_sync"]["weight_send_groups"]["send_weights_127.0.0.1"]["sends"], 1);
+    assert_eq!(sent["weight_sync"]["weight_send_groups"]["send_weights_127.0.0.1_5000_5001"]["sends"], 1);
 
     // A port list that does not match tp_size is a usage error naming the flag.
     let mut bad = Sim::spawn(&a.iter().map(String::as_str).chain(["--tp-size", "1"]).collect::<Vec<_>>());
