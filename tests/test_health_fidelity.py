@@ -111,3 +111,29 @@ def test_a_pause_past_the_grace_counts(start_fleet: StartManager, monkeypatch: p
     wait_until(restarted, 120, f"{engine.engine_id} restarted after its pause outlasted the grace")
     assert probes(fleet, "failed") >= RESTART_AFTER
     assert http("GET", f"{fleet.engines().by_id(engine.engine_id).url}/ready").status == 200
+
+
+def test_a_hung_scheduler_is_not_a_pause(start_fleet: StartManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that hangs while its HTTP process still answers `/v1/loads` (SGLang 0.5.23
+    serves it from the last load snapshot) and `/model_info`: the failed probes count, and the
+    engine is restarted within the usual threshold instead of being kept as paused for the whole
+    `--health-pause-grace-secs` (600 s by default)."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    fleet = start_fleet(*FAST_PROBES, "--engine-arg=--enable-fault-api")
+    engine = fleet.engines().with_status("ACTIVE")[0]
+    paused_before = probes(fleet, "paused")
+    out = http("POST", f"{engine.url}/sim/faults", {"hang_scheduler": True})
+    assert out.status == 200 and out.json()["scheduler_hung"] is True
+    assert http("GET", f"{engine.url}/v1/loads").status == 200, "the load snapshot still answers"
+    assert http("GET", f"{engine.url}/model_info").status == 200
+
+    def restarted() -> bool:
+        e = fleet.engines().by_id(engine.engine_id)
+        return e is not None and e.restarts > engine.restarts and e.status == "ACTIVE"
+
+    wait_until(restarted, 120, f"{engine.engine_id} restarted after its scheduler hung")
+    assert probes(fleet, "failed") >= RESTART_AFTER
+    assert probes(fleet, "paused") == paused_before, "a hung scheduler was taken for a pause"
+    fleet.track_children()
+    back = fleet.engines().by_id(engine.engine_id)
+    assert back is not None and http("GET", f"{back.url}/server_info").status == 200

@@ -141,8 +141,9 @@ def test_engine_that_turns_hostile_is_contained(
     metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
     assert 'rollout_router_errors_total{kind="timeout"}' in metrics
 
-    # 3. Its health probe hangs: out of routing with the reason; only the real engines serve.
-    hostile.set("hang", "/health_generate", "/health")
+    # 3. It hangs (its health probe, and /server_info, which SGLang's scheduler answers: a hung
+    # scheduler, not a pause): out of routing with the reason; only the real engines serve.
+    hostile.set("hang", "/health_generate", "/health", "/server_info")
     wait_until(lambda: engine_at(fleet, hostile.url)["status"] == "UNHEALTHY", 30, "the hanging engine to be UNHEALTHY")
     assert "timed out" in engine_at(fleet, hostile.url)["last_error"], engine_at(fleet, hostile.url)
     for _ in range(4):
@@ -150,7 +151,7 @@ def test_engine_that_turns_hostile_is_contained(
         assert status == 200 and answer["engine"] != hostile_id, answer
 
     # 4. It answers again, but serves other weights: it may not rejoin, and says why.
-    hostile.set("ok", "/health_generate", "/health", "/generate", "/v1/loads", "/metrics")
+    hostile.set("ok", "/health_generate", "/health", "/server_info", "/generate", "/v1/loads", "/metrics")
     hostile.set("wrong_version", "/model_info")
     wait_until(
         lambda: "weight version" in (engine_at(fleet, hostile.url)["last_error"] or ""),

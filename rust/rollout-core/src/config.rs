@@ -196,8 +196,9 @@ pub struct ServeConfig {
     /// How long a paused engine is not counted as failing its probes, in seconds.
     ///
     /// SGLang's health check generates a token, which waits while generation is paused (a
-    /// trainer updating weights); a failed probe whose engine still answers `/v1/loads` is taken
-    /// for such a pause. 0: pauses count as failures.
+    /// trainer updating weights); a failed probe whose engine's scheduler still answers a
+    /// control request (`/server_info`) is taken for such a pause; a hung scheduler does not
+    /// answer it. 0: pauses count as failures.
     #[arg(long, default_value_t = 600.0, value_name = "SECS", help_heading = heading::HEALTH)]
     pub health_pause_grace_secs: f64,
     /// Restart managed engines whose process exits unexpectedly.

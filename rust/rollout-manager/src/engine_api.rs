@@ -86,6 +86,14 @@ pub trait EngineApi: Send + Sync {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<bool, EngineError>>;
 
+    /// Whether the engine's scheduler answers a control request within `timeout`:
+    /// `/server_info` (`/get_server_info` before 0.5.6) asks it for its internal state, which a
+    /// paused scheduler gives and a hung one does not. (`/v1/loads` would not tell: SGLang 0.5.23
+    /// answers it from the last load snapshot in the HTTP process, also when the scheduler hangs.)
+    fn scheduler_answers<'a>(&'a self, url: &'a str, timeout: Duration) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.probe(url, "/server_info", timeout).await.is_none() })
+    }
+
     /// Whether the engine serves the POST route `path` at all, asked without calling it: a GET
     /// is answered 405 by a route that exists and 404 by one the release does not have
     /// (`/send_weights_to_remote_instance` before 0.5.3). Unreachable counts as not served.

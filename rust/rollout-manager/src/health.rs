@@ -13,8 +13,11 @@
 //!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
 //!   engines are only re-probed.
 //!
-//! - a failed probe of an engine whose scheduler still answers `/v1/loads` (or `/get_load`)
-//!   is a pause (a trainer updating its weights), not counted for `--health-pause-grace-secs`.
+//! - a failed probe of an engine whose scheduler still answers a control request
+//!   (`/server_info`, which asks it for its internal state) is a pause (a trainer updating its
+//!   weights), not counted for `--health-pause-grace-secs`. A hung scheduler does not answer it,
+//!   so its failed probes count. (`/v1/loads` is no sign of life: SGLang 0.5.23 answers it from
+//!   the last load snapshot in the HTTP process, also when the scheduler hangs.)
 //!
 //! Engines whose process exits are marked FAILED by the process watcher (`manager.rs`), which
 //! also restarts them. Probe counters are kept under the registry lock without publishing a new
@@ -89,9 +92,8 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         // Beside it, whether the scheduler answers control calls: if the generation probe fails
         // and this answers, generation is paused. Asked at the same time, so a hung engine costs
         // one probe timeout per round, not two.
-        let (failure, scheduler) =
-            tokio::join!(health, manager.engine_api.probe(&at.url, "/v1/loads?include=core", timeout));
-        (id, at, failure, scheduler.is_none())
+        let (failure, scheduler) = tokio::join!(health, manager.engine_api.scheduler_answers(&at.url, timeout));
+        (id, at, failure, scheduler)
     }));
     let (results, reported) = tokio::join!(probed, reported);
     observe_versions(manager, &reported);

@@ -53,6 +53,11 @@ impl PauseMode {
     }
 }
 
+/// Wall-clock time in Unix seconds.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
 /// State the scheduler loops and the HTTP handlers both read.
 pub struct Shared {
     status: AtomicU8,
@@ -61,6 +66,11 @@ pub struct Shared {
     paused: watch::Sender<bool>,
     /// Set by the hang fault: nothing answers any more.
     hung: AtomicBool,
+    /// Set (to when it happened, Unix seconds) by the scheduler-hang fault: the scheduler stops
+    /// (no generation, no health check, no `/server_info`, whose internal state comes from the
+    /// scheduler) while the HTTP process still answers what it serves alone (`/model_info`,
+    /// `/v1/loads` from the last load snapshot).
+    scheduler_hung_at: std::sync::Mutex<Option<f64>>,
     /// Woken whenever a rank runs out of running and (non-retracted) queued requests.
     pub idle: Notify,
     /// Counts scheduler steps (and aborts) that sent output, on any DP rank (see
@@ -75,6 +85,7 @@ impl Shared {
             version: RwLock::new(VersionInfo::new(version)),
             paused: watch::Sender::new(false),
             hung: AtomicBool::new(false),
+            scheduler_hung_at: std::sync::Mutex::new(None),
             idle: Notify::new(),
             outputs: watch::Sender::new(0),
         }
@@ -139,6 +150,16 @@ impl Shared {
 
     pub fn set_hung(&self) {
         self.hung.store(true, Ordering::Release);
+    }
+
+    /// The scheduler stops for good (see `scheduler_hung_at`).
+    pub fn set_scheduler_hung(&self) {
+        let mut at = self.scheduler_hung_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        at.get_or_insert_with(unix_now);
+    }
+
+    pub fn is_scheduler_hung(&self) -> bool {
+        self.scheduler_hung_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
     }
 }
 
@@ -392,6 +413,9 @@ impl Engine {
         let mut outputs = self.shared.watch_outputs();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(timeout).unwrap_or(0));
         let probe = async {
+            if self.shared.is_scheduler_hung() {
+                return std::future::pending::<HealthProbe>().await;
+            }
             self.shared.wait_unpaused().await;
             if self.shared.status() == Status::ShuttingDown {
                 return HealthProbe::ShuttingDown;

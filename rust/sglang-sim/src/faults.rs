@@ -58,6 +58,12 @@ pub struct FaultRequest {
     /// `true`: from now on this engine answers nothing (like `--hang-after-requests`); there is
     /// no way back short of a signal. `false` is accepted and does nothing.
     pub hang: Option<bool>,
+    /// `true`: the scheduler stops for good while the HTTP process keeps answering, as a hung
+    /// SGLang scheduler does: generation, the health check and `/server_info` (which asks the
+    /// scheduler for its internal state) never answer; `/model_info` and `/v1/loads` (SGLang
+    /// 0.5.23 answers it from the last load snapshot, in the HTTP process) still do. `false`
+    /// does nothing.
+    pub hang_scheduler: Option<bool>,
 }
 
 impl Faults {

@@ -163,7 +163,7 @@ async fn fault_api_slows_health_then_hangs_the_engine() {
 
     let sim = Sim::start(&["--enable-fault-api"]).await;
     let (status, out) = sim.post_json("/sim/faults", json!({"slow_health": 1.5})).await;
-    assert_eq!((status, out), (200, json!({"slow_health": 1.5, "hung": false})));
+    assert_eq!((status, out), (200, json!({"slow_health": 1.5, "hung": false, "scheduler_hung": false})));
     let quick = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().unwrap();
     assert!(quick.get(sim.url("/health")).send().await.is_err(), "health is slow");
     assert_eq!(quick.get(sim.url("/model_info")).send().await.unwrap().status(), 200);
@@ -173,11 +173,28 @@ async fn fault_api_slows_health_then_hangs_the_engine() {
     let (status, _) = sim.post_json("/sim/faults", json!({"slow": 1})).await;
     assert_eq!(status, 400);
     let (status, out) = sim.post_json("/sim/faults", json!({"slow_health": 0})).await;
-    assert_eq!((status, out), (200, json!({"slow_health": null, "hung": false})));
+    assert_eq!((status, out), (200, json!({"slow_health": null, "hung": false, "scheduler_hung": false})));
     assert_eq!(quick.get(sim.url("/health")).send().await.unwrap().status(), 200);
 
     let (status, out) = sim.post_json("/sim/faults", json!({"hang": true})).await;
     assert_eq!((status, out["hung"].clone()), (200, json!(true)));
     assert!(quick.get(sim.url("/health")).send().await.unwrap_err().is_timeout(), "a hung engine answers nothing");
     assert!(quick.post(sim.url("/generate")).json(&gen_body("x", 2)).send().await.is_err());
+}
+
+#[tokio::test]
+async fn a_hung_scheduler_still_answers_what_the_http_process_serves_alone() {
+    let sim = Sim::start(&["--enable-fault-api"]).await;
+    let (status, out) = sim.post_json("/sim/faults", json!({"hang_scheduler": true})).await;
+    assert_eq!((status, out["scheduler_hung"].clone()), (200, json!(true)));
+    // The load snapshot and the model info come from the HTTP process.
+    assert_eq!(sim.get("/v1/loads").await.status(), 200);
+    assert_eq!(sim.get("/model_info").await.status(), 200);
+    // Whatever needs the scheduler never answers.
+    let quick = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().unwrap();
+    for path in ["/server_info", "/health_generate"] {
+        assert!(quick.get(sim.url(path)).send().await.is_err(), "{path} should hang");
+    }
+    let gen = quick.post(sim.url("/generate")).json(&json!({"text": "hi"})).send().await;
+    assert!(gen.is_err(), "/generate should hang");
 }

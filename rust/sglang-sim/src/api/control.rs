@@ -231,7 +231,12 @@ pub async fn set_faults(State(engine): State<AppState>, body: Bytes) -> Response
         tracing::warn!(port = engine.port, "simulated hang (POST /sim/faults)");
         engine.shared.set_hung();
     }
+    if req.hang_scheduler == Some(true) {
+        tracing::warn!(port = engine.port, "simulated scheduler hang (POST /sim/faults)");
+        engine.shared.set_scheduler_hung();
+    }
     let slow = engine.faults.slow_health().map(|d| d.as_secs_f64());
     // This answer still goes out: the hang gate holds only requests that arrive after it.
-    json_ok(json!({"slow_health": slow, "hung": engine.shared.is_hung()}))
+    json_ok(json!({"slow_health": slow, "hung": engine.shared.is_hung(),
+                   "scheduler_hung": engine.shared.is_scheduler_hung()}))
 }

@@ -149,6 +149,10 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
 
 /// The handler: fault accounting around [`serve`].
 pub async fn generate(State(engine): State<AppState>, body: Bytes) -> Response {
+    if engine.shared.is_scheduler_hung() {
+        // The tokenizer manager waits for a scheduler that never answers.
+        return std::future::pending().await;
+    }
     match engine.faults.admit() {
         Admission::Normal => serve(engine, body, None).await,
         Admission::Doomed => std::future::pending().await,

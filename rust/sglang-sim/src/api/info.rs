@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::UNIX_EPOCH;
 
 /// `/health` and `/health_generate` (one handler, as in SGLang): after the `--slow-health`
 /// delay, an empty 503 while starting or shutting down; `/health` is 200 at once when
@@ -79,7 +79,7 @@ pub async fn model_info(State(engine): State<AppState>) -> Response {
 }
 
 fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    crate::engine::unix_now()
 }
 
 fn internal_state(engine: &Engine, l: &RankLoad) -> Value {
@@ -97,6 +97,10 @@ fn internal_state(engine: &Engine, l: &RankLoad) -> Value {
 }
 
 pub async fn server_info(State(engine): State<AppState>) -> Response {
+    if engine.shared.is_scheduler_hung() {
+        // Its internal state comes from the scheduler, which never answers.
+        return std::future::pending().await;
+    }
     let cfg = &engine.cfg;
     let loads = engine.loads();
     let w = engine.weights();
@@ -268,6 +272,8 @@ pub async fn loads(State(engine): State<AppState>, q: Result<Query<LoadsQuery>, 
         loads.retain(|l| l.dp_rank == r);
     }
     let paused = engine.paused_waiters.load(Ordering::Acquire);
+    // SGLang 0.5.23 answers from the load snapshot in the HTTP process, without the scheduler:
+    // a hung scheduler's last loads still come back.
     let rows: Vec<Map<String, Value>> = loads.iter().map(|l| load_json(l, &include, paused)).collect();
     if q.format.as_deref() == Some("prometheus") {
         let mut out = String::new();
