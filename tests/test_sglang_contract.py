@@ -291,10 +291,12 @@ RESPONSE_KEYS = {"text", "output_ids", "meta_info"}
 # meta_info of a plain finished request on a server without --enable-metrics (no logprobs, no
 # speculative decoding, no multimodal input, nothing cached): tokenizer_manager.py:2507-2513,
 # :2553-2558, :2616-2617 (dp_rank: the scheduler always sends dp_ranks,
-# .../scheduler_components/output_streamer.py:228,723) and :2753 (e2e_latency once finished).
+# .../scheduler_components/output_streamer.py:228,723) and :2753 (e2e_latency once finished);
+# weight_versions: every finished request's spans (output_streamer.py:541-548, added by
+# tokenizer_manager.py:2560-2568 through utils/weight_versions.py add_weight_versions_to_meta_info).
 META_INFO_KEYS = {
     "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
-    "reasoning_tokens", "completion_tokens", "cached_tokens", "dp_rank", "e2e_latency",
+    "reasoning_tokens", "completion_tokens", "cached_tokens", "dp_rank", "e2e_latency", "weight_versions",
 }  # fmt: skip
 # finish_reason: sglang==0.5.23: sglang/srt/managers/schedule_batch.py:289-293 (stop), :325-329 (length)
 FINISH_LENGTH_KEYS = {"type", "length"}

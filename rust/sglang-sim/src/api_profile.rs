@@ -78,6 +78,14 @@ impl Release {
         self >= r(6)
     }
 
+    /// Every finished request's `meta_info` has `weight_versions` (one span per version its
+    /// output was generated on), as in 0.5.23 (`utils/weight_versions.py`, read in that
+    /// release; the earlier releases were not read for it, so they keep the spans only when the
+    /// version changed mid-request).
+    pub fn reports_version_spans_on_finish(self) -> bool {
+        self >= r(23)
+    }
+
     /// `/pause_generation` takes a `mode` from 0.5.6 on; before, it ignores its body and
     /// aborts every request.
     pub fn pause_has_modes(self) -> bool {

@@ -41,7 +41,11 @@ async fn chat_completion_has_sglang_shape() {
     assert_eq!(body["model"], "m");
     assert!(body["id"].as_str().unwrap().len() >= 32);
     assert!(body["created"].as_u64().unwrap() > 1_600_000_000);
-    assert_eq!(body["metadata"], json!({"weight_version": "default"}));
+    // 0.5.23 (the default profile) reports the version spans of every finished answer.
+    assert_eq!(
+        body["metadata"],
+        json!({"weight_version": "default", "weight_versions": [{"version": "default", "start": 0, "end": 5}]})
+    );
     let c = &body["choices"][0];
     assert_eq!(c["index"], 0);
     assert_eq!(c["finish_reason"], "length");

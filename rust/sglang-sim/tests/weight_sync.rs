@@ -237,3 +237,13 @@ async fn a_new_instance_loads_the_seeds_weights_through_the_remote_instance_rout
     assert_eq!(refused.wait_exit().await, Some(1));
     assert!(refused.logs().contains("one port per TP rank"), "{}", refused.logs());
 }
+
+#[tokio::test]
+async fn finished_answers_carry_their_version_spans_from_0_5_23() {
+    let sim = Sim::start(&[]).await;
+    let (_, g) = sim.generate(gen_body("spans", 3)).await;
+    assert_eq!(g["meta_info"]["weight_versions"], json!([{"version": "default", "start": 0, "end": 3}]));
+    let older = Sim::start(&["--sglang-api", "0.5.10.post1"]).await;
+    let (_, g) = older.generate(gen_body("spans", 3)).await;
+    assert!(g["meta_info"].get("weight_versions").is_none(), "{g}");
+}

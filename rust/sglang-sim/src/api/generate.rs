@@ -77,9 +77,12 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
     meta.insert("reasoning_tokens".into(), Value::from(0));
     meta.insert("num_retractions".into(), Value::from(v.retractions));
     meta.insert("weight_version".into(), Value::from(v.version));
-    if v.spans.len() > 1 {
-        let spans: Vec<Value> =
+    if v.spans.len() > 1 || (plan.spans_on_finish && v.finish.is_some()) {
+        let mut spans: Vec<Value> =
             v.spans.iter().map(|s| json!({"version": &*s.version, "start": s.start, "end": s.end})).collect();
+        if spans.is_empty() {
+            spans.push(json!({"version": v.version, "start": 0, "end": completion}));
+        }
         meta.insert("weight_versions".into(), Value::Array(spans));
     }
     if let Some(e2e) = v.e2e {

@@ -80,6 +80,9 @@ pub(super) struct Plan {
     pub(super) return_prompt_ids: bool,
     pub(super) log_metrics: bool,
     pub(super) dp_rank: Option<i64>,
+    /// A finished answer carries `meta_info.weight_versions` even when the version never
+    /// changed (one span), as SGLang 0.5.23 does; older profiles only when it changed.
+    pub(super) spans_on_finish: bool,
 }
 
 fn to_ids(raw: Vec<i64>) -> Result<Vec<u32>, String> {
@@ -197,5 +200,6 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
         return_prompt_ids: req.return_prompt_token_ids.unwrap_or(false),
         log_metrics: req.log_metrics.unwrap_or(true),
         dp_rank: req.routed_dp_rank.or(req.data_parallel_rank),
+        spans_on_finish: engine.cfg.sglang_api.reports_version_spans_on_finish(),
     })
 }
