@@ -611,7 +611,10 @@ def run(args: argparse.Namespace, client: RolloutClient, router: str, ckpt_root:
 
 def summarize(result: JsonObject, wall_secs: float) -> JsonObject:
     steps, points = result["steps"], result["timeline"]
-    active = [p["active"] for p in points]
+    # Engines in service: ACTIVE, or out of routing for a weight update (paused while the trainer
+    # broadcasts; requests wait in the router meanwhile).
+    in_service = ("ACTIVE", "WEIGHT_SYNCING", "READY")
+    active = [sum(1 for e in p["engines"].values() if e["status"] in in_service) for p in points]
     return {
         "steps": len(steps),
         "samples": sum(len(s["samples"]) for s in steps),
@@ -767,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[loop] {summary['steps']} steps, {summary['samples']} samples, {summary['tokens']} tokens;"
             f" max staleness {summary['max_staleness']} (bound {args.max_staleness});"
-            f" ACTIVE engines {summary['fleet_min']}..{summary['fleet_max']};"
+            f" engines in service {summary['fleet_min']}..{summary['fleet_max']};"
             f" published {summary['published'][0]}..{summary['published'][-1]};"
             f" final engines on {summary['final_versions']}; {summary['wall_secs']} s"
         )

@@ -79,8 +79,10 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     // `timeout` bounds the wait for the headers. A failure keeps its reason for `last_error`.
     // Beside each probe, the version the engine reports (`/model_info`, answered by SGLang's
     // HTTP process): a trainer that updates the engines itself is seen within a round.
+    // Bounded by the probe's own timeout, so a frozen engine does not lengthen the round.
     let reported = futures::future::join_all(targets.iter().map(|(id, at)| async move {
-        let served = manager.engine_api.model_info(&at.url).await.ok();
+        let served =
+            tokio::time::timeout(timeout, manager.engine_api.model_info(&at.url)).await.ok().and_then(Result::ok);
         let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
         (id.clone(), at.clone(), served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))))
     }));
