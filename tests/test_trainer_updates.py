@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, stop_manager, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, wait_until
 from _trainer import SPECS, StandInRank0, update_engines_directly
-from test_weights_resume import ENGINES, engine_identities, free_port, start
+from test_weights_resume import ENGINES, engine_identities, free_port, start, stop_both
 
 from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
 
@@ -304,15 +304,7 @@ def test_a_manager_killed_mid_broadcast_fails_the_update_and_restarts_its_member
             assert http("GET", e.url + "/ready").status == 200
         assert second.client.weights().version == "default"
     finally:
-        if first.process.poll() is None:
-            stop_manager(first, check=False)
-        if second is not None:
-            stop_manager(second)
-            assert not [i for i in identities.values() if i.alive()], "engine processes outlived the manager"
-        else:
-            for identity in identities.values():
-                first.engine_processes.setdefault(identity.pid, identity)
-            first.kill_leftovers()
+        stop_both(first, second, identities)
 
 
 def test_a_trainer_that_calls_the_engines_itself_is_followed(start_fleet: StartManager) -> None:

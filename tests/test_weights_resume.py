@@ -158,15 +158,22 @@ def crash_mid_update(
         assert weights["update_id"] == update_id and weights["history"][0]["resumed"] == 1, weights
         return before, ended, checksum
     finally:
-        if first.process.poll() is None:
-            stop_manager(first, check=False)
-        if second is not None:
-            stop_manager(second)
-            assert not [i for i in identities.values() if i.alive()], "engine processes outlived the manager"
-        else:
-            for identity in identities.values():
-                first.engine_processes.setdefault(identity.pid, identity)
-            first.kill_leftovers()
+        stop_both(first, second, identities)
+
+
+def stop_both(first: ManagerHandle, second: ManagerHandle | None, identities: dict[str, ProcessIdentity]) -> None:
+    """After a test that killed ``first`` and started ``second`` on its state: stops whichever
+    runs; no engine seen at the kill (``identities``) may outlive the second manager, and if
+    there was none, the first one's engines are killed so nothing leaks."""
+    if first.process.poll() is None:
+        stop_manager(first, check=False)
+    if second is not None:
+        stop_manager(second)
+        assert not [i for i in identities.values() if i.alive()], "engine processes outlived the manager"
+    else:
+        for identity in identities.values():
+            first.engine_processes.setdefault(identity.pid, identity)
+        first.kill_leftovers()
 
 
 def test_a_rolling_update_killed_mid_wave_resumes_and_commits(manager_bin: Path, tmp_path: Path) -> None:

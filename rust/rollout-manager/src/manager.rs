@@ -534,15 +534,7 @@ impl Manager {
                     }
                     return true;
                 }
-                let host = &self.config.engine_host;
-                if let Err(e) = inner.move_port(
-                    engine_id,
-                    |taken| free_port(host, taken),
-                    |port| format!("http://{}:{port}", url_host(host)),
-                ) {
-                    // Relaunch on the old port; if it is taken the launch fails and is retried.
-                    tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
-                }
+                self.move_to_fresh_port(inner, engine_id);
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.record.restarts += 1;
                     e.record.pid = None;
@@ -589,6 +581,20 @@ impl Manager {
                     tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
                 }
             }
+        }
+    }
+
+    /// A local engine about to start again moves to a free port (the old one may linger in
+    /// TIME_WAIT or be taken); if none can be had it keeps the old one, and a launch that finds
+    /// it taken fails and is retried.
+    fn move_to_fresh_port(&self, inner: &mut crate::fleet::FleetInner, engine_id: &str) {
+        let host = &self.config.engine_host;
+        if let Err(e) = inner.move_port(
+            engine_id,
+            |taken| free_port(host, taken),
+            |port| format!("http://{}:{port}", url_host(host)),
+        ) {
+            tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
         }
     }
 
@@ -973,14 +979,7 @@ impl Manager {
     async fn restart_in_place(self: &Arc<Self>, engine_id: &str, seed: crate::launch::Seed) -> Result<(), EngineError> {
         let process = self.fleet.update(|inner| {
             if !self.ray() {
-                let host = &self.config.engine_host;
-                if let Err(e) = inner.move_port(
-                    engine_id,
-                    |taken| free_port(host, taken),
-                    |port| format!("http://{}:{port}", url_host(host)),
-                ) {
-                    tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
-                }
+                self.move_to_fresh_port(inner, engine_id);
             }
             inner.engines.get_mut(engine_id).and_then(|e| {
                 e.copying_from = Some(seed.engine_id.clone());
