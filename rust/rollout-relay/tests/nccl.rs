@@ -53,3 +53,33 @@ async fn nccl_broadcast_delivers_a_verified_copy() {
     assert_same_files(&src, &dest.join("v1"));
     r.shutdown().await;
 }
+
+/// What one GPU can show (benches/gpu/run.sh): cudarc loads libcuda and libnccl, a one-rank NCCL
+/// communicator forms from a fresh unique id, and a broadcast from rank 0 leaves the device
+/// buffer intact through a host round trip, for every chunk size the relay uses.
+#[test]
+#[ignore = "needs a GPU and libnccl"]
+fn a_one_rank_communicator_broadcasts_on_one_gpu() {
+    if gpus() < 1 {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let id = cudarc::nccl::Id::new().unwrap();
+    let comm = cudarc::nccl::Comm::from_rank(stream.clone(), 0, 1, id).map_err(|e| format!("{:?}", e.0)).unwrap();
+    for size in [1usize << 10, 256 << 10, 4 << 20, 64 << 20] {
+        let host: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let mut dev = stream.alloc_zeros::<u8>(size).unwrap();
+        stream.memcpy_htod(&host, &mut dev).unwrap();
+        let started = std::time::Instant::now();
+        comm.broadcast_in_place(&mut dev, 0).map_err(|e| format!("{:?}", e.0)).unwrap();
+        stream.synchronize().unwrap();
+        let took = started.elapsed();
+        let mut back = vec![0u8; size];
+        stream.memcpy_dtoh(&dev, &mut back).unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(back, host, "{size} bytes changed in a one-rank broadcast");
+        println!("one-rank NCCL broadcast of {size} bytes: {:.1} us", took.as_secs_f64() * 1e6);
+    }
+}
