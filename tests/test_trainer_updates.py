@@ -333,3 +333,39 @@ def test_a_trainer_that_calls_the_engines_itself_is_followed(start_fleet: StartM
     view = fleet.wait_engines(3)
     for e in view.engines:
         assert model_info(e.url)["weight_version"] == "slime-1"
+
+
+def test_a_seed_that_dies_mid_copy_is_replaced_by_another(start_fleet: StartManager) -> None:
+    """The transfer model makes a copy take 3.2 s (4 GB at 10 Gbit/s); the seed a new engine
+    copies from is killed during it. The new engine's start fails, and the manager starts it
+    again copying from the other seed; the scale-out still ends ACTIVE on the trainer's version."""
+    fleet = start_fleet("--engine-arg=--weight-bytes=4000000000", "--engine-arg=--transfer-gbps=10")
+    make_sync(fleet, StandInRank0()).update("step-1", SPECS)
+    seeds = {e.engine_id: e for e in fleet.engines().with_status("ACTIVE")}
+    op = fleet.client.scale_out(num_replicas=3)
+
+    def sending() -> str | None:
+        busy = [e for e in seeds.values() if send_count(e.url) >= 1]
+        return busy[0].engine_id if busy else None
+
+    first = wait_until(sending, 30, "a seed to start sending")
+    victim = seeds[first]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    done = fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT)
+    assert done.status == "ACTIVE", done.raw
+    fleet.track_children()
+    other = next(e for e in seeds.values() if e.engine_id != first)
+    assert send_count(other.url) >= 1, "the other seed sent the copy"
+    new = [e for e in fleet.engines().engines if e.engine_id not in seeds]
+    assert len(new) == 1 and new[0].status == "ACTIVE"
+    # Its first start, copying from the killed seed, failed and was retried from the other one.
+    assert "copy from the seed failed at startup" in fleet.stderr_tail(1_000_000)
+    assert model_info(new[0].url)["weight_version"] == "step-1"
+    # The killed seed comes back too, on a copy of step-1.
+    wait_until(
+        lambda: (e := fleet.engines().by_id(first)) is not None and e.status == "ACTIVE" and e.restarts == 1,
+        STARTUP_TIMEOUT,
+        f"{first} restarted",
+    )
+    fleet.track_children()

@@ -46,6 +46,9 @@ pub struct Manager {
     pub agents: AgentHost,
 }
 
+/// Seeds a starting engine tries before its launch counts as failed ([`Manager::launch_healthy`]).
+pub const SEED_ATTEMPTS: usize = 3;
+
 /// What an engine shows while its placement waits for an agent.
 pub const PENDING_DETAIL: &str = "PENDING_RESOURCES: waiting for the Ray shim to place the engine and bind its agent";
 
@@ -305,18 +308,80 @@ impl Manager {
     /// scale-out) cannot leave a started process unregistered; a process whose engine left the
     /// fleet meanwhile is stopped.
     pub async fn launch(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
+        self.launch_avoiding(engine_id, &[]).await.map(|_| ())
+    }
+
+    /// [`Manager::launch`] not copying from the seeds in `tried`; answers the seed it copies
+    /// from, if any.
+    async fn launch_avoiding(
+        self: &Arc<Self>,
+        engine_id: &str,
+        tried: &[String],
+    ) -> Result<Option<String>, EngineError> {
         let m = self.clone();
         let id = engine_id.to_string();
+        let tried = tried.to_vec();
         self.tasks
-            .spawn(async move { m.launch_now(&id).await })
+            .spawn(async move { m.launch_now(&id, tried).await })
             .await
             .unwrap_or_else(|e| Err(EngineError::Launch(format!("launch task failed: {e}"))))
     }
 
-    async fn launch_now(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
-        let seed = self.usable_seed(engine_id, &mut Vec::new()).await;
+    async fn launch_now(
+        self: &Arc<Self>,
+        engine_id: &str,
+        mut tried: Vec<String>,
+    ) -> Result<Option<String>, EngineError> {
+        let seed = self.usable_seed(engine_id, &mut tried).await;
+        let copying = seed.as_ref().map(|s| s.engine_id.clone());
         let hosted = self.start_process(engine_id, seed).await?;
-        self.register_process(engine_id, hosted, Some(EngineEvent::Launched))
+        self.register_process(engine_id, hosted, Some(EngineEvent::Launched))?;
+        Ok(copying)
+    }
+
+    /// Launches a reserved engine and waits until it is healthy. An engine that copies the
+    /// fleet's version from a seed and exits before it is healthy (the seed died or refused
+    /// mid-copy: SGLang's loader then fails the start) is started again copying from another
+    /// seed, up to [`SEED_ATTEMPTS`] seeds; any other failure is returned as it is.
+    pub async fn launch_healthy(
+        self: &Arc<Self>,
+        engine_id: &str,
+        cancel: &CancellationToken,
+    ) -> Result<(), EngineError> {
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let seed = self.launch_avoiding(engine_id, &tried).await?;
+            let healthy = self.wait_healthy(engine_id, cancel).await;
+            if healthy.is_ok() && !tried.is_empty() {
+                self.fleet.update(|inner| {
+                    if let Some(e) = inner.engines.get_mut(engine_id) {
+                        e.record.detail = None;
+                    }
+                });
+            }
+            let (Err(EngineError::Exited(why)), Some(seed)) = (&healthy, seed) else { return healthy };
+            tried.push(seed.clone());
+            if tried.len() >= SEED_ATTEMPTS {
+                return healthy;
+            }
+            let again = self.fleet.update(|inner| {
+                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                    return false;
+                }
+                if !self.ray() {
+                    self.move_to_fresh_port(inner, engine_id);
+                }
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.pid = None;
+                    e.record.detail = Some(format!("the copy from {seed} failed ({why}); copying from another seed"));
+                }
+                true
+            });
+            if !again {
+                return healthy;
+            }
+            tracing::warn!(engine_id, seed = %seed, error = %why, "copy from the seed failed at startup; starting again from another seed");
+        }
     }
 
     /// What a starting engine loads: the newest version (an update's target, else the current
@@ -547,8 +612,7 @@ impl Manager {
             }
             tracing::info!(engine_id, "restarting failed engine");
             let result = async {
-                self.launch(engine_id).await?;
-                self.wait_healthy(engine_id, &self.shutdown).await?;
+                self.launch_healthy(engine_id, &self.shutdown).await?;
                 self.fleet
                     .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
                     .map_err(|e| EngineError::Launch(e.to_string()))?;

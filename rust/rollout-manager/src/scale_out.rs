@@ -77,10 +77,10 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
     let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record.origin == EngineOrigin::External);
     if external {
         manager.connect(id).await?;
+        manager.wait_healthy(id, cancel).await?;
     } else {
-        manager.launch(id).await?;
+        manager.launch_healthy(id, cancel).await?;
     }
-    manager.wait_healthy(id, cancel).await?;
     manager
         .fleet
         .update(|inner| inner.engine_event(id, EngineEvent::Healthy))
