@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, wait_until
 from _trainer import SPECS, StandInRank0, update_engines_directly
 from test_weights_resume import ENGINES, engine_identities, free_port, start, stop_both
@@ -76,6 +77,17 @@ class Traffic:
             self._thread.join(timeout=120)
 
 
+#: SGLang releases the scenarios below run on: the oldest that RL frameworks pin and whose engines
+#: can send weights to a new instance (AReaL's 0.5.10.post1), and the newest. On 0.5.2, which
+#: cannot, a new engine waits for the trainer's next update instead (test_sglang_releases).
+RELEASES = ["0.5.10.post1", "0.5.23"]
+
+
+@pytest.fixture(params=RELEASES)
+def release_fleet(request: pytest.FixtureRequest, start_fleet: StartManager) -> ManagerHandle:
+    return start_fleet(f"--engine-arg=--sglang-api={request.param}")
+
+
 def test_an_update_is_the_fleets_version_everywhere(fleet: ManagerHandle) -> None:
     rank0 = StandInRank0()
     sync = make_sync(fleet, rank0)
@@ -124,7 +136,8 @@ def test_an_update_is_the_fleets_version_everywhere(fleet: ManagerHandle) -> Non
     assert fleet.client.weights().version == "step-2"
 
 
-def test_a_scale_out_and_a_sigkilled_engine_never_answer_on_another_version(fleet: ManagerHandle) -> None:
+def test_a_scale_out_and_a_sigkilled_engine_never_answer_on_another_version(release_fleet: ManagerHandle) -> None:
+    fleet = release_fleet
     sync = make_sync(fleet, StandInRank0())
     sync.update("step-1", SPECS)
     seeds = fleet.engines().with_status("ACTIVE")
@@ -166,7 +179,8 @@ def test_a_scale_out_and_a_sigkilled_engine_never_answer_on_another_version(flee
     assert {e.weight_version for e in fleet.engines().engines} == {"step-1"}
 
 
-def test_an_update_during_a_scale_out_reaches_every_engine(fleet: ManagerHandle) -> None:
+def test_an_update_during_a_scale_out_reaches_every_engine(release_fleet: ManagerHandle) -> None:
+    fleet = release_fleet
     sync = make_sync(fleet, StandInRank0())
     sync.update("step-1", SPECS)
     op = fleet.client.scale_out(num_replicas=4)
@@ -183,7 +197,8 @@ def test_an_update_during_a_scale_out_reaches_every_engine(fleet: ManagerHandle)
     assert fleet.client.weights().version == "step-2"
 
 
-def test_a_scale_in_waits_for_the_update_its_engine_is_part_of(fleet: ManagerHandle) -> None:
+def test_a_scale_in_waits_for_the_update_its_engine_is_part_of(release_fleet: ManagerHandle) -> None:
+    fleet = release_fleet
     op = fleet.client.scale_out(num_replicas=3)
     assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
     fleet.track_children()
@@ -214,7 +229,8 @@ def test_a_scale_in_waits_for_the_update_its_engine_is_part_of(fleet: ManagerHan
     assert {e.weight_version for e in view.engines} == {"step-1"}
 
 
-def test_an_engine_killed_before_the_broadcast_is_caught_up(fleet: ManagerHandle) -> None:
+def test_an_engine_killed_before_the_broadcast_is_caught_up(release_fleet: ManagerHandle) -> None:
+    fleet = release_fleet
     rank0 = StandInRank0()
     sync = make_sync(fleet, rank0)
     sync.update("step-1", SPECS)
