@@ -161,6 +161,11 @@ class UpdateResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
+#: Seconds between polls of the update's record once the trainer has broadcast: the update ends
+#: a few milliseconds after the engines answer, and a trainer waits on it every step.
+POLL = 0.01
+
+
 def _free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
@@ -291,7 +296,7 @@ class DistributedWeightSync(_SyncBase):
                 done = self.manager.weight_update(opened.update_id)
                 raise WeightSyncError("join_group", [EngineFailure("-", "", err.status, err.message)], done) from err
             self.broadcast(layout, specs)
-            done = self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout)
+            done = self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout, poll_interval=POLL)
             return _outcome(version, layout, rebuilt, done)
 
     def _abort(self, update_id: str, reason: str) -> None:
@@ -378,7 +383,7 @@ class AsyncDistributedWeightSync(_SyncBase):
                 done = await self.manager.weight_update(opened.update_id)
                 raise WeightSyncError("join_group", [EngineFailure("-", "", err.status, err.message)], done) from err
             await _maybe_await(self.broadcast(layout, specs))
-            done = await self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout)
+            done = await self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout, poll_interval=POLL)
             return _outcome(version, layout, rebuilt, done)
 
     async def close(self) -> None:
