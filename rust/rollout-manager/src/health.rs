@@ -80,12 +80,19 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     // Beside each probe, the version the engine reports (`/model_info`, answered by SGLang's
     // HTTP process): a trainer that updates the engines itself is seen within a round.
     // Bounded by the probe's own timeout, so a frozen engine does not lengthen the round.
-    let reported = futures::future::join_all(targets.iter().map(|(id, at)| async move {
-        let served =
-            tokio::time::timeout(timeout, manager.engine_api.model_info(&at.url)).await.ok().and_then(Result::ok);
-        let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
-        (id.clone(), at.clone(), served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))))
-    }));
+    // Only ACTIVE engines: an UNHEALTHY one's version is checked when it tries to rejoin.
+    let active: HashSet<String> = {
+        let inner = manager.fleet.lock();
+        let active = |id: &String| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Active);
+        targets.iter().filter(|(id, _)| active(id)).map(|(id, _)| id.clone()).collect()
+    };
+    let reported =
+        futures::future::join_all(targets.iter().filter(|(id, _)| active.contains(id)).map(|(id, at)| async move {
+            let served =
+                tokio::time::timeout(timeout, manager.engine_api.model_info(&at.url)).await.ok().and_then(Result::ok);
+            let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
+            (id.clone(), at.clone(), served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))))
+        }));
     let probed = futures::future::join_all(targets.iter().map(|(id, at)| async move {
         let health = manager.engine_api.probe(&at.url, endpoint, timeout);
         if manager.config.health_pause_grace_secs <= 0.0 {

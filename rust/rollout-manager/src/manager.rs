@@ -904,10 +904,12 @@ impl Manager {
             let mut engines: Vec<&crate::fleet::Engine> =
                 inner.engines.values().filter(|e| e.record.engine_id != engine_id).collect();
             engines.sort_by_key(|e| e.seq);
-            let sending = |id: &str| {
-                u32::try_from(inner.engines.values().filter(|e| e.copying_from.as_deref() == Some(id)).count())
-                    .unwrap_or(u32::MAX)
-            };
+            // Copies in progress per seed, counted once (this runs under the registry lock).
+            let mut copies: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+            for seed in inner.engines.values().filter_map(|e| e.copying_from.as_deref()) {
+                *copies.entry(seed).or_default() += 1;
+            }
+            let sending = |id: &str| copies.get(id).copied().unwrap_or(0);
             let candidates: Vec<rollout_core::catchup::SeedCandidate<'_>> = engines
                 .iter()
                 .map(|e| rollout_core::catchup::SeedCandidate {
