@@ -215,6 +215,10 @@ pub struct Engine {
     /// no checkpoint: it waits out of routing (WEIGHT_SYNCING) for the trainer's next update,
     /// which includes it.
     pub awaiting_trainer: bool,
+    /// How many state transitions it has made: a health round's reading of its weight version
+    /// is applied only if none happened since the reading was asked for (a weight update moves
+    /// the engine through WEIGHT_SYNCING, so an answer from before the update is stale).
+    pub transitions: u64,
     /// What this engine holds of the fleet's local pool, returned when it is forgotten.
     held: Held,
 }
@@ -390,6 +394,7 @@ impl FleetInner {
             bringup: None,
             copying_from: None,
             awaiting_trainer: false,
+            transitions: 0,
             keeper_socket,
             held,
         };
@@ -476,6 +481,7 @@ impl FleetInner {
         let to = from.on(event)?;
         tracing::info!(engine_id, %from, %to, "engine");
         engine.record.status = to;
+        engine.transitions += 1;
         engine.record.updated_at = unix_now();
         engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
         match (event, to) {
@@ -855,6 +861,7 @@ mod tests {
             bringup: None,
             copying_from: None,
             awaiting_trainer: false,
+            transitions: 0,
             pid_start_ticks: None,
             keeper_socket: None,
             held: Held::default(),

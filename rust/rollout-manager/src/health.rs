@@ -81,18 +81,30 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     // HTTP process): a trainer that updates the engines itself is seen within a round.
     // Bounded by the probe's own timeout, so a frozen engine does not lengthen the round.
     // Only ACTIVE engines: an UNHEALTHY one's version is checked when it tries to rejoin.
-    let active: HashSet<String> = {
+    // Each reading is stamped with what the registry knew when it was asked for, and applied
+    // only if nothing moved since (see [`observe_versions`]).
+    let (asked, weights_seq): (Vec<(String, Incarnation, u64)>, u64) = {
         let inner = manager.fleet.lock();
-        let active = |id: &String| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Active);
-        targets.iter().filter(|(id, _)| active(id)).map(|(id, _)| id.clone()).collect()
+        let asked = targets
+            .iter()
+            .filter_map(|(id, at)| {
+                let e = inner.engines.get(id).filter(|e| e.record.status == EngineStatus::Active)?;
+                Some((id.clone(), at.clone(), e.transitions))
+            })
+            .collect();
+        (asked, inner.weights.next_seq)
     };
-    let reported =
-        futures::future::join_all(targets.iter().filter(|(id, _)| active.contains(id)).map(|(id, at)| async move {
-            let served =
-                tokio::time::timeout(timeout, manager.engine_api.model_info(&at.url)).await.ok().and_then(Result::ok);
-            let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
-            (id.clone(), at.clone(), served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))))
-        }));
+    let reported = futures::future::join_all(asked.into_iter().map(|(id, at, transitions)| async move {
+        let served =
+            tokio::time::timeout(timeout, manager.engine_api.model_info(&at.url)).await.ok().and_then(Result::ok);
+        let text = |info: &serde_json::Value, k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
+        Reported {
+            engine_id: id,
+            at,
+            transitions,
+            served: served.map(|i| (text(&i, "weight_version"), text(&i, "weights_checksum"))),
+        }
+    }));
     let probed = futures::future::join_all(targets.iter().map(|(id, at)| async move {
         let health = manager.engine_api.probe(&at.url, endpoint, timeout);
         if manager.config.health_pause_grace_secs <= 0.0 {
@@ -105,7 +117,7 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         (id, at, failure, scheduler)
     }));
     let (results, reported) = tokio::join!(probed, reported);
-    observe_versions(manager, &reported);
+    observe_versions(manager, &reported, weights_seq);
     let policy = ProbePolicy {
         threshold: manager.config.health_failure_threshold,
         restart_failed: manager.config.restart_failed_engines,
@@ -249,39 +261,61 @@ pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
     }
 }
 
-/// What an engine's `/model_info` said in a health round: its version and checksum (None: no
-/// answer), for the start of the engine the round probed.
-type Reported = (String, Incarnation, Option<(Option<String>, Option<String>)>);
+/// What an engine's `/model_info` said in a health round (`served`: its version and checksum,
+/// None: no answer), for the start of the engine (`at`) and the number of state transitions it
+/// had made (`transitions`) when the reading was asked for.
+struct Reported {
+    engine_id: String,
+    at: Incarnation,
+    transitions: u64,
+    served: Option<(Option<String>, Option<String>)>,
+}
+
+impl Reported {
+    /// The reported version when the reading still describes the engine: the same start, still
+    /// ACTIVE, and no transition since it was asked for. An engine the manager updated
+    /// meanwhile went through WEIGHT_SYNCING, and what it said before that is stale.
+    fn fresh<'a>(&'a self, e: &crate::fleet::Engine) -> Option<&'a (Option<String>, Option<String>)> {
+        let same =
+            e.record.status == EngineStatus::Active && e.transitions == self.transitions && incarnation(e) == self.at;
+        self.served.as_ref().filter(|_| same)
+    }
+}
 
 /// The registry follows what serving engines report: an ACTIVE engine whose `/model_info`
 /// names another version than its record (a trainer that calls SGLang itself) has its record
 /// corrected, so pins and metrics see it; once every ACTIVE engine reports the same new
 /// version and no update runs, it becomes the fleet's version
 /// ([`rollout_core::catchup::observed_version`]), and engines that start later copy it.
-fn observe_versions(manager: &Manager, reported: &[Reported]) {
+/// Readings older than a change the manager made are dropped: an engine updated since, or any
+/// change of the fleet's version since `weights_seq` was read.
+fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) {
     let changed = {
         let inner = manager.fleet.lock();
-        reported.iter().any(|(id, at, served)| {
-            let Some((version, _)) = served else { return false };
-            inner.engines.get(id).is_some_and(|e| {
-                e.record.status == EngineStatus::Active && incarnation(e) == *at && e.record.weight_version != *version
-            })
+        reported.iter().any(|r| {
+            inner
+                .engines
+                .get(&r.engine_id)
+                .is_some_and(|e| r.fresh(e).is_some_and(|(version, _)| e.record.weight_version != *version))
         })
     };
     if !changed {
         return;
     }
     manager.fleet.update(|inner| {
-        for (id, at, served) in reported {
-            let Some((version, checksum)) = served else { continue };
-            let Some(e) = inner.engines.get_mut(id) else { continue };
-            if e.record.status != EngineStatus::Active || incarnation(e) != *at || e.record.weight_version == *version {
+        for r in reported {
+            let Some(e) = inner.engines.get_mut(&r.engine_id) else { continue };
+            let Some((version, checksum)) = r.fresh(e).cloned() else { continue };
+            if e.record.weight_version == version {
                 continue;
             }
-            tracing::warn!(engine_id = %id, recorded = ?e.record.weight_version, reports = ?version,
+            tracing::warn!(engine_id = %r.engine_id, recorded = ?e.record.weight_version, reports = ?version,
                 "engine reports another weight version than recorded (loaded without the manager); the registry follows it");
-            e.record.weight_version = version.clone();
-            e.record.weights_checksum = checksum.clone();
+            e.record.weight_version = version;
+            e.record.weights_checksum = checksum;
+        }
+        if inner.weights.next_seq != weights_seq {
+            return;
         }
         if inner.weights.running.is_some() {
             return;
@@ -290,7 +324,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported]) {
             inner.engines.values().filter(|e| e.record.status == EngineStatus::Active).collect();
         active.sort_by_key(|e| e.seq);
         let serving: Vec<Option<&str>> = active.iter().map(|e| e.record.weight_version.as_deref()).collect();
-        let known: Vec<String> = inner.weights.known_versions().into_iter().map(|v| v.version).collect();
+        let known = inner.weights.seen_versions();
         let known: Vec<&str> = known.iter().map(String::as_str).collect();
         let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current.version, &known, &serving)
         else {

@@ -522,6 +522,23 @@ impl WeightsState {
         out
     }
 
+    /// Every version name the fleet has served: the current one, and each update's target
+    /// (unless it failed) and the version it started from. A version an engine reports
+    /// that is among these is not a trainer's new one (an engine that fell behind, or a
+    /// reading from before an update), so the fleet never goes back to it by observation.
+    pub fn seen_versions(&self) -> Vec<String> {
+        let mut out = vec![self.current.version.clone()];
+        for u in self.updates.values() {
+            let target = (u.status != WeightUpdateStatus::Failed).then_some(&u.version);
+            for v in target.into_iter().chain([&u.previous_version]) {
+                if !out.contains(v) {
+                    out.push(v.clone());
+                }
+            }
+        }
+        out
+    }
+
     /// A trainer updated the engines without the manager and every serving engine (`engines`)
     /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
     /// COMPLETED update recording what was observed, so the version history (and the pins'

@@ -40,6 +40,9 @@ struct State {
     next_pid: u32,
     /// The next probe waits for this to open, then fails (see [`FakeEngines::hold_next_probe`]).
     held_probe: Option<watch::Receiver<bool>>,
+    /// The next `/model_info` calls to hold: each reads what the engine serves when asked,
+    /// waits for the gate, then answers that (see [`FakeEngines::hold_model_info`]).
+    held_info: Option<(usize, watch::Receiver<bool>, watch::Sender<usize>)>,
 }
 
 /// Engines that do what a test tells them.
@@ -90,6 +93,16 @@ impl FakeEngines {
         let (open, gate) = watch::channel(false);
         self.state().held_probe = Some(gate);
         (open, self.probe_held.clone())
+    }
+
+    /// The next `count` `/model_info` calls read what the engine serves at once but answer
+    /// only when the returned gate sends `true`: a reading that arrives late. The receiver
+    /// counts the calls held so far.
+    pub fn hold_model_info(&self, count: usize) -> (watch::Sender<bool>, watch::Receiver<usize>) {
+        let (open, gate) = watch::channel(false);
+        let (held, holding) = watch::channel(0);
+        self.state().held_info = Some((count, gate, held));
+        (open, holding)
     }
 
     pub fn calls(&self) -> Vec<String> {
@@ -190,11 +203,26 @@ impl EngineApi for FakeEngines {
 
     fn model_info<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<serde_json::Value, EngineError>> {
         Box::pin(async move {
-            let s = self.state();
-            match s.serving.get(url).filter(|_| !s.down.contains(url)) {
-                Some(v) => Ok(serde_json::json!({"model_path": MODEL, "weight_version": v})),
-                None => Err(EngineError::Unreachable { path: "/model_info", detail: "connection refused".into() }),
+            let (answer, gate) = {
+                let mut s = self.state();
+                let answer = match s.serving.get(url).filter(|_| !s.down.contains(url)) {
+                    Some(v) => Ok(serde_json::json!({"model_path": MODEL, "weight_version": v})),
+                    None => Err(EngineError::Unreachable { path: "/model_info", detail: "connection refused".into() }),
+                };
+                let gate = match s.held_info.as_mut() {
+                    Some((left, gate, held)) if *left > 0 => {
+                        *left -= 1;
+                        held.send_modify(|n| *n += 1);
+                        Some(gate.clone())
+                    }
+                    _ => None,
+                };
+                (answer, gate)
+            };
+            if let Some(mut gate) = gate {
+                let _ = gate.wait_for(|open| *open).await;
             }
+            answer
         })
     }
 

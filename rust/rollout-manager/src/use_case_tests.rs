@@ -374,6 +374,63 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     assert_eq!(loads.len(), 2, "{loads:?}");
 }
 
+/// A health round asks both engines for their version, then a rolling update moves them to
+/// v1 before the answers (from before the update) arrive. Those answers are stale: the records
+/// stay on v1 and the fleet does not go back to the startup version (CI caught the health round
+/// taking `default` as a trainer's new version, and new engines then started on it).
+#[tokio::test]
+async fn a_version_reading_from_before_an_update_does_not_undo_it() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let (open, mut held) = engines.hold_model_info(2);
+    let rejoining = crate::health::Rejoining::default();
+    let probing = {
+        let (m2, rejoining) = (m.clone(), rejoining.clone());
+        m.tasks.spawn(async move { crate::health::probe_all(&m2, &rejoining).await })
+    };
+    held.wait_for(|n| *n == 2).await.expect("both readings are held");
+    let update = start_rolling_update(&m, "v1", "/ckpt/v1");
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    open.send_replace(true);
+    probing.await.expect("the probe pass ends");
+    let inner = m.fleet.lock();
+    assert_eq!(inner.weights.current.version, "v1");
+    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("v1")));
+    assert_eq!(inner.weights.updates.len(), 1, "no update observed from the engines");
+}
+
+/// Every serving engine reports a version the fleet served before (an update's previous one):
+/// that is never taken as a trainer's new version, so the fleet does not go back by observation.
+#[tokio::test]
+async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    let cancels = Arc::new(Cancels::default());
+    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let update = start_rolling_update(&m, "v1", "/ckpt/v1");
+    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    // Both engines are put back on the startup weights behind the manager's back.
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record.url.clone()).collect();
+    for url in urls {
+        let load = crate::engine_api::DiskLoad {
+            path: "/base".into(),
+            version: "default".into(),
+            abort_all: false,
+            timeout: std::time::Duration::from_secs(1),
+        };
+        crate::engine_api::EngineApi::load_from_disk(engines.as_ref(), &url, &load).await.expect("loaded");
+    }
+    crate::health::probe_all(&m, &crate::health::Rejoining::default()).await;
+    let inner = m.fleet.lock();
+    // The registry says what the engines serve; the fleet's version stays.
+    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("default")));
+    assert_eq!(inner.weights.current.version, "v1");
+}
+
 #[tokio::test]
 async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its_version() {
     let engines = Arc::new(FakeEngines::default());
