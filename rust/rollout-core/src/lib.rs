@@ -19,6 +19,7 @@ pub mod health;
 pub mod lengths;
 pub mod placement;
 pub mod restore;
+pub mod routes;
 pub mod routing;
 pub mod scale_in;
 pub mod scale_out;

@@ -1,9 +1,10 @@
 //! The data plane: an SGLang-compatible proxy in front of the fleet's ACTIVE engines.
 //!
-//! Every path other than the router's own routes (health, the fan-outs, a read-only smg-style
-//! `/workers` list) is forwarded unchanged (method, path,
-//! query, body, end-to-end headers) to one engine chosen by the routing policy
-//! (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
+//! The data plane (generation, tokenization, read-only information:
+//! `rollout_core::routes`, an allow-list; every other path is refused with 403) is forwarded
+//! unchanged (method, path, query, body, end-to-end headers) to one engine chosen by the
+//! routing policy; the router serves its own routes (health, the fan-outs, a read-only
+//! smg-style `/workers` list) itself. Routing policies (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
 //! `session`, set by `--routing-policy` or per request with the `x-routing-policy` header.
 //! Responses, server-sent-event streams included, are streamed back frame by frame as they
 //! arrive, over pooled HTTP/1.1 connections to the engines.
@@ -72,6 +73,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics::{ErrorKind, RouterMetrics};
+use rollout_core::routes::Intent;
 use rollout_core::routing::InflightCap;
 use rollout_core::routing::{choose, Gate, Policy, VersionPin};
 use rollout_core::ServeConfig;
@@ -434,32 +436,6 @@ fn engine_uri(backend: &Route, path: &PathAndQuery) -> Result<Uri, axum::http::E
     }
 }
 
-/// Engine routes that change an engine's weights or lifecycle. The manager owns those, so the
-/// router does not forward them (one engine changed behind the manager's back would serve a
-/// version the fleet does not know). `/abort_request` and `/flush_cache` are fanned out instead.
-const ADMIN_ROUTES: [&str; 20] = [
-    "/update_weights_from_disk",
-    "/update_weights_from_tensor",
-    "/update_weights_from_distributed",
-    "/update_weights_from_ipc",
-    "/init_weights_update_group",
-    "/destroy_weights_update_group",
-    "/begin_weight_update",
-    "/end_weight_update",
-    "/update_weight_version",
-    "/pause_generation",
-    "/continue_generation",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-    "/init_weights_send_group_for_remote_instance",
-    "/send_weights_to_remote_instance",
-    "/load_lora_adapter",
-    "/unload_lora_adapter",
-    "/start_profile",
-    "/stop_profile",
-    "/pd_role_switch",
-];
-
 /// Sends the request to every routable engine (abort and cache flush concern them all) and
 /// answers 200 when all succeeded, else 502, with each engine's status.
 async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Response {
@@ -501,14 +477,22 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
 async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Response {
     let metrics = &state.metrics;
     metrics.request();
-    if ADMIN_ROUTES.contains(&request.uri().path()) {
-        metrics.error(ErrorKind::BadRequest);
-        let msg = format!(
-            "{} changes an engine's weights or lifecycle, which the manager owns; the router does not forward it. \
-             Use the manager's control API (weights, scale) or call an engine directly",
-            request.uri().path()
-        );
-        return error(StatusCode::FORBIDDEN, "admin_route", &msg);
+    // Fail closed: only the data plane is forwarded (rollout_core::routes).
+    match rollout_core::routes::intent(request.method().as_str(), request.uri().path()) {
+        Intent::Forward => {}
+        Intent::WrongMethod(allowed) => {
+            metrics.error(ErrorKind::BadRequest);
+            let msg = format!("{} takes {}, not {}", request.uri().path(), allowed.join(" or "), request.method());
+            let mut resp = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", &msg);
+            if let Ok(v) = axum::http::HeaderValue::from_str(&allowed.join(", ")) {
+                resp.headers_mut().insert(axum::http::header::ALLOW, v);
+            }
+            return resp;
+        }
+        Intent::Refuse(why) => {
+            metrics.error(ErrorKind::BadRequest);
+            return error(StatusCode::FORBIDDEN, why.code(), &why.message(request.uri().path()));
+        }
     }
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
