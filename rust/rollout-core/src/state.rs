@@ -222,6 +222,8 @@ impl EngineStatus {
             },
             S::Ready => match event {
                 E::Activated => S::Active,
+                // The fleet's version moved while it waited to be activated: it syncs again.
+                E::UpdateWeights => S::WeightSyncing,
                 E::Remove => S::Removing,
                 E::Fail => S::Failed,
                 E::Bound
@@ -232,8 +234,7 @@ impl EngineStatus {
                 | E::ProbeRecovered
                 | E::Drain
                 | E::Removed
-                | E::Restart
-                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+                | E::Restart => return Err(illegal("engine", self, event)),
             },
             S::Active => match event {
                 E::ProbeFailed => S::Unhealthy,

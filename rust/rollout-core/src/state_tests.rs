@@ -97,7 +97,7 @@ fn engine_edge_table() {
         (S::Removed, E::Restart, None),
         (S::Unhealthy, E::UpdateWeights, None),
         (S::WeightSyncing, E::UpdateWeights, None),
-        (S::Ready, E::UpdateWeights, None),
+        (S::Ready, E::UpdateWeights, Some(S::WeightSyncing)),
     ];
     for (from, event, expected) in table {
         let got = from.on(event).ok();
@@ -211,6 +211,7 @@ fn every_edge_of_the_engine_machine() {
         (S::Active, E::Drain, S::Draining),
         (S::Unhealthy, E::Drain, S::Draining),
         (S::Active, E::UpdateWeights, S::WeightSyncing),
+        (S::Ready, E::UpdateWeights, S::WeightSyncing),
         (S::Removing, E::Removed, S::Removed),
         (S::Failed, E::Restart, S::Creating),
     ];

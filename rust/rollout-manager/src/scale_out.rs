@@ -182,35 +182,24 @@ pub async fn run(
 
     // Decide and activate in one registry update, so an engine that died after READY is seen:
     // under rollback_all every engine must still be READY, under keep_partial each READY one
-    // is kept and the others are recorded as failed.
-    let may_keep = settle::may_keep(end, policy, !failed.is_empty());
-    let (keep, concluded) = manager.fleet.update(|inner| {
-        if !may_keep {
-            return (Vec::new(), false);
+    // is kept and the others are recorded as failed. An engine READY on a version the fleet no
+    // longer wants (an update began while it waited for the others) syncs again first.
+    let mut end = end;
+    let mut resyncs = 0;
+    let (keep, concluded) = loop {
+        if settle::may_keep(end, policy, !failed.is_empty()) && resyncs < MAX_RESYNCS {
+            let stale = stale_ready(manager, &ids);
+            if !stale.is_empty() {
+                resyncs += 1;
+                end = resync(manager, &stale, deadline, &cancel, &mut failed, policy).await.unwrap_or(end);
+                continue;
+            }
         }
-        let candidates: Vec<String> =
-            ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
-        let (ready, lost): (Vec<String>, Vec<String>) = candidates
-            .into_iter()
-            .partition(|id| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready));
-        for id in &lost {
-            let url = inner.engines.get(id).map(|e| e.record.url.clone()).unwrap_or_default();
-            failed.push(FailedEngine { engine_id: id.clone(), url, error: "failed after it was ready".into() });
+        let may_resync = resyncs < MAX_RESYNCS;
+        if let Some(activated) = activate(manager, request_id, &ids, end, policy, start, &mut failed, may_resync) {
+            break activated;
         }
-        if !settle::activate(policy, ready.len(), lost.len()) {
-            return (Vec::new(), false);
-        }
-        for id in &ready {
-            crate::records::checked(inner.engine_event(id, EngineEvent::Activated));
-        }
-        // Every engine made it: the operation ends in the same update, so nobody sees the new
-        // engines ACTIVE while the operation still holds the one-operation lock.
-        let concluded = ready.len() == ids.len();
-        if concluded {
-            conclude(inner, request_id, start, ScaleOutEvent::Activated, None, &failed);
-        }
-        (ready, concluded)
-    });
+    };
 
     let initial =
         manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == crate::records::Trigger::Initial);
@@ -283,4 +272,127 @@ async fn cleanup(manager: &Manager, engine_id: &str, keep_listed: bool, reason: 
     } else {
         manager.remove_engine(engine_id).await;
     }
+}
+
+/// Most rounds of syncing engines READY on a stale version again before the activation.
+const MAX_RESYNCS: u32 = 5;
+
+/// The operation's engines that are READY but do not serve the version the fleet wants now.
+fn stale_ready(manager: &Manager, ids: &[String]) -> Vec<String> {
+    let inner = manager.fleet.lock();
+    let (want, _) = inner.weights.desired();
+    ids.iter()
+        .filter(|id| {
+            inner.engines.get(*id).is_some_and(|e| {
+                e.record.status == EngineStatus::Ready
+                    && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+/// Syncs `stale` engines again (READY -> WEIGHT_SYNCING -> READY: loaded, or caught up from a
+/// peer once the trainer's update committed), within the operation's deadline. A failure is
+/// recorded in `failed`; answers the operation's new end when it was cut short.
+async fn resync(
+    manager: &Arc<Manager>,
+    stale: &[String],
+    deadline: tokio::time::Instant,
+    cancel: &CancellationToken,
+    failed: &mut Vec<FailedEngine>,
+    policy: PartialSuccessPolicy,
+) -> Option<End> {
+    tracing::info!(engines = ?stale, "engines READY on a version the fleet no longer wants; syncing them again");
+    let syncing: Vec<String> = manager.fleet.update(|inner| {
+        stale.iter().filter(|id| inner.engine_event(id, EngineEvent::UpdateWeights).is_ok()).cloned().collect()
+    });
+    let work = futures::future::join_all(
+        syncing
+            .iter()
+            .map(|id| async move { (id.clone(), manager.sync_weights(id, &[EngineEvent::WeightsSynced]).await) }),
+    );
+    let results = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => return Some(End::Cancelled),
+        _ = manager.shutdown.cancelled() => return Some(End::ShuttingDown),
+        _ = tokio::time::sleep_until(deadline) => return Some(End::TimedOut),
+        results = work => results,
+    };
+    for (id, result) in results {
+        if let Err(e) = result {
+            let url = manager.fleet.lock().engines.get(&id).map(|en| en.record.url.clone()).unwrap_or_default();
+            failed.push(FailedEngine {
+                engine_id: id,
+                url,
+                error: format!("syncing again to the fleet's version: {e}"),
+            });
+            if policy == PartialSuccessPolicy::RollbackAll {
+                return Some(End::RolledBack);
+            }
+        }
+    }
+    None
+}
+
+/// Decides and activates in one registry update (see [`run`]): only engines READY on the
+/// version the fleet wants. None when one is READY on another (the fleet's version moved since
+/// [`stale_ready`] looked) and `may_resync`: the caller syncs it again first; without
+/// `may_resync` such an engine counts as failed.
+#[expect(clippy::too_many_arguments, reason = "the operation's plan and outcome so far")]
+fn activate(
+    manager: &Manager,
+    request_id: &str,
+    ids: &[String],
+    end: End,
+    policy: PartialSuccessPolicy,
+    start: ScaleOutEvent,
+    failed: &mut Vec<FailedEngine>,
+    may_resync: bool,
+) -> Option<(Vec<String>, bool)> {
+    let may_keep = settle::may_keep(end, policy, !failed.is_empty());
+    manager.fleet.update(|inner| {
+        if !may_keep {
+            return Some((Vec::new(), false));
+        }
+        let (want, _) = inner.weights.desired();
+        let on_target = |e: &crate::fleet::Engine| {
+            want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+        };
+        let candidates: Vec<String> =
+            ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
+        let stale = |id: &String| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready && !on_target(e));
+        if may_resync && candidates.iter().any(stale) {
+            return None;
+        }
+        let (ready, lost): (Vec<String>, Vec<String>) = candidates.into_iter().partition(|id| {
+            inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready && on_target(e))
+        });
+        for id in &lost {
+            let (url, stale) = inner
+                .engines
+                .get(id)
+                .map(|e| (e.record.url.clone(), e.record.status == EngineStatus::Ready))
+                .unwrap_or_default();
+            let error = if stale {
+                format!("the fleet's weight version kept moving while it waited; it is ready on another ({MAX_RESYNCS} syncs)")
+            } else {
+                "failed after it was ready".into()
+            };
+            failed.push(FailedEngine { engine_id: id.clone(), url, error });
+        }
+        if !settle::activate(policy, ready.len(), lost.len()) {
+            return Some((Vec::new(), false));
+        }
+        for id in &ready {
+            crate::records::checked(inner.engine_event(id, EngineEvent::Activated));
+        }
+        // Every engine made it: the operation ends in the same update, so nobody sees the new
+        // engines ACTIVE while the operation still holds the one-operation lock.
+        let concluded = ready.len() == ids.len();
+        if concluded {
+            conclude(inner, request_id, start, ScaleOutEvent::Activated, None, failed);
+        }
+        Some((ready, concluded))
+    })
 }

@@ -617,16 +617,16 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
         let why = format!("no member received {}: {}", want.version, failures.join("; "));
         return crate::weight_update::fail(manager, update_id, want, &why).await;
     }
-    // Engines READY on another version cannot exist while the update is the target; wait
-    // briefly for the registry to settle if one does (a member returning to routing).
+    // Every ACTIVE engine is a member that received the version (one that did not left
+    // routing); wait up to 30 s for the registry to settle if one is still behind (a member
+    // returning to routing).
     let mut changes = manager.fleet.subscribe();
-    for _ in 0..30 {
-        if crate::weight_update::commit(manager, update_id, want) {
-            break;
-        }
+    let settle_by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !crate::weight_update::commit(manager, update_id, want) {
         tokio::select! {
             _ = changes.changed() => {}
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = tokio::time::sleep_until(settle_by) => break,
             () = manager.shutdown.cancelled() => return,
         }
     }

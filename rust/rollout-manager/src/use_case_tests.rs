@@ -651,6 +651,40 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     assert_eq!(m.fleet.lock().weights.current.version, "step-2");
 }
 
+/// A scale-out of two engines: one is READY (on step-1) while the other still starts, and a
+/// trainer update to step-2 opens and completes meanwhile (the READY engine is no member: it
+/// was not serving). The update commits without it, and the scale-out activates it only after
+/// it copied step-2 from a peer: no engine ever serves step-1 after the commit. CI caught the
+/// READY engine activated on step-1, which blocked the update's commit until it failed.
+#[tokio::test]
+async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_activated() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 4, &[]);
+    scale_to(&m, 2).await;
+    let first = open_trainer_update(&m, "step-1");
+    finish_trainer_update(&m, &first).await;
+    // One new engine's health check hangs; the other gets READY and waits for it.
+    let (open, waiting) = engines.hold_next_probe();
+    let op = scaling::scale_out(&m, &Arc::new(Cancels::default()), scale_out_request(4)).expect("accepted").request_id;
+    waiting.notified().await;
+    wait_for(&m, "one new engine READY", |i| i.engines.values().any(|e| e.record.status == EngineStatus::Ready)).await;
+    let second = open_trainer_update(&m, "step-2");
+    finish_trainer_update(&m, &second).await;
+    {
+        let inner = m.fleet.lock();
+        let u = &inner.weights.updates[&second];
+        assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+        assert_eq!(u.engines.len(), 2, "the READY engine was not serving, so no member");
+    }
+    open.send_replace(true);
+    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&op).is_some_and(|o| o.status.is_terminal())).await;
+    assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
+    let table = m.fleet.routes();
+    assert_eq!(table.backends.len(), 4);
+    assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-2")), "{table:?}");
+    assert!(copies(&engines).len() >= 2, "both new engines copied step-2: {:?}", copies(&engines));
+}
+
 #[tokio::test]
 async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_version() {
     let engines = Arc::new(FakeEngines::default());

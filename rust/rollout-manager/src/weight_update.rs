@@ -314,8 +314,8 @@ async fn converge(
             if commit(manager, update_id, want) {
                 return Ok(());
             }
-            // Engines READY on an older version (a scale-out racing the publish) become ACTIVE
-            // soon and then take their turn; wake on the next fleet change.
+            // An engine that returned to routing on an older version (a restart racing the
+            // publish) takes its turn next; wake on the next fleet change.
             tokio::select! {
                 _ = changes.changed() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -453,11 +453,13 @@ pub(crate) async fn finish_turn(
     }
 }
 
-/// Moves the fleet version to `want` if every READY or ACTIVE engine serves it.
+/// Moves the fleet version to `want` if every ACTIVE engine serves it. An engine READY on
+/// another version (a scale-out's, waiting for the rest of its operation) does not hold the
+/// commit: the scale-out syncs it again before it activates it (`scale_out::activate`).
 pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
     let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
-            matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
+            e.record.status == EngineStatus::Active
                 && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
         });
         if behind {
