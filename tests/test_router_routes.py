@@ -148,16 +148,10 @@ def test_the_router_forwards_or_refuses_every_known_route_by_intent(
             fleet.router_url + concrete(route),
             {"bogus_param": 1} if method != "GET" else None,
         )
-        code = (
-            resp.json().get("error", {}).get("code")
-            if resp.body.startswith(b"{")
-            else None
-        )
+        code = resp.json().get("error", {}).get("code") if resp.body.startswith(b"{") else None
         forwarded = "x-rollout-engine-id" in resp.headers
         if route in FORWARDED:
-            expected = (
-                "forwarded" if method in FORWARDED[route] else "405 method_not_allowed"
-            )
+            expected = "forwarded" if method in FORWARDED[route] else "405 method_not_allowed"
         elif route in ENGINE_LOCAL:
             expected = "403 engine_local_route"
         else:
@@ -180,15 +174,8 @@ def test_a_route_no_release_has_is_refused_and_says_what_is_forwarded(
         assert resp.status == 403, (method, resp.status)
         error = resp.json()["error"]
         assert error["code"] == "unknown_route"
-        assert (
-            "/generate" in error["message"] and "/rollout/engines" in error["message"]
-        )
-    resp = http(
-        "POST", f"{fleet.router_url}/weights_checker", {"action": "reset_tensors"}
-    )
-    assert (
-        resp.status == 403
-        and "/rollout/weights/publish" in resp.json()["error"]["message"]
-    )
+        assert "/generate" in error["message"] and "/rollout/engines" in error["message"]
+    resp = http("POST", f"{fleet.router_url}/weights_checker", {"action": "reset_tensors"})
+    assert resp.status == 403 and "/rollout/weights/publish" in resp.json()["error"]["message"]
     resp = http("GET", f"{fleet.router_url}/generate")
     assert resp.status == 405 and resp.headers["allow"] == "POST, PUT"

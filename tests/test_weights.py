@@ -311,6 +311,8 @@ def test_other_engines_are_still_probed_while_one_loads_weights_to_rejoin(
         "--health-failure-threshold", "2", "--restart-failed-engines", "false",
         # A slow /health with a scheduler that answers looks like a pause; here it is the fault.
         "--health-pause-grace-secs", "0",
+        # Both engines out of routing at once is the point here, beyond the default bound of half.
+        "--health-max-unhealthy-fraction", "1",
     )  # fmt: skip
     a, b = sorted(fleet.engines().engines, key=lambda e: e.engine_id)
 

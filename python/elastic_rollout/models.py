@@ -139,6 +139,10 @@ class Engine:
     log_path: str | None = None
     restarts: int = 0
     last_error: str | None = None
+    #: What the engine waits for, or why it stays FAILED (a spent restart budget).
+    detail: str | None = None
+    #: The last lines of its log, kept when the manager gave up restarting it.
+    log_tail: tuple[str, ...] | None = None
     raw: JsonObject = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -158,6 +162,8 @@ class Engine:
             log_path=_opt_str(data.get("log_path")),
             restarts=int(data.get("restarts") or 0),
             last_error=_opt_str(data.get("last_error")),
+            detail=_opt_str(data.get("detail")),
+            log_tail=None if data.get("log_tail") is None else tuple(str(line) for line in data["log_tail"]),
             raw=dict(data),
         )
 

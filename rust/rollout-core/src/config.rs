@@ -213,6 +213,24 @@ pub struct ServeConfig {
         help_heading = heading::HEALTH
     )]
     pub restart_failed_engines: bool,
+    /// Restarts of one engine in a row before the manager gives up on it (a crash loop).
+    ///
+    /// A restart counts toward the budget unless the engine then served for
+    /// `--restart-window-secs`; backoff between restarts in a row is 0, 1, 2, 4 ... 60 s. Past
+    /// the budget the engine stays FAILED, with the reason and the last lines of its log in
+    /// `GET /rollout/engines`; a scale-in removes it first.
+    #[arg(long, default_value_t = 5, value_name = "N", help_heading = heading::HEALTH)]
+    pub restart_budget: u32,
+    /// How long a restarted engine must serve for its next failure to start a new restart
+    /// budget, in seconds.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS", help_heading = heading::HEALTH)]
+    pub restart_window_secs: f64,
+    /// The largest share of serving engines health probes may take out of routing at once.
+    ///
+    /// When more fail their probes together (a network blip, a shared storage stall), the
+    /// rest stay in routing and are probed again; never fewer than one can leave. 1: no bound.
+    #[arg(long, default_value_t = 0.5, value_name = "FRACTION", help_heading = heading::HEALTH)]
+    pub health_max_unhealthy_fraction: f64,
     /// How long local engines outlive a dead manager, waiting to be re-adopted, in seconds.
     ///
     /// When the manager dies without stopping its engines, a restarted manager may re-adopt them
@@ -445,6 +463,19 @@ impl ServeConfig {
         }
         if self.health_failure_threshold == 0 {
             return Err(bad("--health-failure-threshold", "must be at least 1"));
+        }
+        if self.restart_budget == 0 {
+            return Err(bad(
+                "--restart-budget",
+                "must be at least 1 (--restart-failed-engines false turns restarts off)",
+            ));
+        }
+        positive_secs("--restart-window-secs", self.restart_window_secs)?;
+        if !(self.health_max_unhealthy_fraction > 0.0 && self.health_max_unhealthy_fraction <= 1.0) {
+            return Err(bad(
+                "--health-max-unhealthy-fraction",
+                format!("{} is not in (0, 1], e.g. 0.5", self.health_max_unhealthy_fraction),
+            ));
         }
         if self.engine_args.iter().any(|a| a.contains('\0')) {
             return Err(bad("--engine-arg", "must not contain NUL bytes"));

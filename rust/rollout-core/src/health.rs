@@ -88,6 +88,57 @@ pub struct Incarnation {
     pub restarts: u32,
 }
 
+/// `--restart-budget` and `--restart-window-secs`: how many times in a row an engine is
+/// restarted before the manager gives up on it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RestartBudget {
+    /// Restarts allowed in a row, counting each one after which the engine did not stay up
+    /// `window_secs` (a crash loop).
+    pub max_restarts: u32,
+    /// How long an engine must serve (ACTIVE) after a restart for the next failure to start a
+    /// new count.
+    pub window_secs: f64,
+}
+
+/// Backoff between restarts in a row: the first at once (after the caller's own delay), then
+/// 1 s, 2 s, 4 s ... up to this.
+pub const MAX_RESTART_BACKOFF_SECS: f64 = 60.0;
+
+/// What to do about a failed engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RestartDecision {
+    /// Restart it after this many seconds; it is the `streak`-th restart in a row.
+    After { secs: f64, streak: u32 },
+    /// The budget is spent: it stays FAILED.
+    GiveUp { restarts: u32 },
+}
+
+/// Whether to restart an engine that failed, given `streak`, the restarts in a row so far, and
+/// `stayed_up_secs`, how long it served (ACTIVE) since its last start (None: it never did). A
+/// run as long as the window ends the streak: the failure is a new one, not a loop.
+pub fn restart_decision(streak: u32, stayed_up_secs: Option<f64>, budget: RestartBudget) -> RestartDecision {
+    let streak = match stayed_up_secs {
+        Some(up) if up >= budget.window_secs => 0,
+        _ => streak,
+    };
+    if streak >= budget.max_restarts {
+        return RestartDecision::GiveUp { restarts: streak };
+    }
+    let secs = if streak == 0 { 0.0 } else { (2f64.powi(streak as i32 - 1)).min(MAX_RESTART_BACKOFF_SECS) };
+    RestartDecision::After { secs, streak: streak + 1 }
+}
+
+/// `--health-max-unhealthy-fraction`: how many of `wanting` engines whose probes failed past
+/// the threshold may leave routing now, when `out` engines are already out (UNHEALTHY) of
+/// `serving` (ACTIVE and UNHEALTHY together). At most `fraction` of the serving engines are
+/// out at once, never fewer than one; the rest are held in routing and probed again, so a
+/// failure of every probe at once (a network blip, a shared storage stall, a slow health
+/// route) cannot empty the fleet.
+pub fn takeouts_allowed(serving: usize, out: usize, wanting: usize, fraction: f64) -> usize {
+    let bound = ((serving as f64) * fraction.clamp(0.0, 1.0)).floor() as usize;
+    bound.max(1).saturating_sub(out).min(wanting)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +188,88 @@ mod tests {
         ];
         for (probe, grace, want) in table {
             assert_eq!(counts(probe, grace), want, "{probe:?} grace {grace}");
+        }
+    }
+
+    const BUDGET: RestartBudget = RestartBudget { max_restarts: 3, window_secs: 600.0 };
+
+    #[test]
+    fn a_crash_loop_ends_after_its_budget() {
+        use RestartDecision::{After, GiveUp};
+        let table = [
+            // (streak, stayed up, decision)
+            (0, None, After { secs: 0.0, streak: 1 }),
+            (1, None, After { secs: 1.0, streak: 2 }),
+            (2, Some(30.0), After { secs: 2.0, streak: 3 }),
+            (3, None, GiveUp { restarts: 3 }),
+            (3, Some(599.0), GiveUp { restarts: 3 }),
+            // It served for the whole window: a new failure, not the same loop.
+            (3, Some(600.0), After { secs: 0.0, streak: 1 }),
+            (9, Some(3600.0), After { secs: 0.0, streak: 1 }),
+        ];
+        for (streak, up, want) in table {
+            assert_eq!(restart_decision(streak, up, BUDGET), want, "streak {streak} up {up:?}");
+        }
+        let long = RestartBudget { max_restarts: 100, window_secs: 600.0 };
+        assert_eq!(restart_decision(20, None, long), RestartDecision::After { secs: 60.0, streak: 21 });
+    }
+
+    #[test]
+    fn a_blip_takes_out_at_most_the_bounded_share() {
+        let table = [
+            // (serving, out, wanting, fraction, allowed)
+            (8, 0, 8, 0.5, 4),
+            (8, 3, 8, 0.5, 1),
+            (8, 4, 2, 0.5, 0),
+            (8, 0, 1, 0.5, 1),
+            (1, 0, 1, 0.5, 1),
+            (3, 0, 3, 0.5, 1),
+            (3, 1, 2, 0.5, 0),
+            (8, 0, 8, 1.0, 8),
+            (8, 0, 8, 0.0, 1),
+            (0, 0, 0, 0.5, 0),
+        ];
+        for (serving, out, wanting, fraction, want) in table {
+            assert_eq!(takeouts_allowed(serving, out, wanting, fraction), want, "{serving} {out} {wanting} {fraction}");
+        }
+    }
+
+    proptest! {
+        /// Never more than the budget of restarts in a row, and the backoff never shrinks
+        /// within a streak or passes its cap.
+        #[test]
+        fn restarts_in_a_row_stay_within_the_budget(max in 1u32..10, ups in proptest::collection::vec(proptest::option::of(0f64..1200.0), 1..40)) {
+            let budget = RestartBudget { max_restarts: max, window_secs: 600.0 };
+            let (mut streak, mut last) = (0u32, -1.0f64);
+            for up in ups {
+                match restart_decision(streak, up, budget) {
+                    RestartDecision::After { secs, streak: next } => {
+                        prop_assert!(next <= max);
+                        prop_assert!(secs <= MAX_RESTART_BACKOFF_SECS);
+                        if next > 1 { prop_assert!(secs >= last); }
+                        streak = next;
+                        last = secs;
+                    }
+                    RestartDecision::GiveUp { restarts } => {
+                        prop_assert_eq!(restarts, max);
+                        prop_assert!(up.is_none_or(|u| u < 600.0));
+                        break;
+                    }
+                }
+            }
+        }
+
+        /// The engines out of routing never pass the bound once this round is done (beyond
+        /// those already out), and one can always leave when none is out.
+        #[test]
+        fn takeouts_respect_the_bound(serving in 0usize..64, out_share in 0.0f64..1.0, wanting in 0usize..64, fraction in 0.0f64..1.0) {
+            let out = ((serving as f64) * out_share) as usize;
+            let wanting = wanting.min(serving - out);
+            let allowed = takeouts_allowed(serving, out, wanting, fraction);
+            prop_assert!(allowed <= wanting);
+            let bound = (((serving as f64) * fraction).floor() as usize).max(1);
+            prop_assert!(allowed == 0 || out + allowed <= bound);
+            if out == 0 && wanting > 0 { prop_assert!(allowed >= 1); }
         }
     }
 

@@ -219,6 +219,13 @@ pub struct Engine {
     /// is applied only if none happened since the reading was asked for (a weight update moves
     /// the engine through WEIGHT_SYNCING, so an answer from before the update is stale).
     pub transitions: u64,
+    /// Since when it has served (first ACTIVE since its last start); None before that.
+    pub up_since: Option<tokio::time::Instant>,
+    /// How long it served before it last failed (None: it never served since its start); read
+    /// by the restart budget.
+    pub stayed_up_secs: Option<f64>,
+    /// Restarts in a row (`rollout_core::health::restart_decision`).
+    pub crash_streak: u32,
     /// What this engine holds of the fleet's local pool, returned when it is forgotten.
     held: Held,
 }
@@ -395,6 +402,9 @@ impl FleetInner {
             copying_from: None,
             awaiting_trainer: false,
             transitions: 0,
+            up_since: None,
+            stayed_up_secs: None,
+            crash_streak: 0,
             keeper_socket,
             held,
         };
@@ -484,8 +494,20 @@ impl FleetInner {
         engine.transitions += 1;
         engine.record.updated_at = unix_now();
         engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
+        match to {
+            EngineStatus::Active => {
+                engine.up_since.get_or_insert_with(tokio::time::Instant::now);
+            }
+            EngineStatus::Failed => {
+                engine.stayed_up_secs = engine.up_since.take().map(|t| t.elapsed().as_secs_f64());
+            }
+            _ => {}
+        }
         match (event, to) {
-            (EngineEvent::Restart, _) => engine.bringup = Some((std::time::Instant::now(), "restart")),
+            (EngineEvent::Restart, _) => {
+                engine.bringup = Some((std::time::Instant::now(), "restart"));
+                engine.up_since = None;
+            }
             (_, EngineStatus::Active) => {
                 if let Some((since, reason)) = engine.bringup.take() {
                     crate::telemetry::events()
@@ -566,7 +588,7 @@ pub struct Fleet {
     /// Registry changes the store could not commit (`rollout_store_write_failures_total`).
     store_failures: AtomicU64,
     /// Health probes by what they found: passed, failed, paused (`rollout_health_probes_total`).
-    probes: [AtomicU64; 3],
+    probes: [AtomicU64; 4],
     slot_freed: Arc<SlotQueue>,
 }
 
@@ -577,6 +599,9 @@ pub enum ProbeResult {
     Failed = 1,
     /// Failed while the engine's scheduler answered: generation paused (not counted).
     Paused = 2,
+    /// Failed past the threshold, but kept in routing: the share of serving engines out of
+    /// routing was at `--health-max-unhealthy-fraction` (probed again next round).
+    Held = 3,
 }
 
 impl Fleet {
@@ -775,7 +800,18 @@ impl Fleet {
             updates.with_label_values(&[status.to_string()]).set(0);
         }
         let operations = gauge_vec("rollout_operations_running", "Scale operations in flight, by kind.", &["kind"]);
+        let given_up = gauge_vec(
+            "rollout_engines_crash_looping",
+            "Engines left FAILED because their restart budget is spent (--restart-budget).",
+            &[],
+        );
         let inner = self.lock();
+        let crash_looping = inner
+            .engines
+            .values()
+            .filter(|e| e.record.status == EngineStatus::Failed && e.record.log_tail.is_some())
+            .count();
+        given_up.with_label_values::<&str>(&[]).set(i64::try_from(crash_looping).unwrap_or(i64::MAX));
         for e in inner.engines.values() {
             engines.with_label_values(&[e.record.status.to_string()]).inc();
             if e.record.status != EngineStatus::Removed {
@@ -807,14 +843,15 @@ impl Fleet {
         let probes = counter_vec(
             "rollout_health_probes_total",
             "Health probes of serving engines, by result (paused: failed while the engine's scheduler \
-             answered, not counted against it).",
+             answered, not counted against it; held: failed past the threshold but kept in routing by \
+             --health-max-unhealthy-fraction).",
             &["result"],
         );
-        for (result, n) in ["passed", "failed", "paused"].iter().zip(&self.probes) {
+        for (result, n) in ["passed", "failed", "paused", "held"].iter().zip(&self.probes) {
             probes.with_label_values(&[*result]).inc_by(n.load(Ordering::Relaxed));
         }
         let mut out = Vec::new();
-        for c in [&engines, &restarts, &versions, &fleet_version, &updates, &operations] {
+        for c in [&engines, &restarts, &versions, &fleet_version, &updates, &operations, &given_up] {
             out.extend(c.collect());
         }
         out.extend(store.collect());
@@ -862,6 +899,9 @@ mod tests {
             copying_from: None,
             awaiting_trainer: false,
             transitions: 0,
+            up_since: None,
+            stayed_up_secs: None,
+            crash_streak: 0,
             pid_start_ticks: None,
             keeper_socket: None,
             held: Held::default(),

@@ -164,6 +164,7 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
             };
             out.push((id.clone(), verdict));
         }
+        hold_beyond_the_bound(manager, &mut inner, &mut out);
         out
     };
     for (id, verdict) in verdicts {
@@ -208,6 +209,62 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
             }
         }
     }
+}
+
+/// Keeps the share of serving engines out of routing within `--health-max-unhealthy-fraction`
+/// ([`rollout_core::health::takeouts_allowed`]), counting as out every engine out of routing
+/// because it failed (UNHEALTHY, FAILED, restarting): when more fail their probes together than may
+/// leave, those with the most failures in a row leave and the rest stay in routing, noted on
+/// their record and counted as `held`, and are probed again next round.
+fn hold_beyond_the_bound(
+    manager: &Manager,
+    inner: &mut crate::fleet::FleetInner,
+    verdicts: &mut Vec<(String, Verdict)>,
+) {
+    let wanting = verdicts.iter().filter(|(_, v)| matches!(v, Verdict::TakeOut(..))).count();
+    if wanting == 0 {
+        return;
+    }
+    // Out because they failed: UNHEALTHY, FAILED, or starting again after a failure (not the
+    // ones whose restart budget is spent: they would hold the bound for good).
+    let failed_out = |e: &crate::fleet::Engine| match e.record.status {
+        EngineStatus::Unhealthy => true,
+        EngineStatus::Failed => e.record.log_tail.is_none(),
+        _ => e.bringup.is_some_and(|(_, why)| why == "restart"),
+    };
+    let (serving, out) = inner.engines.values().fold((0, 0), |(n, out), e| {
+        let failed = failed_out(e);
+        (n + usize::from(failed || e.record.status == EngineStatus::Active), out + usize::from(failed))
+    });
+    let fraction = manager.config.health_max_unhealthy_fraction;
+    let allowed = rollout_core::health::takeouts_allowed(serving, out, wanting, fraction);
+    if allowed == wanting {
+        return;
+    }
+    // The most failures in a row first (the longest silent), then the oldest engine.
+    let mut order: Vec<(u32, u64, String)> = verdicts
+        .iter()
+        .filter_map(|(id, v)| match v {
+            Verdict::TakeOut(failures, _) => Some((*failures, inner.engines.get(id).map_or(0, |e| e.seq), id.clone())),
+            _ => None,
+        })
+        .collect();
+    order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let held: HashSet<String> = order.into_iter().skip(allowed).map(|(_, _, id)| id).collect();
+    verdicts.retain(|(id, _)| !held.contains(id));
+    for id in &held {
+        manager.fleet.count_probe(crate::fleet::ProbeResult::Held);
+        if let Some(e) = inner.engines.get_mut(id) {
+            e.record.last_error = Some(format!(
+                "{} consecutive failed health probes, but kept in routing: {out} of {serving} engines are already \
+                 out after failures, and at most a share of {fraction} may be (--health-max-unhealthy-fraction); \
+                 probed again",
+                e.probe_failures
+            ));
+        }
+    }
+    tracing::warn!(held = ?held, out, serving, fraction,
+        "engines failed their probes past the threshold but stay in routing: too many are out at once");
 }
 
 /// Brings an UNHEALTHY engine whose probe passed back into routing, on the version it must

@@ -90,6 +90,13 @@ impl EngineLauncher {
             "--enable-metrics".into(),
         ]);
         args.extend(config.engine_args.iter().cloned());
+        // The name clients see (`/v1/models`, the OpenAI answers' `model`) is pinned: SGLang
+        // otherwise renames the served model to each checkpoint it loads from disk
+        // (`tokenizer_manager.py`, after `/update_weights_from_disk`), and an engine started on
+        // a checkpoint would be listed under its path.
+        if !config.engine_args.iter().any(|a| a.starts_with("--served-model-name")) {
+            args.extend(["--served-model-name".to_string(), served_model_name(config)]);
+        }
         let tokenizer_given = config.engine_args.iter().any(|a| a.starts_with("--tokenizer-path"));
         if model_path != config.model_path && !tokenizer_given {
             args.extend(["--tokenizer-path".to_string(), config.model_path.clone()]);
@@ -101,6 +108,16 @@ impl EngineLauncher {
             env.push(("PYTHONUNBUFFERED".into(), "1".into()));
         }
         LaunchSpec { program: self.program.clone(), args, env, log_path }
+    }
+}
+
+/// The served model name every engine gets: `--model-name` when one was given, else the startup
+/// `--model-path` (what SGLang itself would list before any update).
+pub fn served_model_name(config: &ServeConfig) -> String {
+    if config.model_name == "default" {
+        config.model_path.clone()
+    } else {
+        config.model_name.clone()
     }
 }
 
@@ -193,6 +210,44 @@ pub fn redacted(args: &[String]) -> Vec<String> {
     out
 }
 
+/// Words that mark a log line as one that may carry a credential (lowercase).
+const CREDENTIAL_HINTS: [&str; 9] =
+    ["api_key", "api-key", "apikey", "secret", "password", "authorization", "bearer", "hf_token", "access_token"];
+
+/// The last `lines` lines of an engine's log (read from its last 64 KiB), for its record when
+/// the manager gives up on it. A line that may carry a credential (it names an API key, a
+/// secret, a password or a bearer token) is withheld; an unreadable log gives one line saying why.
+///
+/// SGLang prints its whole `ServerArgs` at startup, `api_key` and `admin_api_key` included.
+pub fn log_tail(path: &Path, lines: usize) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const WINDOW: u64 = 64 * 1024;
+    let read = || -> std::io::Result<String> {
+        let mut f = std::fs::File::open(path)?;
+        let len = f.metadata()?.len();
+        f.seek(SeekFrom::Start(len.saturating_sub(WINDOW)))?;
+        let mut buf = Vec::new();
+        f.take(WINDOW).read_to_end(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let text = match read() {
+        Ok(t) => t,
+        Err(e) => return vec![format!("(cannot read {}: {e})", path.display())],
+    };
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|line| {
+            let lower = line.to_ascii_lowercase();
+            if CREDENTIAL_HINTS.iter().any(|w| lower.contains(w)) {
+                "(line withheld: it may carry a credential)".to_string()
+            } else {
+                line.chars().take(500).collect()
+            }
+        })
+        .collect()
+}
+
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
@@ -249,6 +304,32 @@ mod tests {
         let joined = spec.args.join(" ");
         assert!(joined.contains("--model-path /ckpt/v8 ") && joined.contains("--weight-version v8 "), "{joined}");
         assert!(joined.ends_with("--tokenizer-path /models/q; rm -rf /"), "{joined}");
+        // The served name stays the startup model's on a checkpoint, so clients see no change.
+        assert!(joined.contains("--served-model-name /models/q; rm -rf / "), "{joined}");
+    }
+
+    #[test]
+    fn the_served_model_name_is_pinned_unless_an_engine_arg_sets_it() {
+        let launcher = EngineLauncher { program: "/bin/sim".into(), prefix: vec![], kind: EngineKind::Sim };
+        let named = |flags: &[&str]| {
+            let mut argv = vec!["m", "--model-path", "/models/base"];
+            argv.extend_from_slice(flags);
+            let config = Cli::try_parse_from(argv).expect("valid flags").serve;
+            let spec = launcher.spec(&config, "/ckpt/v2", 1, &[0], "v2", "/tmp/e.log".into());
+            let at: Vec<usize> = spec
+                .args
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.starts_with("--served-model-name"))
+                .map(|(i, _)| i)
+                .collect();
+            assert_eq!(at.len(), 1, "{:?}", spec.args);
+            let flag = &spec.args[at[0]];
+            flag.split_once('=').map_or_else(|| spec.args[at[0] + 1].clone(), |(_, v)| v.to_string())
+        };
+        assert_eq!(named(&[]), "/models/base");
+        assert_eq!(named(&["--model-name", "qwen3-8b"]), "qwen3-8b");
+        assert_eq!(named(&["--model-name", "qwen3-8b", "--engine-arg=--served-model-name=mine"]), "mine");
     }
 
     #[test]

@@ -49,6 +49,9 @@ pub struct Manager {
 /// Seeds a starting engine tries before its launch counts as failed ([`Manager::launch_healthy`]).
 pub const SEED_ATTEMPTS: usize = 3;
 
+/// Lines of an engine's log kept on its record when the manager gives up restarting it.
+const LOG_TAIL_LINES: usize = 20;
+
 /// What an engine shows while its placement waits for an agent.
 pub const PENDING_DETAIL: &str = "PENDING_RESOURCES: waiting for the Ray shim to place the engine and bind its agent";
 
@@ -284,6 +287,7 @@ impl Manager {
             created_by: Some(created_by.to_string()),
             restarts: 0,
             detail: None,
+            log_tail: None,
         })
     }
 
@@ -574,21 +578,33 @@ impl Manager {
     /// on purpose, or the manager shuts down.
     pub async fn recover(self: &Arc<Self>, engine_id: &str, first_delay: Duration) {
         let mut delay = first_delay;
-        let mut backoff = Duration::from_secs(1);
         loop {
+            // The restart budget decides the wait (backoff within a crash loop) or gives up.
+            let Some(wait) = self.restart_wait(engine_id) else { return };
             tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
+                _ = tokio::time::sleep(delay.max(wait)) => {}
                 _ = self.shutdown.cancelled() => return,
             }
-            delay = backoff;
-            backoff = (backoff * 2).min(Duration::from_secs(60));
+            delay = Duration::ZERO;
             let restarted = self.fleet.update(|inner| {
                 let origin = inner.engines.get(engine_id).map(|e| e.record.origin);
                 if origin == Some(EngineOrigin::External) {
                     return false;
                 }
-                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                if inner.engines.get(engine_id).is_none_or(|e| e.record.status != EngineStatus::Failed) {
                     return false; // removed, or no longer FAILED
+                }
+                let budget = self.restart_budget();
+                let Some(e) = inner.engines.get_mut(engine_id) else { return false };
+                match rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget) {
+                    rollout_core::health::RestartDecision::After { streak, .. } => {
+                        e.crash_streak = streak;
+                        e.stayed_up_secs = None;
+                    }
+                    rollout_core::health::RestartDecision::GiveUp { .. } => return false,
+                }
+                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                    return false;
                 }
                 if self.ray() {
                     // The agent picks the port; the placement keeps its agent.
@@ -633,19 +649,70 @@ impl Manager {
                     if let Some(p) = process {
                         p.stop(self.shutdown_grace()).await;
                     }
-                    // Ray mode: never back off against a dead agent. Its placement goes back to
-                    // PENDING_RESOURCES and the next attempt waits for the shim's new agent.
+                    // Ray mode: never back off against a dead agent, nor count it against the
+                    // engine's restart budget. Its placement goes back to PENDING_RESOURCES and
+                    // the next attempt waits for the shim's new agent.
                     if let Some(url) = self.bound_agent(engine_id) {
                         if !self.agents.is_live(&url).await
                             && !self.agent_lost(&url, Some(engine_id), "unreachable while recovering").is_empty()
                         {
-                            (delay, backoff) = (Duration::ZERO, Duration::from_secs(1));
+                            self.fleet.update(|inner| {
+                                if let Some(e) = inner.engines.get_mut(engine_id) {
+                                    e.crash_streak = e.crash_streak.saturating_sub(1);
+                                }
+                            });
                         }
                     }
-                    tracing::warn!(engine_id, error = %e, retry_in = ?delay, "engine recovery failed; will retry");
+                    tracing::warn!(engine_id, error = %e, "engine recovery failed; will retry within its restart budget");
                 }
             }
         }
+    }
+
+    fn restart_budget(&self) -> rollout_core::health::RestartBudget {
+        rollout_core::health::RestartBudget {
+            max_restarts: self.config.restart_budget,
+            window_secs: self.config.restart_window_secs,
+        }
+    }
+
+    /// How long to wait before the next restart of the FAILED engine `engine_id` (its backoff
+    /// within a crash loop), or None when there is nothing to restart: the engine is gone, no
+    /// longer FAILED, or its restart budget is spent. Then it stays FAILED, its `detail` says
+    /// why and its record keeps the last lines of its log.
+    fn restart_wait(&self, engine_id: &str) -> Option<Duration> {
+        let budget = self.restart_budget();
+        let (decision, log_path) = {
+            let inner = self.fleet.lock();
+            let e = inner.engines.get(engine_id).filter(|e| e.record.status == EngineStatus::Failed)?;
+            (
+                rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget),
+                e.record.log_path.clone().filter(|_| !self.ray()),
+            )
+        };
+        let restarts = match decision {
+            rollout_core::health::RestartDecision::After { secs, .. } => return Some(Duration::from_secs_f64(secs)),
+            rollout_core::health::RestartDecision::GiveUp { restarts } => restarts,
+        };
+        let tail = log_path.map(|p| crate::launch::log_tail(&p, LOG_TAIL_LINES));
+        let gave_up = self.fleet.update(|inner| {
+            let Some(e) = inner.engines.get_mut(engine_id).filter(|e| e.record.status == EngineStatus::Failed) else {
+                return false;
+            };
+            let first = e.record.log_tail.is_none();
+            e.record.detail = Some(format!(
+                "crash loop: restarted {restarts} times in a row without serving for --restart-window-secs ({} s); \
+                 the manager gave up (--restart-budget {}). Fix the cause (last_error, log_tail), then scale in to \
+                 remove it (FAILED engines go first) and scale out again",
+                budget.window_secs, budget.max_restarts
+            ));
+            e.record.log_tail = Some(tail.clone().unwrap_or_default());
+            first
+        });
+        if gave_up {
+            tracing::error!(engine_id, restarts, "engine crash-loops: restart budget spent, it stays FAILED");
+        }
+        None
     }
 
     /// A local engine about to start again moves to a free port (the old one may linger in

@@ -44,6 +44,10 @@ pub struct EngineRecord {
     /// `PENDING_RESOURCES: ...` while its placement has no agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// The last lines of the engine's log, kept when the manager gave up restarting it (its
+    /// restart budget spent), so the reason is readable from the API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_tail: Option<Vec<String>>,
 }
 
 /// `last_error` of a managed engine that a restarted manager starts again (until its restart

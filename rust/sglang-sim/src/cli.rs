@@ -220,6 +220,11 @@ pub struct Config {
     /// Exit with code 1 and a message on stderr once the startup delay has passed.
     #[arg(long, help_heading = "Fault injection")]
     pub fail_startup: bool,
+    /// Exit with code 1 and a message on stderr at startup while this file exists: a fault
+    /// that outlives the process (out of memory at load, a broken disk), so every restart of
+    /// the engine fails until the file is removed.
+    #[arg(long, value_name = "PATH", help_heading = "Fault injection")]
+    pub fail_startup_while: Option<std::path::PathBuf>,
     /// Serve `POST /sim/faults` (slow health checks, hang) to break this engine while it runs.
     #[arg(long, help_heading = "Fault injection")]
     pub enable_fault_api: bool,

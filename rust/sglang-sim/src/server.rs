@@ -30,7 +30,7 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 /// Why an instance could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("simulated startup failure (--fail-startup) on port {0}")]
+    #[error("simulated startup failure (--fail-startup or --fail-startup-while) on port {0}")]
     Simulated(u16),
     #[error("failed to load weights from {path}: {source}")]
     Weights { path: String, source: WeightsError },
@@ -132,7 +132,7 @@ async fn run_instance(
         _ = tokio::time::sleep(Duration::from_secs_f64(cfg.startup_delay)) => {}
         _ = shutdown_requested(shutdown.clone()) => return Ok(()),
     }
-    if cfg.fail_startup {
+    if cfg.fail_startup || cfg.fail_startup_while.as_ref().is_some_and(|p| p.exists()) {
         return Err(StartupError::Simulated(port));
     }
     let weights = load_initial_weights(&cfg, port).await?;

@@ -696,6 +696,20 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         // One timer bounds the whole answer: it first bounds the wait for the headers, then
         // goes with the body (Tracked) to bound the rest.
         let mut deadline = Box::pin(tokio::time::sleep(timeout));
+        // A successful answer is held until its first body frame: an engine that dies between
+        // its headers and its first byte (SGLang sends a stream's headers before the prefill)
+        // gave the client nothing yet, so the request is retried like one that got no answer.
+        let sent = async move {
+            let resp = sent.await?;
+            if !resp.status().is_success() {
+                return Ok((resp, None));
+            }
+            let (parts, mut body) = resp.into_parts();
+            match http_body_util::BodyExt::frame(&mut body).await {
+                Some(Err(e)) => Err(format!("the engine's answer broke before its first byte: {e}")),
+                first => Ok((Response::from_parts(parts, body), first.and_then(Result::ok))),
+            }
+        };
         let sent = state.fleet.unless_lost(&backend.load, sent);
         let answer = tokio::select! {
             biased;
@@ -712,13 +726,13 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
         };
         match answer {
-            Ok(resp)
+            Ok((resp, _))
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < MAX_ATTEMPTS.min(routes.len()) =>
             {
                 tracing::debug!(engine_id = %backend.engine_id, "engine answered 503; trying another");
                 last_error = format!("{}: 503", backend.engine_id);
             }
-            Ok(resp) => {
+            Ok((resp, first)) => {
                 metrics.first_byte.observe(started.elapsed());
                 metrics.response(resp.status().as_u16());
                 let (mut head, incoming) = resp.into_parts();
@@ -728,9 +742,18 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 }
                 // Only a successful answer's length is learned (the others just end).
                 let learn = (head.status == StatusCode::OK).then_some(learn);
+                let sse = head
+                    .headers
+                    .get(axum::http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.starts_with("text/event-stream"));
                 let tracked = Tracked {
                     learn,
                     inner: incoming,
+                    first,
+                    sse,
+                    engine_id: backend.engine_id.clone(),
+                    closed: false,
                     ended: false,
                     _guard: guard,
                     started,
@@ -828,6 +851,13 @@ struct Tracked {
     /// Learned lengths: the answer's token counts, observed when it ends.
     learn: Option<Learn>,
     inner: EngineBody,
+    /// The body's first frame, read before the headers were forwarded (see [`proxy`]).
+    first: Option<http_body::Frame<Bytes>>,
+    /// A server-sent-event stream: cut, it ends with an error event the client can read.
+    sse: bool,
+    engine_id: String,
+    /// The stream was cut and its error event sent: nothing follows.
+    closed: bool,
     /// The body was read to its end.
     ended: bool,
     _guard: InFlightGuard,
@@ -849,6 +879,25 @@ impl Drop for Tracked {
     }
 }
 
+impl Tracked {
+    /// Ends an answer the router cannot complete: a stream gets a last event in SGLang's own
+    /// in-stream error shape (`data: {"error": {message, type, code, retryable}}`, then
+    /// `data: [DONE]`), which clients already read; any other body is cut with an error, which
+    /// closes the client's connection before the end of the body.
+    fn cut(&mut self, why: String, kind: &str, code: u16) -> Result<http_body::Frame<Bytes>, axum::BoxError> {
+        if !self.sse {
+            return Err(why.into());
+        }
+        self.closed = true;
+        self.ended = false;
+        let event = serde_json::json!({
+            "error": {"message": format!("{why}; the output so far is incomplete, send the request again"),
+                      "type": kind, "code": code, "retryable": true}
+        });
+        Ok(http_body::Frame::data(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))))
+    }
+}
+
 impl http_body::Body for Tracked {
     type Data = Bytes;
     type Error = axum::BoxError;
@@ -857,12 +906,24 @@ impl http_body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+        if self.closed {
+            return Poll::Ready(None);
+        }
+        let polled = match self.first.take() {
+            Some(first) => Poll::Ready(Some(Ok(first))),
+            None => Pin::new(&mut self.inner).poll_frame(cx),
+        };
+        if let Poll::Ready(frame) = polled {
             self.ended = frame.is_none();
             if let (Some(learn), Some(Ok(f))) = (self.learn.as_mut(), frame.as_ref()) {
                 if let Some(data) = f.data_ref() {
                     learn.usage.scan(data);
                 }
+            }
+            if let Some(Err(e)) = &frame {
+                let why = format!("engine {} stopped in the middle of its answer ({e})", self.engine_id);
+                tracing::warn!(engine_id = %self.engine_id, error = %e, "engine's answer was cut");
+                return Poll::Ready(Some(self.cut(why, "engine_lost", 502)));
             }
             return Poll::Ready(frame);
         }
@@ -870,17 +931,25 @@ impl http_body::Body for Tracked {
             self.metrics.error(ErrorKind::Timeout);
             tracing::warn!(timeout = ?self.timeout, "engine's answer did not end within --request-timeout-secs; cut");
             let cut = format!("the engine's answer did not end within --request-timeout-secs ({:?})", self.timeout);
-            return Poll::Ready(Some(Err(cut.into())));
+            return Poll::Ready(Some(self.cut(cut, "engine_timeout", 504)));
         }
         Poll::Pending
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && (self.closed || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
+        let rest = self.inner.size_hint();
+        let Some(n) = self.first.as_ref().and_then(|f| f.data_ref()).map(|d| d.len() as u64) else { return rest };
+        // The upper bound first: a lower bound above the current upper one panics.
+        let mut hint = http_body::SizeHint::new();
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(n));
+        }
+        hint.set_lower(rest.lower().saturating_add(n));
+        hint
     }
 }
 
