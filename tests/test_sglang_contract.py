@@ -408,6 +408,7 @@ MANAGER_FLAGS: dict[str, dict[str, str | None]] = {
     "--weight-version": {"0.5.2": ":1336", "0.5.10.post1": ":4455", "0.5.23": "serving.py:172"},
     "--enable-metrics": {"0.5.2": ":1239", "0.5.10.post1": ":4298", "0.5.23": "observability.py:70"},
     "--tokenizer-path": {"0.5.2": ":866", "0.5.10.post1": ":3643", "0.5.23": "serving.py:32"},
+    "--served-model-name": {"0.5.2": ":1330", "0.5.10.post1": ":4449", "0.5.23": "serving.py:168"},
 }
 FLAG_RELEASES = ("0.5.2", "0.5.10.post1", "0.5.23")
 #: Simulator knobs the tests pass with --engine-arg (tests/_support.py DEFAULT_ARGS); not SGLang's.

@@ -166,6 +166,20 @@ pub struct ServeConfig {
         help_heading = heading::SCALING
     )]
     pub scale_in_drain_timeout: f64,
+    /// Move a draining engine's running `/generate` requests to the engines that stay.
+    ///
+    /// A request whose prompt is token ids (`input_ids`, one sample, no logprobs) is aborted
+    /// on the draining engine and continues elsewhere from its prompt plus the output so far,
+    /// so a scale-in ends in about one prefill instead of waiting for the longest request;
+    /// the client sees one answer. Other requests finish where they are, as before.
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = heading::SCALING
+    )]
+    pub move_on_drain: bool,
     /// How long an engine gets to exit after SIGTERM before SIGKILL, in seconds.
     #[arg(
         long = "scale-in-shutdown-timeout-secs",

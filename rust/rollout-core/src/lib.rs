@@ -17,6 +17,7 @@ pub mod config;
 mod fuzz_tests;
 pub mod health;
 pub mod lengths;
+pub mod moves;
 pub mod placement;
 pub mod restore;
 pub mod routes;

@@ -81,6 +81,9 @@ pub struct EngineLoad {
     running: AtomicU64,
     max_running: AtomicU64,
     idle: Notify,
+    /// Bumped when the engine's movable requests should move to other engines (it drains for
+    /// a scale-in); the router's moving requests watch it (`router::moving`).
+    moves: tokio::sync::watch::Sender<u64>,
 }
 
 impl EngineLoad {
@@ -159,6 +162,21 @@ impl EngineLoad {
     }
 
     /// Resolves once no request is in flight.
+    /// Asks the router to move this engine's movable requests elsewhere.
+    pub fn request_moves(&self) {
+        self.moves.send_modify(|n| *n += 1);
+    }
+
+    /// Whether this engine's requests were asked to move.
+    pub fn moves_requested(&self) -> bool {
+        *self.moves.borrow() > 0
+    }
+
+    /// A watch of [`EngineLoad::request_moves`].
+    pub fn move_signal(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.moves.subscribe()
+    }
+
     pub async fn wait_idle(&self) {
         loop {
             let notified = self.idle.notified();

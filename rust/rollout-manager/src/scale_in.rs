@@ -136,6 +136,11 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             let status = inner.engines.get(id).map(|e| e.record.status);
             if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
                 crate::records::checked(inner.engine_event(id, EngineEvent::Drain));
+                if manager.config.move_on_drain {
+                    if let Some(e) = inner.engines.get(id) {
+                        e.load.request_moves();
+                    }
+                }
             }
         }
         crate::records::checked(record.apply(ScaleInEvent::StartDraining));

@@ -58,6 +58,10 @@ pub struct RouterMetrics {
     pub first_byte: Latency,
     /// Time until the response body ended.
     pub duration: Latency,
+    /// Requests moved to another engine while they ran, by reason (drain, lost).
+    moves: IntCounterVec,
+    /// Tokens sent again as prompt to continue moved requests (prefilled again on the target).
+    move_prefill_tokens: IntCounter,
 }
 
 impl RouterMetrics {
@@ -104,7 +108,31 @@ impl RouterMetrics {
                 "Time until the response body ended (or was cut).",
                 buckets,
             )),
+            moves: {
+                let moves = counter_vec(
+                    "rollout_router_moves_total",
+                    "Running requests moved to another engine, by reason (drain: a scale-in; lost: the engine died \
+                     mid-stream).",
+                    &["reason"],
+                );
+                for reason in ["drain", "lost"] {
+                    let _ = moves.with_label_values(&[reason]);
+                }
+                moves
+            },
+            move_prefill_tokens: counter_vec(
+                "rollout_router_move_prefill_tokens_total",
+                "Prompt and output tokens sent again to continue moved requests (prefilled again on the target).",
+                &[],
+            )
+            .with_label_values::<&str>(&[]),
         }
+    }
+
+    /// A request moved for `reason`, continuing with `prefill` tokens of prompt.
+    pub fn moved(&self, reason: &str, prefill: usize) {
+        self.moves.with_label_values(&[reason]).inc();
+        self.move_prefill_tokens.inc_by(prefill as u64);
     }
 
     pub fn request(&self) {
@@ -139,6 +167,8 @@ impl RouterMetrics {
         out.extend(self.queued.collect());
         out.extend(self.first_byte.0.collect());
         out.extend(self.duration.0.collect());
+        out.extend(self.moves.collect());
+        out.extend(self.move_prefill_tokens.collect());
         type Reader = fn(&Backend) -> i64;
         let gauges: [(&str, &str, Reader); 4] = [
             ("rollout_engine_in_flight", "Requests the router has in flight to the engine.", |b| {

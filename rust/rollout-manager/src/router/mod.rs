@@ -49,6 +49,7 @@
 
 mod affinity;
 pub mod metrics;
+mod moving;
 mod peek;
 mod pool;
 mod table;
@@ -115,6 +116,9 @@ pub struct RouterState {
     affinity: Affinity,
     gate: Gate,
     routes: RouteCache,
+    /// Tasks that produce moving requests' answers (router::moving): each ends with its
+    /// answer, bounded by `--request-timeout-secs`, or when its client goes away.
+    tasks: tokio_util::task::TaskTracker,
 }
 
 /// The data plane as served on the router port: the router's own routes go through an axum
@@ -182,6 +186,7 @@ pub fn router(
         affinity: Affinity::new(100_000),
         gate: Gate::default(),
         routes: RouteCache::default(),
+        tasks: tokio_util::task::TaskTracker::new(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -420,6 +425,38 @@ fn load_addr(load: &Arc<crate::fleet::EngineLoad>) -> usize {
     Arc::as_ptr(load) as usize
 }
 
+/// A `/generate` request that may move while it runs (`--move-on-drain`, a prompt of ids: see
+/// `rollout_core::moves::Movable`), with the body to send (given a `rid` if it had none) and
+/// that `rid`; other requests as they are.
+fn movable_request(
+    state: &RouterState,
+    method: &Method,
+    path: &str,
+    body: Bytes,
+) -> (Bytes, Option<(serde_json::Value, rollout_core::moves::Movable, String)>) {
+    if !state.config.move_on_drain || method != Method::POST || path != "/generate" {
+        return (body, None);
+    }
+    // Only bodies with ids are parsed whole.
+    if !body.windows(11).any(|w| w == b"\"input_ids\"") {
+        return (body, None);
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else { return (body, None) };
+    let Some(movable) = rollout_core::moves::Movable::of(&value) else { return (body, None) };
+    let (body, rid) = match &movable.rid {
+        Some(rid) => (body, rid.clone()),
+        None => {
+            let rid = uuid::Uuid::new_v4().simple().to_string();
+            value["rid"] = serde_json::json!(rid);
+            match serde_json::to_vec(&value) {
+                Ok(b) => (Bytes::from(b), rid),
+                Err(_) => return (body, None),
+            }
+        }
+    };
+    (body, Some((value, movable, rid)))
+}
+
 /// The path and query of a client's request, as forwarded (`/` when it has none).
 fn path_and_query(uri: &Uri) -> PathAndQuery {
     uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"))
@@ -522,6 +559,9 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         }
     };
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
+    // A `/generate` request that can move to another engine while it runs (router::moving)
+    // gets a `rid` to be aborted by, if it has none.
+    let (body, movable) = movable_request(&state, &parts.method, parts.uri.path(), body);
     // capacity: a session key if the request has one, else its prompt (GRPO siblings);
     // session: the session key only.
     let session_key = info.session.as_deref().map(affinity::session_key);
@@ -699,9 +739,12 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         // A successful answer is held until its first body frame: an engine that dies between
         // its headers and its first byte (SGLang sends a stream's headers before the prefill)
         // gave the client nothing yet, so the request is retried like one that got no answer.
+        // A movable request's answer is followed by router::moving, which continues it on
+        // another engine if its engine dies at any point: its headers are not held.
+        let hold = movable.is_none();
         let sent = async move {
             let resp = sent.await?;
-            if !resp.status().is_success() {
+            if !hold || !resp.status().is_success() {
                 return Ok((resp, None));
             }
             let (parts, mut body) = resp.into_parts();
@@ -711,9 +754,19 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
         };
         let sent = state.fleet.unless_lost(&backend.load, sent);
+        // A movable request whose engine is asked to shed its requests before it answered is
+        // aborted there (router::moving continues it elsewhere).
+        let aborted = std::sync::atomic::AtomicBool::new(false);
+        let abort_when_asked = async {
+            match &movable {
+                Some((_, _, rid)) => moving::abort_when_asked(&state, backend, &headers, rid, &aborted).await,
+                None => std::future::pending().await,
+            }
+        };
         let answer = tokio::select! {
             biased;
             answer = sent => answer,
+            () = abort_when_asked => unreachable!("never resolves"),
             () = deadline.as_mut() => {
                 metrics.error(ErrorKind::Timeout);
                 tracing::warn!(engine_id = %backend.engine_id, ?timeout, "engine sent no response headers in time");
@@ -742,6 +795,30 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 }
                 // Only a successful answer's length is learned (the others just end).
                 let learn = (head.status == StatusCode::OK).then_some(learn);
+                if let (Some((value, m, rid)), StatusCode::OK) = (movable.as_ref(), head.status) {
+                    // The body may change (joined after a move): its length is not known.
+                    head.headers.remove(axum::http::header::CONTENT_LENGTH);
+                    let request = moving::Request {
+                        state: state.clone(),
+                        headers: headers.clone(),
+                        path: path.clone(),
+                        body: value.clone(),
+                        movable: m.clone(),
+                        rid: rid.clone(),
+                        pin: info.pin.clone(),
+                        tokens,
+                        timeout,
+                    };
+                    let part = moving::Part {
+                        engine_id: backend.engine_id.clone(),
+                        route: backend.clone(),
+                        _guard: guard,
+                        body: incoming,
+                        first,
+                        aborted: aborted.load(std::sync::atomic::Ordering::Acquire),
+                    };
+                    return Response::from_parts(head, moving::body(request, part));
+                }
                 let sse = head
                     .headers
                     .get(axum::http::header::CONTENT_TYPE)

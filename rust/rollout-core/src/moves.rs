@@ -1,0 +1,360 @@
+//! Moving a running generation to another engine: which requests can move, the request that
+//! continues one elsewhere, and the single answer the client sees. Pure; the router does the I/O.
+//!
+//! SGLang makes a move possible with unmodified engines: `/abort_request {"rid"}` ends the
+//! request on its engine with the output so far (`output_ids`, `text`, `completion_tokens`,
+//! finish reason `abort`), and `/generate` continues from `input_ids` = the prompt's ids plus
+//! those output ids, with the rest of the budget. RL trains on token ids, so only requests whose
+//! prompt is already ids move: the prompt is never tokenized again from text.
+
+use serde_json::{json, Map, Value};
+
+/// SGLang's `max_new_tokens` when a request gives none (`sampling_params.py`).
+pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
+
+/// A `/generate` request that can move: one prompt of token ids, one sample, no logprobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Movable {
+    pub prompt_ids: Vec<u64>,
+    pub max_new_tokens: u64,
+    pub min_new_tokens: u64,
+    pub stream: bool,
+    /// The client's own `rid`, if it gave one (the router gives one otherwise, to abort by).
+    pub rid: Option<String>,
+}
+
+impl Movable {
+    /// The request, if it can move: a JSON object with `input_ids` a flat list of token ids,
+    /// no `text`/`input_embeds`, at most one sample (`n`), and no logprobs or hidden states
+    /// (those would have to be joined too; they are not yet).
+    pub fn of(body: &Value) -> Option<Movable> {
+        let obj = body.as_object()?;
+        if ["text", "input_embeds", "image_data", "audio_data", "video_data"].iter().any(|k| present(obj, k)) {
+            return None;
+        }
+        if ["return_logprob", "return_hidden_states", "return_text_in_logprobs"]
+            .iter()
+            .any(|k| obj.get(*k).is_some_and(|v| v.as_bool() != Some(false)))
+        {
+            return None;
+        }
+        let prompt_ids: Vec<u64> =
+            obj.get("input_ids")?.as_array()?.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>()?;
+        if prompt_ids.is_empty() {
+            return None;
+        }
+        let params = match obj.get("sampling_params") {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(p)) => p.clone(),
+            Some(_) => return None,
+        };
+        if params.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+            return None;
+        }
+        let number = |k: &str, default: u64| match params.get(k) {
+            None | Some(Value::Null) => Some(default),
+            Some(v) => v.as_u64(),
+        };
+        let stream = match obj.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(v) => v.as_bool()?,
+        };
+        let rid = match obj.get("rid") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return None,
+        };
+        Some(Movable {
+            prompt_ids,
+            max_new_tokens: number("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)?,
+            min_new_tokens: number("min_new_tokens", 0)?,
+            stream,
+            rid,
+        })
+    }
+}
+
+fn present(obj: &Map<String, Value>, key: &str) -> bool {
+    obj.get(key).is_some_and(|v| !v.is_null())
+}
+
+/// What the engines produced so far, over every part of a moved request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Produced {
+    pub text: String,
+    pub output_ids: Vec<u64>,
+    /// `meta_info.weight_versions` spans, positions in the joined output.
+    pub spans: Vec<Value>,
+    /// Each move: `{"from", "to", "at_token", "reason"}`.
+    pub moves: Vec<Value>,
+    /// The engines it ran on, in order.
+    pub engines: Vec<String>,
+}
+
+impl Produced {
+    /// Adds the output of one finished part (`answer`: an engine's final `/generate` object).
+    pub fn add_part(&mut self, answer: &Value) {
+        let start = self.output_ids.len() as u64;
+        if let Some(t) = answer.get("text").and_then(Value::as_str) {
+            self.text.push_str(t);
+        }
+        if let Some(ids) = answer.get("output_ids").and_then(Value::as_array) {
+            self.output_ids.extend(ids.iter().filter_map(Value::as_u64));
+        }
+        let spans = answer.pointer("/meta_info/weight_versions").and_then(Value::as_array);
+        let end = self.output_ids.len() as u64;
+        if spans.is_none_or(|s| s.is_empty()) && end > start {
+            // A stream's events before the last carry no spans: the part ran on the version
+            // its events name.
+            if let Some(v) = answer.pointer("/meta_info/weight_version").and_then(Value::as_str) {
+                self.spans.push(json!({"start": start, "end": end, "version": v}));
+            }
+            return;
+        }
+        for span in spans.into_iter().flatten() {
+            let mut span = span.clone();
+            for k in ["start", "end"] {
+                if let Some(v) = span.get(k).and_then(Value::as_u64) {
+                    span[k] = json!(v + start);
+                }
+            }
+            self.spans.push(span);
+        }
+    }
+}
+
+/// The request that continues `original` (a [`Movable`] body) after `produced` output tokens:
+/// the same fields and sampling parameters, `input_ids` extended by the output so far, the rest
+/// of the budget, and a fresh `rid` (`new_rid`). None when nothing is left to generate.
+pub fn continuation(original: &Value, movable: &Movable, produced: &[u64], new_rid: &str) -> Option<Value> {
+    let done = produced.len() as u64;
+    if done >= movable.max_new_tokens {
+        return None;
+    }
+    let mut body = original.clone();
+    let obj = body.as_object_mut()?;
+    let ids: Vec<Value> = movable.prompt_ids.iter().chain(produced).map(|&i| json!(i)).collect();
+    obj.insert("input_ids".into(), Value::Array(ids));
+    obj.insert("rid".into(), json!(new_rid));
+    let params = obj.entry("sampling_params").or_insert_with(|| json!({}));
+    if params.is_null() {
+        *params = json!({});
+    }
+    let params = params.as_object_mut()?;
+    params.insert("max_new_tokens".into(), json!(movable.max_new_tokens - done));
+    if movable.min_new_tokens > 0 {
+        params.insert("min_new_tokens".into(), json!(movable.min_new_tokens.saturating_sub(done)));
+    }
+    Some(body)
+}
+
+/// The answer the client sees for a moved, non-streamed request: `last` (the final part's
+/// answer) with the joined text and ids, the original prompt's token count, the total output
+/// count, the spans of every part, and the moves (`meta_info.moves`, `meta_info.engines`).
+/// `before` holds the parts before the last one.
+pub fn joined(before: &Produced, movable: &Movable, last: &Value) -> Value {
+    let mut all = before.clone();
+    all.add_part(last);
+    let mut out = last.clone();
+    rewrite(&mut out, before, &all, movable, false);
+    out
+}
+
+/// One stream chunk of the part running now, as the client sees it: cumulative fields
+/// (`text`, `output_ids`) prefixed with the output of the earlier parts (`before`) unless the
+/// engine streams incrementally, and the counts and spans of the whole request.
+pub fn joined_chunk(before: &Produced, movable: &Movable, chunk: &Value, incremental: bool) -> Value {
+    let mut now = before.clone();
+    if !incremental {
+        now.add_part(chunk);
+    } else {
+        // Counts only: the chunk's ids are the new ones.
+        let n = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len);
+        now.output_ids.extend(std::iter::repeat_n(0, n));
+    }
+    let mut out = chunk.clone();
+    rewrite(&mut out, before, &now, movable, incremental);
+    out
+}
+
+fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable, incremental: bool) {
+    if before.moves.is_empty() {
+        return; // never moved: the engine's answer as it is
+    }
+    if !incremental {
+        out["text"] = json!(all.text);
+        out["output_ids"] = json!(all.output_ids);
+    }
+    let Some(meta) = out.get_mut("meta_info").and_then(Value::as_object_mut) else { return };
+    meta.insert("prompt_tokens".into(), json!(movable.prompt_ids.len()));
+    let part = meta.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let total = part + before.output_ids.len() as u64;
+    meta.insert("completion_tokens".into(), json!(total));
+    // A length finish counts the whole output, not the last part's.
+    if let Some(finish) = meta.get_mut("finish_reason").and_then(Value::as_object_mut) {
+        if finish.get("type").and_then(Value::as_str) == Some("length") {
+            finish.insert("length".into(), json!(total));
+        }
+    }
+    if !incremental || !all.spans.is_empty() {
+        let mut spans = before.spans.clone();
+        let start = before.output_ids.len() as u64;
+        for span in meta.get("weight_versions").and_then(Value::as_array).into_iter().flatten() {
+            let mut span = span.clone();
+            for k in ["start", "end"] {
+                if let Some(v) = span.get(k).and_then(Value::as_u64) {
+                    span[k] = json!(v + start);
+                }
+            }
+            spans.push(span);
+        }
+        meta.insert("weight_versions".into(), Value::Array(spans));
+    }
+    meta.insert("moves".into(), Value::Array(all.moves.clone()));
+    meta.insert("engines".into(), json!(all.engines));
+}
+
+/// Whether an engine's final answer (or last stream chunk) ended because it was aborted.
+pub fn aborted(answer: &Value) -> bool {
+    answer.pointer("/meta_info/finish_reason/type").and_then(Value::as_str) == Some("abort")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn part(text: &str, ids: &[u64], version: &str) -> Value {
+        json!({
+            "text": text, "output_ids": ids,
+            "meta_info": {"prompt_tokens": 99, "completion_tokens": ids.len(),
+                          "finish_reason": {"type": "length", "length": ids.len()},
+                          "weight_versions": [{"start": 0, "end": ids.len(), "version": version}]}
+        })
+    }
+
+    #[test]
+    fn only_one_prompt_of_ids_and_one_sample_moves() {
+        let table = [
+            (json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8}}), true),
+            (json!({"input_ids": [1, 2]}), true),
+            (json!({"input_ids": [1, 2], "stream": true, "rid": "a"}), true),
+            (json!({"input_ids": [1, 2], "sampling_params": {"n": 1}}), true),
+            (json!({"text": "hi"}), false),
+            (json!({"input_ids": [[1], [2]]}), false),
+            (json!({"input_ids": []}), false),
+            (json!({"input_ids": [1], "sampling_params": {"n": 2}}), false),
+            (json!({"input_ids": [1], "return_logprob": true}), false),
+            (json!({"input_ids": [1], "return_logprob": false}), true),
+            (json!({"input_ids": [1], "rid": ["a", "b"]}), false),
+            (json!({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}), false),
+            (json!([1, 2]), false),
+        ];
+        for (body, want) in table {
+            assert_eq!(Movable::of(&body).is_some(), want, "{body}");
+        }
+        let m = Movable::of(&json!({"input_ids": [5], "stream": true})).unwrap();
+        assert_eq!((m.max_new_tokens, m.min_new_tokens, m.stream), (DEFAULT_MAX_NEW_TOKENS, 0, true));
+    }
+
+    #[test]
+    fn a_continuation_carries_the_output_so_far_and_the_rest_of_the_budget() {
+        let body = json!({"input_ids": [1, 2], "rid": "r", "stream": true,
+                          "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.7}});
+        let m = Movable::of(&body).unwrap();
+        let next = continuation(&body, &m, &[7, 8, 9], "r-m1").unwrap();
+        assert_eq!(next["input_ids"], json!([1, 2, 7, 8, 9]));
+        assert_eq!(next["rid"], "r-m1");
+        assert_eq!(next["stream"], true);
+        assert_eq!(next["sampling_params"], json!({"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0.7}));
+        assert_eq!(continuation(&body, &m, &[0; 10], "x"), None, "nothing left to generate");
+    }
+
+    #[test]
+    fn a_moved_answer_reads_as_one() {
+        let m = Movable::of(&json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}})).unwrap();
+        let mut before = Produced::default();
+        before.add_part(&part("ab", &[10, 11], "v1"));
+        before.engines = vec!["engine_0".into()];
+        before.moves = vec![json!({"from": "engine_0", "to": "engine_1", "at_token": 2, "reason": "drain"})];
+        let mut last = part("cde", &[12, 13, 14], "v1");
+        last["meta_info"]["prompt_tokens"] = json!(5);
+        let mut engines = before.clone();
+        engines.engines.push("engine_1".into());
+        let out = joined(&engines, &m, &last);
+        assert_eq!(out["text"], "abcde");
+        assert_eq!(out["output_ids"], json!([10, 11, 12, 13, 14]));
+        let meta = &out["meta_info"];
+        assert_eq!(meta["prompt_tokens"], 3, "the original prompt, not the continuation's");
+        assert_eq!(meta["completion_tokens"], 5);
+        assert_eq!(
+            meta["weight_versions"],
+            json!([{"start": 0, "end": 2, "version": "v1"}, {"start": 2, "end": 5, "version": "v1"}])
+        );
+        assert_eq!(meta["engines"], json!(["engine_0", "engine_1"]));
+        assert_eq!(meta["moves"][0]["at_token"], 2);
+        assert_eq!(meta["finish_reason"], json!({"type": "length", "length": 5}), "the whole output's length");
+    }
+
+    #[test]
+    fn a_part_without_spans_is_covered_by_its_version() {
+        let mut p = Produced::default();
+        p.add_part(&json!({"text": "a", "output_ids": [1, 2], "meta_info": {"weight_version": "v3"}}));
+        p.add_part(&part("b", &[3], "v4"));
+        assert_eq!(
+            p.spans,
+            vec![json!({"start": 0, "end": 2, "version": "v3"}), json!({"start": 2, "end": 3, "version": "v4"})]
+        );
+    }
+
+    #[test]
+    fn an_unmoved_answer_is_left_as_it_is() {
+        let m = Movable::of(&json!({"input_ids": [1]})).unwrap();
+        let last = part("x", &[4], "v1");
+        assert_eq!(joined(&Produced::default(), &m, &last), last);
+        assert_eq!(joined_chunk(&Produced::default(), &m, &last, false), last);
+    }
+
+    #[test]
+    fn stream_chunks_of_the_second_part_continue_the_first() {
+        let m = Movable::of(&json!({"input_ids": [1, 2], "stream": true})).unwrap();
+        let mut before = Produced::default();
+        before.add_part(&part("ab", &[10, 11], "v1"));
+        before.engines = vec!["engine_0".into(), "engine_1".into()];
+        before.moves = vec![json!({"from": "engine_0", "to": "engine_1", "at_token": 2, "reason": "drain"})];
+        let chunk = part("c", &[12], "v1");
+        let cumulative = joined_chunk(&before, &m, &chunk, false);
+        assert_eq!(cumulative["text"], "abc");
+        assert_eq!(cumulative["output_ids"], json!([10, 11, 12]));
+        assert_eq!(cumulative["meta_info"]["completion_tokens"], 3);
+        let incremental = joined_chunk(&before, &m, &chunk, true);
+        assert_eq!(incremental["text"], "c");
+        assert_eq!(incremental["output_ids"], json!([12]));
+        assert_eq!(incremental["meta_info"]["completion_tokens"], 3);
+    }
+
+    proptest! {
+        /// However a request's output is split over parts, the joined answer has every id once,
+        /// in order, and counts them all.
+        #[test]
+        fn joining_parts_loses_and_repeats_nothing(ids in proptest::collection::vec(0u64..50_000, 1..60), cuts in proptest::collection::vec(0usize..60, 0..4)) {
+            let m = Movable::of(&json!({"input_ids": [1], "sampling_params": {"max_new_tokens": 1000}})).unwrap();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % ids.len()).collect();
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut before = Produced::default();
+            let mut from = 0;
+            for (i, &c) in cuts.iter().enumerate() {
+                before.add_part(&part("", &ids[from..c], "v"));
+                before.engines.push(format!("e{i}"));
+                before.moves.push(json!({"at_token": c}));
+                from = c;
+            }
+            before.engines.push("last".into());
+            let out = joined(&before, &m, &part("", &ids[from..], "v"));
+            let joined_ids: Vec<u64> = out["output_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            prop_assert_eq!(&joined_ids, &ids);
+            prop_assert_eq!(out["meta_info"]["completion_tokens"].as_u64(), Some(ids.len() as u64));
+        }
+    }
+}

@@ -1,0 +1,468 @@
+//! Moving a running `/generate` request to another engine (`rollout_core::moves`): when its
+//! engine drains for a scale-in, the request is aborted there and continues on an engine that
+//! stays, from the prompt's ids plus the output so far; when its engine dies in the middle of a
+//! stream, the stream continues elsewhere from the tokens the router has seen. The client gets
+//! one answer: a stream without a repeated or missing token, or one body, with
+//! `meta_info.moves` and `meta_info.engines` saying where it ran.
+//!
+//! A movable request's answer is produced by a task that owns the engine's response and writes
+//! the client's body into a channel; the client's in-flight count moves with it, so a draining
+//! engine is idle once its requests have moved.
+
+use super::{engine_uri, EngineBody, RouterState};
+use crate::fleet::InFlightGuard;
+use axum::body::Body;
+use axum::http::uri::PathAndQuery;
+use axum::http::{HeaderMap, Method, StatusCode};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use rollout_core::moves::{self, Movable, Produced};
+use rollout_core::routing::VersionPin;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Largest non-streamed answer a movable request may have (it is read whole to be joined).
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// Most moves of one request.
+const MAX_MOVES: usize = 4;
+/// How long the abort of a moving request may take on its engine.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often an abort is sent again while the aborted request's answer has not ended: SGLang
+/// ignores an abort for a request it has not registered yet (`_handle_abort_req`: "not found
+/// in rid_to_state"), which a request that just arrived may not be.
+const ABORT_AGAIN: Duration = Duration::from_millis(250);
+
+/// One movable request, as the router sent it.
+pub(super) struct Request {
+    pub state: Arc<RouterState>,
+    pub headers: HeaderMap,
+    pub path: PathAndQuery,
+    /// The body sent (with its `rid`).
+    pub body: Value,
+    pub movable: Movable,
+    pub rid: String,
+    pub pin: Option<VersionPin>,
+    pub tokens: u64,
+    pub timeout: Duration,
+}
+
+/// The engine a part runs on, with the request counted on it.
+pub(super) struct Part {
+    pub engine_id: String,
+    pub route: super::table::Route,
+    /// The request counted on this engine while the part runs.
+    pub _guard: InFlightGuard,
+    pub body: EngineBody,
+    pub first: Option<http_body::Frame<Bytes>>,
+    /// The router already aborted it on this engine to move it (before its headers came).
+    pub aborted: bool,
+}
+
+/// The client's body for a movable request whose first part answered 200.
+pub(super) fn body(request: Request, part: Part) -> Body {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let (timeout, stream) = (request.timeout, request.movable.stream);
+    let tasks = request.state.tasks.clone();
+    tasks.spawn(async move {
+        // As for any answer: the whole of it, every part, within --request-timeout-secs.
+        let end = tx.clone();
+        if tokio::time::timeout(timeout, run(request, part, tx)).await.is_err() {
+            let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
+            if stream {
+                let event =
+                    json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
+                let _ = end.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+            } else {
+                let _ = end.send(Err(std::io::Error::other(why))).await;
+            }
+        }
+    });
+    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Why a part ended.
+enum Ended {
+    /// The answer is complete (sent to the client).
+    Done,
+    /// The router aborted it to move it (drain); what it produced is in `Produced`.
+    Moved(&'static str),
+    /// The engine died; what the router saw of it is in `Produced`.
+    Lost(String),
+    /// The client went away.
+    Gone,
+}
+
+async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::io::Error>>) {
+    let mut produced = Produced { engines: vec![first.engine_id.clone()], ..Produced::default() };
+    let mut part = first;
+    let mut rid = request.rid.clone();
+    loop {
+        let ended = if request.movable.stream {
+            stream_part(&request, &mut part, &rid, &mut produced, &tx).await
+        } else {
+            whole_part(&request, &mut part, &rid, &mut produced, &tx).await
+        };
+        let reason = match ended {
+            Ended::Done | Ended::Gone => return,
+            Ended::Moved(reason) => reason,
+            Ended::Lost(why) if produced.moves.len() < MAX_MOVES => {
+                // A stream continues from the tokens the router saw; a whole answer (nothing
+                // seen of it) starts again.
+                tracing::warn!(engine_id = %part.engine_id, error = %why, "engine lost mid-answer; continuing elsewhere");
+                "lost"
+            }
+            Ended::Lost(why) => {
+                fail(&request, &tx, &format!("engine {} stopped in the middle of its answer ({why})", part.engine_id))
+                    .await;
+                return;
+            }
+        };
+        let n = produced.moves.len() + 1;
+        let next_rid = format!("{}-m{n}", request.rid);
+        let Some(body) = moves::continuation(&request.body, &request.movable, &produced.output_ids, &next_rid) else {
+            // Aborted right at its last token: the answer is complete as it is.
+            finish_at_budget(&request, &produced, &tx).await;
+            return;
+        };
+        match next_part(&request, &part, body).await {
+            Ok(next) => {
+                request.state.metrics.moved(reason, request.movable.prompt_ids.len() + produced.output_ids.len());
+                produced.moves.push(json!({
+                    "from": part.engine_id, "to": next.engine_id,
+                    "at_token": produced.output_ids.len(), "reason": reason,
+                }));
+                produced.engines.push(next.engine_id.clone());
+                tracing::info!(from = %part.engine_id, to = %next.engine_id, at_token = produced.output_ids.len(),
+                    reason, "request moved");
+                part = next;
+                rid = next_rid;
+            }
+            Err(why) => {
+                fail(&request, &tx, &format!("could not continue the request after a move: {why}")).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Sends the continuation to the least loaded other engine the request may use; the request
+/// is counted there from now on.
+async fn next_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
+    let state = &request.state;
+    let routes = super::candidates(state, request.pin.as_ref()).await.map_err(|_| "no engine to continue on")?;
+    let route = routes
+        .iter()
+        .filter(|r| !Arc::ptr_eq(&r.load, &from.route.load))
+        .min_by_key(|r| r.load.get())
+        .ok_or("no other engine to continue on")?
+        .clone();
+    let guard = route.load.enter(request.tokens);
+    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
+    let resp = send(state, &route, &Method::POST, &request.path, &request.headers, bytes, request.timeout).await?;
+    if resp.status() != StatusCode::OK {
+        return Err(format!("engine {} answered {}", route.engine_id, resp.status()));
+    }
+    Ok(Part {
+        engine_id: route.engine_id.clone(),
+        route,
+        _guard: guard,
+        body: resp.into_body(),
+        first: None,
+        aborted: false,
+    })
+}
+
+/// Sends one request to an engine (the router's pooled connections where it can).
+async fn send(
+    state: &RouterState,
+    route: &super::table::Route,
+    method: &Method,
+    path: &PathAndQuery,
+    headers: &HeaderMap,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<hyper::Response<EngineBody>, String> {
+    let sent = async {
+        match (&route.host_header, &route.pool) {
+            (Some(host), Some(pool)) => {
+                let outgoing = super::pool::Outgoing { method, target: path.as_str(), host, headers, body: &body };
+                super::pool::send(pool, &route.authority, &outgoing)
+                    .await
+                    .map(|r| r.map(EngineBody::Direct))
+                    .map_err(|e| e.to_string())
+            }
+            _ => {
+                let mut req = hyper::Request::new(Full::new(body.clone()));
+                *req.method_mut() = method.clone();
+                *req.headers_mut() = headers.clone();
+                *req.uri_mut() = engine_uri(route, path).map_err(|e| e.to_string())?;
+                state.client.request(req).await.map(|r| r.map(EngineBody::Client)).map_err(|e| e.to_string())
+            }
+        }
+    };
+    tokio::time::timeout(timeout, sent).await.map_err(|_| format!("no answer within {timeout:?}"))?
+}
+
+/// Asks the part's engine to abort the request (its answer then ends with the output so far).
+async fn abort(request: &Request, part: &Part, rid: &str) {
+    abort_rid(&request.state, &part.route, &request.headers, rid).await;
+}
+
+/// Asks `route`'s engine to abort request `rid`.
+async fn abort_rid(state: &RouterState, route: &super::table::Route, headers: &HeaderMap, rid: &str) {
+    let body = Bytes::from(json!({ "rid": rid }).to_string());
+    let path = PathAndQuery::from_static("/abort_request");
+    match send(state, route, &Method::POST, &path, headers, body, ABORT_TIMEOUT).await {
+        Ok(resp) => {
+            let _ = resp.into_body().collect().await;
+        }
+        Err(e) => tracing::debug!(engine_id = %route.engine_id, error = %e, "abort to move a request failed"),
+    }
+}
+
+/// Whether `load`'s engine asks its requests to move, and another engine could take them.
+fn may_move(state: &RouterState, load: &Arc<crate::fleet::EngineLoad>) -> bool {
+    load.moves_requested() && state.fleet.routes().backends.iter().any(|b| !Arc::ptr_eq(&b.load, load))
+}
+
+fn should_move(request: &Request, part: &Part, moves: usize) -> bool {
+    moves < MAX_MOVES && may_move(&request.state, &part.route.load)
+}
+
+/// While a movable request waits for its engine's response headers (a non-streamed answer
+/// sends them with its end): once the engine is asked to shed its requests, aborts this one
+/// there, so its answer comes at once with the output so far, and never resolves. `aborted`
+/// tells the caller it happened (the answer's part then starts as moving).
+pub(super) async fn abort_when_asked(
+    state: &RouterState,
+    route: &super::table::Route,
+    headers: &HeaderMap,
+    rid: &str,
+    aborted: &std::sync::atomic::AtomicBool,
+) {
+    let mut signal = route.load.move_signal();
+    loop {
+        if may_move(state, &route.load) {
+            aborted.store(true, std::sync::atomic::Ordering::Release);
+            loop {
+                abort_rid(state, route, headers, rid).await;
+                tokio::time::sleep(ABORT_AGAIN).await;
+            }
+        }
+        if signal.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
+}
+
+/// A non-streamed part: read whole (an abort meanwhile if its engine drains), then either the
+/// joined answer goes to the client, or what it produced is kept and the request moves.
+async fn whole_part(
+    request: &Request,
+    part: &mut Part,
+    rid: &str,
+    produced: &mut Produced,
+    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+) -> Ended {
+    let mut buf: Vec<u8> = Vec::new();
+    if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
+        buf.extend_from_slice(&f);
+    }
+    let mut moving = part.aborted;
+    let mut signal = part.route.load.move_signal();
+    let mut aborted_at = tokio::time::Instant::now();
+    loop {
+        if (!moving && should_move(request, part, produced.moves.len()))
+            || (moving && aborted_at.elapsed() >= ABORT_AGAIN)
+        {
+            moving = true;
+            abort(request, part, rid).await;
+            aborted_at = tokio::time::Instant::now();
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until(aborted_at + ABORT_AGAIN), if moving => {}
+            frame = part.body.frame() => match frame {
+                None => break,
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data() {
+                        if buf.len() + data.len() > MAX_ANSWER_BYTES {
+                            return Ended::Lost(format!("the answer is larger than {MAX_ANSWER_BYTES} bytes"));
+                        }
+                        buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => return Ended::Lost(e.to_string()),
+            },
+            _ = signal.changed() => {}
+        }
+    }
+    let answer: Value = match serde_json::from_slice(&buf) {
+        Ok(v) => v,
+        Err(_) => {
+            // Not JSON (an engine's own error page): passed on as it is.
+            let _ = tx.send(Ok(Bytes::from(buf))).await;
+            return Ended::Done;
+        }
+    };
+    if moving && moves::aborted(&answer) {
+        produced.add_part(&answer);
+        return Ended::Moved("drain");
+    }
+    let out = moves::joined(produced, &request.movable, &answer);
+    let bytes = if produced.moves.is_empty() { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
+    if tx.send(Ok(bytes)).await.is_err() {
+        return Ended::Gone;
+    }
+    Ended::Done
+}
+
+/// A streamed part: its events are passed on as they come (joined with the earlier parts'),
+/// the output so far is followed; an abort if its engine drains, after which its last
+/// (aborted) event and its `[DONE]` are held back and the request moves.
+async fn stream_part(
+    request: &Request,
+    part: &mut Part,
+    rid: &str,
+    produced: &mut Produced,
+    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+) -> Ended {
+    let before = produced.clone();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut last: Option<Value> = None;
+    // Whether the engine's chunks hold only the new output (`--incremental-streaming-output`):
+    // then the ids so far are gathered here.
+    let mut incremental_ids: Vec<u64> = Vec::new();
+    let mut incremental: Option<bool> = None;
+    let mut moving = part.aborted;
+    let mut signal = part.route.load.move_signal();
+    let mut first = part.first.take();
+    let mut aborted_at = tokio::time::Instant::now();
+    loop {
+        if (!moving && should_move(request, part, produced.moves.len()))
+            || (moving && aborted_at.elapsed() >= ABORT_AGAIN)
+        {
+            moving = true;
+            abort(request, part, rid).await;
+            aborted_at = tokio::time::Instant::now();
+        }
+        let frame = match first.take() {
+            Some(f) => Some(Ok(f)),
+            None => tokio::select! {
+                frame = part.body.frame() => frame,
+                _ = signal.changed() => continue,
+                () = tokio::time::sleep_until(aborted_at + ABORT_AGAIN), if moving => continue,
+            },
+        };
+        let data = match frame {
+            None => {
+                // Ended without [DONE]: what was seen counts as produced.
+                keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                return Ended::Lost("the stream ended without [DONE]".into());
+            }
+            Some(Err(e)) => {
+                keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                return Ended::Lost(e.to_string());
+            }
+            Some(Ok(f)) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+        };
+        pending.extend_from_slice(&data);
+        let mut out = Vec::new();
+        while let Some(end) = find(&pending, b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let payload = text.trim().strip_prefix("data:").map(str::trim);
+            match payload {
+                Some("[DONE]") => {
+                    if moving && last.as_ref().is_some_and(moves::aborted) {
+                        keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                        return Ended::Moved("drain");
+                    }
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    let _ = tx.send(Ok(Bytes::from(out))).await;
+                    return Ended::Done;
+                }
+                Some(json) => match serde_json::from_str::<Value>(json) {
+                    Ok(chunk) => {
+                        let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
+                        let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
+                        let inc = *incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
+                        if inc {
+                            incremental_ids
+                                .extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+                        }
+                        if moving && moves::aborted(&chunk) {
+                            // The abort's own event: held back, the request continues elsewhere.
+                            last = Some(chunk);
+                            continue;
+                        }
+                        let joined = moves::joined_chunk(&before, &request.movable, &chunk, inc);
+                        out.extend_from_slice(b"data: ");
+                        out.extend_from_slice(joined.to_string().as_bytes());
+                        out.extend_from_slice(b"\n\n");
+                        last = Some(chunk);
+                    }
+                    Err(_) => out.extend_from_slice(&event),
+                },
+                None => out.extend_from_slice(&event),
+            }
+        }
+        if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
+            return Ended::Gone;
+        }
+    }
+}
+
+/// Records what a streamed part produced: its last event's output (cumulative chunks), or the
+/// ids gathered from every event (incremental ones).
+fn keep(produced: &mut Produced, before: &Produced, last: Option<&Value>, ids: &[u64], incremental: bool) {
+    let mut now = before.clone();
+    match (last, incremental) {
+        (Some(chunk), false) => now.add_part(chunk),
+        (_, true) => {
+            now.output_ids.extend_from_slice(ids);
+            if let Some(chunk) = last {
+                if let Some(t) = chunk.get("text").and_then(Value::as_str) {
+                    now.text.push_str(t);
+                }
+            }
+        }
+        (None, false) => {}
+    }
+    now.moves = produced.moves.clone();
+    now.engines = produced.engines.clone();
+    *produced = now;
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The request was aborted right at its last token: its answer is complete.
+async fn finish_at_budget(request: &Request, produced: &Produced, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) {
+    let n = produced.output_ids.len();
+    let last = json!({
+        "text": "", "output_ids": [],
+        "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "length", "length": n}, "weight_versions": []},
+    });
+    let out = moves::joined(produced, &request.movable, &last);
+    let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
+    let _ = tx.send(Ok(Bytes::from(bytes))).await;
+}
+
+/// Ends the client's answer with an error: an error event and `[DONE]` for a stream (SGLang's
+/// in-stream shape), an error on the body otherwise (the connection is closed early).
+async fn fail(request: &Request, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>, why: &str) {
+    tracing::warn!(error = why, "moving request failed");
+    if request.movable.stream {
+        let event = json!({"error": {"message": format!("{why}; the output so far is incomplete, send the request again"),
+                                     "type": "engine_lost", "code": 502, "retryable": true}});
+        let _ = tx.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+    } else {
+        let _ = tx.send(Err(std::io::Error::other(why.to_string()))).await;
+    }
+}

@@ -1,0 +1,138 @@
+"""Running generations move between engines (issue 31): a scale-in moves a draining engine's
+requests to the engines that stay and cuts nothing; a stream whose engine dies continues on
+another. The client sees one answer: every token once, the original prompt's count, spans of
+every part, and where it ran (``meta_info.moves``, ``meta_info.engines``).
+
+Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client as httpclient
+import itertools
+import json
+import os
+import signal
+import urllib.parse
+from typing import Any
+
+from _support import ManagerHandle, StartManager, http, metric_total, wait_until
+
+BUDGET = 120
+SLOW = (
+    "--engine-arg=--time-scale=1",
+    "--engine-arg=--decode-tokens-per-sec=40",
+    "--scale-in-drain-timeout-secs",
+    "300",
+)
+
+
+def generate(fleet: ManagerHandle, prompt: list[int], stream: bool) -> dict[str, Any]:
+    """One `/generate` of `prompt` through the router: the final answer, and for a stream every
+    event's cumulative output ids (to check that none repeats or goes missing)."""
+    parsed = urllib.parse.urlsplit(fleet.router_url)
+    conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        if not stream:
+            return {"answer": json.loads(resp.read()), "events": []}
+        events: list[dict[str, Any]] = []
+        for line in resp:
+            text = line.decode().strip()
+            if text == "data: [DONE]":
+                break
+            if text.startswith("data:"):
+                events.append(json.loads(text[len("data:") :]))
+        assert events, "no event"
+        return {"answer": events[-1], "events": events}
+    finally:
+        conn.close()
+
+
+def check_whole(result: dict[str, Any], prompt: list[int]) -> None:
+    answer = result["answer"]
+    assert "error" not in answer, answer
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": BUDGET}, meta
+    assert len(answer["output_ids"]) == meta["completion_tokens"] == BUDGET, meta
+    assert meta["prompt_tokens"] == len(prompt), meta
+    spans = meta["weight_versions"]
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == BUDGET, spans
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans)), spans
+    # A stream's events: each one's ids extend the previous one's, so no token repeats or is missing.
+    previous: list[int] = []
+    for event in result["events"]:
+        ids = event["output_ids"]
+        assert ids[: len(previous)] == previous, "an event rewrote earlier output"
+        previous = ids
+
+
+def engine_of(fleet: ManagerHandle, engine_id: str) -> Any:
+    engine = fleet.engines().by_id(engine_id)
+    assert engine is not None
+    return engine
+
+
+def test_a_scale_in_moves_running_requests_and_cuts_nothing(start_fleet: StartManager) -> None:
+    fleet = start_fleet(*SLOW)
+    op = fleet.client.scale_out(num_replicas=3)
+    assert op.request_id is not None
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    victim = "engine_2"
+    prompts = [[100 + i, 7, 8, 9] for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(generate, fleet, p, i % 2 == 0) for i, p in enumerate(prompts)]
+        wait_until(lambda: engine_of(fleet, victim).raw.get("in_flight", 0) >= 2, 30, "requests on the engine to go")
+        op = fleet.client.scale_in(num_replicas=2)
+        assert op.request_id is not None
+        done = fleet.client.wait_for_operation("scale_in", op.request_id, 120)
+        assert done.status == "COMPLETED", done
+        results = [f.result(timeout=120) for f in futures]
+    assert fleet.engines().by_id(victim) is None
+    moved = [r for r in results if r["answer"]["meta_info"].get("moves")]
+    assert len(moved) >= 2, [r["answer"]["meta_info"].get("engines") for r in results]
+    for result, prompt in zip(results, prompts, strict=True):
+        check_whole(result, prompt)
+    for result in moved:
+        meta = result["answer"]["meta_info"]
+        assert [m["reason"] for m in meta["moves"]] == ["drain"], meta["moves"]
+        assert meta["engines"][0] == victim and victim not in meta["engines"][1:], meta["engines"]
+        assert 0 <= meta["moves"][0]["at_token"] < BUDGET
+    unmoved = next(r for r in results if not r["answer"]["meta_info"].get("moves"))
+    extra = set(moved[0]["answer"]["meta_info"]) - set(unmoved["answer"]["meta_info"])
+    assert extra == {"moves", "engines"}, extra
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_moves_total{reason="drain"}') >= len(moved)
+
+
+def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManager) -> None:
+    fleet = start_fleet(*SLOW)
+    prompt = [5, 6, 7]
+    parsed = urllib.parse.urlsplit(fleet.router_url)
+    conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+    body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        engine = engine_of(fleet, resp.getheader("x-rollout-engine-id") or "")
+        events: list[dict[str, Any]] = []
+        for line in resp:
+            text = line.decode().strip()
+            if text == "data: [DONE]":
+                break
+            if text.startswith("data:"):
+                events.append(json.loads(text[len("data:") :]))
+                if len(events) == 5:
+                    os.kill(engine.pid, signal.SIGKILL)
+    finally:
+        conn.close()
+    result = {"answer": events[-1], "events": events}
+    check_whole(result, prompt)
+    meta = events[-1]["meta_info"]
+    assert [m["reason"] for m in meta["moves"]] == ["lost"], meta
+    assert meta["engines"][0] == engine.engine_id and len(meta["engines"]) == 2, meta
