@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
@@ -28,27 +29,39 @@ SLOW = (
 )
 
 
-def generate(fleet: ManagerHandle, prompt: list[int], stream: bool) -> dict[str, Any]:
-    """One `/generate` of `prompt` through the router: the final answer, and for a stream every
-    event's cumulative output ids (to check that none repeats or goes missing)."""
+def post(fleet: ManagerHandle, prompt: list[int], stream: bool) -> tuple[httpclient.HTTPConnection, Any]:
     parsed = urllib.parse.urlsplit(fleet.router_url)
     conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+    conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:300]
+    return conn, resp
+
+
+def events(resp: Any, on_event: Callable[[int], None] = lambda n: None) -> list[dict[str, Any]]:
+    """A stream's events up to ``[DONE]``; ``on_event`` is told how many came so far."""
+    out: list[dict[str, Any]] = []
+    for line in resp:
+        text = line.decode().strip()
+        if text == "data: [DONE]":
+            break
+        if text.startswith("data:"):
+            out.append(json.loads(text[len("data:") :]))
+            on_event(len(out))
+    assert out, "no event"
+    return out
+
+
+def generate(fleet: ManagerHandle, prompt: list[int], stream: bool) -> dict[str, Any]:
+    """One `/generate` of `prompt` through the router: the final answer, and for a stream every
+    event (each one's cumulative output ids, to check that none repeats or goes missing)."""
+    conn, resp = post(fleet, prompt, stream)
     try:
-        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200, resp.read()[:300]
         if not stream:
             return {"answer": json.loads(resp.read()), "events": []}
-        events: list[dict[str, Any]] = []
-        for line in resp:
-            text = line.decode().strip()
-            if text == "data: [DONE]":
-                break
-            if text.startswith("data:"):
-                events.append(json.loads(text[len("data:") :]))
-        assert events, "no event"
-        return {"answer": events[-1], "events": events}
+        got = events(resp)
+        return {"answer": got[-1], "events": got}
     finally:
         conn.close()
 
@@ -112,27 +125,18 @@ def test_a_scale_in_moves_running_requests_and_cuts_nothing(start_fleet: StartMa
 def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManager) -> None:
     fleet = start_fleet(*SLOW)
     prompt = [5, 6, 7]
-    parsed = urllib.parse.urlsplit(fleet.router_url)
-    conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
-    body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+    conn, resp = post(fleet, prompt, stream=True)
     try:
-        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
         engine = engine_of(fleet, resp.getheader("x-rollout-engine-id") or "")
-        events: list[dict[str, Any]] = []
-        for line in resp:
-            text = line.decode().strip()
-            if text == "data: [DONE]":
-                break
-            if text.startswith("data:"):
-                events.append(json.loads(text[len("data:") :]))
-                if len(events) == 5:
-                    os.kill(engine.pid, signal.SIGKILL)
+
+        def kill_after_five(n: int) -> None:
+            if n == 5:
+                os.kill(engine.pid, signal.SIGKILL)
+
+        got = events(resp, kill_after_five)
     finally:
         conn.close()
-    result = {"answer": events[-1], "events": events}
-    check_whole(result, prompt)
-    meta = events[-1]["meta_info"]
+    check_whole({"answer": got[-1], "events": got}, prompt)
+    meta = got[-1]["meta_info"]
     assert [m["reason"] for m in meta["moves"]] == ["lost"], meta
     assert meta["engines"][0] == engine.engine_id and len(meta["engines"]) == 2, meta

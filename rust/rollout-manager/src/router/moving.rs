@@ -257,6 +257,34 @@ pub(super) async fn abort_when_asked(
     }
 }
 
+/// Whether a part is being moved, and when its abort was last sent.
+struct Mover {
+    moving: bool,
+    aborted_at: tokio::time::Instant,
+}
+
+impl Mover {
+    fn new(part: &Part) -> Self {
+        Self { moving: part.aborted, aborted_at: tokio::time::Instant::now() }
+    }
+
+    /// Starts the move when the part's engine asks for it, and sends the abort again while the
+    /// aborted answer has not ended ([`ABORT_AGAIN`]).
+    async fn step(&mut self, request: &Request, part: &Part, rid: &str, moves: usize) {
+        let start = !self.moving && should_move(request, part, moves);
+        if start || (self.moving && self.aborted_at.elapsed() >= ABORT_AGAIN) {
+            self.moving = true;
+            abort(request, part, rid).await;
+            self.aborted_at = tokio::time::Instant::now();
+        }
+    }
+
+    /// When the abort is due again.
+    fn again(&self) -> tokio::time::Instant {
+        self.aborted_at + ABORT_AGAIN
+    }
+}
+
 /// A non-streamed part: read whole (an abort meanwhile if its engine drains), then either the
 /// joined answer goes to the client, or what it produced is kept and the request moves.
 async fn whole_part(
@@ -270,19 +298,12 @@ async fn whole_part(
     if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
         buf.extend_from_slice(&f);
     }
-    let mut moving = part.aborted;
+    let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
-    let mut aborted_at = tokio::time::Instant::now();
     loop {
-        if (!moving && should_move(request, part, produced.moves.len()))
-            || (moving && aborted_at.elapsed() >= ABORT_AGAIN)
-        {
-            moving = true;
-            abort(request, part, rid).await;
-            aborted_at = tokio::time::Instant::now();
-        }
+        mover.step(request, part, rid, produced.moves.len()).await;
         tokio::select! {
-            () = tokio::time::sleep_until(aborted_at + ABORT_AGAIN), if moving => {}
+            () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
             frame = part.body.frame() => match frame {
                 None => break,
                 Some(Ok(f)) => {
@@ -306,7 +327,7 @@ async fn whole_part(
             return Ended::Done;
         }
     };
-    if moving && moves::aborted(&answer) {
+    if mover.moving && moves::aborted(&answer) {
         produced.add_part(&answer);
         return Ended::Moved("drain");
     }
@@ -335,24 +356,17 @@ async fn stream_part(
     // then the ids so far are gathered here.
     let mut incremental_ids: Vec<u64> = Vec::new();
     let mut incremental: Option<bool> = None;
-    let mut moving = part.aborted;
+    let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
-    let mut aborted_at = tokio::time::Instant::now();
     loop {
-        if (!moving && should_move(request, part, produced.moves.len()))
-            || (moving && aborted_at.elapsed() >= ABORT_AGAIN)
-        {
-            moving = true;
-            abort(request, part, rid).await;
-            aborted_at = tokio::time::Instant::now();
-        }
+        mover.step(request, part, rid, produced.moves.len()).await;
         let frame = match first.take() {
             Some(f) => Some(Ok(f)),
             None => tokio::select! {
                 frame = part.body.frame() => frame,
                 _ = signal.changed() => continue,
-                () = tokio::time::sleep_until(aborted_at + ABORT_AGAIN), if moving => continue,
+                () = tokio::time::sleep_until(mover.again()), if mover.moving => continue,
             },
         };
         let data = match frame {
@@ -378,7 +392,7 @@ async fn stream_part(
             let payload = text.trim().strip_prefix("data:").map(str::trim);
             match payload {
                 Some("[DONE]") => {
-                    if moving && last.as_ref().is_some_and(moves::aborted) {
+                    if mover.moving && last.as_ref().is_some_and(moves::aborted) {
                         keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
                         return Ended::Moved("drain");
                     }
@@ -395,7 +409,7 @@ async fn stream_part(
                             incremental_ids
                                 .extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
                         }
-                        if moving && moves::aborted(&chunk) {
+                        if mover.moving && moves::aborted(&chunk) {
                             // The abort's own event: held back, the request continues elsewhere.
                             last = Some(chunk);
                             continue;
