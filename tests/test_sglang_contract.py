@@ -13,6 +13,8 @@ simulator makes the test fail until the entry is removed, so the list never goes
 
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import os
 import re
 import signal
@@ -45,8 +47,9 @@ from elastic_rollout._find import find_binary
 
 NEWEST = "0.5.23"
 #: Releases the route table and the per-release shapes cover (RL frameworks pin 0.5.6, 0.5.10.post1
-#: and 0.5.15.post1; 0.5.2 is the oldest with a weight-version; 0.5.23 is the newest).
-RELEASES = ("0.5.2", "0.5.6", "0.5.10.post1", "0.5.15.post1", "0.5.23")
+#: and 0.5.15.post1; verl pins 0.5.8 in its setup.py and 0.5.12 in its stable image; 0.5.2 is the
+#: oldest with a weight-version; 0.5.23 is the newest).
+RELEASES = ("0.5.2", "0.5.6", "0.5.8", "0.5.10.post1", "0.5.12", "0.5.15.post1", "0.5.23")
 
 # -- 1. Routes ---------------------------------------------------------------------------------
 # Every route sglang-sim registers (rust/sglang-sim/src/api/mod.rs), with SGLang 0.5.23's methods.
@@ -195,10 +198,20 @@ SERVED_BY_RELEASE: dict[str, set[str]] = {
     "0.5.6": {"/model_info", "/get_model_info", "/server_info", "/get_server_info", "/get_load",
               "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
               "/send_weights_to_remote_instance", "/get_weight_version", "/weight_version"},
+    # :541 :531 :581 :571 v1_loads.py:130 :601 :887 :812 :829 (/get_weight_version, /weight_version :561-568
+    # raise the "use /model_info" 404)
+    "0.5.8": {"/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/loads", "/get_load",
+              "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
+              "/send_weights_to_remote_instance"},
     # :561 :551 :601 :591 v1_loads.py:130 :621 :1051 :963 :980
     "0.5.10.post1": {"/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/loads",
                      "/get_load", "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
                      "/send_weights_to_remote_instance"},
+    # :590 :580 :630 :620 v1_loads.py:135 :647 :1152 :1064 :1081 (/get_weight_version, /weight_version
+    # :610-617 raise the "use /model_info" 404)
+    "0.5.12": {"/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/loads", "/get_load",
+               "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
+               "/send_weights_to_remote_instance"},
     # :665 :655 :705 :695 v1_loads.py:72 :730 :1248 :1157 :1176
     "0.5.15.post1": {"/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/loads",
                      "/get_load", "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
@@ -316,8 +329,12 @@ _MI_0_5_2 = {"model_path", "tokenizer_path", "is_generation", "preferred_samplin
 MODEL_INFO_KEYS: dict[str, set[str]] = {
     "0.5.2": _MI_0_5_2,  # :416-426
     "0.5.6": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding"},  # :497-509
+    "0.5.8": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding", "model_type",
+                          "architectures"},  # :541-558
     "0.5.10.post1": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding", "model_type",
                                  "architectures"},  # :561-578
+    "0.5.12": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding", "model_type",
+                           "architectures"},  # :590-607
     "0.5.15.post1": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding", "model_type",
                                  "architectures"},  # :665-682
     "0.5.23": _MI_0_5_2 | {"has_image_understanding", "has_audio_understanding", "model_type",
@@ -368,8 +385,12 @@ GET_LOAD_KEYS: dict[str, set[str] | None] = {
     "0.5.2": {"load"},
     # list of GetLoadReqOutput: sglang==0.5.6: sglang/srt/managers/io_struct.py:1583-1587 + BaseReq :40-42
     "0.5.6": {"rid", "http_worker_ipc", "dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"},
+    # sglang==0.5.8: .../io_struct.py:1703-1708 + BaseReq :44-46 (tokenizer_communicator_mixin.py:795-797)
+    "0.5.8": {"rid", "http_worker_ipc", "dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"},
     # sglang==0.5.10.post1: .../io_struct.py:1750-1755 (+ts_tic) + BaseReq :50-52
     "0.5.10.post1": {"rid", "http_worker_ipc", "dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"},
+    # a shim over /v1/loads: sglang==0.5.12: .../entrypoints/http_server.py:647-671
+    "0.5.12": {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic"},
     # a shim over /v1/loads: sglang==0.5.15.post1: .../entrypoints/http_server.py:730-753
     "0.5.15.post1": {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic"},
     "0.5.23": None,  # removed
@@ -414,6 +435,52 @@ FLAG_RELEASES = ("0.5.2", "0.5.10.post1", "0.5.23")
 #: Simulator knobs the tests pass with --engine-arg (tests/_support.py DEFAULT_ARGS); not SGLang's.
 SIM_ONLY_FLAGS = {"--time-scale"}
 
+# -- 8. What a running server reports after updates, its /ping and its SIGTERM --------------------
+# A successful /update_weights_from_disk sets the tokenizer manager's model_path AND served_model_name
+# to the checkpoint's path, whether or not --served-model-name was given (sglang==0.5.23:
+# sglang/srt/managers/tokenizer_manager.py:2365-2370, called at :2383,:2390; sglang==0.5.8: same file
+# :1375-1379; sglang==0.5.12: :1554-1558), and records the load format it used (0.5.23 :2370; default:
+# the one in force, :2295-2296). /model_info reads all of them live (0.5.23 .../entrypoints/http_server.py:812-827);
+# /v1/models lists, and /v1/models/{model} accepts, the current served name (:1993-2004, :2025-2030;
+# 0.5.8 :1294-1297, 0.5.12 :1601-1604). The OpenAI answers' `model` is the request's, not the served
+# name (.../entrypoints/openai/serving_completions.py:641).
+MODEL_INFO_AFTER_DISK_UPDATE = ("model_path", "served_model_name", "load_format", "weight_version")
+# /server_info's top level after a disk update (with weight_version) per release: the fields that follow
+# it; the other ones of these keep their launch values.
+SERVER_INFO_ARGS = ("model_path", "served_model_name", "load_format", "weight_version")
+SERVER_INFO_FOLLOWS: dict[str, set[str]] = {
+    # dataclasses.asdict of the ServerArgs the update edits in place: sglang==0.5.8 tokenizer_manager.py:1375-1379,
+    # tokenizer_communicator_mixin.py:848-851, http_server.py:581-598 (served_model_name is only the manager's)
+    "0.5.8": {"model_path", "load_format", "weight_version"},
+    # sglang==0.5.12: tokenizer_manager.py:1554-1558, tokenizer_control_mixin.py:884-889, http_server.py:630-644
+    "0.5.12": {"model_path", "load_format", "weight_version"},
+    # sglang==0.5.17: the recorded updates and the manager's identity laid over the launch arguments,
+    # tokenizer_manager.py:2066-2078, http_server.py:781-796
+    "0.5.17": {"model_path", "served_model_name", "load_format", "weight_version"},
+    # sglang==0.5.23: "the startup configuration" (http_server.py:863-891, utils/common.py:3584-3593,
+    # server_args.py:316-333); the live values are /model_info's
+    "0.5.23": set(),
+}
+# internal_states (one per DP rank, each the scheduler's resolved arguments): model_path and load_format
+# follow a disk update in every release (the model runner writes them: sglang==0.5.8
+# model_executor/model_runner.py:1076-1077; 0.5.23 :2590-2606); weight_version only once schedulers
+# learn it, from 0.5.19 (0.5.23 managers/scheduler.py:5636-5641, scheduler_components/internal_state.py:45-48,
+# runtime_context.py:1163-1174; no scheduler code mentions it in 0.5.8, 0.5.12 or 0.5.18).
+INTERNAL_STATE_VERSION_FOLLOWS = {"0.5.8": False, "0.5.12": False, "0.5.17": False, "0.5.23": True}
+# /ping: sglang==0.5.23 http_server.py:2190-2199 answers 200 when is_healthy() (tokenizer_manager.py:728-730:
+# not shutting down and status Up), else 503; a paused server is still Up. A health check that times out
+# sets UnHealthy (http_server.py:798), one that passes sets Up again (:784). Before 0.5.23 /ping is always
+# 200 (sglang==0.5.8 http_server.py:1442-1445; 0.5.12 :1782-1785; 0.5.22 :2123-2126).
+PING_REPORTS_HEALTH = {"0.5.8": False, "0.5.12": False, "0.5.23": True}
+# SIGTERM sets gracefully_exit (sglang==0.5.23 tokenizer_manager.py:4066-4070); the watchdog then drains,
+# unless the server is UnHealthy or SGL_FORCE_SHUTDOWN is true: it exits at once, logging this
+# (:3508-3531; sglang==0.5.8 :2091-2105; 0.5.12 :2384-2398). SGL_FORCE_SHUTDOWN is read by
+# get_bool_env_var ("true"/"1", any case; utils/common.py:1424-1440).
+FORCE_EXIT_LOG = {
+    "unhealthy": "Signal SIGTERM received while health check failed. Force exiting.",
+    "force": "Signal SIGTERM received while force shutdown flag set. Force exiting.",
+}
+
 # =============================================================================================
 # Known disagreements: what the simulator does today where it differs from the facts above.
 # Each is asserted; fixing the simulator fails its test until the entry is deleted.
@@ -436,7 +503,9 @@ KNOWN_GAPS: dict[str, Any] = {
     "model_info keys of later releases": {
         "0.5.2": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.2"],
         "0.5.6": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.6"],
+        "0.5.8": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.8"],
         "0.5.10.post1": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.10.post1"],
+        "0.5.12": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.12"],
         "0.5.15.post1": MODEL_INFO_KEYS[NEWEST] - MODEL_INFO_KEYS["0.5.15.post1"],
     },
     # /get_weight_version answers {"weight_version"} up to 0.5.7 (0.5.2 http_server.py:429-434;
@@ -463,7 +532,9 @@ KNOWN_GAPS: dict[str, Any] = {
     # /get_load entries: keys SGLang sends that the sim leaves out, per release.
     "get_load keys missing": {
         "0.5.6": {"rid", "http_worker_ipc"},
+        "0.5.8": {"rid", "http_worker_ipc", "ts_tic"},
         "0.5.10.post1": {"rid", "http_worker_ipc", "ts_tic"},
+        "0.5.12": {"num_pending_tokens", "ts_tic"},
         "0.5.15.post1": {"num_pending_tokens", "ts_tic"},
     },
     # sglang:queue_time_seconds is a scheduler metric (metrics_collector.py:837-840); the sim
@@ -496,12 +567,12 @@ class Sim:
         return resp.json()
 
 
-def _start_sim(binary: Path, log: Path, args: tuple[str, ...]) -> Sim:
+def _start_sim(binary: Path, log: Path, args: tuple[str, ...], env: dict[str, str] | None = None) -> Sim:
     argv = [str(binary), "--model-path", MODEL, "--host", "127.0.0.1", "--port", "0",
             "--skip-server-warmup", "--time-scale", "0", *args]  # fmt: skip
     with open(log, "wb") as out:
-        env = {**os.environ, "NO_COLOR": "1"}
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+        environ = {**os.environ, "NO_COLOR": "1", **(env or {})}
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=environ)
     sim = Sim("", process, log)
 
     def listening() -> str | None:
@@ -547,6 +618,24 @@ def start_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...
         yield start
     finally:
         for sim in sims.values():
+            _stop_sim(sim)
+
+
+@pytest.fixture
+def own_sim(tmp_path: Path) -> Iterator[Callable[..., Sim]]:
+    """``own_sim(*args, env=...)``: a simulator of this test's alone (its state changes, or it is
+    stopped); stopped at the end of the test if still running."""
+    binary = freshest_build(find_binary("sglang-sim"))
+    sims: list[Sim] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Sim:
+        sims.append(_start_sim(binary, tmp_path / f"own{len(sims)}.log", args, env))
+        return sims[-1]
+
+    try:
+        yield start
+    finally:
+        for sim in sims:
             _stop_sim(sim)
 
 
@@ -875,3 +964,122 @@ def test_manager_flags_are_sglang_flags_in_every_release(manager_launch_flags: s
     assert manager_launch_flags - SIM_ONLY_FLAGS == set(MANAGER_FLAGS)
     for flag, where in MANAGER_FLAGS.items():
         assert set(where) == set(FLAG_RELEASES) and all(where.values()), flag
+
+
+# =============================================================================================
+# 8. A running server: identity after a disk update, /ping, SIGTERM
+# =============================================================================================
+
+
+@pytest.mark.parametrize("release", sorted(SERVER_INFO_FOLLOWS, key=lambda r: tuple(map(int, r.split(".")))))
+def test_a_disk_update_renames_the_served_model(own_sim: Callable[..., Sim], tmp_path: Path, release: str) -> None:
+    engine = own_sim("--sglang-api", release, "--served-model-name", "pinned", "--weight-version", "v0")
+    checkpoint = tmp_path / "ckpt-v1"
+    write_checkpoint(checkpoint, seed=1)
+    path = str(checkpoint)
+    resp = http("POST", engine.url + "/update_weights_from_disk", {"model_path": path, "weight_version": "v1"})
+    assert resp.status == 200 and resp.json()["success"], resp.body[:300]
+
+    # /model_info and /v1/models: the checkpoint, even though --served-model-name was given.
+    info = engine.get("/get_model_info")
+    after = {"model_path": path, "served_model_name": path, "load_format": "auto", "weight_version": "v1"}
+    assert {k: info[k] for k in MODEL_INFO_AFTER_DISK_UPDATE} == after
+    assert [card["id"] for card in engine.get("/v1/models")["data"]] == [path]
+    assert engine.get(f"/v1/models/{path}")["id"] == path
+    assert http("GET", engine.url + "/v1/models/pinned").status == 404
+    # The OpenAI answers name the model the request named.
+    body = {"model": "pinned", "prompt": "hi", "max_tokens": 2}
+    assert http("POST", engine.url + "/v1/completions", body).json()["model"] == "pinned"
+
+    # /server_info's top level: what this release lets follow the update; the rest is the launch's.
+    launch = {"model_path": MODEL, "served_model_name": "pinned", "load_format": "auto", "weight_version": "v0"}
+    top = engine.get("/get_server_info")
+    follows = SERVER_INFO_FOLLOWS[release]
+    expected = {k: (after if k in follows else launch)[k] for k in SERVER_INFO_ARGS}
+    assert {k: top[k] for k in SERVER_INFO_ARGS} == expected
+    (state,) = top["internal_states"]
+    assert (state["model_path"], state["load_format"]) == (path, "auto")
+    assert state["weight_version"] == ("v1" if INTERNAL_STATE_VERSION_FOLLOWS[release] else "v0")
+
+    # A weight-version change alone moves /model_info's version and nothing of the identity.
+    assert http("POST", engine.url + "/update_weight_version", {"new_version": "v2"}).status == 200
+    info = engine.get("/get_model_info")
+    assert (info["weight_version"], info["model_path"]) == ("v2", path)
+    assert engine.get("/get_server_info")["weight_version"] == ("v2" if "weight_version" in follows else "v0")
+
+
+def test_a_failed_disk_update_keeps_the_name(own_sim: Callable[..., Sim], tmp_path: Path) -> None:
+    engine = own_sim("--served-model-name", "pinned")
+    missing = str(tmp_path / "no-such-checkpoint")
+    resp = http("POST", engine.url + "/update_weights_from_disk", {"model_path": missing})
+    assert resp.status == 400 and resp.json()["success"] is False
+    info = engine.get("/model_info")
+    assert (info["model_path"], info["served_model_name"]) == (MODEL, "pinned")
+    assert [card["id"] for card in engine.get("/v1/models")["data"]] == ["pinned"]
+
+
+# /health stays a plain 200 (no generation) so the simulator starts; /health_generate runs the check,
+# which fails at once with a timeout of 0 and leaves the server UnHealthy.
+FAILING_CHECKS = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_HEALTH_CHECK_TIMEOUT": "0"}
+
+
+def make_unhealthy(engine: Sim) -> None:
+    assert http("GET", engine.url + "/health_generate").status == 503
+
+
+@pytest.mark.parametrize("release", sorted(PING_REPORTS_HEALTH, key=lambda r: tuple(map(int, r.split(".")))))
+def test_ping_reports_the_health_flag(own_sim: Callable[..., Sim], release: str) -> None:
+    engine = own_sim("--sglang-api", release, env=FAILING_CHECKS)
+    assert http("GET", engine.url + "/ping").status == 200
+    # Paused is still healthy.
+    assert http("POST", engine.url + "/pause_generation", {"mode": "in_place"}).status == 200
+    assert http("GET", engine.url + "/ping").status == 200
+    assert http("POST", engine.url + "/continue_generation", {}).status == 200
+    make_unhealthy(engine)
+    ping = http("GET", engine.url + "/ping")
+    assert ping.status == (503 if PING_REPORTS_HEALTH[release] else 200)
+    assert ping.body == b""
+
+
+def _events_until_cut(events: Iterator[str]) -> list[str]:
+    """The remaining ``data:`` payloads of a stream, until it ends or its connection is cut."""
+    seen: list[str] = []
+    try:
+        for event in events:
+            seen.append(event)
+    except (OSError, http_client.HTTPException):
+        pass
+    return seen
+
+
+def _finish_reason(event: str) -> Any:
+    """A stream chunk's finish_reason (None for [DONE] and for a line the cut left incomplete)."""
+    try:
+        return json.loads(event)["meta_info"]["finish_reason"]
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("case", ["healthy", "unhealthy", "force"])
+def test_sigterm_drains_unless_unhealthy_or_forced(own_sim: Callable[..., Sim], case: str) -> None:
+    env = {**FAILING_CHECKS, **({"SGL_FORCE_SHUTDOWN": "1"} if case == "force" else {})}
+    # Slow enough that the request is still running at the signal.
+    engine = own_sim("--time-scale", "1", "--decode-tokens-per-sec", "20", env=env)
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    events = sse_events(engine.url + "/generate", body, timeout=60)
+    assert next(events) != "[DONE]"
+    if case == "unhealthy":
+        make_unhealthy(engine)
+    engine.process.send_signal(signal.SIGTERM)
+    rest = _events_until_cut(events)
+    assert engine.process.wait(timeout=30) == 0
+    log = ANSI_ESCAPE.sub("", engine.log.read_text(errors="replace"))
+    finishes = [f for f in map(_finish_reason, rest) if f is not None]
+    if case == "healthy":
+        # Drained: the request was aborted and told so, then the stream ended.
+        assert [f["type"] for f in finishes] == ["abort"] and rest[-1] == "[DONE]"
+        assert not any(message in log for message in FORCE_EXIT_LOG.values())
+    else:
+        # Nothing aborted: the connection was cut when the process exited.
+        assert finishes == [] and "[DONE]" not in rest
+        assert FORCE_EXIT_LOG[case] in log

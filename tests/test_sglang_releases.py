@@ -28,6 +28,8 @@ RELEASES = [
     ("0.5.2", ["/model_info", "/server_info", "/v1/loads", "/begin_weight_update"], ["/get_model_info", "/get_load"]),
     ("0.5.6", ["/v1/loads", "/begin_weight_update"], ["/model_info", "/get_model_info", "/get_load"]),
     ("0.5.10.post1", ["/begin_weight_update"], ["/model_info", "/v1/loads", "/get_load"]),
+    # verl's stable image: no /ready, no update session yet, /get_load a shim over /v1/loads.
+    ("0.5.12", ["/begin_weight_update", "/ready"], ["/model_info", "/v1/loads", "/get_load"]),
     ("0.5.23", ["/get_load"], ["/model_info", "/v1/loads"]),
 ]
 POOL_TOKENS = 65536  # sglang-sim's --max-total-tokens default

@@ -90,10 +90,11 @@ impl EngineLauncher {
             "--enable-metrics".into(),
         ]);
         args.extend(config.engine_args.iter().cloned());
-        // The name clients see (`/v1/models`, the OpenAI answers' `model`) is pinned: SGLang
-        // otherwise renames the served model to each checkpoint it loads from disk
-        // (`tokenizer_manager.py`, after `/update_weights_from_disk`), and an engine started on
-        // a checkpoint would be listed under its path.
+        // Every engine starts under one served name (`/v1/models`, the OpenAI answers'
+        // `model`), also one started on a published checkpoint, which would otherwise be listed
+        // under the checkpoint's path. A later `/update_weights_from_disk` still renames it to
+        // the checkpoint's path: SGLang 0.5.23 does so whatever the flag
+        // (`tokenizer_manager.py:2368`, `_update_model_path_info`).
         if !config.engine_args.iter().any(|a| a.starts_with("--served-model-name")) {
             args.extend(["--served-model-name".to_string(), served_model_name(config)]);
         }

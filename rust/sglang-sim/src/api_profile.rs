@@ -91,6 +91,56 @@ impl Release {
     pub fn pause_has_modes(self) -> bool {
         self >= r(6)
     }
+
+    /// `/ping` answers from the server's health flag (503 unless up, not unhealthy and not
+    /// shutting down; a paused server is still up) in 0.5.23 (`entrypoints/http_server.py:2190-2199`,
+    /// `managers/tokenizer_manager.py:728-730`); every earlier release read answers 200 whatever
+    /// the state (0.5.2 :1086, 0.5.8 :1442-1445, 0.5.12 :1782-1785, 0.5.22 :2126).
+    pub fn ping_reports_health(self) -> bool {
+        self >= r(23)
+    }
+
+    /// What the top level of `/server_info` says after a weight update or a weight-version
+    /// change (see [`ServerArgsView`]).
+    pub fn server_args_view(self) -> ServerArgsView {
+        match self.patch {
+            ..=16 => ServerArgsView::Live,
+            17 => ServerArgsView::LiveRenamed,
+            _ => ServerArgsView::Startup,
+        }
+    }
+
+    /// The scheduler learns the weight version (so `/server_info`'s `internal_states` report the
+    /// current one) from 0.5.19 on (`managers/scheduler.py` `record_weight_version_change`,
+    /// read in 0.5.19, 0.5.20, 0.5.22, 0.5.23); before, no scheduler code reads or writes it
+    /// (0.5.8, 0.5.12, 0.5.15.post1 to 0.5.18) and each rank keeps the launch value.
+    pub fn scheduler_tracks_weight_version(self) -> bool {
+        self >= r(19)
+    }
+}
+
+/// Where the top-level fields of `/server_info` come from once the server is running.
+///
+/// Every release renames the served model to the checkpoint after a successful
+/// `/update_weights_from_disk` (the tokenizer manager's `model_path` and `served_model_name`,
+/// which `/model_info` and `/v1/models` read), whether or not `--served-model-name` was given.
+/// What differs is `/server_info`:
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerArgsView {
+    /// Up to 0.5.16 the answer is the live `ServerArgs` object, which weight updates edit in
+    /// place: `model_path`, `load_format` and `weight_version` follow the updates,
+    /// `served_model_name` keeps its launch value (0.5.8 `managers/tokenizer_manager.py:1375-1379`,
+    /// `tokenizer_communicator_mixin.py:848-851`, `entrypoints/http_server.py:581-598`; the same
+    /// in 0.5.2, 0.5.10.post1, 0.5.12, 0.5.15.post1 and 0.5.16).
+    Live,
+    /// 0.5.17 reports the launch arguments with the recorded updates laid over them, the
+    /// served model name included (`managers/tokenizer_manager.py:2066-2078`,
+    /// `entrypoints/http_server.py:781-796`).
+    LiveRenamed,
+    /// From 0.5.18 on the top level is the startup configuration and never changes; the live
+    /// values are `/model_info`'s (0.5.23 `entrypoints/http_server.py:863-891`,
+    /// `utils/common.py:3584-3593`, `runtime_context.py:1163-1174`).
+    Startup,
 }
 
 impl fmt::Display for Release {
@@ -149,5 +199,48 @@ mod tests {
         }
         assert!(!Release::parse("0.5.5").unwrap().load_per_rank());
         assert!(Release::parse("0.5.6").unwrap().load_per_rank());
+    }
+
+    /// The releases verl pins (0.5.8 in its setup.py, 0.5.12 in its stable image), as their
+    /// wheels' `entrypoints/http_server.py` have them: the `get_` and plain identity routes,
+    /// `/v1/loads` and `/get_load`, the weight routes since 0.5.3; no `/ready`, no update
+    /// session.
+    #[test]
+    fn verl_releases() {
+        for release in ["0.5.8", "0.5.12"] {
+            let r = Release::parse(release).unwrap();
+            for route in [
+                "/model_info",
+                "/get_model_info",
+                "/server_info",
+                "/get_server_info",
+                "/v1/loads",
+                "/get_load",
+                "/destroy_weights_update_group",
+                "/init_weights_send_group_for_remote_instance",
+                "/send_weights_to_remote_instance",
+            ] {
+                assert!(r.serves(route), "{route} on {release}");
+            }
+            for route in ["/ready", "/begin_weight_update", "/end_weight_update"] {
+                assert!(!r.serves(route), "{route} on {release}");
+            }
+            assert!(r.load_per_rank() && r.pause_has_modes() && !r.ping_reports_health());
+            assert_eq!(r.server_args_view(), ServerArgsView::Live);
+            assert!(!r.scheduler_tracks_weight_version());
+        }
+    }
+
+    #[test]
+    fn state_reporting_per_release() {
+        let at = |s: &str| Release::parse(s).unwrap();
+        assert_eq!(at("0.5.16").server_args_view(), ServerArgsView::Live);
+        assert_eq!(at("0.5.17").server_args_view(), ServerArgsView::LiveRenamed);
+        assert_eq!(at("0.5.18").server_args_view(), ServerArgsView::Startup);
+        assert_eq!(at("0.5.23").server_args_view(), ServerArgsView::Startup);
+        assert!(!at("0.5.18").scheduler_tracks_weight_version());
+        assert!(at("0.5.19").scheduler_tracks_weight_version());
+        assert!(!at("0.5.22").ping_reports_health());
+        assert!(at("0.5.23").ping_reports_health());
     }
 }

@@ -67,7 +67,9 @@ pub struct Config {
     /// When set, admin routes (weights, pause, abort, flush...) require this key instead.
     #[arg(long)]
     pub admin_api_key: Option<String>,
-    /// Model name reported by `/v1/models` and metrics labels (default: the model path).
+    /// Model name reported by `/v1/models` and metrics labels (default: the model path). A
+    /// successful `/update_weights_from_disk` renames the served model to the checkpoint's
+    /// path anyway, as SGLang does (metrics keep this name).
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// Accepted and ignored.
@@ -152,8 +154,9 @@ pub struct Config {
 
     // ---------------------------------------------------------------- simulator knobs
     /// The SGLang release whose HTTP surface to serve (0.5.1 to 0.5.23): routes it lacks
-    /// answer 404, and `/get_load`, `/pause_generation` and `/server_info`'s `version` behave
-    /// as in that release. See docs/sglang-sim.md, "API profiles".
+    /// answer 404, and `/get_load`, `/pause_generation`, `/ping`, `/server_info`'s `version` and
+    /// what `/server_info` reports after weight updates behave as in that release. See
+    /// docs/sglang-sim.md, "API profiles".
     #[arg(long = "sglang-api", default_value = "0.5.23", value_parser = crate::api_profile::Release::parse, help_heading = "Simulation")]
     pub sglang_api: crate::api_profile::Release,
 

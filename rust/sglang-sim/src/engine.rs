@@ -163,6 +163,30 @@ impl Shared {
     }
 }
 
+/// The model the server answers under, as SGLang's tokenizer manager holds it. A successful
+/// `/update_weights_from_disk` sets `model_path` and `served_model_name` to the checkpoint's path
+/// (even when `--served-model-name` was given: SGLang 0.5.23 `managers/tokenizer_manager.py:2365-2370`,
+/// 0.5.8 :1375-1379, 0.5.12 :1554-1558) and `load_format` to the one it loaded with. `/model_info`
+/// and `/v1/models` read these; `/server_info` depends on the release
+/// ([`crate::api_profile::ServerArgsView`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub model_path: String,
+    pub served_model_name: String,
+    pub load_format: String,
+}
+
+impl Identity {
+    /// The launch values.
+    pub fn at_launch(cfg: &Config) -> Self {
+        Self {
+            model_path: cfg.model_path.clone(),
+            served_model_name: cfg.served_model_name().to_string(),
+            load_format: cfg.load_format.clone(),
+        }
+    }
+}
+
 /// Static facts about the served model, read once at startup.
 #[derive(Debug, Clone, Default)]
 pub struct ModelMeta {
@@ -200,6 +224,11 @@ pub struct Engine {
     pub send_lock: tokio::sync::Mutex<()>,
     /// `/health` settings from SGLang's environment variables.
     pub health: HealthSettings,
+    /// What the server answers under now (see [`Identity`]).
+    identity: RwLock<Identity>,
+    /// `SGL_FORCE_SHUTDOWN` (read at startup): a shutdown signal ends the engine at once,
+    /// without draining, as a signal to an unhealthy server does.
+    pub force_shutdown: bool,
 }
 
 impl Engine {
@@ -218,7 +247,6 @@ impl Engine {
         Self {
             metrics: Metrics::new(&cfg),
             faults: Faults::new(cfg.crash_after_requests, cfg.hang_after_requests, cfg.slow_health),
-            cfg,
             instance,
             port,
             shared,
@@ -234,6 +262,9 @@ impl Engine {
             weight_sync: Default::default(),
             send_lock: tokio::sync::Mutex::new(()),
             health: HealthSettings::from_env(),
+            identity: RwLock::new(Identity::at_launch(&cfg)),
+            force_shutdown: env_flag("SGL_FORCE_SHUTDOWN"),
+            cfg,
         }
     }
 
@@ -328,6 +359,32 @@ impl Engine {
         *self.weights.lock().unwrap_or_else(PoisonError::into_inner) = w;
     }
 
+    pub fn identity(&self) -> Identity {
+        self.identity.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// After a successful disk update: the server now answers under the checkpoint's path.
+    pub fn set_loaded_from(&self, model_path: &str, load_format: &str) {
+        let mut id = self.identity.write().unwrap_or_else(PoisonError::into_inner);
+        id.model_path = model_path.to_string();
+        id.served_model_name = model_path.to_string();
+        id.load_format = load_format.to_string();
+    }
+
+    /// Why a shutdown signal must end this engine at once instead of draining it, if it must:
+    /// SGLang's tokenizer manager, on SIGTERM, skips the drain when the server is `UnHealthy`
+    /// (a health check failed) or `SGL_FORCE_SHUTDOWN` is set (0.5.23
+    /// `managers/tokenizer_manager.py:3508-3531`; 0.5.8 :2091-2105; 0.5.12 :2384-2398).
+    pub fn force_exit_reason(&self) -> Option<&'static str> {
+        if self.shared.status() == Status::UnHealthy {
+            Some("Signal SIGTERM received while health check failed. Force exiting.")
+        } else if self.force_shutdown {
+            Some("Signal SIGTERM received while force shutdown flag set. Force exiting.")
+        } else {
+            None
+        }
+    }
+
     pub fn startup_secs(&self) -> f64 {
         *self.startup_secs.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -338,6 +395,16 @@ impl Engine {
         self.shared.set_status(Status::Up);
         tracing::info!(port = self.port, "The server is fired up and ready to roll!");
     }
+}
+
+/// A boolean environment variable as SGLang's `get_bool_env_var` reads it: `true` or `1` (any
+/// case) is true; anything else, or unset, is false (0.5.23 `utils/common.py:1424-1440`).
+fn env_flag(name: &str) -> bool {
+    parse_env_flag(std::env::var(name).ok().as_deref())
+}
+
+fn parse_env_flag(value: Option<&str>) -> bool {
+    matches!(value.map(str::to_ascii_lowercase).as_deref(), Some("true" | "1"))
 }
 
 /// SGLang's health-check settings, read from the environment at startup as SGLang reads them.
@@ -502,6 +569,21 @@ impl Drop for ReqHandle {
     fn drop(&mut self) {
         if !self.done {
             self.rank.abort(self.key, "The client disconnected.");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn env_flags_read_like_sglang() {
+        for (value, expected) in
+            [(None, false), (Some("1"), true), (Some("TRUE"), true), (Some("true"), true), (Some("0"), false)]
+        {
+            assert_eq!(super::parse_env_flag(value), expected, "{value:?}");
+        }
+        for other in ["yes", "on", ""] {
+            assert!(!super::parse_env_flag(Some(other)), "{other}");
         }
     }
 }

@@ -8,7 +8,10 @@
 //!    scheduler (skipped with `--skip-server-warmup`); then status Up, "The server is fired
 //!    up and ready to roll!" is logged and `/health` is 200.
 //! 4. on SIGTERM/SIGINT: status ShuttingDown (health 503), every request aborted, the HTTP
-//!    server drained within [`SHUTDOWN_GRACE`], the process exits 0.
+//!    server drained within [`SHUTDOWN_GRACE`], the process exits 0. An engine that is
+//!    `UnHealthy` at that moment (its last health check failed), or any engine under
+//!    `SGL_FORCE_SHUTDOWN`, skips all of that, as SGLang does: it stops at once, nothing
+//!    aborted, and its open connections are cut when the process exits (0).
 //!
 //! Errors: `--fail-startup`, an unreadable checkpoint or a port that cannot be bound end
 //! the process with exit code 1 and a message on stderr.
@@ -151,12 +154,20 @@ async fn run_instance(
 
     let drain_engine = engine.clone();
     let drain_signal = shutdown.clone();
+    let (force_tx, force_rx) = tokio::sync::oneshot::channel::<()>();
     let listener = listener.tap_io(|tcp| {
         // Small request/response pairs: do not wait for Nagle.
         let _ = tcp.set_nodelay(true);
     });
     let server = axum::serve(listener, api::router(engine.clone())).with_graceful_shutdown(async move {
         shutdown_requested(drain_signal).await;
+        // Decided once, when the signal arrives, before the status turns ShuttingDown.
+        if let Some(reason) = drain_engine.force_exit_reason() {
+            tracing::error!(port = drain_engine.port, "{reason}");
+            let _ = force_tx.send(());
+            // The drain never starts: the engine is dropped below.
+            return std::future::pending().await;
+        }
         drain_engine.shared.set_status(Status::ShuttingDown);
         drain_engine.shared.set_paused(false);
         drain_engine.abort_all("The server is shutting down.");
@@ -165,9 +176,20 @@ async fn run_instance(
         shutdown_requested(shutdown.clone()).await;
         tokio::time::sleep(SHUTDOWN_GRACE).await;
     };
+    let forced = async {
+        if force_rx.await.is_err() {
+            // The drain began instead: only the server or the deadline ends this engine.
+            std::future::pending::<()>().await;
+        }
+    };
     tokio::select! {
         r = server => r.map_err(|e| StartupError::Internal(e.to_string()))?,
         _ = deadline => tracing::warn!(port, "connections still open after the grace period"),
+        () = forced => {
+            engine.shared.set_status(Status::ShuttingDown);
+            tracing::info!(port, "engine stopped without draining");
+            return Ok(());
+        }
     }
     tracing::info!(port, "engine stopped");
     Ok(())

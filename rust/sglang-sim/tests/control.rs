@@ -140,8 +140,15 @@ async fn update_weights_from_disk_reads_and_checks_files() {
     assert!(out["message"].as_str().unwrap().contains("disk-1"));
     let info = sim.get_json("/server_info").await;
     assert_eq!(info["weights_checksum"], expected);
-    assert_eq!(info["weight_version"], "disk-1");
-    assert_eq!(sim.get_json("/model_info").await["weight_version"], "disk-1");
+    // The top level of /server_info is the startup configuration (SGLang 0.5.18 on); the live
+    // version and identity are /model_info's.
+    assert_eq!(info["weight_version"], "default");
+    assert_eq!(info["model_path"], "test-model");
+    assert_eq!(info["internal_states"][0]["weight_version"], "disk-1");
+    let model = sim.get_json("/model_info").await;
+    let path = dir.to_str().unwrap();
+    assert_eq!((model["weight_version"].as_str(), model["model_path"].as_str()), (Some("disk-1"), Some(path)));
+    assert_eq!(model["served_model_name"], path);
     let (_, g) = sim.generate(gen_body("after update", 2)).await;
     assert_eq!(g["meta_info"]["weight_version"], "disk-1");
 
@@ -159,7 +166,8 @@ async fn update_weights_from_disk_reads_and_checks_files() {
     assert!(out["message"].as_str().unwrap().contains("Invalid safetensors"), "{out}");
     let info = sim.get_json("/server_info").await;
     assert_eq!(info["weights_checksum"], expected);
-    assert_eq!(info["weight_version"], "disk-1");
+    let model = sim.get_json("/model_info").await;
+    assert_eq!((model["weight_version"].as_str(), model["model_path"].as_str()), (Some("disk-1"), Some(path)));
 
     // A missing path fails; a missing model_path is a validation error.
     let (status, out) = sim.post_json("/update_weights_from_disk", json!({"model_path": "/no/such/ckpt"})).await;
@@ -189,4 +197,37 @@ async fn weight_update_waits_for_in_flight_requests() {
     let out = within("in-flight request", req).await.unwrap();
     assert_eq!(out["meta_info"]["completion_tokens"], 2000);
     assert_eq!(out["meta_info"]["weight_version"], "default");
+}
+
+/// SGLang renames the served model to the checkpoint after a disk update, even when
+/// `--served-model-name` was given; what `/server_info` says depends on the release.
+#[tokio::test]
+async fn a_disk_update_renames_the_served_model() {
+    let dir = scratch_dir("ckpt-rename");
+    std::fs::write(dir.join("m.safetensors"), safetensors_bytes(2, 5)).unwrap();
+    let path = dir.to_str().unwrap();
+    for (release, server_info_follows) in [("0.5.12", true), ("0.5.23", false)] {
+        let sim =
+            Sim::start(&["--sglang-api", release, "--served-model-name", "pinned", "--weight-version", "v0"]).await;
+        let (status, out) = sim
+            .post_json(
+                "/update_weights_from_disk",
+                json!({"model_path": path, "weight_version": "v1", "load_format": "auto"}),
+            )
+            .await;
+        assert_eq!(status, 200, "{out}");
+        let model = sim.get_json("/get_model_info").await;
+        assert_eq!(model["model_path"], path);
+        assert_eq!(model["served_model_name"], path);
+        assert_eq!(sim.get_json("/v1/models").await["data"][0]["id"], path);
+        assert_eq!(sim.get("/v1/models/pinned").await.status(), 404);
+        let info = sim.get_json("/get_server_info").await;
+        assert_eq!(info["served_model_name"], "pinned", "{release}");
+        let (model_path, version) = if server_info_follows { (path, "v1") } else { ("test-model", "v0") };
+        assert_eq!((info["model_path"].as_str(), info["weight_version"].as_str()), (Some(model_path), Some(version)));
+        // Schedulers learn the version from 0.5.19 on.
+        let scheduler_version = if server_info_follows { "v0" } else { "v1" };
+        assert_eq!(info["internal_states"][0]["weight_version"], scheduler_version, "{release}");
+        assert_eq!(info["internal_states"][0]["model_path"], path);
+    }
 }

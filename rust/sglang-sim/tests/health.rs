@@ -131,3 +131,47 @@ async fn zero_timeout_fails_at_once_and_starting_is_503() {
     .await;
     assert_eq!(probe(&starting, "/health").await, (503, String::new()), "starting");
 }
+
+/// `/ping` answers from the health flag in 0.5.23 (paused is still up) and always 200 before.
+#[tokio::test]
+async fn ping_follows_the_health_flag_from_0_5_23() {
+    let env = [("SGLANG_HEALTH_CHECK_TIMEOUT", "0")];
+    for (release, reports) in [("0.5.23", true), ("0.5.12", false)] {
+        let sim = start_with_env(&["--time-scale", "0.01", "--sglang-api", release], &env).await;
+        assert_eq!(probe(&sim, "/ping").await, (200, String::new()));
+        assert_eq!(sim.post_json("/pause_generation", json!({"mode": "in_place"})).await.0, 200);
+        assert_eq!(probe(&sim, "/ping").await.0, 200, "paused ({release})");
+        assert_eq!(sim.post_json("/continue_generation", json!({})).await.0, 200);
+        assert_eq!(probe(&sim, "/health_generate").await.0, 503);
+        assert_eq!(status_of(&sim).await, "UnHealthy");
+        let expected = if reports { 503 } else { 200 };
+        assert_eq!(probe(&sim, "/ping").await, (expected, String::new()), "unhealthy ({release})");
+    }
+    let starting = Sim::spawn(&["--warmup-delay", "60"]);
+    within("the port to open", async {
+        while starting.client.get(starting.url("/model_info")).send().await.is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(probe(&starting, "/ping").await, (503, String::new()), "starting");
+}
+
+/// SIGTERM to an engine whose last health check failed ends it at once: the running request
+/// is not aborted (its connection is cut when the process exits), as in SGLang.
+#[tokio::test]
+async fn sigterm_while_unhealthy_exits_without_draining() {
+    let mut sim = start_with_env(&["--time-scale", "1"], &[("SGLANG_HEALTH_CHECK_TIMEOUT", "0")]).await;
+    let (client, url) = (sim.client.clone(), sim.url("/generate"));
+    let long = tokio::spawn(async move {
+        let r = client.post(url).json(&gen_body("a long rollout", 20_000)).send().await?;
+        r.json::<serde_json::Value>().await
+    });
+    sim.wait_load("the long request to run", |l| l["num_running_reqs"] == 1).await;
+    assert_eq!(probe(&sim, "/health").await.0, 503);
+    let pid = sim.child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert_eq!(sim.wait_exit().await, Some(0));
+    assert!(within("the cut request", long).await.unwrap().is_err(), "the request must not be answered");
+    assert!(sim.logs().contains("Signal SIGTERM received while health check failed. Force exiting."));
+}

@@ -141,6 +141,8 @@ struct UpdateFromDiskReq {
 
 /// `/update_weights_from_disk`: reads, validates and hashes the checkpoint at `model_path`.
 /// Unless generation is paused, it first waits for in-flight requests (and holds new ones).
+/// On success the server's `model_path` and served model name become `model_path` (see
+/// [`crate::engine::Identity`]).
 pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Bytes) -> Response {
     let req: UpdateFromDiskReq = match parse_body(&body, true) {
         Ok(r) => r,
@@ -154,7 +156,8 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
     let num_paused_requests =
         if paused { engine.loads().iter().map(|l| l.num_running_reqs + l.num_waiting_reqs).sum::<usize>() } else { 0 };
     let _exclusive = if paused { None } else { Some(engine.model_update_lock.write().await) };
-    let load_format = req.load_format.as_deref().unwrap_or(&engine.cfg.load_format);
+    // No load_format: the one in force (SGLang reads its current config value).
+    let load_format = req.load_format.clone().unwrap_or_else(|| engine.identity().load_format);
     let result = if load_format == "dummy" {
         Ok(WeightsInfo { path: Some(req.model_path.clone()), ..WeightsInfo::default() })
     } else {
@@ -184,6 +187,8 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
     }
     let checksum = info.checksum.clone();
     engine.set_weights(info);
+    // The server now answers under the checkpoint's path, whatever --served-model-name said.
+    engine.set_loaded_from(&req.model_path, &load_format);
     let mut message = String::from("Succeeded to update model weights.");
     if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
         message.push_str(" The cache was not flushed because requests are running or waiting.");

@@ -1,7 +1,8 @@
 //! Health, identity and load endpoints.
 
 use super::{handler_error, json_ok, validation_error, AppState};
-use crate::engine::{Engine, Status};
+use crate::api_profile::ServerArgsView;
+use crate::engine::{Engine, Identity, Status};
 use crate::scheduler::RankLoad;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
@@ -51,22 +52,32 @@ pub async fn ready(State(engine): State<AppState>) -> Response {
     }
 }
 
-/// SageMaker's `/ping`: always 200.
-pub async fn ping() -> Response {
-    StatusCode::OK.into_response()
+/// SageMaker's `/ping`, an empty answer from the health flag alone (no generation): from 0.5.23
+/// 200 only while the server is up (a paused one still is), 503 while starting, after a failed
+/// health check (`UnHealthy`) and once shutting down; in earlier releases always 200 (see
+/// [`crate::api_profile::Release::ping_reports_health`]).
+pub async fn ping(State(engine): State<AppState>) -> Response {
+    if !engine.cfg.sglang_api.ping_reports_health() || engine.shared.status() == Status::Up {
+        StatusCode::OK.into_response()
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
+    }
 }
 
+/// `/model_info` (and `/get_model_info`): the live identity, version and load format; after a
+/// disk update they are the checkpoint's.
 pub async fn model_info(State(engine): State<AppState>) -> Response {
     let cfg = &engine.cfg;
     let w = engine.weights();
+    let id = engine.identity();
     json_ok(json!({
-        "model_path": cfg.model_path,
-        "served_model_name": cfg.served_model_name(),
+        "model_path": id.model_path,
+        "served_model_name": id.served_model_name,
         "tokenizer_path": cfg.tokenizer_path(),
         "is_generation": true,
         "preferred_sampling_params": null,
         "weight_version": &*engine.shared.version().name,
-        "load_format": cfg.load_format,
+        "load_format": id.load_format,
         "reasoning_parser": null,
         "tool_call_parser": null,
         "disaggregation_mode": "null",
@@ -82,9 +93,18 @@ fn unix_now() -> f64 {
     crate::engine::unix_now()
 }
 
-fn internal_state(engine: &Engine, l: &RankLoad) -> Value {
+/// One DP rank's scheduler state. The scheduler's own copy of the arguments: the model runner
+/// records the model path and load format of each disk update (0.5.23
+/// `model_executor/model_runner.py:2590-2606`, 0.5.8 :1076-1077); the weight version only from
+/// 0.5.19 on (see [`crate::api_profile::Release::scheduler_tracks_weight_version`]).
+fn internal_state(engine: &Engine, id: &Identity, l: &RankLoad) -> Value {
     // Made-up but plausible memory figures for a small model, in GB.
     let kv_gb = l.max_total_num_tokens as f64 * 131_072.0 / 1e9;
+    let version = if engine.cfg.sglang_api.scheduler_tracks_weight_version() {
+        engine.shared.version().name.to_string()
+    } else {
+        engine.cfg.weight_version.clone()
+    };
     json!({
         "dp_rank": l.dp_rank,
         "last_gen_throughput": l.gen_throughput,
@@ -92,8 +112,22 @@ fn internal_state(engine: &Engine, l: &RankLoad) -> Value {
         "max_total_num_tokens": l.max_total_num_tokens,
         "num_running_reqs": l.num_running_reqs,
         "num_waiting_reqs": l.num_waiting_reqs,
-        "weight_version": &*engine.shared.version().name,
+        "model_path": id.model_path,
+        "load_format": id.load_format,
+        "weight_version": version,
     })
+}
+
+/// The top level of `/server_info` as the release reports it after updates (see
+/// [`ServerArgsView`]).
+fn server_args_now(engine: &Engine, id: &Identity) -> Identity {
+    let cfg = &engine.cfg;
+    let launch = Identity::at_launch(cfg);
+    match cfg.sglang_api.server_args_view() {
+        ServerArgsView::Startup => launch,
+        ServerArgsView::LiveRenamed => id.clone(),
+        ServerArgsView::Live => Identity { served_model_name: launch.served_model_name, ..id.clone() },
+    }
 }
 
 pub async fn server_info(State(engine): State<AppState>) -> Response {
@@ -104,11 +138,17 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
     let cfg = &engine.cfg;
     let loads = engine.loads();
     let w = engine.weights();
+    let id = engine.identity();
+    let top = server_args_now(&engine, &id);
+    let version = match cfg.sglang_api.server_args_view() {
+        ServerArgsView::Startup => cfg.weight_version.clone(),
+        ServerArgsView::Live | ServerArgsView::LiveRenamed => engine.shared.version().name.to_string(),
+    };
     let mut m = Map::new();
     let args = json!({
-        "model_path": cfg.model_path,
+        "model_path": top.model_path,
         "tokenizer_path": cfg.tokenizer_path(),
-        "served_model_name": cfg.served_model_name(),
+        "served_model_name": top.served_model_name,
         "host": cfg.host,
         "port": engine.port,
         "tp_size": cfg.tp_size,
@@ -116,7 +156,7 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
         "pp_size": cfg.pp_size,
         "nnodes": cfg.nnodes,
         "node_rank": cfg.node_rank,
-        "weight_version": &*engine.shared.version().name,
+        "weight_version": version,
         "enable_metrics": cfg.enable_metrics,
         "max_total_tokens": cfg.max_total_tokens,
         "max_running_requests": cfg.max_running_requests,
@@ -124,7 +164,7 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "mem_fraction_static": cfg.mem_fraction_static,
         "skip_server_warmup": cfg.skip_server_warmup,
-        "load_format": cfg.load_format,
+        "load_format": top.load_format,
         "base_gpu_id": cfg.base_gpu_id,
         "gpu_id_step": cfg.gpu_id_step,
         "disable_radix_cache": cfg.disable_radix_cache,
@@ -144,7 +184,7 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
     m.insert("max_req_input_len".into(), Value::from(cfg.max_req_input_len()));
     m.insert("startup_time".into(), Value::from(engine.startup_secs()));
     m.insert("kv_events".into(), Value::Null);
-    m.insert("internal_states".into(), loads.iter().map(|l| internal_state(&engine, l)).collect());
+    m.insert("internal_states".into(), loads.iter().map(|l| internal_state(&engine, &id, l)).collect());
     m.insert("version".into(), Value::from(cfg.version()));
     m.insert("frontend".into(), Value::from("python"));
     m.insert("weights_checksum".into(), json!(w.checksum));
@@ -355,15 +395,15 @@ fn model_card(engine: &Engine, id: &str) -> Value {
     })
 }
 
-/// `/v1/models`.
+/// `/v1/models`: the served model name now in force (the checkpoint's path after a disk update).
 pub async fn models(State(engine): State<AppState>) -> Response {
-    let name = engine.cfg.served_model_name().to_string();
+    let name = engine.identity().served_model_name;
     json_ok(json!({"object": "list", "data": [model_card(&engine, &name)]}))
 }
 
 /// `/v1/models/{model}`.
 pub async fn model_card_route(State(engine): State<AppState>, Path(model): Path<String>) -> Response {
-    if model != engine.cfg.served_model_name() {
+    if model != engine.identity().served_model_name {
         return (
             StatusCode::NOT_FOUND,
             axum::Json(json!({"error": {
