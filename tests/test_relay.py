@@ -109,7 +109,7 @@ def test_a_relayed_version_is_what_the_engines_load(
             "POST", engine.url + "/update_weights_from_disk", {"model_path": str(r.dest / "v1"), "weight_version": "v1"}
         )
         assert out.status == 200, out.body
-        info = http("GET", engine.url + "/server_info").json()
+        info = http("GET", engine.url + "/model_info").json()
         assert (info["weights_checksum"], info["weight_version"]) == (checksum, "v1")
 
     # Sending it again finds it present everywhere.

@@ -13,8 +13,10 @@ from elastic_rollout.trainer import DistributedWeightSync, TensorSpec, WeightSyn
 
 
 def engine_state(url: str) -> tuple[str, dict]:
-    info = http("GET", url + "/server_info").json()
-    return info["weight_version"], info["weight_sync"]
+    # The version is /model_info's: /server_info's top level is the startup configuration
+    # (SGLang 0.5.23, http_server.py:863-891).
+    version = http("GET", url + "/model_info").json()["weight_version"]
+    return version, http("GET", url + "/server_info").json()["weight_sync"]
 
 
 def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSync:
