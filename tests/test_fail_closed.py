@@ -18,7 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from _chaos import Load, Watcher, shut_down
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, metric_total, start_manager, wait_until
+from _checkpoints import write_checkpoint
+from _support import (
+    INITIAL_ENGINES,
+    STARTUP_TIMEOUT,
+    ManagerHandle,
+    StartManager,
+    http,
+    metric_total,
+    start_manager,
+    wait_until,
+)
+from test_external import StartEngine, external_engine  # noqa: F401 - the fixture
 
 from elastic_rollout.models import Engine
 
@@ -221,3 +232,57 @@ def test_a_stream_cut_by_its_engine_ends_with_an_error_event(start_fleet: StartM
         assert engine.engine_id in error["message"] and "send the request again" in error["message"]
     finally:
         conn.close()
+
+
+def test_a_disk_update_changes_no_name_a_client_sees(
+    start_fleet: StartManager, external_engine: StartEngine, tmp_path: Path
+) -> None:
+    """SGLang renames an engine's served model to the checkpoint's path on every update from
+    disk, whatever `--served-model-name` says (0.5.23 `tokenizer_manager.py:2368`). Through the
+    router the fleet keeps one name; an engine that took the publish can be attached again."""
+    fleet = start_fleet("--model-name", "qwen-rl", "--health-check-interval-secs", "0.5")
+    url, _ = external_engine()
+    attached = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(engine_urls=[url], model_name="qwen-rl").request_id, timeout=STARTUP_TIMEOUT
+    )
+    assert attached.status == "ACTIVE", attached.raw
+    checkpoint = tmp_path / "step-1"
+    write_checkpoint(checkpoint, 1)
+    update = fleet.client.publish_weights("step-1", str(checkpoint))
+    done = fleet.client.wait_for_weight_update(update["update_id"], STARTUP_TIMEOUT)
+    assert done["status"] == "COMPLETED", done
+
+    # Each engine, asked directly, now lists the checkpoint's path, as SGLang does.
+    for engine in fleet.wait_engines(INITIAL_ENGINES + 1).with_status("ACTIVE"):
+        listed = http("GET", f"{engine.url}/v1/models").json()["data"][0]["id"]
+        assert listed == str(checkpoint), (engine.engine_id, listed)
+
+    # Through the router: the fleet's name, from whichever engine is asked.
+    for _ in range(6):
+        models = http("GET", f"{fleet.router_url}/v1/models")
+        assert models.status == 200, models.body[:300]
+        cards = models.json()["data"]
+        assert [(c["id"], c["root"]) for c in cards] == [("qwen-rl", "qwen-rl")], cards
+        assert cards[0]["max_model_len"] > 0
+    card = http("GET", f"{fleet.router_url}/v1/models/qwen-rl")
+    assert card.status == 200 and card.json()["id"] == "qwen-rl", card.body[:300]
+    gone = http("GET", f"{fleet.router_url}/v1/models/{checkpoint}")
+    assert gone.status == 404 and gone.json()["error"]["code"] == "model_not_found", gone.body[:300]
+    assert "qwen-rl" in gone.json()["error"]["message"]
+    chat = http(
+        "POST",
+        f"{fleet.router_url}/v1/chat/completions",
+        {"model": "qwen-rl", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert chat.status == 200 and chat.json()["model"] == "qwen-rl", chat.body[:300]
+
+    # The external engine, detached and attached again, names the published checkpoint as its
+    # model: it is the fleet's model.
+    detach = fleet.client.scale_in(engine_urls=[url], model_name="qwen-rl")
+    assert fleet.client.wait_for_operation("scale_in", detach.request_id, timeout=STARTUP_TIMEOUT).status == "COMPLETED"
+    assert http("GET", f"{url}/model_info").json()["model_path"] == str(checkpoint)
+    again = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(engine_urls=[url], model_name="qwen-rl").request_id, timeout=STARTUP_TIMEOUT
+    )
+    assert again.status == "ACTIVE", again.raw
+    assert {e.url: e.weight_version for e in fleet.engines().engines}[url] == "step-1"

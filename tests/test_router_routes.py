@@ -111,7 +111,8 @@ def known_routes() -> list[tuple[str, str]]:
 
 
 def concrete(route: str) -> str:
-    return route.replace("{model:path}", "contract-model")
+    # The fleet's served name (the router answers any other with 404 model_not_found).
+    return route.replace("{model:path}", "sim-model")
 
 
 def test_every_known_route_has_an_intent() -> None:

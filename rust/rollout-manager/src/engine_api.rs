@@ -30,7 +30,9 @@ pub enum EngineError {
     WrongChecksum { version: String, expected: String, found: String },
     #[error("engine could not load weights {path}: {detail}")]
     WeightLoad { path: String, detail: String },
-    #[error("engine serves model {found:?}, the fleet serves {expected:?} (--model-path)")]
+    #[error(
+        "engine serves model {found:?}, the fleet serves {expected:?} (--model-path) or a checkpoint it published"
+    )]
     WrongModel { expected: String, found: String },
     #[error("engine did not answer {path}: {detail}")]
     Unreachable { path: &'static str, detail: String },

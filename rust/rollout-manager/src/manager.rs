@@ -291,12 +291,13 @@ impl Manager {
         })
     }
 
-    /// Connects to an external engine: its `/model_info` must answer and name the fleet's model.
-    /// Moves it to HEALTH_CHECKING.
+    /// Connects to an external engine: its `/model_info` must answer and name the fleet's model
+    /// (the startup `--model-path` or a checkpoint the fleet published). Moves it to
+    /// HEALTH_CHECKING.
     pub async fn connect(&self, engine_id: &str) -> Result<(), EngineError> {
         let info = self.model_info(engine_id).await?;
         let (model, _) = crate::engine_http::model_info_fields(&info);
-        if model != self.config.model_path {
+        if !self.fleet.lock().weights.is_fleet_model(&self.config.model_path, model) {
             let found = crate::engine_http::shorten(model);
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found });
         }

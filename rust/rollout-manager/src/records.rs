@@ -543,6 +543,20 @@ impl WeightsState {
         out
     }
 
+    /// Whether an engine whose `/model_info` names `model_path` holds the fleet's model: the
+    /// startup path, or a checkpoint the fleet published (SGLang renames an engine's
+    /// `model_path` to the checkpoint's path on `/update_weights_from_disk`, so an engine that
+    /// took a publish and is attached again names it).
+    pub fn is_fleet_model(&self, startup_path: &str, model_path: &str) -> bool {
+        model_path == startup_path
+            || self.current_engine_path.as_deref() == Some(model_path)
+            || self.updates.values().any(|u| {
+                u.source == UpdateSource::Checkpoint
+                    && u.status != WeightUpdateStatus::Failed
+                    && (u.path == model_path || (!u.engine_path.is_empty() && u.engine_path == model_path))
+            })
+    }
+
     /// A trainer updated the engines without the manager and every serving engine (`engines`)
     /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
     /// COMPLETED update recording what was observed, so the version history (and the pins'
@@ -677,6 +691,27 @@ mod tests {
             resumed: 0,
             source: UpdateSource::Checkpoint,
             trainer: None,
+        }
+    }
+
+    #[test]
+    fn the_fleets_model_is_the_startup_path_or_a_published_checkpoint() {
+        let mut w = WeightsState::new("v0");
+        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert("u2".into(), record("u2", "v2", 2.0, WeightUpdateStatus::Failed));
+        let mut trained = record("u3", "v3", 3.0, WeightUpdateStatus::Completed);
+        trained.source = UpdateSource::Trainer;
+        w.updates.insert("u3".into(), trained);
+        for (path, fleet) in [
+            ("/models/base", true),
+            ("/ckpt/v1", true),
+            ("/stage/v1", true),
+            ("/ckpt/v2", false),
+            ("/ckpt/v3", false),
+            ("/models/other", false),
+            ("", false),
+        ] {
+            assert_eq!(w.is_fleet_model("/models/base", path), fleet, "{path}");
         }
     }
 

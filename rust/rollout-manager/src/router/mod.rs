@@ -4,7 +4,7 @@
 //! `rollout_core::routes`, an allow-list; every other path is refused with 403) is forwarded
 //! unchanged (method, path, query, body, end-to-end headers) to one engine chosen by the
 //! routing policy; the router serves its own routes (health, the fan-outs, a read-only
-//! smg-style `/workers` list) itself. Routing policies (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
+//! smg-style `/workers` list, `/v1/models` under the fleet's one name: `models`) itself. Routing policies (`rollout_core::routing`): `capacity` by default, `round_robin`, `least_requests` or
 //! `session`, set by `--routing-policy` or per request with the `x-routing-policy` header.
 //! Responses, server-sent-event streams included, are streamed back frame by frame as they
 //! arrive, over pooled HTTP/1.1 connections to the engines.
@@ -49,6 +49,7 @@
 
 mod affinity;
 pub mod metrics;
+mod models;
 mod moving;
 mod peek;
 mod pool;
@@ -530,6 +531,9 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             metrics.error(ErrorKind::BadRequest);
             return error(StatusCode::FORBIDDEN, why.code(), &why.message(request.uri().path()));
         }
+    }
+    if models::is_models_path(request.uri().path()) {
+        return models::answer(&state, request).await;
     }
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
