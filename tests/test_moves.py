@@ -16,8 +16,10 @@ import os
 import signal
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
 
 BUDGET = 120
@@ -29,10 +31,12 @@ SLOW = (
 )
 
 
-def post(fleet: ManagerHandle, prompt: list[int], stream: bool) -> tuple[httpclient.HTTPConnection, Any]:
+def post(
+    fleet: ManagerHandle, prompt: list[int], stream: bool, budget: int = BUDGET
+) -> tuple[httpclient.HTTPConnection, Any]:
     parsed = urllib.parse.urlsplit(fleet.router_url)
     conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
-    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
     conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:300]
@@ -140,3 +144,46 @@ def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManag
     meta = got[-1]["meta_info"]
     assert [m["reason"] for m in meta["moves"]] == ["lost"], meta
     assert meta["engines"][0] == engine.engine_id and len(meta["engines"]) == 2, meta
+
+
+def test_a_request_never_continues_on_another_weight_version(start_fleet: StartManager, tmp_path: Path) -> None:
+    """During a rolling update one engine serves v1 while the other still runs a stream on the
+    startup version. When that engine dies, the stream may not continue on v1 (one answer, one
+    policy): with no engine on its version within --version-wait-secs, it ends with an error
+    event the client can read, and no token of it came from v1."""
+    fleet = start_fleet(*SLOW, "--version-wait-secs", "1", "--health-check-interval-secs", "0.5")
+    startup = fleet.client.weights()["version"]
+    # The rolling update's first wave is engine_0 (engines in id order): the stream must run on
+    # engine_1, so the update reaches it last.
+    for attempt in range(8):
+        conn, resp = post(fleet, [9, 8, 7, attempt], stream=True, budget=2000)
+        if resp.getheader("x-rollout-engine-id") == "engine_1":
+            break
+        conn.close()
+    else:
+        raise AssertionError("no stream landed on engine_1")
+    try:
+        victim = engine_of(fleet, "engine_1")
+        write_checkpoint(tmp_path / "v1", 1)
+        update = fleet.client.publish_weights("v1", str(tmp_path / "v1"), strategy="rolling", max_unavailable=1)
+
+        def other_on_v1() -> bool:
+            other = engine_of(fleet, "engine_0")
+            return other.status == "ACTIVE" and other.weight_version == "v1"
+
+        def kill_when_other_on_v1(n: int) -> None:
+            if n == 3:
+                wait_until(other_on_v1, 60, "engine_0 to serve v1")
+                os.kill(victim.pid, signal.SIGKILL)
+
+        got = events(resp, kill_when_other_on_v1)
+    finally:
+        conn.close()
+    last = got[-1]
+    assert "error" in last, last
+    assert "weight version" in last["error"]["message"] and startup in last["error"]["message"], last
+    # Every event came from engine_1 on the startup version (a continuation's events would
+    # carry `moves`).
+    assert {e["meta_info"]["weight_version"] for e in got[:-1]} == {startup}, got[-2]["meta_info"]
+    assert not any("moves" in e["meta_info"] for e in got[:-1]), got[-2]["meta_info"]
+    fleet.client.wait_for_weight_update(update["update_id"], 120)

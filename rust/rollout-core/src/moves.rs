@@ -7,6 +7,7 @@
 //! those output ids, with the rest of the budget. RL trains on token ids, so only requests whose
 //! prompt is already ids move: the prompt is never tokenized again from text.
 
+use crate::routing::VersionPin;
 use serde_json::{json, Map, Value};
 
 /// SGLang's `max_new_tokens` when a request gives none (`sampling_params.py`).
@@ -219,10 +220,39 @@ pub fn aborted(answer: &Value) -> bool {
     answer.pointer("/meta_info/finish_reason/type").and_then(Value::as_str) == Some("abort")
 }
 
+/// The engines a moving request may continue on: by default only those on the version its
+/// last part ran on (`from`), so one answer never mixes two policies' tokens; the request's own
+/// pin already holds for that version. A request that allows crossing versions (partial
+/// rollout) keeps its own pin, if any. A part whose engine's version is unknown keeps the pin.
+pub fn target_pin(request: Option<&VersionPin>, from: Option<&str>, may_cross: bool) -> Option<VersionPin> {
+    match (may_cross, from) {
+        (false, Some(v)) => Some(VersionPin::Exact(v.to_string())),
+        _ => request.cloned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_move_stays_on_its_version_unless_it_may_cross() {
+        let exact = |v: &str| Some(VersionPin::Exact(v.into()));
+        let min = VersionPin::AtLeast("v2".into());
+        type Case<'a> = (Option<&'a VersionPin>, Option<&'a str>, bool, Option<VersionPin>);
+        let cases: [Case; 6] = [
+            (None, Some("v3"), false, exact("v3")),
+            (Some(&min), Some("v3"), false, exact("v3")),
+            (None, Some("v3"), true, None),
+            (Some(&min), Some("v3"), true, Some(min.clone())),
+            (None, None, false, None),
+            (Some(&min), None, false, Some(min.clone())),
+        ];
+        for (request, from, cross, want) in cases {
+            assert_eq!(target_pin(request, from, cross), want, "{request:?} {from:?} {cross}");
+        }
+    }
 
     fn part(text: &str, ids: &[u64], version: &str) -> Value {
         json!({

@@ -763,7 +763,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         let aborted = std::sync::atomic::AtomicBool::new(false);
         let abort_when_asked = async {
             match &movable {
-                Some((_, _, rid)) => moving::abort_when_asked(&state, backend, &headers, rid, &aborted).await,
+                Some((_, _, rid)) => moving::abort_when_asked(&state, backend, &headers, rid, false, &aborted).await,
                 None => std::future::pending().await,
             }
         };
@@ -810,6 +810,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                         movable: m.clone(),
                         rid: rid.clone(),
                         pin: info.pin.clone(),
+                        may_cross: false,
                         tokens,
                         timeout,
                     };

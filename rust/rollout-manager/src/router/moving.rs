@@ -44,6 +44,9 @@ pub(super) struct Request {
     pub movable: Movable,
     pub rid: String,
     pub pin: Option<VersionPin>,
+    /// Whether it may continue on another weight version than its part ran on
+    /// (`rollout_core::moves::target_pin`).
+    pub may_cross: bool,
     pub tokens: u64,
     pub timeout: Duration,
 }
@@ -147,11 +150,16 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
     }
 }
 
-/// Sends the continuation to the least loaded other engine the request may use; the request
-/// is counted there from now on.
+/// Sends the continuation to the least loaded other engine the request may use (on the
+/// version `from` ran on, unless it may cross), waiting up to `--version-wait-secs` for one;
+/// the request is counted there from now on.
 async fn next_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
     let state = &request.state;
-    let routes = super::candidates(state, request.pin.as_ref()).await.map_err(|_| "no engine to continue on")?;
+    let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
+    let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| match &pin {
+        Some(VersionPin::Exact(v)) => format!("no other engine serves weight version {v:?} to continue on"),
+        _ => "no engine to continue on".to_string(),
+    })?;
     let route = routes
         .iter()
         .filter(|r| !Arc::ptr_eq(&r.load, &from.route.load))
@@ -222,13 +230,19 @@ async fn abort_rid(state: &RouterState, route: &super::table::Route, headers: &H
     }
 }
 
-/// Whether `load`'s engine asks its requests to move, and another engine could take them.
-fn may_move(state: &RouterState, load: &Arc<crate::fleet::EngineLoad>) -> bool {
-    load.moves_requested() && state.fleet.routes().backends.iter().any(|b| !Arc::ptr_eq(&b.load, load))
+/// Whether `route`'s engine asks its requests to move, and another engine could take them: one
+/// on the same weight version unless the request may cross versions.
+fn may_move(state: &RouterState, route: &super::table::Route, may_cross: bool) -> bool {
+    let load = &route.load;
+    load.moves_requested()
+        && state.fleet.routes().backends.iter().any(|b| {
+            !Arc::ptr_eq(&b.load, load)
+                && (may_cross || route.weight_version.is_none() || b.weight_version == route.weight_version)
+        })
 }
 
 fn should_move(request: &Request, part: &Part, moves: usize) -> bool {
-    moves < MAX_MOVES && may_move(&request.state, &part.route.load)
+    moves < MAX_MOVES && may_move(&request.state, &part.route, request.may_cross)
 }
 
 /// While a movable request waits for its engine's response headers (a non-streamed answer
@@ -240,11 +254,12 @@ pub(super) async fn abort_when_asked(
     route: &super::table::Route,
     headers: &HeaderMap,
     rid: &str,
+    may_cross: bool,
     aborted: &std::sync::atomic::AtomicBool,
 ) {
     let mut signal = route.load.move_signal();
     loop {
-        if may_move(state, &route.load) {
+        if may_move(state, route, may_cross) {
             aborted.store(true, std::sync::atomic::Ordering::Release);
             loop {
                 abort_rid(state, route, headers, rid).await;
