@@ -32,12 +32,12 @@ SLOW = (
 
 
 def post(
-    fleet: ManagerHandle, prompt: list[int], stream: bool, budget: int = BUDGET
+    fleet: ManagerHandle, prompt: list[int], stream: bool, budget: int = BUDGET, headers: dict[str, str] | None = None
 ) -> tuple[httpclient.HTTPConnection, Any]:
     parsed = urllib.parse.urlsplit(fleet.router_url)
     conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
-    conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:300]
     return conn, resp
@@ -57,10 +57,12 @@ def events(resp: Any, on_event: Callable[[int], None] = lambda n: None) -> list[
     return out
 
 
-def generate(fleet: ManagerHandle, prompt: list[int], stream: bool) -> dict[str, Any]:
+def generate(
+    fleet: ManagerHandle, prompt: list[int], stream: bool, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One `/generate` of `prompt` through the router: the final answer, and for a stream every
     event (each one's cumulative output ids, to check that none repeats or goes missing)."""
-    conn, resp = post(fleet, prompt, stream)
+    conn, resp = post(fleet, prompt, stream, headers=headers)
     try:
         if not stream:
             return {"answer": json.loads(resp.read()), "events": []}
@@ -187,3 +189,44 @@ def test_a_request_never_continues_on_another_weight_version(start_fleet: StartM
     assert {e["meta_info"]["weight_version"] for e in got[:-1]} == {startup}, got[-2]["meta_info"]
     assert not any("moves" in e["meta_info"] for e in got[:-1]), got[-2]["meta_info"]
     fleet.client.wait_for_weight_update(update["update_id"], 120)
+
+
+def test_partial_rollout_continues_across_an_all_at_once_update(start_fleet: StartManager, tmp_path: Path) -> None:
+    """An `all_at_once` update aborts running requests (`pause_mode` abort). Those that ask for
+    partial rollout continue on the new version from their output so far (one answer, spans of
+    both versions); the others end with finish reason `abort`, as SGLang answers them."""
+    fleet = start_fleet(*SLOW, "--engine-arg=--weight-load-delay=1")
+    startup = fleet.client.weights()["version"]
+    write_checkpoint(tmp_path / "v1", 1)
+    partial = {"x-partial-rollout": "true"}
+    cases = [(True, partial), (False, partial), (True, None), (False, None)]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [
+            pool.submit(generate, fleet, [40 + i, 3, 2], stream, headers) for i, (stream, headers) in enumerate(cases)
+        ]
+        wait_until(
+            lambda: sum(e.raw.get("in_flight", 0) for e in fleet.engines().engines) >= len(cases),
+            30,
+            "every request to run",
+        )
+        update = fleet.client.publish_weights("v1", str(tmp_path / "v1"), strategy="all_at_once")
+        done = fleet.client.wait_for_weight_update(update["update_id"], 120)
+        assert done["status"] == "COMPLETED", done
+        results = [f.result(timeout=120) for f in futures]
+    for i, ((_, headers), result) in enumerate(zip(cases, results, strict=True)):
+        meta = result["answer"]["meta_info"]
+        if headers is None:
+            assert meta["finish_reason"]["type"] == "abort", meta
+            assert result["answer"]["meta_info"]["completion_tokens"] < BUDGET, meta
+            assert "moves" not in meta, meta
+            continue
+        check_whole(result, [40 + i, 3, 2])
+        assert [m["reason"] for m in meta["moves"]] == ["weight_update"], meta
+        versions = [span["version"] for span in meta["weight_versions"]]
+        assert versions[0] == startup and versions[-1] == "v1", meta["weight_versions"]
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_moves_total{reason="weight_update"}') >= 2
+
+    # A header that is neither true nor false is refused.
+    bad = http("POST", f"{fleet.router_url}/generate", {"input_ids": [1]}, headers={"x-partial-rollout": "yes"})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_partial_rollout", bad.body[:200]

@@ -180,6 +180,22 @@ pub struct ServeConfig {
         help_heading = heading::SCALING
     )]
     pub move_on_drain: bool,
+    /// Partial rollout across weight updates, for every request (a request sets it for itself
+    /// with the `x-partial-rollout: true|false` header).
+    ///
+    /// A `/generate` request that moves (token-id prompt, see `--move-on-drain`) and is aborted
+    /// by a weight update (`all_at_once` with `pause_mode` `abort`, or a rolling drain past its
+    /// timeout) continues on the new version from its output so far, instead of ending with
+    /// finish reason `abort`; its `weight_versions` spans name both versions. Off: an answer
+    /// never mixes versions through a move.
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = heading::SCALING
+    )]
+    pub partial_rollout: bool,
     /// How long an engine gets to exit after SIGTERM before SIGKILL, in seconds.
     #[arg(
         long = "scale-in-shutdown-timeout-secs",

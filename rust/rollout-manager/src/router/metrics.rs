@@ -58,7 +58,7 @@ pub struct RouterMetrics {
     pub first_byte: Latency,
     /// Time until the response body ended.
     pub duration: Latency,
-    /// Requests moved to another engine while they ran, by reason (drain, lost).
+    /// Requests moved to another engine while they ran, by reason (drain, lost, weight_update).
     moves: IntCounterVec,
     /// Tokens sent again as prompt to continue moved requests (prefilled again on the target).
     move_prefill_tokens: IntCounter,
@@ -112,10 +112,10 @@ impl RouterMetrics {
                 let moves = counter_vec(
                     "rollout_router_moves_total",
                     "Running requests moved to another engine, by reason (drain: a scale-in; lost: the engine died \
-                     mid-stream).",
+                     mid-stream; weight_update: aborted by a weight update, with partial rollout).",
                     &["reason"],
                 );
-                for reason in ["drain", "lost"] {
+                for reason in ["drain", "lost", "weight_update"] {
                     let _ = moves.with_label_values(&[reason]);
                 }
                 moves

@@ -336,6 +336,7 @@ struct OwnHeaders<'a> {
     min_weight_version: Option<&'a str>,
     session_id: Option<&'a str>,
     smg_routing_key: Option<&'a str>,
+    partial_rollout: Option<&'a str>,
 }
 
 impl<'a> OwnHeaders<'a> {
@@ -349,6 +350,7 @@ impl<'a> OwnHeaders<'a> {
                 "x-min-weight-version" => (4, &mut own.min_weight_version),
                 "x-session-id" => (8, &mut own.session_id),
                 "x-smg-routing-key" => (16, &mut own.smg_routing_key),
+                "x-partial-rollout" => (32, &mut own.partial_rollout),
                 _ => continue,
             };
             // The first value counts (as `HeaderMap::get`); one that is not text counts as absent.
@@ -434,8 +436,9 @@ fn movable_request(
     method: &Method,
     path: &str,
     body: Bytes,
+    partial_rollout: bool,
 ) -> (Bytes, Option<(serde_json::Value, rollout_core::moves::Movable, String)>) {
-    if !state.config.move_on_drain || method != Method::POST || path != "/generate" {
+    if !(state.config.move_on_drain || partial_rollout) || method != Method::POST || path != "/generate" {
         return (body, None);
     }
     // Only bodies with ids are parsed whole.
@@ -553,6 +556,16 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             return error(StatusCode::BAD_REQUEST, "invalid_routing_policy", &format!("x-routing-policy: {e}"));
         }
     };
+    let partial_rollout = match own.partial_rollout.map(str::trim) {
+        None => state.config.partial_rollout,
+        Some(v) if v.eq_ignore_ascii_case("true") => true,
+        Some(v) if v.eq_ignore_ascii_case("false") => false,
+        Some(v) => {
+            metrics.error(ErrorKind::BadRequest);
+            let msg = format!("x-partial-rollout: {v:?} is not true or false");
+            return error(StatusCode::BAD_REQUEST, "invalid_partial_rollout", &msg);
+        }
+    };
     let pin_header = peek::pin_from_headers(own.weight_version, own.min_weight_version);
     let session_header = own.session_id.or(own.smg_routing_key);
     let info = match peek::peek(&body, session_header, pin_header) {
@@ -565,7 +578,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
     // A `/generate` request that can move to another engine while it runs (router::moving)
     // gets a `rid` to be aborted by, if it has none.
-    let (body, movable) = movable_request(&state, &parts.method, parts.uri.path(), body);
+    let (body, movable) = movable_request(&state, &parts.method, parts.uri.path(), body, partial_rollout);
     // capacity: a session key if the request has one, else its prompt (GRPO siblings);
     // session: the session key only.
     let session_key = info.session.as_deref().map(affinity::session_key);
@@ -810,7 +823,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                         movable: m.clone(),
                         rid: rid.clone(),
                         pin: info.pin.clone(),
-                        may_cross: false,
+                        may_cross: partial_rollout,
                         tokens,
                         timeout,
                     };

@@ -129,7 +129,7 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
             finish_at_budget(&request, &produced, &tx).await;
             return;
         };
-        match next_part(&request, &part, body).await {
+        match next_part(&request, &part, body, reason).await {
             Ok(next) => {
                 request.state.metrics.moved(reason, request.movable.prompt_ids.len() + produced.output_ids.len());
                 produced.moves.push(json!({
@@ -152,8 +152,9 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
 
 /// Sends the continuation to the least loaded other engine the request may use (on the
 /// version `from` ran on, unless it may cross), waiting up to `--version-wait-secs` for one;
-/// the request is counted there from now on.
-async fn next_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
+/// the request is counted there from now on. After a weight update's abort, `from`'s own
+/// engine (back on the new version) may take it too.
+async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
     let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| match &pin {
@@ -162,7 +163,7 @@ async fn next_part(request: &Request, from: &Part, body: Value) -> Result<Part, 
     })?;
     let route = routes
         .iter()
-        .filter(|r| !Arc::ptr_eq(&r.load, &from.route.load))
+        .filter(|r| reason == "weight_update" || !Arc::ptr_eq(&r.load, &from.route.load))
         .min_by_key(|r| r.load.get())
         .ok_or("no other engine to continue on")?
         .clone();
@@ -272,6 +273,19 @@ pub(super) async fn abort_when_asked(
     }
 }
 
+/// Why an aborted part moves, if it does: the router aborted it to move it (`drain`), or a
+/// weight update did and the request allows partial rollout (`weight_update`: its engine left
+/// routing for the update, which a client's abort through the router never reaches).
+fn move_reason(request: &Request, part: &Part, mover: &Mover) -> Option<&'static str> {
+    if mover.moving {
+        return Some("drain");
+    }
+    let table = request.state.fleet.routes();
+    let left_for_update =
+        table.weights_updating && !table.backends.iter().any(|b| Arc::ptr_eq(&b.load, &part.route.load));
+    (request.may_cross && left_for_update).then_some("weight_update")
+}
+
 /// Whether a part is being moved, and when its abort was last sent.
 struct Mover {
     moving: bool,
@@ -342,9 +356,11 @@ async fn whole_part(
             return Ended::Done;
         }
     };
-    if mover.moving && moves::aborted(&answer) {
-        produced.add_part(&answer);
-        return Ended::Moved("drain");
+    if moves::aborted(&answer) {
+        if let Some(reason) = move_reason(request, part, &mover) {
+            produced.add_part(&answer);
+            return Ended::Moved(reason);
+        }
     }
     let out = moves::joined(produced, &request.movable, &answer);
     let bytes = if produced.moves.is_empty() { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
@@ -374,6 +390,8 @@ async fn stream_part(
     let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
+    // Why the request moves, once its abort's own event was held back.
+    let mut held: Option<&'static str> = None;
     loop {
         mover.step(request, part, rid, produced.moves.len()).await;
         let frame = match first.take() {
@@ -407,9 +425,9 @@ async fn stream_part(
             let payload = text.trim().strip_prefix("data:").map(str::trim);
             match payload {
                 Some("[DONE]") => {
-                    if mover.moving && last.as_ref().is_some_and(moves::aborted) {
+                    if let Some(reason) = held.filter(|_| last.as_ref().is_some_and(moves::aborted)) {
                         keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
-                        return Ended::Moved("drain");
+                        return Ended::Moved(reason);
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
                     let _ = tx.send(Ok(Bytes::from(out))).await;
@@ -424,10 +442,13 @@ async fn stream_part(
                             incremental_ids
                                 .extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
                         }
-                        if mover.moving && moves::aborted(&chunk) {
-                            // The abort's own event: held back, the request continues elsewhere.
-                            last = Some(chunk);
-                            continue;
+                        if moves::aborted(&chunk) {
+                            if let Some(reason) = move_reason(request, part, &mover) {
+                                // The abort's own event: held back, the request continues elsewhere.
+                                held = Some(reason);
+                                last = Some(chunk);
+                                continue;
+                            }
                         }
                         let joined = moves::joined_chunk(&before, &request.movable, &chunk, inc);
                         out.extend_from_slice(b"data: ");
