@@ -54,9 +54,8 @@ def one_request(router: str, prompt: list[int], budget: int, stream: bool, out: 
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
     record: dict[str, Any] = {"completion_tokens": 0, "moves": 0, "error": None}
     try:
-        conn.request(
-            "POST", "/generate", json.dumps(body), {"Content-Type": "application/json", "x-routing-policy": "round_robin"}
-        )
+        headers = {"Content-Type": "application/json", "x-routing-policy": "round_robin"}
+        conn.request("POST", "/generate", json.dumps(body), headers)
         resp = conn.getresponse()
         record["engine"] = resp.getheader("x-rollout-engine-id")
         if resp.status != 200:

@@ -235,7 +235,9 @@ def test_a_stream_cut_by_its_engine_ends_with_an_error_event(start_fleet: StartM
 
 
 def test_a_disk_update_changes_no_name_a_client_sees(
-    start_fleet: StartManager, external_engine: StartEngine, tmp_path: Path
+    start_fleet: StartManager,
+    external_engine: StartEngine,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
 ) -> None:
     """SGLang renames an engine's served model to the checkpoint's path on every update from
     disk, whatever `--served-model-name` says (0.5.23 `tokenizer_manager.py:2368`). Through the

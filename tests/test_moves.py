@@ -37,7 +37,8 @@ def post(
     parsed = urllib.parse.urlsplit(fleet.router_url)
     conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
-    conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    conn.request("POST", "/generate", body=json.dumps(body), headers=sent)
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:300]
     return conn, resp
