@@ -231,3 +231,50 @@ def test_partial_rollout_continues_across_an_all_at_once_update(start_fleet: Sta
     # A header that is neither true nor false is refused.
     bad = http("POST", f"{fleet.router_url}/generate", {"input_ids": [1]}, headers={"x-partial-rollout": "yes"})
     assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_partial_rollout", bad.body[:200]
+
+
+def test_moved_requests_keep_their_logprobs(start_fleet: StartManager) -> None:
+    """RL trains on the rollout's logprobs: a moved answer has one output logprob per token, for
+    the tokens it returns, and the prompt's logprobs of the original prompt."""
+    fleet = start_fleet(*SLOW)
+    op = fleet.client.scale_out(num_replicas=3)
+    assert op.request_id is not None
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    victim = "engine_2"
+    prompts = [[200 + i, 5, 6, 7] for i in range(9)]
+
+    def one(prompt: list[int], stream: bool) -> dict[str, Any]:
+        parsed = urllib.parse.urlsplit(fleet.router_url)
+        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+        body = {
+            "input_ids": prompt, "stream": stream, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True},
+        }  # fmt: skip
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:300]
+            if not stream:
+                return {"answer": json.loads(resp.read()), "events": []}
+            got = events(resp)
+            return {"answer": got[-1], "events": got}
+        finally:
+            conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(one, p, i % 2 == 0) for i, p in enumerate(prompts)]
+        wait_until(lambda: engine_of(fleet, victim).raw.get("in_flight", 0) >= 2, 30, "requests on the engine to go")
+        op = fleet.client.scale_in(num_replicas=2)
+        assert op.request_id is not None
+        assert fleet.client.wait_for_operation("scale_in", op.request_id, 120).status == "COMPLETED"
+        results = [f.result(timeout=120) for f in futures]
+    moved = [r for r in results if r["answer"]["meta_info"].get("moves")]
+    assert len(moved) >= 2, [r["answer"]["meta_info"].get("engines") for r in results]
+    for result, prompt in zip(results, prompts, strict=True):
+        check_whole(result, prompt)
+        answer = result["answer"]
+        meta = answer["meta_info"]
+        output = meta["output_token_logprobs"]
+        assert [entry[1] for entry in output] == answer["output_ids"], meta.get("moves")
+        assert all(isinstance(entry[0], float) for entry in output)
+        assert [entry[1] for entry in meta["input_token_logprobs"]] == prompt, meta.get("moves")

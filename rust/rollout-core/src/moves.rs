@@ -22,21 +22,31 @@ pub struct Movable {
     pub stream: bool,
     /// The client's own `rid`, if it gave one (the router gives one otherwise, to abort by).
     pub rid: Option<String>,
+    /// It asked for logprobs (`return_logprob`).
+    pub logprobs: bool,
 }
+
+/// `meta_info` fields with one entry per output token: concatenated over a moved request's parts.
+const OUTPUT_LOGPROBS: [&str; 3] = ["output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"];
+/// `meta_info` fields of the prompt's logprobs: the first part's (a continuation's prompt holds
+/// output tokens, whose logprobs are already in the output's).
+const INPUT_LOGPROBS: [&str; 3] = ["input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"];
 
 impl Movable {
     /// The request, if it can move: a JSON object with `input_ids` a flat list of token ids,
-    /// no `text`/`input_embeds`, at most one sample (`n`), and no logprobs or hidden states
-    /// (those would have to be joined too; they are not yet).
+    /// no `text`/`input_embeds`, at most one sample (`n`), and no hidden states (those are
+    /// not joined). Logprobs are: the output's are concatenated over the parts, the prompt's
+    /// come from the first part.
     pub fn of(body: &Value) -> Option<Movable> {
         let obj = body.as_object()?;
         if ["text", "input_embeds", "image_data", "audio_data", "video_data"].iter().any(|k| present(obj, k)) {
             return None;
         }
-        if ["return_logprob", "return_hidden_states", "return_text_in_logprobs"]
-            .iter()
-            .any(|k| obj.get(*k).is_some_and(|v| v.as_bool() != Some(false)))
-        {
+        if obj.get("return_hidden_states").is_some_and(|v| v.as_bool() != Some(false)) {
+            return None;
+        }
+        // One flag for one prompt (a list belongs to a batch).
+        if ["return_logprob", "return_text_in_logprobs"].iter().any(|k| obj.get(*k).is_some_and(|v| !v.is_boolean())) {
             return None;
         }
         let prompt_ids: Vec<u64> =
@@ -66,6 +76,7 @@ impl Movable {
             Some(_) => return None,
         };
         Some(Movable {
+            logprobs: obj.get("return_logprob").and_then(Value::as_bool).unwrap_or(false),
             prompt_ids,
             max_new_tokens: number("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)?,
             min_new_tokens: number("min_new_tokens", 0)?,
@@ -90,11 +101,37 @@ pub struct Produced {
     pub moves: Vec<Value>,
     /// The engines it ran on, in order.
     pub engines: Vec<String>,
+    /// The output's logprob fields ([`OUTPUT_LOGPROBS`]), concatenated over the parts.
+    pub logprobs: Map<String, Value>,
+    /// The prompt's logprob fields ([`INPUT_LOGPROBS`]), from the first part that had output.
+    pub input_logprobs: Option<Map<String, Value>>,
 }
 
 impl Produced {
+    /// Appends one part's (or one incremental stream chunk's) output logprobs, and keeps the
+    /// prompt's from the first part.
+    pub fn add_logprobs(&mut self, answer: &Value) {
+        let Some(meta) = answer.get("meta_info").and_then(Value::as_object) else { return };
+        if self.input_logprobs.is_none() && self.output_ids.is_empty() {
+            let input: Map<String, Value> =
+                INPUT_LOGPROBS.iter().filter_map(|k| Some((k.to_string(), meta.get(*k)?.clone()))).collect();
+            if !input.is_empty() {
+                self.input_logprobs = Some(input);
+            }
+        }
+        for key in OUTPUT_LOGPROBS {
+            if let Some(entries) = meta.get(key).and_then(Value::as_array) {
+                let all = self.logprobs.entry(key).or_insert_with(|| json!([]));
+                if let Some(all) = all.as_array_mut() {
+                    all.extend(entries.iter().cloned());
+                }
+            }
+        }
+    }
+
     /// Adds the output of one finished part (`answer`: an engine's final `/generate` object).
     pub fn add_part(&mut self, answer: &Value) {
+        self.add_logprobs(answer);
         let start = self.output_ids.len() as u64;
         if let Some(t) = answer.get("text").and_then(Value::as_str) {
             self.text.push_str(t);
@@ -137,6 +174,10 @@ pub fn continuation(original: &Value, movable: &Movable, produced: &[u64], new_r
     let ids: Vec<Value> = movable.prompt_ids.iter().chain(produced).map(|&i| json!(i)).collect();
     obj.insert("input_ids".into(), Value::Array(ids));
     obj.insert("rid".into(), json!(new_rid));
+    if movable.logprobs {
+        // The continuation's prompt logprobs would be the output's again: not asked for.
+        obj.insert("logprob_start_len".into(), json!(-1));
+    }
     let params = obj.entry("sampling_params").or_insert_with(|| json!({}));
     if params.is_null() {
         *params = json!({});
@@ -211,6 +252,21 @@ fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable
         }
         meta.insert("weight_versions".into(), Value::Array(spans));
     }
+    if movable.logprobs {
+        for key in OUTPUT_LOGPROBS {
+            if !incremental && meta.contains_key(key) {
+                meta.insert(key.into(), all.logprobs.get(key).cloned().unwrap_or_else(|| json!([])));
+            }
+        }
+        for key in INPUT_LOGPROBS {
+            if meta.contains_key(key) {
+                let first = before.input_logprobs.as_ref().and_then(|m| m.get(key));
+                // Incremental chunks sent the prompt's logprobs with the first part already.
+                let value = if incremental { None } else { first.cloned() };
+                meta.insert(key.into(), value.unwrap_or_else(|| json!([])));
+            }
+        }
+    }
     meta.insert("moves".into(), Value::Array(all.moves.clone()));
     meta.insert("engines".into(), json!(all.engines));
 }
@@ -274,7 +330,9 @@ mod tests {
             (json!({"input_ids": [[1], [2]]}), false),
             (json!({"input_ids": []}), false),
             (json!({"input_ids": [1], "sampling_params": {"n": 2}}), false),
-            (json!({"input_ids": [1], "return_logprob": true}), false),
+            (json!({"input_ids": [1], "return_logprob": true}), true),
+            (json!({"input_ids": [1], "return_logprob": [true]}), false),
+            (json!({"input_ids": [1], "return_hidden_states": true}), false),
             (json!({"input_ids": [1], "return_logprob": false}), true),
             (json!({"input_ids": [1], "rid": ["a", "b"]}), false),
             (json!({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}), false),
@@ -324,6 +382,31 @@ mod tests {
         assert_eq!(meta["engines"], json!(["engine_0", "engine_1"]));
         assert_eq!(meta["moves"][0]["at_token"], 2);
         assert_eq!(meta["finish_reason"], json!({"type": "length", "length": 5}), "the whole output's length");
+    }
+
+    #[test]
+    fn logprobs_are_joined_output_over_the_parts_and_the_prompts_from_the_first() {
+        let m = Movable::of(&json!({"input_ids": [1, 2], "return_logprob": true})).unwrap();
+        let lp = |ids: &[u64]| -> Vec<Value> { ids.iter().map(|&i| json!([-0.5, i, null])).collect() };
+        let with_lp = |text: &str, ids: &[u64], input: &[u64]| {
+            let mut p = part(text, ids, "v1");
+            p["meta_info"]["output_token_logprobs"] = json!(lp(ids));
+            p["meta_info"]["input_token_logprobs"] = json!(lp(input));
+            p
+        };
+        let mut before = Produced::default();
+        before.add_part(&with_lp("ab", &[10, 11], &[1, 2]));
+        before.engines = vec!["engine_0".into(), "engine_1".into()];
+        before.moves = vec![json!({"at_token": 2})];
+        let out = joined(&before, &m, &with_lp("c", &[12], &[11]));
+        assert_eq!(out["meta_info"]["output_token_logprobs"], json!(lp(&[10, 11, 12])));
+        assert_eq!(out["meta_info"]["input_token_logprobs"], json!(lp(&[1, 2])), "the original prompt's");
+        let chunk = joined_chunk(&before, &m, &with_lp("c", &[12], &[11]), true);
+        assert_eq!(chunk["meta_info"]["output_token_logprobs"], json!(lp(&[12])), "incremental: the new ones");
+        assert_eq!(chunk["meta_info"]["input_token_logprobs"], json!([]), "sent with the first part");
+        let body = json!({"input_ids": [1, 2], "return_logprob": true, "logprob_start_len": 0});
+        let next = continuation(&body, &m, &[10, 11], "r-m1").unwrap();
+        assert_eq!(next["logprob_start_len"], -1, "the continuation's prompt logprobs are not asked for");
     }
 
     #[test]

@@ -385,7 +385,9 @@ async fn stream_part(
     let mut last: Option<Value> = None;
     // Whether the engine's chunks hold only the new output (`--incremental-streaming-output`):
     // then the ids so far are gathered here.
+    // (and their logprobs, in `incremental_lp`).
     let mut incremental_ids: Vec<u64> = Vec::new();
+    let mut incremental_lp = Produced::default();
     let mut incremental: Option<bool> = None;
     let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
@@ -405,11 +407,23 @@ async fn stream_part(
         let data = match frame {
             None => {
                 // Ended without [DONE]: what was seen counts as produced.
-                keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                keep(
+                    produced,
+                    &before,
+                    last.as_ref(),
+                    (&incremental_ids, &incremental_lp),
+                    incremental.unwrap_or(false),
+                );
                 return Ended::Lost("the stream ended without [DONE]".into());
             }
             Some(Err(e)) => {
-                keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                keep(
+                    produced,
+                    &before,
+                    last.as_ref(),
+                    (&incremental_ids, &incremental_lp),
+                    incremental.unwrap_or(false),
+                );
                 return Ended::Lost(e.to_string());
             }
             Some(Ok(f)) => match f.into_data() {
@@ -426,7 +440,13 @@ async fn stream_part(
             match payload {
                 Some("[DONE]") => {
                     if let Some(reason) = held.filter(|_| last.as_ref().is_some_and(moves::aborted)) {
-                        keep(produced, &before, last.as_ref(), &incremental_ids, incremental.unwrap_or(false));
+                        keep(
+                            produced,
+                            &before,
+                            last.as_ref(),
+                            (&incremental_ids, &incremental_lp),
+                            incremental.unwrap_or(false),
+                        );
                         return Ended::Moved(reason);
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
@@ -441,6 +461,7 @@ async fn stream_part(
                         if inc {
                             incremental_ids
                                 .extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+                            incremental_lp.add_logprobs(&chunk);
                         }
                         if moves::aborted(&chunk) {
                             if let Some(reason) = move_reason(request, part, &mover) {
@@ -468,12 +489,27 @@ async fn stream_part(
 }
 
 /// Records what a streamed part produced: its last event's output (cumulative chunks), or the
-/// ids gathered from every event (incremental ones).
-fn keep(produced: &mut Produced, before: &Produced, last: Option<&Value>, ids: &[u64], incremental: bool) {
+/// ids and logprobs gathered from every event (incremental ones).
+fn keep(
+    produced: &mut Produced,
+    before: &Produced,
+    last: Option<&Value>,
+    (ids, lp): (&[u64], &Produced),
+    incremental: bool,
+) {
     let mut now = before.clone();
     match (last, incremental) {
         (Some(chunk), false) => now.add_part(chunk),
         (_, true) => {
+            if now.output_ids.is_empty() && now.input_logprobs.is_none() {
+                now.input_logprobs.clone_from(&lp.input_logprobs);
+            }
+            for (key, entries) in &lp.logprobs {
+                let all = now.logprobs.entry(key.clone()).or_insert_with(|| serde_json::json!([]));
+                if let (Some(all), Some(entries)) = (all.as_array_mut(), entries.as_array()) {
+                    all.extend(entries.iter().cloned());
+                }
+            }
             now.output_ids.extend_from_slice(ids);
             if let Some(chunk) = last {
                 if let Some(t) = chunk.get("text").and_then(Value::as_str) {
