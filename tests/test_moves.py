@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
 
@@ -73,16 +74,20 @@ def generate(
         conn.close()
 
 
-def check_whole(result: dict[str, Any], prompt: list[int]) -> None:
+def check_whole(result: dict[str, Any], prompt: list[int] | int) -> None:
+    """A complete answer of BUDGET tokens to `prompt` (its ids, or its token count)."""
     answer = result["answer"]
     assert "error" not in answer, answer
     meta = answer["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": BUDGET}, meta
     assert len(answer["output_ids"]) == meta["completion_tokens"] == BUDGET, meta
-    assert meta["prompt_tokens"] == len(prompt), meta
-    spans = meta["weight_versions"]
-    assert spans[0]["start"] == 0 and spans[-1]["end"] == BUDGET, spans
-    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans)), spans
+    assert meta["prompt_tokens"] == (prompt if isinstance(prompt, int) else len(prompt)), meta
+    # Releases before 0.5.23 report spans only when the version changed; a moved answer always
+    # has them (one per part).
+    if "weight_versions" in meta or "moves" in meta:
+        spans = meta["weight_versions"]
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == BUDGET, spans
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans)), spans
     # A stream's events: each one's ids extend the previous one's, so no token repeats or is missing.
     previous: list[int] = []
     for event in result["events"]:
@@ -278,3 +283,71 @@ def test_moved_requests_keep_their_logprobs(start_fleet: StartManager) -> None:
         assert [entry[1] for entry in output] == answer["output_ids"], meta.get("moves")
         assert all(isinstance(entry[0], float) for entry in output)
         assert [entry[1] for entry in meta["input_token_logprobs"]] == prompt, meta.get("moves")
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.12"])
+def test_text_prompts_move_with_the_ids_their_first_engine_made(start_fleet: StartManager, release: str) -> None:
+    """A text prompt is tokenized once: the router asks the engine for the prompt's ids
+    (`return_prompt_token_ids`, SGLang 0.5.15 and later) and a move continues from them. On a
+    release without them (0.5.12) a streamed text request stays where it is until it ends, and a
+    whole one starts again elsewhere: nothing is cut either way."""
+    fleet = start_fleet(*SLOW, f"--engine-arg=--sglang-api={release}")
+    op = fleet.client.scale_out(num_replicas=3)
+    assert op.request_id is not None
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    victim = "engine_2"
+    texts = [f"question {i}: how many prime numbers are below {100 + i}?" for i in range(10)]
+    counted = http(
+        "POST",
+        f"{engine_of(fleet, 'engine_0').url}/generate",
+        {"text": texts[0], "sampling_params": {"max_new_tokens": 1}},
+    ).json()["meta_info"]["prompt_tokens"]
+
+    def one(i: int) -> dict[str, Any]:
+        parsed = urllib.parse.urlsplit(fleet.router_url)
+        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+        stream = i % 2 == 0
+        body = {"text": texts[i], "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+        if i == 1:
+            body["return_prompt_token_ids"] = True
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:300]
+            engine = resp.getheader("x-rollout-engine-id")
+            if not stream:
+                return {"answer": json.loads(resp.read()), "events": [], "engine": engine}
+            got = events(resp)
+            return {"answer": got[-1], "events": got, "engine": engine}
+        finally:
+            conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(texts))]
+        wait_until(lambda: engine_of(fleet, victim).raw.get("in_flight", 0) >= 3, 30, "requests on the engine to go")
+        op = fleet.client.scale_in(num_replicas=2)
+        assert op.request_id is not None
+        assert fleet.client.wait_for_operation("scale_in", op.request_id, 120).status == "COMPLETED"
+        results = [f.result(timeout=120) for f in futures]
+    on_victim = [r for r in results if r["engine"] == victim]
+    assert on_victim, [r["engine"] for r in results]
+    for i, result in enumerate(results):
+        answer = result["answer"]
+        same_length = len(texts[i]) == len(texts[0])
+        check_whole(result, counted if same_length else answer["meta_info"]["prompt_tokens"])
+        # The ids the router asked for are shown only to the client that asked.
+        if i == 1 and release == "0.5.23":
+            assert len(answer["prompt_token_ids"]) == answer["meta_info"]["prompt_tokens"], answer
+        else:
+            assert "prompt_token_ids" not in answer, (i, sorted(answer))
+            assert all("prompt_token_ids" not in e for e in result["events"]), i
+    for result in on_victim:
+        moves = result["answer"]["meta_info"].get("moves", [])
+        if release == "0.5.23":
+            assert [m["reason"] for m in moves] == ["drain"], result["answer"]["meta_info"]
+        elif result["events"]:
+            # No ids: a stream stays where it is until it ends.
+            assert not moves, result["answer"]["meta_info"]
+        else:
+            # No ids: a whole answer starts again from the text elsewhere.
+            assert [(m["reason"], m["at_token"]) for m in moves] == [("drain", 0)], result["answer"]["meta_info"]

@@ -472,6 +472,11 @@ INTERNAL_STATE_VERSION_FOLLOWS = {"0.5.8": False, "0.5.12": False, "0.5.17": Fal
 # sets UnHealthy (http_server.py:798), one that passes sets Up again (:784). Before 0.5.23 /ping is always
 # 200 (sglang==0.5.8 http_server.py:1442-1445; 0.5.12 :1782-1785; 0.5.22 :2123-2126).
 PING_REPORTS_HEALTH = {"0.5.8": False, "0.5.12": False, "0.5.23": True}
+# return_prompt_token_ids: a GenerateReqInput field in sglang==0.5.15.post1 (managers/io_struct.py:281)
+# and 0.5.23 (:337); the answer then has `prompt_token_ids` in every stream chunk and the final answer
+# (0.5.23 tokenizer_manager.py:2673-2674, 2712-2713) and in an aborted request's answer (:3636-3637).
+# sglang==0.5.12 has no such field (io_struct.py GenerateReqInput at :135), and unknown keys are ignored.
+RETURNS_PROMPT_TOKEN_IDS = {"0.5.12": False, "0.5.15.post1": True, "0.5.23": True}
 # SIGTERM sets gracefully_exit (sglang==0.5.23 tokenizer_manager.py:4066-4070); the watchdog then drains,
 # unless the server is UnHealthy or SGL_FORCE_SHUTDOWN is true: it exits at once, logging this
 # (:3508-3531; sglang==0.5.8 :2091-2105; 0.5.12 :2384-2398). SGL_FORCE_SHUTDOWN is read by
@@ -1039,6 +1044,19 @@ def test_ping_reports_the_health_flag(own_sim: Callable[..., Sim], release: str)
     ping = http("GET", engine.url + "/ping")
     assert ping.status == (503 if PING_REPORTS_HEALTH[release] else 200)
     assert ping.body == b""
+
+
+@pytest.mark.parametrize("release", sorted(RETURNS_PROMPT_TOKEN_IDS))
+def test_prompt_token_ids_per_release(start_sim: Callable[..., Sim], release: str) -> None:
+    sim = start_sim("--sglang-api", release)
+    body = {"text": "hello world", "return_prompt_token_ids": True, "sampling_params": {"max_new_tokens": 3}}
+    out = sim.generate(body)
+    chunks = [json.loads(e) for e in sse_events(sim.url + "/generate", {**body, "stream": True}) if e != "[DONE]"]
+    if RETURNS_PROMPT_TOKEN_IDS[release]:
+        assert len(out["prompt_token_ids"]) == out["meta_info"]["prompt_tokens"]
+        assert all(c["prompt_token_ids"] == out["prompt_token_ids"] for c in chunks)
+    else:
+        assert "prompt_token_ids" not in out and all("prompt_token_ids" not in c for c in chunks)
 
 
 def _events_until_cut(events: Iterator[str]) -> list[str]:

@@ -4,8 +4,11 @@
 //! SGLang makes a move possible with unmodified engines: `/abort_request {"rid"}` ends the
 //! request on its engine with the output so far (`output_ids`, `text`, `completion_tokens`,
 //! finish reason `abort`), and `/generate` continues from `input_ids` = the prompt's ids plus
-//! those output ids, with the rest of the budget. RL trains on token ids, so only requests whose
-//! prompt is already ids move: the prompt is never tokenized again from text.
+//! those output ids, with the rest of the budget. RL trains on token ids, so a prompt is never
+//! tokenized again from text: a text prompt moves with the ids its first engine made of it
+//! (`return_prompt_token_ids`, which the router asks for; SGLang 0.5.15 and later return them
+//! in every answer and stream chunk), and an engine that does not return them cannot have its
+//! text requests continued, only started again.
 
 use crate::routing::VersionPin;
 use serde_json::{json, Map, Value};
@@ -16,7 +19,13 @@ pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
 /// A `/generate` request that can move: one prompt of token ids, one sample, no logprobs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Movable {
+    /// The prompt's ids; empty for a text prompt (see [`Produced::prompt_ids`]).
     pub prompt_ids: Vec<u64>,
+    /// The prompt is text: its ids are learned from the first engine's answer.
+    pub text: bool,
+    /// The client asked for `prompt_token_ids` itself (else the router's own request for them
+    /// is not shown to it).
+    pub client_prompt_ids: bool,
     pub max_new_tokens: u64,
     pub min_new_tokens: u64,
     pub stream: bool,
@@ -39,21 +48,33 @@ impl Movable {
     /// come from the first part.
     pub fn of(body: &Value) -> Option<Movable> {
         let obj = body.as_object()?;
-        if ["text", "input_embeds", "image_data", "audio_data", "video_data"].iter().any(|k| present(obj, k)) {
+        if ["input_embeds", "image_data", "audio_data", "video_data"].iter().any(|k| present(obj, k)) {
             return None;
         }
+        let text = match (obj.get("text"), present(obj, "input_ids")) {
+            (None | Some(Value::Null), true) => false,
+            (Some(Value::String(t)), false) if !t.is_empty() => true,
+            _ => return None, // a batch, both, or neither
+        };
         if obj.get("return_hidden_states").is_some_and(|v| v.as_bool() != Some(false)) {
             return None;
         }
         // One flag for one prompt (a list belongs to a batch).
-        if ["return_logprob", "return_text_in_logprobs"].iter().any(|k| obj.get(*k).is_some_and(|v| !v.is_boolean())) {
+        if ["return_logprob", "return_text_in_logprobs", "return_prompt_token_ids"]
+            .iter()
+            .any(|k| obj.get(*k).is_some_and(|v| !v.is_boolean()))
+        {
             return None;
         }
-        let prompt_ids: Vec<u64> =
-            obj.get("input_ids")?.as_array()?.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>()?;
-        if prompt_ids.is_empty() {
-            return None;
-        }
+        let prompt_ids: Vec<u64> = if text {
+            Vec::new()
+        } else {
+            let ids = obj.get("input_ids")?.as_array()?.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>()?;
+            if ids.is_empty() {
+                return None;
+            }
+            ids
+        };
         let params = match obj.get("sampling_params") {
             None | Some(Value::Null) => Map::new(),
             Some(Value::Object(p)) => p.clone(),
@@ -77,12 +98,26 @@ impl Movable {
         };
         Some(Movable {
             logprobs: obj.get("return_logprob").and_then(Value::as_bool).unwrap_or(false),
+            client_prompt_ids: obj.get("return_prompt_token_ids").and_then(Value::as_bool).unwrap_or(false),
+            text,
             prompt_ids,
             max_new_tokens: number("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)?,
             min_new_tokens: number("min_new_tokens", 0)?,
             stream,
             rid,
         })
+    }
+}
+
+impl Movable {
+    /// What the router adds to the request it sends: a text prompt asks for the ids the engine
+    /// makes of it, so that a move continues from exactly those.
+    pub fn prepare(&self, body: &mut Value) {
+        if self.text {
+            if let Some(obj) = body.as_object_mut() {
+                obj.insert("return_prompt_token_ids".into(), json!(true));
+            }
+        }
     }
 }
 
@@ -105,9 +140,28 @@ pub struct Produced {
     pub logprobs: Map<String, Value>,
     /// The prompt's logprob fields ([`INPUT_LOGPROBS`]), from the first part that had output.
     pub input_logprobs: Option<Map<String, Value>>,
+    /// A text prompt's ids, as its first engine made them (`prompt_token_ids`).
+    pub prompt_ids: Option<Vec<u64>>,
 }
 
 impl Produced {
+    /// Learns a text prompt's ids from the first answer or chunk that carries them.
+    pub fn learn_prompt(&mut self, answer: &Value) {
+        if self.prompt_ids.is_none() {
+            let ids = answer.get("prompt_token_ids").and_then(Value::as_array);
+            self.prompt_ids = ids.and_then(|ids| ids.iter().map(Value::as_u64).collect());
+        }
+    }
+
+    /// The prompt's ids, if known: the request's own, or those learned for its text.
+    pub fn prompt<'a>(&'a self, movable: &'a Movable) -> Option<&'a [u64]> {
+        if movable.text {
+            self.prompt_ids.as_deref()
+        } else {
+            Some(&movable.prompt_ids)
+        }
+    }
+
     /// Appends one part's (or one incremental stream chunk's) output logprobs, and keeps the
     /// prompt's from the first part.
     pub fn add_logprobs(&mut self, answer: &Value) {
@@ -131,6 +185,9 @@ impl Produced {
 
     /// Adds the output of one finished part (`answer`: an engine's final `/generate` object).
     pub fn add_part(&mut self, answer: &Value) {
+        if self.output_ids.is_empty() {
+            self.learn_prompt(answer);
+        }
         self.add_logprobs(answer);
         let start = self.output_ids.len() as u64;
         if let Some(t) = answer.get("text").and_then(Value::as_str) {
@@ -161,17 +218,28 @@ impl Produced {
     }
 }
 
-/// The request that continues `original` (a [`Movable`] body) after `produced` output tokens:
-/// the same fields and sampling parameters, `input_ids` extended by the output so far, the rest
-/// of the budget, and a fresh `rid` (`new_rid`). None when nothing is left to generate.
-pub fn continuation(original: &Value, movable: &Movable, produced: &[u64], new_rid: &str) -> Option<Value> {
+/// The request that continues `original` (a [`Movable`] body) after `produced` output tokens
+/// of a prompt whose ids are `prompt`: the same fields and sampling parameters, `input_ids` the
+/// prompt's ids extended by the output so far (a text prompt's `text` replaced by them), the
+/// rest of the budget, and a fresh `rid` (`new_rid`). None when nothing is left to generate.
+pub fn continuation(
+    original: &Value,
+    movable: &Movable,
+    prompt: &[u64],
+    produced: &[u64],
+    new_rid: &str,
+) -> Option<Value> {
     let done = produced.len() as u64;
     if done >= movable.max_new_tokens {
         return None;
     }
     let mut body = original.clone();
     let obj = body.as_object_mut()?;
-    let ids: Vec<Value> = movable.prompt_ids.iter().chain(produced).map(|&i| json!(i)).collect();
+    let ids: Vec<Value> = prompt.iter().chain(produced).map(|&i| json!(i)).collect();
+    obj.remove("text");
+    if !movable.client_prompt_ids {
+        obj.remove("return_prompt_token_ids");
+    }
     obj.insert("input_ids".into(), Value::Array(ids));
     obj.insert("rid".into(), json!(new_rid));
     if movable.logprobs {
@@ -219,7 +287,31 @@ pub fn joined_chunk(before: &Produced, movable: &Movable, chunk: &Value, increme
     out
 }
 
+/// The request sent again from the start (`original` with a fresh `rid`): a text prompt whose
+/// ids its engine did not return cannot be continued.
+pub fn restart(original: &Value, new_rid: &str) -> Value {
+    let mut body = original.clone();
+    if let Some(obj) = body.as_object_mut() {
+        obj.insert("rid".into(), json!(new_rid));
+    }
+    body
+}
+
 fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable, incremental: bool) {
+    if movable.text {
+        // The ids the router asked for: the first engine's, and only if the client asked too.
+        if let Some(obj) = out.as_object_mut() {
+            match (movable.client_prompt_ids, &all.prompt_ids) {
+                (true, Some(ids)) if !before.moves.is_empty() => {
+                    obj.insert("prompt_token_ids".into(), json!(ids));
+                }
+                (true, _) => {}
+                (false, _) => {
+                    obj.remove("prompt_token_ids");
+                }
+            }
+        }
+    }
     if before.moves.is_empty() {
         return; // never moved: the engine's answer as it is
     }
@@ -228,7 +320,9 @@ fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable
         out["output_ids"] = json!(all.output_ids);
     }
     let Some(meta) = out.get_mut("meta_info").and_then(Value::as_object_mut) else { return };
-    meta.insert("prompt_tokens".into(), json!(movable.prompt_ids.len()));
+    if let Some(prompt) = all.prompt(movable) {
+        meta.insert("prompt_tokens".into(), json!(prompt.len()));
+    }
     let part = meta.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
     let total = part + before.output_ids.len() as u64;
     meta.insert("completion_tokens".into(), json!(total));
@@ -238,7 +332,10 @@ fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable
             finish.insert("length".into(), json!(total));
         }
     }
-    if !incremental || !all.spans.is_empty() {
+    if !incremental {
+        // Every part's spans, the last one's from its own or from the version it names.
+        meta.insert("weight_versions".into(), Value::Array(all.spans.clone()));
+    } else if !all.spans.is_empty() {
         let mut spans = before.spans.clone();
         let start = before.output_ids.len() as u64;
         for span in meta.get("weight_versions").and_then(Value::as_array).into_iter().flatten() {
@@ -326,7 +423,11 @@ mod tests {
             (json!({"input_ids": [1, 2]}), true),
             (json!({"input_ids": [1, 2], "stream": true, "rid": "a"}), true),
             (json!({"input_ids": [1, 2], "sampling_params": {"n": 1}}), true),
-            (json!({"text": "hi"}), false),
+            (json!({"text": "hi"}), true),
+            (json!({"text": ""}), false),
+            (json!({"text": ["a", "b"]}), false),
+            (json!({"text": "hi", "input_ids": [1]}), false),
+            (json!({"text": "hi", "return_prompt_token_ids": "yes"}), false),
             (json!({"input_ids": [[1], [2]]}), false),
             (json!({"input_ids": []}), false),
             (json!({"input_ids": [1], "sampling_params": {"n": 2}}), false),
@@ -350,12 +451,12 @@ mod tests {
         let body = json!({"input_ids": [1, 2], "rid": "r", "stream": true,
                           "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.7}});
         let m = Movable::of(&body).unwrap();
-        let next = continuation(&body, &m, &[7, 8, 9], "r-m1").unwrap();
+        let next = continuation(&body, &m, &m.prompt_ids, &[7, 8, 9], "r-m1").unwrap();
         assert_eq!(next["input_ids"], json!([1, 2, 7, 8, 9]));
         assert_eq!(next["rid"], "r-m1");
         assert_eq!(next["stream"], true);
         assert_eq!(next["sampling_params"], json!({"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0.7}));
-        assert_eq!(continuation(&body, &m, &[0; 10], "x"), None, "nothing left to generate");
+        assert_eq!(continuation(&body, &m, &m.prompt_ids, &[0; 10], "x"), None, "nothing left to generate");
     }
 
     #[test]
@@ -405,8 +506,41 @@ mod tests {
         assert_eq!(chunk["meta_info"]["output_token_logprobs"], json!(lp(&[12])), "incremental: the new ones");
         assert_eq!(chunk["meta_info"]["input_token_logprobs"], json!([]), "sent with the first part");
         let body = json!({"input_ids": [1, 2], "return_logprob": true, "logprob_start_len": 0});
-        let next = continuation(&body, &m, &[10, 11], "r-m1").unwrap();
+        let next = continuation(&body, &m, &m.prompt_ids, &[10, 11], "r-m1").unwrap();
         assert_eq!(next["logprob_start_len"], -1, "the continuation's prompt logprobs are not asked for");
+    }
+
+    #[test]
+    fn a_text_prompt_moves_with_the_ids_its_first_engine_made() {
+        let body = json!({"text": "hello there", "sampling_params": {"max_new_tokens": 6}});
+        let m = Movable::of(&body).unwrap();
+        assert!(m.text && m.prompt_ids.is_empty() && !m.client_prompt_ids);
+        let mut sent = body.clone();
+        m.prepare(&mut sent);
+        assert_eq!(sent["return_prompt_token_ids"], true);
+        let mut first = part("ab", &[10, 11], "v1");
+        first["prompt_token_ids"] = json!([7, 8, 9]);
+        let mut before = Produced::default();
+        before.add_part(&first);
+        assert_eq!(before.prompt(&m), Some(&[7u64, 8, 9][..]));
+        let next = continuation(&sent, &m, before.prompt(&m).unwrap(), &before.output_ids, "r-m1").unwrap();
+        assert_eq!(next["input_ids"], json!([7, 8, 9, 10, 11]));
+        assert!(next.get("text").is_none() && next.get("return_prompt_token_ids").is_none(), "{next}");
+        before.engines = vec!["engine_0".into(), "engine_1".into()];
+        before.moves = vec![json!({"at_token": 2})];
+        let mut last = part("cd", &[12, 13], "v1");
+        last["meta_info"]["prompt_tokens"] = json!(5);
+        let out = joined(&before, &m, &last);
+        assert_eq!(out["meta_info"]["prompt_tokens"], 3, "the text's ids, not the continuation's");
+        assert!(out.get("prompt_token_ids").is_none(), "the client did not ask for them");
+        // Unmoved, the ids the router asked for are not shown either; a client that asked sees
+        // the first engine's.
+        assert!(joined(&Produced::default(), &m, &first).get("prompt_token_ids").is_none());
+        let asked = Movable::of(&json!({"text": "hello there", "return_prompt_token_ids": true})).unwrap();
+        assert_eq!(joined(&before, &asked, &last)["prompt_token_ids"], json!([7, 8, 9]));
+        // Ids never learned (an engine before 0.5.15): the request can only start again.
+        assert_eq!(Produced::default().prompt(&m), None);
+        assert_eq!(restart(&sent, "r-m1")["text"], "hello there");
     }
 
     #[test]

@@ -86,6 +86,15 @@ impl Release {
         self >= r(23)
     }
 
+    /// `/generate` takes `return_prompt_token_ids` and answers with `prompt_token_ids` (every
+    /// stream chunk, the final answer, an aborted request's answer) in 0.5.15.post1 and later
+    /// (`managers/io_struct.py` `GenerateReqInput`, `managers/tokenizer_manager.py`
+    /// `_handle_batch_output` and `_handle_abort_req`, read in 0.5.15.post1 to 0.5.23); 0.5.12
+    /// has no such field and ignores it as it ignores any unknown key.
+    pub fn returns_prompt_token_ids(self) -> bool {
+        self >= r(15)
+    }
+
     /// `/pause_generation` takes a `mode` from 0.5.6 on; before, it ignores its body and
     /// aborts every request.
     pub fn pause_has_modes(self) -> bool {

@@ -441,24 +441,26 @@ fn movable_request(
     if !(state.config.move_on_drain || partial_rollout) || method != Method::POST || path != "/generate" {
         return (body, None);
     }
-    // Only bodies with ids are parsed whole.
-    if !body.windows(11).any(|w| w == b"\"input_ids\"") {
+    // Only bodies with a prompt of ids or text are parsed whole.
+    if !body.windows(11).any(|w| w == b"\"input_ids\"") && !body.windows(6).any(|w| w == b"\"text\"") {
         return (body, None);
     }
     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else { return (body, None) };
     let Some(movable) = rollout_core::moves::Movable::of(&value) else { return (body, None) };
-    let (body, rid) = match &movable.rid {
-        Some(rid) => (body, rid.clone()),
+    movable.prepare(&mut value);
+    let rid = match &movable.rid {
+        Some(rid) if !movable.text => return (body, Some((value, movable.clone(), rid.clone()))),
+        Some(rid) => rid.clone(),
         None => {
             let rid = uuid::Uuid::new_v4().simple().to_string();
             value["rid"] = serde_json::json!(rid);
-            match serde_json::to_vec(&value) {
-                Ok(b) => (Bytes::from(b), rid),
-                Err(_) => return (body, None),
-            }
+            rid
         }
     };
-    (body, Some((value, movable, rid)))
+    match serde_json::to_vec(&value) {
+        Ok(b) => (Bytes::from(b), Some((value, movable, rid))),
+        Err(_) => (body, None),
+    }
 }
 
 /// The path and query of a client's request, as forwarded (`/` when it has none).
@@ -776,8 +778,11 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
         let aborted = std::sync::atomic::AtomicBool::new(false);
         let abort_when_asked = async {
             match &movable {
-                Some((_, _, rid)) => moving::abort_when_asked(&state, backend, &headers, rid, false, &aborted).await,
-                None => std::future::pending().await,
+                // A streamed text prompt cannot move before its ids came back (with its first event).
+                Some((_, m, rid)) if moving::ready(m, &Default::default()) => {
+                    moving::abort_when_asked(&state, backend, &headers, rid, partial_rollout, &aborted).await
+                }
+                _ => std::future::pending().await,
             }
         };
         let answer = tokio::select! {
@@ -830,7 +835,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     let part = moving::Part {
                         engine_id: backend.engine_id.clone(),
                         route: backend.clone(),
-                        _guard: guard,
+                        guard: Some(guard),
                         body: incoming,
                         first,
                         aborted: aborted.load(std::sync::atomic::Ordering::Acquire),

@@ -55,8 +55,9 @@ pub(super) struct Request {
 pub(super) struct Part {
     pub engine_id: String,
     pub route: super::table::Route,
-    /// The request counted on this engine while the part runs.
-    pub _guard: InFlightGuard,
+    /// The request counted on this engine while the part runs (released once it ended, before
+    /// the next part is sent: a draining engine is idle as soon as its answers came back).
+    pub guard: Option<InFlightGuard>,
     pub body: EngineBody,
     pub first: Option<http_body::Frame<Bytes>>,
     /// The router already aborted it on this engine to move it (before its headers came).
@@ -124,14 +125,41 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
         };
         let n = produced.moves.len() + 1;
         let next_rid = format!("{}-m{n}", request.rid);
-        let Some(body) = moves::continuation(&request.body, &request.movable, &produced.output_ids, &next_rid) else {
-            // Aborted right at its last token: the answer is complete as it is.
-            finish_at_budget(&request, &produced, &tx).await;
-            return;
+        let body = match produced.prompt(&request.movable) {
+            Some(prompt) => {
+                match moves::continuation(&request.body, &request.movable, prompt, &produced.output_ids, &next_rid) {
+                    Some(body) => body,
+                    None => {
+                        // Aborted right at its last token: the answer is complete as it is.
+                        finish_at_budget(&request, &produced, &tx).await;
+                        return;
+                    }
+                }
+            }
+            None if request.movable.stream => {
+                // The client has events already; without the prompt's ids nothing can follow them.
+                let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15)";
+                fail(&request, &tx, &format!("could not continue the request after a move: {why}")).await;
+                return;
+            }
+            None => {
+                // A text prompt whose ids its engine did not return: sent again from the start.
+                tracing::warn!(engine_id = %part.engine_id, "text prompt without its ids; starting the request again");
+                produced = Produced {
+                    engines: produced.engines.clone(),
+                    moves: produced.moves.clone(),
+                    ..Produced::default()
+                };
+                moves::restart(&request.body, &next_rid)
+            }
         };
+        // The part ended: its engine no longer holds the request (a non-streamed continuation
+        // answers only when it is done, and a drain must not wait for that).
+        drop(part.guard.take());
         match next_part(&request, &part, body, reason).await {
             Ok(next) => {
-                request.state.metrics.moved(reason, request.movable.prompt_ids.len() + produced.output_ids.len());
+                let prompt = produced.prompt(&request.movable).map_or(0, <[u64]>::len);
+                request.state.metrics.moved(reason, prompt + produced.output_ids.len());
                 produced.moves.push(json!({
                     "from": part.engine_id, "to": next.engine_id,
                     "at_token": produced.output_ids.len(), "reason": reason,
@@ -157,15 +185,16 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
 async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
-    let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| match &pin {
+    let none = || match &pin {
         Some(VersionPin::Exact(v)) => format!("no other engine serves weight version {v:?} to continue on"),
-        _ => "no engine to continue on".to_string(),
-    })?;
+        _ => "no other engine to continue on".to_string(),
+    };
+    let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| none())?;
     let route = routes
         .iter()
         .filter(|r| reason == "weight_update" || !Arc::ptr_eq(&r.load, &from.route.load))
         .min_by_key(|r| r.load.get())
-        .ok_or("no other engine to continue on")?
+        .ok_or_else(none)?
         .clone();
     let guard = route.load.enter(request.tokens);
     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
@@ -176,7 +205,7 @@ async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) ->
     Ok(Part {
         engine_id: route.engine_id.clone(),
         route,
-        _guard: guard,
+        guard: Some(guard),
         body: resp.into_body(),
         first: None,
         aborted: false,
@@ -242,8 +271,16 @@ fn may_move(state: &RouterState, route: &super::table::Route, may_cross: bool) -
         })
 }
 
-fn should_move(request: &Request, part: &Part, moves: usize) -> bool {
-    moves < MAX_MOVES && may_move(&request.state, &part.route, request.may_cross)
+/// Whether a request can be moved now: a streamed text prompt only once its ids are known
+/// (its events went to the client, so it can only be continued, not started again).
+pub(super) fn ready(movable: &Movable, produced: &Produced) -> bool {
+    !(movable.text && movable.stream && produced.prompt(movable).is_none())
+}
+
+fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
+    produced.moves.len() < MAX_MOVES
+        && ready(&request.movable, produced)
+        && may_move(&request.state, &part.route, request.may_cross)
 }
 
 /// While a movable request waits for its engine's response headers (a non-streamed answer
@@ -299,8 +336,8 @@ impl Mover {
 
     /// Starts the move when the part's engine asks for it, and sends the abort again while the
     /// aborted answer has not ended ([`ABORT_AGAIN`]).
-    async fn step(&mut self, request: &Request, part: &Part, rid: &str, moves: usize) {
-        let start = !self.moving && should_move(request, part, moves);
+    async fn step(&mut self, request: &Request, part: &Part, rid: &str, produced: &Produced) {
+        let start = !self.moving && should_move(request, part, produced);
         if start || (self.moving && self.aborted_at.elapsed() >= ABORT_AGAIN) {
             self.moving = true;
             abort(request, part, rid).await;
@@ -330,7 +367,7 @@ async fn whole_part(
     let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
     loop {
-        mover.step(request, part, rid, produced.moves.len()).await;
+        mover.step(request, part, rid, produced).await;
         tokio::select! {
             () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
             frame = part.body.frame() => match frame {
@@ -363,7 +400,10 @@ async fn whole_part(
         }
     }
     let out = moves::joined(produced, &request.movable, &answer);
-    let bytes = if produced.moves.is_empty() { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
+    // Unmoved, the engine's bytes as they are, unless they carry the prompt ids the router
+    // asked for and the client did not.
+    let as_is = produced.moves.is_empty() && (!request.movable.text || request.movable.client_prompt_ids);
+    let bytes = if as_is { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
     if tx.send(Ok(bytes)).await.is_err() {
         return Ended::Gone;
     }
@@ -395,7 +435,7 @@ async fn stream_part(
     // Why the request moves, once its abort's own event was held back.
     let mut held: Option<&'static str> = None;
     loop {
-        mover.step(request, part, rid, produced.moves.len()).await;
+        mover.step(request, part, rid, produced).await;
         let frame = match first.take() {
             Some(f) => Some(Ok(f)),
             None => tokio::select! {
@@ -455,6 +495,9 @@ async fn stream_part(
                 }
                 Some(json) => match serde_json::from_str::<Value>(json) {
                     Ok(chunk) => {
+                        if before.output_ids.is_empty() {
+                            produced.learn_prompt(&chunk);
+                        }
                         let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
                         let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
                         let inc = *incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
@@ -521,6 +564,9 @@ fn keep(
     }
     now.moves = produced.moves.clone();
     now.engines = produced.engines.clone();
+    if now.prompt_ids.is_none() {
+        now.prompt_ids.clone_from(&produced.prompt_ids);
+    }
     *produced = now;
 }
 

@@ -197,7 +197,8 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
         batch,
         stream: req.stream.unwrap_or(false),
         text_in_logprobs: req.return_text_in_logprobs.unwrap_or(false),
-        return_prompt_ids: req.return_prompt_token_ids.unwrap_or(false),
+        return_prompt_ids: req.return_prompt_token_ids.unwrap_or(false)
+            && engine.cfg.sglang_api.returns_prompt_token_ids(),
         log_metrics: req.log_metrics.unwrap_or(true),
         dp_rank: req.routed_dp_rank.or(req.data_parallel_rank),
         spans_on_finish: engine.cfg.sglang_api.reports_version_spans_on_finish(),
