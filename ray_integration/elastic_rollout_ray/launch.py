@@ -204,7 +204,8 @@ class Fleet:
         self.reconciler: Any = None
         self.serve_started = False
         self.manager_restarts = 0
-        self._here: dict[str, float] = {}
+        #: Ray's label selector of this node (by node id: nodes may share an IP, in containers).
+        self._here: dict[str, str] = {}
         self._binary = ""
         self._token: str | None = None
         self._ports: list[str] = []
@@ -214,14 +215,15 @@ class Fleet:
         from ray import serve
 
         from elastic_rollout import _native
-        from elastic_rollout_ray.serve_app import APP_NAME, build_app
+        from elastic_rollout_ray.serve_app import APP_NAME, NODE_ID_LABEL, build_app
         from elastic_rollout_ray.uds import load_token
 
         launch = self.plan
-        node_ip = ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
         # The manager, the reconciler and the ingress share this node: the socket and the state
-        # dir are node-local.
-        self._here = {f"node:{node_ip}": 0.001}
+        # dir are node-local. Pinned by node id, not by `node:<ip>`: nodes sharing an IP
+        # (containers on one host, ray.cluster_utils.Cluster) all have that resource.
+        self._here = {NODE_ID_LABEL: node_id}
         Path(launch.api_socket).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._binary = str(_native.binary_path())
         self._token = load_token(launch.config.get("api_token_file"))
@@ -233,7 +235,7 @@ class Fleet:
         )
         self.serve_started = True
         owner = ray.get_runtime_context().get_job_id()
-        serve.run(build_app(launch.api_socket, node_ip, owner), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(launch.api_socket, node_id, owner), name=APP_NAME, route_prefix="/")
         return {
             "control_url": f"http://{launch.options.serve_host}:{launch.options.serve_port}",
             "router_url": info["router_url"],
@@ -252,7 +254,7 @@ class Fleet:
         from elastic_rollout_ray.actors import ManagerActor
 
         launch = self.plan
-        self.manager = ManagerActor.options(name="er-manager", resources=self._here).remote(  # type: ignore[attr-defined]
+        self.manager = ManagerActor.options(name="er-manager", label_selector=self._here).remote(  # type: ignore[attr-defined]
             self._binary,
             [*launch.serve_args, *self._ports],
             api_socket=launch.api_socket,
@@ -275,7 +277,7 @@ class Fleet:
         from elastic_rollout_ray.reconciler import Reconciler
 
         launch = self.plan
-        self.reconciler = Reconciler.options(name="er-reconciler", resources=self._here).remote(  # type: ignore[attr-defined]
+        self.reconciler = Reconciler.options(name="er-reconciler", label_selector=self._here).remote(  # type: ignore[attr-defined]
             launch.api_socket, self._binary, launch.options.namespace, self._token, launch.options.agent_dir
         )
         ray.get(self.reconciler.start.remote())

@@ -10,9 +10,12 @@ placement). A worker waits on events, never on a timer:
   ``er-host-<engine_id>`` then starts the node agent in bundle 0 and the worker binds it
   (``POST .../bind``). One call to the host's ``watch`` stays pending: Ray fails it when the actor
   or its node dies, and the worker reports ``POST .../lost`` and places the engine again (Ray
-  reschedules the group when the node is gone). A change of the placement wakes the worker too,
-  e.g. the manager unbinding an agent it found gone: if the host no longer answers, the worker
-  replaces its group, avoiding the suspect node.
+  reschedules the group when the node is gone). Death is confirmed first: Ray's
+  ``ActorUnavailableError`` (a transient loss of contact, a network blip) counts only if the
+  host's node is dead in the GCS or the host fails :data:`UNAVAILABLE_PROBES` more probes;
+  otherwise the worker logs it (event ``host_unavailable_transient``) and watches again. A
+  change of the placement wakes the worker too, e.g. the manager unbinding an agent it found
+  gone: if the host no longer answers, the worker replaces its group, avoiding the suspect node.
 - desired absent and not BOUND (the manager stopped the engine): the host is stopped and killed,
   the group removed, then ``POST .../released``.
 
@@ -32,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypedDict, TypeVar
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import (
     PlacementGroup,
     get_placement_group,
@@ -62,6 +65,10 @@ HOST_START_SECS = 90.0
 #: again without the exclusion, if Ray still counts that node alive (Ray finds a dead node in
 #: about 15-30 s with its default health checks).
 AVOID_SECS = 30.0
+
+#: Probes of a host whose ``watch`` failed with ``ActorUnavailableError`` before it is taken for
+#: dead, with the pauses between them (seconds).
+UNAVAILABLE_PROBES = (0.5, 1.0, 2.0)
 
 T = TypeVar("T")
 
@@ -102,6 +109,8 @@ class PlacementWorker:
         self.host: Any = None
         self.info: HostInfo | None = None
         self._watch: asyncio.Future[Any] | None = None
+        #: an error the next wait on ``watch`` raises at once (:meth:`ReconcilerImpl.inject_watch_error`)
+        self.watch_fault: RayActorError | None = None
         self._started = "host_started"
         #: the agent URL this worker last bound
         self.bound_url: str | None = None
@@ -208,12 +217,47 @@ class PlacementWorker:
             await self._bind(info)
         assert self._watch is not None  # set by _ensure_host
         try:
+            if self.watch_fault is not None:
+                fault, self.watch_fault = self.watch_fault, None
+                raise fault
             await self._until(asyncio.shield(self._watch))
         except RayActorError as err:
-            await self._host_lost(f"host actor died: {err}")
+            why = await self._why_dead(err)
+            if why is None:
+                # Transient: the host answers and its node is alive. Watch it again.
+                self._watch = asyncio.wrap_future(self.host.watch.remote().future())
+                return
+            await self._host_lost(why)
             return
         # watch returned: the host was stopped (by us, or a reconciler before us); start anew.
         self._forget_host()
+
+    async def _why_dead(self, err: RayActorError) -> str | None:
+        """Why the host is dead after its ``watch`` failed with ``err``, or None when it is not:
+        Ray's ``ActorDiedError`` is final; an ``ActorUnavailableError`` (contact lost, maybe for
+        a moment) is death only if the host's node is dead in the GCS, or the host fails every
+        probe of :data:`UNAVAILABLE_PROBES` too."""
+        if not isinstance(err, ActorUnavailableError):
+            return f"host actor died: {err}"
+        node = self.info["node_id"] if self.info is not None else None
+        for pause in UNAVAILABLE_PROBES:
+            if node is not None:
+                alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
+                if node not in alive:
+                    return f"host's node {node} is dead ({err})"
+            try:
+                await self._until(self._ask_info(), HOST_ANSWER_SECS)
+            except (TimeoutError, ActorUnavailableError):
+                await self._pause(pause)
+                continue
+            except RayActorError as again:
+                return f"host actor died: {again}"
+            log.warning(
+                "%s: host was unavailable for a moment (%s); it answers, watching it again", self.engine_id, err
+            )
+            self.owner.event(self.engine_id, "host_unavailable_transient")
+            return None
+        return f"host actor unavailable after {len(UNAVAILABLE_PROBES) + 1} tries: {err}"
 
     async def _ask_info(self) -> HostInfo:
         info: HostInfo = await asyncio.wrap_future(self.host.info.remote().future())
@@ -458,6 +502,17 @@ class ReconcilerImpl:
         self.requested = want
 
     # -- control ---------------------------------------------------------------------------
+
+    def inject_watch_error(self, engine_id: str) -> bool:
+        """Fault injection (tests): the host watch of ``engine_id`` fails with Ray's
+        ``ActorUnavailableError``, as when contact with its node is lost for a moment. False if
+        no worker holds that engine."""
+        worker = self.workers.get(engine_id)
+        if worker is None or worker.task.done():
+            return False
+        worker.watch_fault = ActorUnavailableError("injected: contact lost for a moment", None)
+        worker.changed.set()
+        return True
 
     def status(self) -> ReconcilerStatus:
         return ReconcilerStatus(

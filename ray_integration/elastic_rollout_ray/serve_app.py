@@ -126,11 +126,15 @@ class RolloutIngress:
         return await self._forward(request)
 
 
-def build_app(api_socket: str, node_ip: str, owner_job: str | None = None) -> Any:
-    """The Serve application, its replica pinned to ``node_ip`` (where the socket is); with
+#: Ray's label of a node's id.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def build_app(api_socket: str, node_id: str, owner_job: str | None = None) -> Any:
+    """The Serve application, its replica pinned to node ``node_id`` (where the socket is); with
     ``owner_job`` (a job id in hex) it deletes itself once that job is dead."""
     # @serve.deployment made the class a Deployment; Ray's stubs still see the class.
     deployment = RolloutIngress.options(  # type: ignore[attr-defined]
-        ray_actor_options={"num_cpus": 0, "resources": {f"node:{node_ip}": 0.001}}
+        ray_actor_options={"num_cpus": 0, "label_selector": {NODE_ID_LABEL: node_id}}
     )
     return deployment.bind(api_socket, owner_job)

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +268,40 @@ def test_a_killed_engine_is_recovered_by_its_agent(fleet: RayFleet) -> None:
     wait_until(recovered, STARTUP, lambda: f"{victim['engine_id']} restarted; {fleet.engines()}")
     assert not ident.alive()
     wait_engines(fleet, 4)
+
+
+def test_a_transient_host_error_restarts_nothing(fleet: RayFleet) -> None:
+    """Ray's ActorUnavailableError on a host's watch (contact lost for a moment) is not taken
+    for death: the host answers and its node is alive, so nothing is reported lost or restarted,
+    and the host is watched again (a second blip is handled the same way)."""
+    import ray
+
+    engines = wait_engines(fleet, 4)
+    before = {e["engine_id"]: e["pid"] for e in engines}
+    restarts = {e["engine_id"]: e["restarts"] for e in engines}
+    agents = {
+        p["engine_id"]: p["agent"]["url"]
+        for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    }
+    reconciler = ray.get_actor("er-reconciler", namespace=NAMESPACE)
+    victim = sorted(before)[0]
+    since = time.time()
+
+    def events(what: str) -> list[float]:
+        status = ray.get(reconciler.status.remote())
+        return [t for t, engine, event in status["events"] if engine == victim and event == what and t >= since]
+
+    for blip in (1, 2):
+        assert ray.get(reconciler.inject_watch_error.remote(victim))
+        wait_until(lambda n=blip: len(events("host_unavailable_transient")) >= n, 60, f"blip {blip} seen as transient")
+    assert not events("host_lost"), ray.get(reconciler.status.remote())["errors"]
+    assert {e["engine_id"]: e["pid"] for e in fleet.active()} == before
+    now = {
+        p["engine_id"]: p["agent"]["url"]
+        for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    }
+    assert now == agents
+    assert {e["engine_id"]: e["restarts"] for e in fleet.active()} == restarts
 
 
 def active_pids(fleet: RayFleet, count: int) -> dict[str, int] | None:

@@ -196,6 +196,17 @@ def test_engines_spread_over_the_gpu_nodes(job: Job, home: Path) -> None:
     nodes = {p["agent"]["node_id"] for p in job.placements()}
     assert head not in nodes and len(nodes) >= 2, nodes
     assert len(er_placement_groups()) == 4
+    # The manager, the reconciler and the Serve ingress share the driver's node (the socket and
+    # the state dir are node-local), pinned by node id: every node here has the same IP.
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    where = {
+        a.name if a.name in ("er-manager", "er-reconciler") else "ingress": a.node_id
+        for a in alive
+        if a.name in ("er-manager", "er-reconciler") or "RolloutIngress" in (a.class_name or "")
+    }
+    assert where == {"er-manager": head, "er-reconciler": head, "ingress": head}, where
 
 
 def test_a_lost_node_heals_under_load_on_the_current_weights(job: Job, tmp_path: Path) -> None:
