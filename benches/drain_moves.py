@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import http.client
+import http.client as httpclient
 import json
 import os
 import platform
@@ -50,7 +50,7 @@ PREFILL_BASE_MS = 5.0
 
 def one_request(router: str, prompt: list[int], budget: int, stream: bool, out: list[dict[str, Any]]) -> None:
     host, port = router.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn = httpclient.HTTPConnection(host, int(port), timeout=600)
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
     record: dict[str, Any] = {"completion_tokens": 0, "moves": 0, "error": None}
     try:

@@ -50,7 +50,8 @@ def in_flight(fleet: ManagerHandle, engine_id: str) -> int:
 
 def test_graceful_drain_lets_requests_finish(start_fleet: StartManager) -> None:
     # Engines 10x slower than the default test speed: a 1500-token request lasts about a second.
-    fleet = start_fleet("--engine-arg=--time-scale=0.1", "--scale-in-drain-timeout", "120")
+    # Moves off: with them the requests continue on the engines that stay (tests/test_moves.py).
+    fleet = start_fleet("--engine-arg=--time-scale=0.1", "--scale-in-drain-timeout", "120", "--move-on-drain", "false")
     victim = grow_to_three(fleet)
     threads, results = start_long_requests(fleet, 6)
     wait_until(lambda: in_flight(fleet, victim) >= 1, 30, f"{victim} to have requests in flight")
@@ -75,7 +76,9 @@ def test_graceful_drain_lets_requests_finish(start_fleet: StartManager) -> None:
 
 
 def test_force_scale_in_aborts_in_flight(start_fleet: StartManager) -> None:
-    fleet = start_fleet("--engine-arg=--time-scale=0.5")  # a 1500-token request lasts several seconds
+    # A 1500-token request lasts several seconds. Moves off: with them, force still moves the
+    # requests (nothing waits for them) instead of aborting them.
+    fleet = start_fleet("--engine-arg=--time-scale=0.5", "--move-on-drain", "false")
     victim = grow_to_three(fleet)
     threads, results = start_long_requests(fleet, 3)
     wait_until(lambda: in_flight(fleet, victim) >= 1, 30, f"{victim} to have requests in flight")

@@ -852,6 +852,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     inner: incoming,
                     first,
                     sse,
+                    partial: bytes::BytesMut::new(),
                     engine_id: backend.engine_id.clone(),
                     closed: false,
                     ended: false,
@@ -955,6 +956,10 @@ struct Tracked {
     first: Option<http_body::Frame<Bytes>>,
     /// A server-sent-event stream: cut, it ends with an error event the client can read.
     sse: bool,
+    /// Of a stream, the bytes of an event not yet complete (forwarded once its `\n\n` came):
+    /// the client only ever sees whole events, so the error event of a cut never lands in
+    /// the middle of one.
+    partial: bytes::BytesMut,
     engine_id: String,
     /// The stream was cut and its error event sent: nothing follows.
     closed: bool,
@@ -1006,14 +1011,15 @@ impl http_body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        if self.closed {
+        if self.closed || self.ended {
             return Poll::Ready(None);
         }
-        let polled = match self.first.take() {
-            Some(first) => Poll::Ready(Some(Ok(first))),
-            None => Pin::new(&mut self.inner).poll_frame(cx),
-        };
-        if let Poll::Ready(frame) = polled {
+        loop {
+            let polled = match self.first.take() {
+                Some(first) => Poll::Ready(Some(Ok(first))),
+                None => Pin::new(&mut self.inner).poll_frame(cx),
+            };
+            let Poll::Ready(frame) = polled else { break };
             self.ended = frame.is_none();
             if let (Some(learn), Some(Ok(f))) = (self.learn.as_mut(), frame.as_ref()) {
                 if let Some(data) = f.data_ref() {
@@ -1025,7 +1031,25 @@ impl http_body::Body for Tracked {
                 tracing::warn!(engine_id = %self.engine_id, error = %e, "engine's answer was cut");
                 return Poll::Ready(Some(self.cut(why, "engine_lost", 502)));
             }
-            return Poll::Ready(frame);
+            if !self.sse {
+                return Poll::Ready(frame);
+            }
+            match frame {
+                // The end: what is left of an unterminated event goes as it is.
+                None if !self.partial.is_empty() => {
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(self.partial.split().freeze()))));
+                }
+                None => return Poll::Ready(None),
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) => {
+                        if let Some(events) = whole_events(&mut self.partial, data) {
+                            return Poll::Ready(Some(Ok(http_body::Frame::data(events))));
+                        }
+                    }
+                    Err(other) => return Poll::Ready(Some(Ok(other))),
+                },
+                Some(Err(_)) => unreachable!("handled above"),
+            }
         }
         if self.deadline.as_mut().poll(cx).is_ready() {
             self.metrics.error(ErrorKind::Timeout);
@@ -1051,6 +1075,18 @@ impl http_body::Body for Tracked {
         hint.set_lower(rest.lower().saturating_add(n));
         hint
     }
+}
+
+/// The whole events of a stream so far: `data` after what `partial` holds, up to the last
+/// event's end (`\n\n`); the rest stays in `partial`. None while no event is complete. A
+/// frame of whole events with nothing held (nearly every frame) passes without a copy.
+fn whole_events(partial: &mut bytes::BytesMut, data: Bytes) -> Option<Bytes> {
+    if partial.is_empty() && data.ends_with(b"\n\n") {
+        return Some(data);
+    }
+    partial.extend_from_slice(&data);
+    let end = partial.windows(2).rposition(|w| w == b"\n\n")? + 2;
+    Some(partial.split_to(end).freeze())
 }
 
 /// An engine's answer body: from the router's own connections ([`pool::send`]), or from
@@ -1092,6 +1128,24 @@ impl http_body::Body for EngineBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_is_forwarded_in_whole_events() {
+        let mut partial = bytes::BytesMut::new();
+        let whole = Bytes::from_static(b"data: {\"a\": 1}\n\n");
+        assert_eq!(whole_events(&mut partial, whole.clone()), Some(whole));
+        assert_eq!(whole_events(&mut partial, Bytes::from_static(b"data: {\"b\"")), None);
+        assert_eq!(
+            whole_events(&mut partial, Bytes::from_static(b": 2}\n\ndata: {\"c")),
+            Some(Bytes::from_static(b"data: {\"b\": 2}\n\n"))
+        );
+        assert_eq!(&partial[..], b"data: {\"c");
+        assert_eq!(
+            whole_events(&mut partial, Bytes::from_static(b"\": 3}\n\ndata: [DONE]\n\n")),
+            Some(Bytes::from_static(b"data: {\"c\": 3}\n\ndata: [DONE]\n\n"))
+        );
+        assert!(partial.is_empty());
+    }
 
     #[test]
     fn hop_by_hop_headers_and_the_ones_connection_names_are_not_forwarded() {

@@ -136,14 +136,15 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
                     }
                 }
             }
-            None if request.movable.stream => {
+            None if request.movable.stream && !produced.output_ids.is_empty() => {
                 // The client has events already; without the prompt's ids nothing can follow them.
                 let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15)";
                 fail(&request, &tx, &format!("could not continue the request after a move: {why}")).await;
                 return;
             }
             None => {
-                // A text prompt whose ids its engine did not return: sent again from the start.
+                // A text prompt whose ids its engine did not return (or that lost its engine
+                // before any output): sent again from the start.
                 tracing::warn!(engine_id = %part.engine_id, "text prompt without its ids; starting the request again");
                 produced = Produced {
                     engines: produced.engines.clone(),
