@@ -821,6 +821,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                     // The body may change (joined after a move): its length is not known.
                     head.headers.remove(axum::http::header::CONTENT_LENGTH);
                     let request = moving::Request {
+                        learn,
+                        started,
                         state: state.clone(),
                         headers: headers.clone(),
                         path: path.clone(),

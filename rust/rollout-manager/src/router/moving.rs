@@ -36,6 +36,10 @@ const ABORT_AGAIN: Duration = Duration::from_millis(250);
 
 /// One movable request, as the router sent it.
 pub(super) struct Request {
+    /// The answer's lengths, learned from what the client is sent (as for any answer).
+    pub learn: Option<super::Learn>,
+    /// When the router got it (the answer's duration is observed when its body ends).
+    pub started: std::time::Instant,
     pub state: Arc<RouterState>,
     pub headers: HeaderMap,
     pub path: PathAndQuery,
@@ -65,8 +69,14 @@ pub(super) struct Part {
 }
 
 /// The client's body for a movable request whose first part answered 200.
-pub(super) fn body(request: Request, part: Part) -> Body {
+pub(super) fn body(mut request: Request, part: Part) -> Body {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let to_client = ToClient {
+        rx: tokio_stream::wrappers::ReceiverStream::new(rx),
+        learn: request.learn.take(),
+        started: request.started,
+        metrics: request.state.metrics.clone(),
+    };
     let (timeout, stream) = (request.timeout, request.movable.stream);
     let tasks = request.state.tasks.clone();
     tasks.spawn(async move {
@@ -83,7 +93,48 @@ pub(super) fn body(request: Request, part: Part) -> Body {
             }
         }
     });
-    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+    Body::from_stream(to_client)
+}
+
+/// What the client reads of a movable request: the answer as the moving task writes it; its
+/// token counts are learned from it (as for any answer) and its duration observed when it ends.
+struct ToClient {
+    rx: tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>,
+    learn: Option<super::Learn>,
+    started: std::time::Instant,
+    metrics: Arc<super::metrics::RouterMetrics>,
+}
+
+impl futures::Stream for ToClient {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
+        match &polled {
+            std::task::Poll::Ready(Some(Ok(data))) => {
+                if let Some(learn) = self.learn.as_mut() {
+                    learn.usage.scan(data);
+                }
+            }
+            // Written whole: the answer counts as answered (a cut one ends with an error).
+            std::task::Poll::Ready(None) => {
+                if let Some(learn) = self.learn.as_mut() {
+                    learn.answered = true;
+                }
+            }
+            _ => {}
+        }
+        polled
+    }
+}
+
+impl Drop for ToClient {
+    fn drop(&mut self) {
+        self.metrics.duration.observe(self.started.elapsed());
+    }
 }
 
 /// Why a part ended.
@@ -492,6 +543,7 @@ async fn stream_part(
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
                     let _ = tx.send(Ok(Bytes::from(out))).await;
+                    finish_body(part).await;
                     return Ended::Done;
                 }
                 Some(json) => match serde_json::from_str::<Value>(json) {
@@ -569,6 +621,13 @@ fn keep(
         now.prompt_ids.clone_from(&produced.prompt_ids);
     }
     *produced = now;
+}
+
+/// Reads what follows a stream's `[DONE]` (the end of its chunked body), so that the
+/// connection goes back to the router's pool instead of being closed.
+async fn finish_body(part: &mut Part) {
+    let rest = async { while let Some(Ok(_)) = part.body.frame().await {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), rest).await;
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
