@@ -159,7 +159,17 @@ def test_a_request_never_continues_on_another_weight_version(start_fleet: StartM
     startup version. When that engine dies, the stream may not continue on v1 (one answer, one
     policy): with no engine on its version within --version-wait-secs, it ends with an error
     event the client can read, and no token of it came from v1."""
-    fleet = start_fleet(*SLOW, "--version-wait-secs", "1", "--health-check-interval-secs", "0.5")
+    # The kill fails the update (engine_1 dies in its turn), which restarts engine_0 on the
+    # startup version: engines that take 4 s to start keep that restart well past the stream's
+    # 1 s wait, so the stream finds no engine on its version.
+    fleet = start_fleet(
+        *SLOW,
+        "--engine-arg=--startup-delay=4",
+        "--version-wait-secs",
+        "1",
+        "--health-check-interval-secs",
+        "0.5",
+    )
     startup = fleet.client.weights()["version"]
     # The rolling update's first wave is engine_0 (engines in id order): the stream must run on
     # engine_1, so the update reaches it last.
@@ -194,7 +204,8 @@ def test_a_request_never_continues_on_another_weight_version(start_fleet: StartM
     # carry `moves`).
     assert {e["meta_info"]["weight_version"] for e in got[:-1]} == {startup}, got[-2]["meta_info"]
     assert not any("moves" in e["meta_info"] for e in got[:-1]), got[-2]["meta_info"]
-    fleet.client.wait_for_weight_update(update["update_id"], 120)
+    ended = fleet.client.wait_for_weight_update(update["update_id"], 120)
+    assert ended.status == "FAILED" and "engine_1" in (ended.error_message or ""), ended
 
 
 def test_partial_rollout_continues_across_an_all_at_once_update(start_fleet: StartManager, tmp_path: Path) -> None:
