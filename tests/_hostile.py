@@ -7,6 +7,7 @@ Behaviours (per route, changeable while it runs):
 - ``garbage``: a 200 whose body is not what SGLang sends (truncated JSON, wrong shapes);
 - ``huge``: a 200 whose body is ``HUGE_BYTES`` long, streamed without a Content-Length;
 - ``trickle``: a 200 whose body arrives one byte every ``TRICKLE_SECS``, forever;
+- ``cut``: a 200 that promises a longer body than it sends, then closes the connection;
 - ``hang``: never answers (holds the connection until the server stops);
 - ``wrong_version``: ``/model_info`` names another weight version;
 - ``error``: HTTP 500;
@@ -123,6 +124,14 @@ class HostileEngine:
                 self.stream(handler, HUGE_BYTES, 0.0)
             elif mode == "trickle":
                 self.stream(handler, None, TRICKLE_SECS)
+            elif mode == "cut":
+                body = ok_body(path, self.weight_version)
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(body) + 100))
+                handler.end_headers()
+                handler.wfile.write(body)
+                handler.close_connection = True
             else:
                 self.send(handler, 200, ok_body(path, self.weight_version))
         except (BrokenPipeError, ConnectionResetError):

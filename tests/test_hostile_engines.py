@@ -40,13 +40,18 @@ def engine_at(fleet: ManagerHandle, url: str) -> dict | None:
     return None
 
 
-def generate(fleet: ManagerHandle, policy: str = "round_robin", timeout: float = 30.0) -> tuple[int, dict]:
-    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+def generate(
+    fleet: ManagerHandle, policy: str = "round_robin", timeout: float = 30.0, batch: bool = False
+) -> tuple[int, dict]:
+    """One /generate through the router; a `batch` of two prompts is one the router cannot move."""
+    body = {"text": ["hello", "there"] if batch else "hello", "sampling_params": {"max_new_tokens": 2}}
     resp = http("POST", f"{fleet.router_url}/generate", body, headers={"x-routing-policy": policy}, timeout=timeout)
     try:
         payload = resp.json()
     except ValueError:
         payload = {"raw": resp.body[:200].decode(errors="replace")}
+    if isinstance(payload, list):  # a batch's answers
+        payload = {"answers": payload}
     return resp.status, {**payload, "engine": resp.headers.get("x-rollout-engine-id")}
 
 
@@ -128,12 +133,15 @@ def test_engine_that_turns_hostile_is_contained(
     assert timeouts and all(a["error"]["code"] == "engine_timeout" for a in timeouts), answers
     assert hostile_id in timeouts[0]["error"]["message"]
     assert {s for s, _ in answers} == {200, 504}, answers
-    # A body that trickles forever is cut at the same deadline; the client sees the cut.
+    # A body that trickles forever is cut at the same deadline. A request the router could move
+    # is read whole before its head goes out, so its client gets a 504; any other sees the cut.
     hostile.set("trickle", "/generate")
-    cut = []
+    whole = [generate(fleet, timeout=30) for _ in range(3)]
+    assert any(s == 504 and a["error"]["code"] == "engine_timeout" for s, a in whole), whole
+    cut: list[int | str] = []
     for _ in range(3):
         try:
-            status, answer = generate(fleet, timeout=30)
+            status, answer = generate(fleet, timeout=30, batch=True)
             cut.append(status)
         except (OSError, http_client.HTTPException) as err:  # an incomplete body: the stream was cut
             cut.append(type(err).__name__)
@@ -183,3 +191,22 @@ def test_lost_connection_to_the_only_engine_is_retried_there(start_fleet: StartM
     assert hostile.hits["/generate"] == 2, hostile.hits
     metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
     assert "rollout_router_retries_total 1" in metrics, [m for m in metrics.splitlines() if "retries" in m]
+
+
+def test_an_answer_cut_after_its_head_is_an_error_status(start_fleet: StartManager, hostile: HostileEngine) -> None:
+    """A non-streamed answer the router could move is read whole before its head goes out: when
+    the only engine cuts it after a 200 head, there is nowhere to start it again, and the client
+    gets 502 with a JSON error telling it to send the request again, not a 200 cut short. A
+    request the router cannot move (a batch) is passed on as it comes, so its client sees the cut."""
+    fleet = start_fleet("--rollout-num-gpus", "0", wait=False)
+    op = fleet.client.wait_for_operation(
+        "scale_out", fleet.client.scale_out(engine_urls=[hostile.url]).request_id, timeout=STARTUP_TIMEOUT
+    )
+    assert op.status == "ACTIVE", op.raw
+    hostile.set("cut", "/generate")
+    status, answer = generate(fleet)
+    assert status == 502, answer
+    assert answer["error"]["code"] == "engine_lost", answer
+    assert "send the request again" in answer["error"]["message"], answer
+    with pytest.raises((OSError, http_client.HTTPException)):
+        generate(fleet, batch=True)

@@ -76,14 +76,15 @@ impl Movable {
             ids
         };
         let params = match obj.get("sampling_params") {
-            None | Some(Value::Null) => Map::new(),
-            Some(Value::Object(p)) => p.clone(),
+            None | Some(Value::Null) => None,
+            Some(Value::Object(p)) => Some(p),
             Some(_) => return None,
         };
-        if params.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+        let param = |k: &str| params.and_then(|p| p.get(k));
+        if param("n").is_some_and(|n| n.as_u64() != Some(1)) {
             return None;
         }
-        let number = |k: &str, default: u64| match params.get(k) {
+        let number = |k: &str, default: u64| match param(k) {
             None | Some(Value::Null) => Some(default),
             Some(v) => v.as_u64(),
         };
@@ -373,6 +374,99 @@ pub fn aborted(answer: &Value) -> bool {
     answer.pointer("/meta_info/finish_reason/type").and_then(Value::as_str) == Some("abort")
 }
 
+/// Whether an engine's answer or stream event, as bytes, may have ended aborted: false only
+/// when it surely did not (no `"abort"` string in it), so that an answer that did not is passed
+/// on without being parsed. JSON writes the finish reason's type as a plain string, and the
+/// word inside another string has its quotes escaped.
+pub fn may_be_aborted(raw: &[u8]) -> bool {
+    memchr::memmem::find(raw, b"\"abort\"").is_some()
+}
+
+/// `raw` (a JSON object's bytes) without its top-level member `key`, whose value it skips
+/// whatever it is; None when `raw` is not an object or has no such member. A byte scan, not a
+/// parse: the router takes the `prompt_token_ids` it asked for out of every answer and event of
+/// a text prompt this way. Keys are compared as written (engines do not escape ASCII).
+pub fn without_member(raw: &[u8], key: &str) -> Option<Vec<u8>> {
+    let key = key.as_bytes();
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    // Within the top-level object: where the current member starts, the comma before it (None
+    // for the first), whether its key is still to come, and where its key's string started.
+    let mut member_start = 0usize;
+    let mut comma: Option<usize> = None;
+    let mut expect_key = false;
+    let mut key_start = 0usize;
+    let mut found = false;
+    let mut i = 0usize;
+    while i < raw.len() {
+        let b = raw[i];
+        i += 1;
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+                if depth == 1 && expect_key {
+                    expect_key = false;
+                    found = &raw[key_start..i - 1] == key;
+                }
+            } else {
+                // The rest of a string up to its next quote or backslash is skipped at once.
+                i = memchr::memchr2(b'"', b'\\', &raw[i..]).map_or(raw.len(), |n| i + n);
+            }
+            continue;
+        }
+        let i = i - 1;
+        match b {
+            b'"' => {
+                in_string = true;
+                key_start = i + 1;
+            }
+            b'{' | b'[' => {
+                if depth == 0 {
+                    if b != b'{' {
+                        return None;
+                    }
+                    member_start = i + 1;
+                    expect_key = true;
+                }
+                depth += 1;
+            }
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return found.then(|| cut(raw, comma.unwrap_or(member_start), i));
+                }
+            }
+            b',' if depth == 1 => {
+                if found {
+                    // The first member takes the comma after it; any other, the one before it.
+                    return Some(match comma {
+                        Some(c) => cut(raw, c, i),
+                        None => cut(raw, member_start, i + 1),
+                    });
+                }
+                comma = Some(i);
+                member_start = i + 1;
+                expect_key = true;
+            }
+            _ if depth == 0 && !b.is_ascii_whitespace() => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
+fn cut(raw: &[u8], from: usize, to: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(raw.len() - (to - from));
+    out.extend_from_slice(&raw[..from]);
+    out.extend_from_slice(&raw[to..]);
+    out
+}
+
 /// The engines a moving request may continue on: by default only those on the version its
 /// last part ran on (`from`), so one answer never mixes two policies' tokens; the request's own
 /// pin already holds for that version. A request that allows crossing versions (partial
@@ -580,7 +674,84 @@ mod tests {
         assert_eq!(incremental["meta_info"]["completion_tokens"], 3);
     }
 
+    #[test]
+    fn a_member_is_cut_out_of_an_object_without_parsing_it() {
+        let cases: [(&str, Option<&str>); 9] = [
+            (r#"{"a":1,"prompt_token_ids":[1,2],"b":2}"#, Some(r#"{"a":1,"b":2}"#)),
+            (r#"{"prompt_token_ids":[1,2],"b":2}"#, Some(r#"{"b":2}"#)),
+            (r#"{"a":1,"prompt_token_ids":[1,2]}"#, Some(r#"{"a":1}"#)),
+            (r#"{"prompt_token_ids":[]}"#, Some("{}")),
+            (
+                r#"{ "a" : "x\"prompt_token_ids\"", "prompt_token_ids" : [ 3 ] }"#,
+                Some(r#"{ "a" : "x\"prompt_token_ids\""}"#),
+            ),
+            // Only a top-level member goes.
+            (r#"{"m":{"prompt_token_ids":[1]}}"#, None),
+            (r#"{"a":"prompt_token_ids"}"#, None),
+            (r#"[{"prompt_token_ids":[1]}]"#, None),
+            ("not json", None),
+        ];
+        for (raw, want) in cases {
+            let got = without_member(raw.as_bytes(), "prompt_token_ids");
+            assert_eq!(got.as_deref().map(|b| std::str::from_utf8(b).unwrap()), want, "{raw}");
+        }
+    }
+
+    #[test]
+    fn an_abort_is_never_missed_by_the_byte_check() {
+        let aborted_answer = json!({"text": "x", "meta_info": {"finish_reason": {"type": "abort", "message": "m"}}});
+        for raw in [aborted_answer.to_string(), serde_json::to_string_pretty(&aborted_answer).unwrap()] {
+            assert!(may_be_aborted(raw.as_bytes()) && aborted(&serde_json::from_str(&raw).unwrap()));
+        }
+        let quoted = json!({"text": "say \"abort\"", "meta_info": {"finish_reason": {"type": "length"}}});
+        assert!(!may_be_aborted(quoted.to_string().as_bytes()), "the word inside a string is escaped");
+    }
+
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-z\"\\\\{}\\[\\],: ]{0,12}".prop_map(Value::from),
+            Just(Value::from("prompt_token_ids")),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::vec(
+                    (prop_oneof!["[a-z{},\"]{1,5}", Just("prompt_token_ids".to_string())], inner),
+                    0..4
+                )
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
     proptest! {
+        /// Cutting a member out of the bytes gives what removing it from the parsed object
+        /// gives, wherever it is and whatever surrounds it, compact or pretty.
+        #[test]
+        fn cutting_a_member_equals_removing_it(
+            members in proptest::collection::vec(("[a-z\"{}]{1,6}", any_json()), 0..5),
+            ids in proptest::option::of(any_json()),
+            pretty in any::<bool>(),
+        ) {
+            let mut object: Map<String, Value> = members.into_iter().collect();
+            if let Some(ids) = ids {
+                object.insert("prompt_token_ids".into(), ids);
+            }
+            let value = Value::Object(object.clone());
+            let raw = if pretty { serde_json::to_string_pretty(&value).unwrap() } else { value.to_string() };
+            let got = without_member(raw.as_bytes(), "prompt_token_ids");
+            match object.remove("prompt_token_ids") {
+                Some(_) => {
+                    let parsed: Value = serde_json::from_slice(&got.expect("present, so cut")).unwrap();
+                    prop_assert_eq!(parsed, Value::Object(object));
+                }
+                None => prop_assert!(got.is_none()),
+            }
+        }
+
         /// However a request's output is split over parts, the joined answer has every id once,
         /// in order, and counts them all.
         #[test]

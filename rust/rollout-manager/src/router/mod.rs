@@ -117,9 +117,6 @@ pub struct RouterState {
     affinity: Affinity,
     gate: Gate,
     routes: RouteCache,
-    /// Tasks that produce moving requests' answers (router::moving): each ends with its
-    /// answer, bounded by `--request-timeout-secs`, or when its client goes away.
-    tasks: tokio_util::task::TaskTracker,
 }
 
 /// The data plane as served on the router port: the router's own routes go through an axum
@@ -187,7 +184,6 @@ pub fn router(
         affinity: Affinity::new(100_000),
         gate: Gate::default(),
         routes: RouteCache::default(),
-        tasks: tokio_util::task::TaskTracker::new(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -452,7 +448,7 @@ fn movable_request(
         Some(rid) if !movable.text => return (body, Some((value, movable.clone(), rid.clone()))),
         Some(rid) => rid.clone(),
         None => {
-            let rid = uuid::Uuid::new_v4().simple().to_string();
+            let rid = moving::new_rid();
             value["rid"] = serde_json::json!(rid);
             rid
         }
@@ -580,7 +576,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
     // A `/generate` request that can move to another engine while it runs (router::moving)
     // gets a `rid` to be aborted by, if it has none.
-    let (body, movable) = movable_request(&state, &parts.method, parts.uri.path(), body, partial_rollout);
+    let (body, mut movable) = movable_request(&state, &parts.method, parts.uri.path(), body, partial_rollout);
     // capacity: a session key if the request has one, else its prompt (GRPO siblings);
     // session: the session key only.
     let session_key = info.session.as_deref().map(affinity::session_key);
@@ -809,7 +805,6 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
             Ok((resp, first)) => {
                 metrics.first_byte.observe(started.elapsed());
-                metrics.response(resp.status().as_u16());
                 let (mut head, incoming) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
                 if let Some(v) = &backend.id_header {
@@ -817,8 +812,9 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 }
                 // Only a successful answer's length is learned (the others just end).
                 let learn = (head.status == StatusCode::OK).then_some(learn);
-                if let (Some((value, m, rid)), StatusCode::OK) = (movable.as_ref(), head.status) {
-                    // The body may change (joined after a move): its length is not known.
+                // (The attempt ends here whatever the status: the request is not needed again.)
+                if let (Some((value, m, rid)), StatusCode::OK) = (movable.take(), head.status) {
+                    // The body may change (joined after a move).
                     head.headers.remove(axum::http::header::CONTENT_LENGTH);
                     let request = moving::Request {
                         learn,
@@ -826,9 +822,9 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                         state: state.clone(),
                         headers: headers.clone(),
                         path: path.clone(),
-                        body: value.clone(),
-                        movable: m.clone(),
-                        rid: rid.clone(),
+                        body: value,
+                        movable: m,
+                        rid,
                         pin: info.pin.clone(),
                         may_cross: partial_rollout,
                         tokens,
@@ -842,8 +838,23 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                         first,
                         aborted: aborted.load(std::sync::atomic::Ordering::Acquire),
                     };
-                    return Response::from_parts(head, moving::body(request, part));
+                    if request.movable.stream {
+                        metrics.response(head.status.as_u16());
+                        return Response::from_parts(head, moving::body(request, part));
+                    }
+                    let answer = match moving::whole(request, part).await {
+                        // (Its length goes with it: hyper writes it from the body's exact size.)
+                        Ok(bytes) => Response::from_parts(head, Body::from(bytes)),
+                        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                            metrics.error(ErrorKind::Timeout);
+                            error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &e.to_string())
+                        }
+                        Err(e) => error(StatusCode::BAD_GATEWAY, "engine_lost", &e.to_string()),
+                    };
+                    metrics.response(answer.status().as_u16());
+                    return answer;
                 }
+                metrics.response(head.status.as_u16());
                 let sse = head
                     .headers
                     .get(axum::http::header::CONTENT_TYPE)

@@ -5,9 +5,13 @@
 //! one answer: a stream without a repeated or missing token, or one body, with
 //! `meta_info.moves` and `meta_info.engines` saying where it ran.
 //!
-//! A movable request's answer is produced by a task that owns the engine's response and writes
-//! the client's body into a channel; the client's in-flight count moves with it, so a draining
-//! engine is idle once its requests have moved.
+//! A movable request's answer is produced by a future that owns the engine's response: a
+//! stream's writes the client's body into a channel and runs as that body is polled; a whole
+//! answer's runs in the request's own task and is sent, with its length, once complete. Neither
+//! has a task of its own (no extra wake-up per answer). The in-flight count moves with the
+//! request, so a draining engine is idle once its requests have moved. An answer that does not move is passed on as
+//! the engine wrote it, parsed only where it may have been aborted (and a text prompt's
+//! `prompt_token_ids`, asked for by the router, cut out of its bytes).
 
 use super::{engine_uri, EngineBody, RouterState};
 use crate::fleet::InFlightGuard;
@@ -68,41 +72,113 @@ pub(super) struct Part {
     pub aborted: bool,
 }
 
-/// The client's body for a movable request whose first part answered 200.
-pub(super) fn body(mut request: Request, part: Part) -> Body {
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-    let to_client = ToClient {
-        rx: tokio_stream::wrappers::ReceiverStream::new(rx),
-        learn: request.learn.take(),
-        started: request.started,
-        metrics: request.state.metrics.clone(),
-    };
-    let (timeout, stream) = (request.timeout, request.movable.stream);
-    let tasks = request.state.tasks.clone();
-    tasks.spawn(async move {
-        // As for any answer: the whole of it, every part, within --request-timeout-secs.
-        let end = tx.clone();
-        if tokio::time::timeout(timeout, run(request, part, tx)).await.is_err() {
-            let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
-            if stream {
-                let event =
-                    json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
-                let _ = end.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
-            } else {
-                let _ = end.send(Err(std::io::Error::other(why))).await;
-            }
-        }
-    });
-    Body::from_stream(to_client)
+/// The client's body for a movable streamed request whose first part answered 200.
+pub(super) fn body(request: Request, part: Part) -> Body {
+    Body::from_stream(to_client(request, part))
 }
 
-/// What the client reads of a movable request: the answer as the moving task writes it; its
-/// token counts are learned from it (as for any answer) and its duration observed when it ends.
+/// The answer of a movable non-streamed request whose first part answered 200, read whole
+/// (moves included) before the client gets its head: the client gets its length, and a request
+/// that could not be continued gets an error status instead of a cut body. The error's kind is
+/// `TimedOut` when the answer did not end within `--request-timeout-secs`.
+pub(super) async fn whole(mut request: Request, part: Part) -> Result<Bytes, std::io::Error> {
+    let mut learn = request.learn.take();
+    let (started, metrics, timeout) = (request.started, request.state.metrics.clone(), request.timeout);
+    let mut out = Out::Whole(None);
+    let ran = tokio::time::timeout(timeout, run(request, part, &mut out)).await;
+    metrics.duration.observe(started.elapsed());
+    if ran.is_err() {
+        let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
+        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
+    }
+    let Out::Whole(answer) = out else { unreachable!("a whole answer's output") };
+    let answer = answer.unwrap_or_else(|| Ok(Bytes::new()))?;
+    if let Some(learn) = learn.as_mut() {
+        learn.usage.scan(&answer);
+        learn.answered = true;
+    }
+    Ok(answer)
+}
+
+/// Where a movable request's answer goes: the channel its client's streamed body reads, or
+/// one buffer for a whole answer.
+enum Out {
+    Stream(mpsc::Sender<Result<Bytes, std::io::Error>>),
+    Whole(Option<Result<Bytes, std::io::Error>>),
+}
+
+impl Out {
+    /// Writes on; Err when the client went away.
+    async fn send(&mut self, item: Result<Bytes, std::io::Error>) -> Result<(), ()> {
+        match self {
+            Out::Stream(tx) => tx.send(item).await.map_err(|_| ()),
+            Out::Whole(answer) => {
+                *answer = Some(match (answer.take(), item) {
+                    (None, item) => item,
+                    (Some(Ok(before)), Ok(more)) => Ok([before, more].concat().into()),
+                    (Some(Err(e)), _) | (Some(Ok(_)), Err(e)) => Err(e),
+                });
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A fresh `rid` for a movable request that came without one: unique within this manager's
+/// run (a counter) and across runs (a random prefix drawn once), without a random draw per
+/// request.
+pub(super) fn new_rid() -> String {
+    static PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(|| uuid::Uuid::new_v4().simple().to_string());
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}-{n:x}")
+}
+
+fn to_client(mut request: Request, part: Part) -> ToClient {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let timeout = request.timeout;
+    let learn = request.learn.take();
+    let (started, metrics) = (request.started, request.state.metrics.clone());
+    let answer = async move {
+        // As for any answer: the whole of it, every part, within --request-timeout-secs.
+        let mut client = Out::Stream(tx);
+        if tokio::time::timeout(timeout, run(request, part, &mut client)).await.is_err() {
+            let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
+            let event = json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
+            let _ = client.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+        }
+    };
+    ToClient {
+        rx: tokio_stream::wrappers::ReceiverStream::new(rx),
+        answer: Some(Box::pin(answer)),
+        learn,
+        started,
+        metrics,
+    }
+}
+
+/// What the client reads of a movable request: the answer as `answer` writes it, which runs as
+/// the client's body is polled (and stops if the client goes away); its token counts are
+/// learned from it (as for any answer) and its duration observed when it ends.
 struct ToClient {
     rx: tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>,
+    answer: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
     learn: Option<super::Learn>,
     started: std::time::Instant,
     metrics: Arc<super::metrics::RouterMetrics>,
+}
+
+impl ToClient {
+    fn learn(&mut self, polled: &std::task::Poll<Option<Result<Bytes, std::io::Error>>>) {
+        let Some(learn) = self.learn.as_mut() else { return };
+        match polled {
+            std::task::Poll::Ready(Some(Ok(data))) => learn.usage.scan(data),
+            // Written whole: the answer counts as answered (a cut one ends with an error).
+            std::task::Poll::Ready(None) => learn.answered = true,
+            _ => {}
+        }
+    }
 }
 
 impl futures::Stream for ToClient {
@@ -112,22 +188,23 @@ impl futures::Stream for ToClient {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
-        match &polled {
-            std::task::Poll::Ready(Some(Ok(data))) => {
-                if let Some(learn) = self.learn.as_mut() {
-                    learn.usage.scan(data);
-                }
+        loop {
+            let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
+            if polled.is_ready() {
+                self.learn(&polled);
+                return polled;
             }
-            // Written whole: the answer counts as answered (a cut one ends with an error).
-            std::task::Poll::Ready(None) => {
-                if let Some(learn) = self.learn.as_mut() {
-                    learn.answered = true;
-                }
+            // Nothing written yet: the answer goes on (once it is done, its sender is dropped
+            // and what it wrote is read to the end).
+            let Some(answer) = self.answer.as_mut() else { return std::task::Poll::Pending };
+            if answer.as_mut().poll(cx).is_ready() {
+                self.answer = None;
+                continue;
             }
-            _ => {}
+            let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
+            self.learn(&polled);
+            return polled;
         }
-        polled
     }
 }
 
@@ -149,15 +226,15 @@ enum Ended {
     Gone,
 }
 
-async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::io::Error>>) {
+async fn run(request: Request, first: Part, client: &mut Out) {
     let mut produced = Produced { engines: vec![first.engine_id.clone()], ..Produced::default() };
     let mut part = first;
     let mut rid = request.rid.clone();
     loop {
         let ended = if request.movable.stream {
-            stream_part(&request, &mut part, &rid, &mut produced, &tx).await
+            stream_part(&request, &mut part, &rid, &mut produced, client).await
         } else {
-            whole_part(&request, &mut part, &rid, &mut produced, &tx).await
+            whole_part(&request, &mut part, &rid, &mut produced, client).await
         };
         let reason = match ended {
             Ended::Done | Ended::Gone => return,
@@ -169,8 +246,12 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
                 "lost"
             }
             Ended::Lost(why) => {
-                fail(&request, &tx, &format!("engine {} stopped in the middle of its answer ({why})", part.engine_id))
-                    .await;
+                fail(
+                    &request,
+                    client,
+                    &format!("engine {} stopped in the middle of its answer ({why})", part.engine_id),
+                )
+                .await;
                 return;
             }
         };
@@ -182,7 +263,7 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
                     Some(body) => body,
                     None => {
                         // Aborted right at its last token: the answer is complete as it is.
-                        finish_at_budget(&request, &produced, &tx).await;
+                        finish_at_budget(&request, &produced, client).await;
                         return;
                     }
                 }
@@ -190,7 +271,7 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
             None if request.movable.stream && !produced.output_ids.is_empty() => {
                 // The client has events already; without the prompt's ids nothing can follow them.
                 let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15)";
-                fail(&request, &tx, &format!("could not continue the request after a move: {why}")).await;
+                fail(&request, client, &format!("could not continue the request after a move: {why}")).await;
                 return;
             }
             None => {
@@ -223,7 +304,7 @@ async fn run(request: Request, first: Part, tx: mpsc::Sender<Result<Bytes, std::
                 rid = next_rid;
             }
             Err(why) => {
-                fail(&request, &tx, &format!("could not continue the request after a move: {why}")).await;
+                fail(&request, client, &format!("could not continue the request after a move: {why}")).await;
                 return;
             }
         }
@@ -405,13 +486,7 @@ impl Mover {
 
 /// A non-streamed part: read whole (an abort meanwhile if its engine drains), then either the
 /// joined answer goes to the client, or what it produced is kept and the request moves.
-async fn whole_part(
-    request: &Request,
-    part: &mut Part,
-    rid: &str,
-    produced: &mut Produced,
-    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
-) -> Ended {
+async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mut Produced, client: &mut Out) -> Ended {
     let mut buf: Vec<u8> = Vec::new();
     if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
         buf.extend_from_slice(&f);
@@ -437,11 +512,21 @@ async fn whole_part(
             _ = signal.changed() => {}
         }
     }
+    let strip = request.movable.text && !request.movable.client_prompt_ids;
+    if produced.moves.is_empty() && !moves::may_be_aborted(&buf) {
+        // Unmoved and not aborted: the engine's bytes, without the prompt ids the router asked
+        // for and the client did not.
+        let bytes = match strip.then(|| moves::without_member(&buf, "prompt_token_ids")).flatten() {
+            Some(cut) => Bytes::from(cut),
+            None => Bytes::from(buf),
+        };
+        return if client.send(Ok(bytes)).await.is_err() { Ended::Gone } else { Ended::Done };
+    }
     let answer: Value = match serde_json::from_slice(&buf) {
         Ok(v) => v,
         Err(_) => {
             // Not JSON (an engine's own error page): passed on as it is.
-            let _ = tx.send(Ok(Bytes::from(buf))).await;
+            let _ = client.send(Ok(Bytes::from(buf))).await;
             return Ended::Done;
         }
     };
@@ -452,11 +537,9 @@ async fn whole_part(
         }
     }
     let out = moves::joined(produced, &request.movable, &answer);
-    // Unmoved, the engine's bytes as they are, unless they carry the prompt ids the router
-    // asked for and the client did not.
-    let as_is = produced.moves.is_empty() && (!request.movable.text || request.movable.client_prompt_ids);
+    let as_is = produced.moves.is_empty() && !strip;
     let bytes = if as_is { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
-    if tx.send(Ok(bytes)).await.is_err() {
+    if client.send(Ok(bytes)).await.is_err() {
         return Ended::Gone;
     }
     Ended::Done
@@ -465,22 +548,21 @@ async fn whole_part(
 /// A streamed part: its events are passed on as they come (joined with the earlier parts'),
 /// the output so far is followed; an abort if its engine drains, after which its last
 /// (aborted) event and its `[DONE]` are held back and the request moves.
+///
+/// Events of a part that has not moved are passed on as the engine wrote them (a text
+/// prompt's `prompt_token_ids` cut out), parsed only for the first one (the prompt's ids, and
+/// whether the engine streams incrementally) and where one may be aborted.
 async fn stream_part(
     request: &Request,
     part: &mut Part,
     rid: &str,
     produced: &mut Produced,
-    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+    client: &mut Out,
 ) -> Ended {
-    let before = produced.clone();
+    let mut seen = Seen { before: produced.clone(), ..Seen::default() };
+    let unmoved = seen.before.moves.is_empty();
+    let strip = request.movable.text && !request.movable.client_prompt_ids;
     let mut pending: Vec<u8> = Vec::new();
-    let mut last: Option<Value> = None;
-    // Whether the engine's chunks hold only the new output (`--incremental-streaming-output`):
-    // then the ids so far are gathered here.
-    // (and their logprobs, in `incremental_lp`).
-    let mut incremental_ids: Vec<u64> = Vec::new();
-    let mut incremental_lp = Produced::default();
-    let mut incremental: Option<bool> = None;
     let mut mover = Mover::new(part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
@@ -499,23 +581,11 @@ async fn stream_part(
         let data = match frame {
             None => {
                 // Ended without [DONE]: what was seen counts as produced.
-                keep(
-                    produced,
-                    &before,
-                    last.as_ref(),
-                    (&incremental_ids, &incremental_lp),
-                    incremental.unwrap_or(false),
-                );
+                seen.keep(produced);
                 return Ended::Lost("the stream ended without [DONE]".into());
             }
             Some(Err(e)) => {
-                keep(
-                    produced,
-                    &before,
-                    last.as_ref(),
-                    (&incremental_ids, &incremental_lp),
-                    incremental.unwrap_or(false),
-                );
+                seen.keep(produced);
                 return Ended::Lost(e.to_string());
             }
             Some(Ok(f)) => match f.into_data() {
@@ -527,100 +597,122 @@ async fn stream_part(
         let mut out = Vec::new();
         while let Some(end) = find(&pending, b"\n\n") {
             let event: Vec<u8> = pending.drain(..end + 2).collect();
-            let text = String::from_utf8_lossy(&event);
-            let payload = text.trim().strip_prefix("data:").map(str::trim);
-            match payload {
-                Some("[DONE]") => {
-                    if let Some(reason) = held.filter(|_| last.as_ref().is_some_and(moves::aborted)) {
-                        keep(
-                            produced,
-                            &before,
-                            last.as_ref(),
-                            (&incremental_ids, &incremental_lp),
-                            incremental.unwrap_or(false),
-                        );
-                        return Ended::Moved(reason);
-                    }
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    let _ = tx.send(Ok(Bytes::from(out))).await;
-                    finish_body(part).await;
-                    return Ended::Done;
+            let Some(json) = payload(&event) else {
+                out.extend_from_slice(&event);
+                continue;
+            };
+            if json == b"[DONE]" {
+                if let Some(reason) = held.filter(|_| seen.last.as_ref().is_some_and(moves::aborted)) {
+                    seen.keep(produced);
+                    return Ended::Moved(reason);
                 }
-                Some(json) => match serde_json::from_str::<Value>(json) {
-                    Ok(chunk) => {
-                        if before.output_ids.is_empty() {
-                            produced.learn_prompt(&chunk);
-                        }
-                        let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
-                        let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
-                        let inc = *incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
-                        if inc {
-                            incremental_ids
-                                .extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
-                            incremental_lp.add_logprobs(&chunk);
-                        }
-                        if moves::aborted(&chunk) {
-                            if let Some(reason) = move_reason(request, part, &mover) {
-                                // The abort's own event: held back, the request continues elsewhere.
-                                held = Some(reason);
-                                last = Some(chunk);
-                                continue;
-                            }
-                        }
-                        let joined = moves::joined_chunk(&before, &request.movable, &chunk, inc);
-                        out.extend_from_slice(b"data: ");
-                        out.extend_from_slice(joined.to_string().as_bytes());
-                        out.extend_from_slice(b"\n\n");
-                        last = Some(chunk);
-                    }
-                    Err(_) => out.extend_from_slice(&event),
-                },
-                None => out.extend_from_slice(&event),
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                let _ = client.send(Ok(Bytes::from(out))).await;
+                finish_body(part).await;
+                return Ended::Done;
             }
+            if unmoved && seen.incremental == Some(false) && !moves::may_be_aborted(json) {
+                out.extend_from_slice(b"data: ");
+                match strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten() {
+                    Some(cut) => out.extend_from_slice(&cut),
+                    None => out.extend_from_slice(json),
+                }
+                out.extend_from_slice(b"\n\n");
+                seen.last = None;
+                seen.last_raw = Some(event);
+                continue;
+            }
+            let Ok(chunk) = serde_json::from_slice::<Value>(json) else {
+                out.extend_from_slice(&event);
+                continue;
+            };
+            if seen.before.output_ids.is_empty() {
+                produced.learn_prompt(&chunk);
+            }
+            let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
+            let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
+            let inc = *seen.incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
+            if inc {
+                seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+                seen.lp.add_logprobs(&chunk);
+            }
+            seen.last_raw = None;
+            if moves::aborted(&chunk) {
+                if let Some(reason) = move_reason(request, part, &mover) {
+                    // The abort's own event: held back, the request continues elsewhere.
+                    held = Some(reason);
+                    seen.last = Some(chunk);
+                    continue;
+                }
+            }
+            let joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(joined.to_string().as_bytes());
+            out.extend_from_slice(b"\n\n");
+            seen.last = Some(chunk);
         }
-        if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
+        if !out.is_empty() && client.send(Ok(Bytes::from(out))).await.is_err() {
             return Ended::Gone;
         }
     }
 }
 
-/// Records what a streamed part produced: its last event's output (cumulative chunks), or the
-/// ids and logprobs gathered from every event (incremental ones).
-fn keep(
-    produced: &mut Produced,
-    before: &Produced,
-    last: Option<&Value>,
-    (ids, lp): (&[u64], &Produced),
-    incremental: bool,
-) {
-    let mut now = before.clone();
-    match (last, incremental) {
-        (Some(chunk), false) => now.add_part(chunk),
-        (_, true) => {
-            if now.output_ids.is_empty() && now.input_logprobs.is_none() {
-                now.input_logprobs.clone_from(&lp.input_logprobs);
-            }
-            for (key, entries) in &lp.logprobs {
-                let all = now.logprobs.entry(key.clone()).or_insert_with(|| serde_json::json!([]));
-                if let (Some(all), Some(entries)) = (all.as_array_mut(), entries.as_array()) {
-                    all.extend(entries.iter().cloned());
+/// An SSE event's data (`data: ...`), trimmed.
+fn payload(event: &[u8]) -> Option<&[u8]> {
+    event.trim_ascii().strip_prefix(b"data:").map(<[u8]>::trim_ascii)
+}
+
+/// What the router saw of a streamed part.
+#[derive(Default)]
+struct Seen {
+    /// The request's output before this part.
+    before: Produced,
+    /// The part's last event, parsed, or as it came (`last_raw`) when it was passed on unparsed.
+    last: Option<Value>,
+    last_raw: Option<Vec<u8>>,
+    /// Whether the engine's events hold only the new output (`--incremental-streaming-output`),
+    /// known from the first event; then the ids and logprobs of every event are gathered here.
+    incremental: Option<bool>,
+    ids: Vec<u64>,
+    lp: Produced,
+}
+
+impl Seen {
+    /// Records what the part produced: its last event's output (cumulative events), or the ids
+    /// and logprobs gathered from every event (incremental ones).
+    fn keep(&self, produced: &mut Produced) {
+        let parsed = match (&self.last, &self.last_raw) {
+            (None, Some(raw)) => payload(raw).and_then(|json| serde_json::from_slice::<Value>(json).ok()),
+            _ => None,
+        };
+        let last = self.last.as_ref().or(parsed.as_ref());
+        let mut now = self.before.clone();
+        match (last, self.incremental.unwrap_or(false)) {
+            (Some(chunk), false) => now.add_part(chunk),
+            (_, true) => {
+                if now.output_ids.is_empty() && now.input_logprobs.is_none() {
+                    now.input_logprobs.clone_from(&self.lp.input_logprobs);
                 }
-            }
-            now.output_ids.extend_from_slice(ids);
-            if let Some(chunk) = last {
-                if let Some(t) = chunk.get("text").and_then(Value::as_str) {
+                for (key, entries) in &self.lp.logprobs {
+                    let all = now.logprobs.entry(key.clone()).or_insert_with(|| serde_json::json!([]));
+                    if let (Some(all), Some(entries)) = (all.as_array_mut(), entries.as_array()) {
+                        all.extend(entries.iter().cloned());
+                    }
+                }
+                now.output_ids.extend_from_slice(&self.ids);
+                if let Some(t) = last.and_then(|chunk| chunk.get("text")).and_then(Value::as_str) {
                     now.text.push_str(t);
                 }
             }
+            (None, false) => {}
         }
-        (None, false) => {}
+        now.moves = produced.moves.clone();
+        now.engines = produced.engines.clone();
+        if now.prompt_ids.is_none() {
+            now.prompt_ids.clone_from(&produced.prompt_ids);
+        }
+        *produced = now;
     }
-    now.moves = produced.moves.clone();
-    now.engines = produced.engines.clone();
-    if now.prompt_ids.is_none() {
-        now.prompt_ids.clone_from(&produced.prompt_ids);
-    }
-    *produced = now;
 }
 
 /// Reads what follows a stream's `[DONE]` (the end of its chunked body), so that the
@@ -635,7 +727,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// The request was aborted right at its last token: its answer is complete.
-async fn finish_at_budget(request: &Request, produced: &Produced, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) {
+async fn finish_at_budget(request: &Request, produced: &Produced, client: &mut Out) {
     let n = produced.output_ids.len();
     let last = json!({
         "text": "", "output_ids": [],
@@ -643,18 +735,19 @@ async fn finish_at_budget(request: &Request, produced: &Produced, tx: &mpsc::Sen
     });
     let out = moves::joined(produced, &request.movable, &last);
     let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
-    let _ = tx.send(Ok(Bytes::from(bytes))).await;
+    let _ = client.send(Ok(Bytes::from(bytes))).await;
 }
 
 /// Ends the client's answer with an error: an error event and `[DONE]` for a stream (SGLang's
-/// in-stream shape), an error on the body otherwise (the connection is closed early).
-async fn fail(request: &Request, tx: &mpsc::Sender<Result<Bytes, std::io::Error>>, why: &str) {
+/// in-stream shape); otherwise the error becomes the answer's status (see [`whole`]).
+async fn fail(request: &Request, client: &mut Out, why: &str) {
     tracing::warn!(error = why, "moving request failed");
     if request.movable.stream {
         let event = json!({"error": {"message": format!("{why}; the output so far is incomplete, send the request again"),
                                      "type": "engine_lost", "code": 502, "retryable": true}});
-        let _ = tx.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+        let _ = client.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
     } else {
-        let _ = tx.send(Err(std::io::Error::other(why.to_string()))).await;
+        let why = format!("{why}; send the request again");
+        let _ = client.send(Err(std::io::Error::other(why))).await;
     }
 }
