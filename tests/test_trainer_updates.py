@@ -260,6 +260,51 @@ def test_an_engine_killed_before_the_broadcast_is_caught_up(release_fleet: Manag
     assert fleet.client.weights().version == "step-2"
 
 
+def test_an_engine_out_during_an_update_catches_up_before_it_rejoins(start_fleet: StartManager) -> None:
+    """An engine UNHEALTHY while the trainer updates the fleet is not a member of the update, and
+    the trainer's version has no checkpoint to load. When it answers its probes again it copies
+    that version from an engine that serves it and only then rejoins: never on the base weights."""
+    fleet = start_fleet(
+        "--engine-arg=--enable-fault-api",
+        "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "1",
+        "--health-failure-threshold", "2", "--restart-failed-engines", "false",
+        # A slow /health with a scheduler that answers looks like a pause; here it is the fault.
+        "--health-pause-grace-secs", "0",
+    )  # fmt: skip
+    a, b = sorted(fleet.engines().engines, key=lambda e: e.engine_id)
+    base = model_info(b.url)["weight_version"]
+
+    def status(engine_id: str) -> str | None:
+        e = fleet.engines().by_id(engine_id)
+        return None if e is None else e.status
+
+    assert http("POST", f"{b.url}/sim/faults", {"slow_health": 3.0}, timeout=5).status == 200
+    wait_until(lambda: status(b.engine_id) == "UNHEALTHY", 30, f"{b.engine_id} to be taken out")
+    rank0 = StandInRank0()
+    result = make_sync(fleet, rank0).update("step-1", SPECS)
+    assert result.update is not None and result.update.status == "COMPLETED", result
+    assert set(result.update.engines) == {a.engine_id}, result.update.engines
+    assert model_info(b.url)["weight_version"] == base
+    assert status(b.engine_id) == "UNHEALTHY"
+
+    with Traffic(fleet.router_url).running() as traffic:
+        assert http("POST", f"{b.url}/sim/faults", {"slow_health": 0}, timeout=5).status == 200
+
+        def caught_up() -> bool:
+            e = fleet.engines().by_id(b.engine_id)
+            return e is not None and e.status == "ACTIVE" and e.weight_version == "step-1"
+
+        wait_until(
+            caught_up, STARTUP_TIMEOUT, lambda: f"{b.engine_id} back on step-1: {fleet.engines().by_id(b.engine_id)}"
+        )
+        wait_until(lambda: traffic.answered() >= 20, 60, "answers after the rejoin")
+    fleet.track_children()
+    e = fleet.engines().by_id(b.engine_id)
+    assert e is not None and model_info(e.url)["weight_version"] == "step-1"
+    assert dict(traffic.versions) == {"step-1": traffic.answered()}, (traffic.versions, traffic.errors)
+    assert send_count(a.url) >= 1, "the copy came from the engine that serves the version"
+
+
 def test_a_trainer_that_cannot_join_leaves_no_group_and_nothing_paused(fleet: ManagerHandle) -> None:
     def broken_join(layout: GroupLayout) -> None:
         StandInRank0().join_group(layout)

@@ -91,7 +91,9 @@ pub enum EngineEvent {
     /// Start a failed engine again (recovery), on the same GPUs.
     Restart,
     /// A fleet weight update takes this engine out of routing to load a new version; it comes
-    /// back through WEIGHT_SYNCING -> READY -> ACTIVE once the version is verified.
+    /// back through WEIGHT_SYNCING -> READY -> ACTIVE once the version is verified. Also an
+    /// UNHEALTHY engine that answers again but must copy the fleet's version (the trainer's,
+    /// which has no checkpoint) before it rejoins.
     UpdateWeights,
 }
 
@@ -253,6 +255,9 @@ impl EngineStatus {
             },
             S::Unhealthy => match event {
                 E::ProbeRecovered => S::Active,
+                // It answers again but missed a version it cannot load (the trainer's): it
+                // copies it out of routing before it rejoins.
+                E::UpdateWeights => S::WeightSyncing,
                 E::Drain => S::Draining,
                 E::Remove => S::Removing,
                 E::Fail => S::Failed,
@@ -263,8 +268,7 @@ impl EngineStatus {
                 | E::Activated
                 | E::ProbeFailed
                 | E::Removed
-                | E::Restart
-                | E::UpdateWeights => return Err(illegal("engine", self, event)),
+                | E::Restart => return Err(illegal("engine", self, event)),
             },
             S::Draining => match event {
                 E::Remove => S::Removing,

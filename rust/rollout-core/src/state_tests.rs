@@ -95,7 +95,7 @@ fn engine_edge_table() {
         (S::Draining, E::Activated, None),
         (S::Active, E::Restart, None),
         (S::Removed, E::Restart, None),
-        (S::Unhealthy, E::UpdateWeights, None),
+        (S::Unhealthy, E::UpdateWeights, Some(S::WeightSyncing)),
         (S::WeightSyncing, E::UpdateWeights, None),
         (S::Ready, E::UpdateWeights, Some(S::WeightSyncing)),
     ];
@@ -212,6 +212,7 @@ fn every_edge_of_the_engine_machine() {
         (S::Unhealthy, E::Drain, S::Draining),
         (S::Active, E::UpdateWeights, S::WeightSyncing),
         (S::Ready, E::UpdateWeights, S::WeightSyncing),
+        (S::Unhealthy, E::UpdateWeights, S::WeightSyncing),
         (S::Removing, E::Removed, S::Removed),
         (S::Failed, E::Restart, S::Creating),
     ];

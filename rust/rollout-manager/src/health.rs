@@ -6,7 +6,10 @@
 //!   UNHEALTHY and leaves routing;
 //! - an UNHEALTHY engine whose probe passes comes back only once it serves the fleet's weight
 //!   version and checksum (`/model_info`; loaded first if it does not), so a rejoining engine
-//!   never serves stale weights. That check (a load can take minutes) runs in a task of its
+//!   never serves stale weights. One that missed a version from the trainer (no checkpoint to
+//!   load) catches up as a restarted engine does: WEIGHT_SYNCING, restarted on a copy from an
+//!   engine that serves it, or a member of the trainer's next update; an external one, which
+//!   the manager cannot restart, stays UNHEALTHY and says why. That check (a load can take minutes) runs in a task of its
 //!   own, so the other engines are still probed meanwhile; the rejoining engine is not probed
 //!   until it ends (SGLang's `/health` waits for a load), and is watched for liveness instead;
 //! - a managed engine still failing after three times the threshold (alive but hung) is
@@ -272,6 +275,24 @@ fn hold_beyond_the_bound(
 /// the next probes decide (back again, or a restart).
 async fn rejoin(manager: &Arc<Manager>, id: &str) {
     let Some(url) = manager.url_of(id) else { return };
+    match missed_trainer_version(manager, id).await {
+        Some((version, true)) => return catch_up(manager, id, &version).await,
+        Some((version, false)) => {
+            let why = format!(
+                "cannot rejoin: it missed weight version {version}, which came from the trainer and has no checkpoint, \
+                 and an external engine is not restarted on a copy; load that version into it (or detach it and \
+                 attach it after the trainer's next update)"
+            );
+            tracing::warn!(engine_id = %id, version, "external engine missed a trainer version; stays out of routing");
+            manager.fleet.update(|inner| {
+                if let Some(en) = inner.engines.get_mut(id) {
+                    en.record.last_error = Some(why);
+                }
+            });
+            return;
+        }
+        None => {}
+    }
     let synced = tokio::select! {
         synced = manager.sync_weights(id, &[EngineEvent::ProbeRecovered]) => synced,
         why = stops_answering(manager, &url) => Err(crate::engine_api::EngineError::Unresponsive(why)),
@@ -286,6 +307,53 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
                     en.record.last_error = Some(format!("cannot rejoin: {e}"));
                 }
             });
+        }
+    }
+}
+
+/// The fleet's version, if it came from the trainer (no checkpoint to load) and the engine
+/// `id` does not serve it; with whether the manager may restart the engine (it is not external).
+async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(String, bool)> {
+    let (want, managed) = {
+        let inner = manager.fleet.lock();
+        let (want, path) = inner.weights.desired();
+        let engine = inner.engines.get(id)?;
+        if path.is_some() || !inner.weights.desired_from_trainer() {
+            return None;
+        }
+        (want, engine.record.origin != EngineOrigin::External)
+    };
+    let (found, checksum) = manager.served_weights(id).await.ok()?;
+    (!want.served_by(found.as_deref(), checksum.as_deref())).then_some((want.version, managed))
+}
+
+/// An UNHEALTHY managed engine that answers again but missed a version from the trainer: out of
+/// routing (WEIGHT_SYNCING), restarted on a copy from an engine that serves the version, or a
+/// member of the trainer's next update (see `Manager::sync_weights`), then back into routing.
+/// If that fails, it is failed and restarted like an engine whose process died.
+async fn catch_up(manager: &Arc<Manager>, id: &str, version: &str) {
+    if manager.fleet.update(|inner| inner.engine_event(id, EngineEvent::UpdateWeights)).is_err() {
+        return; // no longer UNHEALTHY
+    }
+    tracing::info!(engine_id = %id, version, "engine answers again but missed the trainer's version; catching up");
+    let synced = tokio::select! {
+        synced = manager.sync_weights(id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]) => synced,
+        () = manager.shutdown.cancelled() => return,
+    };
+    match synced {
+        Ok(_) => tracing::info!(engine_id = %id, "engine caught up; back in routing"),
+        Err(e) => {
+            tracing::warn!(engine_id = %id, error = %e, "catching up failed; restarting the engine");
+            let process = manager.fleet.update(|inner| {
+                inner.fail_engine(id, Some(format!("could not catch up with weight version {version}: {e}")));
+                inner.engines.get(id).and_then(|en| en.process.clone())
+            });
+            if let Some(p) = process {
+                p.stop(manager.shutdown_grace()).await;
+            }
+            if manager.config.restart_failed_engines {
+                manager.recover(id, Duration::ZERO).await;
+            }
         }
     }
 }
