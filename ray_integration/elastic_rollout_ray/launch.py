@@ -23,8 +23,9 @@ Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. F
    host actor and placement group, the resource request, its actors. Ray's default stop wait
    (3 s) may end this early with SIGKILL: then the actors, which this driver owns (and the host
    actors, which the reconciler owns), die with it, the placement groups of the job are removed by
-   Ray, and agents and engines die with their actors. Only the Serve app is not owned by the
-   job, so it is deleted first.
+   Ray, and agents and engines die with their actors. Only Serve is not owned by the job: the
+   app is deleted first (Serve shut down with it when no other application uses Serve), and if
+   the SIGKILL comes before that, the app's replica does it once it sees the job dead.
 
 Fleet state belongs to one job: the default ``--state-dir`` is
 ``~/.cache/elastic-rollout/<namespace>/<job>``, where ``<job>`` is the job's submission id (a new
@@ -203,6 +204,8 @@ class Fleet:
         self.manager: Any = None
         self.reconciler: Any = None
         self.serve_started = False
+        #: No other application used Serve when this launcher started it: the fleet may shut it down.
+        self.owns_serve = False
         self.manager_restarts = 0
         #: Ray's label selector of this node (by node id: nodes may share an IP, in containers).
         self._here: dict[str, str] = {}
@@ -215,7 +218,7 @@ class Fleet:
         from ray import serve
 
         from elastic_rollout import _native
-        from elastic_rollout_ray.serve_app import APP_NAME, NODE_ID_LABEL, build_app
+        from elastic_rollout_ray.serve_app import APP_NAME, NODE_ID_LABEL, build_app, other_applications
         from elastic_rollout_ray.uds import load_token
 
         launch = self.plan
@@ -229,13 +232,15 @@ class Fleet:
         self._token = load_token(launch.config.get("api_token_file"))
         info = self.start_manager()
         self.start_reconciler()
+        # Serve not running, or running for nobody else (left by a launcher that was killed).
+        self.owns_serve = not other_applications()
         serve.start(
             proxy_location=launch.options.serve_proxy_location,
             http_options={"host": launch.options.serve_host, "port": launch.options.serve_port},
         )
         self.serve_started = True
         owner = ray.get_runtime_context().get_job_id()
-        serve.run(build_app(launch.api_socket, node_id, owner), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(launch.api_socket, node_id, owner, self.owns_serve), name=APP_NAME, route_prefix="/")
         return {
             "control_url": f"http://{launch.options.serve_host}:{launch.options.serve_port}",
             "router_url": info["router_url"],
@@ -315,7 +320,7 @@ class Fleet:
         import ray
         from ray import serve
 
-        from elastic_rollout_ray.serve_app import APP_NAME
+        from elastic_rollout_ray.serve_app import APP_NAME, other_applications
 
         pending = []
         if self.manager is not None:
@@ -324,9 +329,10 @@ class Fleet:
             pending.append(("stopping the reconciler", self.reconciler.shutdown.remote()))
         if self.serve_started:
             try:
-                serve.delete(APP_NAME, _blocking=False)
-                if not [a for a in serve.status().applications if a != APP_NAME]:
+                if self.owns_serve and not other_applications():
                     serve.shutdown()
+                else:
+                    serve.delete(APP_NAME, _blocking=False)
             except Exception as err:
                 print(f"warning: removing the Serve app failed: {err!r}", file=sys.stderr)
         for what, ref in pending:

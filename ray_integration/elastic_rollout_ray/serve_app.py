@@ -8,9 +8,12 @@ be reached the answer is 503 with a JSON error in the manager's own shape. The r
 the manager's node (the socket is node-local); the launcher pins it there. The data plane
 (``/generate``) stays on the manager's router port.
 
-Serve's applications outlive the job that deployed them. This one must not: the replica watches
-the job of the launcher that deployed it and deletes its own application once that job is dead
-(the launcher killed, or stopped before its teardown reached Serve).
+Serve's applications outlive the job that deployed them, and so do Serve's controller and
+proxies. This one must not: the replica watches the job of the launcher that deployed it and,
+once that job is dead (the launcher killed, or stopped before its teardown reached Serve),
+deletes its own application; when the fleet had Serve to itself (no other application at launch
+nor now) it shuts Serve down, controller and proxies included, as the launcher's own teardown
+does.
 """
 
 import logging
@@ -40,6 +43,12 @@ OWNER_CHECK_SECS = 2.0
 log = logging.getLogger("elastic_rollout_ray.serve_app")
 
 
+def other_applications() -> list[str]:
+    """The Serve applications on the cluster other than this fleet's (none when Serve is not
+    running)."""
+    return [name for name in serve.status().applications if name != APP_NAME]
+
+
 def job_alive(job_id_hex: str) -> bool:
     """Whether Ray's job table has the job and does not mark it dead."""
     # ray.init sets gcs_client on the worker; Ray's Worker class does not declare it.
@@ -57,8 +66,9 @@ app = FastAPI(title="Elastic Rollout control API (via Ray Serve)", docs_url=None
 @serve.deployment(num_replicas=1, max_ongoing_requests=256)
 @serve.ingress(app)
 class RolloutIngress:
-    def __init__(self, api_socket: str, owner_job: str | None = None) -> None:
+    def __init__(self, api_socket: str, owner_job: str | None = None, owns_serve: bool = False) -> None:
         self.api_socket = api_socket
+        self.owns_serve = owns_serve
         self.client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=api_socket), base_url=BASE_URL, timeout=TIMEOUT
         )
@@ -66,7 +76,8 @@ class RolloutIngress:
             threading.Thread(target=self._watch_owner, args=(owner_job,), name="owner-watch", daemon=True).start()
 
     def _watch_owner(self, owner_job: str) -> None:
-        """Deletes this application once the launcher's job is dead (a thread of the replica)."""
+        """Once the launcher's job is dead, deletes this application, or shuts Serve down when the
+        fleet had it to itself (a thread of the replica; the shutdown ends the replica too)."""
         while True:
             time.sleep(OWNER_CHECK_SECS)
             try:
@@ -75,10 +86,22 @@ class RolloutIngress:
                 log.warning("cannot read the job table: %r", err)
                 continue
             if not alive:
-                log.warning("job %s that deployed %s is gone; deleting the application", owner_job, APP_NAME)
-                from ray import serve
-
-                serve.delete(APP_NAME, _blocking=False)
+                try:
+                    alone = self.owns_serve and not other_applications()
+                except Exception as err:
+                    log.warning("cannot read Serve's applications: %r", err)
+                    continue
+                if alone:
+                    log.warning(
+                        "job %s that deployed %s is gone and no other application uses Serve; shutting Serve down "
+                        "(controller and proxies)",
+                        owner_job,
+                        APP_NAME,
+                    )
+                    serve.shutdown()
+                else:
+                    log.warning("job %s that deployed %s is gone; deleting the application", owner_job, APP_NAME)
+                    serve.delete(APP_NAME, _blocking=False)
                 return
 
     async def _forward(self, request: Request) -> Response:
@@ -130,11 +153,12 @@ class RolloutIngress:
 NODE_ID_LABEL = "ray.io/node-id"
 
 
-def build_app(api_socket: str, node_id: str, owner_job: str | None = None) -> Any:
+def build_app(api_socket: str, node_id: str, owner_job: str | None = None, owns_serve: bool = False) -> Any:
     """The Serve application, its replica pinned to node ``node_id`` (where the socket is); with
-    ``owner_job`` (a job id in hex) it deletes itself once that job is dead."""
+    ``owner_job`` (a job id in hex) it deletes itself once that job is dead, and shuts Serve down
+    then if ``owns_serve`` (the launcher found no other application) and still no other runs."""
     # @serve.deployment made the class a Deployment; Ray's stubs still see the class.
     deployment = RolloutIngress.options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": 0, "label_selector": {NODE_ID_LABEL: node_id}}
     )
-    return deployment.bind(api_socket, owner_job)
+    return deployment.bind(api_socket, owner_job, owns_serve)

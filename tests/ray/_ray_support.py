@@ -26,11 +26,26 @@ import pytest
 HEAD_GPUS = 4
 
 
+#: Ports Ray's components take by default (dashboard agent HTTP, dashboard, GCS, client server,
+#: metrics export): a port the kernel hands out may be one of them, just freed by a cluster that
+#: shut down, and Ray refuses a dashboard port that another component also wants.
+RAY_DEFAULT_PORTS = {52365, 8265, 6379, 10001, 8080}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
+
+
+def serve_actors() -> list[dict[str, str]]:
+    """Ray Serve's named actors on the connected cluster (its controller, proxies and replicas)."""
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 # ray_cluster is a fixture: imported here, taken by name as an argument below (hence F811 there).
-from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster  # noqa: F401
+from _ray_support import HEAD_GPUS, RayCluster, free_port, ray_cluster, serve_actors  # noqa: F401
 from _support import ProcessIdentity, http, wait_until
 
 from elastic_rollout import RolloutApiError, RolloutClient
@@ -492,7 +492,7 @@ def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
     for ident in fleet.seen.values():
         wait_until(lambda i=ident: not i.alive(), 60, f"engine pid {ident.pid} gone")  # type: ignore[misc]
 
-    # The app's replica is gone (deleted by the launcher, or by itself once the job was dead).
-    # Serve's own controller and proxy are a cluster service, shut down only if the launcher got
-    # that far.
+    # The app's replica is gone (deleted by the launcher, or by itself once the job was dead),
+    # and with it Serve's controller and proxies: the fleet had Serve to itself.
     wait_until(lambda: app_actors() == [], 60, lambda: f"the Serve app's actors gone; {app_actors()}")
+    wait_until(lambda: serve_actors() == [], 60, lambda: f"Serve's controller and proxies gone; {serve_actors()}")

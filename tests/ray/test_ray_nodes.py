@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from _checkpoints import write_checkpoint
-from _ray_support import RayCluster, free_port, local_cluster
+from _ray_support import RayCluster, free_port, local_cluster, serve_actors
 from _support import ProcessIdentity, http, wait_until
 
 from elastic_rollout import RolloutApiError, RolloutClient
@@ -318,7 +318,7 @@ def test_after_a_cluster_restart_a_new_job_starts_fresh_and_resume_is_explicit(
 
         # A driver killed outright takes the fleet with it: its actors die with it, Ray removes
         # the job's placement groups, agents and engines die with their actors, and the Serve
-        # app deletes itself.
+        # app's replica, seeing the job dead, shuts Serve down (nothing else uses it here).
         from ray.job_submission import JobSubmissionClient
 
         info = JobSubmissionClient(fresh.dashboard_url).get_job_info(resumed.job_id)
@@ -326,3 +326,4 @@ def test_after_a_cluster_restart_a_new_job_starts_fresh_and_resume_is_explicit(
         os.kill(int(info.driver_info.pid), signal.SIGKILL)
         wait_until(lambda: nothing_left(resumed) is None, 60, lambda: f"nothing left: {nothing_left(resumed)}")
         assert ray.cluster_resources().get("GPU") == ray.available_resources().get("GPU")
+        wait_until(lambda: serve_actors() == [], 60, lambda: f"Serve's controller and proxies gone; {serve_actors()}")
