@@ -456,6 +456,39 @@ def test_cancelling_a_scale_out_that_waits_for_resources_releases_its_placement(
     assert gpus_taken() == have
 
 
+def test_a_trainer_update_reaches_the_agents_engines_and_a_new_engine_copies_it(fleet: RayFleet) -> None:
+    """Weights from the trainer in Ray mode: the manager runs the update on the engines the agents
+    host, and an engine added afterwards copies the trainer's version from one that serves it
+    (remote-instance loading) before it is routable."""
+    from _trainer import SPECS, StandInRank0
+
+    from elastic_rollout.trainer import DistributedWeightSync
+
+    have = len(wait_engines(fleet, HEAD_GPUS + 1))
+    op = fleet.client.scale_in(num_replicas=have - 1)
+    assert fleet.client.wait_for_operation("scale_in", op.request_id, timeout=STARTUP).status == "COMPLETED"
+    before = {e["engine_id"] for e in wait_engines(fleet, have - 1)}
+    rank0 = StandInRank0()
+    sync = DistributedWeightSync(fleet.client, join_group=rank0.join_group, broadcast=rank0.broadcast, timeout=60)
+    result = sync.update("step-1", SPECS)
+    assert result.update is not None and result.update.status == "COMPLETED", result
+    assert set(result.update.engines) == before, result.update.engines
+    assert fleet.client.weights().version == "step-1"
+
+    def sends(url: str) -> int:
+        groups = http("GET", url + "/server_info").json()["weight_sync"]["weight_send_groups"]
+        return sum(int(g["sends"]) for g in groups.values())
+
+    urls = {e["engine_id"]: e["url"] for e in fleet.active()}
+    op = fleet.client.scale_out(num_replicas=have)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, timeout=STARTUP).status == "ACTIVE"
+    engines = wait_engines(fleet, have)
+    (new,) = [e for e in engines if e["engine_id"] not in before]
+    assert all(e["weight_version"] == "step-1" for e in engines), engines
+    assert http("GET", new["url"] + "/model_info").json()["weight_version"] == "step-1"
+    assert sum(sends(url) for url in urls.values()) >= 1, "the new engine copied from a serving one"
+
+
 def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
     import ray
 
