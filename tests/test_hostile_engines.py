@@ -176,14 +176,20 @@ def test_engine_that_turns_hostile_is_contained(
     assert HUGE_BYTES > MEMORY_CEILING_KB * 1024
 
 
-def test_lost_connection_to_the_only_engine_is_retried_there(start_fleet: StartManager, hostile: HostileEngine) -> None:
-    """An engine that drops one request's connection is not dead: when it is the only engine the
-    request may use, the retry goes to it again instead of failing with 502."""
+def fleet_of_only(start_fleet: StartManager, hostile: HostileEngine) -> ManagerHandle:
+    """A manager with no engine of its own and `hostile` attached, ACTIVE."""
     fleet = start_fleet("--rollout-num-gpus", "0", wait=False)
     op = fleet.client.wait_for_operation(
         "scale_out", fleet.client.scale_out(engine_urls=[hostile.url]).request_id, timeout=STARTUP_TIMEOUT
     )
     assert op.status == "ACTIVE", op.raw
+    return fleet
+
+
+def test_lost_connection_to_the_only_engine_is_retried_there(start_fleet: StartManager, hostile: HostileEngine) -> None:
+    """An engine that drops one request's connection is not dead: when it is the only engine the
+    request may use, the retry goes to it again instead of failing with 502."""
+    fleet = fleet_of_only(start_fleet, hostile)
     hostile.set("drop_once", "/generate")
     status, answer = generate(fleet)
     assert status == 200, answer
@@ -198,11 +204,7 @@ def test_an_answer_cut_after_its_head_is_an_error_status(start_fleet: StartManag
     the only engine cuts it after a 200 head, there is nowhere to start it again, and the client
     gets 502 with a JSON error telling it to send the request again, not a 200 cut short. A
     request the router cannot move (a batch) is passed on as it comes, so its client sees the cut."""
-    fleet = start_fleet("--rollout-num-gpus", "0", wait=False)
-    op = fleet.client.wait_for_operation(
-        "scale_out", fleet.client.scale_out(engine_urls=[hostile.url]).request_id, timeout=STARTUP_TIMEOUT
-    )
-    assert op.status == "ACTIVE", op.raw
+    fleet = fleet_of_only(start_fleet, hostile)
     hostile.set("cut", "/generate")
     status, answer = generate(fleet)
     assert status == 502, answer
