@@ -6,12 +6,13 @@
 //!   UNHEALTHY and leaves routing;
 //! - an UNHEALTHY engine whose probe passes comes back only once it serves the fleet's weight
 //!   version and checksum (`/model_info`; loaded first if it does not), so a rejoining engine
-//!   never serves stale weights. One that missed a version from the trainer (no checkpoint to
-//!   load) catches up as a restarted engine does: WEIGHT_SYNCING, restarted on a copy from an
-//!   engine that serves it, or a member of the trainer's next update; an external one, which
-//!   the manager cannot restart, stays UNHEALTHY and says why. That check (a load can take minutes) runs in a task of its
+//!   never serves stale weights. That check (a load can take minutes) runs in a task of its
 //!   own, so the other engines are still probed meanwhile; the rejoining engine is not probed
-//!   until it ends (SGLang's `/health` waits for a load), and is watched for liveness instead;
+//!   until it ends (SGLang's `/health` waits for a load), and is watched for liveness instead.
+//!   One that missed a version from the trainer (no checkpoint to load) catches up as a
+//!   restarted engine does: WEIGHT_SYNCING, restarted on a copy from an engine that serves it,
+//!   or a member of the trainer's next update; an external one, which the manager cannot
+//!   restart, stays UNHEALTHY and says why;
 //! - a managed engine still failing after three times the threshold (alive but hung) is
 //!   stopped and restarted through crash recovery (when `--restart-failed-engines`); external
 //!   engines are only re-probed.
@@ -276,19 +277,24 @@ fn hold_beyond_the_bound(
 async fn rejoin(manager: &Arc<Manager>, id: &str) {
     let Some(url) = manager.url_of(id) else { return };
     match missed_trainer_version(manager, id).await {
-        Some((version, true)) => return catch_up(manager, id, &version).await,
+        Some((version, true)) => return rejoin_on_a_copy(manager, id, &version).await,
         Some((version, false)) => {
             let why = format!(
                 "cannot rejoin: it missed weight version {version}, which came from the trainer and has no checkpoint, \
                  and an external engine is not restarted on a copy; load that version into it (or detach it and \
                  attach it after the trainer's next update)"
             );
-            tracing::warn!(engine_id = %id, version, "external engine missed a trainer version; stays out of routing");
-            manager.fleet.update(|inner| {
-                if let Some(en) = inner.engines.get_mut(id) {
-                    en.record.last_error = Some(why);
-                }
-            });
+            // Said once: its probes keep passing, so this runs every round.
+            let known =
+                manager.fleet.lock().engines.get(id).is_some_and(|en| en.record.last_error == Some(why.clone()));
+            if !known {
+                tracing::warn!(engine_id = %id, version, "external engine missed a trainer version; stays out of routing");
+                manager.fleet.update(|inner| {
+                    if let Some(en) = inner.engines.get_mut(id) {
+                        en.record.last_error = Some(why);
+                    }
+                });
+            }
             return;
         }
         None => {}
@@ -331,7 +337,7 @@ async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(Str
 /// routing (WEIGHT_SYNCING), restarted on a copy from an engine that serves the version, or a
 /// member of the trainer's next update (see `Manager::sync_weights`), then back into routing.
 /// If that fails, it is failed and restarted like an engine whose process died.
-async fn catch_up(manager: &Arc<Manager>, id: &str, version: &str) {
+async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &str, version: &str) {
     if manager.fleet.update(|inner| inner.engine_event(id, EngineEvent::UpdateWeights)).is_err() {
         return; // no longer UNHEALTHY
     }

@@ -9,9 +9,9 @@
 //! stream's writes the client's body into a channel and runs as that body is polled; a whole
 //! answer's runs in the request's own task and is sent, with its length, once complete. Neither
 //! has a task of its own (no extra wake-up per answer). The in-flight count moves with the
-//! request, so a draining engine is idle once its requests have moved. An answer that does not move is passed on as
-//! the engine wrote it, parsed only where it may have been aborted (and a text prompt's
-//! `prompt_token_ids`, asked for by the router, cut out of its bytes).
+//! request, so a draining engine is idle once its requests have moved. An answer that does not
+//! move is passed on as the engine wrote it, parsed only where it may have been aborted (and a
+//! text prompt's `prompt_token_ids`, asked for by the router, cut out of its bytes).
 
 use super::{engine_uri, EngineBody, RouterState};
 use crate::fleet::InFlightGuard;
@@ -723,7 +723,7 @@ async fn finish_body(part: &mut Part) {
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(haystack, needle)
 }
 
 /// The request was aborted right at its last token: its answer is complete.
