@@ -28,7 +28,8 @@ group and is killed at the end):
    (`--max-inflight-per-engine` = `--late-binding-cap`); `ours_old:capacity`, the defaults before
    issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding);
    `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
-   traffic: late binding in arrival order); `ours_base:<policy>`, the defaults of another build
+   traffic: late binding in arrival order); `ours_notail:capacity`, the defaults with
+   `--move-tail false` (no running request moves for the tail); `ours_base:<policy>`, the defaults of another build
    (`--baseline-binary`, to measure a change in the same invocation); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
@@ -80,6 +81,7 @@ ALL_ROUTERS = [
     "ours_lf:capacity",
     "ours_old:capacity",
     "ours_fifo:capacity",
+    "ours_notail:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -615,6 +617,11 @@ def scrape_ours(control: str) -> dict:
         "retries": g(r"^rollout_router_retries_total (\S+)$"),
         "errors": g(r"^rollout_router_errors_total\{[^}]*\} (\S+)$"),
         "auto_caps": [int(float(v)) for v in re.findall(AUTO_CAP, text, re.MULTILINE)],
+        "moves": {
+            reason: g(rf'^rollout_router_moves_total\{{reason="{reason}"\}} (\S+)$')
+            for reason in ("tail", "drain", "lost", "weight_update")
+        },
+        "move_prefill_tokens": g(r"^rollout_router_move_prefill_tokens_total (\S+)$"),
     }
 
 
@@ -711,7 +718,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_base"):
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_notail", "ours_base"):
             # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
             # instead of each engine's automatic one. ours_old: no late binding, arrival order.
             # ours_base: the defaults of another build (--baseline-binary).
@@ -721,6 +728,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
                 "ours_lf": ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"],
                 "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
                 "ours_fifo": ["--queue-order", "fifo"],
+                "ours_notail": ["--move-tail", "false"],
             }[kind]
             binary = Path(a.baseline_binary) if kind == "ours_base" else MANAGER
             target, info = start_ours(procs, a, policy, urls, tmp, extra, binary)
@@ -875,20 +883,38 @@ def representative(runs: list[dict]) -> dict:
     return min(runs, key=lambda r: (abs(r["makespan_s"] - m), r["repeat"]))
 
 
+def moves_cell(runs: list[dict]) -> str:
+    """Tail moves per run (median), where the router counts them."""
+    counts = [r["router_metrics"]["moves"]["tail"] for r in runs if r.get("router_metrics", {}).get("moves")]
+    return f"{median(counts):.0f}" if counts else "-"
+
+
+def prefill_cell(runs: list[dict]) -> str:
+    """Tokens prefilled again by moves, as a share of the output tokens (median)."""
+    shares = [
+        r["router_metrics"]["move_prefill_tokens"] / max(1, sum(r["per_engine_out_tokens"]))
+        for r in runs
+        if r.get("router_metrics", {}).get("moves")
+    ]
+    return f"{100 * median(shares):.1f}%" if shares else "-"
+
+
 def table(results: list[dict], lb: float) -> str:
     lines = [
         (
             "| router | policy | makespan (s), median [min-max] | / LB, median [min-max] | GRPO done (s) | "
             "sessions done (s) | engine last finish (s) | requests per engine | output tokens per engine (k) | "
-            "mean queue wait per engine (s) | prefix-cache hit | retractions | errors |"
+            "mean queue wait per engine (s) | prefix-cache hit | retractions | tail moves | "
+            "move prefill / output tokens | errors |"
         ),
-        "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     label = {
         "ours": "ours (defaults)",
         "ours_lf": "ours, fixed cap (--late-binding-cap)",
         "ours_old": "ours, old defaults (no cap, fifo)",
         "ours_fifo": "ours, --queue-order fifo",
+        "ours_notail": "ours, --move-tail false",
         "ours_base": "ours (defaults), --baseline-binary",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",
@@ -907,7 +933,7 @@ def table(results: list[dict], lb: float) -> str:
             f"{'/'.join(f'{t / 1000:.0f}' for t in r['per_engine_out_tokens'])} | "
             f"{'/'.join(f'{q:.1f}' for q in r['per_engine_mean_queue_s'])} | "
             f"{100 * median([x['cache_hit'] for x in runs]):.1f}% | "
-            f"{r['retractions']} | {sum(x['errors'] for x in runs)} |"
+            f"{r['retractions']} | {moves_cell(runs)} | {prefill_cell(runs)} | {sum(x['errors'] for x in runs)} |"
         )
     return "\n".join(lines)
 

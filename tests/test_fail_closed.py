@@ -218,7 +218,7 @@ def test_a_stream_whose_engine_dies_before_its_first_byte_is_sent_to_another(sta
 
 def test_a_stream_cut_by_its_engine_ends_with_an_error_event(start_fleet: StartManager) -> None:
     # Moves off: with them, the stream continues on another engine instead (tests/test_moves.py).
-    fleet = start_fleet("--engine-arg=--decode-tokens-per-sec=5", "--move-on-drain", "false")
+    fleet = start_fleet("--engine-arg=--decode-tokens-per-sec=5", "--move-on-drain", "false", "--move-tail", "false")
     body = {"text": "slow", "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     conn, resp = open_stream(fleet.router_url, body)
     try:

@@ -1,9 +1,12 @@
 """Running generations move between engines (issue 31): a scale-in moves a draining engine's
 requests to the engines that stay and cuts nothing; a stream whose engine dies continues on
-another. The client sees one answer: every token once, the original prompt's count, spans of
-every part, and where it ran (``meta_info.moves``, ``meta_info.engines``).
+another; at the end of a batch, requests on a busy engine move to an idle one (the tail). The
+client sees one answer: every token once, the original prompt's count, spans of every part, and
+where it ran (``meta_info.moves``, ``meta_info.engines``).
 
-Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router.
+Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router. The tests
+of other moves turn tail moves off (``--move-tail false``), so that each sees only the moves it
+is about.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
 
 BUDGET = 120
-SLOW = (
+TAIL = (
     "--engine-arg=--time-scale=1",
     "--engine-arg=--decode-tokens-per-sec=40",
     "--scale-in-drain-timeout-secs",
     "300",
 )
+SLOW = (*TAIL, "--move-tail", "false")
 
 
 def post(
@@ -60,11 +64,15 @@ def events(resp: Any, on_event: Callable[[int], None] = lambda n: None) -> list[
 
 
 def generate(
-    fleet: ManagerHandle, prompt: list[int], stream: bool, headers: dict[str, str] | None = None
+    fleet: ManagerHandle,
+    prompt: list[int],
+    stream: bool,
+    headers: dict[str, str] | None = None,
+    budget: int = BUDGET,
 ) -> dict[str, Any]:
     """One `/generate` of `prompt` through the router: the final answer, and for a stream every
     event (each one's cumulative output ids, to check that none repeats or goes missing)."""
-    conn, resp = post(fleet, prompt, stream, headers=headers)
+    conn, resp = post(fleet, prompt, stream, budget=budget, headers=headers)
     try:
         if not stream:
             return {"answer": json.loads(resp.read()), "events": []}
@@ -74,19 +82,19 @@ def generate(
         conn.close()
 
 
-def check_whole(result: dict[str, Any], prompt: list[int] | int) -> None:
-    """A complete answer of BUDGET tokens to `prompt` (its ids, or its token count)."""
+def check_whole(result: dict[str, Any], prompt: list[int] | int, budget: int = BUDGET) -> None:
+    """A complete answer of `budget` tokens to `prompt` (its ids, or its token count)."""
     answer = result["answer"]
     assert "error" not in answer, answer
     meta = answer["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": BUDGET}, meta
-    assert len(answer["output_ids"]) == meta["completion_tokens"] == BUDGET, meta
+    assert meta["finish_reason"] == {"type": "length", "length": budget}, meta
+    assert len(answer["output_ids"]) == meta["completion_tokens"] == budget, meta
     assert meta["prompt_tokens"] == (prompt if isinstance(prompt, int) else len(prompt)), meta
     # Releases before 0.5.23 report spans only when the version changed; a moved answer always
     # has them (one per part).
     if "weight_versions" in meta or "moves" in meta:
         spans = meta["weight_versions"]
-        assert spans[0]["start"] == 0 and spans[-1]["end"] == BUDGET, spans
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == budget, spans
         assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans)), spans
     # A stream's events: each one's ids extend the previous one's, so no token repeats or is missing.
     previous: list[int] = []
@@ -132,6 +140,41 @@ def test_a_scale_in_moves_running_requests_and_cuts_nothing(start_fleet: StartMa
     assert extra == {"moves", "engines"}, extra
     metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
     assert metric_total(metrics, 'rollout_router_moves_total{reason="drain"}') >= len(moved)
+
+
+def test_the_tail_moves_requests_from_a_busy_engine_to_an_idle_one(start_fleet: StartManager) -> None:
+    """Eight long requests run on two engines and none waits in the router; a third engine joins
+    idle. The tail planner moves requests to it until no engine runs two more than another: each
+    moved answer is whole and token-exact, says ``reason: tail`` and ran last on the new engine
+    or where the plan left room, and the metric counts the moves."""
+    fleet = start_fleet(*TAIL)
+    budget = 480  # 12 s at 40 tokens/s: still running when the third engine is up
+    prompts = [[300 + i, 5, 6, 7] for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(generate, fleet, p, i % 2 == 0, None, budget) for i, p in enumerate(prompts)]
+        wait_until(
+            lambda: sum(e.raw.get("in_flight", 0) for e in fleet.engines().engines) == len(prompts),
+            30,
+            "every request to run on an engine",
+        )
+        op = fleet.client.scale_out(num_replicas=3)
+        assert op.request_id is not None
+        assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+        results = [f.result(timeout=120) for f in futures]
+    for result, prompt in zip(results, prompts, strict=True):
+        check_whole(result, prompt, budget)
+    moved = [r for r in results if r["answer"]["meta_info"].get("moves")]
+    assert len(moved) >= 2, [r["answer"]["meta_info"].get("engines") for r in results]
+    for result in moved:
+        meta = result["answer"]["meta_info"]
+        assert {m["reason"] for m in meta["moves"]} == {"tail"}, meta["moves"]
+        assert len(meta["engines"]) == len(meta["moves"]) + 1, meta
+        assert all(0 < m["at_token"] < budget for m in meta["moves"]), meta["moves"]
+    assert any("engine_2" in r["answer"]["meta_info"]["engines"] for r in moved), [
+        r["answer"]["meta_info"]["engines"] for r in moved
+    ]
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_moves_total{reason="tail"}') >= len(moved)
 
 
 def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManager) -> None:

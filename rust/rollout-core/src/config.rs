@@ -303,6 +303,18 @@ pub struct ServeConfig {
     #[arg(long, value_enum, default_value_t = crate::routing::QueueOrder::LongestFirst, help_heading = heading::ROUTER)]
     #[serde(default)]
     pub queue_order: crate::routing::QueueOrder,
+    /// Move running requests for the long tail of a batch (`/generate` requests that can move,
+    /// see --move-on-drain).
+    ///
+    /// When no request waits in the router and one engine runs at least two requests more than
+    /// another of the same weight version, the requests with the most expected output left
+    /// (learned lengths, output so far) are aborted there and continue on the less loaded
+    /// engine from their prompt and output so far, where that is worth the prefill
+    /// (`rollout_core::tail`). The client sees one answer. Off: requests finish where they
+    /// started (moves for a drain, a lost engine and partial rollout are unaffected).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL", help_heading = heading::ROUTER)]
+    #[serde(default = "default_true")]
+    pub move_tail: bool,
     /// Threads of the data plane (the router port); 0: one per available core.
     ///
     /// Each runs a single-thread runtime of its own, and client connections are handed to them
@@ -559,6 +571,11 @@ impl ServeConfig {
     pub fn initial_engines(&self) -> u32 {
         self.rollout_num_gpus.checked_div(self.rollout_num_gpus_per_engine).unwrap_or(0)
     }
+}
+
+/// Serde's default for flags that are on unless turned off.
+fn default_true() -> bool {
+    true
 }
 
 #[cfg(test)]

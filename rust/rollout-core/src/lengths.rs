@@ -171,6 +171,12 @@ impl LengthEstimator {
         self.output.get().map(|v| v.round() as u64)
     }
 
+    /// Output tokens per second of one request (start to end), fleet-wide; None before any
+    /// answer.
+    pub fn rate(&self) -> Option<f64> {
+        self.rate.get()
+    }
+
     /// Mean KV footprint (prompt + output tokens) of recent answers, fleet-wide.
     pub fn mean_footprint(&self) -> Option<u64> {
         self.footprint.get().map(|v| v.round() as u64)

@@ -25,6 +25,7 @@ pub mod routing;
 pub mod scale_in;
 pub mod scale_out;
 pub mod state;
+pub mod tail;
 pub mod weights;
 
 pub use addr::EngineAddr;

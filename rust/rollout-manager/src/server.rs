@@ -131,6 +131,7 @@ impl Server {
         .layer(axum::middleware::from_fn_with_state(token.clone(), crate::auth::require_token))
         .layer(axum::middleware::from_fn_with_state(api::BODY_LIMIT, crate::http_serve::read_body_first));
         let router = crate::router::router(manager.fleet.clone(), manager.config.clone(), router_metrics, token);
+        manager.tasks.spawn(router.tail_planner(manager.shutdown.clone()));
 
         let stop = manager.shutdown.clone();
         manager.tasks.spawn(async move {

@@ -54,6 +54,7 @@ mod moving;
 mod peek;
 mod pool;
 mod table;
+pub mod tail;
 pub use pool::set_thread_slot;
 
 use crate::error::error_body;
@@ -117,6 +118,8 @@ pub struct RouterState {
     affinity: Affinity,
     gate: Gate,
     routes: RouteCache,
+    /// Movable requests running now, for the tail planner (`--move-tail`).
+    tail: Arc<tail::Board>,
 }
 
 /// The data plane as served on the router port: the router's own routes go through an axum
@@ -126,6 +129,14 @@ pub struct RouterState {
 pub struct DataPlane {
     own: Router,
     state: Arc<RouterState>,
+}
+
+impl DataPlane {
+    /// The tail planner (`router::tail`), to run until `stop`; it returns at once with
+    /// `--move-tail false`.
+    pub fn tail_planner(&self, stop: tokio_util::sync::CancellationToken) -> impl Future<Output = ()> + use<> {
+        tail::run(self.state.clone(), stop)
+    }
 }
 
 /// Paths the router answers itself (the routes of [`DataPlane::own`]).
@@ -184,6 +195,7 @@ pub fn router(
         affinity: Affinity::new(100_000),
         gate: Gate::default(),
         routes: RouteCache::default(),
+        tail: Arc::default(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -434,7 +446,8 @@ fn movable_request(
     body: Bytes,
     partial_rollout: bool,
 ) -> (Bytes, Option<(serde_json::Value, rollout_core::moves::Movable, String)>) {
-    if !(state.config.move_on_drain || partial_rollout) || method != Method::POST || path != "/generate" {
+    let moves = state.config.move_on_drain || state.config.move_tail || partial_rollout;
+    if !moves || method != Method::POST || path != "/generate" {
         return (body, None);
     }
     // Only bodies with a prompt of ids or text are parsed whole.
@@ -769,6 +782,16 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             }
         };
         let sent = state.fleet.unless_lost(&backend.load, sent);
+        // On the tail planner's board while it runs (router::tail).
+        let on_board = movable.as_ref().filter(|_| state.config.move_tail).map(|(_, m, _)| {
+            let request = tail::Request {
+                class,
+                budget,
+                prompt: info.prompt_tokens,
+                ready: moving::ready(m, &Default::default()),
+            };
+            state.tail.enter(backend.load.clone(), request)
+        });
         // A movable request whose engine is asked to shed its requests before it answered is
         // aborted there (router::moving continues it elsewhere).
         let aborted = std::sync::atomic::AtomicBool::new(false);
@@ -776,7 +799,8 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
             match &movable {
                 // A streamed text prompt cannot move before its ids came back (with its first event).
                 Some((_, m, rid)) if moving::ready(m, &Default::default()) => {
-                    moving::abort_when_asked(&state, backend, &headers, rid, partial_rollout, &aborted).await
+                    let asked = moving::Asked { may_cross: partial_rollout, tail: on_board.as_ref() };
+                    moving::abort_when_asked(&state, backend, &headers, rid, asked, &aborted).await
                 }
                 _ => std::future::pending().await,
             }
@@ -829,6 +853,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                         may_cross: partial_rollout,
                         tokens,
                         timeout,
+                        tail: on_board,
                     };
                     let part = moving::Part {
                         engine_id: backend.engine_id.clone(),

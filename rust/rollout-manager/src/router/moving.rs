@@ -57,6 +57,8 @@ pub(super) struct Request {
     pub may_cross: bool,
     pub tokens: u64,
     pub timeout: Duration,
+    /// Its place on the tail planner's board (`--move-tail`).
+    pub tail: Option<super::tail::Entry>,
 }
 
 /// The engine a part runs on, with the request counted on it.
@@ -298,6 +300,9 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                     "at_token": produced.output_ids.len(), "reason": reason,
                 }));
                 produced.engines.push(next.engine_id.clone());
+                if let Some(entry) = &request.tail {
+                    entry.moved(next.route.load.clone(), produced.output_ids.len(), reason == "tail");
+                }
                 tracing::info!(from = %part.engine_id, to = %next.engine_id, at_token = produced.output_ids.len(),
                     reason, "request moved");
                 part = next;
@@ -314,7 +319,8 @@ async fn run(request: Request, first: Part, client: &mut Out) {
 /// Sends the continuation to the least loaded other engine the request may use (on the
 /// version `from` ran on, unless it may cross), waiting up to `--version-wait-secs` for one;
 /// the request is counted there from now on. After a weight update's abort, `from`'s own
-/// engine (back on the new version) may take it too.
+/// engine (back on the new version) may take it too, and after a tail move (planned for a less
+/// loaded engine, which may have filled meanwhile) as well.
 async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
@@ -325,7 +331,7 @@ async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) ->
     let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| none())?;
     let route = routes
         .iter()
-        .filter(|r| reason == "weight_update" || !Arc::ptr_eq(&r.load, &from.route.load))
+        .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
         .min_by_key(|r| r.load.get())
         .ok_or_else(none)?
         .clone();
@@ -416,6 +422,15 @@ fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
         && may_move(&request.state, &part.route, request.may_cross)
 }
 
+/// Whether the tail planner asked this request to move.
+fn tail_move_asked(request: &Request) -> bool {
+    request.tail.as_ref().is_some_and(super::tail::Entry::asked)
+}
+
+fn should_move_for_tail(request: &Request, produced: &Produced) -> bool {
+    produced.moves.len() < MAX_MOVES && ready(&request.movable, produced) && tail_move_asked(request)
+}
+
 /// While a movable request waits for its engine's response headers (a non-streamed answer
 /// sends them with its end): once the engine is asked to shed its requests, aborts this one
 /// there, so its answer comes at once with the output so far, and never resolves. `aborted`
@@ -425,21 +440,42 @@ pub(super) async fn abort_when_asked(
     route: &super::table::Route,
     headers: &HeaderMap,
     rid: &str,
-    may_cross: bool,
+    asked: Asked<'_>,
     aborted: &std::sync::atomic::AtomicBool,
 ) {
     let mut signal = route.load.move_signal();
     loop {
-        if may_move(state, route, may_cross) {
+        if may_move(state, route, asked.may_cross) || asked.tail.is_some_and(super::tail::Entry::asked) {
             aborted.store(true, std::sync::atomic::Ordering::Release);
             loop {
                 abort_rid(state, route, headers, rid).await;
                 tokio::time::sleep(ABORT_AGAIN).await;
             }
         }
-        if signal.changed().await.is_err() {
-            return std::future::pending().await;
+        tokio::select! {
+            changed = signal.changed() => if changed.is_err() {
+                // (The engine's load is gone; a tail move may still be asked.)
+                tail_asked(asked.tail).await;
+            },
+            () = tail_asked(asked.tail) => {}
         }
+    }
+}
+
+/// What may ask a request to move while it waits for its engine's response headers.
+#[derive(Clone, Copy)]
+pub(super) struct Asked<'a> {
+    /// The request may continue on another weight version (partial rollout).
+    pub may_cross: bool,
+    /// Its place on the tail planner's board.
+    pub tail: Option<&'a super::tail::Entry>,
+}
+
+/// Resolves when the tail planner asks the request to move (never without a board entry).
+async fn tail_asked(entry: Option<&super::tail::Entry>) {
+    match entry {
+        Some(e) => e.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -448,7 +484,7 @@ pub(super) async fn abort_when_asked(
 /// routing for the update, which a client's abort through the router never reaches).
 fn move_reason(request: &Request, part: &Part, mover: &Mover) -> Option<&'static str> {
     if mover.moving {
-        return Some("drain");
+        return Some(mover.reason);
     }
     let table = request.state.fleet.routes();
     let left_for_update =
@@ -456,21 +492,29 @@ fn move_reason(request: &Request, part: &Part, mover: &Mover) -> Option<&'static
     (request.may_cross && left_for_update).then_some("weight_update")
 }
 
-/// Whether a part is being moved, and when its abort was last sent.
+/// Whether a part is being moved, why, and when its abort was last sent.
 struct Mover {
     moving: bool,
+    /// `drain` (its engine sheds its requests) or `tail` (the tail planner asked).
+    reason: &'static str,
     aborted_at: tokio::time::Instant,
 }
 
 impl Mover {
-    fn new(part: &Part) -> Self {
-        Self { moving: part.aborted, aborted_at: tokio::time::Instant::now() }
+    fn new(request: &Request, part: &Part) -> Self {
+        let reason = if tail_move_asked(request) && !part.route.load.moves_requested() { "tail" } else { "drain" };
+        Self { moving: part.aborted, reason, aborted_at: tokio::time::Instant::now() }
     }
 
-    /// Starts the move when the part's engine asks for it, and sends the abort again while the
-    /// aborted answer has not ended ([`ABORT_AGAIN`]).
+    /// Starts the move when the part's engine asks for it or the tail planner does, and sends
+    /// the abort again while the aborted answer has not ended ([`ABORT_AGAIN`]).
     async fn step(&mut self, request: &Request, part: &Part, rid: &str, produced: &Produced) {
-        let start = !self.moving && should_move(request, part, produced);
+        let mut start = false;
+        if !self.moving && should_move(request, part, produced) {
+            (start, self.reason) = (true, "drain");
+        } else if !self.moving && should_move_for_tail(request, produced) {
+            (start, self.reason) = (true, "tail");
+        }
         if start || (self.moving && self.aborted_at.elapsed() >= ABORT_AGAIN) {
             self.moving = true;
             abort(request, part, rid).await;
@@ -491,12 +535,13 @@ async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mu
     if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
         buf.extend_from_slice(&f);
     }
-    let mut mover = Mover::new(part);
+    let mut mover = Mover::new(request, part);
     let mut signal = part.route.load.move_signal();
     loop {
         mover.step(request, part, rid, produced).await;
         tokio::select! {
             () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
+            () = tail_asked(request.tail.as_ref()), if !mover.moving => {}
             frame = part.body.frame() => match frame {
                 None => break,
                 Some(Ok(f)) => {
@@ -563,7 +608,7 @@ async fn stream_part(
     let unmoved = seen.before.moves.is_empty();
     let strip = request.movable.text && !request.movable.client_prompt_ids;
     let mut pending: Vec<u8> = Vec::new();
-    let mut mover = Mover::new(part);
+    let mut mover = Mover::new(request, part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
     // Why the request moves, once its abort's own event was held back.
@@ -576,6 +621,7 @@ async fn stream_part(
                 frame = part.body.frame() => frame,
                 _ = signal.changed() => continue,
                 () = tokio::time::sleep_until(mover.again()), if mover.moving => continue,
+                () = tail_asked(request.tail.as_ref()), if !mover.moving => continue,
             },
         };
         let data = match frame {
@@ -628,6 +674,9 @@ async fn stream_part(
             };
             if seen.before.output_ids.is_empty() {
                 produced.learn_prompt(&chunk);
+                if let Some(entry) = request.tail.as_ref().filter(|_| ready(&request.movable, produced)) {
+                    entry.set_ready();
+                }
             }
             let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
             let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
