@@ -28,8 +28,9 @@ group and is killed at the end):
    (`--max-inflight-per-engine` = `--late-binding-cap`); `ours_old:capacity`, the defaults before
    issue 17 (`--max-inflight-per-engine 0 --queue-order fifo`: no late binding);
    `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
-   traffic: late binding in arrival order); `ours_notail:capacity`, the defaults with
-   `--move-tail false` (no running request moves for the tail); `ours_base:<policy>`, the defaults of another build
+   traffic: late binding in arrival order); `ours_tail:capacity`, the defaults with
+   `--move-tail true` (running requests move for the tail, and short ones give their slot to
+   much longer waiting ones); `ours_base:<policy>`, the defaults of another build
    (`--baseline-binary`, to measure a change in the same invocation); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
@@ -39,7 +40,8 @@ group and is killed at the end):
    cap = batch size); every engine's `/v1/loads` is sampled every 0.25 s.
 5. Prints a markdown table (median and range over the repeats), writes
    benches/results/router_longtail.{json,md} and a PNG of load across engines over time
-   (ours capacity, vs the best smg policy by median makespan).
+   (ours capacity, vs the best smg policy by median makespan, or without smg in the run vs
+   `ours_tail:capacity`).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ ALL_ROUTERS = [
     "ours_lf:capacity",
     "ours_old:capacity",
     "ours_fifo:capacity",
-    "ours_notail:capacity",
+    "ours_tail:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -619,7 +621,7 @@ def scrape_ours(control: str) -> dict:
         "auto_caps": [int(float(v)) for v in re.findall(AUTO_CAP, text, re.MULTILINE)],
         "moves": {
             reason: g(rf'^rollout_router_moves_total\{{reason="{reason}"\}} (\S+)$')
-            for reason in ("tail", "drain", "lost", "weight_update")
+            for reason in ("tail", "preempt", "drain", "lost", "weight_update")
         },
         "move_prefill_tokens": g(r"^rollout_router_move_prefill_tokens_total (\S+)$"),
     }
@@ -718,7 +720,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_notail", "ours_base"):
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_tail", "ours_base"):
             # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
             # instead of each engine's automatic one. ours_old: no late binding, arrival order.
             # ours_base: the defaults of another build (--baseline-binary).
@@ -728,7 +730,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
                 "ours_lf": ["--max-inflight-per-engine", str(a.late_binding_cap), "--queue-order", "longest_first"],
                 "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
                 "ours_fifo": ["--queue-order", "fifo"],
-                "ours_notail": ["--move-tail", "false"],
+                "ours_tail": ["--move-tail", "true"],
             }[kind]
             binary = Path(a.baseline_binary) if kind == "ours_base" else MANAGER
             target, info = start_ours(procs, a, policy, urls, tmp, extra, binary)
@@ -833,6 +835,9 @@ def plot(results: list[dict], lb: float, path: Path, n: int, period: float) -> s
     ours = representative(groups[mine]) if mine else None
     smg = [n for n in groups if n.startswith("smg:") and all(r["errors"] == 0 for r in groups[n])]
     best = representative(groups[min(smg, key=lambda n: median([r["makespan_s"] for r in groups[n]]))]) if smg else None
+    if best is None and "ours_tail:capacity" in groups:
+        # Without smg in the run: the same defaults with moves for the tail.
+        best = representative(groups["ours_tail:capacity"])
     rows = [r for r in (ours, best) if r]
     if not rows:
         return "nothing to plot"
@@ -884,9 +889,11 @@ def representative(runs: list[dict]) -> dict:
 
 
 def moves_cell(runs: list[dict]) -> str:
-    """Tail moves per run (median), where the router counts them."""
-    counts = [r["router_metrics"]["moves"]["tail"] for r in runs if r.get("router_metrics", {}).get("moves")]
-    return f"{median(counts):.0f}" if counts else "-"
+    """Tail moves / preemptions per run (median), where the router counts them."""
+    moves = [r["router_metrics"]["moves"] for r in runs if r.get("router_metrics", {}).get("moves")]
+    if not moves:
+        return "-"
+    return "/".join(f"{median(m.get(k, 0) for m in moves):.0f}" for k in ("tail", "preempt"))
 
 
 def prefill_cell(runs: list[dict]) -> str:
@@ -904,7 +911,7 @@ def table(results: list[dict], lb: float) -> str:
         (
             "| router | policy | makespan (s), median [min-max] | / LB, median [min-max] | GRPO done (s) | "
             "sessions done (s) | engine last finish (s) | requests per engine | output tokens per engine (k) | "
-            "mean queue wait per engine (s) | prefix-cache hit | retractions | tail moves | "
+            "mean queue wait per engine (s) | prefix-cache hit | retractions | moves: tail/preempt | "
             "move prefill / output tokens | errors |"
         ),
         "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|",
@@ -914,7 +921,7 @@ def table(results: list[dict], lb: float) -> str:
         "ours_lf": "ours, fixed cap (--late-binding-cap)",
         "ours_old": "ours, old defaults (no cap, fifo)",
         "ours_fifo": "ours, --queue-order fifo",
-        "ours_notail": "ours, --move-tail false",
+        "ours_tail": "ours, --move-tail true",
         "ours_base": "ours (defaults), --baseline-binary",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",

@@ -4,9 +4,9 @@ another; at the end of a batch, requests on a busy engine move to an idle one (t
 client sees one answer: every token once, the original prompt's count, spans of every part, and
 where it ran (``meta_info.moves``, ``meta_info.engines``).
 
-Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router. The tests
-of other moves turn tail moves off (``--move-tail false``), so that each sees only the moves it
-is about.
+Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router. Tail
+moves and preemption are opt-in (``--move-tail true``); the tests of other moves leave them off,
+so that each sees only the moves it is about.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
 
 BUDGET = 120
-TAIL = (
+SLOW = (
     "--engine-arg=--time-scale=1",
     "--engine-arg=--decode-tokens-per-sec=40",
     "--scale-in-drain-timeout-secs",
     "300",
 )
-SLOW = (*TAIL, "--move-tail", "false")
+TAIL = (*SLOW, "--move-tail", "true")
 
 
 def post(
@@ -175,6 +175,62 @@ def test_the_tail_moves_requests_from_a_busy_engine_to_an_idle_one(start_fleet: 
     ]
     metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
     assert metric_total(metrics, 'rollout_router_moves_total{reason="tail"}') >= len(moved)
+
+
+def test_a_request_expected_much_longer_takes_the_slot_of_a_short_one(start_fleet: StartManager) -> None:
+    """Every request asks for the same budget and stops at its own length (as in RL rollouts).
+    The router learned that one prompt answers short and another long. Two requests of the short
+    prompt (which run long this time) hold both slots (one per engine) when a request of the long
+    prompt arrives: the planner preempts one of them, the long one takes its slot, and the
+    preempted one continues from its output once a slot frees. Every answer is whole."""
+    fleet = start_fleet(
+        "--engine-arg=--time-scale=1",
+        "--engine-arg=--decode-tokens-per-sec=200",
+        "--engine-arg=--eos-prob=1",
+        "--max-inflight-per-engine",
+        "1",
+        "--move-tail",
+        "true",
+    )
+    short, long_ = [11, 12, 13], [21, 22, 23]
+
+    def gen(prompt: list[int], length: int, stream: bool = False) -> dict[str, Any]:
+        parsed = urllib.parse.urlsplit(fleet.router_url)
+        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+        body = {
+            "input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": 4000, "min_new_tokens": length - 1},
+        }  # fmt: skip
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:300]
+            answer = events(resp)[-1] if stream else json.loads(resp.read())
+        finally:
+            conn.close()
+        assert "error" not in answer, answer
+        assert len(answer["output_ids"]) == answer["meta_info"]["completion_tokens"] == length, answer["meta_info"]
+        return dict(answer["meta_info"])
+
+    for prompt, length in ((short, 20), (short, 20), (long_, 1000)):
+        gen(prompt, length)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        victims = [pool.submit(gen, short, 2000, stream) for stream in (False, True)]
+        wait_until(
+            lambda: sum(e.raw.get("in_flight", 0) for e in fleet.engines().engines) == 2,
+            30,
+            "both slots to be taken",
+        )
+        waiting = pool.submit(gen, long_, 400)
+        long_meta = waiting.result(timeout=120)
+        metas = [v.result(timeout=120) for v in victims]
+    assert not long_meta.get("moves"), long_meta
+    preempted = [m for m in metas if m.get("moves")]
+    assert len(preempted) == 1, metas
+    assert [m["reason"] for m in preempted[0]["moves"]] == ["preempt"], preempted[0]["moves"]
+    assert 0 < preempted[0]["moves"][0]["at_token"] < 2000, preempted[0]["moves"]
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_moves_total{reason="preempt"}') == 1
 
 
 def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManager) -> None:

@@ -310,10 +310,15 @@ pub struct ServeConfig {
     /// another of the same weight version, the requests with the most expected output left
     /// (learned lengths, output so far) are aborted there and continue on the less loaded
     /// engine from their prompt and output so far, where that is worth the prefill
-    /// (`rollout_core::tail`). The client sees one answer. Off: requests finish where they
-    /// started (moves for a drain, a lost engine and partial rollout are unaffected).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL", help_heading = heading::ROUTER)]
-    #[serde(default = "default_true")]
+    /// (`rollout_core::tail`). While requests wait and every engine is at its cap, a running
+    /// request with at most half a waiting one's expected output left gives it its slot and
+    /// continues later from its output so far (preemption). The client sees one answer. Off
+    /// by default: on the simulator's GRPO bench it did not shorten batches reliably and
+    /// re-prefilled 5-50% of the output tokens (benches/README.md); with it off requests
+    /// finish where they started (moves for a drain, a lost engine and partial rollout are
+    /// unaffected).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL", help_heading = heading::ROUTER)]
+    #[serde(default)]
     pub move_tail: bool,
     /// Threads of the data plane (the router port); 0: one per available core.
     ///
@@ -571,11 +576,6 @@ impl ServeConfig {
     pub fn initial_engines(&self) -> u32 {
         self.rollout_num_gpus.checked_div(self.rollout_num_gpus_per_engine).unwrap_or(0)
     }
-}
-
-/// Serde's default for flags that are on unless turned off.
-fn default_true() -> bool {
-    true
 }
 
 #[cfg(test)]

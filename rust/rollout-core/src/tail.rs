@@ -1,4 +1,5 @@
-//! The long tail of a batch: which running requests the router moves, and where.
+//! The long tail of a batch: which running requests the router moves, and where ([`plan`]),
+//! and which it sends back to its queue to make room for much longer ones ([`preempt`]).
 //!
 //! A batch of rollouts ends unevenly: once the router has nothing left to send, some engines
 //! run out of work while others still run several long generations, and the batch lasts as
@@ -10,10 +11,12 @@
 //! - nothing while any request waits in the router (a freed slot is better filled with new work
 //!   than with moved work);
 //! - otherwise, among engines of one group (one weight version: a request never moves across
-//!   versions here), while the most loaded engine has at least two requests more than the
-//!   least loaded one and that one is under its cap, the request of the most loaded engine
-//!   with the most expected work left moves to the least loaded. Every move narrows the gap,
-//!   so a plan is finite and a request never moves back by the next plan of the same state;
+//!   versions here), while the most loaded engine holds at least twice the requests of the
+//!   least loaded one plus two, and that one is under its cap, the request of the most loaded
+//!   engine with the most expected work left moves to the least loaded. Engines that are about
+//!   equally busy keep their requests: a request decodes barely faster in a batch a little
+//!   smaller, and its prefill stalls the batch it joins. Every move narrows the gap, so a plan
+//!   is finite and a request never moves back by the next plan of the same state;
 //! - a request moves only when it is worth its prefill: at least [`MIN_LEFT`] tokens expected
 //!   left, and at least one token left for every [`COST_RATIO`] tokens of context the new
 //!   engine must prefill (an engine prefills hundreds of tokens in the time one request decodes
@@ -34,6 +37,9 @@ pub struct Running {
     pub so_far: u64,
     /// Its expected output in all, when the router has learned one for its class.
     pub expected: Option<u64>,
+    /// Whether that expectation rests on finished answers of its class (not only on how long
+    /// its running members have run).
+    pub known: bool,
     /// Its output budget in all (`max_new_tokens`).
     pub budget: u64,
     /// Prompt tokens: a move prefills these plus `so_far` again.
@@ -90,6 +96,11 @@ pub fn worth_moving(r: &Running) -> bool {
         && left.saturating_mul(COST_RATIO) >= r.prompt.saturating_add(r.so_far)
 }
 
+/// Whether an engine running `from` requests should give one to an engine running `to`.
+pub fn wide_gap(from: usize, to: usize) -> bool {
+    from >= 2 * to + 2
+}
+
 /// The moves for the tail, given the engines and how many requests wait in the router.
 pub fn plan(engines: &[Engine], waiting: usize) -> Vec<Move> {
     let mut moves = Vec::new();
@@ -116,7 +127,7 @@ pub fn plan(engines: &[Engine], waiting: usize) -> Vec<Move> {
             let from = members.iter().copied().filter(|&i| !candidates[i].is_empty()).max_by_key(|&i| (counts[i], i));
             let to = members.iter().copied().filter(|&i| counts[i] < engines[i].cap).min_by_key(|&i| (counts[i], i));
             let (Some(from), Some(to)) = (from, to) else { break };
-            if counts[from] < counts[to] + 2 {
+            if !wide_gap(counts[from], counts[to]) {
                 break;
             }
             let Some((_, key)) = candidates[from].pop() else { break };
@@ -128,13 +139,58 @@ pub fn plan(engines: &[Engine], waiting: usize) -> Vec<Move> {
     moves
 }
 
+/// A waiting request's output must be expected at least this many times a running request's
+/// expected output left for that one to make room for it ([`preempt`]).
+pub const PREEMPT_FACTOR: u64 = 2;
+
+/// The running requests to stop and send back to the router's queue so that waiting requests
+/// expected to be much longer start now ("preempt"), given the engines and the expected output
+/// of the first requests waiting in the router, in queue order.
+///
+/// Longest-first ordering starts the groups known to be long first, but it learns which groups
+/// are long while every slot is taken, and a long request that waits for a slot ends the batch
+/// late. A running request whose expected output left ([`expected_left`]: a request that ran
+/// past its class's length is expected to go on as long again, so the long member of a short
+/// class is not the one to stop) is at most 1/[`PREEMPT_FACTOR`] of a waiting one's expected
+/// output gives up its slot: it is aborted, keeps its output so far, waits in the queue
+/// under its own expected length, and continues from where it stopped (a move) when a slot
+/// frees. Nothing is preempted while any engine has a free slot (the waiting request takes it),
+/// a request is chosen only when its class's length is learned from answers (`known`), when it is worth
+/// moving ([`worth_moving`]), and the least work left goes first; each waiting request takes
+/// at most one.
+pub fn preempt(engines: &[Engine], waiting: &[u64]) -> Vec<(usize, u64)> {
+    let mut chosen = Vec::new();
+    if waiting.is_empty() || engines.iter().any(|e| e.in_flight < e.cap) {
+        return chosen;
+    }
+    let mut victims: Vec<(u64, usize, u64)> = engines
+        .iter()
+        .enumerate()
+        .flat_map(|(i, e)| {
+            e.running.iter().filter(|r| r.known && worth_moving(r)).map(move |r| (expected_left(r), i, r.key))
+        })
+        .collect();
+    // The shortest expected last (popped first).
+    victims.sort_unstable_by(|a, b| b.cmp(a));
+    for &w in waiting {
+        match victims.last() {
+            Some(&(p, i, key)) if p.saturating_mul(PREEMPT_FACTOR) <= w => {
+                victims.pop();
+                chosen.push((i, key));
+            }
+            _ => break,
+        }
+    }
+    chosen
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
 
     fn req(key: u64, so_far: u64, expected: Option<u64>) -> Running {
-        Running { key, so_far, expected, budget: 4096, prompt: 100, tail_moves: 0 }
+        Running { key, so_far, expected, known: expected.is_some(), budget: 4096, prompt: 100, tail_moves: 0 }
     }
 
     fn engine(in_flight: usize, running: Vec<Running>) -> Engine {
@@ -153,14 +209,22 @@ mod tests {
             (4096, Some(5000), 4096, 0),
         ];
         for (so_far, expected, budget, left) in cases {
-            let r = Running { key: 0, so_far, expected, budget, prompt: 0, tail_moves: 0 };
+            let r = Running { key: 0, so_far, expected, known: true, budget, prompt: 0, tail_moves: 0 };
             assert_eq!(expected_left(&r), left, "so_far {so_far} expected {expected:?} budget {budget}");
         }
     }
 
     #[test]
     fn worth_moving_table() {
-        let base = Running { key: 0, so_far: 100, expected: Some(1100), budget: 4096, prompt: 100, tail_moves: 0 };
+        let base = Running {
+            key: 0,
+            so_far: 100,
+            expected: Some(1100),
+            known: true,
+            budget: 4096,
+            prompt: 100,
+            tail_moves: 0,
+        };
         assert!(worth_moving(&base));
         // Nearly done: not worth a prefill.
         assert!(!worth_moving(&Running { expected: Some(130), ..base }));
@@ -186,14 +250,23 @@ mod tests {
         ];
         let moves = plan(&engines, 0);
         // 4/3/0: engine 0's 2 (1900 left) goes to engine 2; then 3/3/1: engine 1's (it has the
-        // higher index among the most loaded with candidates) goes too; then 3/2/2: done.
-        assert_eq!(moves, vec![Move { from: 0, key: 2, to: 2 }, Move { from: 1, key: 5, to: 2 }]);
+        // higher index among the most loaded with candidates) is not twice 1 plus 2: done.
+        assert_eq!(moves, vec![Move { from: 0, key: 2, to: 2 }]);
     }
 
     #[test]
     fn a_gap_of_one_moves_nothing() {
         let engines = vec![engine(2, vec![req(1, 100, Some(2000)), req(2, 100, Some(2000))]), engine(1, vec![])];
         assert!(plan(&engines, 0).is_empty());
+    }
+
+    #[test]
+    fn wide_gap_table() {
+        for (from, to, wide) in
+            [(2, 0, true), (1, 0, false), (3, 1, false), (4, 1, true), (20, 17, false), (20, 9, true)]
+        {
+            assert_eq!(wide_gap(from, to), wide, "{from} -> {to}");
+        }
     }
 
     #[test]
@@ -218,8 +291,36 @@ mod tests {
         assert!(plan(&engines, 0).is_empty());
     }
 
+    #[test]
+    fn preempt_table() {
+        let full = |running: Vec<Running>| Engine { in_flight: 2, cap: 2, group: 0, running };
+        let short = req(1, 100, Some(300));
+        let long = req(2, 100, Some(2000));
+        let unknown = req(3, 100, None);
+        // A waiting request six times the short one's work left (200) takes its slot.
+        assert_eq!(preempt(&[full(vec![short, long])], &[1200]), vec![(0, 1)]);
+        // Not twice its work left: nothing.
+        assert!(preempt(&[full(vec![short, long])], &[300]).is_empty());
+        // A free slot somewhere: the waiting request takes that instead.
+        let mut roomy = full(vec![]);
+        roomy.in_flight = 1;
+        assert!(preempt(&[full(vec![short, long]), roomy], &[1200]).is_empty());
+        // A member of a short class that already ran long: expected to go on, not a victim.
+        let ran_long = req(5, 900, Some(300));
+        assert!(preempt(&[full(vec![ran_long, long])], &[1200]).is_empty());
+        // Lengths unknown, or guessed only from running members: never a victim.
+        assert!(preempt(&[full(vec![unknown, long])], &[1200]).is_empty());
+        let guessed = Running { known: false, ..short };
+        assert!(preempt(&[full(vec![guessed, long])], &[1200]).is_empty());
+        // Two waiting, one victim fits: one; the shortest victims go first, across engines.
+        let other = req(4, 100, Some(200));
+        assert_eq!(preempt(&[full(vec![short]), full(vec![other])], &[1200, 1000, 10]), vec![(1, 4), (0, 1)]);
+        // Nothing waits: nothing.
+        assert!(preempt(&[full(vec![short])], &[]).is_empty());
+    }
+
     fn engines_strategy() -> impl Strategy<Value = Vec<Engine>> {
-        let running = (0u64..3000, proptest::option::of(0u64..4000), 0u64..2000, 0u32..3);
+        let running = (0u64..3000, proptest::option::of(0u64..4000), 0u64..2000, 0u32..3, any::<bool>());
         let eng = (0usize..12, 1usize..16, 0u64..2, proptest::collection::vec(running, 0..12));
         proptest::collection::vec(eng, 1..8).prop_map(|es| {
             let mut key = 0;
@@ -227,9 +328,9 @@ mod tests {
                 .map(|(extra, cap, group, rs)| {
                     let running: Vec<Running> = rs
                         .into_iter()
-                        .map(|(so_far, expected, prompt, tail_moves)| {
+                        .map(|(so_far, expected, prompt, tail_moves, known)| {
                             key += 1;
-                            Running { key, so_far, expected, budget: 4096, prompt, tail_moves }
+                            Running { key, so_far, expected, known, budget: 4096, prompt, tail_moves }
                         })
                         .collect();
                     Engine { in_flight: running.len() + extra, cap, group, running }
@@ -252,7 +353,7 @@ mod tests {
                 let r = engines[m.from].running.iter().find(|r| r.key == m.key);
                 prop_assert!(r.is_some_and(worth_moving));
                 prop_assert_eq!(engines[m.from].group, engines[m.to].group);
-                prop_assert!(counts[m.from] >= counts[m.to] + 2);
+                prop_assert!(wide_gap(counts[m.from], counts[m.to]));
                 prop_assert!(counts[m.to] < engines[m.to].cap);
                 counts[m.from] -= 1;
                 counts[m.to] += 1;
@@ -260,6 +361,26 @@ mod tests {
             let total_before: usize = engines.iter().map(|e| e.in_flight).sum();
             prop_assert_eq!(counts.iter().sum::<usize>(), total_before);
             prop_assert!(moves.len() <= engines.iter().map(|e| e.running.len()).sum::<usize>());
+        }
+
+        /// Preemption chooses each running request at most once, only ones worth moving with a
+        /// known length at most 1/PREEMPT_FACTOR of the waiting request it makes room for, never
+        /// more than wait, and only when every engine is full.
+        #[test]
+        fn preemption_is_bounded(engines in engines_strategy(), waiting in proptest::collection::vec(0u64..8000, 0..10)) {
+            let mut waiting = waiting;
+            waiting.sort_unstable_by(|a, b| b.cmp(a));
+            let chosen = preempt(&engines, &waiting);
+            prop_assert!(chosen.len() <= waiting.len());
+            if !chosen.is_empty() {
+                prop_assert!(engines.iter().all(|e| e.in_flight >= e.cap));
+            }
+            let mut seen = std::collections::HashSet::new();
+            for (&(i, key), &w) in chosen.iter().zip(&waiting) {
+                prop_assert!(seen.insert(key));
+                let r = engines[i].running.iter().find(|r| r.key == key);
+                prop_assert!(r.is_some_and(|r| r.known && worth_moving(r) && expected_left(r) * PREEMPT_FACTOR <= w));
+            }
         }
 
         /// With a request waiting in the router nothing moves.

@@ -245,6 +245,24 @@ impl SlotQueue {
         inner.rekey_if_stale(self.order, now);
     }
 
+    /// The expected output of the first `n` waiting requests, in queue order, for preemption
+    /// (`rollout_core::tail::preempt`): only under `longest_first`, only requests whose length
+    /// the router predicts from their class, and not session turns (they already go first).
+    pub fn waiting_expected(&self, n: usize) -> Vec<u64> {
+        if self.order != QueueOrder::LongestFirst {
+            return Vec::new();
+        }
+        let inner = self.lock();
+        inner
+            .order
+            .values()
+            .filter_map(|id| inner.waiters.get(id))
+            .filter(|w| !w.session)
+            .filter_map(|w| inner.lengths.predict(w.class, w.budget))
+            .take(n)
+            .collect()
+    }
+
     /// Reads the length estimator.
     pub fn lengths<T>(&self, f: impl FnOnce(&LengthEstimator) -> T) -> T {
         f(&self.lock().lengths)

@@ -788,6 +788,7 @@ async fn proxy(State(state): State<Arc<RouterState>>, request: Request) -> Respo
                 class,
                 budget,
                 prompt: info.prompt_tokens,
+                session: info.session.is_some(),
                 ready: moving::ready(m, &Default::default()),
             };
             state.tail.enter(backend.load.clone(), request)
@@ -968,10 +969,10 @@ impl Drop for Learn {
 }
 
 /// Counts a request in `rollout_router_queued_requests` while it waits for a slot.
-struct QueuedGuard(Arc<RouterMetrics>);
+pub(super) struct QueuedGuard(Arc<RouterMetrics>);
 
 impl QueuedGuard {
-    fn new(metrics: Arc<RouterMetrics>) -> Self {
+    pub(super) fn new(metrics: Arc<RouterMetrics>) -> Self {
         metrics.queued.inc();
         Self(metrics)
     }

@@ -291,6 +291,9 @@ async fn run(request: Request, first: Part, client: &mut Out) {
         // The part ended: its engine no longer holds the request (a non-streamed continuation
         // answers only when it is done, and a drain must not wait for that).
         drop(part.guard.take());
+        if let Some(entry) = &request.tail {
+            entry.between_parts();
+        }
         match next_part(&request, &part, body, reason).await {
             Ok(next) => {
                 let prompt = produced.prompt(&request.movable).map_or(0, <[u64]>::len);
@@ -301,7 +304,11 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                 }));
                 produced.engines.push(next.engine_id.clone());
                 if let Some(entry) = &request.tail {
-                    entry.moved(next.route.load.clone(), produced.output_ids.len(), reason == "tail");
+                    entry.moved(
+                        next.route.load.clone(),
+                        produced.output_ids.len(),
+                        matches!(reason, "tail" | "preempt"),
+                    );
                 }
                 tracing::info!(from = %part.engine_id, to = %next.engine_id, at_token = produced.output_ids.len(),
                     reason, "request moved");
@@ -322,6 +329,9 @@ async fn run(request: Request, first: Part, client: &mut Out) {
 /// engine (back on the new version) may take it too, and after a tail move (planned for a less
 /// loaded engine, which may have filled meanwhile) as well.
 async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
+    if reason == "preempt" {
+        return queued_part(request, from, body).await;
+    }
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
     let none = || match &pin {
@@ -336,6 +346,17 @@ async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) ->
         .ok_or_else(none)?
         .clone();
     let guard = route.load.enter(request.tokens);
+    send_part(request, route, guard, body).await
+}
+
+/// Sends a continuation to `route` (counted there by `guard`).
+async fn send_part(
+    request: &Request,
+    route: super::table::Route,
+    guard: InFlightGuard,
+    body: Value,
+) -> Result<Part, String> {
+    let state = &request.state;
     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
     let resp = send(state, &route, &Method::POST, &request.path, &request.headers, bytes, request.timeout).await?;
     if resp.status() != StatusCode::OK {
@@ -422,13 +443,55 @@ fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
         && may_move(&request.state, &part.route, request.may_cross)
 }
 
-/// Whether the tail planner asked this request to move.
-fn tail_move_asked(request: &Request) -> bool {
-    request.tail.as_ref().is_some_and(super::tail::Entry::asked)
+/// Why the planner asked this request to move (`tail`, `preempt`), if it did.
+fn planned_move(request: &Request) -> Option<&'static str> {
+    request.tail.as_ref().and_then(super::tail::Entry::asked)
 }
 
-fn should_move_for_tail(request: &Request, produced: &Produced) -> bool {
-    produced.moves.len() < MAX_MOVES && ready(&request.movable, produced) && tail_move_asked(request)
+fn should_move_for_plan(request: &Request, produced: &Produced) -> Option<&'static str> {
+    planned_move(request).filter(|_| produced.moves.len() < MAX_MOVES && ready(&request.movable, produced))
+}
+
+/// Sends the continuation of a preempted request once the router's queue gives it a slot: it
+/// waits there under its own expected length like any waiting request (the slot it gave up
+/// goes to a longer one), then takes the least loaded engine with a free slot that serves the
+/// version its part ran on.
+async fn queued_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
+    let state = &request.state;
+    let entry = request.tail.as_ref().ok_or("a preempted request without its place on the board")?;
+    let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
+    let cap_mode = state.config.max_inflight_per_engine;
+    let queue = state.fleet.slot_queue().clone();
+    let ticket = queue.join(entry.joining());
+    let _queued = super::QueuedGuard::new(state.metrics.clone());
+    let mut changes = state.fleet.subscribe();
+    let mut turn = ticket.is_head();
+    loop {
+        if turn {
+            let routes = super::candidates(state, pin.as_ref())
+                .await
+                .map_err(|_| "no engine serves the version it ran on to continue on".to_string())?;
+            let free = |r: &&super::table::Route| r.load.get() < super::engine_cap(cap_mode, &r.load);
+            if let Some(route) = routes.iter().filter(free).min_by_key(|r| r.load.get()) {
+                if let Some(guard) = route.load.try_enter(request.tokens, super::engine_cap(cap_mode, &route.load)) {
+                    drop(ticket);
+                    if routes.iter().any(|r| free(&r)) {
+                        // Another slot is free: the next in line takes it.
+                        queue.wake_next();
+                    }
+                    return send_part(request, route.clone(), guard, body).await;
+                }
+            }
+        }
+        tokio::select! {
+            () = ticket.woken() => turn = true,
+            changed = changes.changed() => match changed {
+                Ok(()) => turn = ticket.is_head(),
+                Err(_) => return Err("the manager is shutting down".into()),
+            },
+            () = tokio::time::sleep(Duration::from_millis(50)) => turn = ticket.is_head(),
+        }
+    }
 }
 
 /// While a movable request waits for its engine's response headers (a non-streamed answer
@@ -445,7 +508,7 @@ pub(super) async fn abort_when_asked(
 ) {
     let mut signal = route.load.move_signal();
     loop {
-        if may_move(state, route, asked.may_cross) || asked.tail.is_some_and(super::tail::Entry::asked) {
+        if may_move(state, route, asked.may_cross) || asked.tail.is_some_and(|e| e.asked().is_some()) {
             aborted.store(true, std::sync::atomic::Ordering::Release);
             loop {
                 abort_rid(state, route, headers, rid).await;
@@ -502,7 +565,10 @@ struct Mover {
 
 impl Mover {
     fn new(request: &Request, part: &Part) -> Self {
-        let reason = if tail_move_asked(request) && !part.route.load.moves_requested() { "tail" } else { "drain" };
+        let reason = match planned_move(request) {
+            Some(why) if !part.route.load.moves_requested() => why,
+            _ => "drain",
+        };
         Self { moving: part.aborted, reason, aborted_at: tokio::time::Instant::now() }
     }
 
@@ -512,8 +578,8 @@ impl Mover {
         let mut start = false;
         if !self.moving && should_move(request, part, produced) {
             (start, self.reason) = (true, "drain");
-        } else if !self.moving && should_move_for_tail(request, produced) {
-            (start, self.reason) = (true, "tail");
+        } else if let Some(why) = should_move_for_plan(request, produced).filter(|_| !self.moving) {
+            (start, self.reason) = (true, why);
         }
         if start || (self.moving && self.aborted_at.elapsed() >= ABORT_AGAIN) {
             self.moving = true;

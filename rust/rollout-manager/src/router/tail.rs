@@ -1,15 +1,18 @@
-//! Moves for the long tail of a batch (`--move-tail`; the decision is
-//! `rollout_core::tail::plan`).
+//! Moves for the long tail of a batch (`--move-tail`; the decisions are
+//! `rollout_core::tail::plan` and `rollout_core::tail::preempt`).
 //!
 //! Every movable request running on an engine holds an [`Entry`] on the router's [`Board`]:
 //! which engine runs its current part and since when, how much it produced before (and, for a
 //! stream, so far), and a flag the planner sets to ask it to move. [`run`] looks at the board
-//! every [`PLAN_EVERY`]: when no request waits in the router, no weight update is in flight and
-//! no earlier move is still under way, it takes a snapshot (the engines' in-flight counts and
-//! caps, each request's expected output from the router's learned lengths) and asks the
-//! requests `plan` picked to move. A request asked to move is aborted on its engine by its own
+//! every [`PLAN_EVERY`]: when no weight update is in flight and no earlier move is still under
+//! way, it takes a snapshot (the engines' in-flight counts and caps, each request's expected
+//! output from the router's learned lengths). With nothing waiting in the router, it asks the
+//! requests `plan` picked to move (reason `tail`): each is aborted on its engine by its own
 //! answer's future (`router::moving`, as for a drain) and continues on the least loaded engine
-//! it may use; its answer's `meta_info.moves` says `reason: tail`.
+//! it may use. With requests waiting and every engine full, it asks the requests `preempt`
+//! picked to give their slot to a waiting request expected to be much longer (reason
+//! `preempt`): each is aborted the same way and its continuation waits in the router's queue
+//! under its own expected length. A moved answer's `meta_info.moves` names the reason.
 //!
 //! Output so far: what earlier parts produced, plus an estimate for the current part from how
 //! long it has run at the fleet's per-request generation rate (a whole answer shows nothing
@@ -50,6 +53,7 @@ pub struct Ticket {
     class: Option<u64>,
     budget: u64,
     prompt: u64,
+    session: bool,
     part: Mutex<Part>,
     /// Output tokens of its earlier parts.
     produced: AtomicU64,
@@ -62,10 +66,11 @@ pub struct Ticket {
 /// The engine running a request's current part.
 #[derive(Debug)]
 struct Part {
-    load: Arc<EngineLoad>,
+    /// None between two parts (a preempted request waiting in the queue).
+    load: Option<Arc<EngineLoad>>,
     since: Instant,
-    /// When the planner asked it to move; None when it was not asked.
-    asked: Option<Instant>,
+    /// When and why (`tail`, `preempt`) the planner asked it to move; None when it was not.
+    asked: Option<(Instant, &'static str)>,
 }
 
 impl Board {
@@ -82,7 +87,8 @@ impl Board {
             class: request.class,
             budget: request.budget,
             prompt: request.prompt,
-            part: Mutex::new(Part { load, since: Instant::now(), asked: None }),
+            session: request.session,
+            part: Mutex::new(Part { load: Some(load), since: Instant::now(), asked: None }),
             produced: AtomicU64::new(0),
             ready: AtomicBool::new(request.ready),
             tail_moves: AtomicU32::new(0),
@@ -106,6 +112,8 @@ pub struct Request {
     pub budget: u64,
     /// Its prompt tokens (estimated for a text prompt).
     pub prompt: u64,
+    /// Whether it is a turn of a multi-turn session.
+    pub session: bool,
     /// Whether it can move from the start.
     pub ready: bool,
 }
@@ -128,9 +136,15 @@ impl Entry {
         self.ticket.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether the planner asked it to move.
-    pub fn asked(&self) -> bool {
-        self.part().asked.is_some()
+    /// Why the planner asked it to move (`tail`, `preempt`), if it did.
+    pub fn asked(&self) -> Option<&'static str> {
+        self.part().asked.map(|(_, why)| why)
+    }
+
+    /// How it waits in the router's queue when it is preempted.
+    pub fn joining(&self) -> crate::slots::Joining {
+        let t = &self.ticket;
+        crate::slots::Joining { class: t.class, budget: t.budget, session: t.session }
     }
 
     /// Resolves when the planner asks it to move (at once if it already did and nobody
@@ -144,15 +158,20 @@ impl Entry {
         self.ticket.ready.store(true, Ordering::Relaxed);
     }
 
-    /// Its next part runs on `load`, after `produced` output tokens; `tail` when it moved for
-    /// the tail.
-    pub fn moved(&self, load: Arc<EngineLoad>, produced: usize, tail: bool) {
+    /// Its next part runs on `load`, after `produced` output tokens; `planned` when the
+    /// planner moved it (for the tail or a preemption).
+    pub fn moved(&self, load: Arc<EngineLoad>, produced: usize, planned: bool) {
         self.ticket.produced.store(produced as u64, Ordering::Relaxed);
         self.ticket.ready.store(true, Ordering::Relaxed);
-        if tail {
+        if planned {
             self.ticket.tail_moves.fetch_add(1, Ordering::Relaxed);
         }
-        *self.part() = Part { load, since: Instant::now(), asked: None };
+        *self.part() = Part { load: Some(load), since: Instant::now(), asked: None };
+    }
+
+    /// Its part ended and it moves: the planner leaves it alone until its next part runs.
+    pub fn between_parts(&self) {
+        *self.part() = Part { load: None, since: Instant::now(), asked: None };
     }
 }
 
@@ -181,7 +200,7 @@ fn plan_once(state: &RouterState) {
     let queue = state.fleet.slot_queue();
     let waiting = queue.len();
     let table = state.fleet.routes();
-    if waiting > 0 || table.weights_updating || table.backends.len() < 2 {
+    if table.weights_updating || (waiting == 0 && table.backends.len() < 2) {
         return;
     }
     let now = Instant::now();
@@ -189,10 +208,12 @@ fn plan_once(state: &RouterState) {
     let mut parts = Vec::with_capacity(tickets.len());
     for t in &tickets {
         let part = t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if part.asked.is_some_and(|at| now.duration_since(at) < MOVE_SETTLES) {
+        if part.asked.is_some_and(|(at, _)| now.duration_since(at) < MOVE_SETTLES) {
             return;
         }
-        parts.push((part.load.clone(), part.since, part.asked.is_some()));
+        if let Some(load) = &part.load {
+            parts.push((t, load.clone(), part.since, part.asked.is_some()));
+        }
     }
     let versions: Vec<&Option<String>> = table.backends.iter().map(|b| &b.weight_version).collect();
     let mut engines: Vec<Engine> = table
@@ -207,7 +228,7 @@ fn plan_once(state: &RouterState) {
         .collect();
     queue.lengths(|lengths| {
         let rate = lengths.rate().unwrap_or(0.0);
-        for (t, (load, since, asked)) in tickets.iter().zip(&parts) {
+        for (t, load, since, asked) in &parts {
             if *asked || !t.ready.load(Ordering::Relaxed) {
                 continue;
             }
@@ -217,25 +238,33 @@ fn plan_once(state: &RouterState) {
                 key: t.key,
                 so_far: so_far.min(t.budget),
                 expected: lengths.predict(t.class, t.budget),
+                known: t.class.and_then(|c| lengths.class(c)).is_some_and(|s| s.count > 0),
                 budget: t.budget,
                 prompt: t.prompt,
                 tail_moves: t.tail_moves.load(Ordering::Relaxed),
             });
         }
     });
-    let moves = tail::plan(&engines, 0);
-    if moves.is_empty() {
+    let (chosen, why): (Vec<(usize, u64)>, &'static str) = if waiting > 0 {
+        let first = queue.waiting_expected(PREEMPT_LOOKAHEAD);
+        (tail::preempt(&engines, &first), "preempt")
+    } else {
+        (tail::plan(&engines, 0).into_iter().map(|m| (m.from, m.key)).collect(), "tail")
+    };
+    if chosen.is_empty() {
         return;
     }
     let by_key: HashMap<u64, &Arc<Ticket>> = tickets.iter().map(|t| (t.key, t)).collect();
-    for m in moves {
-        let Some(t) = by_key.get(&m.key) else { continue };
-        tracing::debug!(from = %table.backends[m.from].engine_id, to = %table.backends[m.to].engine_id,
-            "moving a request for the tail");
-        t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner).asked = Some(now);
+    for (from, key) in chosen {
+        let Some(t) = by_key.get(&key) else { continue };
+        tracing::debug!(engine_id = %table.backends[from].engine_id, why, "the planner moves a running request");
+        t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner).asked = Some((now, why));
         t.notify.notify_one();
     }
 }
+
+/// How many of the first waiting requests preemption looks at.
+const PREEMPT_LOOKAHEAD: usize = 16;
 
 /// An engine's in-flight cap for the plan (no cap: as many as the engine could ever hold).
 fn engine_cap(cap: InflightCap, load: &EngineLoad) -> usize {
