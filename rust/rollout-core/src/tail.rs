@@ -312,7 +312,7 @@ mod tests {
         assert!(preempt(&[full(vec![unknown, long])], &[1200]).is_empty());
         let guessed = Running { known: false, ..short };
         assert!(preempt(&[full(vec![guessed, long])], &[1200]).is_empty());
-        // Two waiting, one victim fits: one; the shortest victims go first, across engines.
+        // Three waiting, two victims fit: the least work left goes first, across engines.
         let other = req(4, 100, Some(200));
         assert_eq!(preempt(&[full(vec![short]), full(vec![other])], &[1200, 1000, 10]), vec![(1, 4), (0, 1)]);
         // Nothing waits: nothing.

@@ -60,6 +60,10 @@ pub struct Ticket {
     /// Whether it can move now (a streamed text prompt only once its ids came back).
     ready: AtomicBool,
     tail_moves: AtomicU32,
+    /// The output it was expected to have left when it was preempted (0: not preempted): it
+    /// waits in the queue under that, not under its class's whole length, so it neither takes
+    /// back the slot it gave up nor counts as a long waiting request for the next preemption.
+    left: AtomicU64,
     notify: Notify,
 }
 
@@ -92,6 +96,7 @@ impl Board {
             produced: AtomicU64::new(0),
             ready: AtomicBool::new(request.ready),
             tail_moves: AtomicU32::new(0),
+            left: AtomicU64::new(0),
             notify: Notify::new(),
         });
         self.lock().insert(key, ticket.clone());
@@ -144,7 +149,9 @@ impl Entry {
     /// How it waits in the router's queue when it is preempted.
     pub fn joining(&self) -> crate::slots::Joining {
         let t = &self.ticket;
-        crate::slots::Joining { class: t.class, budget: t.budget, session: t.session }
+        let left = t.left.load(Ordering::Relaxed);
+        let budget = if left > 0 { left.min(t.budget) } else { t.budget };
+        crate::slots::Joining { class: t.class, budget, session: false }
     }
 
     /// Resolves when the planner asks it to move (at once if it already did and nobody
@@ -229,7 +236,8 @@ fn plan_once(state: &RouterState) {
     queue.lengths(|lengths| {
         let rate = lengths.rate().unwrap_or(0.0);
         for (t, load, since, asked) in &parts {
-            if *asked || !t.ready.load(Ordering::Relaxed) {
+            // Session turns go first in the queue: never preempted (they would come straight back).
+            if *asked || !t.ready.load(Ordering::Relaxed) || (waiting > 0 && t.session) {
                 continue;
             }
             let Some(i) = table.backends.iter().position(|b| Arc::ptr_eq(&b.load, load)) else { continue };
@@ -255,8 +263,14 @@ fn plan_once(state: &RouterState) {
         return;
     }
     let by_key: HashMap<u64, &Arc<Ticket>> = tickets.iter().map(|t| (t.key, t)).collect();
+    let lefts: HashMap<u64, u64> =
+        engines.iter().flat_map(|e| &e.running).map(|r| (r.key, tail::expected_left(r))).collect();
     for (from, key) in chosen {
         let Some(t) = by_key.get(&key) else { continue };
+        if why == "preempt" {
+            let left = lefts.get(&key).copied().unwrap_or(0).max(1);
+            t.left.store(left, Ordering::Relaxed);
+        }
         tracing::debug!(engine_id = %table.backends[from].engine_id, why, "the planner moves a running request");
         t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner).asked = Some((now, why));
         t.notify.notify_one();
