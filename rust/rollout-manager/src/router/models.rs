@@ -8,7 +8,8 @@
 //! and any LoRA adapters are the engine's to say) and presents its base model under the fleet's
 //! name, so a weight update changes nothing a client sees but the version.
 
-use super::{error, to_engine, RouterState};
+use super::headers::to_engine;
+use super::{error, RouterState};
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};

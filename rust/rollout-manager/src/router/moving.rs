@@ -13,13 +13,14 @@
 //! move is passed on as the engine wrote it, parsed only where it may have been aborted (and a
 //! text prompt's `prompt_token_ids`, asked for by the router, cut out of its bytes).
 
-use super::{engine_uri, EngineBody, RouterState};
+use super::send::EngineBody;
+use super::RouterState;
 use crate::fleet::InFlightGuard;
 use axum::body::Body;
 use axum::http::uri::PathAndQuery;
 use axum::http::{HeaderMap, Method, StatusCode};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use rollout_core::moves::{self, Movable, Produced};
 use rollout_core::routing::VersionPin;
 use serde_json::{json, Value};
@@ -41,7 +42,7 @@ const ABORT_AGAIN: Duration = Duration::from_millis(250);
 /// One movable request, as the router sent it.
 pub(super) struct Request {
     /// The answer's lengths, learned from what the client is sent (as for any answer).
-    pub learn: Option<super::Learn>,
+    pub learn: Option<super::answer::Learn>,
     /// When the router got it (the answer's duration is observed when its body ends).
     pub started: std::time::Instant,
     pub state: Arc<RouterState>,
@@ -166,7 +167,7 @@ fn to_client(mut request: Request, part: Part) -> ToClient {
 struct ToClient {
     rx: tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>,
     answer: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
-    learn: Option<super::Learn>,
+    learn: Option<super::answer::Learn>,
     started: std::time::Instant,
     metrics: Arc<super::metrics::RouterMetrics>,
 }
@@ -382,24 +383,7 @@ async fn send(
     body: Bytes,
     timeout: Duration,
 ) -> Result<hyper::Response<EngineBody>, String> {
-    let sent = async {
-        match (&route.host_header, &route.pool) {
-            (Some(host), Some(pool)) => {
-                let outgoing = super::pool::Outgoing { method, target: path.as_str(), host, headers, body: &body };
-                super::pool::send(pool, &route.authority, &outgoing)
-                    .await
-                    .map(|r| r.map(EngineBody::Direct))
-                    .map_err(|e| e.to_string())
-            }
-            _ => {
-                let mut req = hyper::Request::new(Full::new(body.clone()));
-                *req.method_mut() = method.clone();
-                *req.headers_mut() = headers.clone();
-                *req.uri_mut() = engine_uri(route, path).map_err(|e| e.to_string())?;
-                state.client.request(req).await.map(|r| r.map(EngineBody::Client)).map_err(|e| e.to_string())
-            }
-        }
-    };
+    let sent = super::send::send(state, route, method, path, headers, &body);
     tokio::time::timeout(timeout, sent).await.map_err(|_| format!("no answer within {timeout:?}"))?
 }
 
@@ -670,15 +654,17 @@ async fn stream_part(
     produced: &mut Produced,
     client: &mut Out,
 ) -> Ended {
-    let mut seen = Seen { before: produced.clone(), ..Seen::default() };
-    let unmoved = seen.before.moves.is_empty();
-    let strip = request.movable.text && !request.movable.client_prompt_ids;
+    let seen = Seen { before: produced.clone(), ..Seen::default() };
+    let mut stream = Streamed {
+        unmoved: seen.before.moves.is_empty(),
+        seen,
+        strip: request.movable.text && !request.movable.client_prompt_ids,
+        held: None,
+    };
     let mut pending: Vec<u8> = Vec::new();
     let mut mover = Mover::new(request, part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
-    // Why the request moves, once its abort's own event was held back.
-    let mut held: Option<&'static str> = None;
     loop {
         mover.step(request, part, rid, produced).await;
         let frame = match first.take() {
@@ -693,11 +679,11 @@ async fn stream_part(
         let data = match frame {
             None => {
                 // Ended without [DONE]: what was seen counts as produced.
-                seen.keep(produced);
+                stream.seen.keep(produced);
                 return Ended::Lost("the stream ended without [DONE]".into());
             }
             Some(Err(e)) => {
-                seen.keep(produced);
+                stream.seen.keep(produced);
                 return Ended::Lost(e.to_string());
             }
             Some(Ok(f)) => match f.into_data() {
@@ -709,67 +695,110 @@ async fn stream_part(
         let mut out = Vec::new();
         while let Some(end) = find(&pending, b"\n\n") {
             let event: Vec<u8> = pending.drain(..end + 2).collect();
-            let Some(json) = payload(&event) else {
-                out.extend_from_slice(&event);
-                continue;
-            };
-            if json == b"[DONE]" {
-                if let Some(reason) = held.filter(|_| seen.last.as_ref().is_some_and(moves::aborted)) {
-                    seen.keep(produced);
+            match on_event(&mut stream, request, part, &mover, produced, event, &mut out) {
+                None => {}
+                Some(Stop::Moved(reason)) => {
+                    stream.seen.keep(produced);
                     return Ended::Moved(reason);
                 }
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                let _ = client.send(Ok(Bytes::from(out))).await;
-                finish_body(part).await;
-                return Ended::Done;
-            }
-            if unmoved && seen.incremental == Some(false) && !moves::may_be_aborted(json) {
-                out.extend_from_slice(b"data: ");
-                match strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten() {
-                    Some(cut) => out.extend_from_slice(&cut),
-                    None => out.extend_from_slice(json),
-                }
-                out.extend_from_slice(b"\n\n");
-                seen.last = None;
-                seen.last_raw = Some(event);
-                continue;
-            }
-            let Ok(chunk) = serde_json::from_slice::<Value>(json) else {
-                out.extend_from_slice(&event);
-                continue;
-            };
-            if seen.before.output_ids.is_empty() {
-                produced.learn_prompt(&chunk);
-                if let Some(entry) = request.tail.as_ref().filter(|_| ready(&request.movable, produced)) {
-                    entry.set_ready();
+                Some(Stop::Done) => {
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    let _ = client.send(Ok(Bytes::from(out))).await;
+                    finish_body(part).await;
+                    return Ended::Done;
                 }
             }
-            let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
-            let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
-            let inc = *seen.incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
-            if inc {
-                seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
-                seen.lp.add_logprobs(&chunk);
-            }
-            seen.last_raw = None;
-            if moves::aborted(&chunk) {
-                if let Some(reason) = move_reason(request, part, &mover) {
-                    // The abort's own event: held back, the request continues elsewhere.
-                    held = Some(reason);
-                    seen.last = Some(chunk);
-                    continue;
-                }
-            }
-            let joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(joined.to_string().as_bytes());
-            out.extend_from_slice(b"\n\n");
-            seen.last = Some(chunk);
         }
         if !out.is_empty() && client.send(Ok(Bytes::from(out))).await.is_err() {
             return Ended::Gone;
         }
     }
+}
+
+/// What a streamed part's reading keeps between events.
+struct Streamed {
+    seen: Seen,
+    /// No earlier part moved: events go out as the engine wrote them.
+    unmoved: bool,
+    /// A text prompt's `prompt_token_ids` are cut out of the events (the client sent no ids).
+    strip: bool,
+    /// Why the request moves, once its abort's own event was held back.
+    held: Option<&'static str>,
+}
+
+/// Where an event ends a streamed part.
+enum Stop {
+    /// `[DONE]` after a whole answer: it goes to the client and the request ends.
+    Done,
+    /// `[DONE]` after the event of an abort that moves the request, for this reason.
+    Moved(&'static str),
+}
+
+/// Passes one whole event of a streamed part on into `out` (joined with the earlier parts'),
+/// following the output so far; an aborted one that moves the request is held back.
+fn on_event(
+    stream: &mut Streamed,
+    request: &Request,
+    part: &Part,
+    mover: &Mover,
+    produced: &mut Produced,
+    event: Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Option<Stop> {
+    let seen = &mut stream.seen;
+    let Some(json) = payload(&event) else {
+        out.extend_from_slice(&event);
+        return None;
+    };
+    if json == b"[DONE]" {
+        if let Some(reason) = stream.held.filter(|_| seen.last.as_ref().is_some_and(moves::aborted)) {
+            return Some(Stop::Moved(reason));
+        }
+        return Some(Stop::Done);
+    }
+    if stream.unmoved && seen.incremental == Some(false) && !moves::may_be_aborted(json) {
+        out.extend_from_slice(b"data: ");
+        match stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten() {
+            Some(cut) => out.extend_from_slice(&cut),
+            None => out.extend_from_slice(json),
+        }
+        out.extend_from_slice(b"\n\n");
+        seen.last = None;
+        seen.last_raw = Some(event);
+        return None;
+    }
+    let Ok(chunk) = serde_json::from_slice::<Value>(json) else {
+        out.extend_from_slice(&event);
+        return None;
+    };
+    if seen.before.output_ids.is_empty() {
+        produced.learn_prompt(&chunk);
+        if let Some(entry) = request.tail.as_ref().filter(|_| ready(&request.movable, produced)) {
+            entry.set_ready();
+        }
+    }
+    let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
+    let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
+    let inc = *seen.incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
+    if inc {
+        seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+        seen.lp.add_logprobs(&chunk);
+    }
+    seen.last_raw = None;
+    if moves::aborted(&chunk) {
+        if let Some(reason) = move_reason(request, part, mover) {
+            // The abort's own event: held back, the request continues elsewhere.
+            stream.held = Some(reason);
+            seen.last = Some(chunk);
+            return None;
+        }
+    }
+    let joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(joined.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+    seen.last = Some(chunk);
+    None
 }
 
 /// An SSE event's data (`data: ...`), trimmed.

@@ -14,19 +14,20 @@
 //! the request, the answer's head and every body frame between that task and the request's
 //! through channels. The router's requests are small and many (RL rollouts), and those hand-offs
 //! were ~7% of its CPU per proxied request (`benches/router_overhead.py`, benches/README.md).
-//! Here the request's own task does the I/O. Parsing is `httparse` (what hyper uses); the answer
-//! is framed as RFC 9112 section 6.3 says (no body for HEAD, 1xx, 204 and 304; chunked; a
-//! Content-Length; else until the engine closes), and a connection is reused only after an
-//! HTTP/1.1 answer without `connection: close` whose body was read exactly to its end.
+//! Here the request's own task does the I/O; what the bytes mean (the request's encoding, the
+//! answer's head parsed with `httparse`, what hyper uses, and the body's framing) is decided in
+//! [`framing`], which does none. A connection is reused only after an HTTP/1.1 answer without
+//! `connection: close` whose body was read exactly to its end.
 //!
 //! A pooled connection the engine closed meanwhile (its keep-alive timeout) is noticed when taken
 //! (the socket is readable) or, in a race, when it ends before any byte of an answer; the request
 //! is then sent again, once, on a new connection (a request whose answer had begun is never sent
 //! again here; the router's own retries decide, see `router/mod.rs`).
 
-use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
+use axum::http::{Method, Response};
 use bytes::{Buf, Bytes, BytesMut};
+pub use framing::Outgoing;
+use framing::{to_head, Framing, Head, Step, MAX_HEADERS};
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -36,6 +37,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+mod framing;
 
 thread_local! {
     /// Which stack of idle connections this thread uses (0 unless set).
@@ -59,14 +62,8 @@ const MAX_IDLE: usize = 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest answer head (status line and headers) taken from an engine.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Most headers in an answer's head.
-const MAX_HEADERS: usize = 128;
-/// Longest chunk-size or trailer line of a chunked body.
-const MAX_LINE_BYTES: usize = 8 * 1024;
 /// Room made in a connection's buffer before each read.
 const READ_SIZE: usize = 16 * 1024;
-/// A request body up to this size is written in one write with its head (else in a second).
-const COALESCE_BYTES: usize = 64 * 1024;
 
 /// Why no answer came back (before any of it reached the client).
 #[derive(Debug, thiserror::Error)]
@@ -211,83 +208,6 @@ async fn connect(addr: &str) -> Result<Conn, SendError> {
     Ok(Conn { stream, buf: BytesMut::with_capacity(READ_SIZE) })
 }
 
-/// A request as the router sends it to an engine: `headers` are end-to-end ones only (no
-/// `host`, `content-length`, `transfer-encoding` or `connection`; the router strips them).
-pub struct Outgoing<'a> {
-    pub method: &'a Method,
-    /// Origin form: path and query.
-    pub target: &'a str,
-    pub host: &'a HeaderValue,
-    pub headers: &'a HeaderMap,
-    pub body: &'a Bytes,
-}
-
-impl Outgoing<'_> {
-    /// The request line and headers, with the body appended when it is small.
-    fn encode(&self) -> (Vec<u8>, bool) {
-        let coalesce = self.body.len() <= COALESCE_BYTES;
-        let mut out = Vec::with_capacity(128 + self.headers.len() * 48 + if coalesce { self.body.len() } else { 0 });
-        out.extend_from_slice(self.method.as_str().as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(self.target.as_bytes());
-        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-        out.extend_from_slice(self.host.as_bytes());
-        out.extend_from_slice(b"\r\n");
-        for (name, value) in self.headers {
-            out.extend_from_slice(name.as_str().as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        // As hyper does: a length for every body, and `0` for the methods that carry one.
-        let carries_body = matches!(*self.method, Method::POST | Method::PUT | Method::PATCH);
-        if !self.body.is_empty() || carries_body {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(self.body.len().to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(b"\r\n");
-        if coalesce {
-            out.extend_from_slice(self.body);
-        }
-        (out, coalesce)
-    }
-}
-
-/// How an answer's body ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
-    /// This many bytes remain.
-    Length(u64),
-    /// Chunked transfer coding, at this point of a chunk.
-    Chunked(Chunk),
-    /// Until the engine closes the connection.
-    UntilClose,
-    /// Ended (or failed): nothing more comes.
-    Done,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
-    /// Expecting a chunk-size line.
-    Size,
-    /// This many bytes of chunk data remain.
-    Data(u64),
-    /// Expecting the CRLF after a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailer lines until an empty one.
-    Trailer,
-}
-
-/// The parts of an answer's head the client needs, and how its body is framed.
-struct Head {
-    status: StatusCode,
-    headers: HeaderMap,
-    framing: Framing,
-    /// The connection can carry another request once the body ended.
-    reusable: bool,
-}
-
 /// Sends `request` to `addr` on a pooled connection, or a new one, and returns the answer with
 /// its head read; its body streams from the connection as it is polled.
 pub async fn send(pool: &Arc<Pool>, addr: &str, request: &Outgoing<'_>) -> Result<Response<EngineBody>, SendError> {
@@ -372,72 +292,6 @@ async fn read_head(conn: &mut Conn, head_request: bool) -> Result<Head, SendErro
     }
 }
 
-/// The head of a final answer, or `None` for an interim (1xx) one.
-fn to_head(parsed: &httparse::Response<'_, '_>, head_request: bool) -> Result<Option<Head>, SendError> {
-    let code = parsed.code.unwrap_or(0);
-    let status = StatusCode::from_u16(code).map_err(|_| SendError::Protocol(format!("status {code}")))?;
-    if status == StatusCode::SWITCHING_PROTOCOLS {
-        return Err(SendError::Protocol("101 Switching Protocols to a request that asked for no upgrade".into()));
-    }
-    if status.is_informational() {
-        return Ok(None);
-    }
-    let mut headers = HeaderMap::with_capacity(parsed.headers.len());
-    for h in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| SendError::Protocol(format!("header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value)
-            .map_err(|_| SendError::Protocol(format!("value of header {:?}", h.name)))?;
-        headers.append(name, value);
-    }
-    let (framing, mut reusable) = framing(status, &headers, head_request)?;
-    let http11 = parsed.version == Some(1);
-    let close = headers.get_all(CONNECTION).iter().any(|v| has_token(v, "close"));
-    reusable &= http11 && !close;
-    Ok(Some(Head { status, headers, framing, reusable }))
-}
-
-/// How the body of an answer with this status and headers ends (RFC 9112 section 6.3), and
-/// whether the connection can be reused after it.
-fn framing(status: StatusCode, headers: &HeaderMap, head_request: bool) -> Result<(Framing, bool), SendError> {
-    if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        return Ok((Framing::Length(0), true));
-    }
-    let codings: Vec<&HeaderValue> = headers.get_all(TRANSFER_ENCODING).iter().collect();
-    if let Some(last) = codings.last() {
-        let chunked = last
-            .to_str()
-            .ok()
-            .and_then(|v| v.rsplit(',').next())
-            .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"));
-        // A length next to a transfer coding is ignored, and the connection not reused.
-        let reusable = !headers.contains_key(CONTENT_LENGTH);
-        return Ok(if chunked { (Framing::Chunked(Chunk::Size), reusable) } else { (Framing::UntilClose, false) });
-    }
-    let mut length: Option<u64> = None;
-    for value in headers.get_all(CONTENT_LENGTH) {
-        for part in value.to_str().unwrap_or("x").split(',') {
-            let part = part.trim();
-            let n: u64 = Some(part)
-                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|p| p.parse().ok())
-                .ok_or_else(|| SendError::Protocol(format!("content-length {value:?}")))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(SendError::Protocol("two different content-length values".into()));
-            }
-            length = Some(n);
-        }
-    }
-    Ok(match length {
-        Some(n) => (Framing::Length(n), true),
-        None => (Framing::UntilClose, false),
-    })
-}
-
-fn has_token(value: &HeaderValue, token: &str) -> bool {
-    value.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
-}
-
 impl Head {
     fn into_response(self, conn: Conn, pool: Arc<Pool>, slot: usize) -> Response<EngineBody> {
         let mut body = EngineBody { conn: Some(conn), pool, slot, framing: self.framing, reusable: self.reusable };
@@ -480,21 +334,6 @@ impl EngineBody {
     }
 }
 
-/// The position of the first CRLF in `buf`.
-fn line_end(buf: &[u8]) -> Option<usize> {
-    memchr::memmem::find(buf, b"\r\n")
-}
-
-/// A chunk-size line's size (extensions after `;` ignored).
-fn chunk_size(line: &[u8]) -> Option<u64> {
-    let digits = line.split(|b| *b == b';').next()?;
-    let digits = std::str::from_utf8(digits).ok()?.trim_end_matches([' ', '\t']);
-    if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    u64::from_str_radix(digits, 16).ok()
-}
-
 impl http_body::Body for EngineBody {
     type Data = Bytes;
     type Error = io::Error;
@@ -505,88 +344,22 @@ impl http_body::Body for EngineBody {
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
         let this = &mut *self;
         loop {
-            if this.framing == Framing::Done || this.framing == Framing::Length(0) {
-                this.finish();
-                return Poll::Ready(None);
-            }
             let Some(conn) = this.conn.as_mut() else { return Poll::Ready(None) };
             // What the buffer holds now decides; only when it cannot, more is read.
-            let need_more = match this.framing {
-                Framing::Done => return Poll::Ready(None),
-                Framing::Length(left) => {
-                    if !conn.buf.is_empty() {
-                        let n = conn.buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                        let data = conn.buf.split_to(n).freeze();
-                        this.framing = Framing::Length(left - n as u64);
-                        if this.framing == Framing::Length(0) {
-                            this.finish();
-                        }
-                        return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
-                    }
-                    true
-                }
-                Framing::UntilClose => {
-                    if !conn.buf.is_empty() {
-                        let data = conn.buf.split().freeze();
-                        return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
-                    }
-                    true
-                }
-                Framing::Chunked(Chunk::Size) => match line_end(&conn.buf) {
-                    Some(end) => {
-                        let Some(size) = chunk_size(&conn.buf[..end]) else {
-                            return this.fail("invalid chunk size line in the engine's answer".into());
-                        };
-                        conn.buf.advance(end + 2);
-                        this.framing = Framing::Chunked(if size == 0 { Chunk::Trailer } else { Chunk::Data(size) });
-                        false
-                    }
-                    None if conn.buf.len() > MAX_LINE_BYTES => {
-                        return this.fail("chunk size line too long in the engine's answer".into())
-                    }
-                    None => true,
-                },
-                Framing::Chunked(Chunk::Data(left)) => {
-                    if !conn.buf.is_empty() {
-                        let n = conn.buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                        let data = conn.buf.split_to(n).freeze();
-                        let left = left - n as u64;
-                        this.framing = Framing::Chunked(if left == 0 { Chunk::DataEnd } else { Chunk::Data(left) });
-                        return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
-                    }
-                    true
-                }
-                Framing::Chunked(Chunk::DataEnd) => {
-                    if conn.buf.len() >= 2 {
-                        if &conn.buf[..2] != b"\r\n" {
-                            return this.fail("chunk data not followed by CRLF in the engine's answer".into());
-                        }
-                        conn.buf.advance(2);
-                        this.framing = Framing::Chunked(Chunk::Size);
-                        false
-                    } else {
-                        true
-                    }
-                }
-                Framing::Chunked(Chunk::Trailer) => match line_end(&conn.buf) {
-                    Some(0) => {
-                        conn.buf.advance(2);
+            match this.framing.step(&mut conn.buf) {
+                Step::Data(data) => {
+                    if this.framing == Framing::Length(0) {
                         this.finish();
-                        return Poll::Ready(None);
                     }
-                    // Trailer fields are not forwarded (as hyper's server does by default).
-                    Some(end) => {
-                        conn.buf.advance(end + 2);
-                        false
-                    }
-                    None if conn.buf.len() > MAX_LINE_BYTES => {
-                        return this.fail("trailer line too long in the engine's answer".into())
-                    }
-                    None => true,
-                },
-            };
-            if !need_more {
-                continue;
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
+                }
+                Step::Again => continue,
+                Step::End => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Step::Invalid(why) => return this.fail(why.into()),
+                Step::More => {}
             }
             match conn.poll_fill(cx) {
                 Poll::Pending => return Poll::Pending,
@@ -625,6 +398,7 @@ impl http_body::Body for EngineBody {
 mod tests {
     #![expect(clippy::disallowed_methods, reason = "test servers and tasks live as long as their test")]
     use super::*;
+    use axum::http::{HeaderMap, HeaderValue, StatusCode};
     use http_body_util::BodyExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -769,7 +543,7 @@ mod tests {
         })
         .await;
         let pool = Arc::new(Pool::default());
-        let body = "x".repeat(COALESCE_BYTES * 3);
+        let body = "x".repeat(framing::COALESCE_BYTES * 3);
         let (_, answer) = request(&pool, &addr, Method::POST, &body).await.unwrap();
         let total: usize = String::from_utf8(answer).unwrap().parse().unwrap();
         assert!(total > body.len(), "the server saw {total} bytes");
@@ -1060,18 +834,5 @@ mod tests {
         let pool = Arc::new(Pool::default());
         let err = request(&pool, &addr, Method::GET, "").await.unwrap_err();
         assert!(err.contains("cannot connect"), "{err}");
-    }
-
-    #[test]
-    fn chunk_size_lines() {
-        assert_eq!(chunk_size(b"1a"), Some(26));
-        assert_eq!(chunk_size(b"1A;name=value"), Some(26));
-        assert_eq!(chunk_size(b"0"), Some(0));
-        assert_eq!(chunk_size(b"10 "), Some(16));
-        assert_eq!(chunk_size(b" 10"), None);
-        assert_eq!(chunk_size(b"+1"), None);
-        assert_eq!(chunk_size(b""), None);
-        assert_eq!(chunk_size(b"g"), None);
-        assert_eq!(chunk_size(b"1234567890abcdef0"), None);
     }
 }
