@@ -396,28 +396,8 @@ async fn follow_events(
             }
             _ => {
                 let since = *lost_since.get_or_insert_with(tokio::time::Instant::now);
-                let gone = refused(&url).await;
-                if gone || since.elapsed() >= AGENT_LOST {
-                    let watched = conn.watched();
-                    let why = if gone {
-                        "refuses connections".to_string()
-                    } else {
-                        format!("unreachable for {AGENT_LOST:?}")
-                    };
-                    for id in &watched {
-                        tracing::warn!(agent = %url, engine_id = %id, "agent {why}; taking its engine as exited");
-                        conn.publish(id, ExitInfo { code: None, signal: None, requested: false });
-                    }
-                    if !watched.is_empty() {
-                        let _ = lost.send((url.clone(), why.clone())); // no receiver: nobody to tell
-                    }
-                    let mut map = conns.lock().unwrap_or_else(|e| e.into_inner());
-                    // Only this connection, and only while nothing new was launched through it.
-                    if map.get(&url).is_some_and(|c| Arc::ptr_eq(c, &conn)) && conn.watched().is_empty() {
-                        map.remove(&url);
-                        tracing::info!(agent = %url, "agent gone; connection dropped");
-                        return;
-                    }
+                if gone_for_good(&url, &conn, &conns, &lost, since).await {
+                    return;
                 }
             }
         }
@@ -426,6 +406,38 @@ async fn follow_events(
             () = shutdown.cancelled() => return,
         }
     }
+}
+
+/// After a failed subscription: when the agent refuses connections, or has been unreachable
+/// since `since` for [`AGENT_LOST`], its engines are reported exited and its URL sent to `lost`;
+/// true when its connection was dropped too (nothing was launched through it meanwhile).
+async fn gone_for_good(
+    url: &str,
+    conn: &Arc<AgentConn>,
+    conns: &Conns,
+    lost: &tokio::sync::broadcast::Sender<(String, String)>,
+    since: tokio::time::Instant,
+) -> bool {
+    let gone = refused(url).await;
+    if gone || since.elapsed() >= AGENT_LOST {
+        let watched = conn.watched();
+        let why = if gone { "refuses connections".to_string() } else { format!("unreachable for {AGENT_LOST:?}") };
+        for id in &watched {
+            tracing::warn!(agent = %url, engine_id = %id, "agent {why}; taking its engine as exited");
+            conn.publish(id, ExitInfo { code: None, signal: None, requested: false });
+        }
+        if !watched.is_empty() {
+            let _ = lost.send((url.to_string(), why.clone())); // no receiver: nobody to tell
+        }
+        let mut map = conns.lock().unwrap_or_else(|e| e.into_inner());
+        // Only this connection, and only while nothing new was launched through it.
+        if map.get(url).is_some_and(|c| Arc::ptr_eq(c, conn)) && conn.watched().is_empty() {
+            map.remove(url);
+            tracing::info!(agent = %url, "agent gone; connection dropped");
+            return true;
+        }
+    }
+    false
 }
 
 impl crate::weights::transport::AgentRelays for AgentHost {

@@ -77,6 +77,20 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         .filter(|e| !busy.contains(&e.record.engine_id))
         .map(|e| (e.record.engine_id.clone(), incarnation(e)))
         .collect();
+    let results = probe(manager, &targets).await;
+    let verdicts = judge(manager, results);
+    for (id, verdict) in verdicts {
+        act(manager, rejoining, id, verdict);
+    }
+}
+
+/// What one round's probe of an engine found: the engine, the start probed, why it failed
+/// (None: passed), and whether its scheduler answered control calls meanwhile (paused).
+type Probed<'a> = (&'a String, &'a Incarnation, Option<String>, bool);
+
+/// Probes `targets` at once, each within `--health-check-timeout-secs`, and observes the
+/// versions the ACTIVE ones report.
+async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(String, Incarnation)]) -> Vec<Probed<'a>> {
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
     let endpoint = &manager.config.health_check_endpoint;
     // Only the status is read: the body of a probe (of any size) is never buffered, and
@@ -122,95 +136,101 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     }));
     let (results, reported) = tokio::join!(probed, reported);
     observe_versions(manager, &reported, weights_seq);
+    results
+}
+
+/// The verdicts of a round's probes: each counted on its engine (unless probed before a
+/// restart, or paused within the grace), then judged by `rollout_core::health`.
+fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> {
     let policy = ProbePolicy {
         threshold: manager.config.health_failure_threshold,
         restart_failed: manager.config.restart_failed_engines,
     };
-    let verdicts: Vec<(String, Verdict)> = {
-        let mut inner = manager.fleet.lock();
-        let mut out = Vec::new();
-        let now = std::time::Instant::now();
-        for (id, at, failure, paused) in results {
-            let Some(engine) = inner.engines.get_mut(id) else { continue };
-            // Probed before a restart (or a move): says nothing about the engine there now.
-            if incarnation(engine) != *at {
-                continue;
-            }
-            let probe = match (&failure, paused) {
-                (None, _) => Probe::Passed,
-                (Some(_), false) => Probe::Failed,
-                (Some(_), true) => {
-                    let since = *engine.paused_since.get_or_insert(now);
-                    Probe::Paused { for_secs: now.duration_since(since).as_secs_f64() }
-                }
-            };
-            if !matches!(probe, Probe::Paused { .. }) {
-                engine.paused_since = None;
-            }
-            let counted = counts(probe, manager.config.health_pause_grace_secs);
-            manager.fleet.count_probe(match counted {
-                Some(true) => crate::fleet::ProbeResult::Passed,
-                Some(false) => crate::fleet::ProbeResult::Failed,
-                None => crate::fleet::ProbeResult::Paused,
-            });
-            let Some(passed) = counted else {
-                tracing::debug!(engine_id = %id, "health probe failed while the engine is paused; not counted");
-                continue;
-            };
-            let managed = engine.record.origin != EngineOrigin::External;
-            engine.probe_failures = if passed { 0 } else { engine.probe_failures.saturating_add(1) };
-            let failures = engine.probe_failures;
-            let verdict = match core_verdict(engine.record.status, passed, failures, managed, policy) {
-                Some(CoreVerdict::TakeOut) => Verdict::TakeOut(failures, failure.unwrap_or_default()),
-                Some(CoreVerdict::TryBack) => Verdict::TryBack,
-                Some(CoreVerdict::Restart) => Verdict::Restart,
-                None => continue,
-            };
-            out.push((id.clone(), verdict));
+    let mut inner = manager.fleet.lock();
+    let mut out = Vec::new();
+    let now = std::time::Instant::now();
+    for (id, at, failure, paused) in results {
+        let Some(engine) = inner.engines.get_mut(id) else { continue };
+        // Probed before a restart (or a move): says nothing about the engine there now.
+        if incarnation(engine) != *at {
+            continue;
         }
-        hold_beyond_the_bound(manager, &mut inner, &mut out);
-        out
-    };
-    for (id, verdict) in verdicts {
-        match verdict {
-            Verdict::TakeOut(failures, why) => {
-                tracing::warn!(engine_id = %id, failures, reason = %why, "engine unhealthy; taken out of routing");
-                manager.fleet.update(|inner| {
-                    if let Some(e) = inner.engines.get_mut(&id) {
-                        e.record.last_error =
-                            Some(format!("{failures} consecutive failed health probes (last: {why})"));
-                    }
-                    if let Err(e) = inner.engine_event(&id, EngineEvent::ProbeFailed) {
-                        // It left ACTIVE since the probe (drained, updating, failed): the verdict is moot.
-                        tracing::debug!(engine_id = %id, error = %e, "probe verdict no longer applies");
-                    }
-                });
+        let probe = match (&failure, paused) {
+            (None, _) => Probe::Passed,
+            (Some(_), false) => Probe::Failed,
+            (Some(_), true) => {
+                let since = *engine.paused_since.get_or_insert(now);
+                Probe::Paused { for_secs: now.duration_since(since).as_secs_f64() }
             }
-            // Back into routing only on the version it must serve (loaded now if needed).
-            Verdict::TryBack => {
-                if !rejoining.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone()) {
-                    continue;
+        };
+        if !matches!(probe, Probe::Paused { .. }) {
+            engine.paused_since = None;
+        }
+        let counted = counts(probe, manager.config.health_pause_grace_secs);
+        manager.fleet.count_probe(match counted {
+            Some(true) => crate::fleet::ProbeResult::Passed,
+            Some(false) => crate::fleet::ProbeResult::Failed,
+            None => crate::fleet::ProbeResult::Paused,
+        });
+        let Some(passed) = counted else {
+            tracing::debug!(engine_id = %id, "health probe failed while the engine is paused; not counted");
+            continue;
+        };
+        let managed = engine.record.origin != EngineOrigin::External;
+        engine.probe_failures = if passed { 0 } else { engine.probe_failures.saturating_add(1) };
+        let failures = engine.probe_failures;
+        let verdict = match core_verdict(engine.record.status, passed, failures, managed, policy) {
+            Some(CoreVerdict::TakeOut) => Verdict::TakeOut(failures, failure.unwrap_or_default()),
+            Some(CoreVerdict::TryBack) => Verdict::TryBack,
+            Some(CoreVerdict::Restart) => Verdict::Restart,
+            None => continue,
+        };
+        out.push((id.clone(), verdict));
+    }
+    hold_beyond_the_bound(manager, &mut inner, &mut out);
+    out
+}
+
+/// Carries out one verdict: out of routing, a rejoin attempt (one at a time per engine), or a
+/// restart.
+fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdict) {
+    match verdict {
+        Verdict::TakeOut(failures, why) => {
+            tracing::warn!(engine_id = %id, failures, reason = %why, "engine unhealthy; taken out of routing");
+            manager.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(&id) {
+                    e.record.last_error = Some(format!("{failures} consecutive failed health probes (last: {why})"));
                 }
-                let (m, rejoining) = (manager.clone(), rejoining.clone());
-                manager.tasks.spawn(async move {
-                    rejoin(&m, &id).await;
-                    rejoining.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                });
+                if let Err(e) = inner.engine_event(&id, EngineEvent::ProbeFailed) {
+                    // It left ACTIVE since the probe (drained, updating, failed): the verdict is moot.
+                    tracing::debug!(engine_id = %id, error = %e, "probe verdict no longer applies");
+                }
+            });
+        }
+        // Back into routing only on the version it must serve (loaded now if needed).
+        Verdict::TryBack => {
+            if !rejoining.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone()) {
+                return;
             }
-            Verdict::Restart => {
-                tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
-                let process = manager.fleet.update(|inner| {
-                    inner.fail_engine(&id, Some("hung: failed health probes; restarting".into()));
-                    inner.engines.get(&id).and_then(|e| e.process.clone())
-                });
-                let m = manager.clone();
-                manager.tasks.spawn(async move {
-                    if let Some(p) = process {
-                        p.stop(m.shutdown_grace()).await;
-                    }
-                    m.recover(&id, Duration::ZERO).await;
-                });
-            }
+            let (m, rejoining) = (manager.clone(), rejoining.clone());
+            manager.tasks.spawn(async move {
+                rejoin(&m, &id).await;
+                rejoining.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            });
+        }
+        Verdict::Restart => {
+            tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
+            let process = manager.fleet.update(|inner| {
+                inner.fail_engine(&id, Some("hung: failed health probes; restarting".into()));
+                inner.engines.get(&id).and_then(|e| e.process.clone())
+            });
+            let m = manager.clone();
+            manager.tasks.spawn(async move {
+                if let Some(p) = process {
+                    p.stop(m.shutdown_grace()).await;
+                }
+                m.recover(&id, Duration::ZERO).await;
+            });
         }
     }
 }

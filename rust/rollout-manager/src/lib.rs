@@ -24,6 +24,7 @@ pub mod keeper;
 pub mod launch;
 pub mod manager;
 pub mod op_error;
+pub mod publish;
 pub mod records;
 pub mod restore;
 pub mod router;

@@ -44,6 +44,37 @@ use std::time::Duration;
 
 use crate::records::RESTARTING;
 
+/// The fleet at start: rebuilt from the store when it holds engines ([`restore`]), else the
+/// initial engines reserved (and the published version, and an update in flight, taken back).
+/// Runs before any request is served, so no API call can race with it.
+pub async fn start(manager: &Arc<Manager>, snapshot: Snapshot, cancels: &Arc<crate::scaling::Cancels>) {
+    if snapshot.is_empty() {
+        // A fleet with no engine left still remembers its published version.
+        if let Some(mut weights) = snapshot.weights {
+            let resumed = weights.resume_after_restart();
+            manager.fleet.update(|inner| {
+                inner.weights = weights;
+            });
+            crate::weight_update::restage_if_missing(manager).await;
+            if let Some(update_id) = resumed {
+                match resumable(manager).await {
+                    Ok(()) => {
+                        let m = manager.clone();
+                        manager.tasks.spawn(crate::weight_update::resume(m, update_id, Vec::new(), Vec::new()));
+                    }
+                    Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why)),
+                }
+            }
+        }
+        if let Err(e) = crate::scaling::start_initial(manager, cancels) {
+            tracing::error!(error = %e, "cannot reserve the initial engines");
+        }
+    } else {
+        tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
+        restore(manager, snapshot).await;
+    }
+}
+
 pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     // Re-attach to live keepers first, so nothing adoptable gets killed below.
     let mut adopted = Vec::new();
@@ -120,12 +151,8 @@ type Keep = Vec<(String, Option<crate::host::EngineProcess>)>;
 type DropLive = Vec<(String, crate::host::EngineProcess)>;
 
 fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate::host::EngineProcess)]) -> Rebuilt {
-    let mut keep = Vec::new();
-    let mut drop_live = Vec::new();
-    let mut resumed = None;
-    let mut mid_turn = HashSet::new();
     let ray = manager.ray();
-    manager.fleet.update(|inner| {
+    let (rebuilt, stale) = manager.fleet.update(|inner| {
         for p in &snapshot.placements {
             inner.placements.insert(p.engine_id.clone(), p.clone());
         }
@@ -140,145 +167,185 @@ fn rebuild(manager: &Arc<Manager>, snapshot: Snapshot, adopted: &[(String, crate
             snapshot.meta.as_ref().map_or(0, |m| m.next_seq),
             snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1,
         );
-        if let Some(weights) = &snapshot.weights {
-            inner.weights = weights.clone();
-            resumed = inner.weights.resume_after_restart();
-            if let Some(u) = inner.weights.running_update() {
-                mid_turn.extend(
-                    snapshot
-                        .engines
-                        .iter()
-                        .filter(|e| {
-                            e.record.status == EngineStatus::WeightSyncing
-                                && u.engines
-                                    .get(&e.record.engine_id)
-                                    .is_some_and(|p| p.status == EngineUpdateStatus::Updating)
-                        })
-                        .map(|e| e.record.engine_id.clone()),
-                );
-            }
-        }
-
-        let mut rolled_back: HashSet<String> = HashSet::new();
-        let mut scale_in_victims: HashSet<String> = HashSet::new();
-        for mut op in snapshot.scale_outs.clone() {
-            if !op.status.is_terminal() {
-                let is_active = |id: &str| {
-                    snapshot.engines.iter().any(|e| e.record.engine_id == id && e.record.status == EngineStatus::Active)
-                };
-                let (ending, event) = match plan::interrupted_scale_out(&op.engine_ids, is_active) {
-                    plan::InterruptedScaleOut::Complete => {
-                        crate::scale_out::advance_to(&mut op, Phase::Ready);
-                        op.message = format!("{} (completed after a manager restart)", op.message);
-                        ("completed", ScaleOutEvent::Activated)
-                    }
-                    plan::InterruptedScaleOut::Fail { kept, rolled_back: pending } => {
-                        let kept = if kept.is_empty() {
-                            String::new()
-                        } else {
-                            format!("; the engines it had activated were kept: {}", kept.join(", "))
-                        };
-                        op.error_message = Some(format!(
-                            "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
-                        ));
-                        rolled_back.extend(pending);
-                        ("failed", ScaleOutEvent::Fail)
-                    }
-                };
-                if let Err(e) = op.apply(event) {
-                    // A PENDING operation (still waiting for its placements) cannot complete.
-                    tracing::warn!(request_id = %op.request_id, error = %e, ending, "interrupted scale-out");
-                    crate::records::checked(op.apply(ScaleOutEvent::Fail));
-                }
-            }
-            inner.scale_outs.insert(op.request_id.clone(), op);
-        }
-        for mut op in snapshot.scale_ins.clone() {
-            if !op.status.is_terminal() {
-                scale_in_victims.extend(op.engine_ids.iter().cloned());
-                op.removed_engines = op.engine_ids.clone();
-                op.message = format!("{} (completed after a manager restart)", op.message);
-                for event in op.status.events_to_complete() {
-                    crate::records::checked(op.apply(event));
-                }
-            }
-            inner.scale_ins.insert(op.request_id.clone(), op);
-        }
-
+        let (resumed, mid_turn) = restore_weights(inner, &snapshot);
+        let ends = end_interrupted_ops(inner, &snapshot);
+        let mut rebuilt = Rebuilt { keep: Vec::new(), drop_live: Vec::new(), resumed, mid_turn };
+        let mut stale = Vec::new();
         for stored in snapshot.engines {
-            let mut record = stored.record;
-            let id = record.engine_id.clone();
+            let id = stored.record.engine_id.clone();
             let live = adopted.iter().find(|(a, _)| a == &id).map(|(_, p)| p.clone());
-            let fate = plan::fate(plan::StoredEngine {
-                status: record.status,
-                origin: record.origin,
-                live: live.is_some(),
-                scale_in_victim: scale_in_victims.contains(&id),
-                rolled_back: rolled_back.contains(&id),
-            });
-            if live.is_none() && record.origin != EngineOrigin::External && !ray {
+            if live.is_none() && stored.record.origin != EngineOrigin::External && !ray {
                 // Not adoptable: a process still running under the recorded identity is ours.
-                if let (Some(pid), Some(ticks)) = (record.pid, stored.pid_start_ticks) {
-                    if process_start_ticks(pid) == Some(ticks) {
-                        tracing::warn!(engine_id = %id, pid, "a recorded engine process still runs; stopping it");
-                        if let Err(e) = nix::sys::signal::killpg(
-                            nix::unistd::Pid::from_raw(pid as i32),
-                            nix::sys::signal::Signal::SIGKILL,
-                        ) {
-                            tracing::warn!(engine_id = %id, pid, error = %e, "could not stop the recorded engine process");
-                        }
-                    }
+                if let (Some(pid), Some(ticks)) = (stored.record.pid, stored.pid_start_ticks) {
+                    stale.push((id.clone(), pid, ticks));
                 }
             }
-            record.in_flight = 0;
-            record.is_healthy = false;
-            if let Some(status) = fate.restored_status() {
-                record.status = status;
-            }
-            match fate {
-                plan::Fate::Drop => {
-                    tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
-                    if let Some(p) = live {
-                        drop_live.push((id, p));
-                    }
-                    continue;
-                }
-                plan::Fate::Watch => {
-                    record.pid = None;
-                    record.last_error = Some("manager restarted; waiting for a passing health probe".into());
-                }
-                plan::Fate::Adopt => record.last_error = None,
-                plan::Fate::Restart => {
-                    record.pid = None;
-                    record.last_error = Some(RESTARTING.into());
-                }
-            }
-            // Local managed engines take back their GPUs and port; in Ray mode Ray owns the GPUs
-            // and the agent the port.
-            let claim = !ray && fate != plan::Fate::Watch;
-            match inner.restore_engine(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
-                Ok(()) if fate == plan::Fate::Watch => {}
-                Ok(()) => keep.push((id, live)),
-                Err(e) => {
-                    tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
-                    if let Some(p) = live {
-                        drop_live.push((id, p));
-                    }
-                }
-            }
+            restore_engine(inner, stored, live, &ends, ray, &mut rebuilt);
         }
-        // Placements whose engine is gone (removed, rolled back) are released by the shim.
-        let orphans: Vec<String> =
-            inner.placements.keys().filter(|id| !inner.engines.contains_key(*id)).cloned().collect();
-        for id in orphans {
-            if let Some(p) = inner.placements.get_mut(&id) {
-                if p.desired == rollout_core::Desired::Present {
-                    p.unwant();
-                }
-            }
-        }
+        release_orphan_placements(inner);
+        (rebuilt, stale)
     });
-    Rebuilt { keep, drop_live, resumed, mid_turn }
+    // Outside the registry's lock: a recorded process that still runs is stopped.
+    for (id, pid, ticks) in stale {
+        if process_start_ticks(pid) == Some(ticks) {
+            tracing::warn!(engine_id = %id, pid, "a recorded engine process still runs; stopping it");
+            let group = nix::unistd::Pid::from_raw(pid as i32);
+            if let Err(e) = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL) {
+                tracing::warn!(engine_id = %id, pid, error = %e, "could not stop the recorded engine process");
+            }
+        }
+    }
+    rebuilt
+}
+
+/// The stored weights state back in the registry: the update in flight to resume, and the
+/// engines it had out of routing mid-turn.
+fn restore_weights(inner: &mut crate::fleet::FleetInner, snapshot: &Snapshot) -> (Option<String>, HashSet<String>) {
+    let mut mid_turn = HashSet::new();
+    let Some(weights) = &snapshot.weights else { return (None, mid_turn) };
+    inner.weights = weights.clone();
+    let resumed = inner.weights.resume_after_restart();
+    if let Some(u) = inner.weights.running_update() {
+        mid_turn.extend(
+            snapshot
+                .engines
+                .iter()
+                .filter(|e| {
+                    e.record.status == EngineStatus::WeightSyncing
+                        && u.engines.get(&e.record.engine_id).is_some_and(|p| p.status == EngineUpdateStatus::Updating)
+                })
+                .map(|e| e.record.engine_id.clone()),
+        );
+    }
+    (resumed, mid_turn)
+}
+
+/// What the operations in flight at the restart leave to do with engines.
+#[derive(Default)]
+struct OpEnds {
+    /// Engines of a failed scale-out that it had not activated.
+    rolled_back: HashSet<String>,
+    /// Engines of a scale-in, which finishes.
+    scale_in_victims: HashSet<String>,
+}
+
+/// Ends the operations that were in flight (see the module docs) and puts every operation back.
+fn end_interrupted_ops(inner: &mut crate::fleet::FleetInner, snapshot: &Snapshot) -> OpEnds {
+    let mut ends = OpEnds::default();
+    for mut op in snapshot.scale_outs.clone() {
+        if !op.status.is_terminal() {
+            let is_active = |id: &str| {
+                snapshot.engines.iter().any(|e| e.record.engine_id == id && e.record.status == EngineStatus::Active)
+            };
+            let (ending, event) = match plan::interrupted_scale_out(&op.engine_ids, is_active) {
+                plan::InterruptedScaleOut::Complete => {
+                    crate::scale_out::advance_to(&mut op, Phase::Ready);
+                    op.message = format!("{} (completed after a manager restart)", op.message);
+                    ("completed", ScaleOutEvent::Activated)
+                }
+                plan::InterruptedScaleOut::Fail { kept, rolled_back: pending } => {
+                    let kept = if kept.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; the engines it had activated were kept: {}", kept.join(", "))
+                    };
+                    op.error_message = Some(format!(
+                        "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
+                    ));
+                    ends.rolled_back.extend(pending);
+                    ("failed", ScaleOutEvent::Fail)
+                }
+            };
+            if let Err(e) = op.apply(event) {
+                // A PENDING operation (still waiting for its placements) cannot complete.
+                tracing::warn!(request_id = %op.request_id, error = %e, ending, "interrupted scale-out");
+                crate::records::checked(op.apply(ScaleOutEvent::Fail));
+            }
+        }
+        inner.scale_outs.insert(op.request_id.clone(), op);
+    }
+    for mut op in snapshot.scale_ins.clone() {
+        if !op.status.is_terminal() {
+            ends.scale_in_victims.extend(op.engine_ids.iter().cloned());
+            op.removed_engines = op.engine_ids.clone();
+            op.message = format!("{} (completed after a manager restart)", op.message);
+            for event in op.status.events_to_complete() {
+                crate::records::checked(op.apply(event));
+            }
+        }
+        inner.scale_ins.insert(op.request_id.clone(), op);
+    }
+    ends
+}
+
+/// One stored engine back in the registry as its fate says (`rollout_core::restore::fate`):
+/// dropped, watched, adopted or to restart (then in `rebuilt.keep`).
+fn restore_engine(
+    inner: &mut crate::fleet::FleetInner,
+    stored: crate::store::StoredEngine,
+    live: Option<crate::host::EngineProcess>,
+    ends: &OpEnds,
+    ray: bool,
+    rebuilt: &mut Rebuilt,
+) {
+    let mut record = stored.record;
+    let id = record.engine_id.clone();
+    let fate = plan::fate(plan::StoredEngine {
+        status: record.status,
+        origin: record.origin,
+        live: live.is_some(),
+        scale_in_victim: ends.scale_in_victims.contains(&id),
+        rolled_back: ends.rolled_back.contains(&id),
+    });
+    record.in_flight = 0;
+    record.is_healthy = false;
+    if let Some(status) = fate.restored_status() {
+        record.status = status;
+    }
+    match fate {
+        plan::Fate::Drop => {
+            tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
+            if let Some(p) = live {
+                rebuilt.drop_live.push((id, p));
+            }
+            return;
+        }
+        plan::Fate::Watch => {
+            record.pid = None;
+            record.last_error = Some("manager restarted; waiting for a passing health probe".into());
+        }
+        plan::Fate::Adopt => record.last_error = None,
+        plan::Fate::Restart => {
+            record.pid = None;
+            record.last_error = Some(RESTARTING.into());
+        }
+    }
+    // Local managed engines take back their GPUs and port; in Ray mode Ray owns the GPUs
+    // and the agent the port.
+    let claim = !ray && fate != plan::Fate::Watch;
+    match inner.restore_engine(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
+        Ok(()) if fate == plan::Fate::Watch => {}
+        Ok(()) => rebuilt.keep.push((id, live)),
+        Err(e) => {
+            tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
+            if let Some(p) = live {
+                rebuilt.drop_live.push((id, p));
+            }
+        }
+    }
+}
+
+/// Placements whose engine is gone (removed, rolled back) become desired absent; the shim
+/// releases them.
+fn release_orphan_placements(inner: &mut crate::fleet::FleetInner) {
+    let orphans: Vec<String> = inner.placements.keys().filter(|id| !inner.engines.contains_key(*id)).cloned().collect();
+    for id in orphans {
+        if let Some(p) = inner.placements.get_mut(&id) {
+            if p.desired == rollout_core::Desired::Present {
+                p.unwant();
+            }
+        }
+    }
 }
 
 /// Waits until the engine's HTTP server answers `/model_info` (the caller bounds the wait).

@@ -20,33 +20,7 @@ pub enum ScaleInAnswer {
 }
 
 pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, OpError> {
-    if req.model_name != manager.config.model_name {
-        return Err(OpError::invalid(
-            "unknown_model",
-            format!(
-                "model_name {:?} is not served here; this fleet serves {:?}",
-                req.model_name, manager.config.model_name
-            ),
-        ));
-    }
-    let target = crate::scaling::replicas(req.num_replicas, u32::MAX)?;
-    let drain = crate::scaling::timeout(req.timeout_secs, manager.config.scale_in_drain_timeout)?;
-    if target == 0 && req.engine_urls.is_empty() {
-        return Err(OpError::invalid(
-            "missing_target",
-            "give num_replicas > 0 (engines to keep) or engine_urls (engines to remove)",
-        ));
-    }
-    let initial = manager.config.initial_engines();
-    if target > 0 && target < initial {
-        return Err(OpError::invalid(
-            "below_initial_engines",
-            format!(
-                "num_replicas {} is below the {initial} initial engines, which cannot be scaled in; ask for at least {initial}",
-                req.num_replicas
-            ),
-        ));
-    }
+    let (target, drain) = check(manager, &req)?;
     let request_id = uuid::Uuid::new_v4().to_string();
     let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), OpError> {
         if let Some(running) = inner.running_op() {
@@ -58,45 +32,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
                 ),
             ));
         }
-        let candidates: Vec<_> = inner
-            .engines
-            .values()
-            .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
-            .collect();
-        let victims: Vec<String> = if target > 0 {
-            let engines: Vec<Candidate> = candidates
-                .iter()
-                .map(|e| Candidate {
-                    engine_id: e.record.engine_id.clone(),
-                    seq: e.seq,
-                    status: e.record.status,
-                    origin: e.record.origin,
-                })
-                .collect();
-            rollout_core::scale_in::victims(&engines, target)
-        } else {
-            let mut ids = Vec::new();
-            for url in &req.engine_urls {
-                let normal = crate::scaling::validate_engine_url(url)?;
-                let want = normal.as_str();
-                let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
-                    OpError::invalid(
-                        "unknown_engine_url",
-                        format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
-                    )
-                })?;
-                if engine.record.origin == EngineOrigin::Initial {
-                    return Err(OpError::invalid(
-                        "initial_engine_protected",
-                        format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record.engine_id),
-                    ));
-                }
-                if !ids.contains(&engine.record.engine_id) {
-                    ids.push(engine.record.engine_id.clone());
-                }
-            }
-            ids
-        };
+        let victims = choose_victims(inner, &req, target)?;
         if req.dry_run {
             let engines = victims.iter().filter_map(|id| inner.engines.get(id)).map(|e| e.record.clone()).collect();
             let message = format!("would remove {} engines; nothing was changed", victims.len());
@@ -130,19 +66,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             inner.scale_ins.insert(request_id.clone(), record);
             return Ok((ScaleInAnswer::Accepted(answer), None));
         }
-        // Out of routing at once: DRAINING engines get no new requests. Engines that never
-        // became routable (still starting, or failed) skip the drain.
-        for id in &victims {
-            let status = inner.engines.get(id).map(|e| e.record.status);
-            if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
-                crate::records::checked(inner.engine_event(id, EngineEvent::Drain));
-                if manager.config.move_on_drain {
-                    if let Some(e) = inner.engines.get(id) {
-                        e.load.request_moves();
-                    }
-                }
-            }
-        }
+        start_draining(inner, &victims, manager.config.move_on_drain);
         crate::records::checked(record.apply(ScaleInEvent::StartDraining));
         record.message = format!("scale-in accepted: removing {}", victims.join(", "));
         let answer = Accepted {
@@ -165,6 +89,101 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         });
     }
     Ok(answer)
+}
+
+/// The request's checks: the fleet's model, a valid target (engines to keep, or URLs), not
+/// below the initial engines, a valid drain timeout. The target and the drain timeout.
+fn check(manager: &Manager, req: &ScaleInRequest) -> Result<(u32, Duration), OpError> {
+    if req.model_name != manager.config.model_name {
+        return Err(OpError::invalid(
+            "unknown_model",
+            format!(
+                "model_name {:?} is not served here; this fleet serves {:?}",
+                req.model_name, manager.config.model_name
+            ),
+        ));
+    }
+    let target = crate::scaling::replicas(req.num_replicas, u32::MAX)?;
+    let drain = crate::scaling::timeout(req.timeout_secs, manager.config.scale_in_drain_timeout)?;
+    if target == 0 && req.engine_urls.is_empty() {
+        return Err(OpError::invalid(
+            "missing_target",
+            "give num_replicas > 0 (engines to keep) or engine_urls (engines to remove)",
+        ));
+    }
+    let initial = manager.config.initial_engines();
+    if target > 0 && target < initial {
+        return Err(OpError::invalid(
+            "below_initial_engines",
+            format!(
+                "num_replicas {} is below the {initial} initial engines, which cannot be scaled in; ask for at least {initial}",
+                req.num_replicas
+            ),
+        ));
+    }
+    Ok((target, drain))
+}
+
+/// The engines to remove: by `rollout_core::scale_in::victims` down to `target`, or the ones
+/// the request names by URL (never an initial engine).
+fn choose_victims(inner: &crate::fleet::FleetInner, req: &ScaleInRequest, target: u32) -> Result<Vec<String>, OpError> {
+    let candidates: Vec<_> = inner
+        .engines
+        .values()
+        .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+        .collect();
+    let victims: Vec<String> = if target > 0 {
+        let engines: Vec<Candidate> = candidates
+            .iter()
+            .map(|e| Candidate {
+                engine_id: e.record.engine_id.clone(),
+                seq: e.seq,
+                status: e.record.status,
+                origin: e.record.origin,
+            })
+            .collect();
+        rollout_core::scale_in::victims(&engines, target)
+    } else {
+        let mut ids = Vec::new();
+        for url in &req.engine_urls {
+            let normal = crate::scaling::validate_engine_url(url)?;
+            let want = normal.as_str();
+            let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
+                OpError::invalid(
+                    "unknown_engine_url",
+                    format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
+                )
+            })?;
+            if engine.record.origin == EngineOrigin::Initial {
+                return Err(OpError::invalid(
+                    "initial_engine_protected",
+                    format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record.engine_id),
+                ));
+            }
+            if !ids.contains(&engine.record.engine_id) {
+                ids.push(engine.record.engine_id.clone());
+            }
+        }
+        ids
+    };
+    Ok(victims)
+}
+
+/// Takes the victims out of routing at once (DRAINING engines get no new requests; with
+/// `--move-on-drain` their movable requests are asked to move). Engines that never became
+/// routable (still starting, or failed) skip the drain.
+fn start_draining(inner: &mut crate::fleet::FleetInner, victims: &[String], move_on_drain: bool) {
+    for id in victims {
+        let status = inner.engines.get(id).map(|e| e.record.status);
+        if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
+            crate::records::checked(inner.engine_event(id, EngineEvent::Drain));
+            if move_on_drain {
+                if let Some(e) = inner.engines.get(id) {
+                    e.load.request_moves();
+                }
+            }
+        }
+    }
 }
 
 async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<String>, drain: Duration) {

@@ -100,6 +100,50 @@ pub async fn run(
     policy: PartialSuccessPolicy,
     cancel: CancellationToken,
 ) {
+    let start = begin(manager, request_id, &ids);
+    let deadline = tokio::time::Instant::now() + timeout;
+    let (end, mut failed, racing) = race(manager, request_id, &ids, start, deadline, policy, &cancel).await;
+    if let End::TimedOut = end {
+        for id in racing {
+            failed.push(FailedEngine {
+                engine_id: id,
+                url: String::new(),
+                error: format!("not ready within {timeout:?}"),
+            });
+        }
+    }
+    let Settled { end, keep, concluded } =
+        settle_and_activate(manager, request_id, &ids, end, policy, start, deadline, &cancel, &mut failed).await;
+
+    let initial =
+        manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == crate::records::Trigger::Initial);
+    let doomed: Vec<(String, String)> = ids
+        .iter()
+        .filter(|id| !keep.contains(id))
+        .map(|id| {
+            let why = failed.iter().find(|f| &f.engine_id == id).map(|f| f.error.clone());
+            (id.clone(), why.unwrap_or_else(|| "rolled back".into()))
+        })
+        .collect();
+    futures::future::join_all(doomed.iter().map(|(id, why)| cleanup(manager, id, initial, why))).await;
+
+    let event = settle::last_event(end, !keep.is_empty());
+    if !concluded {
+        let message = ending_message(end, event, timeout, ids.len(), &failed);
+        manager.fleet.update(|inner| conclude(inner, request_id, start, event, message, &failed));
+    }
+    // The fleet needs its initial engines: those that failed are restarted like crashed ones.
+    if initial && manager.config.restart_failed_engines && !matches!(end, End::ShuttingDown) {
+        for (id, _) in doomed {
+            let m = manager.clone();
+            manager.tasks.spawn(async move { m.recover(&id, Duration::from_secs(1)).await });
+        }
+    }
+}
+
+/// The operation leaves PENDING (CREATING, or CONNECTING for external engines) unless its
+/// engines still wait for placements; the event it started with.
+fn begin(manager: &Manager, request_id: &str, ids: &[String]) -> ScaleOutEvent {
     let external = manager
         .fleet
         .lock()
@@ -108,7 +152,7 @@ pub async fn run(
         .any(|e| ids.contains(&e.record.engine_id) && e.record.origin == EngineOrigin::External);
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
-        let pending = any_pending(inner, &ids);
+        let pending = any_pending(inner, ids);
         if let Some(op) = inner.scale_outs.get_mut(request_id) {
             if pending {
                 op.message = format!(
@@ -121,10 +165,25 @@ pub async fn run(
             }
         }
     });
+    start
+}
 
-    let mut racing: Vec<String> = ids.clone();
+/// Brings every engine up at once (external ones at most [`EXTERNAL_BRING_UPS`] at a time), the
+/// operation's phase following the slowest, until all are up, one failed under rollback_all,
+/// the deadline passed, or the operation was cancelled or the manager shuts down. How it ended
+/// the engines that failed, and the ones still racing (not up when it ended).
+async fn race(
+    manager: &Arc<Manager>,
+    request_id: &str,
+    ids: &[String],
+    start: ScaleOutEvent,
+    deadline: tokio::time::Instant,
+    policy: PartialSuccessPolicy,
+    cancel: &CancellationToken,
+) -> (End, Vec<FailedEngine>, Vec<String>) {
+    let external = start == ScaleOutEvent::StartConnecting;
+    let mut racing: Vec<String> = ids.to_vec();
     let mut failed: Vec<FailedEngine> = Vec::new();
-    let cancel_ref = &cancel;
     // External engines are only connected to, so thousands can be attached in one operation;
     // at most EXTERNAL_BRING_UPS of them are brought up at once, so none times out waiting for
     // a CPU behind a thousand others (seen with 1,000 engines on 2 cores). Local engines are
@@ -136,10 +195,9 @@ pub async fn run(
         .iter()
         .map(|id| async move {
             let _permit = limit_ref.acquire().await.ok();
-            (id.clone(), bring_up(manager, id, cancel_ref).await)
+            (id.clone(), bring_up(manager, id, cancel).await)
         })
         .collect();
-    let deadline = tokio::time::Instant::now() + timeout;
     let mut changes = manager.fleet.subscribe();
     let end = loop {
         tokio::select! {
@@ -170,71 +228,69 @@ pub async fn run(
     drop(pipelines);
     // A cancel that raced with the last pipeline still wins: nothing is active yet.
     let end = if cancel.is_cancelled() { End::Cancelled } else { end };
-    if let End::TimedOut = end {
-        for id in &racing {
-            failed.push(FailedEngine {
-                engine_id: id.clone(),
-                url: String::new(),
-                error: format!("not ready within {timeout:?}"),
-            });
-        }
-    }
+    (end, failed, racing)
+}
+/// How the operation settled: how it ended, the engines it keeps, and whether it already
+/// recorded its end.
+struct Settled {
+    end: End,
+    keep: Vec<String>,
+    concluded: bool,
+}
 
-    // Decide and activate in one registry update, so an engine that died after READY is seen:
-    // under rollback_all every engine must still be READY, under keep_partial each READY one
-    // is kept and the others are recorded as failed. An engine READY on a version the fleet no
-    // longer wants (an update began while it waited for the others) syncs again first.
-    let mut end = end;
+/// Decides and activates in one registry update, so an engine that died after READY is seen:
+/// under rollback_all every engine must still be READY, under keep_partial each READY one is
+/// kept and the others are recorded as failed. An engine READY on a version the fleet no
+/// longer wants (an update began while it waited for the others) syncs again first, at most
+/// [`MAX_RESYNCS`] times.
+#[expect(clippy::too_many_arguments, reason = "the operation's whole context, passed on from `run`")]
+async fn settle_and_activate(
+    manager: &Arc<Manager>,
+    request_id: &str,
+    ids: &[String],
+    mut end: End,
+    policy: PartialSuccessPolicy,
+    start: ScaleOutEvent,
+    deadline: tokio::time::Instant,
+    cancel: &CancellationToken,
+    failed: &mut Vec<FailedEngine>,
+) -> Settled {
     let mut resyncs = 0;
-    let (keep, concluded) = loop {
+    loop {
         if settle::may_keep(end, policy, !failed.is_empty()) && resyncs < MAX_RESYNCS {
-            let stale = stale_ready(manager, &ids);
+            let stale = stale_ready(manager, ids);
             if !stale.is_empty() {
                 resyncs += 1;
-                end = resync(manager, &stale, deadline, &cancel, &mut failed, policy).await.unwrap_or(end);
+                end = resync(manager, &stale, deadline, cancel, failed, policy).await.unwrap_or(end);
                 continue;
             }
         }
         let may_resync = resyncs < MAX_RESYNCS;
-        if let Some(activated) = activate(manager, request_id, &ids, end, policy, start, &mut failed, may_resync) {
-            break activated;
+        if let Some((keep, concluded)) = activate(manager, request_id, ids, end, policy, start, failed, may_resync) {
+            return Settled { end, keep, concluded };
         }
-    };
+    }
+}
 
-    let initial =
-        manager.fleet.lock().scale_outs.get(request_id).is_some_and(|r| r.trigger == crate::records::Trigger::Initial);
-    let doomed: Vec<(String, String)> = ids
-        .iter()
-        .filter(|id| !keep.contains(id))
-        .map(|id| {
-            let why = failed.iter().find(|f| &f.engine_id == id).map(|f| f.error.clone());
-            (id.clone(), why.unwrap_or_else(|| "rolled back".into()))
-        })
-        .collect();
-    futures::future::join_all(doomed.iter().map(|(id, why)| cleanup(manager, id, initial, why))).await;
-
-    let event = settle::last_event(end, !keep.is_empty());
-    let message = match (end, event) {
+/// The operation's closing message: why it ended as it did.
+fn ending_message(
+    end: End,
+    event: ScaleOutEvent,
+    timeout: Duration,
+    engines: usize,
+    failed: &[FailedEngine],
+) -> Option<String> {
+    match (end, event) {
         (End::Cancelled, _) => Some("cancelled by request; created engines were stopped".to_string()),
         (End::ShuttingDown, _) => Some("the manager shut down; created engines were stopped".to_string()),
         (_, ScaleOutEvent::Activated) => (!failed.is_empty())
-            .then(|| format!("{} of {} engines failed and were removed (keep_partial)", failed.len(), ids.len())),
+            .then(|| format!("{} of {engines} engines failed and were removed (keep_partial)", failed.len())),
         _ => {
             let why = match end {
                 End::TimedOut => format!("timed out after {timeout:?}"),
                 _ => failed.iter().map(|f| format!("{}: {}", f.engine_id, f.error)).collect::<Vec<_>>().join("; "),
             };
             Some(format!("{why}; created engines were rolled back"))
-        }
-    };
-    if !concluded {
-        manager.fleet.update(|inner| conclude(inner, request_id, start, event, message, &failed));
-    }
-    // The fleet needs its initial engines: those that failed are restarted like crashed ones.
-    if initial && manager.config.restart_failed_engines && !matches!(end, End::ShuttingDown) {
-        for (id, _) in doomed {
-            let m = manager.clone();
-            manager.tasks.spawn(async move { m.recover(&id, Duration::from_secs(1)).await });
         }
     }
 }

@@ -9,7 +9,7 @@
 use crate::api::{self, ApiState};
 use crate::launch::EngineLauncher;
 use crate::manager::Manager;
-use crate::scaling::{self, Cancels};
+use crate::scaling::Cancels;
 use rollout_core::ServeConfig;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -145,31 +145,7 @@ impl Server {
         }
         // The registry is rebuilt (or the initial bring-up reserved) before any request is
         // served, so no API call can race with it. Connections wait in the listen backlog.
-        if snapshot.is_empty() {
-            // A fleet with no engine left still remembers its published version.
-            if let Some(mut weights) = snapshot.weights {
-                let resumed = weights.resume_after_restart();
-                manager.fleet.update(|inner| {
-                    inner.weights = weights;
-                });
-                crate::weight_update::restage_if_missing(&manager).await;
-                if let Some(update_id) = resumed {
-                    match crate::restore::resumable(&manager).await {
-                        Ok(()) => {
-                            let m = manager.clone();
-                            manager.tasks.spawn(crate::weight_update::resume(m, update_id, Vec::new(), Vec::new()));
-                        }
-                        Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why)),
-                    }
-                }
-            }
-            if let Err(e) = scaling::start_initial(&manager, &cancels) {
-                tracing::error!(error = %e, "cannot reserve the initial engines");
-            }
-        } else {
-            tracing::info!(engines = snapshot.engines.len(), "restoring the fleet from --state-dir");
-            crate::restore::restore(&manager, snapshot).await;
-        }
+        crate::restore::start(&manager, snapshot, &cancels).await;
         let servers = tokio_util::task::TaskTracker::new();
         let header_timeout = Duration::from_secs_f64(manager.config.header_read_timeout_secs);
         if let Some((listener, path)) = socket {
@@ -199,26 +175,32 @@ impl Server {
         }
 
         manager.shutdown.cancelled().await;
-        // Streams still open get a bounded time to finish before their servers are dropped.
-        if tokio::time::timeout(Duration::from_secs(5), servers.wait()).await.is_err() {
-            tracing::warn!("HTTP connections still open after 5 s; closing them");
-        }
-        // An external router stops sending work to the engines before they stop.
-        let urls: Vec<String> = manager.fleet.routes().backends.iter().map(|b| b.url.clone()).collect();
-        if let Some(router) = &manager.external_router {
-            router.forget(&urls).await;
-        }
-        manager.stop_all().await;
-        manager.tasks.close();
-        let grace = manager.shutdown_grace() + Duration::from_secs(5);
-        if tokio::time::timeout(grace, manager.tasks.wait()).await.is_err() {
-            tracing::warn!("background tasks did not finish within {grace:?}");
-        }
-        // Operation tasks may have been stopped between launching and recording a process.
-        manager.stop_all().await;
+        shut_down(&manager, servers).await;
         tracing::info!("shutdown complete");
         Ok(())
     }
+}
+
+/// Shuts down in order once the manager's token is cancelled: the HTTP servers (streams get
+/// 5 s to finish), the external router's registrations, the engines, then the background tasks.
+async fn shut_down(manager: &Arc<Manager>, servers: tokio_util::task::TaskTracker) {
+    // Streams still open get a bounded time to finish before their servers are dropped.
+    if tokio::time::timeout(Duration::from_secs(5), servers.wait()).await.is_err() {
+        tracing::warn!("HTTP connections still open after 5 s; closing them");
+    }
+    // An external router stops sending work to the engines before they stop.
+    let urls: Vec<String> = manager.fleet.routes().backends.iter().map(|b| b.url.clone()).collect();
+    if let Some(router) = &manager.external_router {
+        router.forget(&urls).await;
+    }
+    manager.stop_all().await;
+    manager.tasks.close();
+    let grace = manager.shutdown_grace() + Duration::from_secs(5);
+    if tokio::time::timeout(grace, manager.tasks.wait()).await.is_err() {
+        tracing::warn!("background tasks did not finish within {grace:?}");
+    }
+    // Operation tasks may have been stopped between launching and recording a process.
+    manager.stop_all().await;
 }
 
 /// Runs the data plane on threads of its own (`--router-threads`), each with a single-thread

@@ -122,119 +122,9 @@ pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, Op
     check(&req)?;
     let update_id = uuid::Uuid::new_v4().to_string();
     let (record, old_group) = manager.fleet.update(|inner| -> Result<_, OpError> {
-        if let Some(u) = inner.weights.running_update() {
-            return Err(OpError::conflict(
-                "update_in_progress",
-                format!(
-                    "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then update again",
-                    u.update_id, u.version, u.status, u.update_id
-                ),
-            ));
-        }
-        if inner.weights.known_versions().iter().any(|v| v.version == req.version) {
-            return Err(OpError::conflict(
-                "version_conflict",
-                format!("version {} is taken (the fleet serves or served it); name every update anew", req.version),
-            ));
-        }
-        let mut engines: Vec<&crate::fleet::Engine> = inner
-            .engines
-            .values()
-            .filter(|e| {
-                e.record.status == EngineStatus::Active
-                    || (e.record.status == EngineStatus::WeightSyncing && e.awaiting_trainer)
-            })
-            .collect();
-        engines.sort_by_key(|e| e.seq);
-        if engines.is_empty() {
-            return Err(OpError::conflict(
-                "no_active_engines",
-                "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
-            ));
-        }
-        let tps: Vec<u32> =
-            engines.iter().map(|e| u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1)).collect();
-        let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
-        let members: Vec<GroupMember> = engines
-            .iter()
-            .zip(tps.iter().zip(offsets))
-            .map(|(e, (tp, off))| GroupMember {
-                engine_id: e.record.engine_id.clone(),
-                url: e.record.url.clone(),
-                tp_size: *tp,
-                rank_offset: off,
-            })
-            .collect();
-        let keys: Vec<rollout_core::catchup::Member<'_>> =
-            members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect();
-        let current = inner.weights.group.as_ref();
-        let current_keys = current.map(TrainerGroup::member_keys);
-        let reuse = rollout_core::catchup::reuse_group(
-            current.zip(current_keys.as_deref()).map(|(g, k)| (g.group_name.as_str(), g.master_address.as_str(), k)),
-            req.group_name.as_deref(),
-            &req.master_address,
-            &keys,
-        );
-        let (group, old_group) = match (reuse, current) {
-            (true, Some(g)) => (TrainerGroup { new: false, ..g.clone() }, None),
-            _ => {
-                inner.weights.groups_built += 1;
-                let g = TrainerGroup {
-                    group_name: format!("{}_{}", req.group_prefix, inner.weights.groups_built),
-                    master_address: req.master_address.clone(),
-                    master_port: req.master_port,
-                    world_size,
-                    members,
-                    new: true,
-                };
-                (g, inner.weights.group.take())
-            }
-        };
-        let now = crate::clock::unix_now();
-        let message = if group.new {
-            format!(
-                "new group {}: the trainer joins as rank 0 at {}:{}, then POSTs /rollout/weights/updates/{update_id}/broadcast",
-                group.group_name, group.master_address, group.master_port
-            )
-        } else {
-            format!("group {} kept: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast", group.group_name)
-        };
-        let record = UpdateRecord {
-            update_id: update_id.clone(),
-            version: req.version.clone(),
-            path: String::new(),
-            checksum: None,
-            expected_checksum: None,
-            total_bytes: 0,
-            hashed_bytes: crate::records::HashProgress::default(),
-            engine_path: String::new(),
-            previous_version: inner.weights.current.version.clone(),
-            strategy: UpdateStrategy::AllAtOnce,
-            max_unavailable: None,
-            pause_mode: req.pause_mode.clone(),
-            transport: "trainer".into(),
-            status: WeightUpdateStatus::Pending,
-            engines: group.members.iter().map(|m| (m.engine_id.clone(), EngineUpdate::pending())).collect(),
-            created_at: now,
-            updated_at: now,
-            finished_at: None,
-            error_message: None,
-            message,
-            history: vec![Transition { status: WeightUpdateStatus::Pending.to_string(), at: now }],
-            resumed: 0,
-            source: UpdateSource::Trainer,
-            trainer: Some(TrainerPart {
-                group_ready: !group.new,
-                group: group.clone(),
-                names: req.names.clone(),
-                dtypes: req.dtypes.clone(),
-                shapes: req.shapes.clone(),
-                flush_cache: req.flush_cache,
-                broadcast_at: None,
-                receiving_at: None,
-                aborted: None,
-            }),
-        };
+        refuse_if_busy(inner, &req.version)?;
+        let (group, old_group) = plan_group(inner, &req)?;
+        let record = new_record(&update_id, &req, &group, inner.weights.current.version.clone());
         inner.weights.group = Some(group);
         inner.weights.updates.insert(update_id.clone(), record.clone());
         inner.weights.running = Some(update_id.clone());
@@ -246,6 +136,138 @@ pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, Op
     let id = update_id.clone();
     manager.tasks.spawn(async move { run(m, id, old_group).await });
     Ok(record)
+}
+
+/// 409 while another update runs or when `version` was served before.
+fn refuse_if_busy(inner: &crate::fleet::FleetInner, version: &str) -> Result<(), OpError> {
+    if let Some(u) = inner.weights.running_update() {
+        return Err(OpError::conflict(
+            "update_in_progress",
+            format!(
+                "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then update again",
+                u.update_id, u.version, u.status, u.update_id
+            ),
+        ));
+    }
+    if inner.weights.known_versions().iter().any(|v| v.version == version) {
+        return Err(OpError::conflict(
+            "version_conflict",
+            format!("version {version} is taken (the fleet serves or served it); name every update anew"),
+        ));
+    }
+    Ok(())
+}
+
+/// The group this update broadcasts over: the current one when its members and master are
+/// unchanged (and the trainer did not name another), else a new one over the engines that can
+/// take part now, each with its rank offset. With a new group, the old one (to destroy).
+/// 409 when no engine can take part.
+fn plan_group(
+    inner: &mut crate::fleet::FleetInner,
+    req: &OpenRequest,
+) -> Result<(TrainerGroup, Option<TrainerGroup>), OpError> {
+    let mut engines: Vec<&crate::fleet::Engine> = inner
+        .engines
+        .values()
+        .filter(|e| {
+            e.record.status == EngineStatus::Active
+                || (e.record.status == EngineStatus::WeightSyncing && e.awaiting_trainer)
+        })
+        .collect();
+    engines.sort_by_key(|e| e.seq);
+    if engines.is_empty() {
+        return Err(OpError::conflict(
+            "no_active_engines",
+            "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
+        ));
+    }
+    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1)).collect();
+    let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
+    let members: Vec<GroupMember> = engines
+        .iter()
+        .zip(tps.iter().zip(offsets))
+        .map(|(e, (tp, off))| GroupMember {
+            engine_id: e.record.engine_id.clone(),
+            url: e.record.url.clone(),
+            tp_size: *tp,
+            rank_offset: off,
+        })
+        .collect();
+    let keys: Vec<rollout_core::catchup::Member<'_>> =
+        members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect();
+    let current = inner.weights.group.as_ref();
+    let current_keys = current.map(TrainerGroup::member_keys);
+    let reuse = rollout_core::catchup::reuse_group(
+        current.zip(current_keys.as_deref()).map(|(g, k)| (g.group_name.as_str(), g.master_address.as_str(), k)),
+        req.group_name.as_deref(),
+        &req.master_address,
+        &keys,
+    );
+    Ok(match (reuse, current) {
+        (true, Some(g)) => (TrainerGroup { new: false, ..g.clone() }, None),
+        _ => {
+            inner.weights.groups_built += 1;
+            let g = TrainerGroup {
+                group_name: format!("{}_{}", req.group_prefix, inner.weights.groups_built),
+                master_address: req.master_address.clone(),
+                master_port: req.master_port,
+                world_size,
+                members,
+                new: true,
+            };
+            (g, inner.weights.group.take())
+        }
+    })
+}
+
+/// The record of a trainer update just opened over `group` (PENDING: its members join first
+/// where the group is new).
+fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous_version: String) -> UpdateRecord {
+    let now = crate::clock::unix_now();
+    let message = if group.new {
+        format!(
+            "new group {}: the trainer joins as rank 0 at {}:{}, then POSTs /rollout/weights/updates/{update_id}/broadcast",
+            group.group_name, group.master_address, group.master_port
+        )
+    } else {
+        format!("group {} kept: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast", group.group_name)
+    };
+    UpdateRecord {
+        update_id: update_id.to_string(),
+        version: req.version.clone(),
+        path: String::new(),
+        checksum: None,
+        expected_checksum: None,
+        total_bytes: 0,
+        hashed_bytes: crate::records::HashProgress::default(),
+        engine_path: String::new(),
+        previous_version,
+        strategy: UpdateStrategy::AllAtOnce,
+        max_unavailable: None,
+        pause_mode: req.pause_mode.clone(),
+        transport: "trainer".into(),
+        status: WeightUpdateStatus::Pending,
+        engines: group.members.iter().map(|m| (m.engine_id.clone(), EngineUpdate::pending())).collect(),
+        created_at: now,
+        updated_at: now,
+        finished_at: None,
+        error_message: None,
+        message,
+        history: vec![Transition { status: WeightUpdateStatus::Pending.to_string(), at: now }],
+        resumed: 0,
+        source: UpdateSource::Trainer,
+        trainer: Some(TrainerPart {
+            group_ready: !group.new,
+            group: group.clone(),
+            names: req.names.clone(),
+            dtypes: req.dtypes.clone(),
+            shapes: req.shapes.clone(),
+            flush_cache: req.flush_cache,
+            broadcast_at: None,
+            receiving_at: None,
+            aborted: None,
+        }),
+    }
 }
 
 fn trainer_update(inner: &crate::fleet::FleetInner, update_id: &str) -> Result<UpdateRecord, OpError> {
@@ -385,73 +407,11 @@ async fn run(manager: Arc<Manager>, update_id: String, old_group: Option<Trainer
         };
         destroy(&manager, &old.group_name, &here).await;
     }
-    if group.new {
-        let body = |m: &GroupMember| {
-            json!({"master_address": group.master_address, "master_port": group.master_port,
-                   "rank_offset": m.rank_offset, "world_size": group.world_size,
-                   "group_name": group.group_name, "backend": "nccl"})
-        };
-        let api = &manager.engine_api;
-        let body = &body;
-        let joined = futures::future::join_all(group.members.iter().map(|m| async move {
-            let r = api.weights_call(&m.url, "/init_weights_update_group", body(m), timeout).await;
-            (m, r)
-        }))
-        .await;
-        let failed: Vec<String> = joined
-            .iter()
-            .filter_map(|(m, r)| match r {
-                Ok(true) => None,
-                Ok(false) => Some(format!("{}: /init_weights_update_group is not served (404)", m.engine_id)),
-                Err(e) => Some(format!("{}: {e}", m.engine_id)),
-            })
-            .collect();
-        if !failed.is_empty() {
-            let ok: Vec<GroupMember> =
-                joined.iter().filter(|(_, r)| matches!(r, Ok(true))).map(|(m, _)| (*m).clone()).collect();
-            destroy(&manager, &group.group_name, &ok).await;
-            let why =
-                format!("members could not join group {}: {}; nothing was paused", group.group_name, failed.join("; "));
-            return end_before_broadcast(&manager, &update_id, &why, true);
-        }
-        manager.fleet.update(|inner| {
-            if let Some(u) = inner.weights.updates.get_mut(&update_id) {
-                if let Some(t) = u.trainer.as_mut() {
-                    t.group_ready = true;
-                }
-                if !u.status.is_terminal() {
-                    u.message = format!(
-                        "every member joined group {}: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast",
-                        group.group_name
-                    );
-                }
-            }
-        });
+    if group.new && !join_group(&manager, &update_id, &group, timeout).await {
+        return;
     }
     // Wait for the trainer: broadcast, abort, a timeout, or the manager's shutdown.
-    let started = async {
-        let mut changes = manager.fleet.subscribe();
-        loop {
-            let state = {
-                let inner = manager.fleet.lock();
-                inner
-                    .weights
-                    .updates
-                    .get(&update_id)
-                    .and_then(|u| u.trainer.as_ref())
-                    .map(|t| (t.broadcast_at, t.aborted.clone()))
-            };
-            match state {
-                None => return Err(None),
-                Some((_, Some(reason))) => return Err(Some(reason)),
-                Some((Some(_), None)) => return Ok(()),
-                Some((None, None)) => {}
-            }
-            if changes.changed().await.is_err() {
-                return Err(None);
-            }
-        }
-    };
+    let started = trainer_started(&manager, &update_id);
     let outcome = tokio::select! {
         r = tokio::time::timeout(timeout, started) => r,
         () = manager.shutdown.cancelled() => return,
@@ -474,6 +434,80 @@ async fn run(manager: Arc<Manager>, update_id: String, old_group: Option<Trainer
         }
     }
     broadcast(&manager, &update_id, &group, &want).await;
+}
+
+/// The members of a new group join it (`/init_weights_update_group`, all at once); true when
+/// every one did, else the update ended FAILED (nothing was paused) and the ones that joined left.
+async fn join_group(manager: &Manager, update_id: &str, group: &TrainerGroup, timeout: Duration) -> bool {
+    let body = |m: &GroupMember| {
+        json!({"master_address": group.master_address, "master_port": group.master_port,
+               "rank_offset": m.rank_offset, "world_size": group.world_size,
+               "group_name": group.group_name, "backend": "nccl"})
+    };
+    let api = &manager.engine_api;
+    let body = &body;
+    let joined = futures::future::join_all(group.members.iter().map(|m| async move {
+        let r = api.weights_call(&m.url, "/init_weights_update_group", body(m), timeout).await;
+        (m, r)
+    }))
+    .await;
+    let failed: Vec<String> = joined
+        .iter()
+        .filter_map(|(m, r)| match r {
+            Ok(true) => None,
+            Ok(false) => Some(format!("{}: /init_weights_update_group is not served (404)", m.engine_id)),
+            Err(e) => Some(format!("{}: {e}", m.engine_id)),
+        })
+        .collect();
+    if !failed.is_empty() {
+        let ok: Vec<GroupMember> =
+            joined.iter().filter(|(_, r)| matches!(r, Ok(true))).map(|(m, _)| (*m).clone()).collect();
+        destroy(manager, &group.group_name, &ok).await;
+        let why =
+            format!("members could not join group {}: {}; nothing was paused", group.group_name, failed.join("; "));
+        end_before_broadcast(manager, update_id, &why, true);
+        return false;
+    }
+    manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            if let Some(t) = u.trainer.as_mut() {
+                t.group_ready = true;
+            }
+            if !u.status.is_terminal() {
+                u.message = format!(
+                    "every member joined group {}: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast",
+                    group.group_name
+                );
+            }
+        }
+    });
+    true
+}
+
+/// Waits until the trainer started its broadcast (`Ok`) or aborted the update (`Err` with its
+/// reason; `Err(None)` when the update or the registry is gone).
+async fn trainer_started(manager: &Manager, update_id: &str) -> Result<(), Option<String>> {
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        let state = {
+            let inner = manager.fleet.lock();
+            inner
+                .weights
+                .updates
+                .get(update_id)
+                .and_then(|u| u.trainer.as_ref())
+                .map(|t| (t.broadcast_at, t.aborted.clone()))
+        };
+        match state {
+            None => return Err(None),
+            Some((_, Some(reason))) => return Err(Some(reason)),
+            Some((Some(_), None)) => return Ok(()),
+            Some((None, None)) => {}
+        }
+        if changes.changed().await.is_err() {
+            return Err(None);
+        }
+    }
 }
 
 /// Destroys group `name` on `members`, best effort (an engine gone or never joined answers an
@@ -512,41 +546,7 @@ fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_gr
 
 /// The broadcast: every member's side in parallel, then the commit.
 async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup, want: &WeightVersion) {
-    // ACTIVE members leave routing; the others (waiting for weights, draining) take part as
-    // they are, since a member missing from the collective would hang the trainer's broadcast.
-    let plan: Vec<(GroupMember, bool)> = manager.fleet.update(|inner| {
-        let mut plan = Vec::new();
-        for m in &group.members {
-            let status = inner.engines.get(&m.engine_id).map(|e| e.record.status);
-            let routed = status == Some(EngineStatus::Active);
-            let alive = matches!(
-                status,
-                Some(
-                    EngineStatus::Active
-                        | EngineStatus::WeightSyncing
-                        | EngineStatus::Draining
-                        | EngineStatus::Unhealthy
-                )
-            );
-            if routed {
-                crate::records::checked(inner.engine_event(&m.engine_id, EngineEvent::UpdateWeights));
-            }
-            if let Some(u) = inner.weights.updates.get_mut(update_id) {
-                if alive {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Start, None);
-                } else {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet before the broadcast".into()));
-                }
-            }
-            if alive {
-                plan.push((m.clone(), routed));
-            }
-        }
-        if let Some(u) = inner.weights.updates.get_mut(update_id) {
-            crate::records::checked(u.apply(WeightUpdateEvent::Start));
-        }
-        plan
-    });
+    let plan = start_members(manager, update_id, group);
     let Some(part) = manager.fleet.lock().weights.updates.get(update_id).and_then(|u| u.trainer.clone()) else {
         return;
     };
@@ -588,28 +588,7 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
     }))
     .await;
     let interrupted = manager.shutdown.is_cancelled();
-    let mut verified = 0usize;
-    let mut failures = Vec::new();
-    let mut restart = Vec::new();
-    manager.fleet.update(|inner| {
-        for ((m, _), turn) in plan.iter().zip(&turns) {
-            let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
-            match turn {
-                Turn::Verified => {
-                    verified += 1;
-                    u.engine(&m.engine_id, EngineUpdateEvent::Verified, None);
-                }
-                Turn::Skipped => {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
-                }
-                Turn::Failed(why) => {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Fail, Some(why.clone()));
-                    failures.push(format!("{}: {why}", m.engine_id));
-                    restart.push(m.engine_id.clone());
-                }
-            }
-        }
-    });
+    let (verified, failures, restart) = record_turns(manager, update_id, &plan, &turns);
     if interrupted {
         return;
     }
@@ -617,22 +596,8 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
         let why = format!("no member received {}: {}", want.version, failures.join("; "));
         return crate::weight_update::fail(manager, update_id, want, &why).await;
     }
-    // Every ACTIVE engine is a member that received the version (one that did not left
-    // routing); wait up to 30 s for the registry to settle if one is still behind (a member
-    // returning to routing).
-    let mut changes = manager.fleet.subscribe();
-    let settle_by = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !crate::weight_update::commit(manager, update_id, want) {
-        tokio::select! {
-            _ = changes.changed() => {}
-            () = tokio::time::sleep(Duration::from_secs(1)) => {}
-            () = tokio::time::sleep_until(settle_by) => break,
-            () = manager.shutdown.cancelled() => return,
-        }
-    }
-    if manager.fleet.lock().weights.running.as_deref() == Some(update_id) {
-        let why = "engines on another version stayed routable; the update could not commit".to_string();
-        return crate::weight_update::fail(manager, update_id, want, &why).await;
+    if !commit_when_settled(manager, update_id, want).await {
+        return;
     }
     if !failures.is_empty() {
         tracing::warn!(update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
@@ -652,6 +617,101 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
             }
         }
     }
+}
+
+/// The broadcast starts: ACTIVE members leave routing; the others (waiting for weights,
+/// draining) take part as they are, since a member missing from the collective would hang the
+/// trainer's broadcast; members gone are skipped. Each member taking part, and whether it was
+/// routed.
+fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Vec<(GroupMember, bool)> {
+    manager.fleet.update(|inner| {
+        let mut plan = Vec::new();
+        for m in &group.members {
+            let status = inner.engines.get(&m.engine_id).map(|e| e.record.status);
+            let routed = status == Some(EngineStatus::Active);
+            let alive = matches!(
+                status,
+                Some(
+                    EngineStatus::Active
+                        | EngineStatus::WeightSyncing
+                        | EngineStatus::Draining
+                        | EngineStatus::Unhealthy
+                )
+            );
+            if routed {
+                crate::records::checked(inner.engine_event(&m.engine_id, EngineEvent::UpdateWeights));
+            }
+            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+                if alive {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Start, None);
+                } else {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet before the broadcast".into()));
+                }
+            }
+            if alive {
+                plan.push((m.clone(), routed));
+            }
+        }
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            crate::records::checked(u.apply(WeightUpdateEvent::Start));
+        }
+        plan
+    })
+}
+
+/// Records each member's turn on the update: how many verified the version, why the others
+/// failed, and the failed ones (to restart).
+fn record_turns(
+    manager: &Manager,
+    update_id: &str,
+    plan: &[(GroupMember, bool)],
+    turns: &[Turn],
+) -> (usize, Vec<String>, Vec<String>) {
+    let mut verified = 0usize;
+    let mut failures = Vec::new();
+    let mut restart = Vec::new();
+    manager.fleet.update(|inner| {
+        for ((m, _), turn) in plan.iter().zip(turns) {
+            let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
+            match turn {
+                Turn::Verified => {
+                    verified += 1;
+                    u.engine(&m.engine_id, EngineUpdateEvent::Verified, None);
+                }
+                Turn::Skipped => {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
+                }
+                Turn::Failed(why) => {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Fail, Some(why.clone()));
+                    failures.push(format!("{}: {why}", m.engine_id));
+                    restart.push(m.engine_id.clone());
+                }
+            }
+        }
+    });
+    (verified, failures, restart)
+}
+
+/// Commits the version once every ACTIVE engine is a member that received it (one that did not
+/// left routing), waiting up to 30 s for the registry to settle if one is still behind (a member
+/// returning to routing); else the update fails. False when it did not commit.
+async fn commit_when_settled(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion) -> bool {
+    let mut changes = manager.fleet.subscribe();
+    let settle_by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !crate::weight_update::commit(manager, update_id, want) {
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = tokio::time::sleep_until(settle_by) => break,
+            () = manager.shutdown.cancelled() => return false,
+        }
+    }
+    if manager.fleet.lock().weights.running.as_deref() == Some(update_id) {
+        let why = "engines on another version stayed routable; the update could not commit".to_string();
+        crate::weight_update::fail(manager, update_id, want, &why).await;
+        return false;
+    }
+    true
 }
 
 /// `work` on the engine at `url`, given up when the engine stops answering (out of routing,

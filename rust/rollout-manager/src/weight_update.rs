@@ -269,47 +269,7 @@ async fn converge(
         if manager.shutdown.is_cancelled() {
             return Err(Stop::Interrupted);
         }
-        let wave: Vec<TurnEngine> = manager.fleet.update(|inner| {
-            // Carried engines still waiting in WEIGHT_SYNCING (one that failed meanwhile is
-            // being recovered; one that left is gone).
-            let mut out: Vec<TurnEngine> = std::mem::take(&mut carry)
-                .into_iter()
-                .filter(|(id, _, load)| {
-                    inner
-                        .engines
-                        .get(id)
-                        .is_some_and(|e| e.record.status == EngineStatus::WeightSyncing && Arc::ptr_eq(&e.load, load))
-                })
-                .collect();
-            if strategy == UpdateStrategy::Rolling && !out.is_empty() {
-                // The interrupted wave finishes before the next one starts.
-                return out;
-            }
-            let mut engines: Vec<&crate::fleet::Engine> = inner.engines.values().collect();
-            engines.sort_by_key(|e| e.seq);
-            let views: Vec<EngineView> = engines
-                .iter()
-                .map(|e| EngineView {
-                    engine_id: e.record.engine_id.clone(),
-                    serving: e.record.status == EngineStatus::Active,
-                    on_target: want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref()),
-                })
-                .collect();
-            let serving = views.iter().filter(|v| v.serving).count();
-            let ids = next_wave(&views, wave_size(strategy, max_unavailable, serving));
-            for id in ids {
-                if inner.engine_event(&id, EngineEvent::UpdateWeights).is_err() {
-                    continue;
-                }
-                if let Some(e) = inner.engines.get(&id) {
-                    out.push((id.clone(), e.record.url.clone(), e.load.clone()));
-                }
-                if let Some(u) = inner.weights.updates.get_mut(update_id) {
-                    u.engine(&id, EngineUpdateEvent::Start, None);
-                }
-            }
-            out
-        });
+        let wave = next_turns(manager, update_id, want, strategy, max_unavailable, std::mem::take(&mut carry));
         if wave.is_empty() {
             if commit(manager, update_id, want) {
                 return Ok(());
@@ -354,6 +314,61 @@ async fn converge(
             return Err(Stop::Failed(failures.join("; ")));
         }
     }
+}
+
+/// Takes the next wave out of routing and starts its turns: the carried engines still waiting
+/// in WEIGHT_SYNCING (one that failed meanwhile is being recovered; one that left is gone), then,
+/// unless a rolling update must first finish an interrupted wave, the next engines not on
+/// `want` (`rollout_core::weights::next_wave`).
+fn next_turns(
+    manager: &Manager,
+    update_id: &str,
+    want: &WeightVersion,
+    strategy: UpdateStrategy,
+    max_unavailable: Option<u32>,
+    carry: Vec<TurnEngine>,
+) -> Vec<TurnEngine> {
+    manager.fleet.update(|inner| {
+        // Carried engines still waiting in WEIGHT_SYNCING (one that failed meanwhile is
+        // being recovered; one that left is gone).
+        let mut out: Vec<TurnEngine> = carry
+            .into_iter()
+            .filter(|(id, _, load)| {
+                inner
+                    .engines
+                    .get(id)
+                    .is_some_and(|e| e.record.status == EngineStatus::WeightSyncing && Arc::ptr_eq(&e.load, load))
+            })
+            .collect();
+        if strategy == UpdateStrategy::Rolling && !out.is_empty() {
+            // The interrupted wave finishes before the next one starts.
+            return out;
+        }
+        let mut engines: Vec<&crate::fleet::Engine> = inner.engines.values().collect();
+        engines.sort_by_key(|e| e.seq);
+        let views: Vec<EngineView> = engines
+            .iter()
+            .map(|e| EngineView {
+                engine_id: e.record.engine_id.clone(),
+                serving: e.record.status == EngineStatus::Active,
+                on_target: want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref()),
+            })
+            .collect();
+        let serving = views.iter().filter(|v| v.serving).count();
+        let ids = next_wave(&views, wave_size(strategy, max_unavailable, serving));
+        for id in ids {
+            if inner.engine_event(&id, EngineEvent::UpdateWeights).is_err() {
+                continue;
+            }
+            if let Some(e) = inner.engines.get(&id) {
+                out.push((id.clone(), e.record.url.clone(), e.load.clone()));
+            }
+            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+                u.engine(&id, EngineUpdateEvent::Start, None);
+            }
+        }
+        out
+    })
 }
 
 /// One engine's turn: drain or pause, load, verify, back into routing.

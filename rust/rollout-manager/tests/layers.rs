@@ -5,6 +5,10 @@
 //! Checked on the source text: every `crate::<module>` path outside comments and outside the
 //! `#[cfg(test)]` part of a file (tests may reach anywhere). A new module must be given a layer
 //! here.
+//!
+//! Also the length of functions: none outside tests is over [`MAX_FUNCTION_LINES`] lines, so
+//! each reads on one screen and says what it does in its name (a long one is split into steps
+//! that do).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -25,6 +29,7 @@ const LAYERS: [(&str, &[&str]); 7] = [
             "scale_in",
             "weight_update",
             "trainer_update",
+            "publish",
             "restore",
         ],
     ),
@@ -33,6 +38,9 @@ const LAYERS: [(&str, &[&str]); 7] = [
     // Compiled only for `cargo test`: fakes behind the seams and the use cases' unit tests.
     ("tests", &["testing", "use_case_tests"]),
 ];
+
+/// Most lines of a function of `src/` outside tests, its signature and closing brace included.
+const MAX_FUNCTION_LINES: usize = 100;
 
 fn layer_of(module: &str) -> Option<usize> {
     LAYERS.iter().position(|(_, modules)| modules.contains(&module))
@@ -150,6 +158,84 @@ fn no_modules_use_each_other_in_a_circle() {
             }
         }
     }
+}
+
+/// Whether `line` starts a function definition: `fn`, after any of `pub`, `pub(..)`, `async`,
+/// `const`, `unsafe`, with a body (not a trait's declaration ending in `;`).
+fn starts_function(line: &str) -> bool {
+    let mut rest = line.trim_start();
+    loop {
+        if let Some(after) = rest.strip_prefix("pub(") {
+            rest = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+            continue;
+        }
+        let Some(word) = ["pub ", "async ", "const ", "unsafe "].iter().find(|w| rest.starts_with(**w)) else { break };
+        rest = rest[word.len()..].trim_start();
+    }
+    rest.starts_with("fn ") && !line.trim_end().ends_with(';')
+}
+
+/// The functions of `text` (before its `#[cfg(test)]` part) over `max` lines: (line, name, length).
+/// A function ends at the first line after it that is its closing brace at its indentation, as
+/// rustfmt writes it.
+fn long_functions(text: &str, max: usize) -> Vec<(usize, String, usize)> {
+    let text = text.split("\n#[cfg(test)]").next().unwrap_or("");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut long = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if !starts_function(line) {
+            continue;
+        }
+        let indent = &line[..line.len() - line.trim_start().len()];
+        let closing = format!("{indent}}}");
+        let end = if line.trim_end().ends_with('}') {
+            Some(i)
+        } else {
+            lines[i + 1..].iter().position(|l| *l == closing).map(|n| i + 1 + n)
+        };
+        let Some(end) = end else { continue };
+        let length = end - i + 1;
+        if length > max {
+            let name = line.split("fn ").nth(1).unwrap_or("").split(['(', '<']).next().unwrap_or("").to_string();
+            long.push((i + 1, name, length));
+        }
+    }
+    long
+}
+
+#[test]
+fn no_function_is_over_the_line_limit() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut over = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap_or(&file);
+        // Compiled only for tests (see LAYERS).
+        if ["testing.rs", "use_case_tests.rs"].iter().any(|t| rel.ends_with(t)) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+        for (line, name, length) in long_functions(&text, MAX_FUNCTION_LINES) {
+            over.push(format!("{}:{line} {name}: {length} lines", rel.display()));
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "functions over {MAX_FUNCTION_LINES} lines; split them into steps named for what they do:\n{}",
+        over.join("\n")
+    );
+}
+
+#[test]
+fn the_length_checker_measures_functions_and_skips_declarations_and_tests() {
+    let text = "pub(crate) async fn long() {\n    a();\n    b();\n}\n\
+                fn one_line() { a() }\n\
+                trait T {\n    fn declared(&self);\n}\n\
+                impl X {\n    pub fn method(&self) {\n        a();\n        b();\n        c();\n    }\n}\n\
+                #[cfg(test)]\nmod tests {\n    fn in_tests() {\n        a();\n        b();\n        c();\n    }\n}";
+    assert_eq!(long_functions(text, 3), vec![(1, "long".to_string(), 4), (10, "method".to_string(), 5)]);
+    assert!(long_functions(text, 5).is_empty());
 }
 
 #[test]

@@ -14,21 +14,18 @@
 //! - `GET /rollout/weights/updates[?status=]` and `GET /rollout/weights/updates/{id}`.
 
 use super::{parse_body, status_filter, ApiState};
-use crate::clock::unix_now;
 use crate::error::ApiError;
-use crate::records::Transition;
+use crate::publish::Published;
 use crate::records::UpdateRecord;
-use crate::weights::checkpoint;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
+use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 
 /// Entries of `history` in `GET /rollout/weights`.
 const HISTORY: usize = 20;
@@ -192,162 +189,38 @@ async fn publish(
             ))
         }
     };
-    // Only the headers are read here; the files are hashed in the background (CHECKSUMMING).
-    let dir = std::path::PathBuf::from(&req.path);
-    let ckpt = tokio::task::spawn_blocking(move || checkpoint::inspect(&dir))
-        .await
-        .map_err(|e| ApiError::internal("checkpoint_task", e.to_string()))?
-        .map_err(|e| ApiError::bad_request("invalid_checkpoint", format!("{e}; nothing was published")))?;
-
-    let manager = &s.manager;
-    let update_id = uuid::Uuid::new_v4().to_string();
-    let (status, answer) = manager.fleet.update(|inner| -> Result<(StatusCode, Value), ApiError> {
-        match decide(&inner.weights, &req.version, &req.path, given.as_deref())? {
-            Decision::Existing(answer) => return Ok((StatusCode::OK, answer)),
-            Decision::Join(id) => {
-                let Some(u) = inner.weights.updates.get(&id) else {
-                    return Err(ApiError::internal("join", format!("update {id} vanished")));
-                };
-                let answer = json!({
-                    "update_id": u.update_id,
-                    "status": u.status,
-                    "version": u.version,
-                    "checksum": u.checksum,
-                    "message": format!(
-                        "update {} already publishes {} from this path ({}); this publish joins it",
-                        u.update_id, u.version, u.status
-                    ),
-                });
-                return Ok((StatusCode::ACCEPTED, answer));
-            }
-            Decision::New => {}
-        }
-        let now = unix_now();
-        let record = UpdateRecord {
-            update_id: update_id.clone(),
-            version: req.version.clone(),
-            path: req.path.clone(),
-            checksum: None,
-            expected_checksum: given.clone(),
-            total_bytes: ckpt.total_bytes,
-            hashed_bytes: crate::records::HashProgress::default(),
-            engine_path: String::new(),
-            previous_version: inner.weights.current.version.clone(),
-            strategy: req.strategy,
-            max_unavailable: req.max_unavailable,
-            pause_mode: pause_mode.clone(),
-            transport: manager.transport.name().to_string(),
-            status: WeightUpdateStatus::Checksumming,
-            engines: BTreeMap::new(),
-            created_at: now,
-            updated_at: now,
-            finished_at: None,
-            error_message: None,
-            message: format!(
-                "checking {} ({} files, {} bytes, {} tensors) before publishing it, {}",
-                req.version,
-                ckpt.files.len(),
-                ckpt.total_bytes,
-                ckpt.num_tensors,
-                req.strategy
-            ),
-            history: vec![Transition { status: WeightUpdateStatus::Checksumming.to_string(), at: now }],
-            resumed: 0,
-            source: crate::records::UpdateSource::Checkpoint,
-            trainer: None,
-        };
-        let out = json!({
-            "update_id": update_id,
-            "status": record.status,
-            "version": req.version,
-            "checksum": null,
-            "message": record.message,
-        });
-        inner.weights.updates.insert(update_id.clone(), record);
-        inner.weights.running = Some(update_id.clone());
-        inner.weights.prune();
-        Ok((StatusCode::ACCEPTED, out))
-    })?;
-    if answer.get("update_id").and_then(|v| v.as_str()) == Some(update_id.as_str()) {
-        let m = manager.clone();
-        manager.tasks.spawn(crate::weight_update::checksum_then_run(m, update_id));
-    }
-    Ok((status, Json(answer)))
-}
-
-/// What a publish means given the updates the manager knows.
-enum Decision {
-    /// A new version: start an update.
-    New,
-    /// The running update publishes this version from this path: answer with it.
-    Join(String),
-    /// Published before (same version and path, and the checksum, when given, matches).
-    Existing(Value),
-}
-
-/// `given`: the checksum the publish asked for. Err: 409.
-fn decide(
-    w: &crate::records::WeightsState,
-    version: &str,
-    path: &str,
-    given: Option<&str>,
-) -> Result<Decision, ApiError> {
-    if let Some(u) = w.running_update().filter(|u| u.version == version && u.path == path) {
-        let known = u.checksum.as_deref().or(u.expected_checksum.as_deref());
-        if let (Some(_), None) = (given, known) {
-            // Joining would mean failing the running update if the files lack this checksum.
-            return Err(ApiError::conflict(
-                "update_in_progress",
-                format!(
-                    "update {} is still hashing {version} from {path}, published without a checksum; publish again once it is PENDING (GET /rollout/weights/updates/{}) to compare checksums",
-                    u.update_id, u.update_id
-                ),
-            ));
-        }
-        if let (Some(g), Some(k)) = (given, known) {
-            if g != k {
-                return Err(ApiError::conflict(
-                    "version_conflict",
-                    format!(
-                        "update {} publishes {version} from {path} with checksum {k}; this publish expects {g}: publish other bytes under a new version name",
-                        u.update_id
-                    ),
-                ));
-            }
-        }
-        return Ok(Decision::Join(u.update_id.clone()));
-    }
-    match check_publish(&w.known_versions(), version, path, given) {
-        PublishCheck::Same => {
-            let existing = w
-                .updates
-                .values()
-                .filter(|u| u.version == version && u.status != WeightUpdateStatus::Failed)
-                .max_by(|a, b| a.created_at.total_cmp(&b.created_at));
-            let (id, status, checksum) = existing.map_or_else(
-                || (Value::Null, "COMPLETED".to_string(), w.current.checksum.clone()),
-                |u| (json!(u.update_id), u.status.to_string(), u.checksum.clone()),
+    let publish = crate::publish::Publish {
+        version: req.version,
+        path: req.path,
+        checksum: given,
+        strategy: req.strategy,
+        max_unavailable: req.max_unavailable,
+        pause_mode,
+    };
+    Ok(match crate::publish::publish(&s.manager, publish).await? {
+        Published::Started(u) => (
+            StatusCode::ACCEPTED,
+            Json(json!({"update_id": u.update_id, "status": u.status, "version": u.version, "checksum": null,
+                        "message": u.message})),
+        ),
+        Published::Joined(u) => {
+            let message = format!(
+                "update {} already publishes {} from this path ({}); this publish joins it",
+                u.update_id, u.version, u.status
             );
-            Ok(Decision::Existing(json!({
-                "update_id": id,
-                "status": status,
-                "version": version,
-                "checksum": checksum,
-                "message": format!("version {version} was already published from this path; nothing to do (its files are not hashed again)"),
-            })))
+            let body = json!({"update_id": u.update_id, "status": u.status, "version": u.version,
+                              "checksum": u.checksum, "message": message});
+            (StatusCode::ACCEPTED, Json(body))
         }
-        PublishCheck::Conflict(why) => Err(ApiError::conflict("version_conflict", why)),
-        PublishCheck::New => match w.running_update() {
-            Some(u) => Err(ApiError::conflict(
-                "update_in_progress",
-                format!(
-                    "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then publish again",
-                    u.update_id, u.version, u.status, u.update_id
-                ),
-            )),
-            None => Ok(Decision::New),
-        },
-    }
+        Published::Existing { update_id, status, version, checksum } => {
+            let message = format!(
+                "version {version} was already published from this path; nothing to do (its files are not hashed again)"
+            );
+            let body = json!({"update_id": update_id, "status": status, "version": version, "checksum": checksum,
+                              "message": message});
+            (StatusCode::OK, Json(body))
+        }
+    })
 }
 
 async fn weights(State(s): State<ApiState>) -> Json<Value> {

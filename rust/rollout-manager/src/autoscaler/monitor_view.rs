@@ -2,7 +2,7 @@
 //! (pure, tested without a terminal) and drawn with ratatui ([`draw`], tested on its
 //! `TestBackend`).
 
-use ratatui::layout::{Constraint, Layout};
+use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Cell, Paragraph, Row, Table};
@@ -253,7 +253,15 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
         Layout::vertical([Constraint::Length(6), Constraint::Min(8), Constraint::Length(8), Constraint::Length(1)])
             .areas(frame.area());
     let [left, right] = Layout::horizontal([Constraint::Percentage(58), Constraint::Percentage(42)]).areas(middle);
+    draw_header(frame, screen, header);
+    draw_engines(frame, screen, left);
+    draw_conditions(frame, screen, right);
+    draw_history(frame, screen, bottom);
+    frame.render_widget(Paragraph::new("q quit   r refresh now"), footer);
+}
 
+/// The autoscaler's state, its last decision and the fleet's weights.
+fn draw_header(frame: &mut Frame, screen: &Screen, area: Rect) {
     let state = match screen.enabled {
         Some(true) => Span::styled("ENABLED", Style::default().fg(Color::Green).add_modifier(Modifier::BOLD)),
         Some(false) => Span::styled("DISABLED", Style::default().fg(Color::Yellow).add_modifier(Modifier::BOLD)),
@@ -280,9 +288,15 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
         lines.push(Line::from(Span::styled(format!("error: {e}"), Style::default().fg(Color::Red))));
     }
     let title = format!(" Elastic Rollout monitor: {} ", screen.url);
-    frame.render_widget(Paragraph::new(lines).block(Block::bordered().title(title)), header);
+    frame.render_widget(Paragraph::new(lines).block(Block::bordered().title(title)), area);
+}
 
-    let bold = Style::default().add_modifier(Modifier::BOLD);
+fn bold() -> Style {
+    Style::default().add_modifier(Modifier::BOLD)
+}
+
+/// One row per engine.
+fn draw_engines(frame: &mut Frame, screen: &Screen, area: Rect) {
     let engine_rows = screen.engines.iter().map(|e| {
         Row::new(vec![
             Cell::from(e.id.clone()),
@@ -308,10 +322,13 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
             Constraint::Length(4),
         ],
     )
-    .header(Row::new(vec!["engine", "status", "version", "origin", "in_fl", "kv", "queue", "run"]).style(bold))
+    .header(Row::new(vec!["engine", "status", "version", "origin", "in_fl", "kv", "queue", "run"]).style(bold()))
     .block(Block::bordered().title(format!(" Engines ({}) ", screen.engines.len())));
-    frame.render_widget(engines, left);
+    frame.render_widget(engines, area);
+}
 
+/// Each scaling condition: whether it is met, its value against its threshold, how long held.
+fn draw_conditions(frame: &mut Frame, screen: &Screen, area: Rect) {
     let cond_rows = screen.conditions.iter().map(|c| {
         let (mark, color) = match (c.triggered, c.holding) {
             (true, _) => ("YES", Color::Green),
@@ -338,10 +355,13 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
             Constraint::Length(9),
         ],
     )
-    .header(Row::new(vec!["condition", "for", "met", "value", "thresh", "held"]).style(bold))
+    .header(Row::new(vec!["condition", "for", "met", "value", "thresh", "held"]).style(bold()))
     .block(Block::bordered().title(" Conditions "));
-    frame.render_widget(conditions, right);
+    frame.render_widget(conditions, area);
+}
 
+/// The autoscaler's recent decisions.
+fn draw_history(frame: &mut Frame, screen: &Screen, area: Rect) {
     let history_rows = screen.history.iter().map(|h| {
         Row::new(vec![
             Cell::from(clock(h.at)),
@@ -361,10 +381,9 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
             Constraint::Min(20),
         ],
     )
-    .header(Row::new(vec!["time", "action", "engines", "status", "reason"]).style(bold))
+    .header(Row::new(vec!["time", "action", "engines", "status", "reason"]).style(bold()))
     .block(Block::bordered().title(" Recent decisions "));
-    frame.render_widget(history, bottom);
-    frame.render_widget(Paragraph::new("q quit   r refresh now"), footer);
+    frame.render_widget(history, area);
 }
 
 #[cfg(test)]
