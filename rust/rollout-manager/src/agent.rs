@@ -34,6 +34,7 @@
 //! NOT_FOUND for an unknown engine, INTERNAL when the process cannot be started.
 
 use crate::host::{self, EngineProcess, ExitInfo, LaunchSpec};
+use crate::locks::Locked;
 use rollout_proto::agent as pb;
 use rollout_proto::agent::agent_server::{Agent, AgentServer};
 use std::collections::HashMap;
@@ -116,7 +117,7 @@ struct AgentState {
 
 impl AgentState {
     fn engines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Hosted>> {
-        self.engines.lock().unwrap_or_else(|e| e.into_inner())
+        self.engines.locked()
     }
 
     fn info(engine_id: &str, h: &Hosted) -> pb::EngineInfo {

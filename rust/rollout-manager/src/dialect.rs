@@ -10,6 +10,7 @@
 //! on its first 404.
 
 use crate::engine_http::{self, ReadError};
+use crate::locks::Locked;
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -58,7 +59,7 @@ impl EngineRoutes {
     }
 
     fn learned(&self) -> std::sync::MutexGuard<'_, HashMap<(String, Route), usize>> {
-        self.learned.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.learned.locked()
     }
 
     /// The name this engine answered to last, or the newest if it was never asked.

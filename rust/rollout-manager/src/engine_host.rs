@@ -19,6 +19,7 @@
 //! `authorization: Bearer <token>`; agents started with the same token refuse calls without it.
 
 use crate::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
+use crate::locks::Locked;
 use rollout_proto::agent as pb;
 use rollout_proto::agent::agent_client::AgentClient;
 use std::collections::HashMap;
@@ -166,16 +167,16 @@ struct AgentConn {
 
 impl AgentConn {
     fn watched(&self) -> Vec<String> {
-        self.exits.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+        self.exits.locked().keys().cloned().collect()
     }
 
     fn stopping(&self, engine_id: &str) -> bool {
-        self.stopping.lock().unwrap_or_else(|e| e.into_inner()).contains(engine_id)
+        self.stopping.locked().contains(engine_id)
     }
 
     /// Reports how an engine ended (once; later reports are ignored) and stops watching it.
     fn publish(&self, engine_id: &str, info: ExitInfo) {
-        let tx = self.exits.lock().unwrap_or_else(|e| e.into_inner()).remove(engine_id);
+        let tx = self.exits.locked().remove(engine_id);
         if let Some(tx) = tx {
             tx.send_if_modified(|v| {
                 if v.is_none() {
@@ -239,7 +240,7 @@ impl AgentHost {
 
     /// The connection to the agent at `url`, created (with its event task) on first use.
     fn conn(&self, url: &str) -> Result<Arc<AgentConn>, HostError> {
-        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conns = self.conns.locked();
         if let Some(c) = conns.get(url) {
             return Ok(c.clone());
         }
@@ -265,7 +266,7 @@ impl AgentHost {
     /// Reports the engine as exited (not on request) and forgets its watch: used when its
     /// placement is re-bound to a new agent because the old one is gone.
     pub fn forget(&self, url: &str, engine_id: &str) {
-        let conn = self.conns.lock().unwrap_or_else(|e| e.into_inner()).get(url).cloned();
+        let conn = self.conns.locked().get(url).cloned();
         if let Some(conn) = conn {
             conn.publish(engine_id, ExitInfo { code: None, signal: None, requested: false });
         }
@@ -275,7 +276,7 @@ impl AgentHost {
     /// from its events (or from Stop's answer).
     fn handle(&self, conn: &Arc<AgentConn>, engine_id: &str, pid: u32, start_ticks: Option<u64>) -> EngineProcess {
         let (exit_tx, exit_rx) = watch::channel(None);
-        conn.exits.lock().unwrap_or_else(|e| e.into_inner()).insert(engine_id.to_string(), exit_tx);
+        conn.exits.locked().insert(engine_id.to_string(), exit_tx);
         let (stop_tx, mut stop_rx) = mpsc::channel::<Duration>(1);
         let (conn, id, mut ended) = (conn.clone(), engine_id.to_string(), exit_rx.clone());
         self.tasks.spawn(async move {
@@ -283,7 +284,7 @@ impl AgentHost {
                 grace = stop_rx.recv() => {
                     // Every handle dropped: the engine is left to its agent.
                     let Some(grace) = grace else { return };
-                    conn.stopping.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone());
+                    conn.stopping.locked().insert(id.clone());
                     let mut client = conn.client.clone();
                     let request = pb::StopRequest { engine_id: id.clone(), grace_ms: grace.as_millis() as u64 };
                     let info = match tokio::time::timeout(grace + Duration::from_secs(15), client.stop(request)).await {
@@ -298,7 +299,7 @@ impl AgentHost {
                         }
                     };
                     conn.publish(&id, info);
-                    conn.stopping.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                    conn.stopping.locked().remove(&id);
                 }
                 () = async { let _ = ended.wait_for(Option::is_some).await; } => {}
             }
@@ -429,7 +430,7 @@ async fn gone_for_good(
         if !watched.is_empty() {
             let _ = lost.send((url.to_string(), why.clone())); // no receiver: nobody to tell
         }
-        let mut map = conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = conns.locked();
         // Only this connection, and only while nothing new was launched through it.
         if map.get(url).is_some_and(|c| Arc::ptr_eq(c, conn)) && conn.watched().is_empty() {
             map.remove(url);

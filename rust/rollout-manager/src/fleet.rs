@@ -8,6 +8,7 @@
 
 use crate::clock::unix_now;
 use crate::host::EngineProcess;
+use crate::locks::{Locked, RwLocked};
 use crate::records::{EngineRecord, RunningOp, ScaleInRecord, ScaleOutRecord};
 use crate::slots::SlotQueue;
 use rollout_core::routing::QueueOrder;
@@ -218,10 +219,10 @@ pub struct Engine {
     pub probe_failures: u32,
     /// Since when its probes have failed while its scheduler answered (a pause; see
     /// `rollout_core::health`); None once a probe passes or fails outright.
-    pub paused_since: Option<std::time::Instant>,
+    pub paused_since: Option<tokio::time::Instant>,
     /// Since when, and why ("create", "restart"), the engine is being brought up: observed as
     /// `rollout_engine_startup_seconds` when it becomes ACTIVE.
-    pub bringup: Option<(std::time::Instant, &'static str)>,
+    pub bringup: Option<(tokio::time::Instant, &'static str)>,
     /// Identity of the process beside its pid (see [`crate::store::StoredEngine`]).
     pub pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
@@ -368,7 +369,7 @@ impl FleetInner {
         debug_assert_eq!(record.engine_id, new.engine_id);
         self.insert(new.seq, record, None, None, held);
         if let Some(e) = self.engines.get_mut(&new.engine_id) {
-            e.bringup = Some((std::time::Instant::now(), "create"));
+            e.bringup = Some((tokio::time::Instant::now(), "create"));
         }
         new.engine_id
     }
@@ -523,7 +524,7 @@ impl FleetInner {
         }
         match (event, to) {
             (EngineEvent::Restart, _) => {
-                engine.bringup = Some((std::time::Instant::now(), "restart"));
+                engine.bringup = Some((tokio::time::Instant::now(), "restart"));
                 engine.up_since = None;
             }
             (_, EngineStatus::Active) => {
@@ -666,7 +667,7 @@ impl Fleet {
     /// Locks the registry. A poisoned lock (a panic while held) is recovered: every mutation
     /// leaves the registry consistent before any call that could panic.
     pub fn lock(&self) -> MutexGuard<'_, FleetInner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// Runs `f` under the lock, republishes the routing table, persists the change and wakes
@@ -697,7 +698,7 @@ impl Fleet {
             })
         });
         let table = self.table_of(&inner);
-        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        *self.routes.write_locked() = Arc::new(table);
         drop(inner);
         if let (Some(store), Some(seq)) = (&self.store, staged) {
             if let Err(e) = store.commit_through(seq) {
@@ -766,7 +767,7 @@ impl Fleet {
 
     /// The routing table: what the data plane may use now.
     pub fn routes(&self) -> Arc<RoutingTable> {
-        self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.routes.read_locked().clone()
     }
 
     pub fn store(&self) -> Option<&crate::store::Store> {

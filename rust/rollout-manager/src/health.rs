@@ -27,6 +27,7 @@
 //! also restarts them. Probe counters are kept under the registry lock without publishing a new
 //! routing table; only status changes go through `Fleet::update`.
 
+use crate::locks::Locked;
 use crate::manager::Manager;
 use rollout_core::health::{counts, verdict as core_verdict, Incarnation, Probe, ProbePolicy, Verdict as CoreVerdict};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
@@ -67,7 +68,7 @@ fn incarnation(e: &crate::fleet::Engine) -> Incarnation {
 }
 
 pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
-    let busy = rejoining.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let busy = rejoining.locked().clone();
     let targets: Vec<(String, Incarnation)> = manager
         .fleet
         .lock()
@@ -148,7 +149,7 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> 
     };
     let mut inner = manager.fleet.lock();
     let mut out = Vec::new();
-    let now = std::time::Instant::now();
+    let now = tokio::time::Instant::now();
     for (id, at, failure, paused) in results {
         let Some(engine) = inner.engines.get_mut(id) else { continue };
         // Probed before a restart (or a move): says nothing about the engine there now.
@@ -209,13 +210,13 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
         }
         // Back into routing only on the version it must serve (loaded now if needed).
         Verdict::TryBack => {
-            if !rejoining.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone()) {
+            if !rejoining.locked().insert(id.clone()) {
                 return;
             }
             let (m, rejoining) = (manager.clone(), rejoining.clone());
             manager.tasks.spawn(async move {
                 rejoin(&m, &id).await;
-                rejoining.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                rejoining.locked().remove(&id);
             });
         }
         Verdict::Restart => {

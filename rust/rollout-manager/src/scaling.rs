@@ -16,10 +16,11 @@
 //! never scaled in.
 
 use crate::fleet::FleetInner;
+use crate::locks::Locked;
 use crate::manager::Manager;
 use crate::op_error::OpError;
 use crate::records::{RunningOp, ScaleOutRecord, Trigger};
-use rollout_core::{EngineOrigin, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -101,14 +102,14 @@ pub struct Cancels(Mutex<HashMap<String, CancellationToken>>);
 impl Cancels {
     fn insert(&self, id: &str) -> CancellationToken {
         let token = CancellationToken::new();
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), token.clone());
+        self.0.locked().insert(id.to_string(), token.clone());
         token
     }
     fn remove(&self, id: &str) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        self.0.locked().remove(id);
     }
     fn get(&self, id: &str) -> Option<CancellationToken> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+        self.0.locked().get(id).cloned()
     }
 }
 
@@ -466,9 +467,11 @@ fn spawn_scale_out(
     });
 }
 
-/// Ends an operation its task left unfinished (a bug that panicked): marks it FAILED, frees
-/// the one-operation lock, and stops the engines it had not activated, so one failure never
-/// wedges the fleet. A no-op when the operation finished normally.
+/// Ends an operation its task left unfinished (a bug that panicked): stops the engines it had
+/// not activated, then marks it FAILED and frees the one-operation lock in one registry update,
+/// so one failure never wedges the fleet and the operation never reads ended while engines of
+/// it still run. The cleanup is a task of the manager's tracker (shutdown waits for it). A no-op
+/// when the operation finished normally.
 pub struct OpGuard {
     pub manager: Arc<Manager>,
     pub kind: &'static str,
@@ -477,39 +480,54 @@ pub struct OpGuard {
 
 impl Drop for OpGuard {
     fn drop(&mut self) {
-        let id = self.request_id.as_str();
-        let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
-        let leftovers = self.manager.fleet.update(|inner| {
-            let mut engines = Vec::new();
-            if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
-                op.error_message = Some(why.clone());
-                crate::records::checked(op.apply(ScaleOutEvent::Fail));
-                engines = op.engine_ids.clone();
+        let id = self.request_id.clone();
+        let unfinished = self.manager.fleet.update(|inner| {
+            let engines = unfinished_op_engines(inner, &id);
+            if engines.is_none() {
+                inner.end_op(&id);
             }
-            if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
-                op.error_message = Some(why.clone());
-                crate::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
-                engines = op.engine_ids.clone();
-            }
-            inner.end_op(id);
-            engines.retain(|e| {
-                inner.engines.get(e).is_some_and(|en| en.record.status != rollout_core::EngineStatus::Active)
-            });
             engines
         });
-        if leftovers.is_empty() {
+        let Some(leftovers) = unfinished else { return };
+        tracing::error!(kind = self.kind, request_id = %id, "operation task ended unexpectedly; cleaning up");
+        if leftovers.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            self.manager.fleet.update(|inner| fail_unfinished_op(inner, &id));
             return;
         }
-        tracing::error!(kind = self.kind, request_id = id, "operation task ended unexpectedly; cleaning up");
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let m = self.manager.clone();
-            rt.spawn(async move {
-                for e in leftovers {
-                    m.remove_engine(&e).await;
-                }
-            });
-        }
+        let m = self.manager.clone();
+        self.manager.tasks.spawn(async move {
+            for e in leftovers {
+                m.remove_engine(&e).await;
+            }
+            m.fleet.update(|inner| fail_unfinished_op(inner, &id));
+        });
     }
+}
+
+/// The engines of operation `id`, if it has not ended, that are not ACTIVE (what its task would
+/// have rolled back).
+fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
+    let engines = match (inner.scale_outs.get(id), inner.scale_ins.get(id)) {
+        (Some(op), _) if !op.status.is_terminal() => op.engine_ids.clone(),
+        (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
+        _ => return None,
+    };
+    let not_active = |e: &String| inner.engines.get(e).is_some_and(|en| en.record.status != EngineStatus::Active);
+    Some(engines.into_iter().filter(not_active).collect())
+}
+
+/// Records operation `id` FAILED (an internal error) and frees the one-operation lock.
+fn fail_unfinished_op(inner: &mut FleetInner, id: &str) {
+    let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
+    if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
+        op.error_message = Some(why.clone());
+        crate::records::checked(op.apply(ScaleOutEvent::Fail));
+    }
+    if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
+        op.error_message = Some(why);
+        crate::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
+    }
+    inner.end_op(id);
 }
 
 /// Cancels a running scale-out. Its task rolls back what it created.
@@ -559,12 +577,9 @@ pub struct BatchCancelRequest {
     pub dry_run: bool,
 }
 
-/// Cancels every running scale-out that matches the filter.
-pub fn cancel_many(
-    manager: &Manager,
-    cancels: &Cancels,
-    req: &BatchCancelRequest,
-) -> Result<serde_json::Value, OpError> {
+/// Cancels every running scale-out that matches the filter (none with `dry_run`). The request
+/// ids of those cancelled (or that would be).
+pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<Vec<String>, OpError> {
     let filter = match req.status_filter.as_deref() {
         None => None,
         Some(raw) => {
@@ -605,7 +620,7 @@ pub fn cancel_many(
             cancelled.push(id);
         }
     }
-    Ok(serde_json::json!({ "dry_run": req.dry_run, "cancelled": cancelled, "total": cancelled.len() }))
+    Ok(cancelled)
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@
 //! The queue also owns the router's [`LengthEstimator`] (every answer is observed, with or
 //! without a cap): the KV estimate of a request and the automatic per-engine cap read it.
 
+use crate::locks::Locked;
 use rollout_core::lengths::LengthEstimator;
 use rollout_core::routing::QueueOrder;
 use std::cmp::Reverse;
@@ -148,7 +149,7 @@ pub struct SlotQueue {
     seq: AtomicU64,
     inner: Mutex<Inner>,
     /// The length estimator's clock.
-    epoch: std::time::Instant,
+    epoch: tokio::time::Instant,
 }
 
 impl SlotQueue {
@@ -159,7 +160,7 @@ impl SlotQueue {
             lengths: LengthEstimator::new(LENGTH_CLASSES),
             rekeyed: 0.0,
         };
-        Self { order, seq: AtomicU64::new(0), inner: Mutex::new(inner), epoch: std::time::Instant::now() }
+        Self { order, seq: AtomicU64::new(0), inner: Mutex::new(inner), epoch: tokio::time::Instant::now() }
     }
 
     /// Seconds since the queue was made (the length estimator's clock).
@@ -169,7 +170,7 @@ impl SlotQueue {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // Nothing panics while holding it; recover a poisoned lock anyway.
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner.locked()
     }
 
     /// Requests waiting.

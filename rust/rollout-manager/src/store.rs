@@ -15,6 +15,7 @@
 //! every kept operation under the registry lock: O(fleet) work per change, O(fleet^2) to attach
 //! a fleet; committing under the lock made every reader wait for an fsync.)
 
+use crate::locks::Locked;
 use crate::records::{EngineRecord, ScaleInRecord, ScaleOutRecord, WeightsState};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -180,7 +181,7 @@ impl Store {
         let weights = decode::<WeightsState>(&self.path, pick("weights"))?.pop();
         // Remember it as written. (A record stored under another key than its id is rewritten
         // under its id by the next sync, and the stray key stays: harmless, never read.)
-        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let mut written = self.written.locked();
         written.engines = engines.iter().map(|e| (e.record.engine_id.clone(), e.clone())).collect();
         written.scale_outs = scale_outs.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
         written.scale_ins = scale_ins.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
@@ -195,7 +196,7 @@ impl Store {
     /// nothing changed. Cheap (field comparisons, and only the changed records serialised): the
     /// registry calls it under its lock, then [`Store::commit_through`] after releasing it.
     pub fn stage<E: EngineRow>(&self, now: Current<'_, E>) -> Option<u64> {
-        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let mut written = self.written.locked();
         let mut batch = Batch::default();
         for (id, e) in now.engines {
             if written.engines.get(id.as_str()).is_none_or(|w| !e.same_as(w)) {
@@ -249,7 +250,7 @@ impl Store {
         if batch.is_empty() {
             return None;
         }
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.locked();
         pending.0.merge(batch);
         pending.1 += 1;
         Some(pending.1)
@@ -260,12 +261,12 @@ impl Store {
     /// back under any staged since, so the next commit writes them (a registry change is never
     /// lost to one failed write while the manager runs).
     pub fn commit_through(&self, seq: u64) -> Result<(), StoreError> {
-        let mut durable = self.durable.lock().unwrap_or_else(|e| e.into_inner());
+        let mut durable = self.durable.locked();
         if *durable >= seq {
             return Ok(());
         }
         let (batch, upto) = {
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let mut pending = self.pending.locked();
             (std::mem::take(&mut pending.0), pending.1)
         };
         match self.write(&batch) {
@@ -274,7 +275,7 @@ impl Store {
                 Ok(())
             }
             Err(e) => {
-                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pending = self.pending.locked();
                 let newer = std::mem::replace(&mut pending.0, batch);
                 pending.0.merge(newer);
                 Err(e)

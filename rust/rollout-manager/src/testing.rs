@@ -8,6 +8,7 @@ use crate::engine_host::{EngineHost, Hosted, Location};
 use crate::fleet::FleetInner;
 use crate::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
 use crate::launch::EngineLauncher;
+use crate::locks::Locked;
 use crate::manager::Manager;
 use clap::Parser;
 use futures::future::BoxFuture;
@@ -57,7 +58,7 @@ pub struct FakeEngines {
 
 impl FakeEngines {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// The next launch of `engine_id` fails.
@@ -158,7 +159,7 @@ impl EngineHost for FakeEngines {
             self.tasks.spawn(async move {
                 tokio::select! {
                     asked = stop_rx.recv() => if asked.is_some() {
-                        let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut s = state.locked();
                         s.calls.push(format!("stop {id}"));
                         s.running.remove(&id);
                         exit_tx.send_replace(Some(ExitInfo { code: None, signal: Some(15), requested: true }));

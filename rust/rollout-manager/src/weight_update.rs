@@ -79,7 +79,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
     let dir = std::path::PathBuf::from(&path);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop_hashing = stop.clone();
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let mut hashing = tokio::task::spawn_blocking(move || {
         let ckpt = crate::weights::checkpoint::inspect(&dir)?;
         let checksum = crate::weights::checkpoint::hash(&ckpt, &progress, &stop_hashing)?;

@@ -15,7 +15,10 @@ use std::path::{Path, PathBuf};
 
 /// Layers, lowest first, with their modules.
 const LAYERS: [(&str, &[&str]); 7] = [
-    ("foundation", &["clock", "error", "auth", "http_serve", "slots", "records", "engine_http", "host", "telemetry"]),
+    (
+        "foundation",
+        &["clock", "locks", "error", "auth", "http_serve", "slots", "records", "engine_http", "host", "telemetry"],
+    ),
     ("registry", &["store", "fleet"]),
     ("adapters", &["engine_api", "dialect", "launch", "keeper", "engine_host", "weights", "router"]),
     (
@@ -30,6 +33,7 @@ const LAYERS: [(&str, &[&str]); 7] = [
             "weight_update",
             "trainer_update",
             "publish",
+            "placements",
             "restore",
         ],
     ),

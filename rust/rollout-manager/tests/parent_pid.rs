@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 const BIN: &str = env!("CARGO_BIN_EXE_rollout-manager");
 

@@ -269,7 +269,8 @@ async fn cancel_scale_out(
 
 async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
-    Ok(Json(scaling::cancel_many(&s.manager, &s.cancels, &req)?))
+    let cancelled = scaling::cancel_many(&s.manager, &s.cancels, &req)?;
+    Ok(Json(json!({ "dry_run": req.dry_run, "total": cancelled.len(), "cancelled": cancelled })))
 }
 
 /// The OpenAPI document of this API, kept beside the docs and checked by the tests.

@@ -13,8 +13,7 @@
 //! - `POST /rollout/placements/{engine_id}/released`: the shim removed the placement group of a
 //!   placement that is desired absent; the manager forgets it.
 //!
-//! Every change is committed to the store under the registry lock (as all fleet changes are), so
-//! a restarted manager keeps the placements and their agents.
+//! The handlers parse and answer; what each report does is `crate::placements`.
 
 use super::ApiState;
 use crate::error::ApiError;
@@ -23,7 +22,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use rollout_core::{AgentBinding, BindOutcome, EngineEvent, EngineStatus, PlacementConflict};
+use rollout_core::AgentBinding;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -96,37 +95,9 @@ struct BindRequest {
     gpu_ids: Vec<String>,
 }
 
-fn unknown(engine_id: &str) -> ApiError {
-    ApiError::not_found(
-        "unknown_placement",
-        format!("no placement for engine {engine_id:?}; list them with GET /rollout/placements"),
-    )
-}
-
-fn conflict(e: &PlacementConflict) -> ApiError {
-    let code = match e {
-        PlacementConflict::NotWanted(_) => "placement_not_wanted",
-        PlacementConflict::BoundElsewhere { .. } => "placement_bound_elsewhere",
-        PlacementConflict::StillWanted(_) => "placement_still_wanted",
-    };
-    ApiError::conflict(code, e.to_string())
-}
-
-fn placement_json(s: &ApiState, engine_id: &str) -> Result<Json<Value>, ApiError> {
-    let inner = s.manager.fleet.lock();
-    let p = inner.placements.get(engine_id).ok_or_else(|| unknown(engine_id))?;
+/// A placement as JSON.
+fn placement_json(p: &rollout_core::Placement) -> Result<Json<Value>, ApiError> {
     serde_json::to_value(p).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
-}
-
-/// Placements exist only in Ray mode.
-fn ray_only(s: &ApiState) -> Result<(), ApiError> {
-    if s.manager.ray() {
-        return Ok(());
-    }
-    Err(ApiError::conflict(
-        "not_ray_placement",
-        "this manager runs with --placement local and has no placements; start it with --placement ray",
-    ))
 }
 
 async fn bind(
@@ -134,7 +105,6 @@ async fn bind(
     Path(engine_id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    ray_only(&s)?;
     let req: BindRequest = super::parse_body(&body)?;
     let agent_url = crate::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
         ApiError::bad_request(
@@ -155,42 +125,8 @@ async fn bind(
             format!("gpu_ids has {} ids but an engine takes {per_engine} GPUs", req.gpu_ids.len()),
         ));
     }
-    let previous = {
-        let inner = s.manager.fleet.lock();
-        let p = inner.placements.get(&engine_id).ok_or_else(|| unknown(&engine_id))?;
-        p.agent.as_ref().map(|a| a.url.clone()).filter(|u| *u != agent_url)
-    };
-    // Only a live agent keeps its placement; asked outside the lock.
-    let previous_live = match &previous {
-        Some(url) => s.manager.agents.is_live(url).await,
-        None => false,
-    };
-    let binding = AgentBinding { url: agent_url.clone(), node_id: req.node_id.clone(), gpu_ids: req.gpu_ids.clone() };
-    let outcome = s.manager.fleet.update(|inner| {
-        let p = inner.placements.get_mut(&engine_id).ok_or_else(|| unknown(&engine_id))?;
-        let outcome = p.bind(binding, previous_live).map_err(|e| conflict(&e))?;
-        if outcome != BindOutcome::Same {
-            inner.placements_changed();
-            if let Some(e) = inner.engines.get_mut(&engine_id) {
-                e.record.detail = None;
-                e.record.gpu_ids = req.gpu_ids.iter().filter_map(|g| g.parse().ok()).collect();
-            }
-            if inner.engines.get(&engine_id).is_some_and(|e| e.record.status == EngineStatus::Pending) {
-                crate::records::checked(inner.engine_event(&engine_id, EngineEvent::Bound));
-            }
-        }
-        Ok::<_, ApiError>(outcome)
-    })?;
-    match &outcome {
-        BindOutcome::Bound => tracing::info!(engine_id, agent = %agent_url, node_id = %req.node_id, "placement bound"),
-        BindOutcome::Same => {}
-        BindOutcome::Replaced { previous } => {
-            tracing::warn!(engine_id, old = %previous.url, new = %agent_url, "placement re-bound: the old agent is gone");
-            // Its engine went with the old agent: recover it through the new one.
-            s.manager.agents.forget(&previous.url, &engine_id);
-        }
-    }
-    placement_json(&s, &engine_id)
+    let binding = AgentBinding { url: agent_url, node_id: req.node_id, gpu_ids: req.gpu_ids };
+    placement_json(&crate::placements::bind(&s.manager, &engine_id, binding).await?)
 }
 
 /// Body of `POST /rollout/placements/{engine_id}/lost`.
@@ -207,30 +143,18 @@ async fn lost(
     Path(engine_id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    ray_only(&s)?;
     let req: LostRequest = super::parse_body(&body)?;
-    if !s.manager.fleet.lock().placements.contains_key(&engine_id) {
-        return Err(unknown(&engine_id));
-    }
     let reason = if req.reason.trim().is_empty() { "reported by the Ray shim" } else { req.reason.trim() };
     let reason: String = reason.chars().take(500).collect();
-    let unbound = s.manager.agent_lost(&req.agent_url, Some(&engine_id), &reason);
-    let mut answer = placement_json(&s, &engine_id)?;
+    let (placement, unbound) = crate::placements::lost(&s.manager, &engine_id, &req.agent_url, &reason)?;
+    let mut answer = placement_json(&placement)?;
     if let Some(obj) = answer.0.as_object_mut() {
-        obj.insert("unbound".into(), json!(!unbound.is_empty()));
+        obj.insert("unbound".into(), json!(unbound));
     }
     Ok(answer)
 }
 
 async fn released(State(s): State<ApiState>, Path(engine_id): Path<String>) -> Result<Json<Value>, ApiError> {
-    ray_only(&s)?;
-    s.manager.fleet.update(|inner| {
-        let p = inner.placements.get(&engine_id).ok_or_else(|| unknown(&engine_id))?;
-        p.check_released().map_err(|e| conflict(&e))?;
-        inner.placements.remove(&engine_id);
-        inner.placements_changed();
-        Ok::<_, ApiError>(())
-    })?;
-    tracing::info!(engine_id, "placement released");
+    crate::placements::released(&s.manager, &engine_id)?;
     Ok(Json(json!({ "engine_id": engine_id, "released": true })))
 }

@@ -14,6 +14,7 @@
 
 use super::collector::{fleet_state, Collector};
 use crate::clock::unix_now;
+use crate::locks::Locked;
 use crate::manager::Manager;
 use crate::op_error::OpError;
 use crate::scale_in::{self, ScaleInAnswer};
@@ -163,7 +164,7 @@ impl Autoscaler {
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.locked()
     }
 
     /// Seconds on the autoscaler's clock.

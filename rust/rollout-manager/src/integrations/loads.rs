@@ -15,6 +15,7 @@
 //! size of the answers the router saw.
 
 use crate::dialect::Route;
+use crate::locks::Locked;
 use crate::manager::Manager;
 use rollout_core::lengths::AUTO_CAP_UNREPORTED;
 use serde::Deserialize;
@@ -143,7 +144,7 @@ async fn poll_all(manager: &Manager, timeout: Duration, pool_sizes: &PoolSizes) 
 }
 
 fn lock(pool_sizes: &PoolSizes) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
-    pool_sizes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    pool_sizes.locked()
 }
 
 /// One engine's report, from whichever route it serves.

@@ -7,6 +7,7 @@
 //! waits for their drain, so smg stops sending them work first. Errors are logged and retried
 //! on the next pass; they never block the fleet.
 
+use crate::locks::Locked;
 use crate::manager::{ExternalRouter, Manager};
 use futures::future::BoxFuture;
 use rollout_core::EngineStatus;
@@ -49,11 +50,11 @@ impl Smg {
     }
 
     fn ids(&self) -> HashMap<String, String> {
-        self.registered.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.registered.locked().clone()
     }
 
     fn set(&self, url: &str, id: Option<String>) {
-        let mut map = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.registered.locked();
         match id {
             Some(id) => map.insert(url.to_string(), id),
             None => map.remove(url),

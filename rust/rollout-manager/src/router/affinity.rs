@@ -5,6 +5,7 @@
 //! a fresh one starts. Keys unused for two generations are forgotten. The lock is held for one
 //! map operation and never across an `.await`.
 
+use crate::locks::Locked;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
@@ -31,12 +32,12 @@ impl Affinity {
     }
 
     pub fn get(&self, key: u64) -> Option<Arc<str>> {
-        let maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let maps = self.maps.locked();
         maps.0.get(&key).or_else(|| maps.1.get(&key)).cloned()
     }
 
     pub fn put(&self, key: u64, engine_id: &str) {
-        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let mut maps = self.maps.locked();
         if maps.0.len() >= self.capacity {
             let current = std::mem::take(&mut maps.0);
             maps.1 = current;

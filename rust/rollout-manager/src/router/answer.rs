@@ -13,7 +13,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// A request sent to an engine, as the length estimator follows it: started when sent, ended
 /// when dropped, with the answer's token counts if [`Learn::answered`] read them to its end.

@@ -44,7 +44,7 @@ pub(super) struct Request {
     /// The answer's lengths, learned from what the client is sent (as for any answer).
     pub learn: Option<super::answer::Learn>,
     /// When the router got it (the answer's duration is observed when its body ends).
-    pub started: std::time::Instant,
+    pub started: tokio::time::Instant,
     pub state: Arc<RouterState>,
     pub headers: HeaderMap,
     pub path: PathAndQuery,
@@ -168,7 +168,7 @@ struct ToClient {
     rx: tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>,
     answer: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
     learn: Option<super::answer::Learn>,
-    started: std::time::Instant,
+    started: tokio::time::Instant,
     metrics: Arc<super::metrics::RouterMetrics>,
 }
 

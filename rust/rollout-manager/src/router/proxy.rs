@@ -30,7 +30,8 @@ use rollout_core::routes::Intent;
 use rollout_core::routing::{choose, InflightCap, Policy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// A request the router will forward, with what it read from it once.
 struct Admitted {

@@ -4,6 +4,7 @@
 
 use super::pool::{Pool, Pools};
 use crate::fleet::{Backend, Fleet, RoutingTable};
+use crate::locks::RwLocked;
 use axum::http::uri::Authority;
 use axum::http::HeaderValue;
 use std::ops::Deref;
@@ -74,14 +75,14 @@ impl RouteCache {
     pub fn current(&self, fleet: &Fleet, pools: &Pools) -> Arc<Routes> {
         let table = fleet.routes();
         {
-            let cached = self.0.read().unwrap_or_else(|e| e.into_inner());
+            let cached = self.0.read_locked();
             if Arc::ptr_eq(&cached.table, &table) {
                 return cached.clone();
             }
         }
         let all = Arc::new(table.backends.iter().map(|b| Route::of(b, pools, fleet)).collect());
         let routes = Arc::new(Routes { table, all });
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = routes.clone();
+        *self.0.write_locked() = routes.clone();
         routes
     }
 }

@@ -23,13 +23,15 @@
 
 use super::RouterState;
 use crate::fleet::EngineLoad;
+use crate::locks::Locked;
 use rollout_core::routing::InflightCap;
 use rollout_core::tail::{self, Engine, Running};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// How often the planner looks at the board.
@@ -79,7 +81,7 @@ struct Part {
 
 impl Board {
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Ticket>>> {
-        self.tickets.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.tickets.locked()
     }
 
     /// Puts a request on the board while the returned entry lives: `load` is the engine its
@@ -138,7 +140,7 @@ impl Drop for Entry {
 
 impl Entry {
     fn part(&self) -> MutexGuard<'_, Part> {
-        self.ticket.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.ticket.part.locked()
     }
 
     /// Why the planner asked it to move (`tail`, `preempt`), if it did.
@@ -214,7 +216,7 @@ fn plan_once(state: &RouterState) {
     // Each ticket's engine and part, read once (a ticket asked recently holds the plan back).
     let mut parts = Vec::with_capacity(tickets.len());
     for t in &tickets {
-        let part = t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let part = t.part.locked();
         if part.asked.is_some_and(|(at, _)| now.duration_since(at) < MOVE_SETTLES) {
             return;
         }
@@ -272,7 +274,7 @@ fn plan_once(state: &RouterState) {
             t.left.store(left, Ordering::Relaxed);
         }
         tracing::debug!(engine_id = %table.backends[from].engine_id, why, "the planner moves a running request");
-        t.part.lock().unwrap_or_else(std::sync::PoisonError::into_inner).asked = Some((now, why));
+        t.part.locked().asked = Some((now, why));
         t.notify.notify_one();
     }
 }

@@ -7,6 +7,7 @@
 //! Errors name the file and what is wrong, so a publish can be answered 400 with a fix, or an
 //! update end FAILED with a reason.
 
+use crate::locks::Locked;
 use rollout_core::weights::{checkpoint_checksum, safetensors_header, safetensors_header_len, FileHash};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -150,17 +151,14 @@ pub fn hash(ckpt: &Checkpoint, progress: &AtomicU64, stop: &AtomicBool) -> Resul
                 let (_, path, len) = &ckpt.files[i];
                 match hash_file(path, *len, progress, [stop, &failed]) {
                     Ok(digest) => {
-                        if let Ok(mut d) = digests.lock() {
-                            d[i] = Some(digest);
-                        }
+                        digests.locked()[i] = Some(digest);
                     }
                     Err(e) => {
                         failed.store(true, Ordering::Relaxed);
-                        if let Ok(mut slot) = first_error.lock() {
-                            // A Stopped error caused by another thread's failure is not the cause.
-                            if slot.is_none() || matches!(slot.as_ref(), Some(CheckpointError::Stopped)) {
-                                *slot = Some(e);
-                            }
+                        let mut slot = first_error.locked();
+                        // A Stopped error caused by another thread's failure is not the cause.
+                        if slot.is_none() || matches!(slot.as_ref(), Some(CheckpointError::Stopped)) {
+                            *slot = Some(e);
                         }
                         return;
                     }
@@ -168,13 +166,13 @@ pub fn hash(ckpt: &Checkpoint, progress: &AtomicU64, stop: &AtomicBool) -> Resul
             });
         }
     });
-    if let Some(e) = first_error.into_inner().ok().flatten() {
+    if let Some(e) = first_error.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
         return Err(e);
     }
     if stop.load(Ordering::Relaxed) {
         return Err(CheckpointError::Stopped);
     }
-    let digests = digests.into_inner().unwrap_or_default();
+    let digests = digests.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut listed = Vec::with_capacity(digests.len());
     for ((name, _, _), digest) in ckpt.files.iter().zip(&digests) {
         listed.push((name.as_str(), digest.as_deref().ok_or(CheckpointError::Stopped)?));

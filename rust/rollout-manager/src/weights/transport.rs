@@ -35,6 +35,7 @@
 //! Auth: when the manager has an API token, every receiver requires the relay token derived
 //! from it ([`relay_token`]), which agents started with the same token derive alike.
 
+use crate::locks::Locked;
 use futures::future::BoxFuture;
 use rollout_core::weights::WeightVersion;
 use std::collections::HashMap;
@@ -274,7 +275,7 @@ impl Relay {
 
 impl RelayInner {
     fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
-        self.staging.lock().unwrap_or_else(|e| e.into_inner())
+        self.staging.locked()
     }
 
     /// The staged name of a recorded path (None: not a path under our root, e.g. a path

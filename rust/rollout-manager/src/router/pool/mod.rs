@@ -24,6 +24,7 @@
 //! is then sent again, once, on a new connection (a request whose answer had begun is never sent
 //! again here; the router's own retries decide, see `router/mod.rs`).
 
+use crate::locks::{Locked, RwLocked};
 use axum::http::{Method, Response};
 use bytes::{Buf, Bytes, BytesMut};
 pub use framing::Outgoing;
@@ -34,9 +35,10 @@ use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 mod framing;
 
@@ -142,7 +144,7 @@ pub struct Pool {
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let idle: usize = self.idle.lock().map(|s| s.iter().map(VecDeque::len).sum()).unwrap_or(0);
+        let idle: usize = self.idle.locked().iter().map(VecDeque::len).sum();
         f.debug_struct("Pool").field("idle", &idle).finish()
     }
 }
@@ -151,7 +153,7 @@ impl Pool {
     /// The most recently used idle connection of thread slot `slot` that is still open, if
     /// any. Connections closed by the engine or idle for too long are dropped on the way.
     fn take(&self, slot: usize) -> Option<Conn> {
-        let mut stacks = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stacks = self.idle.locked();
         let idle = stacks.get_mut(slot)?;
         while let Some((conn, since)) = idle.pop_back() {
             if since.elapsed() < IDLE_TIMEOUT && conn.still_open() {
@@ -163,7 +165,7 @@ impl Pool {
 
     fn put(&self, slot: usize, conn: Conn) {
         let now = Instant::now();
-        let mut stacks = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stacks = self.idle.locked();
         if stacks.len() <= slot {
             stacks.resize_with(slot + 1, VecDeque::new);
         }
@@ -188,11 +190,11 @@ impl Pools {
     /// The pool for `addr` (`host:port`); pools of addresses no longer routable are forgotten
     /// when a new one is made (their connections close once their last requests end).
     pub fn get(&self, addr: &str, fleet: &crate::fleet::Fleet) -> Arc<Pool> {
-        if let Some(pool) = self.by_addr.read().unwrap_or_else(|e| e.into_inner()).get(addr) {
+        if let Some(pool) = self.by_addr.read_locked().get(addr) {
             return pool.clone();
         }
         let live = fleet.routes();
-        let mut map = self.by_addr.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.by_addr.write_locked();
         map.retain(|a, _| live.backends.iter().any(|b| b.authority == *a));
         map.entry(addr.to_string()).or_default().clone()
     }
