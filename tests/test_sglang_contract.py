@@ -157,9 +157,10 @@ NOT_SIMULATED: dict[str, str] = {
     "/is_scaling_elastic_ep": "GET",  # entrypoints/elastic_ep.py:76
 }
 
-# SGLang routes our clients call (all names, old and new). rust/rollout-manager/src/dialect.rs,
-# engine_api.rs, weight_update.rs, health.rs, autoscaler/collector.rs, router/mod.rs (proxy and
-# fan-out), rust/rollout-core/src/config.rs (--health-check-endpoint), python/elastic_rollout/trainer.py.
+# SGLang routes our clients call (all names, old and new). rust/rollout-manager/src/adapters/dialect.rs,
+# adapters/engine_api.rs, ops/weight_update.rs, ops/health.rs, interfaces/autoscaler/collector.rs,
+# adapters/router/ (proxy and fan-out), rust/rollout-core/src/config.rs (--health-check-endpoint),
+# python/elastic_rollout/trainer.py.
 USED_BY_CLIENTS = (
     "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/loads", "/get_load",
     "/health", "/health_generate", "/metrics", "/generate", "/v1/completions", "/v1/chat/completions",
@@ -374,7 +375,7 @@ LOAD_SECTIONS: dict[str, set[str]] = {
                        "kv_transfer_speed_gb_s", "kv_transfer_latency_ms"},
     "queues": {"waiting", "grammar", "paused", "retracted", "prealloc_ready"},
 }  # fmt: skip
-#: Load fields our clients read (rust/rollout-manager/src/integrations/loads.rs,
+#: Load fields our clients read (rust/rollout-manager/src/interfaces/integrations/loads.rs,
 #: autoscaler/collector.rs sample_from_loads).
 LOAD_FIELDS_READ = {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_waiting_uncached_tokens",
                     "max_total_num_tokens", "token_usage", "gen_throughput"}  # fmt: skip
@@ -417,7 +418,7 @@ METRICS: dict[str, tuple[str, set[str]]] = {
 ENGINE_TYPE = "unified"  # sglang==0.5.23: sglang/srt/disaggregation/utils.py:156-161 (no PD)
 
 # -- 7. Flags the manager passes to every engine ----------------------------------------------------
-# rust/rollout-manager/src/launch.rs (spec): the fixed flags, and --tokenizer-path when an engine
+# rust/rollout-manager/src/adapters/launch.rs (spec): the fixed flags, and --tokenizer-path when an engine
 # starts on a published checkpoint. Where each is declared: sglang==0.5.2 and ==0.5.10.post1:
 # sglang/srt/server_args.py (line of the add_argument call); sglang==0.5.23: the field in
 # sglang/srt/arg_groups/fields/<file> (flag = "--" + field name, arg_utils.py:288-290,347-417).

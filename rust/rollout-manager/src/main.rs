@@ -3,7 +3,7 @@
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use rollout_core::cli::{self, LayerError};
 use rollout_core::{LogArgs, LogFormat, ServeArgs};
-use rollout_manager::server::{shutdown_signal, Server};
+use rollout_manager::app::server::{shutdown_signal, Server};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
@@ -19,7 +19,7 @@ struct Cli {
     /// again to re-adopt), every other command SIGTERM (an agent stops its engines). Refused
     /// when PID is not this process's parent (the parent is already gone). Never passed on to
     /// engines.
-    #[arg(long, global = true, value_name = "PID", env = rollout_manager::host::PARENT_PID_ENV)]
+    #[arg(long, global = true, value_name = "PID", env = rollout_manager::foundation::host::PARENT_PID_ENV)]
     parent_pid: Option<i32>,
     #[command(flatten)]
     log: LogArgs,
@@ -75,14 +75,14 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Node agent: host engine processes on this node for a manager elsewhere (Ray mode), over
     /// gRPC. See docs/ray.md.
-    Agent(rollout_manager::agent::AgentArgs),
+    Agent(rollout_manager::app::agent::AgentArgs),
     /// Internal: keep one engine alive across a manager restart (see `--reattach-grace-secs`).
     #[command(hide = true)]
-    Keeper(rollout_manager::keeper::KeeperArgs),
+    Keeper(rollout_manager::adapters::keeper::KeeperArgs),
     /// Live terminal view of the engines and the autoscaler (`q` quits, `r` refreshes).
-    Monitor(rollout_manager::autoscaler::monitor::MonitorArgs),
+    Monitor(rollout_manager::interfaces::autoscaler::monitor::MonitorArgs),
     /// Replay a recorded metrics trace through the autoscaler's decide() with a YAML config.
-    AutoscalerReplay(rollout_manager::autoscaler::replay::ReplayArgs),
+    AutoscalerReplay(rollout_manager::interfaces::autoscaler::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -109,18 +109,18 @@ fn main() -> ExitCode {
     let config = match cli.command {
         Command::Serve(args) => args.config,
         Command::Monitor(args) => {
-            return exit("monitor", runtime.block_on(rollout_manager::autoscaler::monitor::run(args)))
+            return exit("monitor", runtime.block_on(rollout_manager::interfaces::autoscaler::monitor::run(args)))
         }
         Command::AutoscalerReplay(args) => {
-            let summary = rollout_manager::autoscaler::replay::run(&args, &mut std::io::stdout().lock());
+            let summary = rollout_manager::interfaces::autoscaler::replay::run(&args, &mut std::io::stdout().lock());
             if let Ok(s) = &summary {
                 eprintln!("{} decisions: {} scale-outs, {} scale-ins", s.evaluations, s.scale_outs, s.scale_ins);
             }
             return exit("autoscaler-replay", summary);
         }
-        Command::Agent(args) => return exit("agent", runtime.block_on(rollout_manager::agent::run(args))),
+        Command::Agent(args) => return exit("agent", runtime.block_on(rollout_manager::app::agent::run(args))),
         Command::Keeper(args) => {
-            return match runtime.block_on(rollout_manager::keeper::run_keeper(args)) {
+            return match runtime.block_on(rollout_manager::adapters::keeper::run_keeper(args)) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: keeper: {e}");

@@ -3,13 +3,13 @@
 //! refuse as a test says, with no process and no network. Tests wait on the registry's change
 //! signal ([`wait_for`]), never on a sleep.
 
-use crate::engine_api::{DiskLoad, EngineApi, EngineError};
-use crate::engine_host::{EngineHost, Hosted, Location};
-use crate::fleet::FleetInner;
-use crate::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
-use crate::launch::EngineLauncher;
-use crate::locks::Locked;
-use crate::manager::Manager;
+use crate::adapters::engine_api::{DiskLoad, EngineApi, EngineError};
+use crate::adapters::engine_host::{EngineHost, Hosted, Location};
+use crate::adapters::launch::EngineLauncher;
+use crate::foundation::host::{EngineProcess, ExitInfo, HostError, LaunchSpec};
+use crate::foundation::locks::Locked;
+use crate::ops::manager::Manager;
+use crate::registry::fleet::FleetInner;
 use clap::Parser;
 use futures::future::BoxFuture;
 use rollout_core::{EngineKind, ServeConfig};
@@ -291,15 +291,15 @@ pub fn manager(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str]) -> Arc<Man
 
 /// A manager with its registry in a store under `state_dir`, as with `--state-dir`: a fresh
 /// store starts empty; one a previous manager left is restored from, as the server does at
-/// start-up ([`crate::restore::restore`]).
+/// start-up ([`crate::ops::restore::restore`]).
 pub async fn manager_on_store(engines: &Arc<FakeEngines>, gpus: u32, flags: &[&str], state_dir: &Path) -> Arc<Manager> {
     let mut config = config(gpus, flags);
     config.state_dir = state_dir.to_path_buf();
-    let store = crate::store::Store::open(state_dir).expect("the store opens");
+    let store = crate::registry::store::Store::open(state_dir).expect("the store opens");
     let snapshot = store.load().expect("the store reads");
     let m = build(engines, config, Some(store));
     if !snapshot.is_empty() {
-        crate::restore::restore(&m, snapshot).await;
+        crate::ops::restore::restore(&m, snapshot).await;
     }
     m
 }
@@ -329,7 +329,11 @@ fn config(gpus: u32, flags: &[&str]) -> ServeConfig {
     Cli::try_parse_from(argv).expect("test flags parse").serve
 }
 
-fn build(engines: &Arc<FakeEngines>, config: ServeConfig, store: Option<crate::store::Store>) -> Arc<Manager> {
+fn build(
+    engines: &Arc<FakeEngines>,
+    config: ServeConfig,
+    store: Option<crate::registry::store::Store>,
+) -> Arc<Manager> {
     let launcher = EngineLauncher::resolve(EngineKind::Sim, Some(Path::new("/bin/true"))).expect("/bin/true runs");
     let seams: (Arc<dyn EngineApi>, Arc<dyn EngineHost>) = (engines.clone(), engines.clone());
     Manager::with_seams(config, launcher, store, None, None, Some(seams)).expect("the manager builds")

@@ -2,7 +2,7 @@
 //! ([`crate::testing`]): the real manager, registry and state machines, with the engines'
 //! processes and HTTP calls behind the seams. Each test waits on registry changes, not sleeps.
 
-use crate::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
+use crate::ops::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
 use crate::testing::{crash_copy, manager, manager_on_store, one_life, wait_for, FakeEngines};
 use rollout_core::{EngineStatus, ScaleInStatus, ScaleOutStatus};
 use std::sync::Arc;
@@ -32,11 +32,11 @@ fn scale_in_request(n: i64) -> ScaleInRequest {
     serde_json::from_value(serde_json::json!({ "num_replicas": n })).expect("a valid request")
 }
 
-fn op_status(m: &crate::manager::Manager, id: &str) -> Option<ScaleOutStatus> {
+fn op_status(m: &crate::ops::manager::Manager, id: &str) -> Option<ScaleOutStatus> {
     m.fleet.lock().scale_outs.get(id).map(|op| op.status)
 }
 
-fn count(inner: &crate::fleet::FleetInner, status: EngineStatus) -> usize {
+fn count(inner: &crate::registry::fleet::FleetInner, status: EngineStatus) -> usize {
     inner.engines.values().filter(|e| e.record.status == status).count()
 }
 
@@ -139,8 +139,8 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     // A request in flight on the engine scale-in removes first (the newest, engine_1).
     let load = m.fleet.lock().engines["engine_1"].load.clone();
     let request = load.enter(100);
-    let answer = crate::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
-    let crate::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
+    let answer = crate::ops::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
+    let crate::ops::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
     let op = accepted.request_id;
     wait_for(&m, "the drain", |i| i.scale_ins.get(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
     {
@@ -183,8 +183,8 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
 /// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
 /// the checkpoint is read and staged; the disk transport loads it from `path` as it is).
 /// An update whose checkpoint is already hashed and staged (PENDING), running.
-fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &str) -> String {
-    use crate::records::{EngineUpdate, Transition};
+fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, path: &str) -> String {
+    use crate::foundation::records::{EngineUpdate, Transition};
     use rollout_core::weights::WeightUpdateStatus;
     let update_id = start_publish_record(m, version, std::path::Path::new(path), None);
     m.fleet.update(|inner| {
@@ -202,30 +202,30 @@ fn start_rolling_update(m: &Arc<crate::manager::Manager>, version: &str, path: &
             u.history = vec![Transition { status: "PENDING".into(), at: 1.0 }];
         }
     });
-    m.tasks.spawn(crate::weight_update::run(m.clone(), update_id.clone()));
+    m.tasks.spawn(crate::ops::weight_update::run(m.clone(), update_id.clone()));
     update_id
 }
 
 /// A publish as the API records it: CHECKSUMMING, hashed in the background.
 fn start_publish(
-    m: &Arc<crate::manager::Manager>,
+    m: &Arc<crate::ops::manager::Manager>,
     version: &str,
     dir: &std::path::Path,
     expected: Option<String>,
 ) -> String {
     let update_id = start_publish_record(m, version, dir, expected);
-    m.tasks.spawn(crate::weight_update::checksum_then_run(m.clone(), update_id.clone()));
+    m.tasks.spawn(crate::ops::weight_update::checksum_then_run(m.clone(), update_id.clone()));
     update_id
 }
 
 /// The record of a publish, CHECKSUMMING, as the API writes it (nothing hashes it yet).
 fn start_publish_record(
-    m: &Arc<crate::manager::Manager>,
+    m: &Arc<crate::ops::manager::Manager>,
     version: &str,
     dir: &std::path::Path,
     expected: Option<String>,
 ) -> String {
-    use crate::records::{Transition, UpdateRecord};
+    use crate::foundation::records::{Transition, UpdateRecord};
     use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
     let update_id = format!("update-{version}");
     m.fleet.update(|inner| {
@@ -236,7 +236,7 @@ fn start_publish_record(
             checksum: None,
             expected_checksum: expected,
             total_bytes: 0,
-            hashed_bytes: crate::records::HashProgress::default(),
+            hashed_bytes: crate::foundation::records::HashProgress::default(),
             engine_path: String::new(),
             previous_version: inner.weights.current.version.clone(),
             strategy: UpdateStrategy::Rolling,
@@ -252,7 +252,7 @@ fn start_publish_record(
             message: String::new(),
             history: vec![Transition { status: "CHECKSUMMING".into(), at: 1.0 }],
             resumed: 0,
-            source: crate::records::UpdateSource::Checkpoint,
+            source: crate::foundation::records::UpdateSource::Checkpoint,
             trainer: None,
         };
         inner.weights.updates.insert(update_id.clone(), record);
@@ -273,7 +273,7 @@ async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed()
     // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
     let update = start_publish_record(&m, "v1", &dir.0, None);
     m.fleet.update(|inner| inner.weights.updates.get_mut(&update).map(|u| u.hashed_bytes.set(7)));
-    crate::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
+    crate::ops::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
     let inner = m.fleet.lock();
     let record = &inner.weights.updates[&update];
     assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
@@ -386,10 +386,10 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
     let (open, mut held) = engines.hold_model_info(2);
-    let rejoining = crate::health::Rejoining::default();
+    let rejoining = crate::ops::health::Rejoining::default();
     let probing = {
         let (m2, rejoining) = (m.clone(), rejoining.clone());
-        m.tasks.spawn(async move { crate::health::probe_all(&m2, &rejoining).await })
+        m.tasks.spawn(async move { crate::ops::health::probe_all(&m2, &rejoining).await })
     };
     held.wait_for(|n| *n == 2).await.expect("both readings are held");
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
@@ -416,15 +416,15 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     // Both engines are put back on the startup weights behind the manager's back.
     let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record.url.clone()).collect();
     for url in urls {
-        let load = crate::engine_api::DiskLoad {
+        let load = crate::adapters::engine_api::DiskLoad {
             path: "/base".into(),
             version: "default".into(),
             abort_all: false,
             timeout: std::time::Duration::from_secs(1),
         };
-        crate::engine_api::EngineApi::load_from_disk(engines.as_ref(), &url, &load).await.expect("loaded");
+        crate::adapters::engine_api::EngineApi::load_from_disk(engines.as_ref(), &url, &load).await.expect("loaded");
     }
-    crate::health::probe_all(&m, &crate::health::Rejoining::default()).await;
+    crate::ops::health::probe_all(&m, &crate::ops::health::Rejoining::default()).await;
     let inner = m.fleet.lock();
     // The registry says what the engines serve; the fleet's version stays.
     assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("default")));
@@ -467,10 +467,10 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A probe of the first process hangs; meanwhile the process crashes and is restarted.
     let (open, waiting) = engines.hold_next_probe();
-    let rejoining = crate::health::Rejoining::default();
+    let rejoining = crate::ops::health::Rejoining::default();
     let probing = {
         let (m2, rejoining) = (m.clone(), rejoining.clone());
-        m.tasks.spawn(async move { crate::health::probe_all(&m2, &rejoining).await })
+        m.tasks.spawn(async move { crate::ops::health::probe_all(&m2, &rejoining).await })
     };
     waiting.notified().await;
     engines.crash("engine_0");
@@ -557,8 +557,8 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
 }
 
 /// Opens a trainer update to `version` (one tensor; the fake engines take any).
-fn open_trainer_update(m: &Arc<crate::manager::Manager>, version: &str) -> String {
-    let req = crate::trainer_update::OpenRequest {
+fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> String {
+    let req = crate::ops::trainer_update::OpenRequest {
         version: version.into(),
         names: vec!["w".into()],
         dtypes: vec!["bfloat16".into()],
@@ -570,17 +570,17 @@ fn open_trainer_update(m: &Arc<crate::manager::Manager>, version: &str) -> Strin
         group_name: None,
         group_prefix: "g".into(),
     };
-    crate::trainer_update::open(m, req).expect("opened").update_id
+    crate::ops::trainer_update::open(m, req).expect("opened").update_id
 }
 
-async fn scale_to(m: &Arc<crate::manager::Manager>, n: i64) {
+async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
     let id = scaling::scale_out(m, &Arc::new(Cancels::default()), scale_out_request(n)).expect("accepted").request_id;
     wait_for(m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
 }
 
-async fn finish_trainer_update(m: &Arc<crate::manager::Manager>, id: &str) {
-    crate::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
+async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &str) {
+    crate::ops::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
     wait_for(m, "the trainer update to end", |i| i.weights.updates[id].status.is_terminal()).await;
 }
 
@@ -600,7 +600,7 @@ async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seed
         let u = &inner.weights.updates[&id];
         assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
         assert_eq!(inner.weights.current.version, "step-1");
-        assert_eq!(inner.weights.source, crate::records::VersionSource::Trainer);
+        assert_eq!(inner.weights.source, crate::foundation::records::VersionSource::Trainer);
         assert!(inner.weights.group.as_ref().is_some_and(|g| g.members.len() == 2));
     }
     let calls = engines.calls();

@@ -1,10 +1,10 @@
-//! The dependency rule of `rollout-manager` (docs/architecture.md, "Layers"): every top-level
-//! module belongs to one layer, may use modules of its own layer or of lower ones, never of a
-//! higher one, and no modules use each other in a circle.
+//! The dependency rule of `rollout-manager` (docs/architecture.md, "Layers"): `src/` has one
+//! folder per layer and every module is in one; a module may use modules of its own layer or of
+//! lower ones, never of a higher one, and no modules use each other in a circle.
 //!
-//! Checked on the source text: every `crate::<module>` path outside comments and outside the
-//! `#[cfg(test)]` part of a file (tests may reach anywhere). A new module must be given a layer
-//! here.
+//! Checked on the source text: every `crate::<layer>::<module>` path outside comments and
+//! outside the `#[cfg(test)]` part of a file (tests may reach anywhere). A module's layer is the
+//! folder it is in; a new folder must be given its place in [`LAYERS`].
 //!
 //! Also the length of functions: none outside tests is over [`MAX_FUNCTION_LINES`] lines, so
 //! each reads on one screen and says what it does in its name (a long one is split into steps
@@ -13,41 +13,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Layers, lowest first, with their modules.
-const LAYERS: [(&str, &[&str]); 7] = [
-    (
-        "foundation",
-        &["clock", "locks", "error", "auth", "http_serve", "slots", "records", "engine_http", "host", "telemetry"],
-    ),
-    ("registry", &["store", "fleet"]),
-    ("adapters", &["engine_api", "dialect", "launch", "keeper", "engine_host", "weights", "router"]),
-    (
-        "ops",
-        &[
-            "op_error",
-            "manager",
-            "health",
-            "scale_out",
-            "scaling",
-            "scale_in",
-            "weight_update",
-            "trainer_update",
-            "publish",
-            "placements",
-            "restore",
-        ],
-    ),
-    ("interfaces", &["api", "autoscaler", "integrations"]),
-    ("app", &["server", "agent"]),
-    // Compiled only for `cargo test`: fakes behind the seams and the use cases' unit tests.
-    ("tests", &["testing", "use_case_tests"]),
-];
+/// The layer folders of `src/`, lowest first.
+const LAYERS: [&str; 6] = ["foundation", "registry", "adapters", "ops", "interfaces", "app"];
+
+/// The files of `src/` outside the layers: the crate root, the binary, and what is compiled only
+/// for `cargo test` (fakes behind the seams, the use cases' unit tests), which may use any layer.
+const OUTSIDE: [&str; 4] = ["lib.rs", "main.rs", "testing.rs", "use_case_tests.rs"];
 
 /// Most lines of a function of `src/` outside tests, its signature and closing brace included.
 const MAX_FUNCTION_LINES: usize = 100;
 
 fn layer_of(module: &str) -> Option<usize> {
-    LAYERS.iter().position(|(_, modules)| modules.contains(&module))
+    LAYERS.iter().position(|l| module.split("::").next() == Some(*l))
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -67,18 +44,27 @@ fn code(text: &str) -> String {
     text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n")
 }
 
-/// The top-level modules `code` names as `crate::<module>`.
+/// The paths `code` names as `crate::<a>::<b>`, as `a::b` (`a` alone when no `::<b>` follows).
 fn used_modules(code: &str) -> BTreeSet<String> {
+    let word = |s: &str| s.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect::<String>();
     code.match_indices("crate::")
-        .map(|(i, m)| {
+        .filter_map(|(i, m)| {
             let rest = &code[i + m.len()..];
-            rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect::<String>()
+            let first = word(rest);
+            if first.is_empty() {
+                return None;
+            }
+            let second = rest[first.len()..].strip_prefix("::").map(word).filter(|w| !w.is_empty());
+            Some(match second {
+                Some(second) => format!("{first}::{second}"),
+                None => first,
+            })
         })
-        .filter(|name| !name.is_empty())
         .collect()
 }
 
-/// Every top-level module of `src/` with the modules it uses.
+/// Every module of `src/` (as `layer::module`) with the paths it uses; files outside a layer
+/// folder that are not in [`OUTSIDE`] are listed under their own name.
 fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
@@ -86,32 +72,38 @@ fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for file in files {
         let rel = file.strip_prefix(&src).unwrap_or(&file);
-        let top = rel.components().next().map(|c| c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string());
-        let Some(top) = top.filter(|t| t != "lib" && t != "main") else { continue };
+        let parts: Vec<String> = rel.components().map(|c| c.as_os_str().to_string_lossy().to_string()).collect();
+        let module = match parts.as_slice() {
+            [one] if OUTSIDE.contains(&one.as_str()) => continue,
+            [one] => one.trim_end_matches(".rs").to_string(),
+            [layer, rest @ ..] if rest.first().is_some_and(|r| r == "mod.rs") => layer.clone(),
+            [layer, module, ..] => format!("{layer}::{}", module.trim_end_matches(".rs")),
+            [] => continue,
+        };
         let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
         let uses = used_modules(&code(&text));
-        let entry = graph.entry(top.clone()).or_default();
-        entry.extend(uses.into_iter().filter(|u| *u != top));
+        let entry = graph.entry(module.clone()).or_default();
+        entry.extend(uses.into_iter().filter(|u| *u != module));
     }
     graph
 }
 
 #[test]
-fn every_module_has_a_layer_and_uses_none_above_it() {
+fn every_module_is_in_a_layer_folder_and_uses_none_above_it() {
     let graph = module_graph();
     let mut wrong = Vec::new();
     for (module, uses) in &graph {
         let Some(own) = layer_of(module) else {
-            wrong.push(format!("{module} has no layer: add it to LAYERS in tests/layers.rs"));
+            wrong.push(format!("src/{module} is in no layer folder: move it into one of {LAYERS:?}"));
             continue;
         };
         for used in uses {
             match layer_of(used) {
-                Some(layer) if layer > own => wrong
-                    .push(format!("{module} ({}) uses {used} ({}), a higher layer", LAYERS[own].0, LAYERS[layer].0)),
+                Some(layer) if layer > own => {
+                    wrong.push(format!("{module} ({}) uses {used} ({}), a higher layer", LAYERS[own], LAYERS[layer]))
+                }
                 Some(_) => {}
-                None if graph.contains_key(used) => {} // reported above as a module without layer
-                None => {}                             // not a module of src/ (e.g. a macro path)
+                None => wrong.push(format!("{module} uses crate::{used}, which is in no layer")),
             }
         }
     }
@@ -244,8 +236,8 @@ fn the_length_checker_measures_functions_and_skips_declarations_and_tests() {
 
 #[test]
 fn the_checker_sees_a_use_and_ignores_comments_and_tests() {
-    let text = "use crate::fleet::Fleet;\n// crate::server in a comment\nfn f() { crate::clock::unix_now(); }\n\
-                #[cfg(test)]\nmod tests { use crate::server; }";
+    let text = "use crate::registry::fleet::Fleet;\n// crate::app::server in a comment\nfn f() { crate::foundation::clock::unix_now(); }\n\
+                #[cfg(test)]\nmod tests { use crate::app::server; }";
     let uses = used_modules(&code(text));
-    assert_eq!(uses.into_iter().collect::<Vec<_>>(), vec!["clock".to_string(), "fleet".to_string()]);
+    assert_eq!(uses.into_iter().collect::<Vec<_>>(), ["foundation::clock", "registry::fleet"]);
 }

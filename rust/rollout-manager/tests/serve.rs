@@ -8,7 +8,7 @@
 
 use clap::Parser;
 use rollout_core::ServeConfig;
-use rollout_manager::server::Server;
+use rollout_manager::app::server::Server;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;

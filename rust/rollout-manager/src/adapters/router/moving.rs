@@ -1,0 +1,897 @@
+//! Moving a running `/generate` request to another engine (`rollout_core::moves`): when its
+//! engine drains for a scale-in, the request is aborted there and continues on an engine that
+//! stays, from the prompt's ids plus the output so far; when its engine dies in the middle of a
+//! stream, the stream continues elsewhere from the tokens the router has seen. The client gets
+//! one answer: a stream without a repeated or missing token, or one body, with
+//! `meta_info.moves` and `meta_info.engines` saying where it ran.
+//!
+//! A movable request's answer is produced by a future that owns the engine's response: a
+//! stream's writes the client's body into a channel and runs as that body is polled; a whole
+//! answer's runs in the request's own task and is sent, with its length, once complete. Neither
+//! has a task of its own (no extra wake-up per answer). The in-flight count moves with the
+//! request, so a draining engine is idle once its requests have moved. An answer that does not
+//! move is passed on as the engine wrote it, parsed only where it may have been aborted (and a
+//! text prompt's `prompt_token_ids`, asked for by the router, cut out of its bytes).
+
+use super::send::EngineBody;
+use super::RouterState;
+use crate::registry::fleet::InFlightGuard;
+use axum::body::Body;
+use axum::http::uri::PathAndQuery;
+use axum::http::{HeaderMap, Method, StatusCode};
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use rollout_core::moves::{self, Movable, Produced};
+use rollout_core::routing::VersionPin;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Largest non-streamed answer a movable request may have (it is read whole to be joined).
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// Most moves of one request.
+const MAX_MOVES: usize = 4;
+/// How long the abort of a moving request may take on its engine.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often an abort is sent again while the aborted request's answer has not ended: SGLang
+/// ignores an abort for a request it has not registered yet (`_handle_abort_req`: "not found
+/// in rid_to_state"), which a request that just arrived may not be.
+const ABORT_AGAIN: Duration = Duration::from_millis(250);
+
+/// One movable request, as the router sent it.
+pub(super) struct Request {
+    /// The answer's lengths, learned from what the client is sent (as for any answer).
+    pub learn: Option<super::answer::Learn>,
+    /// When the router got it (the answer's duration is observed when its body ends).
+    pub started: tokio::time::Instant,
+    pub state: Arc<RouterState>,
+    pub headers: HeaderMap,
+    pub path: PathAndQuery,
+    /// The body sent (with its `rid`).
+    pub body: Value,
+    pub movable: Movable,
+    pub rid: String,
+    pub pin: Option<VersionPin>,
+    /// Whether it may continue on another weight version than its part ran on
+    /// (`rollout_core::moves::target_pin`).
+    pub may_cross: bool,
+    pub tokens: u64,
+    pub timeout: Duration,
+    /// Its place on the tail planner's board (`--move-tail`).
+    pub tail: Option<super::tail::Entry>,
+}
+
+/// The engine a part runs on, with the request counted on it.
+pub(super) struct Part {
+    pub engine_id: String,
+    pub route: super::table::Route,
+    /// The request counted on this engine while the part runs (released once it ended, before
+    /// the next part is sent: a draining engine is idle as soon as its answers came back).
+    pub guard: Option<InFlightGuard>,
+    pub body: EngineBody,
+    pub first: Option<http_body::Frame<Bytes>>,
+    /// The router already aborted it on this engine to move it (before its headers came).
+    pub aborted: bool,
+}
+
+/// The client's body for a movable streamed request whose first part answered 200.
+pub(super) fn body(request: Request, part: Part) -> Body {
+    Body::from_stream(to_client(request, part))
+}
+
+/// The answer of a movable non-streamed request whose first part answered 200, read whole
+/// (moves included) before the client gets its head: the client gets its length, and a request
+/// that could not be continued gets an error status instead of a cut body. The error's kind is
+/// `TimedOut` when the answer did not end within `--request-timeout-secs`.
+pub(super) async fn whole(mut request: Request, part: Part) -> Result<Bytes, std::io::Error> {
+    let mut learn = request.learn.take();
+    let (started, metrics, timeout) = (request.started, request.state.metrics.clone(), request.timeout);
+    let mut out = Out::Whole(None);
+    let ran = tokio::time::timeout(timeout, run(request, part, &mut out)).await;
+    metrics.duration.observe(started.elapsed());
+    if ran.is_err() {
+        let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
+        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
+    }
+    let Out::Whole(answer) = out else { unreachable!("a whole answer's output") };
+    let answer = answer.unwrap_or_else(|| Ok(Bytes::new()))?;
+    if let Some(learn) = learn.as_mut() {
+        learn.usage.scan(&answer);
+        learn.answered = true;
+    }
+    Ok(answer)
+}
+
+/// Where a movable request's answer goes: the channel its client's streamed body reads, or
+/// one buffer for a whole answer.
+enum Out {
+    Stream(mpsc::Sender<Result<Bytes, std::io::Error>>),
+    Whole(Option<Result<Bytes, std::io::Error>>),
+}
+
+impl Out {
+    /// Writes on; Err when the client went away.
+    async fn send(&mut self, item: Result<Bytes, std::io::Error>) -> Result<(), ()> {
+        match self {
+            Out::Stream(tx) => tx.send(item).await.map_err(|_| ()),
+            Out::Whole(answer) => {
+                *answer = Some(match (answer.take(), item) {
+                    (None, item) => item,
+                    (Some(Ok(before)), Ok(more)) => Ok([before, more].concat().into()),
+                    (Some(Err(e)), _) | (Some(Ok(_)), Err(e)) => Err(e),
+                });
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A fresh `rid` for a movable request that came without one: unique within this manager's
+/// run (a counter) and across runs (a random prefix drawn once), without a random draw per
+/// request.
+pub(super) fn new_rid() -> String {
+    static PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(|| uuid::Uuid::new_v4().simple().to_string());
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}-{n:x}")
+}
+
+fn to_client(mut request: Request, part: Part) -> ToClient {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let timeout = request.timeout;
+    let learn = request.learn.take();
+    let (started, metrics) = (request.started, request.state.metrics.clone());
+    let answer = async move {
+        // As for any answer: the whole of it, every part, within --request-timeout-secs.
+        let mut client = Out::Stream(tx);
+        if tokio::time::timeout(timeout, run(request, part, &mut client)).await.is_err() {
+            let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
+            let event = json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
+            let _ = client.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+        }
+    };
+    ToClient {
+        rx: tokio_stream::wrappers::ReceiverStream::new(rx),
+        answer: Some(Box::pin(answer)),
+        learn,
+        started,
+        metrics,
+    }
+}
+
+/// What the client reads of a movable request: the answer as `answer` writes it, which runs as
+/// the client's body is polled (and stops if the client goes away); its token counts are
+/// learned from it (as for any answer) and its duration observed when it ends.
+struct ToClient {
+    rx: tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>,
+    answer: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+    learn: Option<super::answer::Learn>,
+    started: tokio::time::Instant,
+    metrics: Arc<super::metrics::RouterMetrics>,
+}
+
+impl ToClient {
+    fn learn(&mut self, polled: &std::task::Poll<Option<Result<Bytes, std::io::Error>>>) {
+        let Some(learn) = self.learn.as_mut() else { return };
+        match polled {
+            std::task::Poll::Ready(Some(Ok(data))) => learn.usage.scan(data),
+            // Written whole: the answer counts as answered (a cut one ends with an error).
+            std::task::Poll::Ready(None) => learn.answered = true,
+            _ => {}
+        }
+    }
+}
+
+impl futures::Stream for ToClient {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        loop {
+            let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
+            if polled.is_ready() {
+                self.learn(&polled);
+                return polled;
+            }
+            // Nothing written yet: the answer goes on (once it is done, its sender is dropped
+            // and what it wrote is read to the end).
+            let Some(answer) = self.answer.as_mut() else { return std::task::Poll::Pending };
+            if answer.as_mut().poll(cx).is_ready() {
+                self.answer = None;
+                continue;
+            }
+            let polled = std::pin::Pin::new(&mut self.rx).poll_next(cx);
+            self.learn(&polled);
+            return polled;
+        }
+    }
+}
+
+impl Drop for ToClient {
+    fn drop(&mut self) {
+        self.metrics.duration.observe(self.started.elapsed());
+    }
+}
+
+/// Why a part ended.
+enum Ended {
+    /// The answer is complete (sent to the client).
+    Done,
+    /// The router aborted it to move it (drain); what it produced is in `Produced`.
+    Moved(&'static str),
+    /// The engine died; what the router saw of it is in `Produced`.
+    Lost(String),
+    /// The client went away.
+    Gone,
+}
+
+async fn run(request: Request, first: Part, client: &mut Out) {
+    let mut produced = Produced { engines: vec![first.engine_id.clone()], ..Produced::default() };
+    let mut part = first;
+    let mut rid = request.rid.clone();
+    loop {
+        let ended = if request.movable.stream {
+            stream_part(&request, &mut part, &rid, &mut produced, client).await
+        } else {
+            whole_part(&request, &mut part, &rid, &mut produced, client).await
+        };
+        let reason = match ended {
+            Ended::Done | Ended::Gone => return,
+            Ended::Moved(reason) => reason,
+            Ended::Lost(why) if produced.moves.len() < MAX_MOVES => {
+                // A stream continues from the tokens the router saw; a whole answer (nothing
+                // seen of it) starts again.
+                tracing::warn!(engine_id = %part.engine_id, error = %why, "engine lost mid-answer; continuing elsewhere");
+                "lost"
+            }
+            Ended::Lost(why) => {
+                fail(
+                    &request,
+                    client,
+                    &format!("engine {} stopped in the middle of its answer ({why})", part.engine_id),
+                )
+                .await;
+                return;
+            }
+        };
+        let n = produced.moves.len() + 1;
+        let next_rid = format!("{}-m{n}", request.rid);
+        let body = match produced.prompt(&request.movable) {
+            Some(prompt) => {
+                match moves::continuation(&request.body, &request.movable, prompt, &produced.output_ids, &next_rid) {
+                    Some(body) => body,
+                    None => {
+                        // Aborted right at its last token: the answer is complete as it is.
+                        finish_at_budget(&request, &produced, client).await;
+                        return;
+                    }
+                }
+            }
+            None if request.movable.stream && !produced.output_ids.is_empty() => {
+                // The client has events already; without the prompt's ids nothing can follow them.
+                let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15)";
+                fail(&request, client, &format!("could not continue the request after a move: {why}")).await;
+                return;
+            }
+            None => {
+                // A text prompt whose ids its engine did not return (or that lost its engine
+                // before any output): sent again from the start.
+                tracing::warn!(engine_id = %part.engine_id, "text prompt without its ids; starting the request again");
+                produced = Produced {
+                    engines: produced.engines.clone(),
+                    moves: produced.moves.clone(),
+                    ..Produced::default()
+                };
+                moves::restart(&request.body, &next_rid)
+            }
+        };
+        // The part ended: its engine no longer holds the request (a non-streamed continuation
+        // answers only when it is done, and a drain must not wait for that).
+        drop(part.guard.take());
+        if let Some(entry) = &request.tail {
+            entry.between_parts();
+        }
+        match next_part(&request, &part, body, reason).await {
+            Ok(next) => {
+                let prompt = produced.prompt(&request.movable).map_or(0, <[u64]>::len);
+                request.state.metrics.moved(reason, prompt + produced.output_ids.len());
+                produced.moves.push(json!({
+                    "from": part.engine_id, "to": next.engine_id,
+                    "at_token": produced.output_ids.len(), "reason": reason,
+                }));
+                produced.engines.push(next.engine_id.clone());
+                if let Some(entry) = &request.tail {
+                    entry.moved(
+                        next.route.load.clone(),
+                        produced.output_ids.len(),
+                        matches!(reason, "tail" | "preempt"),
+                    );
+                }
+                tracing::info!(from = %part.engine_id, to = %next.engine_id, at_token = produced.output_ids.len(),
+                    reason, "request moved");
+                part = next;
+                rid = next_rid;
+            }
+            Err(why) => {
+                fail(&request, client, &format!("could not continue the request after a move: {why}")).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Sends the continuation to the least loaded other engine the request may use (on the
+/// version `from` ran on, unless it may cross), waiting up to `--version-wait-secs` for one;
+/// the request is counted there from now on. After a weight update's abort, `from`'s own
+/// engine (back on the new version) may take it too, and after a tail move (planned for a less
+/// loaded engine, which may have filled meanwhile) as well.
+async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
+    if reason == "preempt" {
+        return queued_part(request, from, body).await;
+    }
+    let state = &request.state;
+    let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
+    let none = || match &pin {
+        Some(VersionPin::Exact(v)) => format!("no other engine serves weight version {v:?} to continue on"),
+        _ => "no other engine to continue on".to_string(),
+    };
+    let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| none())?;
+    let route = routes
+        .iter()
+        .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
+        .min_by_key(|r| r.load.get())
+        .ok_or_else(none)?
+        .clone();
+    let guard = route.load.enter(request.tokens);
+    send_part(request, route, guard, body).await
+}
+
+/// Sends a continuation to `route` (counted there by `guard`).
+async fn send_part(
+    request: &Request,
+    route: super::table::Route,
+    guard: InFlightGuard,
+    body: Value,
+) -> Result<Part, String> {
+    let state = &request.state;
+    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
+    let resp = send(state, &route, &Method::POST, &request.path, &request.headers, bytes, request.timeout).await?;
+    if resp.status() != StatusCode::OK {
+        return Err(format!("engine {} answered {}", route.engine_id, resp.status()));
+    }
+    Ok(Part {
+        engine_id: route.engine_id.clone(),
+        route,
+        guard: Some(guard),
+        body: resp.into_body(),
+        first: None,
+        aborted: false,
+    })
+}
+
+/// Sends one request to an engine (the router's pooled connections where it can).
+async fn send(
+    state: &RouterState,
+    route: &super::table::Route,
+    method: &Method,
+    path: &PathAndQuery,
+    headers: &HeaderMap,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<hyper::Response<EngineBody>, String> {
+    let sent = super::send::send(state, route, method, path, headers, &body);
+    tokio::time::timeout(timeout, sent).await.map_err(|_| format!("no answer within {timeout:?}"))?
+}
+
+/// Asks the part's engine to abort the request (its answer then ends with the output so far).
+async fn abort(request: &Request, part: &Part, rid: &str) {
+    abort_rid(&request.state, &part.route, &request.headers, rid).await;
+}
+
+/// Asks `route`'s engine to abort request `rid`.
+async fn abort_rid(state: &RouterState, route: &super::table::Route, headers: &HeaderMap, rid: &str) {
+    let body = Bytes::from(json!({ "rid": rid }).to_string());
+    let path = PathAndQuery::from_static("/abort_request");
+    match send(state, route, &Method::POST, &path, headers, body, ABORT_TIMEOUT).await {
+        Ok(resp) => {
+            let _ = resp.into_body().collect().await;
+        }
+        Err(e) => tracing::debug!(engine_id = %route.engine_id, error = %e, "abort to move a request failed"),
+    }
+}
+
+/// Whether `route`'s engine asks its requests to move, and another engine could take them: one
+/// on the same weight version unless the request may cross versions.
+fn may_move(state: &RouterState, route: &super::table::Route, may_cross: bool) -> bool {
+    let load = &route.load;
+    load.moves_requested()
+        && state.fleet.routes().backends.iter().any(|b| {
+            !Arc::ptr_eq(&b.load, load)
+                && (may_cross || route.weight_version.is_none() || b.weight_version == route.weight_version)
+        })
+}
+
+/// Whether a request can be moved now: a streamed text prompt only once its ids are known
+/// (its events went to the client, so it can only be continued, not started again).
+pub(super) fn ready(movable: &Movable, produced: &Produced) -> bool {
+    !(movable.text && movable.stream && produced.prompt(movable).is_none())
+}
+
+fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
+    produced.moves.len() < MAX_MOVES
+        && ready(&request.movable, produced)
+        && may_move(&request.state, &part.route, request.may_cross)
+}
+
+/// Why the planner asked this request to move (`tail`, `preempt`), if it did.
+fn planned_move(request: &Request) -> Option<&'static str> {
+    request.tail.as_ref().and_then(super::tail::Entry::asked)
+}
+
+fn should_move_for_plan(request: &Request, produced: &Produced) -> Option<&'static str> {
+    planned_move(request).filter(|_| produced.moves.len() < MAX_MOVES && ready(&request.movable, produced))
+}
+
+/// Sends the continuation of a preempted request once the router's queue gives it a slot: it
+/// waits there under its own expected length like any waiting request (the slot it gave up
+/// goes to a longer one), then takes the least loaded engine with a free slot that serves the
+/// version its part ran on.
+async fn queued_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
+    let state = &request.state;
+    let entry = request.tail.as_ref().ok_or("a preempted request without its place on the board")?;
+    let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
+    let cap_mode = state.config.max_inflight_per_engine;
+    let queue = state.fleet.slot_queue().clone();
+    let ticket = queue.join(entry.joining());
+    let _queued = super::QueuedGuard::new(state.metrics.clone());
+    let mut changes = state.fleet.subscribe();
+    let mut turn = ticket.is_head();
+    loop {
+        if turn {
+            let routes = super::candidates(state, pin.as_ref())
+                .await
+                .map_err(|_| "no engine serves the version it ran on to continue on".to_string())?;
+            let free = |r: &&super::table::Route| r.load.get() < super::engine_cap(cap_mode, &r.load);
+            if let Some(route) = routes.iter().filter(free).min_by_key(|r| r.load.get()) {
+                if let Some(guard) = route.load.try_enter(request.tokens, super::engine_cap(cap_mode, &route.load)) {
+                    drop(ticket);
+                    if routes.iter().any(|r| free(&r)) {
+                        // Another slot is free: the next in line takes it.
+                        queue.wake_next();
+                    }
+                    return send_part(request, route.clone(), guard, body).await;
+                }
+            }
+        }
+        tokio::select! {
+            () = ticket.woken() => turn = true,
+            changed = changes.changed() => match changed {
+                Ok(()) => turn = ticket.is_head(),
+                Err(_) => return Err("the manager is shutting down".into()),
+            },
+            () = tokio::time::sleep(Duration::from_millis(50)) => turn = ticket.is_head(),
+        }
+    }
+}
+
+/// While a movable request waits for its engine's response headers (a non-streamed answer
+/// sends them with its end): once the engine is asked to shed its requests, aborts this one
+/// there, so its answer comes at once with the output so far, and never resolves. `aborted`
+/// tells the caller it happened (the answer's part then starts as moving).
+pub(super) async fn abort_when_asked(
+    state: &RouterState,
+    route: &super::table::Route,
+    headers: &HeaderMap,
+    rid: &str,
+    asked: Asked<'_>,
+    aborted: &std::sync::atomic::AtomicBool,
+) {
+    let mut signal = route.load.move_signal();
+    loop {
+        if may_move(state, route, asked.may_cross) || asked.tail.is_some_and(|e| e.asked().is_some()) {
+            aborted.store(true, std::sync::atomic::Ordering::Release);
+            loop {
+                abort_rid(state, route, headers, rid).await;
+                tokio::time::sleep(ABORT_AGAIN).await;
+            }
+        }
+        tokio::select! {
+            changed = signal.changed() => if changed.is_err() {
+                // (The engine's load is gone; a tail move may still be asked.)
+                tail_asked(asked.tail).await;
+            },
+            () = tail_asked(asked.tail) => {}
+        }
+    }
+}
+
+/// What may ask a request to move while it waits for its engine's response headers.
+#[derive(Clone, Copy)]
+pub(super) struct Asked<'a> {
+    /// The request may continue on another weight version (partial rollout).
+    pub may_cross: bool,
+    /// Its place on the tail planner's board.
+    pub tail: Option<&'a super::tail::Entry>,
+}
+
+/// Resolves when the tail planner asks the request to move (never without a board entry).
+async fn tail_asked(entry: Option<&super::tail::Entry>) {
+    match entry {
+        Some(e) => e.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Why an aborted part moves, if it does: the router aborted it to move it (`drain`), or a
+/// weight update did and the request allows partial rollout (`weight_update`: its engine left
+/// routing for the update, which a client's abort through the router never reaches).
+fn move_reason(request: &Request, part: &Part, mover: &Mover) -> Option<&'static str> {
+    if mover.moving {
+        return Some(mover.reason);
+    }
+    let table = request.state.fleet.routes();
+    let left_for_update =
+        table.weights_updating && !table.backends.iter().any(|b| Arc::ptr_eq(&b.load, &part.route.load));
+    (request.may_cross && left_for_update).then_some("weight_update")
+}
+
+/// Whether a part is being moved, why, and when its abort was last sent.
+struct Mover {
+    moving: bool,
+    /// `drain` (its engine sheds its requests) or `tail` (the tail planner asked).
+    reason: &'static str,
+    aborted_at: tokio::time::Instant,
+}
+
+impl Mover {
+    fn new(request: &Request, part: &Part) -> Self {
+        let reason = match planned_move(request) {
+            Some(why) if !part.route.load.moves_requested() => why,
+            _ => "drain",
+        };
+        Self { moving: part.aborted, reason, aborted_at: tokio::time::Instant::now() }
+    }
+
+    /// Starts the move when the part's engine asks for it or the tail planner does, and sends
+    /// the abort again while the aborted answer has not ended ([`ABORT_AGAIN`]).
+    async fn step(&mut self, request: &Request, part: &Part, rid: &str, produced: &Produced) {
+        let mut start = false;
+        if !self.moving && should_move(request, part, produced) {
+            (start, self.reason) = (true, "drain");
+        } else if let Some(why) = should_move_for_plan(request, produced).filter(|_| !self.moving) {
+            (start, self.reason) = (true, why);
+        }
+        if start || (self.moving && self.aborted_at.elapsed() >= ABORT_AGAIN) {
+            self.moving = true;
+            abort(request, part, rid).await;
+            self.aborted_at = tokio::time::Instant::now();
+        }
+    }
+
+    /// When the abort is due again.
+    fn again(&self) -> tokio::time::Instant {
+        self.aborted_at + ABORT_AGAIN
+    }
+}
+
+/// A non-streamed part: read whole (an abort meanwhile if its engine drains), then either the
+/// joined answer goes to the client, or what it produced is kept and the request moves.
+async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mut Produced, client: &mut Out) -> Ended {
+    let mut buf: Vec<u8> = Vec::new();
+    if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
+        buf.extend_from_slice(&f);
+    }
+    let mut mover = Mover::new(request, part);
+    let mut signal = part.route.load.move_signal();
+    loop {
+        mover.step(request, part, rid, produced).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
+            () = tail_asked(request.tail.as_ref()), if !mover.moving => {}
+            frame = part.body.frame() => match frame {
+                None => break,
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data() {
+                        if buf.len() + data.len() > MAX_ANSWER_BYTES {
+                            return Ended::Lost(format!("the answer is larger than {MAX_ANSWER_BYTES} bytes"));
+                        }
+                        buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => return Ended::Lost(e.to_string()),
+            },
+            _ = signal.changed() => {}
+        }
+    }
+    let strip = request.movable.text && !request.movable.client_prompt_ids;
+    if produced.moves.is_empty() && !moves::may_be_aborted(&buf) {
+        // Unmoved and not aborted: the engine's bytes, without the prompt ids the router asked
+        // for and the client did not.
+        let bytes = match strip.then(|| moves::without_member(&buf, "prompt_token_ids")).flatten() {
+            Some(cut) => Bytes::from(cut),
+            None => Bytes::from(buf),
+        };
+        return if client.send(Ok(bytes)).await.is_err() { Ended::Gone } else { Ended::Done };
+    }
+    let answer: Value = match serde_json::from_slice(&buf) {
+        Ok(v) => v,
+        Err(_) => {
+            // Not JSON (an engine's own error page): passed on as it is.
+            let _ = client.send(Ok(Bytes::from(buf))).await;
+            return Ended::Done;
+        }
+    };
+    if moves::aborted(&answer) {
+        if let Some(reason) = move_reason(request, part, &mover) {
+            produced.add_part(&answer);
+            return Ended::Moved(reason);
+        }
+    }
+    let out = moves::joined(produced, &request.movable, &answer);
+    let as_is = produced.moves.is_empty() && !strip;
+    let bytes = if as_is { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
+    if client.send(Ok(bytes)).await.is_err() {
+        return Ended::Gone;
+    }
+    Ended::Done
+}
+
+/// A streamed part: its events are passed on as they come (joined with the earlier parts'),
+/// the output so far is followed; an abort if its engine drains, after which its last
+/// (aborted) event and its `[DONE]` are held back and the request moves.
+///
+/// Events of a part that has not moved are passed on as the engine wrote them (a text
+/// prompt's `prompt_token_ids` cut out), parsed only for the first one (the prompt's ids, and
+/// whether the engine streams incrementally) and where one may be aborted.
+async fn stream_part(
+    request: &Request,
+    part: &mut Part,
+    rid: &str,
+    produced: &mut Produced,
+    client: &mut Out,
+) -> Ended {
+    let seen = Seen { before: produced.clone(), ..Seen::default() };
+    let mut stream = Streamed {
+        unmoved: seen.before.moves.is_empty(),
+        seen,
+        strip: request.movable.text && !request.movable.client_prompt_ids,
+        held: None,
+    };
+    let mut pending: Vec<u8> = Vec::new();
+    let mut mover = Mover::new(request, part);
+    let mut signal = part.route.load.move_signal();
+    let mut first = part.first.take();
+    loop {
+        mover.step(request, part, rid, produced).await;
+        let frame = match first.take() {
+            Some(f) => Some(Ok(f)),
+            None => tokio::select! {
+                frame = part.body.frame() => frame,
+                _ = signal.changed() => continue,
+                () = tokio::time::sleep_until(mover.again()), if mover.moving => continue,
+                () = tail_asked(request.tail.as_ref()), if !mover.moving => continue,
+            },
+        };
+        let data = match frame {
+            None => {
+                // Ended without [DONE]: what was seen counts as produced.
+                stream.seen.keep(produced);
+                return Ended::Lost("the stream ended without [DONE]".into());
+            }
+            Some(Err(e)) => {
+                stream.seen.keep(produced);
+                return Ended::Lost(e.to_string());
+            }
+            Some(Ok(f)) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+        };
+        pending.extend_from_slice(&data);
+        let mut out = Vec::new();
+        while let Some(end) = find(&pending, b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            match on_event(&mut stream, request, part, &mover, produced, event, &mut out) {
+                None => {}
+                Some(Stop::Moved(reason)) => {
+                    stream.seen.keep(produced);
+                    return Ended::Moved(reason);
+                }
+                Some(Stop::Done) => {
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    let _ = client.send(Ok(Bytes::from(out))).await;
+                    finish_body(part).await;
+                    return Ended::Done;
+                }
+            }
+        }
+        if !out.is_empty() && client.send(Ok(Bytes::from(out))).await.is_err() {
+            return Ended::Gone;
+        }
+    }
+}
+
+/// What a streamed part's reading keeps between events.
+struct Streamed {
+    seen: Seen,
+    /// No earlier part moved: events go out as the engine wrote them.
+    unmoved: bool,
+    /// A text prompt's `prompt_token_ids` are cut out of the events (the client sent no ids).
+    strip: bool,
+    /// Why the request moves, once its abort's own event was held back.
+    held: Option<&'static str>,
+}
+
+/// Where an event ends a streamed part.
+enum Stop {
+    /// `[DONE]` after a whole answer: it goes to the client and the request ends.
+    Done,
+    /// `[DONE]` after the event of an abort that moves the request, for this reason.
+    Moved(&'static str),
+}
+
+/// Passes one whole event of a streamed part on into `out` (joined with the earlier parts'),
+/// following the output so far; an aborted one that moves the request is held back.
+fn on_event(
+    stream: &mut Streamed,
+    request: &Request,
+    part: &Part,
+    mover: &Mover,
+    produced: &mut Produced,
+    event: Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Option<Stop> {
+    let seen = &mut stream.seen;
+    let Some(json) = payload(&event) else {
+        out.extend_from_slice(&event);
+        return None;
+    };
+    if json == b"[DONE]" {
+        if let Some(reason) = stream.held.filter(|_| seen.last.as_ref().is_some_and(moves::aborted)) {
+            return Some(Stop::Moved(reason));
+        }
+        return Some(Stop::Done);
+    }
+    if stream.unmoved && seen.incremental == Some(false) && !moves::may_be_aborted(json) {
+        out.extend_from_slice(b"data: ");
+        match stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten() {
+            Some(cut) => out.extend_from_slice(&cut),
+            None => out.extend_from_slice(json),
+        }
+        out.extend_from_slice(b"\n\n");
+        seen.last = None;
+        seen.last_raw = Some(event);
+        return None;
+    }
+    let Ok(chunk) = serde_json::from_slice::<Value>(json) else {
+        out.extend_from_slice(&event);
+        return None;
+    };
+    if seen.before.output_ids.is_empty() {
+        produced.learn_prompt(&chunk);
+        if let Some(entry) = request.tail.as_ref().filter(|_| ready(&request.movable, produced)) {
+            entry.set_ready();
+        }
+    }
+    let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
+    let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
+    let inc = *seen.incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
+    if inc {
+        seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+        seen.lp.add_logprobs(&chunk);
+    }
+    seen.last_raw = None;
+    if moves::aborted(&chunk) {
+        if let Some(reason) = move_reason(request, part, mover) {
+            // The abort's own event: held back, the request continues elsewhere.
+            stream.held = Some(reason);
+            seen.last = Some(chunk);
+            return None;
+        }
+    }
+    let joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(joined.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+    seen.last = Some(chunk);
+    None
+}
+
+/// An SSE event's data (`data: ...`), trimmed.
+fn payload(event: &[u8]) -> Option<&[u8]> {
+    event.trim_ascii().strip_prefix(b"data:").map(<[u8]>::trim_ascii)
+}
+
+/// What the router saw of a streamed part.
+#[derive(Default)]
+struct Seen {
+    /// The request's output before this part.
+    before: Produced,
+    /// The part's last event, parsed, or as it came (`last_raw`) when it was passed on unparsed.
+    last: Option<Value>,
+    last_raw: Option<Vec<u8>>,
+    /// Whether the engine's events hold only the new output (`--incremental-streaming-output`),
+    /// known from the first event; then the ids and logprobs of every event are gathered here.
+    incremental: Option<bool>,
+    ids: Vec<u64>,
+    lp: Produced,
+}
+
+impl Seen {
+    /// Records what the part produced: its last event's output (cumulative events), or the ids
+    /// and logprobs gathered from every event (incremental ones).
+    fn keep(&self, produced: &mut Produced) {
+        let parsed = match (&self.last, &self.last_raw) {
+            (None, Some(raw)) => payload(raw).and_then(|json| serde_json::from_slice::<Value>(json).ok()),
+            _ => None,
+        };
+        let last = self.last.as_ref().or(parsed.as_ref());
+        let mut now = self.before.clone();
+        match (last, self.incremental.unwrap_or(false)) {
+            (Some(chunk), false) => now.add_part(chunk),
+            (_, true) => {
+                if now.output_ids.is_empty() && now.input_logprobs.is_none() {
+                    now.input_logprobs.clone_from(&self.lp.input_logprobs);
+                }
+                for (key, entries) in &self.lp.logprobs {
+                    let all = now.logprobs.entry(key.clone()).or_insert_with(|| serde_json::json!([]));
+                    if let (Some(all), Some(entries)) = (all.as_array_mut(), entries.as_array()) {
+                        all.extend(entries.iter().cloned());
+                    }
+                }
+                now.output_ids.extend_from_slice(&self.ids);
+                if let Some(t) = last.and_then(|chunk| chunk.get("text")).and_then(Value::as_str) {
+                    now.text.push_str(t);
+                }
+            }
+            (None, false) => {}
+        }
+        now.moves = produced.moves.clone();
+        now.engines = produced.engines.clone();
+        if now.prompt_ids.is_none() {
+            now.prompt_ids.clone_from(&produced.prompt_ids);
+        }
+        *produced = now;
+    }
+}
+
+/// Reads what follows a stream's `[DONE]` (the end of its chunked body), so that the
+/// connection goes back to the router's pool instead of being closed.
+async fn finish_body(part: &mut Part) {
+    let rest = async { while let Some(Ok(_)) = part.body.frame().await {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), rest).await;
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    memchr::memmem::find(haystack, needle)
+}
+
+/// The request was aborted right at its last token: its answer is complete.
+async fn finish_at_budget(request: &Request, produced: &Produced, client: &mut Out) {
+    let n = produced.output_ids.len();
+    let last = json!({
+        "text": "", "output_ids": [],
+        "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "length", "length": n}, "weight_versions": []},
+    });
+    let out = moves::joined(produced, &request.movable, &last);
+    let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
+    let _ = client.send(Ok(Bytes::from(bytes))).await;
+}
+
+/// Ends the client's answer with an error: an error event and `[DONE]` for a stream (SGLang's
+/// in-stream shape); otherwise the error becomes the answer's status (see [`whole`]).
+async fn fail(request: &Request, client: &mut Out, why: &str) {
+    tracing::warn!(error = why, "moving request failed");
+    if request.movable.stream {
+        let event = json!({"error": {"message": format!("{why}; the output so far is incomplete, send the request again"),
+                                     "type": "engine_lost", "code": 502, "retryable": true}});
+        let _ = client.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
+    } else {
+        let why = format!("{why}; send the request again");
+        let _ = client.send(Err(std::io::Error::other(why))).await;
+    }
+}

@@ -1,0 +1,180 @@
+//! Publishing a checkpoint on disk as the fleet's next weight version (`POST
+//! /rollout/weights/publish`).
+//!
+//! Flow: the checkpoint's headers are read (a missing, empty or invalid checkpoint is refused and
+//! nothing is published); then, in one registry update, the publish is decided against the
+//! updates the manager knows ([`decide`]): the same version from the same path again is the
+//! earlier update (nothing is hashed again), the same as the running update joins it, anything
+//! else while an update runs or under a name taken by other files is refused; a new version
+//! starts an update in CHECKSUMMING, whose files are hashed in the background before its waves
+//! run ([`crate::ops::weight_update::checksum_then_run`]).
+//!
+//! Errors ([`OpError`]): `invalid_checkpoint` (invalid), `update_in_progress` and
+//! `version_conflict` (conflict).
+
+use crate::adapters::weights::checkpoint;
+use crate::foundation::clock::unix_now;
+use crate::foundation::records::{Transition, UpdateRecord, UpdateSource, WeightsState};
+use crate::ops::manager::Manager;
+use crate::ops::op_error::OpError;
+use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// A publish, its fields checked by the caller.
+#[derive(Debug, Clone)]
+pub struct Publish {
+    pub version: String,
+    /// An absolute directory, as the engines see it.
+    pub path: String,
+    /// The SHA-256 the files must have, lowercase hex.
+    pub checksum: Option<String>,
+    pub strategy: UpdateStrategy,
+    pub max_unavailable: Option<u32>,
+    /// `/pause_generation` mode for `all_at_once`.
+    pub pause_mode: String,
+}
+
+/// What a publish came to.
+#[derive(Debug)]
+pub enum Published {
+    /// A new update, in CHECKSUMMING.
+    Started(Box<UpdateRecord>),
+    /// The running update publishes this version from this path: this publish joined it.
+    Joined(Box<UpdateRecord>),
+    /// Published before from this path: the latest update that published it, if still recorded
+    /// (else the fleet's current version), with its status and checksum.
+    Existing { update_id: Option<String>, status: String, version: String, checksum: Option<String> },
+}
+
+/// Publishes `req` (see the module docs). Answers at once; a started update runs in the
+/// background.
+pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, OpError> {
+    // Only the headers are read here; the files are hashed in the background (CHECKSUMMING).
+    let dir = std::path::PathBuf::from(&req.path);
+    let ckpt = tokio::task::spawn_blocking(move || checkpoint::inspect(&dir))
+        .await
+        .map_err(|e| OpError::internal("checkpoint_task", e.to_string()))?
+        .map_err(|e| OpError::invalid("invalid_checkpoint", format!("{e}; nothing was published")))?;
+    let update_id = uuid::Uuid::new_v4().to_string();
+    let transport = manager.transport.name().to_string();
+    let published = manager.fleet.update(|inner| -> Result<Published, OpError> {
+        match decide(&inner.weights, &req.version, &req.path, req.checksum.as_deref())? {
+            Decision::Existing(existing) => return Ok(existing),
+            Decision::Join(id) => {
+                let running = inner.weights.updates.get(&id).cloned();
+                return running
+                    .map(|u| Published::Joined(Box::new(u)))
+                    .ok_or_else(|| OpError::internal("join", format!("update {id} vanished")));
+            }
+            Decision::New => {}
+        }
+        let now = unix_now();
+        let record = UpdateRecord {
+            update_id: update_id.clone(),
+            version: req.version.clone(),
+            path: req.path.clone(),
+            checksum: None,
+            expected_checksum: req.checksum.clone(),
+            total_bytes: ckpt.total_bytes,
+            hashed_bytes: crate::foundation::records::HashProgress::default(),
+            engine_path: String::new(),
+            previous_version: inner.weights.current.version.clone(),
+            strategy: req.strategy,
+            max_unavailable: req.max_unavailable,
+            pause_mode: req.pause_mode.clone(),
+            transport,
+            status: WeightUpdateStatus::Checksumming,
+            engines: BTreeMap::new(),
+            created_at: now,
+            updated_at: now,
+            finished_at: None,
+            error_message: None,
+            message: format!(
+                "checking {} ({} files, {} bytes, {} tensors) before publishing it, {}",
+                req.version,
+                ckpt.files.len(),
+                ckpt.total_bytes,
+                ckpt.num_tensors,
+                req.strategy
+            ),
+            history: vec![Transition { status: WeightUpdateStatus::Checksumming.to_string(), at: now }],
+            resumed: 0,
+            source: UpdateSource::Checkpoint,
+            trainer: None,
+        };
+        inner.weights.updates.insert(update_id.clone(), record.clone());
+        inner.weights.running = Some(update_id.clone());
+        inner.weights.prune();
+        Ok(Published::Started(Box::new(record)))
+    })?;
+    if let Published::Started(_) = published {
+        let m = manager.clone();
+        manager.tasks.spawn(crate::ops::weight_update::checksum_then_run(m, update_id));
+    }
+    Ok(published)
+}
+
+/// What a publish means given the updates the manager knows.
+enum Decision {
+    /// A new version: start an update.
+    New,
+    /// The running update publishes this version from this path: answer with it.
+    Join(String),
+    /// Published before (same version and path, and the checksum, when given, matches).
+    Existing(Published),
+}
+
+/// `given`: the checksum the publish asked for. Err: 409.
+fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> Result<Decision, OpError> {
+    if let Some(u) = w.running_update().filter(|u| u.version == version && u.path == path) {
+        let known = u.checksum.as_deref().or(u.expected_checksum.as_deref());
+        if let (Some(_), None) = (given, known) {
+            // Joining would mean failing the running update if the files lack this checksum.
+            return Err(OpError::conflict(
+                "update_in_progress",
+                format!(
+                    "update {} is still hashing {version} from {path}, published without a checksum; publish again once it is PENDING (GET /rollout/weights/updates/{}) to compare checksums",
+                    u.update_id, u.update_id
+                ),
+            ));
+        }
+        if let (Some(g), Some(k)) = (given, known) {
+            if g != k {
+                return Err(OpError::conflict(
+                    "version_conflict",
+                    format!(
+                        "update {} publishes {version} from {path} with checksum {k}; this publish expects {g}: publish other bytes under a new version name",
+                        u.update_id
+                    ),
+                ));
+            }
+        }
+        return Ok(Decision::Join(u.update_id.clone()));
+    }
+    match check_publish(&w.known_versions(), version, path, given) {
+        PublishCheck::Same => {
+            let existing = w
+                .updates
+                .values()
+                .filter(|u| u.version == version && u.status != WeightUpdateStatus::Failed)
+                .max_by(|a, b| a.created_at.total_cmp(&b.created_at));
+            let (update_id, status, checksum) = existing.map_or_else(
+                || (None, "COMPLETED".to_string(), w.current.checksum.clone()),
+                |u| (Some(u.update_id.clone()), u.status.to_string(), u.checksum.clone()),
+            );
+            Ok(Decision::Existing(Published::Existing { update_id, status, version: version.to_string(), checksum }))
+        }
+        PublishCheck::Conflict(why) => Err(OpError::conflict("version_conflict", why)),
+        PublishCheck::New => match w.running_update() {
+            Some(u) => Err(OpError::conflict(
+                "update_in_progress",
+                format!(
+                    "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then publish again",
+                    u.update_id, u.version, u.status, u.update_id
+                ),
+            )),
+            None => Ok(Decision::New),
+        },
+    }
+}

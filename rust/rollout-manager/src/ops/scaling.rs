@@ -1,0 +1,645 @@
+//! Scale-out and scale-in operations.
+//!
+//! Expected flow of a scale-out: the request is checked and recorded under the registry lock
+//! (PENDING, engines reserved in CREATING), then a task launches every engine (CREATING),
+//! waits until all answer `/health` (HEALTH_CHECKING), checks that all serve the fleet's weight
+//! version (WEIGHT_SYNCING), and adds them to routing (READY -> ACTIVE).
+//!
+//! Expected flow of a scale-in: victims are chosen LIFO among dynamic engines and leave routing
+//! at once (DRAINING); the task waits for their in-flight requests up to the drain timeout
+//! (skipped with `force`), aborts what is left, stops the processes and releases their GPUs
+//! (REMOVING), then COMPLETED.
+//!
+//! Guarantees: at most one scale operation runs at a time (others get 409 naming it); a target
+//! already met is a NOOP with its own GET-able record; a failed or cancelled scale-out leaves no
+//! process, GPU or route behind (with the default `rollback_all` policy); initial engines are
+//! never scaled in.
+
+use crate::foundation::locks::Locked;
+use crate::foundation::records::{RunningOp, ScaleOutRecord, Trigger};
+use crate::ops::manager::Manager;
+use crate::ops::op_error::OpError;
+use crate::registry::fleet::FleetInner;
+use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Body of `POST /rollout/scale_out`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleOutRequest {
+    #[serde(default = "default_model")]
+    pub model_name: String,
+    #[serde(default)]
+    pub num_replicas: i64,
+    #[serde(default)]
+    pub engine_urls: Vec<String>,
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    /// Who asked: `user` for the API, `autoscaler` for the autoscaler (not part of the body).
+    #[serde(skip, default = "user_trigger")]
+    pub trigger: Trigger,
+}
+
+fn user_trigger() -> Trigger {
+    Trigger::User
+}
+
+/// Body of `POST /rollout/scale_in`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleInRequest {
+    #[serde(default = "default_model")]
+    pub model_name: String,
+    #[serde(default)]
+    pub num_replicas: i64,
+    #[serde(default)]
+    pub engine_urls: Vec<String>,
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+fn default_model() -> String {
+    "default".into()
+}
+
+/// What `POST` answers for an accepted (or NOOP) operation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Accepted {
+    pub request_id: String,
+    pub status: AcceptedStatus,
+    pub message: String,
+}
+
+/// How a scale request was taken: it runs (PENDING), or there was nothing to do (NOOP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AcceptedStatus {
+    Pending,
+    Noop,
+}
+
+impl std::fmt::Display for AcceptedStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AcceptedStatus::Pending => "PENDING",
+            AcceptedStatus::Noop => "NOOP",
+        })
+    }
+}
+
+/// Cancellation tokens of the running scale-outs, by request id.
+#[derive(Default)]
+pub struct Cancels(Mutex<HashMap<String, CancellationToken>>);
+
+impl Cancels {
+    fn insert(&self, id: &str) -> CancellationToken {
+        let token = CancellationToken::new();
+        self.0.locked().insert(id.to_string(), token.clone());
+        token
+    }
+    fn remove(&self, id: &str) {
+        self.0.locked().remove(id);
+    }
+    fn get(&self, id: &str) -> Option<CancellationToken> {
+        self.0.locked().get(id).cloned()
+    }
+}
+
+fn check_model(manager: &Manager, model_name: &str) -> Result<(), OpError> {
+    if model_name != manager.config.model_name {
+        return Err(OpError::invalid(
+            "unknown_model",
+            format!("model_name {model_name:?} is not served here; this fleet serves {:?}", manager.config.model_name),
+        ));
+    }
+    Ok(())
+}
+
+/// Longest `timeout_secs` accepted: 30 days.
+pub const MAX_TIMEOUT_SECS: f64 = 30.0 * 24.0 * 3600.0;
+
+/// The operation's deadline: `timeout_secs` if given (a positive number of seconds, at most
+/// [`MAX_TIMEOUT_SECS`]), else the flag's default. Checked before anything is reserved.
+pub fn timeout(requested: Option<f64>, default: f64) -> Result<Duration, OpError> {
+    let secs = requested.unwrap_or(default);
+    if !(secs.is_finite() && secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+        return Err(OpError::invalid(
+            "invalid_timeout",
+            format!("timeout_secs {secs} must be a positive number of seconds, at most {MAX_TIMEOUT_SECS}"),
+        ));
+    }
+    Duration::try_from_secs_f64(secs)
+        .map_err(|e| OpError::invalid("invalid_timeout", format!("timeout_secs {secs}: {e}")))
+}
+
+/// `num_replicas` as a count: not negative, not beyond `--max-engines`.
+pub fn replicas(n: i64, max_engines: u32) -> Result<u32, OpError> {
+    if n < 0 {
+        return Err(OpError::invalid("invalid_num_replicas", format!("num_replicas {n} must be >= 0")));
+    }
+    u32::try_from(n).ok().filter(|v| *v <= max_engines).ok_or_else(|| {
+        OpError::invalid(
+            "above_max_engines",
+            format!("num_replicas {n} is above --max-engines {max_engines}; ask for at most {max_engines}"),
+        )
+    })
+}
+
+fn busy(running: &RunningOp) -> OpError {
+    OpError::conflict(
+        "operation_in_progress",
+        format!(
+            "a {} operation is in progress (request_id {}); wait for it to finish or cancel it, then retry",
+            running.kind, running.request_id
+        ),
+    )
+}
+
+fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: Trigger, version: &str) -> ScaleOutRecord {
+    let now = crate::foundation::clock::unix_now();
+    ScaleOutRecord {
+        request_id: id.to_string(),
+        status: ScaleOutStatus::Pending,
+        model_name: req.model_name.clone(),
+        num_replicas: u32::try_from(req.num_replicas.max(0)).unwrap_or(u32::MAX),
+        engine_urls: req.engine_urls.clone(),
+        engine_ids: Vec::new(),
+        failed_engines: Vec::new(),
+        created_at: now,
+        updated_at: now,
+        error_message: None,
+        weight_version: Some(version.to_string()),
+        message: String::new(),
+        trigger,
+        history: vec![crate::foundation::records::Transition { status: "PENDING".into(), at: now }],
+    }
+}
+
+/// Validates and records a scale-out, then starts it in the background.
+pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, OpError> {
+    check_model(manager, &req.model_name)?;
+    let deadline = timeout(req.timeout_secs, manager.config.scale_out_timeout)?;
+    let target = replicas(req.num_replicas, manager.config.max_engines)?;
+    if target == 0 {
+        if req.engine_urls.is_empty() {
+            return Err(OpError::invalid(
+                "missing_target",
+                "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
+            ));
+        }
+        return attach_external(manager, cancels, req, deadline);
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
+    let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, OpError> {
+        if let Some(running) = inner.running_op() {
+            return Err(busy(running));
+        }
+        let version = inner.weights.current.version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
+        let current = inner.live_count();
+        if target <= current {
+            crate::foundation::records::checked(record.apply(ScaleOutEvent::Noop));
+            record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
+            let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Noop, message: record.message.clone() };
+            inner.scale_outs.insert(request_id.clone(), record);
+            return Ok((accepted, None));
+        }
+        let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
+        // In Ray mode the cluster's capacity decides: engines wait in PENDING_RESOURCES.
+        if !manager.ray() && needed > inner.free_gpus() {
+            return Err(OpError::invalid(
+                "insufficient_gpus",
+                format!(
+                    "scaling to {target} engines needs {needed} more GPUs but {} of {} are free; ask for fewer replicas or start the manager with a larger --gpus",
+                    inner.free_gpus(),
+                    inner.total_gpus()
+                ),
+            ));
+        }
+        let ids = reserve(manager, inner, target - current, EngineOrigin::Dynamic, &request_id)
+            .map_err(|e| OpError::internal("reserve_failed", e))?;
+        record.engine_ids = ids.clone();
+        record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
+        let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Pending, message: record.message.clone() };
+        inner.scale_outs.insert(request_id.clone(), record);
+        crate::foundation::records::checked_op(inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }));
+        Ok((accepted, Some(ids)))
+    })?;
+    if let Some(ids) = plan {
+        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
+    }
+    Ok(accepted)
+}
+
+/// Checks an external engine URL: http(s), a host, no credentials, no path beyond `/`, no
+/// query. Returns it normalised (no trailing slash).
+pub fn validate_engine_url(raw: &str) -> Result<String, OpError> {
+    let bad = |why: &str| OpError::invalid("invalid_engine_url", format!("engine url {raw:?} {why}"));
+    let url = reqwest::Url::parse(raw.trim()).map_err(|e| bad(&format!("is not a URL ({e})")))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(bad("must use http or https"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad("must not carry credentials; engines are reached without them"));
+    }
+    let Some(host) = url.host_str() else { return Err(bad("has no host")) };
+    if url.path() != "/" && !url.path().is_empty() {
+        return Err(bad("must be the engine's base URL, without a path"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad("must not have a query or fragment"));
+    }
+    let port = url.port_or_known_default().unwrap_or(80);
+    // `host_str` writes IPv6 addresses in brackets already.
+    Ok(format!("{}://{host}:{port}", url.scheme()))
+}
+
+/// With `--external-allow-cidr`, every external engine URL must point into an allowed network:
+/// an IP literal directly, a host name through every address it resolves to now (within 5 s).
+/// The engine is contacted later by name again, so a name whose records change after this
+/// check (DNS rebinding) is not covered; allow-list IP literals where that matters.
+pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> Result<(), OpError> {
+    let allowed = manager.config.external_allow_list().map_err(|e| OpError::internal("config", e.to_string()))?;
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = allowed.iter().map(ToString::to_string).collect();
+    for raw in raw_urls {
+        let url = validate_engine_url(raw)?;
+        let parsed = reqwest::Url::parse(&url).map_err(|e| OpError::invalid("invalid_engine_url", e.to_string()))?;
+        let port = parsed.port_or_known_default().unwrap_or(80);
+        let host = parsed.host_str().unwrap_or("");
+        let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
+        let addrs: Vec<std::net::IpAddr> = match literal {
+            Ok(ip) => vec![ip],
+            Err(_) => {
+                let lookup = tokio::net::lookup_host((host, port));
+                match tokio::time::timeout(Duration::from_secs(5), lookup).await {
+                    Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+                    Ok(Err(e)) => {
+                        return Err(OpError::invalid(
+                            "invalid_engine_url",
+                            format!("engine url {raw:?}: cannot resolve {host:?} ({e}) to check it against --external-allow-cidr"),
+                        ))
+                    }
+                    Err(_) => {
+                        return Err(OpError::invalid(
+                            "invalid_engine_url",
+                            format!("engine url {raw:?}: resolving {host:?} took over 5 s"),
+                        ))
+                    }
+                }
+            }
+        };
+        let outside: Vec<String> =
+            addrs.iter().filter(|ip| !allowed.iter().any(|net| net.contains(**ip))).map(ToString::to_string).collect();
+        if addrs.is_empty() || !outside.is_empty() {
+            return Err(OpError::invalid(
+                "engine_url_not_allowed",
+                format!(
+                    "engine url {raw:?} points to {} outside the networks of --external-allow-cidr ({}); attach engines \
+                     inside them, or ask the operator to allow the network",
+                    if outside.is_empty() { "no address".to_string() } else { outside.join(", ") },
+                    shown.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// External mode: attach engines someone else started. URLs already in the fleet (or being
+/// attached) are filtered out; if none is left the request is a NOOP.
+fn attach_external(
+    manager: &Arc<Manager>,
+    cancels: &Arc<Cancels>,
+    req: ScaleOutRequest,
+    deadline: Duration,
+) -> Result<Accepted, OpError> {
+    let mut urls: Vec<String> = Vec::new();
+    for raw in &req.engine_urls {
+        let url = validate_engine_url(raw)?;
+        if !urls.contains(&url) {
+            urls.push(url);
+        }
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, OpError> {
+        if let Some(running) = inner.running_op() {
+            return Err(busy(running));
+        }
+        let version = inner.weights.current.version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
+        let known: Vec<&str> = inner
+            .engines
+            .values()
+            .filter(|e| {
+                !matches!(e.record.status, rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed)
+            })
+            .map(|e| e.record.url.as_str())
+            .collect();
+        let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
+        let skipped = urls.len() - fresh.len();
+        if fresh.is_empty() {
+            crate::foundation::records::checked(record.apply(ScaleOutEvent::Noop));
+            record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
+            let accepted = Accepted {
+                request_id: request_id.clone(),
+                status: crate::ops::scaling::AcceptedStatus::Noop,
+                message: record.message.clone(),
+            };
+            inner.scale_outs.insert(request_id.clone(), record);
+            return Ok((accepted, None));
+        }
+        let max = manager.config.max_engines;
+        if inner.live_count() + fresh.len() as u32 > max {
+            return Err(OpError::invalid(
+                "above_max_engines",
+                format!(
+                    "attaching {} engines would exceed --max-engines {max} (the fleet has {})",
+                    fresh.len(),
+                    inner.live_count()
+                ),
+            ));
+        }
+        let ids: Vec<String> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
+        record.engine_ids = ids.clone();
+        record.message = format!(
+            "attaching {} external engines{}",
+            ids.len(),
+            if skipped > 0 { format!(" ({skipped} already in the fleet, skipped)") } else { String::new() }
+        );
+        let accepted = Accepted {
+            request_id: request_id.clone(),
+            status: crate::ops::scaling::AcceptedStatus::Pending,
+            message: record.message.clone(),
+        };
+        inner.scale_outs.insert(request_id.clone(), record);
+        crate::foundation::records::checked_op(
+            inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }),
+        );
+        Ok((accepted, Some(ids)))
+    })?;
+    if let Some(ids) = ids {
+        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
+    }
+    Ok(accepted)
+}
+
+/// Reserves `n` engines; on a failure part-way, releases what it reserved.
+fn reserve(
+    manager: &Manager,
+    inner: &mut FleetInner,
+    n: u32,
+    origin: EngineOrigin,
+    op: &str,
+) -> Result<Vec<String>, String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        match manager.reserve_engine(inner, origin, op) {
+            Ok(id) => ids.push(id),
+            Err(e) => {
+                for id in &ids {
+                    inner.forget_engine(id);
+                    inner.placements.remove(id);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// Starts the boot-time bring-up of the initial engines, as a scale-out with trigger `initial`.
+pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<Option<String>, String> {
+    let n = manager.config.initial_engines();
+    if n == 0 {
+        return Ok(None);
+    }
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let req = ScaleOutRequest {
+        model_name: manager.config.model_name.clone(),
+        num_replicas: i64::from(n),
+        engine_urls: vec![],
+        timeout_secs: None,
+        trigger: Trigger::Initial,
+    };
+    let ids = manager.fleet.update(|inner| -> Result<_, String> {
+        let version = inner.weights.current.version.clone();
+        let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
+        if let Some(held) = inner.running_op() {
+            return Err(format!("{} {} is already running", held.kind, held.request_id));
+        }
+        let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
+        record.engine_ids = ids.clone();
+        record.message = format!("initial fleet of {n} engines");
+        inner.scale_outs.insert(request_id.clone(), record);
+        crate::foundation::records::checked_op(
+            inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }),
+        );
+        Ok(ids)
+    })?;
+    let timeout = Duration::from_secs_f64(manager.config.scale_out_timeout);
+    // Initial engines that fail stay listed as FAILED rather than disappearing.
+    spawn_scale_out(manager, cancels, request_id.clone(), ids, timeout, PartialSuccessPolicy::KeepPartial);
+    Ok(Some(request_id))
+}
+
+fn spawn_scale_out(
+    manager: &Arc<Manager>,
+    cancels: &Arc<Cancels>,
+    request_id: String,
+    ids: Vec<String>,
+    timeout: Duration,
+    policy: PartialSuccessPolicy,
+) {
+    let cancel = cancels.insert(&request_id);
+    let (m, c) = (manager.clone(), cancels.clone());
+    manager.tasks.spawn(async move {
+        let _guard = OpGuard { manager: m.clone(), kind: "scale_out", request_id: request_id.clone() };
+        crate::ops::scale_out::run(&m, &request_id, ids, timeout, policy, cancel).await;
+        c.remove(&request_id);
+    });
+}
+
+/// Ends an operation its task left unfinished (a bug that panicked): stops the engines it had
+/// not activated, then marks it FAILED and frees the one-operation lock in one registry update,
+/// so one failure never wedges the fleet and the operation never reads ended while engines of
+/// it still run. The cleanup is a task of the manager's tracker (shutdown waits for it). A no-op
+/// when the operation finished normally.
+pub struct OpGuard {
+    pub manager: Arc<Manager>,
+    pub kind: &'static str,
+    pub request_id: String,
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        let id = self.request_id.clone();
+        let unfinished = self.manager.fleet.update(|inner| {
+            let engines = unfinished_op_engines(inner, &id);
+            if engines.is_none() {
+                inner.end_op(&id);
+            }
+            engines
+        });
+        let Some(leftovers) = unfinished else { return };
+        tracing::error!(kind = self.kind, request_id = %id, "operation task ended unexpectedly; cleaning up");
+        if leftovers.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            self.manager.fleet.update(|inner| fail_unfinished_op(inner, &id));
+            return;
+        }
+        let m = self.manager.clone();
+        self.manager.tasks.spawn(async move {
+            for e in leftovers {
+                m.remove_engine(&e).await;
+            }
+            m.fleet.update(|inner| fail_unfinished_op(inner, &id));
+        });
+    }
+}
+
+/// The engines of operation `id`, if it has not ended, that are not ACTIVE (what its task would
+/// have rolled back).
+fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
+    let engines = match (inner.scale_outs.get(id), inner.scale_ins.get(id)) {
+        (Some(op), _) if !op.status.is_terminal() => op.engine_ids.clone(),
+        (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
+        _ => return None,
+    };
+    let not_active = |e: &String| inner.engines.get(e).is_some_and(|en| en.record.status != EngineStatus::Active);
+    Some(engines.into_iter().filter(not_active).collect())
+}
+
+/// Records operation `id` FAILED (an internal error) and frees the one-operation lock.
+fn fail_unfinished_op(inner: &mut FleetInner, id: &str) {
+    let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
+    if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
+        op.error_message = Some(why.clone());
+        crate::foundation::records::checked(op.apply(ScaleOutEvent::Fail));
+    }
+    if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
+        op.error_message = Some(why);
+        crate::foundation::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
+    }
+    inner.end_op(id);
+}
+
+/// Cancels a running scale-out. Its task rolls back what it created.
+pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, OpError> {
+    let record = manager
+        .fleet
+        .lock()
+        .scale_outs
+        .get(request_id)
+        .cloned()
+        .ok_or_else(|| OpError::unknown("unknown_request", format!("no scale-out request with id {request_id}")))?;
+    if record.status.is_terminal() {
+        return Err(OpError::conflict(
+            "already_finished",
+            format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
+        ));
+    }
+    if record.trigger == Trigger::Initial {
+        return Err(OpError::conflict(
+            "initial_bring_up",
+            format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
+        ));
+    }
+    match cancels.get(request_id) {
+        Some(token) => token.cancel(),
+        None => {
+            return Err(OpError::conflict(
+                "already_finished",
+                format!("scale-out {request_id} is finishing; nothing to cancel"),
+            ))
+        }
+    }
+    Ok(record)
+}
+
+/// Body of `POST /rollout/scale_out_cancel`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchCancelRequest {
+    /// Only cancel requests in this status (e.g. `PENDING`); default: every non-terminal one.
+    #[serde(default)]
+    pub status_filter: Option<String>,
+    #[serde(default)]
+    pub model_name: Option<String>,
+    /// Answer what would be cancelled, cancel nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// Cancels every running scale-out that matches the filter (none with `dry_run`). The request
+/// ids of those cancelled (or that would be).
+pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<Vec<String>, OpError> {
+    let filter = match req.status_filter.as_deref() {
+        None => None,
+        Some(raw) => {
+            let status: ScaleOutStatus = serde_json::from_value(serde_json::Value::String(raw.to_ascii_uppercase()))
+                .map_err(|_| {
+                    OpError::invalid(
+                        "invalid_status_filter",
+                        format!(
+                            "status_filter {raw:?} is not a scale-out status (e.g. PENDING, CREATING, HEALTH_CHECKING)"
+                        ),
+                    )
+                })?;
+            if status.is_terminal() {
+                return Err(OpError::invalid(
+                    "invalid_status_filter",
+                    format!("status_filter {raw:?} is a terminal status; nothing in it can be cancelled"),
+                ));
+            }
+            Some(status)
+        }
+    };
+    let ids: Vec<String> = manager
+        .fleet
+        .lock()
+        .scale_outs
+        .values()
+        .filter(|r| !r.status.is_terminal() && r.trigger != Trigger::Initial)
+        .filter(|r| filter.is_none_or(|f| r.status == f))
+        .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
+        .map(|r| r.request_id.clone())
+        .collect();
+    let mut cancelled = Vec::new();
+    for id in ids {
+        if req.dry_run {
+            cancelled.push(id);
+        } else if let Some(token) = cancels.get(&id) {
+            token.cancel();
+            cancelled.push(id);
+        }
+    }
+    Ok(cancelled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::validate_engine_url;
+
+    #[test]
+    fn engine_urls_are_normalised_or_refused() {
+        assert_eq!(validate_engine_url("http://127.0.0.1:30000/").unwrap(), "http://127.0.0.1:30000");
+        assert_eq!(validate_engine_url("https://e.example").unwrap(), "https://e.example:443");
+        assert_eq!(validate_engine_url("http://[::1]:9").unwrap(), "http://[::1]:9");
+        assert_eq!(validate_engine_url("http://[::ffff:127.0.0.1]:9").unwrap(), "http://[::ffff:7f00:1]:9");
+        for bad in ["ftp://h:1", "http://u:p@h:1", "http://h:1/generate", "http://h:1/?a=1", "http://h:1/#f", "h:1", ""]
+        {
+            assert_eq!(validate_engine_url(bad).unwrap_err().code(), "invalid_engine_url", "{bad}");
+        }
+    }
+}

@@ -1,0 +1,905 @@
+//! Weights from the trainer: an update whose bytes the trainer broadcasts over NCCL (SGLang's
+//! `/init_weights_update_group` + `/update_weights_from_distributed`), run by the manager so
+//! that the fleet's version, the registry, the pins and the metrics follow it.
+//!
+//! Expected flow (`POST /rollout/weights/trainer_updates`, then
+//! `POST /rollout/weights/updates/{id}/broadcast`; `elastic_rollout.trainer` is the client):
+//! 1. [`open`]: the update is PENDING with the version as the fleet's target, so no engine
+//!    becomes routable on another version while it runs (engines that start meanwhile wait, see
+//!    [`crate::ops::manager::Manager::sync_weights`]). Its members are the ACTIVE engines and the
+//!    engines waiting for the trainer's version, frozen until the update ends. The answer is
+//!    the group layout: the group of the last update when the trainer names it and the members
+//!    did not change, else a new group (new name, the trainer's master address and port).
+//! 2. [`run`]: for a new group, the old one is destroyed on its members still here, and every
+//!    member joins the new one (`/init_weights_update_group`, in parallel) while the trainer
+//!    joins as rank 0. Any member that cannot join fails the update before anything is paused.
+//! 3. The trainer calls `.../broadcast` (answered once the group is ready) and broadcasts. The
+//!    manager takes the ACTIVE members out of routing (WEIGHT_SYNCING) and, on every member in
+//!    parallel: `/pause_generation` (the update's mode), `/begin_weight_update` (0.5.21 and
+//!    later; a 404 means the release has no sessions), `/update_weights_from_distributed`,
+//!    `/end_weight_update`, `/continue_generation`, then `/model_info` must report the version.
+//! 4. Members that verified return to routing on the new version; the fleet version moves to
+//!    it (source `trainer`) once every READY or ACTIVE engine serves it. A member that failed
+//!    its part is out of routing (FAILED) and is restarted, copying the new version from a
+//!    member that has it. When no member verified, the update is FAILED and the fleet stays.
+//!
+//! A trainer that fails before it broadcasts says so (`.../abort`): the update ends FAILED and
+//! the group is destroyed; nothing was paused. A trainer that never broadcasts is timed out
+//! after `--weight-update-timeout-secs`. A manager restart fails a trainer update in flight
+//! (the broadcast cannot be resumed) and continues every member it may have paused.
+
+use crate::adapters::engine_api::EngineError;
+use crate::foundation::records::{
+    EngineUpdate, GroupMember, TrainerGroup, TrainerPart, Transition, UpdateRecord, UpdateSource,
+};
+use crate::ops::manager::Manager;
+use crate::ops::op_error::OpError;
+use crate::ops::weight_update::Turn;
+use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
+use rollout_core::{EngineEvent, EngineStatus};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Torch dtype names SGLang's distributed update accepts.
+const DTYPES: &[&str] = &[
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+];
+
+/// What the trainer asks for (`POST /rollout/weights/trainer_updates`).
+#[derive(Debug, Clone)]
+pub struct OpenRequest {
+    pub version: String,
+    pub names: Vec<String>,
+    pub dtypes: Vec<String>,
+    pub shapes: Vec<Vec<u64>>,
+    pub pause_mode: String,
+    pub flush_cache: bool,
+    /// Where the trainer listens as rank 0 when a new group is built.
+    pub master_address: String,
+    pub master_port: u16,
+    /// The group the trainer holds (None: it holds none, so a new one is built).
+    pub group_name: Option<String>,
+    /// Prefix of a new group's name.
+    pub group_prefix: String,
+}
+
+fn check(req: &OpenRequest) -> Result<(), OpError> {
+    let n = req.names.len();
+    if n == 0 || req.dtypes.len() != n || req.shapes.len() != n {
+        return Err(OpError::invalid(
+            "invalid_tensors",
+            format!(
+                "names, dtypes and shapes must be non-empty lists of equal length (got {}, {} and {}): one entry per tensor, in broadcast order",
+                n,
+                req.dtypes.len(),
+                req.shapes.len()
+            ),
+        ));
+    }
+    if let Some(bad) = req.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
+        return Err(OpError::invalid(
+            "invalid_dtype",
+            format!("dtype {bad:?} is not a torch dtype name SGLang accepts; use one of {}", DTYPES.join(", ")),
+        ));
+    }
+    if !matches!(req.pause_mode.as_str(), "abort" | "retract" | "in_place") {
+        return Err(OpError::invalid(
+            "invalid_pause_mode",
+            format!("pause_mode {:?} must be abort, retract or in_place", req.pause_mode),
+        ));
+    }
+    if req.master_address.trim().is_empty() || req.master_port == 0 {
+        return Err(OpError::invalid(
+            "invalid_master",
+            "master_address and master_port (1-65535) must name where the trainer listens as rank 0",
+        ));
+    }
+    let prefix_ok = !req.group_prefix.is_empty()
+        && req.group_prefix.len() <= 64
+        && req.group_prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !prefix_ok {
+        return Err(OpError::invalid(
+            "invalid_group_prefix",
+            format!("group_prefix {:?} must be 1 to 64 letters, digits, _ or -", req.group_prefix),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens a trainer update (see the module docs). Err: 400 for a bad request; 409 when another
+/// update runs, the version name is taken, or no engine can take part.
+pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, OpError> {
+    check(&req)?;
+    let update_id = uuid::Uuid::new_v4().to_string();
+    let (record, old_group) = manager.fleet.update(|inner| -> Result<_, OpError> {
+        refuse_if_busy(inner, &req.version)?;
+        let (group, old_group) = plan_group(inner, &req)?;
+        let record = new_record(&update_id, &req, &group, inner.weights.current.version.clone());
+        inner.weights.group = Some(group);
+        inner.weights.updates.insert(update_id.clone(), record.clone());
+        inner.weights.running = Some(update_id.clone());
+        inner.weights.prune();
+        tracing::info!(update_id, version = %req.version, "trainer update opened");
+        Ok((record, old_group))
+    })?;
+    let m = manager.clone();
+    let id = update_id.clone();
+    manager.tasks.spawn(async move { run(m, id, old_group).await });
+    Ok(record)
+}
+
+/// 409 while another update runs or when `version` was served before.
+fn refuse_if_busy(inner: &crate::registry::fleet::FleetInner, version: &str) -> Result<(), OpError> {
+    if let Some(u) = inner.weights.running_update() {
+        return Err(OpError::conflict(
+            "update_in_progress",
+            format!(
+                "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then update again",
+                u.update_id, u.version, u.status, u.update_id
+            ),
+        ));
+    }
+    if inner.weights.known_versions().iter().any(|v| v.version == version) {
+        return Err(OpError::conflict(
+            "version_conflict",
+            format!("version {version} is taken (the fleet serves or served it); name every update anew"),
+        ));
+    }
+    Ok(())
+}
+
+/// The group this update broadcasts over: the current one when its members and master are
+/// unchanged (and the trainer did not name another), else a new one over the engines that can
+/// take part now, each with its rank offset. With a new group, the old one (to destroy).
+/// 409 when no engine can take part.
+fn plan_group(
+    inner: &mut crate::registry::fleet::FleetInner,
+    req: &OpenRequest,
+) -> Result<(TrainerGroup, Option<TrainerGroup>), OpError> {
+    let mut engines: Vec<&crate::registry::fleet::Engine> = inner
+        .engines
+        .values()
+        .filter(|e| {
+            e.record.status == EngineStatus::Active
+                || (e.record.status == EngineStatus::WeightSyncing && e.awaiting_trainer)
+        })
+        .collect();
+    engines.sort_by_key(|e| e.seq);
+    if engines.is_empty() {
+        return Err(OpError::conflict(
+            "no_active_engines",
+            "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
+        ));
+    }
+    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1)).collect();
+    let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
+    let members: Vec<GroupMember> = engines
+        .iter()
+        .zip(tps.iter().zip(offsets))
+        .map(|(e, (tp, off))| GroupMember {
+            engine_id: e.record.engine_id.clone(),
+            url: e.record.url.clone(),
+            tp_size: *tp,
+            rank_offset: off,
+        })
+        .collect();
+    let keys: Vec<rollout_core::catchup::Member<'_>> =
+        members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect();
+    let current = inner.weights.group.as_ref();
+    let current_keys = current.map(TrainerGroup::member_keys);
+    let reuse = rollout_core::catchup::reuse_group(
+        current.zip(current_keys.as_deref()).map(|(g, k)| (g.group_name.as_str(), g.master_address.as_str(), k)),
+        req.group_name.as_deref(),
+        &req.master_address,
+        &keys,
+    );
+    Ok(match (reuse, current) {
+        (true, Some(g)) => (TrainerGroup { new: false, ..g.clone() }, None),
+        _ => {
+            inner.weights.groups_built += 1;
+            let g = TrainerGroup {
+                group_name: format!("{}_{}", req.group_prefix, inner.weights.groups_built),
+                master_address: req.master_address.clone(),
+                master_port: req.master_port,
+                world_size,
+                members,
+                new: true,
+            };
+            (g, inner.weights.group.take())
+        }
+    })
+}
+
+/// The record of a trainer update just opened over `group` (PENDING: its members join first
+/// where the group is new).
+fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous_version: String) -> UpdateRecord {
+    let now = crate::foundation::clock::unix_now();
+    let message = if group.new {
+        format!(
+            "new group {}: the trainer joins as rank 0 at {}:{}, then POSTs /rollout/weights/updates/{update_id}/broadcast",
+            group.group_name, group.master_address, group.master_port
+        )
+    } else {
+        format!("group {} kept: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast", group.group_name)
+    };
+    UpdateRecord {
+        update_id: update_id.to_string(),
+        version: req.version.clone(),
+        path: String::new(),
+        checksum: None,
+        expected_checksum: None,
+        total_bytes: 0,
+        hashed_bytes: crate::foundation::records::HashProgress::default(),
+        engine_path: String::new(),
+        previous_version,
+        strategy: UpdateStrategy::AllAtOnce,
+        max_unavailable: None,
+        pause_mode: req.pause_mode.clone(),
+        transport: "trainer".into(),
+        status: WeightUpdateStatus::Pending,
+        engines: group.members.iter().map(|m| (m.engine_id.clone(), EngineUpdate::pending())).collect(),
+        created_at: now,
+        updated_at: now,
+        finished_at: None,
+        error_message: None,
+        message,
+        history: vec![Transition { status: WeightUpdateStatus::Pending.to_string(), at: now }],
+        resumed: 0,
+        source: UpdateSource::Trainer,
+        trainer: Some(TrainerPart {
+            group_ready: !group.new,
+            group: group.clone(),
+            names: req.names.clone(),
+            dtypes: req.dtypes.clone(),
+            shapes: req.shapes.clone(),
+            flush_cache: req.flush_cache,
+            broadcast_at: None,
+            receiving_at: None,
+            aborted: None,
+        }),
+    }
+}
+
+fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &str) -> Result<UpdateRecord, OpError> {
+    let u = inner.weights.updates.get(update_id).ok_or_else(|| {
+        OpError::unknown(
+            "unknown_request",
+            format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
+        )
+    })?;
+    if u.trainer.is_none() {
+        return Err(OpError::conflict(
+            "not_a_trainer_update",
+            format!("update {update_id} publishes a checkpoint; only trainer updates take this call"),
+        ));
+    }
+    Ok(u.clone())
+}
+
+/// Waits (up to `limit`) until `done` holds for the update's record, and answers the record.
+async fn wait_for(
+    manager: &Manager,
+    update_id: &str,
+    limit: Duration,
+    done: impl Fn(&UpdateRecord) -> bool,
+) -> Result<UpdateRecord, OpError> {
+    let mut changes = manager.fleet.subscribe();
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let u = trainer_update(&manager.fleet.lock(), update_id)?;
+        if done(&u) {
+            return Ok(u);
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep_until(deadline) => return Ok(u),
+            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
+        }
+    }
+}
+
+/// The trainer is about to broadcast: once every member joined the group, the manager pauses
+/// every member and opens its session; answered then, with the record (UPDATING), while the
+/// members start receiving. 409 when the update failed (the group could not be built, or it
+/// timed out) or ended.
+pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &str) -> Result<UpdateRecord, OpError> {
+    let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    let ready = |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.group_ready);
+    let u = wait_for(manager, update_id, limit, ready).await?;
+    if u.status.is_terminal() {
+        return Err(OpError::conflict(
+            "update_ended",
+            format!(
+                "update {update_id} is {}: {}",
+                u.status,
+                u.error_message.as_deref().unwrap_or("nothing more to broadcast")
+            ),
+        ));
+    }
+    manager.fleet.update(|inner| {
+        let u = inner
+            .weights
+            .updates
+            .get_mut(update_id)
+            .ok_or_else(|| OpError::unknown("unknown_request", format!("update {update_id} vanished")))?;
+        let Some(t) = u.trainer.as_mut() else {
+            return Err(OpError::conflict("not_a_trainer_update", "not a trainer update"));
+        };
+        if !t.group_ready {
+            return Err(OpError::conflict(
+                "group_not_ready",
+                format!("the members of update {update_id} have not all joined the group yet; call again"),
+            ));
+        }
+        if t.broadcast_at.is_none() {
+            t.broadcast_at = Some(crate::foundation::clock::unix_now());
+            u.message = format!("the trainer broadcasts {}; the engines receive it", u.version);
+        }
+        Ok(())
+    })?;
+    // Answered once every member is paused and about to receive.
+    let receiving =
+        |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.receiving_at.is_some());
+    wait_for(manager, update_id, limit, receiving).await
+}
+
+/// The trainer gives up before broadcasting (it could not join, say): the update ends FAILED
+/// with `reason`, the group is destroyed on its members, nothing was paused. Answered once the
+/// update has ended. 409 once the broadcast started (the update then ends when the members
+/// answer, each within `--weight-update-timeout-secs`).
+pub async fn abort(manager: &Arc<Manager>, update_id: &str, reason: &str) -> Result<UpdateRecord, OpError> {
+    manager.fleet.update(|inner| {
+        let u = inner.weights.updates.get_mut(update_id).ok_or_else(|| {
+            OpError::unknown(
+                "unknown_request",
+                format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
+            )
+        })?;
+        let status = u.status;
+        let Some(t) = u.trainer.as_mut() else {
+            return Err(OpError::conflict("not_a_trainer_update", "only a trainer update can be aborted"));
+        };
+        if status.is_terminal() {
+            return Ok(());
+        }
+        if t.broadcast_at.is_some() {
+            return Err(OpError::conflict(
+                "broadcast_started",
+                format!("the broadcast of update {update_id} has started; it ends when every member has answered"),
+            ));
+        }
+        t.aborted = Some(reason.to_string());
+        Ok(())
+    })?;
+    let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
+    wait_for(manager, update_id, limit, |u| u.status.is_terminal()).await
+}
+
+/// Runs an opened update to its end (see the module docs). Never panics; every outcome is
+/// recorded on the update.
+async fn run(manager: Arc<Manager>, update_id: String, old_group: Option<TrainerGroup>) {
+    let Some((group, want)) = ({
+        let inner = manager.fleet.lock();
+        inner
+            .weights
+            .updates
+            .get(&update_id)
+            .and_then(|u| u.trainer.as_ref().map(|t| (t.group.clone(), u.version_record())))
+    }) else {
+        return;
+    };
+    let timeout = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    if let Some(old) = old_group {
+        // The engines still here leave the old group; the trainer's side is the trainer's.
+        let here: Vec<GroupMember> = {
+            let inner = manager.fleet.lock();
+            old.members.iter().filter(|m| inner.engines.contains_key(&m.engine_id)).cloned().collect()
+        };
+        destroy(&manager, &old.group_name, &here).await;
+    }
+    if group.new && !join_group(&manager, &update_id, &group, timeout).await {
+        return;
+    }
+    // Wait for the trainer: broadcast, abort, a timeout, or the manager's shutdown.
+    let started = trainer_started(&manager, &update_id);
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(timeout, started) => r,
+        () = manager.shutdown.cancelled() => return,
+    };
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(None)) => return,
+        Ok(Err(Some(reason))) => {
+            destroy(&manager, &group.group_name, &group.members).await;
+            let why = format!("aborted by the trainer before its broadcast: {reason}; nothing was paused");
+            return end_before_broadcast(&manager, &update_id, &why, true);
+        }
+        Err(_) => {
+            let why = format!(
+                "the trainer did not broadcast within {}s of opening the update (POST /rollout/weights/updates/{update_id}/broadcast); nothing was paused",
+                timeout.as_secs()
+            );
+            // The group stays: the trainer may still hold it and name it next time.
+            return end_before_broadcast(&manager, &update_id, &why, false);
+        }
+    }
+    broadcast(&manager, &update_id, &group, &want).await;
+}
+
+/// The members of a new group join it (`/init_weights_update_group`, all at once); true when
+/// every one did, else the update ended FAILED (nothing was paused) and the ones that joined left.
+async fn join_group(manager: &Manager, update_id: &str, group: &TrainerGroup, timeout: Duration) -> bool {
+    let body = |m: &GroupMember| {
+        json!({"master_address": group.master_address, "master_port": group.master_port,
+               "rank_offset": m.rank_offset, "world_size": group.world_size,
+               "group_name": group.group_name, "backend": "nccl"})
+    };
+    let api = &manager.engine_api;
+    let body = &body;
+    let joined = futures::future::join_all(group.members.iter().map(|m| async move {
+        let r = api.weights_call(&m.url, "/init_weights_update_group", body(m), timeout).await;
+        (m, r)
+    }))
+    .await;
+    let failed: Vec<String> = joined
+        .iter()
+        .filter_map(|(m, r)| match r {
+            Ok(true) => None,
+            Ok(false) => Some(format!("{}: /init_weights_update_group is not served (404)", m.engine_id)),
+            Err(e) => Some(format!("{}: {e}", m.engine_id)),
+        })
+        .collect();
+    if !failed.is_empty() {
+        let ok: Vec<GroupMember> =
+            joined.iter().filter(|(_, r)| matches!(r, Ok(true))).map(|(m, _)| (*m).clone()).collect();
+        destroy(manager, &group.group_name, &ok).await;
+        let why =
+            format!("members could not join group {}: {}; nothing was paused", group.group_name, failed.join("; "));
+        end_before_broadcast(manager, update_id, &why, true);
+        return false;
+    }
+    manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            if let Some(t) = u.trainer.as_mut() {
+                t.group_ready = true;
+            }
+            if !u.status.is_terminal() {
+                u.message = format!(
+                    "every member joined group {}: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast",
+                    group.group_name
+                );
+            }
+        }
+    });
+    true
+}
+
+/// Waits until the trainer started its broadcast (`Ok`) or aborted the update (`Err` with its
+/// reason; `Err(None)` when the update or the registry is gone).
+async fn trainer_started(manager: &Manager, update_id: &str) -> Result<(), Option<String>> {
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        let state = {
+            let inner = manager.fleet.lock();
+            inner
+                .weights
+                .updates
+                .get(update_id)
+                .and_then(|u| u.trainer.as_ref())
+                .map(|t| (t.broadcast_at, t.aborted.clone()))
+        };
+        match state {
+            None => return Err(None),
+            Some((_, Some(reason))) => return Err(Some(reason)),
+            Some((Some(_), None)) => return Ok(()),
+            Some((None, None)) => {}
+        }
+        if changes.changed().await.is_err() {
+            return Err(None);
+        }
+    }
+}
+
+/// Destroys group `name` on `members`, best effort (an engine gone or never joined answers an
+/// error, which is ignored).
+async fn destroy(manager: &Manager, name: &str, members: &[GroupMember]) {
+    let timeout = Duration::from_secs(30);
+    futures::future::join_all(members.iter().map(|m| {
+        manager.engine_api.weights_call(&m.url, "/destroy_weights_update_group", json!({"group_name": name}), timeout)
+    }))
+    .await;
+}
+
+/// Ends the update FAILED before any engine was paused; the fleet stays where it was.
+fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_group: bool) {
+    tracing::warn!(update_id, error = why, "trainer update failed");
+    manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
+            u.message = "failed before the broadcast".into();
+            let pending: Vec<String> = u.engines.keys().cloned().collect();
+            for id in pending {
+                u.engine(&id, EngineUpdateEvent::Skip, None);
+            }
+            if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
+                tracing::info!(update_id, error = %e, "the update had already ended");
+            }
+        }
+        if inner.weights.running.as_deref() == Some(update_id) {
+            inner.weights.running = None;
+        }
+        if forget_group {
+            inner.weights.group = None;
+        }
+    });
+}
+
+/// The broadcast: every member's side in parallel, then the commit.
+async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup, want: &WeightVersion) {
+    let plan = start_members(manager, update_id, group);
+    let Some(part) = manager.fleet.lock().weights.updates.get(update_id).and_then(|u| u.trainer.clone()) else {
+        return;
+    };
+    let pause_mode =
+        manager.fleet.lock().weights.updates.get(update_id).map(|u| u.pause_mode.clone()).unwrap_or_default();
+    // Every member paused (and in its session) first, so the trainer's broadcast meets engines
+    // that hold no running request; then every member receives.
+    let prepared =
+        futures::future::join_all(plan.iter().map(|(m, _)| watched(manager, &m.url, prepare(manager, m, &pause_mode))))
+            .await;
+    manager.fleet.update(|inner| {
+        if let Some(t) = inner.weights.updates.get_mut(update_id).and_then(|u| u.trainer.as_mut()) {
+            t.receiving_at = Some(crate::foundation::clock::unix_now());
+        }
+    });
+    let part = &part;
+    let results = futures::future::join_all(plan.iter().zip(prepared).map(|((m, _), ready)| async move {
+        match ready {
+            Ok(session) => watched(manager, &m.url, receive(manager, m, session, part, want)).await,
+            Err(e) => {
+                // Resume even after a failed step: SGLang keeps serving what it holds.
+                let _ = manager.engine_api.control(&m.url, "/continue_generation", json!({})).await;
+                Err(e)
+            }
+        }
+    }))
+    .await;
+    // When no member got the version, the fleet stays on its own, and a member that failed
+    // but still verifiably serves it goes back to routing: restarting it could leave no engine
+    // holding a version that exists only in the engines.
+    let none_got_it = results.iter().all(Result::is_err);
+    let turns = futures::future::join_all(plan.iter().zip(results).map(|((m, routed), result)| async move {
+        if none_got_it && *routed {
+            if let Some(turn) = back_on_current(manager, m, &result).await {
+                return turn;
+            }
+        }
+        settle(manager, m, *routed, want, result).await
+    }))
+    .await;
+    let interrupted = manager.shutdown.is_cancelled();
+    let (verified, failures, restart) = record_turns(manager, update_id, &plan, &turns);
+    if interrupted {
+        return;
+    }
+    if verified == 0 {
+        let why = format!("no member received {}: {}", want.version, failures.join("; "));
+        return crate::ops::weight_update::fail(manager, update_id, want, &why).await;
+    }
+    if !commit_when_settled(manager, update_id, want).await {
+        return;
+    }
+    if !failures.is_empty() {
+        tracing::warn!(update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
+        manager.fleet.update(|inner| {
+            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+                u.message = format!(
+                    "the fleet serves {}; {} member(s) failed their part and are restarted on a copy of it",
+                    u.version,
+                    failures.len()
+                );
+            }
+        });
+        for id in restart {
+            let m = manager.clone();
+            if m.config.restart_failed_engines {
+                manager.tasks.spawn(async move { m.recover(&id, Duration::ZERO).await });
+            }
+        }
+    }
+}
+
+/// The broadcast starts: ACTIVE members leave routing; the others (waiting for weights,
+/// draining) take part as they are, since a member missing from the collective would hang the
+/// trainer's broadcast; members gone are skipped. Each member taking part, and whether it was
+/// routed.
+fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Vec<(GroupMember, bool)> {
+    manager.fleet.update(|inner| {
+        let mut plan = Vec::new();
+        for m in &group.members {
+            let status = inner.engines.get(&m.engine_id).map(|e| e.record.status);
+            let routed = status == Some(EngineStatus::Active);
+            let alive = matches!(
+                status,
+                Some(
+                    EngineStatus::Active
+                        | EngineStatus::WeightSyncing
+                        | EngineStatus::Draining
+                        | EngineStatus::Unhealthy
+                )
+            );
+            if routed {
+                crate::foundation::records::checked(inner.engine_event(&m.engine_id, EngineEvent::UpdateWeights));
+            }
+            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+                if alive {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Start, None);
+                } else {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet before the broadcast".into()));
+                }
+            }
+            if alive {
+                plan.push((m.clone(), routed));
+            }
+        }
+        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            crate::foundation::records::checked(u.apply(WeightUpdateEvent::Start));
+        }
+        plan
+    })
+}
+
+/// Records each member's turn on the update: how many verified the version, why the others
+/// failed, and the failed ones (to restart).
+fn record_turns(
+    manager: &Manager,
+    update_id: &str,
+    plan: &[(GroupMember, bool)],
+    turns: &[Turn],
+) -> (usize, Vec<String>, Vec<String>) {
+    let mut verified = 0usize;
+    let mut failures = Vec::new();
+    let mut restart = Vec::new();
+    manager.fleet.update(|inner| {
+        for ((m, _), turn) in plan.iter().zip(turns) {
+            let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
+            match turn {
+                Turn::Verified => {
+                    verified += 1;
+                    u.engine(&m.engine_id, EngineUpdateEvent::Verified, None);
+                }
+                Turn::Skipped => {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
+                }
+                Turn::Failed(why) => {
+                    u.engine(&m.engine_id, EngineUpdateEvent::Fail, Some(why.clone()));
+                    failures.push(format!("{}: {why}", m.engine_id));
+                    restart.push(m.engine_id.clone());
+                }
+            }
+        }
+    });
+    (verified, failures, restart)
+}
+
+/// Commits the version once every ACTIVE engine is a member that received it (one that did not
+/// left routing), waiting up to 30 s for the registry to settle if one is still behind (a member
+/// returning to routing); else the update fails. False when it did not commit.
+async fn commit_when_settled(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion) -> bool {
+    let mut changes = manager.fleet.subscribe();
+    let settle_by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !crate::ops::weight_update::commit(manager, update_id, want) {
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = tokio::time::sleep_until(settle_by) => break,
+            () = manager.shutdown.cancelled() => return false,
+        }
+    }
+    if manager.fleet.lock().weights.running.as_deref() == Some(update_id) {
+        let why = "engines on another version stayed routable; the update could not commit".to_string();
+        crate::ops::weight_update::fail(manager, update_id, want, &why).await;
+        return false;
+    }
+    true
+}
+
+/// `work` on the engine at `url`, given up when the engine stops answering (out of routing,
+/// it is not health-probed; an engine that hangs now would hold the update).
+async fn watched<T>(
+    manager: &Manager,
+    url: &str,
+    work: impl std::future::Future<Output = Result<T, EngineError>>,
+) -> Result<T, EngineError> {
+    tokio::select! {
+        result = work => result,
+        why = crate::ops::health::stops_answering(manager, url) => Err(EngineError::Unresponsive(why)),
+    }
+}
+
+/// A member's first step: `/pause_generation`, then `/begin_weight_update`. Ok(whether a
+/// session was opened; false on releases without sessions).
+async fn prepare(manager: &Manager, m: &GroupMember, pause_mode: &str) -> Result<bool, EngineError> {
+    let timeout = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    manager.engine_api.control(&m.url, "/pause_generation", json!({"mode": pause_mode})).await?;
+    manager.engine_api.weights_call(&m.url, "/begin_weight_update", json!({}), timeout).await
+}
+
+/// A member's second step, while the trainer broadcasts: `/update_weights_from_distributed`,
+/// `/end_weight_update` (when a session is open), `/continue_generation`, and the version
+/// `/model_info` reports.
+async fn receive(
+    manager: &Manager,
+    m: &GroupMember,
+    session: bool,
+    part: &TrainerPart,
+    want: &WeightVersion,
+) -> Result<(Option<String>, Option<String>), EngineError> {
+    let timeout = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    let api = &manager.engine_api;
+    let url = m.url.as_str();
+    let body = json!({"names": part.names, "dtypes": part.dtypes, "shapes": part.shapes,
+                      "group_name": part.group.group_name, "weight_version": want.version,
+                      "flush_cache": part.flush_cache});
+    let updated = api.weights_call(url, "/update_weights_from_distributed", body, timeout).await;
+    let ended = if session {
+        api.weights_call(url, "/end_weight_update", json!({}), timeout).await.map(|_| ())
+    } else {
+        Ok(())
+    };
+    // Resume even after a failed step: SGLang keeps serving what it holds.
+    api.control(url, "/continue_generation", json!({})).await?;
+    match updated {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(EngineError::Refused {
+                path: "/update_weights_from_distributed",
+                detail: "not served (404)".into(),
+            })
+        }
+        Err(e) => return Err(e),
+    }
+    ended?;
+    let (found, checksum) = manager.served_weights(&m.engine_id).await?;
+    crate::adapters::engine_api::verify(want, found.as_deref(), checksum.as_deref())?;
+    Ok((found, checksum))
+}
+
+/// A routed member whose part failed, put back into routing on the fleet's current version if
+/// it still serves it (`/model_info`; SGLang keeps the old weights when a receive fails). None:
+/// it does not (or cannot be asked), and the usual failure applies.
+async fn back_on_current(
+    manager: &Manager,
+    m: &GroupMember,
+    result: &Result<(Option<String>, Option<String>), EngineError>,
+) -> Option<Turn> {
+    let Err(why) = result else { return None };
+    let (found, checksum) = manager.served_weights(&m.engine_id).await.ok()?;
+    manager.fleet.update(|inner| {
+        if !inner.weights.current.served_by(found.as_deref(), checksum.as_deref()) {
+            return None;
+        }
+        let back = inner
+            .engine_event(&m.engine_id, EngineEvent::WeightsSynced)
+            .and_then(|_| inner.engine_event(&m.engine_id, EngineEvent::Activated));
+        back.ok()?;
+        tracing::warn!(engine_id = %m.engine_id, error = %why, "member failed its part; it still serves the fleet's version and is back in routing");
+        Some(Turn::Failed(format!("{why} (it still serves the fleet's version and is back in routing)")))
+    })
+}
+
+/// How a member's part ended. A routed member (taken out of routing for its turn) returns to
+/// routing verified, or is FAILED; any other member (waiting for weights, draining) keeps its
+/// state and only has its version recorded, or stays where it was.
+async fn settle(
+    manager: &Arc<Manager>,
+    m: &GroupMember,
+    routed: bool,
+    want: &WeightVersion,
+    result: Result<(Option<String>, Option<String>), EngineError>,
+) -> Turn {
+    if routed {
+        return crate::ops::weight_update::finish_turn(manager, &m.engine_id, want, result).await;
+    }
+    match result {
+        Ok((found, checksum)) => manager.fleet.update(|inner| match inner.engines.get_mut(&m.engine_id) {
+            Some(e) => {
+                e.record.weight_version = found;
+                e.record.weights_checksum = checksum;
+                // An engine waiting for this version has it now (its wait ends, see
+                // `Manager::catch_up`).
+                e.awaiting_trainer = false;
+                Turn::Verified
+            }
+            None => Turn::Skipped,
+        }),
+        Err(e) => Turn::Failed(e.to_string()),
+    }
+}
+
+/// The trainer leaves its group for good (`POST /rollout/weights/trainer_group/destroy`): the
+/// group is destroyed on its members still in the fleet and forgotten, so the next update
+/// builds a new one. Answers the group destroyed (None: there was none). 409 while an update
+/// runs.
+pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, OpError> {
+    let group = manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.running_update() {
+            return Err(OpError::conflict(
+                "update_in_progress",
+                format!("update {} uses the group; destroy it once the update has ended", u.update_id),
+            ));
+        }
+        Ok(inner.weights.group.take())
+    })?;
+    if let Some(g) = &group {
+        let here: Vec<GroupMember> = {
+            let inner = manager.fleet.lock();
+            g.members.iter().filter(|m| inner.engines.contains_key(&m.engine_id)).cloned().collect()
+        };
+        destroy(manager, &g.group_name, &here).await;
+        tracing::info!(group = %g.group_name, "trainer group destroyed");
+    }
+    Ok(group)
+}
+
+/// Scale-in: waits while a trainer update runs whose group has any of `engines` (a member
+/// removed from the collective would hang the trainer's broadcast). `waiting` is called once
+/// with the update's id when it has to wait.
+pub async fn wait_not_members(manager: &Manager, engines: &[String], waiting: impl FnOnce(&str)) {
+    let mut waiting = Some(waiting);
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        let holding = {
+            let inner = manager.fleet.lock();
+            inner.weights.running_update().and_then(|u| {
+                let t = u.trainer.as_ref()?;
+                t.group.members.iter().any(|m| engines.contains(&m.engine_id)).then(|| u.update_id.clone())
+            })
+        };
+        let Some(update_id) = holding else { return };
+        if let Some(f) = waiting.take() {
+            f(&update_id);
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = manager.shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// After a restart, before any engine is re-adopted: a trainer update in flight cannot go on
+/// (its broadcast was cut). Continues every member it may have paused, ending any session it
+/// opened, forgets its group, and answers why it cannot resume (the caller fails it). Ok when
+/// the update in flight is not a trainer update.
+pub async fn check_resumable(manager: &Manager) -> Result<(), String> {
+    let members = {
+        let inner = manager.fleet.lock();
+        match inner.weights.running_update() {
+            Some(u) if u.source == UpdateSource::Trainer => {
+                u.trainer.as_ref().map(|t| t.group.members.clone()).unwrap_or_default()
+            }
+            _ => return Ok(()),
+        }
+    };
+    manager.fleet.update(|inner| inner.weights.group = None);
+    let timeout = Duration::from_secs(30);
+    futures::future::join_all(members.iter().map(|m| async move {
+        let _ = manager.engine_api.weights_call(&m.url, "/end_weight_update", json!({}), timeout).await;
+        let _ = manager.engine_api.control(&m.url, "/continue_generation", json!({})).await;
+    }))
+    .await;
+    Err("a trainer update cannot resume after a manager restart (the trainer's broadcast was cut); the trainer updates again".into())
+}
