@@ -132,19 +132,23 @@ impl EngineUpdateStatus {
     pub fn on(self, event: EngineUpdateEvent) -> Result<Self, IllegalTransition> {
         use EngineUpdateEvent as E;
         use EngineUpdateStatus as S;
+        let illegal = || IllegalTransition {
+            machine: "engine weight update",
+            state: format!("{self:?}"),
+            event: format!("{event:?}"),
+        };
+        // Every (state, event) pair is decided here: a new state or event does not compile
+        // until each of its edges is.
         Ok(match (self, event) {
             (S::Pending, E::Start) => S::Updating,
             // An engine synced to the target while starting counts as verified without a turn.
             (S::Pending | S::Updating, E::Verified) => S::Verified,
             (S::Pending | S::Updating, E::Fail) => S::Failed,
             (S::Pending, E::Skip) => S::Skipped,
-            (s, e) => {
-                return Err(IllegalTransition {
-                    machine: "engine weight update",
-                    state: format!("{s:?}"),
-                    event: format!("{e:?}"),
-                })
-            }
+            // A turn starts once; an engine in its turn finishes it (verified or failed).
+            (S::Updating, E::Start | E::Skip) => return Err(illegal()),
+            // Ended: nothing moves it again.
+            (S::Verified | S::Failed | S::Skipped, E::Start | E::Verified | E::Fail | E::Skip) => return Err(illegal()),
         })
     }
 }
@@ -182,18 +186,19 @@ impl WeightUpdateStatus {
     pub fn on(self, event: WeightUpdateEvent) -> Result<Self, IllegalTransition> {
         use WeightUpdateEvent as E;
         use WeightUpdateStatus as S;
+        let illegal =
+            || IllegalTransition { machine: "weight update", state: format!("{self:?}"), event: format!("{event:?}") };
+        // Every (state, event) pair is decided here, as for the engine's machine.
         Ok(match (self, event) {
             (S::Checksumming, E::Checksummed) => S::Pending,
             (S::Pending, E::Start) => S::Updating,
             (S::Updating, E::Commit) => S::Completed,
             (S::Checksumming | S::Pending | S::Updating, E::Fail) => S::Failed,
-            (s, e) => {
-                return Err(IllegalTransition {
-                    machine: "weight update",
-                    state: format!("{s:?}"),
-                    event: format!("{e:?}"),
-                })
-            }
+            // Nothing is loaded before the files were hashed, and an update commits only once it ran.
+            (S::Checksumming, E::Start | E::Commit) | (S::Pending, E::Checksummed | E::Commit) => return Err(illegal()),
+            (S::Updating, E::Checksummed | E::Start) => return Err(illegal()),
+            // Ended: nothing moves it again.
+            (S::Completed | S::Failed, E::Checksummed | E::Start | E::Commit | E::Fail) => return Err(illegal()),
         })
     }
 }

@@ -175,3 +175,40 @@ fn safetensors_headers() {
     assert!(safetensors_header_len(0u64.to_le_bytes(), 12).is_err());
     assert!(safetensors_header_len([0; 8], 4).is_err());
 }
+
+#[test]
+fn every_edge_of_the_weight_machines() {
+    use EngineUpdateEvent as EE;
+    use EngineUpdateStatus as ES;
+    use WeightUpdateEvent as WE;
+    use WeightUpdateStatus as WS;
+    // Every pair of (state, event): exactly these move the machine, to these states.
+    let engine_legal = [
+        (ES::Pending, EE::Start, ES::Updating),
+        (ES::Pending, EE::Verified, ES::Verified),
+        (ES::Pending, EE::Fail, ES::Failed),
+        (ES::Pending, EE::Skip, ES::Skipped),
+        (ES::Updating, EE::Verified, ES::Verified),
+        (ES::Updating, EE::Fail, ES::Failed),
+    ];
+    for s in [ES::Pending, ES::Updating, ES::Verified, ES::Failed, ES::Skipped] {
+        for e in [EE::Start, EE::Verified, EE::Fail, EE::Skip] {
+            let want = engine_legal.iter().find(|(from, ev, _)| *from == s && *ev == e).map(|(_, _, to)| *to);
+            assert_eq!(s.on(e).ok(), want, "engine update {s:?} --{e:?}-->");
+        }
+    }
+    let update_legal = [
+        (WS::Checksumming, WE::Checksummed, WS::Pending),
+        (WS::Checksumming, WE::Fail, WS::Failed),
+        (WS::Pending, WE::Start, WS::Updating),
+        (WS::Pending, WE::Fail, WS::Failed),
+        (WS::Updating, WE::Commit, WS::Completed),
+        (WS::Updating, WE::Fail, WS::Failed),
+    ];
+    for s in [WS::Checksumming, WS::Pending, WS::Updating, WS::Completed, WS::Failed] {
+        for e in [WE::Checksummed, WE::Start, WE::Commit, WE::Fail] {
+            let want = update_legal.iter().find(|(from, ev, _)| *from == s && *ev == e).map(|(_, _, to)| *to);
+            assert_eq!(s.on(e).ok(), want, "update {s:?} --{e:?}-->");
+        }
+    }
+}
