@@ -16,6 +16,7 @@ pub mod config;
 #[cfg(test)]
 mod fuzz_tests;
 pub mod health;
+pub mod ids;
 pub mod lengths;
 pub mod moves;
 pub mod placement;

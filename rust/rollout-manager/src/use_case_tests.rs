@@ -559,7 +559,7 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
 /// Opens a trainer update to `version` (one tensor; the fake engines take any).
 fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> String {
     let req = crate::ops::trainer_update::OpenRequest {
-        version: version.into(),
+        version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
         names: vec!["w".into()],
         dtypes: vec!["bfloat16".into()],
         shapes: vec![vec![2]],

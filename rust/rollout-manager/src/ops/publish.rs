@@ -17,6 +17,7 @@ use crate::foundation::clock::unix_now;
 use crate::foundation::records::{Transition, UpdateRecord, UpdateSource, WeightsState};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
+use rollout_core::ids::VersionName;
 use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use std::sync::Arc;
 /// A publish, its fields checked by the caller.
 #[derive(Debug, Clone)]
 pub struct Publish {
-    pub version: String,
+    pub version: VersionName,
     /// An absolute directory, as the engines see it.
     pub path: String,
     /// The SHA-256 the files must have, lowercase hex.
@@ -72,7 +73,7 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
         let now = unix_now();
         let record = UpdateRecord {
             update_id: update_id.clone(),
-            version: req.version.clone(),
+            version: req.version.to_string(),
             path: req.path.clone(),
             checksum: None,
             expected_checksum: req.checksum.clone(),

@@ -35,6 +35,7 @@ use crate::foundation::records::{
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
+use rollout_core::ids::VersionName;
 use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
 use serde_json::json;
@@ -60,7 +61,7 @@ const DTYPES: &[&str] = &[
 /// What the trainer asks for (`POST /rollout/weights/trainer_updates`).
 #[derive(Debug, Clone)]
 pub struct OpenRequest {
-    pub version: String,
+    pub version: VersionName,
     pub names: Vec<String>,
     pub dtypes: Vec<String>,
     pub shapes: Vec<Vec<u64>>,
@@ -236,7 +237,7 @@ fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous
     };
     UpdateRecord {
         update_id: update_id.to_string(),
-        version: req.version.clone(),
+        version: req.version.to_string(),
         path: String::new(),
         checksum: None,
         expected_checksum: None,

@@ -23,6 +23,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use rollout_core::ids::VersionName;
 use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -77,9 +78,9 @@ async fn open_trainer_update(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let req: TrainerUpdateRequest = parse_body(&body)?;
-    check_version_name(&req.version)?;
+    let version = version_name(&req.version)?;
     let open = crate::ops::trainer_update::OpenRequest {
-        version: req.version,
+        version,
         names: req.names,
         dtypes: req.dtypes,
         shapes: req.shapes,
@@ -142,19 +143,9 @@ fn default_strategy() -> UpdateStrategy {
     UpdateStrategy::Rolling
 }
 
-fn check_version_name(v: &str) -> Result<(), ApiError> {
-    // Versions name directories (relay staging), so no separators and no `..`.
-    let ok = !v.is_empty()
-        && v.len() <= 128
-        && !v.contains("..")
-        && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '+'));
-    if ok {
-        return Ok(());
-    }
-    Err(ApiError::bad_request(
-        "invalid_version",
-        format!("version {v:?} must be 1 to 128 letters, digits and . _ - + (no '..')"),
-    ))
+/// The request's version name, checked here once (`rollout_core::ids::VersionName`).
+fn version_name(v: &str) -> Result<VersionName, ApiError> {
+    VersionName::parse(v).map_err(|e| ApiError::bad_request("invalid_version", e.to_string()))
 }
 
 async fn publish(
@@ -162,7 +153,7 @@ async fn publish(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let req: PublishRequest = parse_body(&body)?;
-    check_version_name(&req.version)?;
+    let version = version_name(&req.version)?;
     let pause_mode = req.pause_mode.clone().unwrap_or_else(|| "abort".into());
     if !matches!(pause_mode.as_str(), "abort" | "retract" | "in_place") {
         return Err(ApiError::bad_request(
@@ -190,7 +181,7 @@ async fn publish(
         }
     };
     let publish = crate::ops::publish::Publish {
-        version: req.version,
+        version,
         path: req.path,
         checksum: given,
         strategy: req.strategy,
