@@ -3,7 +3,7 @@
 //!
 //! Flow: the checkpoint's headers are read (a missing, empty or invalid checkpoint is refused and
 //! nothing is published); then, in one registry update, the publish is decided against the
-//! updates the manager knows ([`decide`]): the same version from the same path again is the
+//! updates the manager knows (`decide`): the same version from the same path again is the
 //! earlier update (nothing is hashed again), the same as the running update joins it, anything
 //! else while an update runs or under a name taken by other files is refused; a new version
 //! starts an update in CHECKSUMMING, whose files are hashed in the background before its waves

@@ -125,7 +125,7 @@ pub struct RouterState {
 
 /// The data plane as served on the router port: the router's own routes go through an axum
 /// `Router`; every other path (what is proxied, nearly every request) goes straight to
-/// [`proxy`], without axum's route matching and boxing on the hot path.
+/// `proxy::proxy`, without axum's route matching and boxing on the hot path.
 #[derive(Clone)]
 pub struct DataPlane {
     own: Router,

@@ -1,0 +1,259 @@
+//! Recovery: an engine's process watched until it exits, then restarted within the restart
+//! budget (or failed for good); engines of a lost agent sent back to wait for another.
+
+use super::*;
+
+impl Manager {
+    /// Marks the engine FAILED when its process exits without being asked to, and schedules
+    /// its recovery if it had been serving.
+    pub fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
+        let manager = self.clone();
+        self.tasks.spawn(async move {
+            let info = process.wait().await;
+            if info.requested {
+                return;
+            }
+            tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
+            let was = manager.fleet.update(|inner| {
+                let was = inner.engines.get(&engine_id).map(|e| e.record.status);
+                // Ray mode: a placement unbound by an agent loss already says why (the loss).
+                let lost = inner.placements.get(&engine_id).is_some_and(|p| p.agent.is_none());
+                if let Some(e) = inner.engines.get_mut(&engine_id) {
+                    if !lost {
+                        e.record.last_error = Some(format!("process {info}"));
+                    }
+                    e.process = None;
+                }
+                // Fails only from live states; an engine being removed is expected to exit.
+                inner.fail_engine(&engine_id, None);
+                was
+            });
+            // Engines still being created are the scale-out's to handle; removed ones stay gone.
+            if matches!(was, Some(EngineStatus::Active | EngineStatus::Unhealthy))
+                && manager.config.restart_failed_engines
+            {
+                let m = manager.clone();
+                manager.tasks.spawn(async move { m.recover(&engine_id, Duration::from_secs(1)).await });
+            }
+        });
+    }
+
+    /// Restarts a FAILED managed engine on its GPUs with the fleet's current weights, retrying
+    /// with exponential backoff (1 s doubling to 60 s) until it is ACTIVE again, it is removed
+    /// on purpose, or the manager shuts down.
+    pub async fn recover(self: &Arc<Self>, engine_id: &str, first_delay: Duration) {
+        let mut delay = first_delay;
+        loop {
+            // The restart budget decides the wait (backoff within a crash loop) or gives up.
+            let Some(wait) = self.restart_wait(engine_id) else { return };
+            tokio::select! {
+                _ = tokio::time::sleep(delay.max(wait)) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            delay = Duration::ZERO;
+            let restarted = self.fleet.update(|inner| {
+                let origin = inner.engines.get(engine_id).map(|e| e.record.origin);
+                if origin == Some(EngineOrigin::External) {
+                    return false;
+                }
+                if inner.engines.get(engine_id).is_none_or(|e| e.record.status != EngineStatus::Failed) {
+                    return false; // removed, or no longer FAILED
+                }
+                let budget = self.restart_budget();
+                let Some(e) = inner.engines.get_mut(engine_id) else { return false };
+                match rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget) {
+                    rollout_core::health::RestartDecision::After { streak, .. } => {
+                        e.crash_streak = streak;
+                        e.stayed_up_secs = None;
+                    }
+                    rollout_core::health::RestartDecision::GiveUp { .. } => return false,
+                }
+                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                    return false;
+                }
+                if self.ray() {
+                    // The agent picks the port; the placement keeps its agent.
+                    if let Some(e) = inner.engines.get_mut(engine_id) {
+                        e.record.restarts += 1;
+                        e.record.pid = None;
+                        e.probe_failures = 0;
+                    }
+                    return true;
+                }
+                self.move_to_fresh_port(inner, engine_id);
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.restarts += 1;
+                    e.record.pid = None;
+                    e.probe_failures = 0;
+                }
+                true
+            });
+            if !restarted {
+                return;
+            }
+            tracing::info!(engine_id, "restarting failed engine");
+            let result = async {
+                self.launch_healthy(engine_id, &self.shutdown).await?;
+                self.fleet
+                    .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
+                    .map_err(|e| EngineError::Launch(e.to_string()))?;
+                self.sync_weights(engine_id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]).await?;
+                Ok::<(), EngineError>(())
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    tracing::info!(engine_id, "engine recovered");
+                    return;
+                }
+                Err(e) => {
+                    let process = self.fleet.update(|inner| {
+                        inner.fail_engine(engine_id, Some(format!("recovery failed: {e}")));
+                        inner.engines.get(engine_id).and_then(|en| en.process.clone())
+                    });
+                    if let Some(p) = process {
+                        p.stop(self.shutdown_grace()).await;
+                    }
+                    // Ray mode: never back off against a dead agent, nor count it against the
+                    // engine's restart budget. Its placement goes back to PENDING_RESOURCES and
+                    // the next attempt waits for the shim's new agent.
+                    if let Some(url) = self.bound_agent(engine_id) {
+                        if !self.agents.is_live(&url).await
+                            && !self.agent_lost(&url, Some(engine_id), "unreachable while recovering").is_empty()
+                        {
+                            self.fleet.update(|inner| {
+                                if let Some(e) = inner.engines.get_mut(engine_id) {
+                                    e.crash_streak = e.crash_streak.saturating_sub(1);
+                                }
+                            });
+                        }
+                    }
+                    tracing::warn!(engine_id, error = %e, "engine recovery failed; will retry within its restart budget");
+                }
+            }
+        }
+    }
+
+    pub(super) fn restart_budget(&self) -> rollout_core::health::RestartBudget {
+        rollout_core::health::RestartBudget {
+            max_restarts: self.config.restart_budget,
+            window_secs: self.config.restart_window_secs,
+        }
+    }
+
+    /// How long to wait before the next restart of the FAILED engine `engine_id` (its backoff
+    /// within a crash loop), or None when there is nothing to restart: the engine is gone, no
+    /// longer FAILED, or its restart budget is spent. Then it stays FAILED, its `detail` says
+    /// why and its record keeps the last lines of its log.
+    pub(super) fn restart_wait(&self, engine_id: &str) -> Option<Duration> {
+        let budget = self.restart_budget();
+        let (decision, log_path) = {
+            let inner = self.fleet.lock();
+            let e = inner.engines.get(engine_id).filter(|e| e.record.status == EngineStatus::Failed)?;
+            (
+                rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget),
+                e.record.log_path.clone().filter(|_| !self.ray()),
+            )
+        };
+        let restarts = match decision {
+            rollout_core::health::RestartDecision::After { secs, .. } => return Some(Duration::from_secs_f64(secs)),
+            rollout_core::health::RestartDecision::GiveUp { restarts } => restarts,
+        };
+        let tail = log_path.map(|p| crate::adapters::launch::log_tail(&p, LOG_TAIL_LINES));
+        let gave_up = self.fleet.update(|inner| {
+            let Some(e) = inner.engines.get_mut(engine_id).filter(|e| e.record.status == EngineStatus::Failed) else {
+                return false;
+            };
+            let first = e.record.log_tail.is_none();
+            e.record.detail = Some(format!(
+                "crash loop: restarted {restarts} times in a row without serving for --restart-window-secs ({} s); \
+                 the manager gave up (--restart-budget {}). Fix the cause (last_error, log_tail), then scale in to \
+                 remove it (FAILED engines go first) and scale out again",
+                budget.window_secs, budget.max_restarts
+            ));
+            e.record.log_tail = Some(tail.clone().unwrap_or_default());
+            first
+        });
+        if gave_up {
+            tracing::error!(engine_id, restarts, "engine crash-loops: restart budget spent, it stays FAILED");
+        }
+        None
+    }
+
+    /// A local engine about to start again moves to a free port (the old one may linger in
+    /// TIME_WAIT or be taken); if none can be had it keeps the old one, and a launch that finds
+    /// it taken fails and is retried.
+    pub(super) fn move_to_fresh_port(&self, inner: &mut crate::registry::fleet::FleetInner, engine_id: &str) {
+        let host = &self.config.engine_host;
+        if let Err(e) = inner.move_port(
+            engine_id,
+            |taken| free_port(host, taken),
+            |port| format!("http://{}:{port}", url_host(host)),
+        ) {
+            tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
+        }
+    }
+
+    /// Ray mode: the agent bound to the engine's placement.
+    pub(super) fn bound_agent(&self, engine_id: &str) -> Option<String> {
+        let inner = self.fleet.lock();
+        inner.placements.get(engine_id).and_then(|p| p.agent.as_ref()).map(|a| a.url.clone())
+    }
+
+    /// Ray mode: the agent at `agent_url` is gone (reported by the shim when its host actor or
+    /// node died, or found refusing connections by the manager). Every placement bound to it
+    /// (only `only`'s, if given) goes back to PENDING_RESOURCES so the shim places it again, and
+    /// its engine is taken as exited: a serving engine is recovered on the fleet's current
+    /// weights once a new agent is bound, one being created is left to its scale-out.
+    /// Returns the engines unbound; a stale report (not bound to that agent) unbinds nothing.
+    pub fn agent_lost(&self, agent_url: &str, only: Option<&str>, reason: &str) -> Vec<String> {
+        let unbound = self.fleet.update(|inner| {
+            let mut unbound = Vec::new();
+            for (engine_id, placement) in inner.placements.iter_mut() {
+                if only.is_some_and(|o| o != engine_id) {
+                    continue;
+                }
+                if let rollout_core::LoseOutcome::Unbound { .. } = placement.lose(agent_url) {
+                    unbound.push(engine_id.clone());
+                }
+            }
+            for engine_id in &unbound {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.record.last_error = Some(format!("agent {agent_url} lost: {reason}"));
+                }
+            }
+            if !unbound.is_empty() {
+                inner.placements_changed();
+            }
+            unbound
+        });
+        for engine_id in &unbound {
+            tracing::warn!(engine_id, agent = %agent_url, reason, "agent lost; its placement waits for a new agent");
+            // An unrequested exit, so a serving engine is recovered. Its process went with the
+            // agent (agents stop their engines when their host actor dies).
+            self.agents.forget(agent_url, engine_id);
+        }
+        unbound
+    }
+
+    /// Ray mode: unbinds the placements of every agent the connections find gone, until shutdown.
+    pub fn spawn_agent_loss_watch(self: &Arc<Self>) {
+        let (m, mut lost) = (self.clone(), self.agents.lost_agents());
+        self.tasks.spawn(async move {
+            loop {
+                let (url, why) = tokio::select! {
+                    r = lost.recv() => match r {
+                        Ok(found) => found,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(missed = n, "agent-loss notices dropped");
+                            continue;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    },
+                    () = m.shutdown.cancelled() => return,
+                };
+                m.agent_lost(&url, None, &format!("the agent {why}"));
+            }
+        });
+    }
+}
