@@ -18,8 +18,19 @@ use std::time::Duration;
 /// Why bringing up, checking or updating one engine failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The host could not start the engine's process (the local host, a keeper, an agent).
+    #[error("could not start the engine: {0}")]
+    Start(String),
+    /// The engine left the fleet, or its placement is no longer wanted, while it was brought up.
     #[error("{0}")]
-    Launch(String),
+    Left(String),
+    /// Its record had moved on meanwhile (removed, failed): the step no longer applies.
+    #[error("the engine moved on meanwhile: {0}")]
+    Moved(#[from] rollout_core::IllegalTransition),
+    /// It cannot be brought to the fleet's weights now (the version kept moving, a turn that
+    /// cannot resume): the caller restarts it or retries.
+    #[error("{0}")]
+    NotSynced(String),
     #[error("engine exited before it became healthy ({0}); see its log")]
     Exited(String),
     #[error("engine was not healthy within {0:?}")]

@@ -379,7 +379,7 @@ async fn readopt(
     manager.watch_exit(engine_id.to_string(), process.clone());
     let checked = async {
         if turn == MidTurn::Restart {
-            return Err(crate::adapters::engine_api::EngineError::Launch(
+            return Err(crate::adapters::engine_api::EngineError::NotSynced(
                 "it was loading weights for an update that cannot resume".into(),
             ));
         }
@@ -394,7 +394,7 @@ async fn readopt(
             return manager.fleet.update(|inner| {
                 inner
                     .engine_event(engine_id, EngineEvent::Healthy)
-                    .map_err(|e| crate::adapters::engine_api::EngineError::Launch(e.to_string()))?;
+                    .map_err(crate::adapters::engine_api::EngineError::Moved)?;
                 let e = inner.engines.get(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
                 Ok(Some((engine_id.to_string(), e.record.url.clone(), e.load.clone())))
             });

@@ -81,10 +81,7 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
     } else {
         manager.launch_healthy(id, cancel).await?;
     }
-    manager
-        .fleet
-        .update(|inner| inner.engine_event(id, EngineEvent::Healthy))
-        .map_err(|e| EngineError::Launch(e.to_string()))?;
+    manager.fleet.update(|inner| inner.engine_event(id, EngineEvent::Healthy)).map_err(EngineError::Moved)?;
     manager.sync_weights(id, &[EngineEvent::WeightsSynced]).await?;
     Ok(())
 }

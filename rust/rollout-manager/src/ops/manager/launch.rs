@@ -97,9 +97,7 @@ impl Manager {
             let found = crate::foundation::engine_http::shorten(model);
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found });
         }
-        self.fleet
-            .update(|inner| inner.engine_event(engine_id, EngineEvent::Launched))
-            .map_err(|e| EngineError::Launch(e.to_string()))?;
+        self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Launched)).map_err(EngineError::Moved)?;
         Ok(())
     }
 
@@ -125,7 +123,7 @@ impl Manager {
         self.tasks
             .spawn(async move { m.launch_now(&id, tried).await })
             .await
-            .unwrap_or_else(|e| Err(EngineError::Launch(format!("launch task failed: {e}"))))
+            .unwrap_or_else(|e| Err(EngineError::Start(format!("the launch task failed: {e}"))))
     }
 
     pub(super) async fn launch_now(
@@ -229,8 +227,10 @@ impl Manager {
             let (model_path, weight_version, seed_args) = self.launch_weights(Node::Local, seed.as_ref()).await?;
             let (port, gpu_ids, log_path, url) = {
                 let inner = self.fleet.lock();
-                let e =
-                    inner.engines.get(engine_id).ok_or_else(|| EngineError::Launch(format!("{engine_id} vanished")))?;
+                let e = inner
+                    .engines
+                    .get(engine_id)
+                    .ok_or_else(|| EngineError::Left(format!("{engine_id} left the fleet while starting")))?;
                 let port = rollout_core::EngineAddr::port_of(&e.record.url).unwrap_or(0);
                 (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default(), e.record.url.clone())
             };
@@ -239,7 +239,7 @@ impl Manager {
             let keeper_socket = if self.config.reattach_grace_secs > 0.0 {
                 Some(
                     keeper_socket_path(&self.config.state_dir, engine_id)
-                        .map_err(|e| EngineError::Launch(e.to_string()))?,
+                        .map_err(|e| EngineError::Start(format!("no keeper socket: {e}")))?,
                 )
             } else {
                 None
@@ -248,7 +248,7 @@ impl Manager {
         };
         let args = crate::adapters::launch::redacted(&spec.args);
         tracing::info!(engine_id, program = %spec.program.display(), ?args, at = ?at, "launching engine");
-        self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Launch(e.to_string()))
+        self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Start(e.to_string()))
     }
 
     /// Records a started process on its engine, moved by `event` (None: the engine keeps its
@@ -293,7 +293,7 @@ impl Manager {
             let grace = self.shutdown_grace();
             let orphan = process.clone();
             self.tasks.spawn(async move { orphan.stop(grace).await });
-            return Err(EngineError::Launch(format!("engine left the fleet while starting ({e})")));
+            return Err(EngineError::Left(format!("engine left the fleet while starting ({e})")));
         }
         self.watch_exit(engine_id.to_string(), process);
         Ok(())
@@ -308,11 +308,11 @@ impl Manager {
             let (bound, detail_stale) = {
                 let inner = self.fleet.lock();
                 let Some(engine) = inner.engines.get(engine_id) else {
-                    return Err(EngineError::Launch(format!("{engine_id} left the fleet before an agent was bound")));
+                    return Err(EngineError::Left(format!("{engine_id} left the fleet before an agent was bound")));
                 };
                 let placement = inner.placements.get(engine_id).filter(|p| p.desired == rollout_core::Desired::Present);
                 let Some(placement) = placement else {
-                    return Err(EngineError::Launch(format!("the placement of {engine_id} is no longer wanted")));
+                    return Err(EngineError::Left(format!("the placement of {engine_id} is no longer wanted")));
                 };
                 let binding = placement.agent.clone();
                 let detail = binding.is_none().then(|| PENDING_DETAIL.to_string());

@@ -163,7 +163,7 @@ impl Manager {
         }
         match inner.placements.get(engine_id).and_then(|p| p.agent.as_ref()) {
             Some(agent) => Ok(Node::Agent(agent.url.clone())),
-            None => Err(EngineError::Launch(format!("{engine_id} has no agent bound to its placement"))),
+            None => Err(EngineError::Left(format!("{engine_id} has no agent bound to its placement"))),
         }
     }
 

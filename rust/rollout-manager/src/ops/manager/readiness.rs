@@ -134,7 +134,7 @@ impl Manager {
                 (found, checksum) = self.served_weights(engine_id).await?;
                 crate::adapters::engine_api::verify(&want, found.as_deref(), checksum.as_deref())?;
             }
-            let synced = self.fleet.update(|inner| {
+            let synced = self.fleet.update(|inner| -> Result<bool, EngineError> {
                 if inner.weights.desired().0 != desired || inner.weights.current != current {
                     return Ok(false);
                 }
@@ -149,7 +149,7 @@ impl Manager {
                     }
                 }
                 for event in events {
-                    inner.engine_event(engine_id, *event).map_err(|e| EngineError::Launch(e.to_string()))?;
+                    inner.engine_event(engine_id, *event)?;
                 }
                 Ok(true)
             })?;
@@ -158,7 +158,7 @@ impl Manager {
             }
             last = Some(want.version);
         }
-        Err(EngineError::Launch(format!(
+        Err(EngineError::NotSynced(format!(
             "the fleet's weight version kept changing while this engine synced (last {:?}); retry",
             last.unwrap_or_default()
         )))
@@ -262,7 +262,7 @@ impl Manager {
                 let inner = self.fleet.lock();
                 let Some(e) = inner.engines.get(engine_id) else { return Err(EngineError::Cancelled) };
                 if e.record.status != EngineStatus::WeightSyncing {
-                    return Err(EngineError::Launch(format!("{engine_id} is {} while catching up", e.record.status)));
+                    return Err(EngineError::Left(format!("{engine_id} is {} while catching up", e.record.status)));
                 }
                 let still = inner.weights.desired().0 == *want && inner.weights.desired_from_trainer();
                 (still, parked && !e.awaiting_trainer)

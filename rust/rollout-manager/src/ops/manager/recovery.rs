@@ -96,7 +96,7 @@ impl Manager {
                 self.launch_healthy(engine_id, &self.shutdown).await?;
                 self.fleet
                     .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
-                    .map_err(|e| EngineError::Launch(e.to_string()))?;
+                    .map_err(EngineError::Moved)?;
                 self.sync_weights(engine_id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]).await?;
                 Ok::<(), EngineError>(())
             }
