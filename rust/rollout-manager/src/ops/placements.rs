@@ -27,8 +27,8 @@ fn conflict(e: &PlacementConflict) -> OpError {
     OpError::conflict(code, e.to_string())
 }
 
-/// Placements exist only in Ray mode.
-fn ray_only(manager: &Manager) -> Result<(), OpError> {
+/// Placements exist only in Ray mode: 409 `not_ray_placement` on a local manager.
+pub fn ray_only(manager: &Manager) -> Result<(), OpError> {
     if manager.ray() {
         return Ok(());
     }

@@ -471,11 +471,12 @@ fn spawn_scale_out(
     });
 }
 
-/// Ends an operation its task left unfinished (a bug that panicked): stops the engines it had
-/// not activated, then marks it FAILED and frees the one-operation lock in one registry update,
-/// so one failure never wedges the fleet and the operation never reads ended while engines of
-/// it still run. The cleanup is a task of the manager's tracker (shutdown waits for it). A no-op
-/// when the operation finished normally.
+/// Ends an operation its task left unfinished (a bug that panicked), in one registry update:
+/// the operation FAILED, the one-operation lock freed, and the engines it had not activated
+/// moved to REMOVING (out of routing, on their way out), so one failure never wedges the fleet
+/// and the operation never reads ended while its engines look alive. Their processes are then
+/// stopped by a task of the manager's tracker (shutdown waits for it). A no-op when the
+/// operation finished normally.
 pub struct OpGuard {
     pub manager: Arc<Manager>,
     pub kind: &'static str,
@@ -485,17 +486,23 @@ pub struct OpGuard {
 impl Drop for OpGuard {
     fn drop(&mut self) {
         let id = self.request_id.clone();
-        let unfinished = self.manager.fleet.update(|inner| {
-            let engines = unfinished_op_engines(inner, &id);
-            if engines.is_none() {
-                inner.end_op(&id);
+        let leftovers = self.manager.fleet.update(|inner| {
+            let engines = unfinished_op_engines(inner, &id)?;
+            fail_unfinished_op(inner, &id);
+            for e in &engines {
+                if let Err(err) = inner.engine_event(e, rollout_core::EngineEvent::Remove) {
+                    tracing::debug!(engine_id = %e, error = %err, "already on its way out");
+                }
             }
-            engines
+            Some(engines)
         });
-        let Some(leftovers) = unfinished else { return };
+        // The operation had ended; its lock, if still held under its id, is freed.
+        let Some(leftovers) = leftovers else {
+            self.manager.fleet.update(|inner| inner.end_op(&id));
+            return;
+        };
         tracing::error!(kind = self.kind, request_id = %id, "operation task ended unexpectedly; cleaning up");
         if leftovers.is_empty() || tokio::runtime::Handle::try_current().is_err() {
-            self.manager.fleet.update(|inner| fail_unfinished_op(inner, &id));
             return;
         }
         let m = self.manager.clone();
@@ -503,7 +510,6 @@ impl Drop for OpGuard {
             for e in leftovers {
                 m.remove_engine(&e).await;
             }
-            m.fleet.update(|inner| fail_unfinished_op(inner, &id));
         });
     }
 }

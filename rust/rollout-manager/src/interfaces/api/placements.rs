@@ -105,6 +105,7 @@ async fn bind(
     Path(engine_id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    crate::ops::placements::ray_only(&s.manager)?;
     let req: BindRequest = super::parse_body(&body)?;
     let agent_url = crate::ops::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
         ApiError::bad_request(
@@ -143,6 +144,7 @@ async fn lost(
     Path(engine_id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    crate::ops::placements::ray_only(&s.manager)?;
     let req: LostRequest = super::parse_body(&body)?;
     let reason = if req.reason.trim().is_empty() { "reported by the Ray shim" } else { req.reason.trim() };
     let reason: String = reason.chars().take(500).collect();
