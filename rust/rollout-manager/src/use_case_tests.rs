@@ -33,7 +33,7 @@ fn scale_in_request(n: i64) -> ScaleInRequest {
 }
 
 fn op_status(m: &crate::ops::manager::Manager, id: &str) -> Option<ScaleOutStatus> {
-    m.fleet.lock().scale_outs.get(id).map(|op| op.status)
+    m.fleet.lock().ops.scale_out(id).map(|op| op.status)
 }
 
 fn count(inner: &crate::registry::fleet::FleetInner, status: EngineStatus) -> usize {
@@ -47,16 +47,16 @@ async fn scale_out_brings_every_engine_to_active_and_into_routing() {
     let cancels = Arc::new(Cancels::default());
     let accepted = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted");
     let id = accepted.request_id;
-    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 2);
     assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("default")), "{table:?}");
-    assert_eq!(m.fleet.lock().free_gpus(), 0);
+    assert_eq!(m.fleet.lock().engines.free_gpus(), 0);
     assert_eq!(engines.running(), 2);
     // The operation went through every phase, in order.
     let history: Vec<String> =
-        m.fleet.lock().scale_outs[&id].history.iter().map(|t| t.status.clone()).collect::<Vec<_>>();
+        m.fleet.lock().ops.scale_out(&id).unwrap().history.iter().map(|t| t.status.clone()).collect::<Vec<_>>();
     assert_eq!(history, ["PENDING", "CREATING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "READY", "ACTIVE"]);
 }
 
@@ -67,17 +67,17 @@ async fn a_failing_launch_rolls_back_the_whole_scale_out_by_default() {
     engines.fail_launch("engine_1");
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Failed));
     {
         let inner = m.fleet.lock();
-        let op = &inner.scale_outs[&id];
+        let op = &inner.ops.scale_out(&id).unwrap();
         assert_eq!(op.failed_engines.len(), 1, "{op:?}");
         assert!(op.failed_engines[0].error.contains("refused"), "{op:?}");
         // Nothing is left: no routable engine, every GPU and process given back.
         assert!(m.fleet.routes().backends.is_empty());
-        assert_eq!(inner.free_gpus(), 2);
-        assert_eq!(inner.live_count(), 0);
+        assert_eq!(inner.engines.free_gpus(), 2);
+        assert_eq!(inner.engines.live_count(), 0);
     }
     wait_for(&m, "the other engine's process to stop", |_| engines.running() == 0).await;
 }
@@ -89,14 +89,14 @@ async fn keep_partial_activates_the_engines_that_came_up() {
     engines.fail_launch("engine_0");
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out to end", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
     let inner = m.fleet.lock();
-    let op = &inner.scale_outs[&id];
+    let op = &inner.ops.scale_out(&id).unwrap();
     assert_eq!(op.failed_engines.iter().map(|f| f.engine_id.as_str()).collect::<Vec<_>>(), ["engine_0"]);
     assert!(op.error_message.is_some(), "{op:?}");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
-    assert_eq!(inner.free_gpus(), 1, "the failed engine's GPU is returned");
+    assert_eq!(inner.engines.free_gpus(), 1, "the failed engine's GPU is returned");
 }
 
 #[tokio::test]
@@ -115,18 +115,18 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
     })
     .await;
     wait_for(&m, "the health check", |i| {
-        i.scale_outs.get(&id).is_some_and(|op| op.status == ScaleOutStatus::HealthChecking)
+        i.ops.scale_out(&id).is_some_and(|op| op.status == ScaleOutStatus::HealthChecking)
     })
     .await;
     let cancelled = scaling::cancel_scale_out(&m, &cancels, &id).expect("cancellable");
     assert!(!cancelled.status.is_terminal() || cancelled.status == ScaleOutStatus::Cancelled);
-    wait_for(&m, "the cancel", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the cancel", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Cancelled));
     wait_for(&m, "every process stopped", |_| engines.running() == 0).await;
     let inner = m.fleet.lock();
-    assert_eq!(inner.free_gpus(), 2);
-    assert_eq!(inner.live_count(), 0);
-    assert!(inner.running_op().is_none(), "the one-operation lock is released");
+    assert_eq!(inner.engines.free_gpus(), 2);
+    assert_eq!(inner.engines.live_count(), 0);
+    assert!(inner.ops.running().is_none(), "the one-operation lock is released");
 }
 
 #[tokio::test]
@@ -135,28 +135,28 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     let m = manager(&engines, 2, &["--scale-in-drain-timeout=600"]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A request in flight on the engine scale-in removes first (the newest, engine_1).
-    let load = m.fleet.lock().engines["engine_1"].load.clone();
+    let load = m.fleet.lock().engines.get("engine_1").unwrap().load.clone();
     let request = load.enter(100);
     let answer = crate::ops::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
     let crate::ops::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
     let op = accepted.request_id;
-    wait_for(&m, "the drain", |i| i.scale_ins.get(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
+    wait_for(&m, "the drain", |i| i.ops.scale_in(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
     {
         let inner = m.fleet.lock();
-        assert_eq!(inner.engines["engine_1"].record.status, EngineStatus::Draining);
+        assert_eq!(inner.engines.get("engine_1").unwrap().record.status, EngineStatus::Draining);
         assert!(!m.fleet.routes().is_lost(&load), "a draining engine keeps its requests");
         assert_eq!(m.fleet.routes().backends.len(), 1);
     }
     drop(request);
-    wait_for(&m, "the scale-in to end", |i| i.scale_ins.get(&op).is_some_and(|r| r.status.is_terminal())).await;
+    wait_for(&m, "the scale-in to end", |i| i.ops.scale_in(&op).is_some_and(|r| r.status.is_terminal())).await;
     {
         let inner = m.fleet.lock();
-        assert_eq!(inner.scale_ins[&op].status, ScaleInStatus::Completed);
+        assert_eq!(inner.ops.scale_in(&op).unwrap().status, ScaleInStatus::Completed);
         let gone = inner.engines.get("engine_1").is_none_or(|e| e.record.status == EngineStatus::Removed);
         assert!(gone, "engine_1 is removed");
-        assert_eq!(inner.free_gpus(), 1);
+        assert_eq!(inner.engines.free_gpus(), 1);
     }
     assert!(!engines.calls().iter().any(|c| c.starts_with("abort")), "drained, so nothing aborted");
     wait_for(&m, "the process to stop", |_| engines.running() == 1).await;
@@ -168,16 +168,17 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
     let m = manager(&engines, 1, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     engines.crash("engine_0");
     wait_for(&m, "the engine back after a restart", |i| {
-        i.engines["engine_0"].record.restarts == 1 && i.engines["engine_0"].record.status == EngineStatus::Active
+        i.engines.get("engine_0").unwrap().record.restarts == 1
+            && i.engines.get("engine_0").unwrap().record.status == EngineStatus::Active
     })
     .await;
     assert_eq!(m.fleet.routes().backends.len(), 1);
     let launches = engines.calls().iter().filter(|c| *c == "launch engine_0").count();
     assert_eq!(launches, 2);
-    assert_eq!(m.fleet.lock().free_gpus(), 0, "the restart keeps its GPU");
+    assert_eq!(m.fleet.lock().engines.free_gpus(), 0, "the restart keeps its GPU");
 }
 
 /// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
@@ -267,7 +268,7 @@ async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed()
     let m = manager(&engines, 1, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
     // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
@@ -304,7 +305,7 @@ async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some(checksum.clone()));
@@ -328,7 +329,7 @@ async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some("0".repeat(64)));
@@ -360,7 +361,7 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
     let inner = m.fleet.lock();
@@ -384,7 +385,7 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let (open, mut held) = engines.hold_model_info(2);
     let rejoining = crate::ops::health::Rejoining::default();
     let probing = {
@@ -410,7 +411,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
     // Both engines are put back on the startup weights behind the manager's back.
@@ -437,8 +438,8 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     let m = manager(&engines, 2, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
-    let url = m.fleet.lock().engines["engine_1"].record.url.clone();
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    let url = m.fleet.lock().engines.get("engine_1").unwrap().record.url.clone();
     engines.refuse_loads(&url);
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
@@ -464,7 +465,7 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     let m = manager(&engines, 1, &[]);
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A probe of the first process hangs; meanwhile the process crashes and is restarted.
     let (open, waiting) = engines.hold_next_probe();
     let rejoining = crate::ops::health::Rejoining::default();
@@ -475,7 +476,7 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     waiting.notified().await;
     engines.crash("engine_0");
     wait_for(&m, "the restart", |i| {
-        let e = &i.engines["engine_0"];
+        let e = &i.engines.get("engine_0").unwrap();
         e.record.restarts == 1 && e.record.status == EngineStatus::Active
     })
     .await;
@@ -483,8 +484,8 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     open.send_replace(true);
     probing.await.expect("the probe pass ends");
     let inner = m.fleet.lock();
-    assert_eq!(inner.engines["engine_0"].probe_failures, 0);
-    assert_eq!(inner.engines["engine_0"].record.status, EngineStatus::Active);
+    assert_eq!(inner.engines.get("engine_0").unwrap().probe_failures, 0);
+    assert_eq!(inner.engines.get("engine_0").unwrap().record.status, EngineStatus::Active);
 }
 
 /// The manager is killed with two engines serving; a new one on the same `--state-dir` finds
@@ -498,7 +499,7 @@ fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
         let cancels = Arc::new(Cancels::default());
         let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
-        wait_for(&m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+        wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
         id
     });
     let crashed = TempDir::new();
@@ -509,8 +510,8 @@ fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
         let m = manager_on_store(&after, 2, &[], &crashed.0).await;
         wait_for(&m, "both engines ACTIVE again", |i| count(i, EngineStatus::Active) == 2).await;
         let inner = m.fleet.lock();
-        assert_eq!(inner.scale_outs[&id].status, ScaleOutStatus::Active);
-        assert_eq!(inner.free_gpus(), 0, "the restarted engines hold their GPUs again");
+        assert_eq!(inner.ops.scale_out(&id).unwrap().status, ScaleOutStatus::Active);
+        assert_eq!(inner.engines.free_gpus(), 0, "the restarted engines hold their GPUs again");
         let mut launched = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect::<Vec<_>>();
         launched.sort();
         assert_eq!(launched, ["launch engine_0", "launch engine_1"]);
@@ -529,13 +530,13 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
         let cancels = Arc::new(Cancels::default());
         let first = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
-        wait_for(&m, "the first scale-out", |i| i.scale_outs.get(&first).is_some_and(|op| op.status.is_terminal()))
+        wait_for(&m, "the first scale-out", |i| i.ops.scale_out(&first).is_some_and(|op| op.status.is_terminal()))
             .await;
         let (open, held) = before.hold_next_probe();
         let waiting = held.notified();
         let second = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
         waiting.await;
-        assert_eq!(m.fleet.lock().scale_outs[&second].status, ScaleOutStatus::HealthChecking);
+        assert_eq!(m.fleet.lock().ops.scale_out(&second).unwrap().status, ScaleOutStatus::HealthChecking);
         crash_copy(&dir.0, &crashed.0);
         drop(open);
         second
@@ -546,11 +547,11 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
         let m = manager_on_store(&after, 2, &[], &crashed.0).await;
         wait_for(&m, "the kept engine ACTIVE again", |i| count(i, EngineStatus::Active) == 1).await;
         let inner = m.fleet.lock();
-        let op = &inner.scale_outs[&second];
+        let op = &inner.ops.scale_out(&second).unwrap();
         assert_eq!(op.status, ScaleOutStatus::Failed);
         assert!(op.error_message.as_deref().is_some_and(|e| e.contains("rolled back")), "{op:?}");
         assert!(!inner.engines.contains_key("engine_1"), "the interrupted engine is rolled back");
-        assert_eq!(inner.free_gpus(), 1, "its GPU is free again");
+        assert_eq!(inner.engines.free_gpus(), 1, "its GPU is free again");
         let launched: Vec<String> = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect();
         assert_eq!(launched, ["launch engine_0"]);
     });
@@ -575,7 +576,7 @@ fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> 
 
 async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
     let id = scaling::scale_out(m, &Arc::new(Cancels::default()), scale_out_request(n)).expect("accepted").request_id;
-    wait_for(m, "the scale-out", |i| i.scale_outs.get(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
 }
 
@@ -642,7 +643,7 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     assert_eq!(m.fleet.routes().backends.len(), 2, "the waiting engine is not routable");
     assert!(copies(&engines).is_empty(), "nothing to copy step-2 from yet");
     finish_trainer_update(&m, &second).await;
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&op).is_some_and(|o| o.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status.is_terminal())).await;
     assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
     assert_eq!(copies(&engines).len(), 1, "restarted in place on a copy of step-2");
     let table = m.fleet.routes();
@@ -677,7 +678,7 @@ async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_act
         assert_eq!(u.engines.len(), 2, "the READY engine was not serving, so no member");
     }
     open.send_replace(true);
-    wait_for(&m, "the scale-out", |i| i.scale_outs.get(&op).is_some_and(|o| o.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status.is_terminal())).await;
     assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 4);

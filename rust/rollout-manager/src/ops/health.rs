@@ -202,7 +202,7 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
                 if let Some(e) = inner.engines.get_mut(&id) {
                     e.record.last_error = Some(format!("{failures} consecutive failed health probes (last: {why})"));
                 }
-                if let Err(e) = inner.engine_event(&id, EngineEvent::ProbeFailed) {
+                if let Err(e) = inner.engines.event(&id, EngineEvent::ProbeFailed) {
                     // It left ACTIVE since the probe (drained, updating, failed): the verdict is moot.
                     tracing::debug!(engine_id = %id, error = %e, "probe verdict no longer applies");
                 }
@@ -222,7 +222,7 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
         Verdict::Restart => {
             tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
             let process = manager.fleet.update(|inner| {
-                inner.fail_engine(&id, Some("hung: failed health probes; restarting".into()));
+                inner.engines.fail(&id, Some("hung: failed health probes; restarting".into()));
                 inner.engines.get(&id).and_then(|e| e.process.clone())
             });
             let m = manager.clone();
@@ -359,7 +359,7 @@ async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(Str
 /// member of the trainer's next update (see `Manager::sync_weights`), then back into routing.
 /// If that fails, it is failed and restarted like an engine whose process died.
 async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &str, version: &str) {
-    if manager.fleet.update(|inner| inner.engine_event(id, EngineEvent::UpdateWeights)).is_err() {
+    if manager.fleet.update(|inner| inner.engines.event(id, EngineEvent::UpdateWeights)).is_err() {
         return; // no longer UNHEALTHY
     }
     tracing::info!(engine_id = %id, version, "engine answers again but missed the trainer's version; catching up");
@@ -372,7 +372,7 @@ async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &str, version: &str) {
         Err(e) => {
             tracing::warn!(engine_id = %id, error = %e, "catching up failed; restarting the engine");
             let process = manager.fleet.update(|inner| {
-                inner.fail_engine(id, Some(format!("could not catch up with weight version {version}: {e}")));
+                inner.engines.fail(id, Some(format!("could not catch up with weight version {version}: {e}")));
                 inner.engines.get(id).and_then(|en| en.process.clone())
             });
             if let Some(p) = process {

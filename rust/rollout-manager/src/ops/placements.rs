@@ -61,16 +61,22 @@ pub async fn bind(manager: &Manager, engine_id: &str, binding: AgentBinding) -> 
     let (agent_url, node_id) = (binding.url.clone(), binding.node_id.clone());
     let gpu_ids: Vec<u32> = binding.gpu_ids.iter().filter_map(|g| g.parse().ok()).collect();
     let outcome = manager.fleet.update(|inner| {
-        let p = inner.placements.get_mut(engine_id).ok_or_else(|| unknown(engine_id))?;
-        let outcome = p.bind(binding, previous_live).map_err(|e| conflict(&e))?;
+        let outcome = inner
+            .placements
+            .change_if(engine_id, |p| {
+                let outcome = p.bind(binding, previous_live);
+                let changed = outcome.as_ref().is_ok_and(|o| *o != BindOutcome::Same);
+                (outcome, changed)
+            })
+            .ok_or_else(|| unknown(engine_id))?
+            .map_err(|e| conflict(&e))?;
         if outcome != BindOutcome::Same {
-            inner.placements_changed();
             if let Some(e) = inner.engines.get_mut(engine_id) {
                 e.record.detail = None;
                 e.record.gpu_ids = gpu_ids;
             }
             if inner.engines.get(engine_id).is_some_and(|e| e.record.status == EngineStatus::Pending) {
-                crate::foundation::records::checked(inner.engine_event(engine_id, EngineEvent::Bound));
+                crate::foundation::records::checked(inner.engines.event(engine_id, EngineEvent::Bound));
             }
         }
         Ok::<_, OpError>(outcome)
@@ -106,7 +112,6 @@ pub fn released(manager: &Manager, engine_id: &str) -> Result<(), OpError> {
         let p = inner.placements.get(engine_id).ok_or_else(|| unknown(engine_id))?;
         p.check_released().map_err(|e| conflict(&e))?;
         inner.placements.remove(engine_id);
-        inner.placements_changed();
         Ok::<_, OpError>(())
     })?;
     tracing::info!(engine_id, "placement released");

@@ -158,7 +158,7 @@ fn rebuild(
     let ray = manager.ray();
     let (rebuilt, stale) = manager.fleet.update(|inner| {
         for p in &snapshot.placements {
-            inner.placements.insert(p.engine_id.clone(), p.clone());
+            inner.placements.set(&p.engine_id, p.clone());
         }
         // Past every id and every revision a shim may have seen before the restart.
         if let Some(meta) = &snapshot.meta {
@@ -167,10 +167,8 @@ fn rebuild(
                 inner.weights = crate::foundation::records::WeightsState::new(&meta.weight_version);
             }
         }
-        inner.continue_after(
-            snapshot.meta.as_ref().map_or(0, |m| m.next_seq),
-            snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1,
-        );
+        inner.engines.continue_after(snapshot.meta.as_ref().map_or(0, |m| m.next_seq));
+        inner.placements.continue_after(snapshot.meta.as_ref().map_or(0, |m| m.placement_revision) + 1);
         let (resumed, mid_turn) = restore_weights(inner, &snapshot);
         let ends = end_interrupted_ops(inner, &snapshot);
         let mut rebuilt = Rebuilt { keep: Vec::new(), drop_live: Vec::new(), resumed, mid_turn };
@@ -269,7 +267,7 @@ fn end_interrupted_ops(inner: &mut crate::registry::fleet::FleetInner, snapshot:
                 crate::foundation::records::checked(op.apply(ScaleOutEvent::Fail));
             }
         }
-        inner.scale_outs.insert(op.request_id.clone(), op);
+        inner.ops.restore_scale_out(op);
     }
     for mut op in snapshot.scale_ins.clone() {
         if !op.status.is_terminal() {
@@ -280,7 +278,7 @@ fn end_interrupted_ops(inner: &mut crate::registry::fleet::FleetInner, snapshot:
                 crate::foundation::records::checked(op.apply(event));
             }
         }
-        inner.scale_ins.insert(op.request_id.clone(), op);
+        inner.ops.restore_scale_in(op);
     }
     ends
 }
@@ -330,7 +328,7 @@ fn restore_engine(
     // Local managed engines take back their GPUs and port; in Ray mode Ray owns the GPUs
     // and the agent the port.
     let claim = !ray && fate != plan::Fate::Watch;
-    match inner.restore_engine(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
+    match inner.engines.restore(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
         Ok(()) if fate == plan::Fate::Watch => {}
         Ok(()) => rebuilt.keep.push((id, live)),
         Err(e) => {
@@ -345,14 +343,14 @@ fn restore_engine(
 /// Placements whose engine is gone (removed, rolled back) become desired absent; the shim
 /// releases them.
 fn release_orphan_placements(inner: &mut crate::registry::fleet::FleetInner) {
-    let orphans: Vec<String> = inner.placements.keys().filter(|id| !inner.engines.contains_key(*id)).cloned().collect();
-    for id in orphans {
-        if let Some(p) = inner.placements.get_mut(&id) {
-            if p.desired == rollout_core::Desired::Present {
-                p.unwant();
-            }
+    let engines = &inner.engines;
+    inner.placements.change_each(|id, p| {
+        let orphan = !engines.contains_key(id) && p.desired == rollout_core::Desired::Present;
+        if orphan {
+            p.unwant();
         }
-    }
+        orphan
+    });
 }
 
 /// Waits until the engine's HTTP server answers `/model_info` (the caller bounds the wait).
@@ -393,7 +391,8 @@ async fn readopt(
         if turn == MidTurn::HandOver {
             return manager.fleet.update(|inner| {
                 inner
-                    .engine_event(engine_id, EngineEvent::Healthy)
+                    .engines
+                    .event(engine_id, EngineEvent::Healthy)
                     .map_err(crate::adapters::engine_api::EngineError::Moved)?;
                 let e = inner.engines.get(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
                 Ok(Some((engine_id.to_string(), e.record.url.clone(), e.load.clone())))
@@ -427,7 +426,7 @@ async fn readopt(
             };
             tracing::warn!(engine_id, error = %why, "re-adopted engine is not usable; restarting it");
             manager.fleet.update(|inner| {
-                inner.fail_engine(engine_id, Some(format!("after restart: {why}")));
+                inner.engines.fail(engine_id, Some(format!("after restart: {why}")));
             });
             process.stop(manager.shutdown_grace()).await;
             let m = manager.clone();

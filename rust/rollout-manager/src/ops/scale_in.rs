@@ -1,7 +1,7 @@
 //! Scale-in: choose victims (LIFO among dynamic engines, or by URL), drain, remove.
 //! See the module docs of [`crate::ops::scaling`] for the flow and guarantees.
 
-use crate::foundation::records::{EngineRecord, RunningOp, ScaleInRecord, Transition};
+use crate::foundation::records::{EngineRecord, ScaleInRecord, Transition};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::scaling::{Accepted, ScaleInRequest};
@@ -23,7 +23,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
     let (target, drain) = check(manager, &req)?;
     let request_id = uuid::Uuid::new_v4().to_string();
     let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), OpError> {
-        if let Some(running) = inner.running_op() {
+        if let Some(running) = inner.ops.running() {
             return Err(OpError::conflict(
                 "operation_in_progress",
                 format!(
@@ -63,7 +63,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
                 status: crate::ops::scaling::AcceptedStatus::Noop,
                 message: record.message.clone(),
             };
-            inner.scale_ins.insert(request_id.clone(), record);
+            crate::foundation::records::checked_op(inner.ops.start_scale_in(record));
             return Ok((ScaleInAnswer::Accepted(answer), None));
         }
         start_draining(inner, &victims, manager.config.move_on_drain);
@@ -74,10 +74,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             status: crate::ops::scaling::AcceptedStatus::Pending,
             message: record.message.clone(),
         };
-        inner.scale_ins.insert(request_id.clone(), record);
-        crate::foundation::records::checked_op(
-            inner.begin_op(RunningOp { kind: "scale_in", request_id: request_id.clone() }),
-        );
+        crate::foundation::records::checked_op(inner.ops.start_scale_in(record));
         Ok((ScaleInAnswer::Accepted(answer), Some(victims)))
     })?;
     let (answer, plan) = result;
@@ -182,7 +179,7 @@ fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[Str
     for id in victims {
         let status = inner.engines.get(id).map(|e| e.record.status);
         if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
-            crate::foundation::records::checked(inner.engine_event(id, EngineEvent::Drain));
+            crate::foundation::records::checked(inner.engines.event(id, EngineEvent::Drain));
             if move_on_drain {
                 if let Some(e) = inner.engines.get(id) {
                     e.load.request_moves();
@@ -228,7 +225,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     crate::ops::trainer_update::wait_not_members(manager, &victims, |update_id| {
         tracing::info!(request_id, update_id, "scale-in waits for the trainer update to finish");
         manager.fleet.update(|inner| {
-            if let Some(r) = inner.scale_ins.get_mut(request_id) {
+            if let Some(r) = inner.ops.scale_in_mut(request_id) {
                 r.message = format!(
                     "drained; waiting for trainer update {update_id} to finish before removing its members (membership is frozen while it runs)"
                 );
@@ -237,7 +234,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     })
     .await;
     manager.fleet.update(|inner| {
-        if let Some(r) = inner.scale_ins.get_mut(request_id) {
+        if let Some(r) = inner.ops.scale_in_mut(request_id) {
             crate::foundation::records::checked(r.apply(ScaleInEvent::Drained));
         }
     });
@@ -248,7 +245,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     )
     .await;
     manager.fleet.update(|inner| {
-        if let Some(r) = inner.scale_ins.get_mut(request_id) {
+        if let Some(r) = inner.ops.scale_in_mut(request_id) {
             // Removal always ends with the process reaped (SIGKILL after the grace period).
             for (id, exit) in &results {
                 tracing::info!(engine_id = %id, exit = ?exit, "engine removed");
@@ -256,7 +253,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
             }
             crate::foundation::records::checked(r.apply(ScaleInEvent::Removed));
         }
-        inner.end_op(request_id);
+        inner.ops.end(request_id);
         // Sanity: a victim must be gone now.
         for id in &victims {
             if let Some(e) = inner.engines.get(id) {

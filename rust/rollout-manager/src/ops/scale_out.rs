@@ -50,7 +50,7 @@ fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[String]) ->
 fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start: ScaleOutEvent) {
     let behind = {
         let inner = manager.fleet.lock();
-        let status = inner.scale_outs.get(request_id).map(|op| op.status);
+        let status = inner.ops.scale_out(request_id).map(|op| op.status);
         let current = status.and_then(ScaleOutStatus::phase);
         let placed = status == Some(ScaleOutStatus::Pending) && !any_pending(&inner, racing);
         placed || matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
@@ -58,13 +58,13 @@ fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start:
     if behind {
         manager.fleet.update(|inner| {
             let pending = any_pending(inner, racing);
-            if let Some(op) = inner.scale_outs.get_mut(request_id).filter(|op| op.status == ScaleOutStatus::Pending) {
+            if let Some(op) = inner.ops.scale_out_mut(request_id).filter(|op| op.status == ScaleOutStatus::Pending) {
                 if !pending {
                     crate::foundation::records::checked(op.apply(start));
                 }
             }
             if let Some(target) = slowest(inner, racing) {
-                if let Some(op) = inner.scale_outs.get_mut(request_id) {
+                if let Some(op) = inner.ops.scale_out_mut(request_id) {
                     advance_to(op, target);
                 }
             }
@@ -81,7 +81,7 @@ async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) 
     } else {
         manager.launch_healthy(id, cancel).await?;
     }
-    manager.fleet.update(|inner| inner.engine_event(id, EngineEvent::Healthy)).map_err(EngineError::Moved)?;
+    manager.fleet.update(|inner| inner.engines.event(id, EngineEvent::Healthy)).map_err(EngineError::Moved)?;
     manager.sync_weights(id, &[EngineEvent::WeightsSynced]).await?;
     Ok(())
 }
@@ -115,8 +115,8 @@ pub async fn run(
     let initial = manager
         .fleet
         .lock()
-        .scale_outs
-        .get(request_id)
+        .ops
+        .scale_out(request_id)
         .is_some_and(|r| r.trigger == crate::foundation::records::Trigger::Initial);
     let doomed: Vec<(String, String)> = ids
         .iter()
@@ -154,7 +154,7 @@ fn begin(manager: &Manager, request_id: &str, ids: &[String]) -> ScaleOutEvent {
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
         let pending = any_pending(inner, ids);
-        if let Some(op) = inner.scale_outs.get_mut(request_id) {
+        if let Some(op) = inner.ops.scale_out_mut(request_id) {
             if pending {
                 op.message = format!(
                     "{}; waiting for resources (PENDING_RESOURCES): the Ray shim places each engine and binds its agent",
@@ -305,7 +305,7 @@ fn conclude(
     message: Option<String>,
     failed: &[FailedEngine],
 ) {
-    if let Some(op) = inner.scale_outs.get_mut(request_id) {
+    if let Some(op) = inner.ops.scale_out_mut(request_id) {
         op.failed_engines = failed.to_vec();
         op.error_message = message;
         if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
@@ -319,7 +319,7 @@ fn conclude(
             tracing::error!(%e, "scale_out");
         }
     }
-    inner.end_op(request_id);
+    inner.ops.end(request_id);
 }
 
 /// Initial engines stay listed as FAILED; dynamic and external ones are removed.
@@ -340,7 +340,7 @@ fn stale_ready(manager: &Manager, ids: &[String]) -> Vec<String> {
     let (want, _) = inner.weights.desired();
     ids.iter()
         .filter(|id| {
-            inner.engines.get(*id).is_some_and(|e| {
+            inner.engines.get(id).is_some_and(|e| {
                 e.record.status == EngineStatus::Ready
                     && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
             })
@@ -362,7 +362,7 @@ async fn resync(
 ) -> Option<End> {
     tracing::info!(engines = ?stale, "engines READY on a version the fleet no longer wants; syncing them again");
     let syncing: Vec<String> = manager.fleet.update(|inner| {
-        stale.iter().filter(|id| inner.engine_event(id, EngineEvent::UpdateWeights).is_ok()).cloned().collect()
+        stale.iter().filter(|id| inner.engines.event(id, EngineEvent::UpdateWeights).is_ok()).cloned().collect()
     });
     let work = futures::future::join_all(
         syncing
@@ -442,7 +442,7 @@ fn activate(
             return Some((Vec::new(), false));
         }
         for id in &ready {
-            crate::foundation::records::checked(inner.engine_event(id, EngineEvent::Activated));
+            crate::foundation::records::checked(inner.engines.event(id, EngineEvent::Activated));
         }
         // Every engine made it: the operation ends in the same update, so nobody sees the new
         // engines ACTIVE while the operation still holds the one-operation lock.

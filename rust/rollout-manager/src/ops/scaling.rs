@@ -200,28 +200,28 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
     let request_id = uuid::Uuid::new_v4().to_string();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
     let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, OpError> {
-        if let Some(running) = inner.running_op() {
+        if let Some(running) = inner.ops.running() {
             return Err(busy(running));
         }
         let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
-        let current = inner.live_count();
+        let current = inner.engines.live_count();
         if target <= current {
             crate::foundation::records::checked(record.apply(ScaleOutEvent::Noop));
             record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
             let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Noop, message: record.message.clone() };
-            inner.scale_outs.insert(request_id.clone(), record);
+            crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
             return Ok((accepted, None));
         }
         let needed = (target - current).saturating_mul(manager.config.rollout_num_gpus_per_engine);
         // In Ray mode the cluster's capacity decides: engines wait in PENDING_RESOURCES.
-        if !manager.ray() && needed > inner.free_gpus() {
+        if !manager.ray() && needed > inner.engines.free_gpus() {
             return Err(OpError::invalid(
                 "insufficient_gpus",
                 format!(
                     "scaling to {target} engines needs {needed} more GPUs but {} of {} are free; ask for fewer replicas or start the manager with a larger --gpus",
-                    inner.free_gpus(),
-                    inner.total_gpus()
+                    inner.engines.free_gpus(),
+                    inner.engines.total_gpus()
                 ),
             ));
         }
@@ -230,8 +230,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         record.engine_ids = ids.clone();
         record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
         let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Pending, message: record.message.clone() };
-        inner.scale_outs.insert(request_id.clone(), record);
-        crate::foundation::records::checked_op(inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }));
+        crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = plan {
@@ -334,7 +333,7 @@ fn attach_external(
     }
     let request_id = uuid::Uuid::new_v4().to_string();
     let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, OpError> {
-        if let Some(running) = inner.running_op() {
+        if let Some(running) = inner.ops.running() {
             return Err(busy(running));
         }
         let version = inner.weights.current.version.clone();
@@ -357,17 +356,17 @@ fn attach_external(
                 status: crate::ops::scaling::AcceptedStatus::Noop,
                 message: record.message.clone(),
             };
-            inner.scale_outs.insert(request_id.clone(), record);
+            crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
             return Ok((accepted, None));
         }
         let max = manager.config.max_engines;
-        if inner.live_count() + fresh.len() as u32 > max {
+        if inner.engines.live_count() + fresh.len() as u32 > max {
             return Err(OpError::invalid(
                 "above_max_engines",
                 format!(
                     "attaching {} engines would exceed --max-engines {max} (the fleet has {})",
                     fresh.len(),
-                    inner.live_count()
+                    inner.engines.live_count()
                 ),
             ));
         }
@@ -383,10 +382,7 @@ fn attach_external(
             status: crate::ops::scaling::AcceptedStatus::Pending,
             message: record.message.clone(),
         };
-        inner.scale_outs.insert(request_id.clone(), record);
-        crate::foundation::records::checked_op(
-            inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }),
-        );
+        crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = ids {
@@ -409,7 +405,7 @@ fn reserve(
             Ok(id) => ids.push(id),
             Err(e) => {
                 for id in &ids {
-                    inner.forget_engine(id);
+                    inner.engines.forget(id);
                     inner.placements.remove(id);
                 }
                 return Err(e);
@@ -436,16 +432,13 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
     let ids = manager.fleet.update(|inner| -> Result<_, String> {
         let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
-        if let Some(held) = inner.running_op() {
+        if let Some(held) = inner.ops.running() {
             return Err(format!("{} {} is already running", held.kind, held.request_id));
         }
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
         record.engine_ids = ids.clone();
         record.message = format!("initial fleet of {n} engines");
-        inner.scale_outs.insert(request_id.clone(), record);
-        crate::foundation::records::checked_op(
-            inner.begin_op(RunningOp { kind: "scale_out", request_id: request_id.clone() }),
-        );
+        crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok(ids)
     })?;
     let timeout = Duration::from_secs_f64(manager.config.scale_out_timeout);
@@ -490,7 +483,7 @@ impl Drop for OpGuard {
             let engines = unfinished_op_engines(inner, &id)?;
             fail_unfinished_op(inner, &id);
             for e in &engines {
-                if let Err(err) = inner.engine_event(e, rollout_core::EngineEvent::Remove) {
+                if let Err(err) = inner.engines.event(e, rollout_core::EngineEvent::Remove) {
                     tracing::debug!(engine_id = %e, error = %err, "already on its way out");
                 }
             }
@@ -498,7 +491,7 @@ impl Drop for OpGuard {
         });
         // The operation had ended; its lock, if still held under its id, is freed.
         let Some(leftovers) = leftovers else {
-            self.manager.fleet.update(|inner| inner.end_op(&id));
+            self.manager.fleet.update(|inner| inner.ops.end(&id));
             return;
         };
         tracing::error!(kind = self.kind, request_id = %id, "operation task ended unexpectedly; cleaning up");
@@ -517,7 +510,7 @@ impl Drop for OpGuard {
 /// The engines of operation `id`, if it has not ended, that are not ACTIVE (what its task would
 /// have rolled back).
 fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
-    let engines = match (inner.scale_outs.get(id), inner.scale_ins.get(id)) {
+    let engines = match (inner.ops.scale_out(id), inner.ops.scale_in(id)) {
         (Some(op), _) if !op.status.is_terminal() => op.engine_ids.clone(),
         (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
         _ => return None,
@@ -529,15 +522,15 @@ fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
 /// Records operation `id` FAILED (an internal error) and frees the one-operation lock.
 fn fail_unfinished_op(inner: &mut FleetInner, id: &str) {
     let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
-    if let Some(op) = inner.scale_outs.get_mut(id).filter(|op| !op.status.is_terminal()) {
+    if let Some(op) = inner.ops.scale_out_mut(id).filter(|op| !op.status.is_terminal()) {
         op.error_message = Some(why.clone());
         crate::foundation::records::checked(op.apply(ScaleOutEvent::Fail));
     }
-    if let Some(op) = inner.scale_ins.get_mut(id).filter(|op| !op.status.is_terminal()) {
+    if let Some(op) = inner.ops.scale_in_mut(id).filter(|op| !op.status.is_terminal()) {
         op.error_message = Some(why);
         crate::foundation::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
     }
-    inner.end_op(id);
+    inner.ops.end(id);
 }
 
 /// Cancels a running scale-out. Its task rolls back what it created.
@@ -545,8 +538,8 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) 
     let record = manager
         .fleet
         .lock()
-        .scale_outs
-        .get(request_id)
+        .ops
+        .scale_out(request_id)
         .cloned()
         .ok_or_else(|| OpError::unknown("unknown_request", format!("no scale-out request with id {request_id}")))?;
     if record.status.is_terminal() {
@@ -614,8 +607,8 @@ pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelReques
     let ids: Vec<String> = manager
         .fleet
         .lock()
-        .scale_outs
-        .values()
+        .ops
+        .scale_outs()
         .filter(|r| !r.status.is_terminal() && r.trigger != Trigger::Initial)
         .filter(|r| filter.is_none_or(|f| r.status == f))
         .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))

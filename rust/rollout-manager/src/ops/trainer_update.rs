@@ -642,7 +642,7 @@ fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Ve
                 )
             );
             if routed {
-                crate::foundation::records::checked(inner.engine_event(&m.engine_id, EngineEvent::UpdateWeights));
+                crate::foundation::records::checked(inner.engines.event(&m.engine_id, EngineEvent::UpdateWeights));
             }
             if let Some(u) = inner.weights.updates.get_mut(update_id) {
                 if alive {
@@ -793,8 +793,9 @@ async fn back_on_current(
             return None;
         }
         let back = inner
-            .engine_event(&m.engine_id, EngineEvent::WeightsSynced)
-            .and_then(|_| inner.engine_event(&m.engine_id, EngineEvent::Activated));
+            .engines
+            .event(&m.engine_id, EngineEvent::WeightsSynced)
+            .and_then(|_| inner.engines.event(&m.engine_id, EngineEvent::Activated));
         back.ok()?;
         tracing::warn!(engine_id = %m.engine_id, error = %why, "member failed its part; it still serves the fleet's version and is back in routing");
         Some(Turn::Failed(format!("{why} (it still serves the fleet's version and is back in routing)")))

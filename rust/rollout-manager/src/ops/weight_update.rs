@@ -357,7 +357,7 @@ fn next_turns(
         let serving = views.iter().filter(|v| v.serving).count();
         let ids = next_wave(&views, wave_size(strategy, max_unavailable, serving));
         for id in ids {
-            if inner.engine_event(&id, EngineEvent::UpdateWeights).is_err() {
+            if inner.engines.event(&id, EngineEvent::UpdateWeights).is_err() {
                 continue;
             }
             if let Some(e) = inner.engines.get(&id) {
@@ -437,8 +437,9 @@ pub(crate) async fn finish_turn(
                 e.record.weights_checksum = checksum;
             }
             let back = inner
-                .engine_event(id, EngineEvent::WeightsSynced)
-                .and_then(|_| inner.engine_event(id, EngineEvent::Activated));
+                .engines
+                .event(id, EngineEvent::WeightsSynced)
+                .and_then(|_| inner.engines.event(id, EngineEvent::Activated));
             match back {
                 Ok(_) => Turn::Verified,
                 Err(_) if left(inner) => Turn::Skipped,
@@ -451,7 +452,7 @@ pub(crate) async fn finish_turn(
                 if left(inner) {
                     return None;
                 }
-                inner.fail_engine(id, Some(format!("weight update to {} failed: {why}", want.version)));
+                inner.engines.fail(id, Some(format!("weight update to {} failed: {why}", want.version)));
                 Some(inner.engines.get(id).and_then(|en| en.process.clone()))
             });
             match process {
@@ -559,7 +560,7 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightV
                     && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
                 if on_failed {
                     e.record.last_error = Some(format!("serves {} from a failed update", want.version));
-                    crate::foundation::records::checked(inner.engine_event(&id, EngineEvent::ProbeFailed));
+                    crate::foundation::records::checked(inner.engines.event(&id, EngineEvent::ProbeFailed));
                 }
                 continue;
             }
@@ -570,7 +571,7 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightV
                 e.record.last_error =
                     Some(format!("serves {} from a failed update; restarting on {}", want.version, current.version));
                 let process = e.process.clone();
-                crate::foundation::records::checked(inner.engine_event(&id, EngineEvent::Fail));
+                crate::foundation::records::checked(inner.engines.event(&id, EngineEvent::Fail));
                 out.push((id, process));
             } else if failed_here {
                 out.push((id, None));

@@ -205,7 +205,7 @@ async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>)
     let inner = s.manager.fleet.lock();
     let keep =
         |r: &crate::foundation::records::ScaleOutRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
-    Ok(Json(listing(inner.scale_outs.values().filter(|r| keep(r)), |r| r.created_at)))
+    Ok(Json(listing(inner.ops.scale_outs().filter(|r| keep(r)), |r| r.created_at)))
 }
 
 async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
@@ -213,7 +213,7 @@ async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) 
     let inner = s.manager.fleet.lock();
     let keep =
         |r: &crate::foundation::records::ScaleInRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
-    Ok(Json(listing(inner.scale_ins.values().filter(|r| keep(r)), |r| r.created_at)))
+    Ok(Json(listing(inner.ops.scale_ins().filter(|r| keep(r)), |r| r.created_at)))
 }
 
 /// `{"requests": [...], "total": n}`, oldest first.
@@ -228,7 +228,7 @@ fn listing<'a, R: Clone + serde::Serialize + 'a>(
 
 async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let record = inner.scale_outs.get(&id).ok_or_else(|| {
+    let record = inner.ops.scale_out(&id).ok_or_else(|| {
         ApiError::not_found(
             "unknown_request",
             format!("no scale-out request with id {id}; list them with GET /rollout/scale_out"),
@@ -250,7 +250,7 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
 
 async fn get_scale_in(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let record = inner.scale_ins.get(&id).ok_or_else(|| {
+    let record = inner.ops.scale_in(&id).ok_or_else(|| {
         ApiError::not_found(
             "unknown_request",
             format!("no scale-in request with id {id}; list them with GET /rollout/scale_in"),

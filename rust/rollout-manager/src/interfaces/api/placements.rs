@@ -47,7 +47,7 @@ struct ListQuery {
 fn snapshot(s: &ApiState) -> (u64, Value) {
     let inner = s.manager.fleet.lock();
     let placements: Vec<&rollout_core::Placement> = inner.placements.values().collect();
-    (inner.placement_revision(), json!({ "revision": inner.placement_revision(), "placements": placements }))
+    (inner.placements.revision(), json!({ "revision": inner.placements.revision(), "placements": placements }))
 }
 
 async fn list(
@@ -77,7 +77,7 @@ async fn list(
             () = tokio::time::sleep_until(deadline) => break,
             () = s.manager.shutdown.cancelled() => break,
         }
-        if s.manager.fleet.lock().placement_revision() > after {
+        if s.manager.fleet.lock().placements.revision() > after {
             break;
         }
     }

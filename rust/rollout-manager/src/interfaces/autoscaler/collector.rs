@@ -19,7 +19,7 @@ pub struct Collector {
 /// The fleet as the scale API counts it, read under the registry lock.
 pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
     let inner = manager.fleet.lock();
-    let mut fleet = FleetState { live_engines: inner.live_count(), ..FleetState::default() };
+    let mut fleet = FleetState { live_engines: inner.engines.live_count(), ..FleetState::default() };
     let mut active = Vec::new();
     for e in inner.engines.values() {
         match e.record.status {
@@ -41,10 +41,13 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
     }
     // Room for more engines: what --max-engines allows and the free GPUs can hold (in Ray mode
     // the cluster decides: engines beyond its GPUs wait in PENDING_RESOURCES).
-    let room =
-        if manager.ray() { u32::MAX } else { inner.free_gpus() / manager.config.rollout_num_gpus_per_engine.max(1) };
+    let room = if manager.ray() {
+        u32::MAX
+    } else {
+        inner.engines.free_gpus() / manager.config.rollout_num_gpus_per_engine.max(1)
+    };
     fleet.capacity_engines = manager.config.max_engines.min(fleet.live_engines.saturating_add(room));
-    fleet.operation_in_progress = inner.running_op().map(|r| format!("{} {}", r.kind, r.request_id));
+    fleet.operation_in_progress = inner.ops.running().map(|r| format!("{} {}", r.kind, r.request_id));
     (fleet, active)
 }
 

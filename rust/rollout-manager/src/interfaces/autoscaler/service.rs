@@ -333,13 +333,13 @@ impl Autoscaler {
             .map(|(id, action)| {
                 let found = if action == "scale_out" {
                     inner
-                        .scale_outs
-                        .get(&id)
+                        .ops
+                        .scale_out(&id)
                         .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
                 } else {
                     inner
-                        .scale_ins
-                        .get(&id)
+                        .ops
+                        .scale_in(&id)
                         .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
                 };
                 match found {

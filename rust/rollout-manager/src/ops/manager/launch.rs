@@ -20,13 +20,14 @@ impl Manager {
             if let Some(e) = inner.engines.get_mut(&id) {
                 e.record.detail = Some(PENDING_DETAIL.into());
             }
-            inner.placements.insert(id.clone(), Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
-            inner.placements_changed();
+            inner.placements.set(&id, Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
             return Ok(id);
         }
         let host = &self.config.engine_host;
-        let held =
-            inner.reserve_local(per_engine, |taken| free_port(host, taken)).map_err(|e| format!("{e} on {host}"))?;
+        let held = inner
+            .engines
+            .reserve_local(per_engine, |taken| free_port(host, taken))
+            .map_err(|e| format!("{e} on {host}"))?;
         let url = held.port.map(|port| format!("http://{}:{port}", url_host(host))).unwrap_or_default();
         Ok(self.register(inner, EngineStatus::Creating, url, origin, held, created_by))
     }
@@ -64,7 +65,7 @@ impl Manager {
         let now = unix_now();
         let logs = (origin != EngineOrigin::External).then(|| self.config.state_dir.join("logs"));
         let gpu_ids = held.gpus.clone();
-        inner.add_engine(held, |new| EngineRecord {
+        inner.engines.add(held, |new| EngineRecord {
             engine_id: new.engine_id.clone(),
             url,
             status,
@@ -97,7 +98,7 @@ impl Manager {
             let found = crate::foundation::engine_http::shorten(model);
             return Err(EngineError::WrongModel { expected: self.config.model_path.clone(), found });
         }
-        self.fleet.update(|inner| inner.engine_event(engine_id, EngineEvent::Launched)).map_err(EngineError::Moved)?;
+        self.fleet.update(|inner| inner.engines.event(engine_id, EngineEvent::Launched)).map_err(EngineError::Moved)?;
         Ok(())
     }
 
@@ -164,7 +165,7 @@ impl Manager {
                 return healthy;
             }
             let again = self.fleet.update(|inner| {
-                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                if inner.engines.event(engine_id, EngineEvent::Restart).is_err() {
                     return false;
                 }
                 if !self.ray() {
@@ -265,7 +266,7 @@ impl Manager {
         let registered = self.fleet.update(|inner| {
             // The engine may have been removed (scale-in, cancel) while we were forking.
             let moved = match event {
-                Some(event) => inner.engine_event(engine_id, event).map(|_| ()),
+                Some(event) => inner.engines.event(engine_id, event).map(|_| ()),
                 None => match inner.engines.get(engine_id).map(|e| e.record.status) {
                     Some(EngineStatus::WeightSyncing) => Ok(()),
                     other => Err(rollout_core::IllegalTransition {

@@ -179,7 +179,7 @@ impl Manager {
             nodes.push(Node::Local);
         }
         if self.ray() {
-            for (engine_id, p) in &inner.placements {
+            for (engine_id, p) in inner.placements.iter() {
                 let failed = inner.engines.get(engine_id).is_none_or(|e| e.record.status == EngineStatus::Failed);
                 let Some(agent) = p.agent.as_ref().filter(|_| p.desired == rollout_core::Desired::Present) else {
                     continue;

@@ -149,7 +149,7 @@ impl Manager {
                     }
                 }
                 for event in events {
-                    inner.engine_event(engine_id, *event)?;
+                    inner.engines.event(engine_id, *event)?;
                 }
                 Ok(true)
             })?;

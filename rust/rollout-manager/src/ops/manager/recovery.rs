@@ -25,7 +25,7 @@ impl Manager {
                     e.process = None;
                 }
                 // Fails only from live states; an engine being removed is expected to exit.
-                inner.fail_engine(&engine_id, None);
+                inner.engines.fail(&engine_id, None);
                 was
             });
             // Engines still being created are the scale-out's to handle; removed ones stay gone.
@@ -68,7 +68,7 @@ impl Manager {
                     }
                     rollout_core::health::RestartDecision::GiveUp { .. } => return false,
                 }
-                if inner.engine_event(engine_id, EngineEvent::Restart).is_err() {
+                if inner.engines.event(engine_id, EngineEvent::Restart).is_err() {
                     return false;
                 }
                 if self.ray() {
@@ -95,7 +95,7 @@ impl Manager {
             let result = async {
                 self.launch_healthy(engine_id, &self.shutdown).await?;
                 self.fleet
-                    .update(|inner| inner.engine_event(engine_id, EngineEvent::Healthy))
+                    .update(|inner| inner.engines.event(engine_id, EngineEvent::Healthy))
                     .map_err(EngineError::Moved)?;
                 self.sync_weights(engine_id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]).await?;
                 Ok::<(), EngineError>(())
@@ -108,7 +108,7 @@ impl Manager {
                 }
                 Err(e) => {
                     let process = self.fleet.update(|inner| {
-                        inner.fail_engine(engine_id, Some(format!("recovery failed: {e}")));
+                        inner.engines.fail(engine_id, Some(format!("recovery failed: {e}")));
                         inner.engines.get(engine_id).and_then(|en| en.process.clone())
                     });
                     if let Some(p) = process {
@@ -185,7 +185,7 @@ impl Manager {
     /// it taken fails and is retried.
     pub(super) fn move_to_fresh_port(&self, inner: &mut crate::registry::fleet::FleetInner, engine_id: &str) {
         let host = &self.config.engine_host;
-        if let Err(e) = inner.move_port(
+        if let Err(e) = inner.engines.move_port(
             engine_id,
             |taken| free_port(host, taken),
             |port| format!("http://{}:{port}", url_host(host)),
@@ -209,21 +209,20 @@ impl Manager {
     pub fn agent_lost(&self, agent_url: &str, only: Option<&str>, reason: &str) -> Vec<String> {
         let unbound = self.fleet.update(|inner| {
             let mut unbound = Vec::new();
-            for (engine_id, placement) in inner.placements.iter_mut() {
+            inner.placements.change_each(|engine_id, placement| {
                 if only.is_some_and(|o| o != engine_id) {
-                    continue;
+                    return false;
                 }
-                if let rollout_core::LoseOutcome::Unbound { .. } = placement.lose(agent_url) {
-                    unbound.push(engine_id.clone());
+                let lost = matches!(placement.lose(agent_url), rollout_core::LoseOutcome::Unbound { .. });
+                if lost {
+                    unbound.push(engine_id.to_string());
                 }
-            }
+                lost
+            });
             for engine_id in &unbound {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.record.last_error = Some(format!("agent {agent_url} lost: {reason}"));
                 }
-            }
-            if !unbound.is_empty() {
-                inner.placements_changed();
             }
             unbound
         });

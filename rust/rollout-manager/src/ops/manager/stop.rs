@@ -8,7 +8,7 @@ impl Manager {
     /// its GPUs and port, and marks it REMOVED.
     pub async fn remove_engine(&self, engine_id: &str) -> Option<ExitInfo> {
         let process = self.fleet.update(|inner| {
-            if let Err(e) = inner.engine_event(engine_id, EngineEvent::Remove) {
+            if let Err(e) = inner.engines.event(engine_id, EngineEvent::Remove) {
                 // Already on its way out: whoever moved it there finishes the removal too.
                 tracing::debug!(engine_id, error = %e, "remove");
             }
@@ -22,17 +22,14 @@ impl Manager {
         self.fleet.update(|inner| {
             if ray {
                 // The shim removes the placement group now, then says released.
-                if let Some(p) = inner.placements.get_mut(engine_id) {
-                    p.unwant();
-                    inner.placements_changed();
-                }
+                inner.placements.change(engine_id, |p| p.unwant());
             }
             if let Some(e) = inner.engines.get_mut(engine_id) {
                 e.process = None;
             }
-            if inner.engine_event(engine_id, EngineEvent::Removed).is_ok() {
+            if inner.engines.event(engine_id, EngineEvent::Removed).is_ok() {
                 // Forget removed engines entirely; their operation records keep their ids.
-                inner.forget_engine(engine_id);
+                inner.engines.forget(engine_id);
             }
         });
         exit
@@ -42,7 +39,7 @@ impl Manager {
     /// so the operator sees it).
     pub async fn fail_engine(&self, engine_id: &str, error: &str) {
         let process = self.fleet.update(|inner| {
-            inner.fail_engine(engine_id, Some(error.to_string()));
+            inner.engines.fail(engine_id, Some(error.to_string()));
             inner.engines.get(engine_id).and_then(|e| e.process.clone())
         });
         if let Some(p) = process {

@@ -1,0 +1,162 @@
+//! The operations part of the registry: the scale-out and scale-in records and the
+//! one-operation lock. An operation that runs enters with its lock taken in the same step
+//! ([`Operations::start_scale_out`], [`Operations::start_scale_in`]), so there is never a
+//! running record without the lock or a lock without its record, and the lock is freed only
+//! under the id that holds it.
+
+use crate::foundation::records::{RunningOp, ScaleInRecord, ScaleOutRecord};
+use std::collections::BTreeMap;
+
+/// Finished operations of each kind kept in memory and in the store.
+pub const KEEP_OPERATIONS: usize = 1000;
+
+/// The registry's scale operations.
+#[derive(Debug, Default)]
+pub struct Operations {
+    scale_outs: BTreeMap<String, ScaleOutRecord>,
+    scale_ins: BTreeMap<String, ScaleInRecord>,
+    /// Mutual exclusion: at most one scale operation runs.
+    running: Option<RunningOp>,
+}
+
+impl Operations {
+    /// The scale operation in progress, if any.
+    pub fn running(&self) -> Option<&RunningOp> {
+        self.running.as_ref()
+    }
+
+    /// Records a scale-out. One that has finished already (a NOOP) is only recorded; one that
+    /// runs takes the one-operation lock, and is refused (nothing recorded, the holder named)
+    /// while another operation holds it.
+    pub fn start_scale_out(&mut self, record: ScaleOutRecord) -> Result<(), RunningOp> {
+        let runs = !record.status.is_terminal();
+        self.take_lock_if(runs, "scale_out", &record.request_id)?;
+        self.scale_outs.insert(record.request_id.clone(), record);
+        Ok(())
+    }
+
+    /// Like [`Operations::start_scale_out`], for a scale-in.
+    pub fn start_scale_in(&mut self, record: ScaleInRecord) -> Result<(), RunningOp> {
+        let runs = !record.status.is_terminal();
+        self.take_lock_if(runs, "scale_in", &record.request_id)?;
+        self.scale_ins.insert(record.request_id.clone(), record);
+        Ok(())
+    }
+
+    fn take_lock_if(&mut self, runs: bool, kind: &'static str, request_id: &str) -> Result<(), RunningOp> {
+        if let Some(held) = &self.running {
+            return Err(held.clone());
+        }
+        if runs {
+            self.running = Some(RunningOp { kind, request_id: request_id.to_string() });
+        }
+        Ok(())
+    }
+
+    /// Puts back a scale-out read from the store after a restart (the lock is not taken: the
+    /// task that ran it is gone).
+    pub fn restore_scale_out(&mut self, record: ScaleOutRecord) {
+        self.scale_outs.insert(record.request_id.clone(), record);
+    }
+
+    /// Puts back a scale-in read from the store after a restart.
+    pub fn restore_scale_in(&mut self, record: ScaleInRecord) {
+        self.scale_ins.insert(record.request_id.clone(), record);
+    }
+
+    /// Frees the one-operation lock if `request_id` holds it.
+    pub fn end(&mut self, request_id: &str) {
+        if self.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+            self.running = None;
+        }
+    }
+
+    pub fn scale_out(&self, request_id: &str) -> Option<&ScaleOutRecord> {
+        self.scale_outs.get(request_id)
+    }
+
+    pub fn scale_out_mut(&mut self, request_id: &str) -> Option<&mut ScaleOutRecord> {
+        self.scale_outs.get_mut(request_id)
+    }
+
+    pub fn scale_in(&self, request_id: &str) -> Option<&ScaleInRecord> {
+        self.scale_ins.get(request_id)
+    }
+
+    pub fn scale_in_mut(&mut self, request_id: &str) -> Option<&mut ScaleInRecord> {
+        self.scale_ins.get_mut(request_id)
+    }
+
+    /// Every scale-out, in id order.
+    pub fn scale_outs(&self) -> impl Iterator<Item = &ScaleOutRecord> {
+        self.scale_outs.values()
+    }
+
+    /// Every scale-in, in id order.
+    pub fn scale_ins(&self) -> impl Iterator<Item = &ScaleInRecord> {
+        self.scale_ins.values()
+    }
+
+    /// The records the store keeps.
+    pub(in crate::registry) fn rows(&self) -> (&BTreeMap<String, ScaleOutRecord>, &BTreeMap<String, ScaleInRecord>) {
+        (&self.scale_outs, &self.scale_ins)
+    }
+
+    /// Forgets the oldest finished operations beyond `keep` of each kind, so a long run (an
+    /// autoscaler acting for days) holds a bounded history in memory and in the store.
+    pub fn prune(&mut self, keep: usize) {
+        fn prune<R>(ops: &mut BTreeMap<String, R>, keep: usize, finished: impl Fn(&R) -> bool, at: impl Fn(&R) -> f64) {
+            if ops.len() <= keep {
+                return;
+            }
+            let mut done: Vec<(f64, String)> =
+                ops.iter().filter(|(_, r)| finished(r)).map(|(k, r)| (at(r), k.clone())).collect();
+            done.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let excess = ops.len() - keep;
+            for (_, k) in done.into_iter().take(excess) {
+                ops.remove(&k);
+            }
+        }
+        prune(&mut self.scale_outs, keep, |r| r.status.is_terminal(), |r| r.created_at);
+        prune(&mut self.scale_ins, keep, |r| r.status.is_terminal(), |r| r.created_at);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::foundation::records::Trigger;
+    use rollout_core::ScaleOutStatus;
+
+    fn scale_out(id: &str, status: ScaleOutStatus, at: f64) -> ScaleOutRecord {
+        ScaleOutRecord {
+            request_id: id.into(),
+            status,
+            model_name: "default".into(),
+            num_replicas: 1,
+            engine_urls: vec![],
+            engine_ids: vec![],
+            failed_engines: vec![],
+            created_at: at,
+            updated_at: at,
+            error_message: None,
+            weight_version: None,
+            message: String::new(),
+            trigger: Trigger::User,
+            history: vec![],
+        }
+    }
+
+    #[test]
+    fn prunes_only_the_oldest_finished_operations() {
+        let mut ops = Operations::default();
+        for i in 0..5 {
+            let status = if i == 0 { ScaleOutStatus::Pending } else { ScaleOutStatus::Active };
+            ops.restore_scale_out(scale_out(&format!("op{i}"), status, f64::from(i)));
+        }
+        ops.prune(3);
+        let left: Vec<_> = ops.scale_outs().map(|r| r.request_id.as_str()).collect();
+        // The running op0 stays although it is the oldest; op1 and op2 go.
+        assert_eq!(left, vec!["op0", "op3", "op4"]);
+    }
+}

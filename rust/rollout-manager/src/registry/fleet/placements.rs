@@ -1,0 +1,93 @@
+//! The placements part of the registry (Ray mode): where each managed engine runs, and a
+//! revision that every change bumps, so `GET /rollout/placements?after=` can wait for the next
+//! one. The only ways to change a placement are the methods below, which all bump it.
+
+use rollout_core::Placement;
+use std::collections::BTreeMap;
+
+/// The placement of every managed engine (and of removed ones until the shim says released),
+/// by engine id.
+#[derive(Debug, Default)]
+pub struct Placements {
+    map: BTreeMap<String, Placement>,
+    /// Bumped on every placement change.
+    revision: u64,
+}
+
+impl Placements {
+    pub fn get(&self, engine_id: &str) -> Option<&Placement> {
+        self.map.get(engine_id)
+    }
+
+    /// Every placement, in engine id order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Placement)> {
+        self.map.iter()
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Placement> {
+        self.map.values()
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// After a restart: continue past every revision the previous run handed out.
+    pub fn continue_after(&mut self, revision: u64) {
+        self.revision = self.revision.max(revision);
+    }
+
+    /// Sets the placement of `engine_id` (its plan, or one read back from the store).
+    pub fn set(&mut self, engine_id: &str, placement: Placement) {
+        self.map.insert(engine_id.to_string(), placement);
+        self.revision += 1;
+    }
+
+    /// Changes the placement of `engine_id` with `f`; false (nothing changed) when it has none.
+    pub fn change(&mut self, engine_id: &str, f: impl FnOnce(&mut Placement)) -> bool {
+        let Some(p) = self.map.get_mut(engine_id) else { return false };
+        f(p);
+        self.revision += 1;
+        true
+    }
+
+    /// Runs `f` on the placement of `engine_id` (None when it has none); `f` says whether it
+    /// changed the placement beside what it returns.
+    pub fn change_if<R>(&mut self, engine_id: &str, f: impl FnOnce(&mut Placement) -> (R, bool)) -> Option<R> {
+        let p = self.map.get_mut(engine_id)?;
+        let (out, changed) = f(p);
+        if changed {
+            self.revision += 1;
+        }
+        Some(out)
+    }
+
+    pub fn contains_key(&self, engine_id: &str) -> bool {
+        self.map.contains_key(engine_id)
+    }
+
+    /// Changes every placement `f` says it changed (returns true for).
+    pub fn change_each(&mut self, mut f: impl FnMut(&str, &mut Placement) -> bool) {
+        let mut changed = false;
+        for (id, p) in self.map.iter_mut() {
+            changed |= f(id, p);
+        }
+        if changed {
+            self.revision += 1;
+        }
+    }
+
+    /// Forgets the placement of `engine_id`.
+    pub fn remove(&mut self, engine_id: &str) -> Option<Placement> {
+        let gone = self.map.remove(engine_id);
+        if gone.is_some() {
+            self.revision += 1;
+        }
+        gone
+    }
+
+    /// The placements the store keeps.
+    pub(in crate::registry) fn rows(&self) -> &BTreeMap<String, Placement> {
+        &self.map
+    }
+}
