@@ -37,7 +37,7 @@ fn op_status(m: &crate::ops::manager::Manager, id: &str) -> Option<ScaleOutStatu
 }
 
 fn count(inner: &crate::registry::fleet::FleetInner, status: EngineStatus) -> usize {
-    inner.engines.values().filter(|e| e.record.status == status).count()
+    inner.engines.values().filter(|e| e.status() == status).count()
 }
 
 #[tokio::test]
@@ -107,7 +107,7 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
     // Engines that never answer their health check: the scale-out waits in HEALTH_CHECKING.
     wait_for(&m, "both engines launched", |i| {
-        let urls: Vec<String> = i.engines.values().map(|e| e.record.url.clone()).collect();
+        let urls: Vec<String> = i.engines.values().map(|e| e.record().url.clone()).collect();
         for url in &urls {
             engines.set_down(url, true);
         }
@@ -137,7 +137,7 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A request in flight on the engine scale-in removes first (the newest, engine_1).
-    let load = m.fleet.lock().engines.get("engine_1").unwrap().load.clone();
+    let load = m.fleet.lock().engines.get("engine_1").unwrap().load().clone();
     let request = load.enter(100);
     let answer = crate::ops::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
     let crate::ops::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
@@ -145,7 +145,7 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     wait_for(&m, "the drain", |i| i.ops.scale_in(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
     {
         let inner = m.fleet.lock();
-        assert_eq!(inner.engines.get("engine_1").unwrap().record.status, EngineStatus::Draining);
+        assert_eq!(inner.engines.get("engine_1").unwrap().status(), EngineStatus::Draining);
         assert!(!m.fleet.routes().is_lost(&load), "a draining engine keeps its requests");
         assert_eq!(m.fleet.routes().backends.len(), 1);
     }
@@ -154,7 +154,7 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     {
         let inner = m.fleet.lock();
         assert_eq!(inner.ops.scale_in(&op).unwrap().status, ScaleInStatus::Completed);
-        let gone = inner.engines.get("engine_1").is_none_or(|e| e.record.status == EngineStatus::Removed);
+        let gone = inner.engines.get("engine_1").is_none_or(|e| e.status() == EngineStatus::Removed);
         assert!(gone, "engine_1 is removed");
         assert_eq!(inner.engines.free_gpus(), 1);
     }
@@ -171,8 +171,8 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     engines.crash("engine_0");
     wait_for(&m, "the engine back after a restart", |i| {
-        i.engines.get("engine_0").unwrap().record.restarts == 1
-            && i.engines.get("engine_0").unwrap().record.status == EngineStatus::Active
+        i.engines.get("engine_0").unwrap().record().restarts == 1
+            && i.engines.get("engine_0").unwrap().status() == EngineStatus::Active
     })
     .await;
     assert_eq!(m.fleet.routes().backends.len(), 1);
@@ -192,8 +192,8 @@ fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, pa
         let engines = inner
             .engines
             .values()
-            .filter(|e| e.record.status.is_routable())
-            .map(|e| (e.record.engine_id.clone(), EngineUpdate::pending()))
+            .filter(|e| e.status().is_routable())
+            .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
             .collect();
         if let Some(u) = inner.weights.updates.get_mut(&update_id) {
             u.checksum = Some("0".repeat(64));
@@ -368,7 +368,7 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     assert_eq!(inner.weights.updates[&update].status.to_string(), "COMPLETED");
     assert_eq!(inner.weights.current.version, "v1");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
-    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("v1")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
     assert_eq!(m.fleet.routes().version_order.last().map(String::as_str), Some("v1"));
     // One wave at a time (max_unavailable 1): the two loads never overlap in the log.
     let loads: Vec<String> = engines.calls().into_iter().filter(|c| c.starts_with("load ")).collect();
@@ -399,7 +399,7 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     probing.await.expect("the probe pass ends");
     let inner = m.fleet.lock();
     assert_eq!(inner.weights.current.version, "v1");
-    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("v1")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
     assert_eq!(inner.weights.updates.len(), 1, "no update observed from the engines");
 }
 
@@ -415,7 +415,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
     // Both engines are put back on the startup weights behind the manager's back.
-    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record.url.clone()).collect();
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url.clone()).collect();
     for url in urls {
         let load = crate::adapters::engine_api::DiskLoad {
             path: "/base".into(),
@@ -428,7 +428,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     crate::ops::health::probe_all(&m, &crate::ops::health::Rejoining::default()).await;
     let inner = m.fleet.lock();
     // The registry says what the engines serve; the fleet's version stays.
-    assert!(inner.engines.values().all(|e| e.record.weight_version.as_deref() == Some("default")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("default")));
     assert_eq!(inner.weights.current.version, "v1");
 }
 
@@ -439,7 +439,7 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     let cancels = Arc::new(Cancels::default());
     let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
-    let url = m.fleet.lock().engines.get("engine_1").unwrap().record.url.clone();
+    let url = m.fleet.lock().engines.get("engine_1").unwrap().record().url.clone();
     engines.refuse_loads(&url);
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
@@ -453,7 +453,7 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     // Every engine comes back on the fleet's version, the one that had moved to v1 included.
     wait_for(&m, "the fleet back on its version", |i| {
         count(i, EngineStatus::Active) == 2
-            && i.engines.values().all(|e| e.record.weight_version.as_deref() == Some("default"))
+            && i.engines.values().all(|e| e.record().weight_version.as_deref() == Some("default"))
     })
     .await;
     assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("default")));
@@ -477,15 +477,15 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     engines.crash("engine_0");
     wait_for(&m, "the restart", |i| {
         let e = &i.engines.get("engine_0").unwrap();
-        e.record.restarts == 1 && e.record.status == EngineStatus::Active
+        e.record().restarts == 1 && e.status() == EngineStatus::Active
     })
     .await;
     // The hung probe now fails: it was about the old process, so it counts for nothing.
     open.send_replace(true);
     probing.await.expect("the probe pass ends");
     let inner = m.fleet.lock();
-    assert_eq!(inner.engines.get("engine_0").unwrap().probe_failures, 0);
-    assert_eq!(inner.engines.get("engine_0").unwrap().record.status, EngineStatus::Active);
+    assert_eq!(inner.engines.get("engine_0").unwrap().probe_failures(), 0);
+    assert_eq!(inner.engines.get("engine_0").unwrap().status(), EngineStatus::Active);
 }
 
 /// The manager is killed with two engines serving; a new one on the same `--state-dir` finds
@@ -637,7 +637,7 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     let cancels = Arc::new(Cancels::default());
     let op = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
     wait_for(&m, "the new engine to wait for the trainer", |i| {
-        i.engines.get("engine_2").is_some_and(|e| e.awaiting_trainer)
+        i.engines.get("engine_2").is_some_and(|e| e.awaiting_trainer())
     })
     .await;
     assert_eq!(m.fleet.routes().backends.len(), 2, "the waiting engine is not routable");
@@ -668,7 +668,7 @@ async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_act
     let (open, waiting) = engines.hold_next_probe();
     let op = scaling::scale_out(&m, &Arc::new(Cancels::default()), scale_out_request(4)).expect("accepted").request_id;
     waiting.notified().await;
-    wait_for(&m, "one new engine READY", |i| i.engines.values().any(|e| e.record.status == EngineStatus::Ready)).await;
+    wait_for(&m, "one new engine READY", |i| i.engines.values().any(|e| e.status() == EngineStatus::Ready)).await;
     let second = open_trainer_update(&m, "step-2");
     finish_trainer_update(&m, &second).await;
     {
@@ -693,7 +693,7 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     scale_to(&m, 2).await;
     let first = open_trainer_update(&m, "step-1");
     finish_trainer_update(&m, &first).await;
-    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record.url.clone()).collect();
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url.clone()).collect();
     for url in &urls {
         engines.refuse_loads(url);
     }
@@ -705,8 +705,8 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     assert_eq!(inner.weights.current.version, "step-1");
     // Not restarted: the only copies of step-1 are in these engines.
     for e in inner.engines.values() {
-        assert_eq!((e.record.status, e.record.restarts), (EngineStatus::Active, 0), "{:?}", e.record);
-        assert_eq!(e.record.weight_version.as_deref(), Some("step-1"));
+        assert_eq!((e.status(), e.record().restarts), (EngineStatus::Active, 0), "{:?}", e.record());
+        assert_eq!(e.record().weight_version.as_deref(), Some("step-1"));
     }
     assert_eq!(m.fleet.routes().backends.len(), 2);
 }

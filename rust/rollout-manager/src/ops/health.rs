@@ -64,7 +64,7 @@ enum Verdict {
 
 /// The start of `e` a probe is sent to (see [`Incarnation`]).
 fn incarnation(e: &crate::registry::fleet::Engine) -> Incarnation {
-    Incarnation { url: e.record.url.clone(), pid: e.record.pid, restarts: e.record.restarts }
+    Incarnation { url: e.record().url.clone(), pid: e.record().pid, restarts: e.record().restarts }
 }
 
 pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
@@ -74,9 +74,9 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         .lock()
         .engines
         .values()
-        .filter(|e| matches!(e.record.status, EngineStatus::Active | EngineStatus::Unhealthy))
-        .filter(|e| !busy.contains(&e.record.engine_id))
-        .map(|e| (e.record.engine_id.clone(), incarnation(e)))
+        .filter(|e| matches!(e.status(), EngineStatus::Active | EngineStatus::Unhealthy))
+        .filter(|e| !busy.contains(&e.record().engine_id))
+        .map(|e| (e.record().engine_id.clone(), incarnation(e)))
         .collect();
     let results = probe(manager, &targets).await;
     let verdicts = judge(manager, results);
@@ -107,8 +107,8 @@ async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(String, Incarnation)])
         let asked = targets
             .iter()
             .filter_map(|(id, at)| {
-                let e = inner.engines.get(id).filter(|e| e.record.status == EngineStatus::Active)?;
-                Some((id.clone(), at.clone(), e.transitions))
+                let e = inner.engines.get(id).filter(|e| e.status() == EngineStatus::Active)?;
+                Some((id.clone(), at.clone(), e.transitions()))
             })
             .collect();
         (asked, inner.weights.next_seq)
@@ -159,13 +159,10 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> 
         let probe = match (&failure, paused) {
             (None, _) => Probe::Passed,
             (Some(_), false) => Probe::Failed,
-            (Some(_), true) => {
-                let since = *engine.paused_since.get_or_insert(now);
-                Probe::Paused { for_secs: now.duration_since(since).as_secs_f64() }
-            }
+            (Some(_), true) => Probe::Paused { for_secs: engine.paused_for(now) },
         };
         if !matches!(probe, Probe::Paused { .. }) {
-            engine.paused_since = None;
+            engine.not_paused();
         }
         let counted = counts(probe, manager.config.health_pause_grace_secs);
         manager.fleet.count_probe(match counted {
@@ -177,10 +174,9 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> 
             tracing::debug!(engine_id = %id, "health probe failed while the engine is paused; not counted");
             continue;
         };
-        let managed = engine.record.origin != EngineOrigin::External;
-        engine.probe_failures = if passed { 0 } else { engine.probe_failures.saturating_add(1) };
-        let failures = engine.probe_failures;
-        let verdict = match core_verdict(engine.record.status, passed, failures, managed, policy) {
+        let managed = engine.record().origin != EngineOrigin::External;
+        let failures = engine.count_probe(passed);
+        let verdict = match core_verdict(engine.status(), passed, failures, managed, policy) {
             Some(CoreVerdict::TakeOut) => Verdict::TakeOut(failures, failure.unwrap_or_default()),
             Some(CoreVerdict::TryBack) => Verdict::TryBack,
             Some(CoreVerdict::Restart) => Verdict::Restart,
@@ -200,7 +196,7 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
             tracing::warn!(engine_id = %id, failures, reason = %why, "engine unhealthy; taken out of routing");
             manager.fleet.update(|inner| {
                 if let Some(e) = inner.engines.get_mut(&id) {
-                    e.record.last_error = Some(format!("{failures} consecutive failed health probes (last: {why})"));
+                    e.set_last_error(Some(format!("{failures} consecutive failed health probes (last: {why})")));
                 }
                 if let Err(e) = inner.engines.event(&id, EngineEvent::ProbeFailed) {
                     // It left ACTIVE since the probe (drained, updating, failed): the verdict is moot.
@@ -223,7 +219,7 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
             tracing::warn!(engine_id = %id, "engine has failed its probes for too long; restarting it");
             let process = manager.fleet.update(|inner| {
                 inner.engines.fail(&id, Some("hung: failed health probes; restarting".into()));
-                inner.engines.get(&id).and_then(|e| e.process.clone())
+                inner.engines.get(&id).and_then(|e| e.process().cloned())
             });
             let m = manager.clone();
             manager.tasks.spawn(async move {
@@ -252,14 +248,14 @@ fn hold_beyond_the_bound(
     }
     // Out because they failed: UNHEALTHY, FAILED, or starting again after a failure (not the
     // ones whose restart budget is spent: they would hold the bound for good).
-    let failed_out = |e: &crate::registry::fleet::Engine| match e.record.status {
+    let failed_out = |e: &crate::registry::fleet::Engine| match e.status() {
         EngineStatus::Unhealthy => true,
-        EngineStatus::Failed => e.record.log_tail.is_none(),
-        _ => e.bringup.is_some_and(|(_, why)| why == "restart"),
+        EngineStatus::Failed => e.record().log_tail.is_none(),
+        _ => e.restarting(),
     };
     let (serving, out) = inner.engines.values().fold((0, 0), |(n, out), e| {
         let failed = failed_out(e);
-        (n + usize::from(failed || e.record.status == EngineStatus::Active), out + usize::from(failed))
+        (n + usize::from(failed || e.status() == EngineStatus::Active), out + usize::from(failed))
     });
     let fraction = manager.config.health_max_unhealthy_fraction;
     let allowed = rollout_core::health::takeouts_allowed(serving, out, wanting, fraction);
@@ -270,7 +266,9 @@ fn hold_beyond_the_bound(
     let mut order: Vec<(u32, u64, String)> = verdicts
         .iter()
         .filter_map(|(id, v)| match v {
-            Verdict::TakeOut(failures, _) => Some((*failures, inner.engines.get(id).map_or(0, |e| e.seq), id.clone())),
+            Verdict::TakeOut(failures, _) => {
+                Some((*failures, inner.engines.get(id).map_or(0, |e| e.seq()), id.clone()))
+            }
             _ => None,
         })
         .collect();
@@ -280,12 +278,12 @@ fn hold_beyond_the_bound(
     for id in &held {
         manager.fleet.count_probe(crate::registry::fleet::ProbeResult::Held);
         if let Some(e) = inner.engines.get_mut(id) {
-            e.record.last_error = Some(format!(
+            e.set_last_error(Some(format!(
                 "{} consecutive failed health probes, but kept in routing: {out} of {serving} engines are already \
                  out after failures, and at most a share of {fraction} may be (--health-max-unhealthy-fraction); \
                  probed again",
-                e.probe_failures
-            ));
+                e.probe_failures()
+            )));
         }
     }
     tracing::warn!(held = ?held, out, serving, fraction,
@@ -307,12 +305,12 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
             );
             // Said once: its probes keep passing, so this runs every round.
             let known =
-                manager.fleet.lock().engines.get(id).is_some_and(|en| en.record.last_error == Some(why.clone()));
+                manager.fleet.lock().engines.get(id).is_some_and(|en| en.record().last_error == Some(why.clone()));
             if !known {
                 tracing::warn!(engine_id = %id, version, "external engine missed a trainer version; stays out of routing");
                 manager.fleet.update(|inner| {
                     if let Some(en) = inner.engines.get_mut(id) {
-                        en.record.last_error = Some(why);
+                        en.set_last_error(Some(why));
                     }
                 });
             }
@@ -331,7 +329,7 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
             tracing::warn!(engine_id = %id, error = %e, "engine answers but cannot rejoin routing");
             manager.fleet.update(|inner| {
                 if let Some(en) = inner.engines.get_mut(id) {
-                    en.record.last_error = Some(format!("cannot rejoin: {e}"));
+                    en.set_last_error(Some(format!("cannot rejoin: {e}")));
                 }
             });
         }
@@ -348,7 +346,7 @@ async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(Str
         if path.is_some() || !inner.weights.desired_from_trainer() {
             return None;
         }
-        (want, engine.record.origin != EngineOrigin::External)
+        (want, engine.record().origin != EngineOrigin::External)
     };
     let (found, checksum) = manager.served_weights(id).await.ok()?;
     (!want.served_by(found.as_deref(), checksum.as_deref())).then_some((want.version, managed))
@@ -373,7 +371,7 @@ async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &str, version: &str) {
             tracing::warn!(engine_id = %id, error = %e, "catching up failed; restarting the engine");
             let process = manager.fleet.update(|inner| {
                 inner.engines.fail(id, Some(format!("could not catch up with weight version {version}: {e}")));
-                inner.engines.get(id).and_then(|en| en.process.clone())
+                inner.engines.get(id).and_then(|en| en.process().cloned())
             });
             if let Some(p) = process {
                 p.stop(manager.shutdown_grace()).await;
@@ -429,7 +427,7 @@ impl Reported {
     /// meanwhile went through WEIGHT_SYNCING, and what it said before that is stale.
     fn fresh<'a>(&'a self, e: &crate::registry::fleet::Engine) -> Option<&'a (Option<String>, Option<String>)> {
         let same =
-            e.record.status == EngineStatus::Active && e.transitions == self.transitions && incarnation(e) == self.at;
+            e.status() == EngineStatus::Active && e.transitions() == self.transitions && incarnation(e) == self.at;
         self.served.as_ref().filter(|_| same)
     }
 }
@@ -448,7 +446,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             inner
                 .engines
                 .get(&r.engine_id)
-                .is_some_and(|e| r.fresh(e).is_some_and(|(version, _)| e.record.weight_version != *version))
+                .is_some_and(|e| r.fresh(e).is_some_and(|(version, _)| e.record().weight_version != *version))
         })
     };
     if !changed {
@@ -458,13 +456,12 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
         for r in reported {
             let Some(e) = inner.engines.get_mut(&r.engine_id) else { continue };
             let Some((version, checksum)) = r.fresh(e).cloned() else { continue };
-            if e.record.weight_version == version {
+            if e.record().weight_version == version {
                 continue;
             }
-            tracing::warn!(engine_id = %r.engine_id, recorded = ?e.record.weight_version, reports = ?version,
+            tracing::warn!(engine_id = %r.engine_id, recorded = ?e.record().weight_version, reports = ?version,
                 "engine reports another weight version than recorded (loaded without the manager); the registry follows it");
-            e.record.weight_version = version;
-            e.record.weights_checksum = checksum;
+            e.set_weights(version, checksum);
         }
         if inner.weights.next_seq != weights_seq {
             return;
@@ -473,9 +470,9 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             return;
         }
         let mut active: Vec<&crate::registry::fleet::Engine> =
-            inner.engines.values().filter(|e| e.record.status == EngineStatus::Active).collect();
-        active.sort_by_key(|e| e.seq);
-        let serving: Vec<Option<&str>> = active.iter().map(|e| e.record.weight_version.as_deref()).collect();
+            inner.engines.values().filter(|e| e.status() == EngineStatus::Active).collect();
+        active.sort_by_key(|e| e.seq());
+        let serving: Vec<Option<&str>> = active.iter().map(|e| e.record().weight_version.as_deref()).collect();
         let known = inner.weights.seen_versions();
         let known: Vec<&str> = known.iter().map(String::as_str).collect();
         let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current.version, &known, &serving)
@@ -483,7 +480,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             return;
         };
         let found = found.to_string();
-        let ids: Vec<String> = active.iter().map(|e| e.record.engine_id.clone()).collect();
+        let ids: Vec<String> = active.iter().map(|e| e.record().engine_id.clone()).collect();
         inner.weights.observe_trainer_version(&found, &ids);
     });
 }

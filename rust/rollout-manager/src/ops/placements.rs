@@ -72,10 +72,9 @@ pub async fn bind(manager: &Manager, engine_id: &str, binding: AgentBinding) -> 
             .map_err(|e| conflict(&e))?;
         if outcome != BindOutcome::Same {
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.record.detail = None;
-                e.record.gpu_ids = gpu_ids;
+                e.placed_on(gpu_ids);
             }
-            if inner.engines.get(engine_id).is_some_and(|e| e.record.status == EngineStatus::Pending) {
+            if inner.engines.get(engine_id).is_some_and(|e| e.status() == EngineStatus::Pending) {
                 crate::foundation::records::checked(inner.engines.event(engine_id, EngineEvent::Bound));
             }
         }

@@ -395,7 +395,7 @@ async fn readopt(
                     .event(engine_id, EngineEvent::Healthy)
                     .map_err(crate::adapters::engine_api::EngineError::Moved)?;
                 let e = inner.engines.get(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
-                Ok(Some((engine_id.to_string(), e.record.url.clone(), e.load.clone())))
+                Ok(Some((engine_id.to_string(), e.record().url.clone(), e.load().clone())))
             });
         }
         manager

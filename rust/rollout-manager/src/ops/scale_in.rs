@@ -34,7 +34,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         }
         let victims = choose_victims(inner, &req, target)?;
         if req.dry_run {
-            let engines = victims.iter().filter_map(|id| inner.engines.get(id)).map(|e| e.record.clone()).collect();
+            let engines = victims.iter().filter_map(|id| inner.engines.get(id)).map(|e| e.record().clone()).collect();
             let message = format!("would remove {} engines; nothing was changed", victims.len());
             return Ok((ScaleInAnswer::DryRun { dry_run: true, engines, message }, None));
         }
@@ -133,16 +133,16 @@ fn choose_victims(
     let candidates: Vec<_> = inner
         .engines
         .values()
-        .filter(|e| !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+        .filter(|e| !matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed))
         .collect();
     let victims: Vec<String> = if target > 0 {
         let engines: Vec<Candidate> = candidates
             .iter()
             .map(|e| Candidate {
-                engine_id: e.record.engine_id.clone(),
-                seq: e.seq,
-                status: e.record.status,
-                origin: e.record.origin,
+                engine_id: e.record().engine_id.clone(),
+                seq: e.seq(),
+                status: e.status(),
+                origin: e.record().origin,
             })
             .collect();
         rollout_core::scale_in::victims(&engines, target)
@@ -151,20 +151,20 @@ fn choose_victims(
         for url in &req.engine_urls {
             let normal = crate::ops::scaling::validate_engine_url(url)?;
             let want = normal.as_str();
-            let engine = candidates.iter().find(|e| e.record.url == want).ok_or_else(|| {
+            let engine = candidates.iter().find(|e| e.record().url == want).ok_or_else(|| {
                 OpError::invalid(
                     "unknown_engine_url",
                     format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
                 )
             })?;
-            if engine.record.origin == EngineOrigin::Initial {
+            if engine.record().origin == EngineOrigin::Initial {
                 return Err(OpError::invalid(
                     "initial_engine_protected",
-                    format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record.engine_id),
+                    format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record().engine_id),
                 ));
             }
-            if !ids.contains(&engine.record.engine_id) {
-                ids.push(engine.record.engine_id.clone());
+            if !ids.contains(&engine.record().engine_id) {
+                ids.push(engine.record().engine_id.clone());
             }
         }
         ids
@@ -177,12 +177,12 @@ fn choose_victims(
 /// routable (still starting, or failed) skip the drain.
 fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[String], move_on_drain: bool) {
     for id in victims {
-        let status = inner.engines.get(id).map(|e| e.record.status);
+        let status = inner.engines.get(id).map(|e| e.status());
         if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
             crate::foundation::records::checked(inner.engines.event(id, EngineEvent::Drain));
             if move_on_drain {
                 if let Some(e) = inner.engines.get(id) {
-                    e.load.request_moves();
+                    e.load().request_moves();
                 }
             }
         }
@@ -193,7 +193,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
     // An external router must stop sending them work before the drain starts.
     let urls: Vec<String> = {
         let inner = manager.fleet.lock();
-        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record.url.clone())).collect()
+        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record().url.clone())).collect()
     };
     if let Some(router) = &manager.external_router {
         router.forget(&urls).await;
@@ -204,7 +204,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         victims
             .iter()
             .filter_map(|id| {
-                inner.engines.get(id).map(|e| (id.clone(), e.record.url.clone(), e.load.clone(), e.record.origin))
+                inner.engines.get(id).map(|e| (id.clone(), e.record().url.clone(), e.load().clone(), e.record().origin))
             })
             .collect()
     };
@@ -257,7 +257,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Str
         // Sanity: a victim must be gone now.
         for id in &victims {
             if let Some(e) = inner.engines.get(id) {
-                tracing::error!(engine_id = %id, status = %e.record.status, "engine still present after removal");
+                tracing::error!(engine_id = %id, status = %e.status(), "engine still present after removal");
             }
         }
     });

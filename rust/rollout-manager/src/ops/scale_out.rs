@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Phase of the slowest engine still in the race.
 fn slowest(inner: &crate::registry::fleet::FleetInner, racing: &[String]) -> Option<Phase> {
-    racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| Phase::of_engine(e.record.status))).min()
+    racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| Phase::of_engine(e.status()))).min()
 }
 
 /// Applies the operation's forward events until it has reached `phase` (see
@@ -41,7 +41,7 @@ pub(crate) fn advance_to(op: &mut crate::foundation::records::ScaleOutRecord, ph
 
 /// Whether an engine still waits for its placement (Ray mode, PENDING_RESOURCES).
 fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[String]) -> bool {
-    racing.iter().any(|id| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Pending))
+    racing.iter().any(|id| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Pending))
 }
 
 /// Moves the operation forward to the phase of its slowest engine still in the race. Takes the
@@ -74,7 +74,7 @@ fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start:
 
 /// Brings one engine from CREATING to READY.
 async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
-    let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record.origin == EngineOrigin::External);
+    let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record().origin == EngineOrigin::External);
     if external {
         manager.connect(id).await?;
         manager.wait_healthy(id, cancel).await?;
@@ -150,7 +150,7 @@ fn begin(manager: &Manager, request_id: &str, ids: &[String]) -> ScaleOutEvent {
         .lock()
         .engines
         .values()
-        .any(|e| ids.contains(&e.record.engine_id) && e.record.origin == EngineOrigin::External);
+        .any(|e| ids.contains(&e.record().engine_id) && e.record().origin == EngineOrigin::External);
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
         let pending = any_pending(inner, ids);
@@ -214,7 +214,7 @@ async fn race(
                 Some((id, result)) => {
                     if let Err(e) = result {
                         tracing::warn!(engine_id = %id, error = %e, request_id, "engine failed during scale-out");
-                        let url = manager.fleet.lock().engines.get(&id).map(|en| en.record.url.clone()).unwrap_or_default();
+                        let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url.clone()).unwrap_or_default();
                         racing.retain(|r| r != &id);
                         failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
                         if policy == PartialSuccessPolicy::RollbackAll {
@@ -341,8 +341,8 @@ fn stale_ready(manager: &Manager, ids: &[String]) -> Vec<String> {
     ids.iter()
         .filter(|id| {
             inner.engines.get(id).is_some_and(|e| {
-                e.record.status == EngineStatus::Ready
-                    && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+                e.status() == EngineStatus::Ready
+                    && !want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
             })
         })
         .cloned()
@@ -378,7 +378,7 @@ async fn resync(
     };
     for (id, result) in results {
         if let Err(e) = result {
-            let url = manager.fleet.lock().engines.get(&id).map(|en| en.record.url.clone()).unwrap_or_default();
+            let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url.clone()).unwrap_or_default();
             failed.push(FailedEngine {
                 engine_id: id,
                 url,
@@ -414,22 +414,22 @@ fn activate(
         }
         let (want, _) = inner.weights.desired();
         let on_target = |e: &crate::registry::fleet::Engine| {
-            want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+            want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
         };
         let candidates: Vec<String> =
             ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
-        let stale = |id: &String| inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready && !on_target(e));
+        let stale = |id: &String| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Ready && !on_target(e));
         if may_resync && candidates.iter().any(stale) {
             return None;
         }
         let (ready, lost): (Vec<String>, Vec<String>) = candidates.into_iter().partition(|id| {
-            inner.engines.get(id).is_some_and(|e| e.record.status == EngineStatus::Ready && on_target(e))
+            inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Ready && on_target(e))
         });
         for id in &lost {
             let (url, stale) = inner
                 .engines
                 .get(id)
-                .map(|e| (e.record.url.clone(), e.record.status == EngineStatus::Ready))
+                .map(|e| (e.record().url.clone(), e.status() == EngineStatus::Ready))
                 .unwrap_or_default();
             let error = if stale {
                 format!("the fleet's weight version kept moving while it waited; it is ready on another ({MAX_RESYNCS} syncs)")

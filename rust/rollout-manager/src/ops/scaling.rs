@@ -342,9 +342,9 @@ fn attach_external(
             .engines
             .values()
             .filter(|e| {
-                !matches!(e.record.status, rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed)
+                !matches!(e.status(), rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed)
             })
-            .map(|e| e.record.url.as_str())
+            .map(|e| e.record().url.as_str())
             .collect();
         let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
         let skipped = urls.len() - fresh.len();
@@ -515,7 +515,7 @@ fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
         (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
         _ => return None,
     };
-    let not_active = |e: &String| inner.engines.get(e).is_some_and(|en| en.record.status != EngineStatus::Active);
+    let not_active = |e: &String| inner.engines.get(e).is_some_and(|en| en.status() != EngineStatus::Active);
     Some(engines.into_iter().filter(not_active).collect())
 }
 

@@ -173,25 +173,24 @@ fn plan_group(
         .engines
         .values()
         .filter(|e| {
-            e.record.status == EngineStatus::Active
-                || (e.record.status == EngineStatus::WeightSyncing && e.awaiting_trainer)
+            e.status() == EngineStatus::Active || (e.status() == EngineStatus::WeightSyncing && e.awaiting_trainer())
         })
         .collect();
-    engines.sort_by_key(|e| e.seq);
+    engines.sort_by_key(|e| e.seq());
     if engines.is_empty() {
         return Err(OpError::conflict(
             "no_active_engines",
             "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
         ));
     }
-    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1)).collect();
+    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record().gpu_ids.len()).unwrap_or(1).max(1)).collect();
     let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
     let members: Vec<GroupMember> = engines
         .iter()
         .zip(tps.iter().zip(offsets))
         .map(|(e, (tp, off))| GroupMember {
-            engine_id: e.record.engine_id.clone(),
-            url: e.record.url.clone(),
+            engine_id: e.record().engine_id.clone(),
+            url: e.record().url.clone(),
             tp_size: *tp,
             rank_offset: off,
         })
@@ -630,7 +629,7 @@ fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Ve
     manager.fleet.update(|inner| {
         let mut plan = Vec::new();
         for m in &group.members {
-            let status = inner.engines.get(&m.engine_id).map(|e| e.record.status);
+            let status = inner.engines.get(&m.engine_id).map(|e| e.status());
             let routed = status == Some(EngineStatus::Active);
             let alive = matches!(
                 status,
@@ -818,11 +817,10 @@ async fn settle(
     match result {
         Ok((found, checksum)) => manager.fleet.update(|inner| match inner.engines.get_mut(&m.engine_id) {
             Some(e) => {
-                e.record.weight_version = found;
-                e.record.weights_checksum = checksum;
+                e.set_weights(found, checksum);
                 // An engine waiting for this version has it now (its wait ends, see
                 // `Manager::catch_up`).
-                e.awaiting_trainer = false;
+                e.has_trainer_version();
                 Turn::Verified
             }
             None => Turn::Skipped,

@@ -129,8 +129,8 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
         let engines: BTreeMap<String, EngineUpdate> = inner
             .engines
             .values()
-            .filter(|e| e.record.status.is_routable())
-            .map(|e| (e.record.engine_id.clone(), EngineUpdate::pending()))
+            .filter(|e| e.status().is_routable())
+            .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
             .collect();
         let Some(u) = inner.weights.updates.get_mut(&update_id) else { return false };
         if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
@@ -186,9 +186,9 @@ pub async fn resume(
             restarting.iter().any(|id| {
                 inner.engines.get(id).is_some_and(|e| {
                     matches!(
-                        e.record.status,
+                        e.status(),
                         EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing
-                    ) || e.record.restarts_after_manager_restart()
+                    ) || e.record().restarts_after_manager_restart()
                 })
             })
         };
@@ -337,7 +337,7 @@ fn next_turns(
                 inner
                     .engines
                     .get(id)
-                    .is_some_and(|e| e.record.status == EngineStatus::WeightSyncing && Arc::ptr_eq(&e.load, load))
+                    .is_some_and(|e| e.status() == EngineStatus::WeightSyncing && Arc::ptr_eq(e.load(), load))
             })
             .collect();
         if strategy == UpdateStrategy::Rolling && !out.is_empty() {
@@ -345,13 +345,13 @@ fn next_turns(
             return out;
         }
         let mut engines: Vec<&crate::registry::fleet::Engine> = inner.engines.values().collect();
-        engines.sort_by_key(|e| e.seq);
+        engines.sort_by_key(|e| e.seq());
         let views: Vec<EngineView> = engines
             .iter()
             .map(|e| EngineView {
-                engine_id: e.record.engine_id.clone(),
-                serving: e.record.status == EngineStatus::Active,
-                on_target: want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref()),
+                engine_id: e.record().engine_id.clone(),
+                serving: e.status() == EngineStatus::Active,
+                on_target: want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref()),
             })
             .collect();
         let serving = views.iter().filter(|v| v.serving).count();
@@ -361,7 +361,7 @@ fn next_turns(
                 continue;
             }
             if let Some(e) = inner.engines.get(&id) {
-                out.push((id.clone(), e.record.url.clone(), e.load.clone()));
+                out.push((id.clone(), e.record().url.clone(), e.load().clone()));
             }
             if let Some(u) = inner.weights.updates.get_mut(update_id) {
                 u.engine(&id, EngineUpdateEvent::Start, None);
@@ -428,13 +428,12 @@ pub(crate) async fn finish_turn(
     result: Result<(Option<String>, Option<String>), EngineError>,
 ) -> Turn {
     let left = |inner: &crate::registry::fleet::FleetInner| {
-        inner.engines.get(id).is_none_or(|e| matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed))
+        inner.engines.get(id).is_none_or(|e| matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed))
     };
     match result {
         Ok((found, checksum)) => manager.fleet.update(|inner| {
             if let Some(e) = inner.engines.get_mut(id) {
-                e.record.weight_version = found;
-                e.record.weights_checksum = checksum;
+                e.set_weights(found, checksum);
             }
             let back = inner
                 .engines
@@ -453,7 +452,7 @@ pub(crate) async fn finish_turn(
                     return None;
                 }
                 inner.engines.fail(id, Some(format!("weight update to {} failed: {why}", want.version)));
-                Some(inner.engines.get(id).and_then(|en| en.process.clone()))
+                Some(inner.engines.get(id).and_then(|en| en.process().cloned()))
             });
             match process {
                 None => Turn::Skipped,
@@ -475,8 +474,8 @@ pub(crate) async fn finish_turn(
 pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
     let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
-            e.record.status == EngineStatus::Active
-                && !want.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref())
+            e.status() == EngineStatus::Active
+                && !want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
         });
         if behind {
             return false;
@@ -553,24 +552,26 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightV
         let ids: Vec<String> = inner.engines.keys().cloned().collect();
         for id in ids {
             let Some(e) = inner.engines.get_mut(&id) else { continue };
-            if e.record.origin == EngineOrigin::External {
+            if e.record().origin == EngineOrigin::External {
                 // Not ours to restart: out of routing (UNHEALTHY) until the health monitor's
                 // rejoin check has it load the current version again.
-                let on_failed = e.record.status == EngineStatus::Active
-                    && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
+                let on_failed = e.status() == EngineStatus::Active
+                    && !current.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref());
                 if on_failed {
-                    e.record.last_error = Some(format!("serves {} from a failed update", want.version));
+                    e.set_last_error(Some(format!("serves {} from a failed update", want.version)));
                     crate::foundation::records::checked(inner.engines.event(&id, EngineEvent::ProbeFailed));
                 }
                 continue;
             }
-            let failed_here = e.record.status == EngineStatus::Failed && failed_turns.contains(&id);
-            let on_failed = matches!(e.record.status, EngineStatus::Ready | EngineStatus::Active)
-                && !current.served_by(e.record.weight_version.as_deref(), e.record.weights_checksum.as_deref());
+            let failed_here = e.status() == EngineStatus::Failed && failed_turns.contains(&id);
+            let on_failed = matches!(e.status(), EngineStatus::Ready | EngineStatus::Active)
+                && !current.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref());
             if on_failed {
-                e.record.last_error =
-                    Some(format!("serves {} from a failed update; restarting on {}", want.version, current.version));
-                let process = e.process.clone();
+                e.set_last_error(Some(format!(
+                    "serves {} from a failed update; restarting on {}",
+                    want.version, current.version
+                )));
+                let process = e.process().cloned();
                 crate::foundation::records::checked(inner.engines.event(&id, EngineEvent::Fail));
                 out.push((id, process));
             } else if failed_here {

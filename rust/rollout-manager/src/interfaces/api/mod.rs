@@ -240,7 +240,7 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
         .engine_ids
         .iter()
         .map(|eid| match inner.engines.get(eid) {
-            Some(e) => json!({"engine_id": eid, "url": e.record.url, "status": e.record.status, "is_healthy": e.record.is_healthy, "detail": e.record.detail}),
+            Some(e) => json!({"engine_id": eid, "url": e.record().url, "status": e.status(), "is_healthy": e.record().is_healthy, "detail": e.record().detail}),
             None => json!({"engine_id": eid, "status": "REMOVED"}),
         })
         .collect();

@@ -219,11 +219,11 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
     let inner = s.manager.fleet.lock();
     let w = &inner.weights;
     let mut listed: Vec<&crate::registry::fleet::Engine> = inner.engines.values().collect();
-    listed.sort_by_key(|e| e.seq);
+    listed.sort_by_key(|e| e.seq());
     let engines: Vec<Value> = listed
         .iter()
         .map(|e| {
-            let r = &e.record;
+            let r = &e.record();
             json!({"engine_id": r.engine_id, "status": r.status, "weight_version": r.weight_version,
                    "weights_checksum": r.weights_checksum})
         })

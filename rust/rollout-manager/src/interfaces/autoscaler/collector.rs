@@ -22,10 +22,10 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
     let mut fleet = FleetState { live_engines: inner.engines.live_count(), ..FleetState::default() };
     let mut active = Vec::new();
     for e in inner.engines.values() {
-        match e.record.status {
+        match e.status() {
             EngineStatus::Active => {
                 fleet.active_engines += 1;
-                active.push((e.record.engine_id.clone(), e.record.url.clone()));
+                active.push((e.record().engine_id.clone(), e.record().url.clone()));
             }
             EngineStatus::Pending
             | EngineStatus::Creating
@@ -34,8 +34,8 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
             | EngineStatus::Ready => fleet.starting_engines += 1,
             _ => {}
         }
-        let live = !matches!(e.record.status, EngineStatus::Removing | EngineStatus::Removed);
-        if live && e.record.origin == EngineOrigin::Initial {
+        let live = !matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed);
+        if live && e.record().origin == EngineOrigin::Initial {
             fleet.protected_engines += 1;
         }
     }

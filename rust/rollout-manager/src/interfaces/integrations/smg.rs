@@ -155,8 +155,8 @@ pub fn spawn_reconciler(manager: &Arc<Manager>, smg: Arc<Smg>) {
                 .lock()
                 .engines
                 .values()
-                .filter(|e| e.record.status == EngineStatus::Active)
-                .map(|e| e.record.url.clone())
+                .filter(|e| e.status() == EngineStatus::Active)
+                .map(|e| e.record().url.clone())
                 .collect();
             smg.reconcile(&active).await;
             tokio::select! {

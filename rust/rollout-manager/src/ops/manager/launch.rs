@@ -18,7 +18,7 @@ impl Manager {
             // Ray finds the GPUs; the engine waits in PENDING until an agent is bound.
             let id = self.register(inner, EngineStatus::Pending, String::new(), origin, Held::default(), created_by);
             if let Some(e) = inner.engines.get_mut(&id) {
-                e.record.detail = Some(PENDING_DETAIL.into());
+                e.set_detail(Some(PENDING_DETAIL.into()));
             }
             inner.placements.set(&id, Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
             return Ok(id);
@@ -155,7 +155,7 @@ impl Manager {
             if healthy.is_ok() && !tried.is_empty() {
                 self.fleet.update(|inner| {
                     if let Some(e) = inner.engines.get_mut(engine_id) {
-                        e.record.detail = None;
+                        e.set_detail(None);
                     }
                 });
             }
@@ -172,8 +172,7 @@ impl Manager {
                     self.move_to_fresh_port(inner, engine_id);
                 }
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.pid = None;
-                    e.record.detail = Some(format!("the copy from {seed} failed ({why}); copying from another seed"));
+                    e.set_detail(Some(format!("the copy from {seed} failed ({why}); copying from another seed")));
                 }
                 true
             });
@@ -232,8 +231,13 @@ impl Manager {
                     .engines
                     .get(engine_id)
                     .ok_or_else(|| EngineError::Left(format!("{engine_id} left the fleet while starting")))?;
-                let port = rollout_core::EngineAddr::port_of(&e.record.url).unwrap_or(0);
-                (port, e.record.gpu_ids.clone(), e.record.log_path.clone().unwrap_or_default(), e.record.url.clone())
+                let port = rollout_core::EngineAddr::port_of(&e.record().url).unwrap_or(0);
+                (
+                    port,
+                    e.record().gpu_ids.clone(),
+                    e.record().log_path.clone().unwrap_or_default(),
+                    e.record().url.clone(),
+                )
             };
             let mut spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
             spec.args.extend(seed_args);
@@ -262,12 +266,11 @@ impl Manager {
         event: Option<EngineEvent>,
     ) -> Result<(), EngineError> {
         let (process, keeper_socket) = (hosted.process, hosted.keeper_socket);
-        let pid = process.pid;
         let registered = self.fleet.update(|inner| {
             // The engine may have been removed (scale-in, cancel) while we were forking.
             let moved = match event {
                 Some(event) => inner.engines.event(engine_id, event).map(|_| ()),
-                None => match inner.engines.get(engine_id).map(|e| e.record.status) {
+                None => match inner.engines.get(engine_id).map(|e| e.status()) {
                     Some(EngineStatus::WeightSyncing) => Ok(()),
                     other => Err(rollout_core::IllegalTransition {
                         machine: "engine",
@@ -278,14 +281,7 @@ impl Manager {
             };
             if moved.is_ok() {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.pid = Some(pid);
-                    e.pid_start_ticks = process.start_ticks;
-                    e.process = Some(process.clone());
-                    e.keeper_socket = keeper_socket.clone();
-                    e.record.url = hosted.url.clone();
-                    if hosted.log_path.is_some() {
-                        e.record.log_path = hosted.log_path.clone();
-                    }
+                    e.started(process.clone(), keeper_socket.clone(), hosted.url.clone(), hosted.log_path.clone());
                 }
             }
             moved
@@ -317,13 +313,13 @@ impl Manager {
                 };
                 let binding = placement.agent.clone();
                 let detail = binding.is_none().then(|| PENDING_DETAIL.to_string());
-                (binding, (engine.record.detail != detail).then_some(detail))
+                (binding, (engine.record().detail != detail).then_some(detail))
             };
             if let Some(detail) = detail_stale {
                 // Shown while waiting (after a restart of the manager, for instance).
                 self.fleet.update(|inner| {
                     if let Some(e) = inner.engines.get_mut(engine_id) {
-                        e.record.detail = detail;
+                        e.set_detail(detail);
                     }
                 });
             }

@@ -157,7 +157,7 @@ impl Manager {
     /// (external engines included: they are given the manager's path).
     pub fn weight_node(&self, engine_id: &str) -> Result<Node, EngineError> {
         let inner = self.fleet.lock();
-        let external = inner.engines.get(engine_id).is_some_and(|e| e.record.origin == EngineOrigin::External);
+        let external = inner.engines.get(engine_id).is_some_and(|e| e.record().origin == EngineOrigin::External);
         if !self.ray() || external {
             return Ok(Node::Local);
         }
@@ -174,13 +174,13 @@ impl Manager {
     pub fn weight_nodes(&self) -> Vec<Node> {
         let inner = self.fleet.lock();
         let mut nodes = Vec::new();
-        let external = inner.engines.values().any(|e| e.record.origin == EngineOrigin::External);
+        let external = inner.engines.values().any(|e| e.record().origin == EngineOrigin::External);
         if !self.ray() || external {
             nodes.push(Node::Local);
         }
         if self.ray() {
             for (engine_id, p) in inner.placements.iter() {
-                let failed = inner.engines.get(engine_id).is_none_or(|e| e.record.status == EngineStatus::Failed);
+                let failed = inner.engines.get(engine_id).is_none_or(|e| e.status() == EngineStatus::Failed);
                 let Some(agent) = p.agent.as_ref().filter(|_| p.desired == rollout_core::Desired::Present) else {
                     continue;
                 };
@@ -223,7 +223,7 @@ impl Manager {
     }
 
     pub(crate) fn url_of(&self, engine_id: &str) -> Option<String> {
-        self.fleet.lock().engines.get(engine_id).map(|e| e.record.url.clone())
+        self.fleet.lock().engines.get(engine_id).map(|e| e.record().url.clone())
     }
 }
 

@@ -19,8 +19,8 @@ impl Manager {
                     let inner = self.fleet.lock();
                     match inner.engines.get(engine_id) {
                         None => Some("the engine left the fleet".to_string()),
-                        Some(e) if e.record.status == EngineStatus::Failed => {
-                            Some(e.record.last_error.clone().unwrap_or_else(|| "failed".into()))
+                        Some(e) if e.status() == EngineStatus::Failed => {
+                            Some(e.record().last_error.clone().unwrap_or_else(|| "failed".into()))
                         }
                         Some(_) => None,
                     }
@@ -139,9 +139,8 @@ impl Manager {
                     return Ok(false);
                 }
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.weight_version = found.clone();
-                    e.record.weights_checksum = checksum.clone();
-                    e.record.last_error = None;
+                    e.set_weights(found.clone(), checksum.clone());
+                    e.set_last_error(None);
                 }
                 if want == desired {
                     if let Some(u) = inner.weights.running_update_mut() {
@@ -177,30 +176,30 @@ impl Manager {
             }
             let tp = self.config.rollout_num_gpus_per_engine.max(1);
             let mut engines: Vec<&crate::registry::fleet::Engine> =
-                inner.engines.values().filter(|e| e.record.engine_id != engine_id).collect();
-            engines.sort_by_key(|e| e.seq);
+                inner.engines.values().filter(|e| e.record().engine_id != engine_id).collect();
+            engines.sort_by_key(|e| e.seq());
             // Copies in progress per seed, counted once (this runs under the registry lock).
             let mut copies: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
-            for seed in inner.engines.values().filter_map(|e| e.copying_from.as_deref()) {
+            for seed in inner.engines.values().filter_map(|e| e.copying_from()) {
                 *copies.entry(seed).or_default() += 1;
             }
             let sending = |id: &str| copies.get(id).copied().unwrap_or(0);
             let candidates: Vec<rollout_core::catchup::SeedCandidate<'_>> = engines
                 .iter()
                 .map(|e| rollout_core::catchup::SeedCandidate {
-                    engine_id: &e.record.engine_id,
-                    serving: e.record.status == EngineStatus::Active,
-                    version: e.record.weight_version.as_deref(),
-                    tp_size: u32::try_from(e.record.gpu_ids.len()).unwrap_or(1).max(1),
-                    sending: sending(&e.record.engine_id),
+                    engine_id: &e.record().engine_id,
+                    serving: e.status() == EngineStatus::Active,
+                    version: e.record().weight_version.as_deref(),
+                    tp_size: u32::try_from(e.record().gpu_ids.len()).unwrap_or(1).max(1),
+                    sending: sending(&e.record().engine_id),
                 })
                 .collect();
             let seed_id = rollout_core::catchup::pick_seed(&candidates, &want.version, tp, tried)?.to_string();
-            let url = inner.engines.get(&seed_id)?.record.url.clone();
+            let url = inner.engines.get(&seed_id)?.record().url.clone();
             let addr = rollout_core::EngineAddr::parse(&url)?;
             let port = addr.port?;
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.copying_from = Some(seed_id.clone());
+                e.copy_from(&seed_id);
             }
             Some((seed_id, url_host_ip(&addr.host), port))
         })?;
@@ -232,7 +231,7 @@ impl Manager {
             tracing::info!(engine_id, seed = %seed.engine_id, "the seed's SGLang cannot send weights to a new instance");
             self.fleet.update(|inner| {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.copying_from = None;
+                    e.copy_over();
                 }
             });
             tried.push(seed.engine_id);
@@ -261,11 +260,11 @@ impl Manager {
             let (still, reached) = {
                 let inner = self.fleet.lock();
                 let Some(e) = inner.engines.get(engine_id) else { return Err(EngineError::Cancelled) };
-                if e.record.status != EngineStatus::WeightSyncing {
-                    return Err(EngineError::Left(format!("{engine_id} is {} while catching up", e.record.status)));
+                if e.status() != EngineStatus::WeightSyncing {
+                    return Err(EngineError::Left(format!("{engine_id} is {} while catching up", e.status())));
                 }
                 let still = inner.weights.desired().0 == *want && inner.weights.desired_from_trainer();
-                (still, parked && !e.awaiting_trainer)
+                (still, parked && !e.awaiting_trainer())
             };
             if !still || reached {
                 self.set_awaiting(engine_id, false, None);
@@ -312,8 +311,7 @@ impl Manager {
     pub(super) fn set_awaiting(&self, engine_id: &str, awaiting: bool, detail: Option<String>) {
         self.fleet.update(|inner| {
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.awaiting_trainer = awaiting;
-                e.record.detail = detail;
+                e.wait_for_trainer(awaiting, detail);
             }
         });
     }
@@ -331,8 +329,8 @@ impl Manager {
                 self.move_to_fresh_port(inner, engine_id);
             }
             inner.engines.get_mut(engine_id).and_then(|e| {
-                e.copying_from = Some(seed.engine_id.clone());
-                e.process.take()
+                e.copy_from(&seed.engine_id);
+                e.take_process()
             })
         });
         if let Some(p) = process {
@@ -346,7 +344,7 @@ impl Manager {
         .await;
         self.fleet.update(|inner| {
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.copying_from = None;
+                e.copy_over();
             }
         });
         started

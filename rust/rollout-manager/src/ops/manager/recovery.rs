@@ -15,14 +15,14 @@ impl Manager {
             }
             tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
             let was = manager.fleet.update(|inner| {
-                let was = inner.engines.get(&engine_id).map(|e| e.record.status);
+                let was = inner.engines.get(&engine_id).map(|e| e.status());
                 // Ray mode: a placement unbound by an agent loss already says why (the loss).
                 let lost = inner.placements.get(&engine_id).is_some_and(|p| p.agent.is_none());
                 if let Some(e) = inner.engines.get_mut(&engine_id) {
                     if !lost {
-                        e.record.last_error = Some(format!("process {info}"));
+                        e.set_last_error(Some(format!("process {info}")));
                     }
-                    e.process = None;
+                    e.process_gone();
                 }
                 // Fails only from live states; an engine being removed is expected to exit.
                 inner.engines.fail(&engine_id, None);
@@ -52,39 +52,28 @@ impl Manager {
             }
             delay = Duration::ZERO;
             let restarted = self.fleet.update(|inner| {
-                let origin = inner.engines.get(engine_id).map(|e| e.record.origin);
+                let origin = inner.engines.get(engine_id).map(|e| e.record().origin);
                 if origin == Some(EngineOrigin::External) {
                     return false;
                 }
-                if inner.engines.get(engine_id).is_none_or(|e| e.record.status != EngineStatus::Failed) {
+                if inner.engines.get(engine_id).is_none_or(|e| e.status() != EngineStatus::Failed) {
                     return false; // removed, or no longer FAILED
                 }
                 let budget = self.restart_budget();
                 let Some(e) = inner.engines.get_mut(engine_id) else { return false };
-                match rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget) {
-                    rollout_core::health::RestartDecision::After { streak, .. } => {
-                        e.crash_streak = streak;
-                        e.stayed_up_secs = None;
-                    }
+                match e.restart_decision(budget) {
+                    rollout_core::health::RestartDecision::After { streak, .. } => e.count_crash(streak),
                     rollout_core::health::RestartDecision::GiveUp { .. } => return false,
                 }
                 if inner.engines.event(engine_id, EngineEvent::Restart).is_err() {
                     return false;
                 }
-                if self.ray() {
-                    // The agent picks the port; the placement keeps its agent.
-                    if let Some(e) = inner.engines.get_mut(engine_id) {
-                        e.record.restarts += 1;
-                        e.record.pid = None;
-                        e.probe_failures = 0;
-                    }
-                    return true;
+                // In Ray mode the agent picks the port; the placement keeps its agent.
+                if !self.ray() {
+                    self.move_to_fresh_port(inner, engine_id);
                 }
-                self.move_to_fresh_port(inner, engine_id);
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.restarts += 1;
-                    e.record.pid = None;
-                    e.probe_failures = 0;
+                    e.count_restart();
                 }
                 true
             });
@@ -109,7 +98,7 @@ impl Manager {
                 Err(e) => {
                     let process = self.fleet.update(|inner| {
                         inner.engines.fail(engine_id, Some(format!("recovery failed: {e}")));
-                        inner.engines.get(engine_id).and_then(|en| en.process.clone())
+                        inner.engines.get(engine_id).and_then(|en| en.process().cloned())
                     });
                     if let Some(p) = process {
                         p.stop(self.shutdown_grace()).await;
@@ -123,7 +112,7 @@ impl Manager {
                         {
                             self.fleet.update(|inner| {
                                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                                    e.crash_streak = e.crash_streak.saturating_sub(1);
+                                    e.forgive_one_crash();
                                 }
                             });
                         }
@@ -149,11 +138,8 @@ impl Manager {
         let budget = self.restart_budget();
         let (decision, log_path) = {
             let inner = self.fleet.lock();
-            let e = inner.engines.get(engine_id).filter(|e| e.record.status == EngineStatus::Failed)?;
-            (
-                rollout_core::health::restart_decision(e.crash_streak, e.stayed_up_secs, budget),
-                e.record.log_path.clone().filter(|_| !self.ray()),
-            )
+            let e = inner.engines.get(engine_id).filter(|e| e.status() == EngineStatus::Failed)?;
+            (e.restart_decision(budget), e.record().log_path.clone().filter(|_| !self.ray()))
         };
         let restarts = match decision {
             rollout_core::health::RestartDecision::After { secs, .. } => return Some(Duration::from_secs_f64(secs)),
@@ -161,18 +147,16 @@ impl Manager {
         };
         let tail = log_path.map(|p| crate::adapters::launch::log_tail(&p, LOG_TAIL_LINES));
         let gave_up = self.fleet.update(|inner| {
-            let Some(e) = inner.engines.get_mut(engine_id).filter(|e| e.record.status == EngineStatus::Failed) else {
+            let Some(e) = inner.engines.get_mut(engine_id).filter(|e| e.status() == EngineStatus::Failed) else {
                 return false;
             };
-            let first = e.record.log_tail.is_none();
-            e.record.detail = Some(format!(
+            let detail = format!(
                 "crash loop: restarted {restarts} times in a row without serving for --restart-window-secs ({} s); \
                  the manager gave up (--restart-budget {}). Fix the cause (last_error, log_tail), then scale in to \
                  remove it (FAILED engines go first) and scale out again",
                 budget.window_secs, budget.max_restarts
-            ));
-            e.record.log_tail = Some(tail.clone().unwrap_or_default());
-            first
+            );
+            e.give_up(detail, tail.clone().unwrap_or_default())
         });
         if gave_up {
             tracing::error!(engine_id, restarts, "engine crash-loops: restart budget spent, it stays FAILED");
@@ -221,7 +205,7 @@ impl Manager {
             });
             for engine_id in &unbound {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
-                    e.record.last_error = Some(format!("agent {agent_url} lost: {reason}"));
+                    e.set_last_error(Some(format!("agent {agent_url} lost: {reason}")));
                 }
             }
             unbound

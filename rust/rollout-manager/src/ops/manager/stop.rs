@@ -12,7 +12,7 @@ impl Manager {
                 // Already on its way out: whoever moved it there finishes the removal too.
                 tracing::debug!(engine_id, error = %e, "remove");
             }
-            inner.engines.get(engine_id).and_then(|e| e.process.clone())
+            inner.engines.get(engine_id).and_then(|e| e.process().cloned())
         });
         let exit = match process {
             Some(p) => Some(p.stop(self.shutdown_grace()).await),
@@ -25,7 +25,7 @@ impl Manager {
                 inner.placements.change(engine_id, |p| p.unwant());
             }
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.process = None;
+                e.process_gone();
             }
             if inner.engines.event(engine_id, EngineEvent::Removed).is_ok() {
                 // Forget removed engines entirely; their operation records keep their ids.
@@ -40,7 +40,7 @@ impl Manager {
     pub async fn fail_engine(&self, engine_id: &str, error: &str) {
         let process = self.fleet.update(|inner| {
             inner.engines.fail(engine_id, Some(error.to_string()));
-            inner.engines.get(engine_id).and_then(|e| e.process.clone())
+            inner.engines.get(engine_id).and_then(|e| e.process().cloned())
         });
         if let Some(p) = process {
             p.stop(self.shutdown_grace()).await;
@@ -50,7 +50,7 @@ impl Manager {
     /// Stops every engine process, in parallel, each with the shutdown grace. Used at exit.
     pub async fn stop_all(&self) {
         let processes: Vec<EngineProcess> =
-            self.fleet.lock().engines.values().filter_map(|e| e.process.clone()).collect();
+            self.fleet.lock().engines.values().filter_map(|e| e.process().cloned()).collect();
         let grace = self.shutdown_grace();
         futures::future::join_all(processes.iter().map(|p| p.stop(grace))).await;
     }

@@ -287,6 +287,9 @@ impl Engines {
             (EngineEvent::Restart, _) => {
                 engine.bringup = Some((tokio::time::Instant::now(), "restart"));
                 engine.up_since = None;
+                // A new process, judged afresh.
+                engine.record.pid = None;
+                engine.probe_failures = 0;
             }
             (_, EngineStatus::Active) => {
                 if let Some((since, reason)) = engine.bringup.take() {
@@ -323,46 +326,238 @@ impl Engines {
     }
 }
 
-/// An engine with its runtime handles.
+/// An engine with its runtime handles. Read through its getters; changed only through the
+/// named methods below (and the [`Engines`] part for its status, resources and identity).
 #[derive(Debug)]
 pub struct Engine {
     /// Creation order; scale-in removes the highest first (LIFO).
-    pub seq: u64,
-    pub record: EngineRecord,
-    pub process: Option<EngineProcess>,
-    pub load: Arc<EngineLoad>,
+    seq: u64,
+    record: EngineRecord,
+    process: Option<EngineProcess>,
+    load: Arc<EngineLoad>,
     /// Consecutive failed health probes.
-    pub probe_failures: u32,
+    probe_failures: u32,
     /// Since when its probes have failed while its scheduler answered (a pause; see
     /// `rollout_core::health`); None once a probe passes or fails outright.
-    pub paused_since: Option<tokio::time::Instant>,
+    paused_since: Option<tokio::time::Instant>,
     /// Since when, and why ("create", "restart"), the engine is being brought up: observed as
     /// `rollout_engine_startup_seconds` when it becomes ACTIVE.
-    pub bringup: Option<(tokio::time::Instant, &'static str)>,
+    bringup: Option<(tokio::time::Instant, &'static str)>,
     /// Identity of the process beside its pid (see [`crate::registry::store::StoredEngine`]).
-    pub pid_start_ticks: Option<u64>,
+    pid_start_ticks: Option<u64>,
     /// Socket of the engine's keeper, when engines outlive the manager.
-    pub keeper_socket: Option<PathBuf>,
+    keeper_socket: Option<PathBuf>,
     /// The engine it copies its weights from while it starts (SGLang's remote-instance
     /// loading of a version the trainer broadcast); None once it is healthy.
-    pub copying_from: Option<String>,
+    copying_from: Option<String>,
     /// It runs, but no engine serves the fleet's version to copy it from and the version has
     /// no checkpoint: it waits out of routing (WEIGHT_SYNCING) for the trainer's next update,
     /// which includes it.
-    pub awaiting_trainer: bool,
+    awaiting_trainer: bool,
     /// How many state transitions it has made: a health round's reading of its weight version
     /// is applied only if none happened since the reading was asked for (a weight update moves
     /// the engine through WEIGHT_SYNCING, so an answer from before the update is stale).
-    pub transitions: u64,
+    transitions: u64,
     /// Since when it has served (first ACTIVE since its last start); None before that.
-    pub up_since: Option<tokio::time::Instant>,
+    up_since: Option<tokio::time::Instant>,
     /// How long it served before it last failed (None: it never served since its start); read
     /// by the restart budget.
-    pub stayed_up_secs: Option<f64>,
+    stayed_up_secs: Option<f64>,
     /// Restarts in a row (`rollout_core::health::restart_decision`).
-    pub crash_streak: u32,
+    crash_streak: u32,
     /// What this engine holds of the fleet's local pool, returned when it is forgotten.
     held: Held,
+}
+
+impl Engine {
+    /// Creation order; scale-in removes the highest first (LIFO).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// What the API shows of it (its in-flight count is filled in by
+    /// [`super::Fleet::engine_records`]).
+    pub fn record(&self) -> &EngineRecord {
+        &self.record
+    }
+
+    pub fn id(&self) -> &str {
+        &self.record.engine_id
+    }
+
+    pub fn status(&self) -> EngineStatus {
+        self.record.status
+    }
+
+    pub fn url(&self) -> &str {
+        &self.record.url
+    }
+
+    pub fn load(&self) -> &Arc<EngineLoad> {
+        &self.load
+    }
+
+    /// Its process, when the manager started it (or adopted it after a restart).
+    pub fn process(&self) -> Option<&EngineProcess> {
+        self.process.as_ref()
+    }
+
+    /// Consecutive failed health probes.
+    pub fn probe_failures(&self) -> u32 {
+        self.probe_failures
+    }
+
+    /// The engine it copies its weights from while it starts, if any.
+    pub fn copying_from(&self) -> Option<&str> {
+        self.copying_from.as_deref()
+    }
+
+    /// Whether it waits out of routing for the trainer's next update.
+    pub fn awaiting_trainer(&self) -> bool {
+        self.awaiting_trainer
+    }
+
+    /// State transitions made so far (see the field).
+    pub fn transitions(&self) -> u64 {
+        self.transitions
+    }
+
+    pub fn pid_start_ticks(&self) -> Option<u64> {
+        self.pid_start_ticks
+    }
+
+    pub fn keeper_socket(&self) -> Option<&PathBuf> {
+        self.keeper_socket.as_ref()
+    }
+
+    /// Whether it is being started again after a failure (not yet serving).
+    pub fn restarting(&self) -> bool {
+        matches!(self.bringup, Some((_, "restart")))
+    }
+
+    /// A failed probe while its scheduler answered (a pause): how long it has been paused.
+    pub fn paused_for(&mut self, now: tokio::time::Instant) -> f64 {
+        let since = *self.paused_since.get_or_insert(now);
+        now.duration_since(since).as_secs_f64()
+    }
+
+    /// A probe that passed or failed outright: any pause is over.
+    pub fn not_paused(&mut self) {
+        self.paused_since = None;
+    }
+
+    /// Counts a health probe that counts (passed, or failed outside a pause); the failures in a
+    /// row after it.
+    pub fn count_probe(&mut self, passed: bool) -> u32 {
+        self.probe_failures = if passed { 0 } else { self.probe_failures.saturating_add(1) };
+        self.probe_failures
+    }
+
+    /// Why it failed or cannot serve, as the API shows it (`last_error`); None clears it.
+    pub fn set_last_error(&mut self, why: Option<String>) {
+        self.record.last_error = why;
+    }
+
+    /// What it waits for, when its status does not say (`detail`); None clears it.
+    pub fn set_detail(&mut self, detail: Option<String>) {
+        self.record.detail = detail;
+    }
+
+    /// The weights it serves, as it reports them (version and checksum together).
+    pub fn set_weights(&mut self, version: Option<String>, checksum: Option<String>) {
+        self.record.weight_version = version;
+        self.record.weights_checksum = checksum;
+    }
+
+    /// Ray mode: an agent hosts its placement, on these GPUs of the agent's node.
+    pub fn placed_on(&mut self, gpu_ids: Vec<u32>) {
+        self.record.detail = None;
+        self.record.gpu_ids = gpu_ids;
+    }
+
+    /// Its process started: its pid and identity, where it answers and where it logs.
+    pub fn started(
+        &mut self,
+        process: EngineProcess,
+        keeper_socket: Option<PathBuf>,
+        url: String,
+        log_path: Option<PathBuf>,
+    ) {
+        self.record.pid = Some(process.pid);
+        self.pid_start_ticks = process.start_ticks;
+        self.process = Some(process);
+        self.keeper_socket = keeper_socket;
+        self.record.url = url;
+        if log_path.is_some() {
+            self.record.log_path = log_path;
+        }
+    }
+
+    /// Its process is gone (exited, or stopped by the manager).
+    pub fn process_gone(&mut self) {
+        self.process = None;
+    }
+
+    /// Takes its process out (to stop it outside the registry lock); its pid is forgotten.
+    pub fn take_process(&mut self) -> Option<EngineProcess> {
+        self.record.pid = None;
+        self.process.take()
+    }
+
+    /// It starts by copying the weights of `seed`.
+    pub fn copy_from(&mut self, seed: &str) {
+        self.copying_from = Some(seed.to_string());
+    }
+
+    /// Its copy ended (it answers, or the copy failed).
+    pub fn copy_over(&mut self) {
+        self.copying_from = None;
+    }
+
+    /// Whether it waits out of routing for the trainer's next update, and what it says why.
+    pub fn wait_for_trainer(&mut self, awaiting: bool, detail: Option<String>) {
+        self.awaiting_trainer = awaiting;
+        self.record.detail = detail;
+    }
+
+    /// It received the trainer's version it waited for.
+    pub fn has_trainer_version(&mut self) {
+        self.awaiting_trainer = false;
+    }
+
+    /// Whether recovery may restart it now (its crash streak and how long it stayed up against
+    /// the budget), without changing anything.
+    pub fn restart_decision(
+        &self,
+        budget: rollout_core::health::RestartBudget,
+    ) -> rollout_core::health::RestartDecision {
+        rollout_core::health::restart_decision(self.crash_streak, self.stayed_up_secs, budget)
+    }
+
+    /// Recovery restarts it as the `streak`-th restart in a row (from [`Engine::restart_decision`]).
+    pub fn count_crash(&mut self, streak: u32) {
+        self.crash_streak = streak;
+        self.stayed_up_secs = None;
+    }
+
+    /// Recovery restarts it (counted in `restarts`, which the API and metrics show).
+    pub fn count_restart(&mut self) {
+        self.record.restarts += 1;
+    }
+
+    /// A restart that failed because its agent was lost does not count against its budget.
+    pub fn forgive_one_crash(&mut self) {
+        self.crash_streak = self.crash_streak.saturating_sub(1);
+    }
+
+    /// Its restart budget is spent: it stays FAILED with why, and its log's last lines. Whether
+    /// it is the first time this was said.
+    pub fn give_up(&mut self, detail: String, log_tail: Vec<String>) -> bool {
+        let first = self.record.log_tail.is_none();
+        self.record.detail = Some(detail);
+        self.record.log_tail = Some(log_tail);
+        first
+    }
 }
 
 /// GPUs and a port of the local pool held by one engine (none for external engines and in Ray
@@ -387,6 +582,107 @@ impl crate::registry::store::EngineRow for Engine {
             record: self.record.clone(),
             pid_start_ticks: self.pid_start_ticks,
             keeper_socket: self.keeper_socket.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::fleet::tests::record;
+    use rollout_core::routing::QueueOrder;
+
+    fn engines(gpus: u32, count_failed: bool) -> Engines {
+        Engines::new(gpus, Arc::new(SlotQueue::new(QueueOrder::Fifo)), false, count_failed)
+    }
+
+    fn add(engines: &mut Engines, gpus: u32, port: u16) -> String {
+        let held = engines.reserve_local(gpus, |_| Ok(port)).unwrap();
+        let gpu_ids = held.gpus.clone();
+        engines.add(held, |new| {
+            let mut r = record(&new.engine_id, "CREATING");
+            r.gpu_ids = gpu_ids;
+            r
+        })
+    }
+
+    #[test]
+    fn ids_follow_creation_order_and_continue_past_a_previous_run() {
+        let mut e = engines(4, true);
+        assert_eq!((add(&mut e, 1, 1), add(&mut e, 1, 2)), ("engine_0".into(), "engine_1".into()));
+        assert_eq!((e.get("engine_0").unwrap().seq(), e.get("engine_1").unwrap().seq()), (0, 1));
+        e.continue_after(7);
+        assert_eq!(add(&mut e, 1, 3), "engine_7");
+        e.continue_after(2);
+        assert_eq!(add(&mut e, 0, 4), "engine_8", "never goes back");
+        assert_eq!(e.next_seq(), 9);
+    }
+
+    #[test]
+    fn what_an_engine_holds_comes_back_when_it_is_forgotten() {
+        let mut e = engines(4, true);
+        let a = add(&mut e, 3, 30000);
+        assert_eq!(e.free_gpus(), 1);
+        assert!(e.reserve_local(2, |_| Ok(30001)).is_err(), "not enough GPUs");
+        assert_eq!(e.free_gpus(), 1, "a refused reservation holds nothing");
+        let no_port = e.reserve_local(1, |_| Err(std::io::Error::other("none")));
+        assert!(no_port.unwrap_err().contains("no free port"));
+        assert_eq!(e.free_gpus(), 1, "GPUs taken before the port failed are given back");
+        let ports_seen = std::cell::RefCell::new(HashSet::new());
+        let held = e.reserve_local(1, |in_use| {
+            *ports_seen.borrow_mut() = in_use.clone();
+            Ok(30001)
+        });
+        assert!(ports_seen.borrow().contains(&30000), "the port picker sees the ports held");
+        e.release_resources("nobody");
+        drop(held);
+        assert!(e.forget(&a).is_some());
+        assert_eq!(e.free_gpus(), 3, "engine_0's 3 GPUs are back (the last reservation was never added)");
+        assert!(e.forget(&a).is_none());
+    }
+
+    #[test]
+    fn a_restored_engine_claims_what_its_record_names_or_is_refused() {
+        let mut e = engines(2, true);
+        let mut r = record("engine_4", "ACTIVE");
+        r.gpu_ids = vec![0, 1];
+        e.restore(4, r.clone(), None, None, true).unwrap();
+        assert_eq!((e.free_gpus(), e.next_seq()), (0, 5));
+        let mut other = record("engine_5", "ACTIVE");
+        other.gpu_ids = vec![1];
+        assert!(e.restore(5, other, None, None, true).is_err());
+        assert!(!e.contains_key("engine_5"), "refused, it is not in the registry");
+        e.forget("engine_4");
+        assert_eq!(e.free_gpus(), 2);
+    }
+
+    #[test]
+    fn events_follow_the_state_machine_and_a_restart_is_judged_afresh() {
+        let mut e = engines(1, true);
+        let id = add(&mut e, 1, 1);
+        assert!(e.event("nobody", EngineEvent::Fail).is_err());
+        assert!(e.event(&id, EngineEvent::Drain).is_err(), "CREATING cannot drain");
+        assert_eq!(e.get(&id).unwrap().transitions(), 0, "a refused edge changes nothing");
+        e.get_mut(&id).unwrap().count_probe(false);
+        assert!(e.fail(&id, Some("boom".into())));
+        assert!(!e.fail(&id, Some("again".into())), "already FAILED");
+        let failed = e.get(&id).unwrap();
+        assert_eq!((failed.status(), failed.record().last_error.as_deref()), (EngineStatus::Failed, Some("again")));
+        assert!(!failed.record().is_healthy);
+        e.event(&id, EngineEvent::Restart).unwrap();
+        let restarted = e.get(&id).unwrap();
+        assert!(restarted.restarting());
+        assert_eq!((restarted.probe_failures(), restarted.record().pid, restarted.transitions()), (0, None, 2));
+    }
+
+    #[test]
+    fn failed_engines_count_towards_the_size_only_when_they_come_back() {
+        for (count_failed, want) in [(true, 2), (false, 1)] {
+            let mut e = engines(0, count_failed);
+            for (i, status) in ["ACTIVE", "FAILED", "REMOVING"].into_iter().enumerate() {
+                e.restore(i as u64, record(&format!("engine_{i}"), status), None, None, false).unwrap();
+            }
+            assert_eq!(e.live_count(), want, "count_failed {count_failed}");
         }
     }
 }

@@ -190,19 +190,19 @@ impl Fleet {
         let mut backends = Vec::new();
         let mut finishing = Vec::new();
         for e in inner.engines.values() {
-            let status = e.record.status;
+            let status = e.status();
             if status.is_routable() {
                 backends.push(Backend {
-                    engine_id: e.record.engine_id.clone(),
-                    authority: rollout_core::EngineAddr::parse(&e.record.url)
+                    engine_id: e.record().engine_id.clone(),
+                    authority: rollout_core::EngineAddr::parse(&e.record().url)
                         .map(|a| a.authority())
                         .unwrap_or_default(),
-                    url: e.record.url.clone(),
-                    weight_version: e.record.weight_version.clone(),
-                    load: e.load.clone(),
+                    url: e.record().url.clone(),
+                    weight_version: e.record().weight_version.clone(),
+                    load: e.load().clone(),
                 });
             } else if status.keeps_its_requests() {
-                finishing.push(e.load.clone());
+                finishing.push(e.load().clone());
             }
         }
         let order = inner.weights.version_order();
@@ -303,15 +303,15 @@ impl Fleet {
         let crash_looping = inner
             .engines
             .values()
-            .filter(|e| e.record.status == EngineStatus::Failed && e.record.log_tail.is_some())
+            .filter(|e| e.status() == EngineStatus::Failed && e.record().log_tail.is_some())
             .count();
         given_up.with_label_values::<&str>(&[]).set(i64::try_from(crash_looping).unwrap_or(i64::MAX));
         for e in inner.engines.values() {
-            engines.with_label_values(&[e.record.status.to_string()]).inc();
-            if e.record.status != EngineStatus::Removed {
-                let id = e.record.engine_id.as_str();
-                restarts.with_label_values(&[id]).set(i64::from(e.record.restarts));
-                if let Some(v) = &e.record.weight_version {
+            engines.with_label_values(&[e.status().to_string()]).inc();
+            if e.status() != EngineStatus::Removed {
+                let id = e.record().engine_id.as_str();
+                restarts.with_label_values(&[id]).set(i64::from(e.record().restarts));
+                if let Some(v) = &e.record().weight_version {
                     versions.with_label_values(&[id, v.as_str()]).set(1);
                 }
             }
@@ -357,13 +357,13 @@ impl Fleet {
     pub fn engine_records(&self) -> Vec<EngineRecord> {
         let inner = self.lock();
         let mut engines: Vec<&Engine> =
-            inner.engines.values().filter(|e| e.record.status != EngineStatus::Removed).collect();
-        engines.sort_by_key(|e| e.seq);
+            inner.engines.values().filter(|e| e.status() != EngineStatus::Removed).collect();
+        engines.sort_by_key(|e| e.seq());
         engines
             .into_iter()
             .map(|e| {
-                let mut r = e.record.clone();
-                r.in_flight = e.load.get();
+                let mut r = e.record().clone();
+                r.in_flight = e.load().get();
                 r
             })
             .collect()
@@ -389,7 +389,7 @@ mod tests {
         let fleet = Fleet::new(1, "v0".into(), true, None, QueueOrder::Fifo, false);
         let load = fleet.update(|inner| {
             inner.engines.restore(0, record("e1", "ACTIVE"), None, None, false).unwrap();
-            inner.engines.get("e1").unwrap().load.clone()
+            inner.engines.get("e1").unwrap().load().clone()
         });
         let table = fleet.routes();
         assert!(table.is_routable(&load) && !table.is_lost(&load));

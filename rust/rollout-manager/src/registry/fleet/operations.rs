@@ -148,6 +148,24 @@ mod tests {
     }
 
     #[test]
+    fn one_operation_runs_and_only_its_holder_frees_the_lock() {
+        let mut ops = Operations::default();
+        ops.start_scale_out(scale_out("a", ScaleOutStatus::Pending, 1.0)).unwrap();
+        assert_eq!(ops.running().map(|r| (r.kind, r.request_id.as_str())), Some(("scale_out", "a")));
+        let refused = ops.start_scale_out(scale_out("b", ScaleOutStatus::Pending, 2.0)).unwrap_err();
+        assert_eq!(refused.request_id, "a");
+        assert!(ops.scale_out("b").is_none(), "a refused operation is not recorded");
+        assert!(ops.start_scale_out(scale_out("n", ScaleOutStatus::Noop, 2.0)).is_err(), "not even a NOOP");
+        ops.end("b");
+        assert!(ops.running().is_some(), "only the holder frees the lock");
+        ops.end("a");
+        ops.start_scale_out(scale_out("n", ScaleOutStatus::Noop, 3.0)).unwrap();
+        assert!(ops.running().is_none() && ops.scale_out("n").is_some(), "a NOOP is recorded, takes no lock");
+        ops.restore_scale_out(scale_out("r", ScaleOutStatus::Pending, 4.0));
+        assert!(ops.running().is_none(), "a record read back after a restart takes no lock");
+    }
+
+    #[test]
     fn prunes_only_the_oldest_finished_operations() {
         let mut ops = Operations::default();
         for i in 0..5 {

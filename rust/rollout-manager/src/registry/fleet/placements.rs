@@ -91,3 +91,29 @@ impl Placements {
         &self.map
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_change_bumps_the_revision_and_nothing_else_does() {
+        let mut p = Placements::default();
+        p.set("engine_0", Placement::plan("engine_0", 1, false));
+        assert_eq!(p.revision(), 1);
+        assert!(p.change("engine_0", |pl| pl.unwant()));
+        assert!(!p.change("nobody", |pl| pl.unwant()));
+        assert_eq!(p.revision(), 2, "no placement, no change");
+        assert_eq!(p.change_if("engine_0", |_| (7, false)), Some(7));
+        assert_eq!(p.revision(), 2, "unchanged, not bumped");
+        p.change_each(|_, _| false);
+        assert_eq!(p.revision(), 2);
+        p.change_each(|_, _| true);
+        assert_eq!(p.revision(), 3);
+        assert!(p.remove("engine_0").is_some() && p.remove("engine_0").is_none());
+        assert_eq!(p.revision(), 4);
+        p.continue_after(10);
+        p.continue_after(3);
+        assert_eq!(p.revision(), 10, "a restart never goes back");
+    }
+}
