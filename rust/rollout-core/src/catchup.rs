@@ -61,16 +61,11 @@ pub struct SeedCandidate<'a> {
 /// version with the same TP size (SGLang's remote-instance loader needs the same layout), not
 /// one of `tried` (seeds that already failed this engine), sending to the fewest engines now;
 /// among equals the first in `candidates` order. None when there is no such engine.
-pub fn pick_seed<'a>(
-    candidates: &[SeedCandidate<'a>],
-    version: &str,
-    tp_size: u32,
-    tried: &[String],
-) -> Option<&'a str> {
+pub fn pick_seed<'a>(candidates: &[SeedCandidate<'a>], version: &str, tp_size: u32, tried: &[&str]) -> Option<&'a str> {
     candidates
         .iter()
         .filter(|c| c.serving && c.version == Some(version) && c.tp_size == tp_size)
-        .filter(|c| !tried.iter().any(|t| t == c.engine_id))
+        .filter(|c| !tried.contains(&c.engine_id))
         .min_by_key(|c| c.sending)
         .map(|c| c.engine_id)
 }
@@ -157,9 +152,9 @@ mod tests {
     fn seeds_are_spread_and_failed_ones_skipped() {
         let c = [seed("e0", "v1", 2), seed("e1", "v1", 0), seed("e2", "v0", 0), seed("e3", "v1", 0)];
         assert_eq!(pick_seed(&c, "v1", 1, &[]), Some("e1"), "the least busy, first among equals");
-        assert_eq!(pick_seed(&c, "v1", 1, &["e1".into()]), Some("e3"));
-        assert_eq!(pick_seed(&c, "v1", 1, &["e1".into(), "e3".into()]), Some("e0"));
-        assert_eq!(pick_seed(&c, "v1", 1, &["e0".into(), "e1".into(), "e3".into()]), None);
+        assert_eq!(pick_seed(&c, "v1", 1, &["e1"]), Some("e3"));
+        assert_eq!(pick_seed(&c, "v1", 1, &["e1", "e3"]), Some("e0"));
+        assert_eq!(pick_seed(&c, "v1", 1, &["e0", "e1", "e3"]), None);
         assert_eq!(pick_seed(&c, "v2", 1, &[]), None, "nobody serves v2");
         assert_eq!(pick_seed(&c, "v1", 2, &[]), None, "no seed with the same TP size");
         let mut out = c.clone();

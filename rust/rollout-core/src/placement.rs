@@ -47,7 +47,7 @@ pub struct AgentBinding {
 /// One engine's placement in Ray mode.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Placement {
-    pub engine_id: String,
+    pub engine_id: crate::ids::EngineId,
     /// Resources of the engine's placement group, one map per bundle.
     pub bundles: Vec<BTreeMap<String, u32>>,
     pub strategy: String,
@@ -85,20 +85,20 @@ pub enum LoseOutcome {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlacementConflict {
     #[error("placement {0} is no longer wanted (desired absent); remove its placement group and POST released")]
-    NotWanted(String),
+    NotWanted(crate::ids::EngineId),
     #[error("placement {engine_id} is bound to another live agent {url}")]
-    BoundElsewhere { engine_id: String, url: String },
+    BoundElsewhere { engine_id: crate::ids::EngineId, url: String },
     #[error("placement {0} is still wanted (desired present); scale in first")]
-    StillWanted(String),
+    StillWanted(crate::ids::EngineId),
 }
 
 impl Placement {
     /// The plan for one engine of `gpus_per_engine` GPUs: one bundle holding all its GPUs and a
     /// CPU, packed on one node.
-    pub fn plan(engine_id: &str, gpus_per_engine: u32, initial: bool) -> Self {
+    pub fn plan(engine_id: &crate::ids::EngineId, gpus_per_engine: u32, initial: bool) -> Self {
         let bundle = BTreeMap::from([("GPU".to_string(), gpus_per_engine), ("CPU".to_string(), 1)]);
         Self {
-            engine_id: engine_id.to_string(),
+            engine_id: engine_id.clone(),
             bundles: vec![bundle],
             strategy: "STRICT_PACK".into(),
             initial,
@@ -260,10 +260,10 @@ mod tests {
 
     #[test]
     fn placement_binds_once_and_replaces_only_a_dead_agent() {
-        let mut p = Placement::plan("engine_3", 2, false);
+        let mut p = Placement::plan(&crate::ids::EngineId::of_seq(3), 2, false);
         assert_eq!(p.bundles[0].get("GPU"), Some(&2));
         assert_eq!((p.desired, p.status), (Desired::Present, PlacementStatus::PendingResources));
-        assert_eq!(p.check_released(), Err(PlacementConflict::StillWanted("engine_3".into())));
+        assert_eq!(p.check_released(), Err(PlacementConflict::StillWanted(crate::ids::EngineId::of_seq(3))));
         assert_eq!(p.bind(binding("http://a:1"), false), Ok(BindOutcome::Bound));
         assert_eq!(p.status, PlacementStatus::Bound);
         assert_eq!(p.bind(binding("http://a:1"), true), Ok(BindOutcome::Same));
@@ -292,7 +292,7 @@ mod tests {
             (Desired::Absent, None, "http://a:1", false, PlacementStatus::Releasing, None),
         ];
         for (desired, bound, reported, unbound, status, agent) in cases {
-            let mut p = Placement::plan("engine_1", 1, false);
+            let mut p = Placement::plan(&crate::ids::EngineId::of_seq(1), 1, false);
             if let Some(url) = bound {
                 p.bind(binding(url), false).unwrap();
             }
@@ -314,7 +314,7 @@ mod tests {
             assert_eq!(p, before, "{case}");
         }
         // A lost placement binds a new agent as a fresh one would.
-        let mut p = Placement::plan("engine_1", 1, false);
+        let mut p = Placement::plan(&crate::ids::EngineId::of_seq(1), 1, false);
         p.bind(binding("http://a:1"), false).unwrap();
         p.lose("http://a:1");
         assert_eq!(p.bind(binding("http://b:2"), false), Ok(BindOutcome::Bound));

@@ -1,6 +1,7 @@
 //! What a restarted manager does with each record it finds in its store: pure rules, applied
 //! by `rollout-manager`'s restore use case.
 
+use crate::ids::EngineId;
 use crate::state::{EngineOrigin, EngineStatus};
 
 /// A stored engine as the plan sees it.
@@ -76,12 +77,12 @@ pub enum InterruptedScaleOut {
     /// the end): the operation ends ACTIVE.
     Complete,
     /// It ends FAILED: `rolled_back` (not activated) are rolled back, `kept` (activated) stay.
-    Fail { kept: Vec<String>, rolled_back: Vec<String> },
+    Fail { kept: Vec<EngineId>, rolled_back: Vec<EngineId> },
 }
 
 /// Splits an interrupted scale-out's engines by whether they were ACTIVE.
-pub fn interrupted_scale_out(engine_ids: &[String], is_active: impl Fn(&str) -> bool) -> InterruptedScaleOut {
-    let (kept, rolled_back): (Vec<String>, Vec<String>) = engine_ids.iter().cloned().partition(|id| is_active(id));
+pub fn interrupted_scale_out(engine_ids: &[EngineId], is_active: impl Fn(&str) -> bool) -> InterruptedScaleOut {
+    let (kept, rolled_back): (Vec<EngineId>, Vec<EngineId>) = engine_ids.iter().cloned().partition(|id| is_active(id));
     if !kept.is_empty() && rolled_back.is_empty() {
         InterruptedScaleOut::Complete
     } else {
@@ -146,11 +147,12 @@ mod tests {
 
     #[test]
     fn an_interrupted_scale_out() {
-        let ids: Vec<String> = vec!["a".into(), "b".into()];
+        let (a, b) = (EngineId::of_seq(0), EngineId::of_seq(1));
+        let ids = vec![a.clone(), b.clone()];
         assert_eq!(interrupted_scale_out(&ids, |_| true), InterruptedScaleOut::Complete);
         assert_eq!(
-            interrupted_scale_out(&ids, |id| id == "a"),
-            InterruptedScaleOut::Fail { kept: vec!["a".into()], rolled_back: vec!["b".into()] }
+            interrupted_scale_out(&ids, |id| id == "engine_0"),
+            InterruptedScaleOut::Fail { kept: vec![a], rolled_back: vec![b] }
         );
         assert_eq!(
             interrupted_scale_out(&ids, |_| false),

@@ -1,11 +1,12 @@
 //! Which engines a scale-in to a target size removes: a pure rule.
 
+use crate::ids::EngineId;
 use crate::state::{EngineOrigin, EngineStatus};
 
 /// An engine as the choice sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     /// Creation order.
     pub seq: u64,
     pub status: EngineStatus,
@@ -16,7 +17,7 @@ pub struct Candidate {
 /// or REMOVED do not count). Initial engines are never chosen; engines that serve nothing
 /// (FAILED, UNHEALTHY, still starting) go first, then the newest (LIFO). Fewer are chosen when
 /// only initial engines would be left to take.
-pub fn victims(engines: &[Candidate], target: u32) -> Vec<String> {
+pub fn victims(engines: &[Candidate], target: u32) -> Vec<EngineId> {
     let live: Vec<&Candidate> =
         engines.iter().filter(|e| !matches!(e.status, EngineStatus::Removing | EngineStatus::Removed)).collect();
     let excess = live.len().saturating_sub(target as usize);
@@ -33,7 +34,7 @@ mod tests {
     use EngineStatus as S;
 
     fn engine(seq: u64, status: EngineStatus, origin: EngineOrigin) -> Candidate {
-        Candidate { engine_id: format!("e{seq}"), seq, status, origin }
+        Candidate { engine_id: EngineId::of_seq(seq), seq, status, origin }
     }
 
     #[test]
@@ -47,12 +48,12 @@ mod tests {
             engine(5, S::Active, O::External),
         ];
         // Five live engines.
-        assert_eq!(victims(&fleet, 5), Vec::<String>::new());
-        assert_eq!(victims(&fleet, 4), ["e3"]);
-        assert_eq!(victims(&fleet, 3), ["e3", "e5"]);
-        assert_eq!(victims(&fleet, 1), ["e3", "e5", "e2", "e1"]);
+        assert_eq!(victims(&fleet, 5), Vec::<EngineId>::new());
+        assert_eq!(victims(&fleet, 4), ["engine_3"]);
+        assert_eq!(victims(&fleet, 3), ["engine_3", "engine_5"]);
+        assert_eq!(victims(&fleet, 1), ["engine_3", "engine_5", "engine_2", "engine_1"]);
         // The initial engine stays even below the target.
-        assert_eq!(victims(&fleet, 0), ["e3", "e5", "e2", "e1"]);
+        assert_eq!(victims(&fleet, 0), ["engine_3", "engine_5", "engine_2", "engine_1"]);
     }
 
     fn arb_engine() -> impl Strategy<Value = (EngineStatus, EngineOrigin)> {

@@ -89,7 +89,7 @@ pub fn wave_size(strategy: UpdateStrategy, max_unavailable: Option<u32>, fleet: 
 /// One engine as the update planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineView {
-    pub engine_id: String,
+    pub engine_id: crate::ids::EngineId,
     /// Whether it serves requests now (ACTIVE).
     pub serving: bool,
     /// Whether it already serves the target version.
@@ -97,7 +97,7 @@ pub struct EngineView {
 }
 
 /// The next wave: up to `wave` serving engines not yet on the target, in the given order.
-pub fn next_wave(engines: &[EngineView], wave: usize) -> Vec<String> {
+pub fn next_wave(engines: &[EngineView], wave: usize) -> Vec<crate::ids::EngineId> {
     engines.iter().filter(|e| e.serving && !e.on_target).take(wave).map(|e| e.engine_id.clone()).collect()
 }
 

@@ -80,7 +80,11 @@ fn wave_sizes() {
 
 #[test]
 fn next_wave_takes_serving_engines_off_target_in_order() {
-    let e = |id: &str, serving: bool, on_target: bool| EngineView { engine_id: id.into(), serving, on_target };
+    let e = |id: &str, serving: bool, on_target: bool| EngineView {
+        engine_id: crate::ids::EngineId::parse(id).unwrap(),
+        serving,
+        on_target,
+    };
     let engines =
         [e("a", true, true), e("b", true, false), e("c", false, false), e("d", true, false), e("f", true, false)];
     assert_eq!(next_wave(&engines, 2), vec!["b", "d"]);

@@ -127,7 +127,7 @@ pub fn served_model_name(config: &ServeConfig) -> String {
 /// its weights through a 2-rank NCCL group per TP rank on `group_ports`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seed {
-    pub engine_id: String,
+    pub engine_id: rollout_core::ids::EngineId,
     pub host: String,
     pub port: u16,
     pub group_ports: Vec<u16>,

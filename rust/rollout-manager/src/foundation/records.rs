@@ -3,6 +3,7 @@
 //! keep the record's timestamps and history.
 
 use crate::foundation::clock::unix_now;
+use rollout_core::ids::EngineId;
 use rollout_core::weights::{
     EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
 };
@@ -16,7 +17,7 @@ use std::path::PathBuf;
 /// One engine as reported by `GET /rollout/engines`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineRecord {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub url: String,
     pub status: EngineStatus,
     pub is_healthy: bool,
@@ -69,7 +70,7 @@ pub struct Transition {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FailedEngine {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub url: String,
     pub error: String,
 }
@@ -81,7 +82,7 @@ pub struct ScaleOutRecord {
     pub model_name: String,
     pub num_replicas: u32,
     pub engine_urls: Vec<String>,
-    pub engine_ids: Vec<String>,
+    pub engine_ids: Vec<EngineId>,
     pub failed_engines: Vec<FailedEngine>,
     pub created_at: f64,
     pub updated_at: f64,
@@ -101,8 +102,8 @@ pub struct ScaleInRecord {
     pub num_replicas: u32,
     pub engine_urls: Vec<String>,
     pub force: bool,
-    pub engine_ids: Vec<String>,
-    pub removed_engines: Vec<String>,
+    pub engine_ids: Vec<EngineId>,
+    pub removed_engines: Vec<EngineId>,
     pub failed_engines: Vec<FailedEngine>,
     pub created_at: f64,
     pub updated_at: f64,
@@ -221,7 +222,7 @@ pub struct UpdateRecord {
     pub pause_mode: String,
     pub transport: String,
     pub status: WeightUpdateStatus,
-    pub engines: BTreeMap<String, EngineUpdate>,
+    pub engines: BTreeMap<EngineId, EngineUpdate>,
     pub created_at: f64,
     pub updated_at: f64,
     pub finished_at: Option<f64>,
@@ -253,7 +254,7 @@ pub enum UpdateSource {
 /// One engine's place in a weight-update group (the trainer is rank 0).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GroupMember {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub url: String,
     pub tp_size: u32,
     pub rank_offset: u32,
@@ -322,9 +323,9 @@ impl UpdateRecord {
 
     /// Moves one engine's progress; engines not yet listed start as PENDING. Illegal moves are
     /// ignored (an engine already VERIFIED stays so).
-    pub fn engine(&mut self, engine_id: &str, event: EngineUpdateEvent, error: Option<String>) {
+    pub fn engine(&mut self, engine_id: &EngineId, event: EngineUpdateEvent, error: Option<String>) {
         let now = unix_now();
-        let e = self.engines.entry(engine_id.to_string()).or_insert_with(EngineUpdate::pending);
+        let e = self.engines.entry(engine_id.clone()).or_insert_with(EngineUpdate::pending);
         if let Ok(next) = e.status.on(event) {
             e.status = next;
             if event == EngineUpdateEvent::Start {
@@ -564,7 +565,7 @@ impl WeightsState {
     /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
     /// COMPLETED update recording what was observed, so the version history (and the pins'
     /// order) has it and engines that start later copy it from a peer.
-    pub fn observe_trainer_version(&mut self, version: &str, engines: &[String]) -> String {
+    pub fn observe_trainer_version(&mut self, version: &str, engines: &[EngineId]) -> String {
         let now = unix_now();
         let update_id = uuid::Uuid::new_v4().to_string();
         let done = EngineUpdate {
@@ -808,14 +809,15 @@ mod tests {
     #[test]
     fn engine_progress_starts_pending_and_ignores_illegal_moves() {
         let mut u = record("u", "v1", 0.0, WeightUpdateStatus::Updating);
-        u.engine("e0", EngineUpdateEvent::Start, None);
-        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Updating);
-        assert!(u.engines["e0"].started_at.is_some());
-        u.engine("e0", EngineUpdateEvent::Fail, Some("bad header".into()));
-        u.engine("e0", EngineUpdateEvent::Verified, None);
-        assert_eq!(u.engines["e0"].status, EngineUpdateStatus::Failed);
-        assert_eq!(u.engines["e0"].error.as_deref(), Some("bad header"));
-        u.engine("e1", EngineUpdateEvent::Verified, None);
-        assert_eq!(u.engines["e1"].status, EngineUpdateStatus::Verified);
+        let (e0, e1) = (EngineId::of_seq(0), EngineId::of_seq(1));
+        u.engine(&e0, EngineUpdateEvent::Start, None);
+        assert_eq!(u.engines["engine_0"].status, EngineUpdateStatus::Updating);
+        assert!(u.engines["engine_0"].started_at.is_some());
+        u.engine(&e0, EngineUpdateEvent::Fail, Some("bad header".into()));
+        u.engine(&e0, EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["engine_0"].status, EngineUpdateStatus::Failed);
+        assert_eq!(u.engines["engine_0"].error.as_deref(), Some("bad header"));
+        u.engine(&e1, EngineUpdateEvent::Verified, None);
+        assert_eq!(u.engines["engine_1"].status, EngineUpdateStatus::Verified);
     }
 }

@@ -30,13 +30,14 @@
 use crate::foundation::locks::Locked;
 use crate::ops::manager::Manager;
 use rollout_core::health::{counts, verdict as core_verdict, Incarnation, Probe, ProbePolicy, Verdict as CoreVerdict};
+use rollout_core::ids::EngineId;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Engines whose rejoin check (a task of its own) is running.
-pub(crate) type Rejoining = Arc<Mutex<HashSet<String>>>;
+pub(crate) type Rejoining = Arc<Mutex<HashSet<EngineId>>>;
 
 pub fn spawn_monitor(manager: &Arc<Manager>) {
     let m = manager.clone();
@@ -69,7 +70,7 @@ fn incarnation(e: &crate::registry::fleet::Engine) -> Incarnation {
 
 pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
     let busy = rejoining.locked().clone();
-    let targets: Vec<(String, Incarnation)> = manager
+    let targets: Vec<(EngineId, Incarnation)> = manager
         .fleet
         .lock()
         .engines
@@ -87,11 +88,11 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
 
 /// What one round's probe of an engine found: the engine, the start probed, why it failed
 /// (None: passed), and whether its scheduler answered control calls meanwhile (paused).
-type Probed<'a> = (&'a String, &'a Incarnation, Option<String>, bool);
+type Probed<'a> = (&'a EngineId, &'a Incarnation, Option<String>, bool);
 
 /// Probes `targets` at once, each within `--health-check-timeout-secs`, and observes the
 /// versions the ACTIVE ones report.
-async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(String, Incarnation)]) -> Vec<Probed<'a>> {
+async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(EngineId, Incarnation)]) -> Vec<Probed<'a>> {
     let timeout = Duration::from_secs_f64(manager.config.health_check_timeout_secs);
     let endpoint = &manager.config.health_check_endpoint;
     // Only the status is read: the body of a probe (of any size) is never buffered, and
@@ -102,7 +103,7 @@ async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(String, Incarnation)])
     // Only ACTIVE engines: an UNHEALTHY one's version is checked when it tries to rejoin.
     // Each reading is stamped with what the registry knew when it was asked for, and applied
     // only if nothing moved since (see [`observe_versions`]).
-    let (asked, weights_seq): (Vec<(String, Incarnation, u64)>, u64) = {
+    let (asked, weights_seq): (Vec<(EngineId, Incarnation, u64)>, u64) = {
         let inner = manager.fleet.lock();
         let asked = targets
             .iter()
@@ -142,7 +143,7 @@ async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(String, Incarnation)])
 
 /// The verdicts of a round's probes: each counted on its engine (unless probed before a
 /// restart, or paused within the grace), then judged by `rollout_core::health`.
-fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> {
+fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(EngineId, Verdict)> {
     let policy = ProbePolicy {
         threshold: manager.config.health_failure_threshold,
         restart_failed: manager.config.restart_failed_engines,
@@ -190,7 +191,7 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(String, Verdict)> 
 
 /// Carries out one verdict: out of routing, a rejoin attempt (one at a time per engine), or a
 /// restart.
-fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdict) {
+fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: EngineId, verdict: Verdict) {
     match verdict {
         Verdict::TakeOut(failures, why) => {
             tracing::warn!(engine_id = %id, failures, reason = %why, "engine unhealthy; taken out of routing");
@@ -240,7 +241,7 @@ fn act(manager: &Arc<Manager>, rejoining: &Rejoining, id: String, verdict: Verdi
 fn hold_beyond_the_bound(
     manager: &Manager,
     inner: &mut crate::registry::fleet::FleetInner,
-    verdicts: &mut Vec<(String, Verdict)>,
+    verdicts: &mut Vec<(EngineId, Verdict)>,
 ) {
     let wanting = verdicts.iter().filter(|(_, v)| matches!(v, Verdict::TakeOut(..))).count();
     if wanting == 0 {
@@ -263,7 +264,7 @@ fn hold_beyond_the_bound(
         return;
     }
     // The most failures in a row first (the longest silent), then the oldest engine.
-    let mut order: Vec<(u32, u64, String)> = verdicts
+    let mut order: Vec<(u32, u64, EngineId)> = verdicts
         .iter()
         .filter_map(|(id, v)| match v {
             Verdict::TakeOut(failures, _) => {
@@ -273,7 +274,7 @@ fn hold_beyond_the_bound(
         })
         .collect();
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    let held: HashSet<String> = order.into_iter().skip(allowed).map(|(_, _, id)| id).collect();
+    let held: HashSet<EngineId> = order.into_iter().skip(allowed).map(|(_, _, id)| id).collect();
     verdicts.retain(|(id, _)| !held.contains(id));
     for id in &held {
         manager.fleet.count_probe(crate::registry::fleet::ProbeResult::Held);
@@ -293,7 +294,7 @@ fn hold_beyond_the_bound(
 /// Brings an UNHEALTHY engine whose probe passed back into routing, on the version it must
 /// serve (loaded now if needed). An engine that stops answering meanwhile stays UNHEALTHY, and
 /// the next probes decide (back again, or a restart).
-async fn rejoin(manager: &Arc<Manager>, id: &str) {
+async fn rejoin(manager: &Arc<Manager>, id: &EngineId) {
     let Some(url) = manager.url_of(id) else { return };
     match missed_trainer_version(manager, id).await {
         Some((version, true)) => return rejoin_on_a_copy(manager, id, &version).await,
@@ -338,7 +339,7 @@ async fn rejoin(manager: &Arc<Manager>, id: &str) {
 
 /// The fleet's version, if it came from the trainer (no checkpoint to load) and the engine
 /// `id` does not serve it; with whether the manager may restart the engine (it is not external).
-async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(String, bool)> {
+async fn missed_trainer_version(manager: &Arc<Manager>, id: &EngineId) -> Option<(String, bool)> {
     let (want, managed) = {
         let inner = manager.fleet.lock();
         let (want, path) = inner.weights.desired();
@@ -356,7 +357,7 @@ async fn missed_trainer_version(manager: &Arc<Manager>, id: &str) -> Option<(Str
 /// routing (WEIGHT_SYNCING), restarted on a copy from an engine that serves the version, or a
 /// member of the trainer's next update (see `Manager::sync_weights`), then back into routing.
 /// If that fails, it is failed and restarted like an engine whose process died.
-async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &str, version: &str) {
+async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &EngineId, version: &str) {
     if manager.fleet.update(|inner| inner.engines.event(id, EngineEvent::UpdateWeights)).is_err() {
         return; // no longer UNHEALTHY
     }
@@ -415,7 +416,7 @@ pub(crate) async fn stops_answering(manager: &Manager, url: &str) -> String {
 /// None: no answer), for the start of the engine (`at`) and the number of state transitions it
 /// had made (`transitions`) when the reading was asked for.
 struct Reported {
-    engine_id: String,
+    engine_id: EngineId,
     at: Incarnation,
     transitions: u64,
     served: Option<(Option<String>, Option<String>)>,
@@ -480,7 +481,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             return;
         };
         let found = found.to_string();
-        let ids: Vec<String> = active.iter().map(|e| e.record().engine_id.clone()).collect();
+        let ids: Vec<EngineId> = active.iter().map(|e| e.record().engine_id.clone()).collect();
         inner.weights.observe_trainer_version(&found, &ids);
     });
 }

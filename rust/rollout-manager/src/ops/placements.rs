@@ -9,9 +9,10 @@
 
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
+use rollout_core::ids::EngineId;
 use rollout_core::{AgentBinding, BindOutcome, EngineEvent, EngineStatus, Placement, PlacementConflict};
 
-fn unknown(engine_id: &str) -> OpError {
+pub fn unknown(engine_id: &str) -> OpError {
     OpError::unknown(
         "unknown_placement",
         format!("no placement for engine {engine_id:?}; list them with GET /rollout/placements"),
@@ -39,14 +40,14 @@ pub fn ray_only(manager: &Manager) -> Result<(), OpError> {
 }
 
 /// The placement of `engine_id` as it is now.
-pub fn placement(manager: &Manager, engine_id: &str) -> Result<Placement, OpError> {
+pub fn placement(manager: &Manager, engine_id: &EngineId) -> Result<Placement, OpError> {
     manager.fleet.lock().placements.get(engine_id).cloned().ok_or_else(|| unknown(engine_id))
 }
 
 /// An agent now hosts the placement of `engine_id`: the engine leaves PENDING and is launched
 /// through it. Idempotent for the same agent; 409 while another agent that still answers is
 /// bound (a dead one is replaced, and the engine recovered through the new one). The placement.
-pub async fn bind(manager: &Manager, engine_id: &str, binding: AgentBinding) -> Result<Placement, OpError> {
+pub async fn bind(manager: &Manager, engine_id: &EngineId, binding: AgentBinding) -> Result<Placement, OpError> {
     ray_only(manager)?;
     let previous = {
         let inner = manager.fleet.lock();
@@ -81,10 +82,12 @@ pub async fn bind(manager: &Manager, engine_id: &str, binding: AgentBinding) -> 
         Ok::<_, OpError>(outcome)
     })?;
     match &outcome {
-        BindOutcome::Bound => tracing::info!(engine_id, agent = %agent_url, node_id = %node_id, "placement bound"),
+        BindOutcome::Bound => {
+            tracing::info!(engine_id = %engine_id, agent = %agent_url, node_id = %node_id, "placement bound")
+        }
         BindOutcome::Same => {}
         BindOutcome::Replaced { previous } => {
-            tracing::warn!(engine_id, old = %previous.url, new = %agent_url, "placement re-bound: the old agent is gone");
+            tracing::warn!(engine_id = %engine_id, old = %previous.url, new = %agent_url, "placement re-bound: the old agent is gone");
             // Its engine went with the old agent: recover it through the new one.
             manager.agents.forget(&previous.url, engine_id);
         }
@@ -95,7 +98,12 @@ pub async fn bind(manager: &Manager, engine_id: &str, binding: AgentBinding) -> 
 /// The agent at `agent_url` bound to the placement of `engine_id` is gone: the placement goes
 /// back to PENDING_RESOURCES and its engine is recovered through the next agent bound. A report
 /// naming an agent not bound is ignored. The placement, and whether it was unbound.
-pub fn lost(manager: &Manager, engine_id: &str, agent_url: &str, reason: &str) -> Result<(Placement, bool), OpError> {
+pub fn lost(
+    manager: &Manager,
+    engine_id: &EngineId,
+    agent_url: &str,
+    reason: &str,
+) -> Result<(Placement, bool), OpError> {
     ray_only(manager)?;
     if !manager.fleet.lock().placements.contains_key(engine_id) {
         return Err(unknown(engine_id));
@@ -105,7 +113,7 @@ pub fn lost(manager: &Manager, engine_id: &str, agent_url: &str, reason: &str) -
 }
 
 /// The shim removed the placement group of a placement desired absent: it is forgotten.
-pub fn released(manager: &Manager, engine_id: &str) -> Result<(), OpError> {
+pub fn released(manager: &Manager, engine_id: &EngineId) -> Result<(), OpError> {
     ray_only(manager)?;
     manager.fleet.update(|inner| {
         let p = inner.placements.get(engine_id).ok_or_else(|| unknown(engine_id))?;
@@ -113,6 +121,6 @@ pub fn released(manager: &Manager, engine_id: &str) -> Result<(), OpError> {
         inner.placements.remove(engine_id);
         Ok::<_, OpError>(())
     })?;
-    tracing::info!(engine_id, "placement released");
+    tracing::info!(engine_id = %engine_id, "placement released");
     Ok(())
 }

@@ -35,6 +35,7 @@ use crate::foundation::host::process_start_ticks;
 use crate::ops::manager::Manager;
 use crate::ops::weight_update::TurnEngine;
 use crate::registry::store::Snapshot;
+use rollout_core::ids::EngineId;
 use rollout_core::restore::{self as plan, MidTurn};
 use rollout_core::weights::EngineUpdateStatus;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Phase, ScaleOutEvent};
@@ -144,21 +145,21 @@ struct Rebuilt {
     /// The weight update that was in flight, to resume.
     resumed: Option<String>,
     /// Engines that update had taken out of routing for their turn (WEIGHT_SYNCING, UPDATING).
-    mid_turn: HashSet<String>,
+    mid_turn: HashSet<EngineId>,
 }
 
-type Keep = Vec<(String, Option<crate::foundation::host::EngineProcess>)>;
-type DropLive = Vec<(String, crate::foundation::host::EngineProcess)>;
+type Keep = Vec<(EngineId, Option<crate::foundation::host::EngineProcess>)>;
+type DropLive = Vec<(EngineId, crate::foundation::host::EngineProcess)>;
 
 fn rebuild(
     manager: &Arc<Manager>,
     snapshot: Snapshot,
-    adopted: &[(String, crate::foundation::host::EngineProcess)],
+    adopted: &[(EngineId, crate::foundation::host::EngineProcess)],
 ) -> Rebuilt {
     let ray = manager.ray();
     let (rebuilt, stale) = manager.fleet.update(|inner| {
         for p in &snapshot.placements {
-            inner.placements.set(&p.engine_id, p.clone());
+            inner.placements.set(p.clone());
         }
         // Past every id and every revision a shim may have seen before the restart.
         if let Some(meta) = &snapshot.meta {
@@ -205,7 +206,7 @@ fn rebuild(
 fn restore_weights(
     inner: &mut crate::registry::fleet::FleetInner,
     snapshot: &Snapshot,
-) -> (Option<String>, HashSet<String>) {
+) -> (Option<String>, HashSet<EngineId>) {
     let mut mid_turn = HashSet::new();
     let Some(weights) = &snapshot.weights else { return (None, mid_turn) };
     inner.weights = weights.clone();
@@ -229,9 +230,9 @@ fn restore_weights(
 #[derive(Default)]
 struct OpEnds {
     /// Engines of a failed scale-out that it had not activated.
-    rolled_back: HashSet<String>,
+    rolled_back: HashSet<EngineId>,
     /// Engines of a scale-in, which finishes.
-    scale_in_victims: HashSet<String>,
+    scale_in_victims: HashSet<EngineId>,
 }
 
 /// Ends the operations that were in flight (see the module docs) and puts every operation back.
@@ -354,7 +355,10 @@ fn release_orphan_placements(inner: &mut crate::registry::fleet::FleetInner) {
 }
 
 /// Waits until the engine's HTTP server answers `/model_info` (the caller bounds the wait).
-async fn wait_answering(manager: &Manager, engine_id: &str) -> Result<(), crate::adapters::engine_api::EngineError> {
+async fn wait_answering(
+    manager: &Manager,
+    engine_id: &EngineId,
+) -> Result<(), crate::adapters::engine_api::EngineError> {
     let url = manager.url_of(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
     let mut backoff = Duration::from_millis(50);
     while manager.engine_api.probe(&url, "/model_info", Duration::from_secs(5)).await.is_some() {
@@ -370,11 +374,11 @@ async fn wait_answering(manager: &Manager, engine_id: &str) -> Result<(), crate:
 /// (answered here, waiting in WEIGHT_SYNCING), or restarted when the update cannot resume.
 async fn readopt(
     manager: &Arc<Manager>,
-    engine_id: &str,
+    engine_id: &EngineId,
     process: crate::foundation::host::EngineProcess,
     turn: MidTurn,
 ) -> Option<TurnEngine> {
-    manager.watch_exit(engine_id.to_string(), process.clone());
+    manager.watch_exit(engine_id.clone(), process.clone());
     let checked = async {
         if turn == MidTurn::Restart {
             return Err(crate::adapters::engine_api::EngineError::NotSynced(
@@ -395,7 +399,7 @@ async fn readopt(
                     .event(engine_id, EngineEvent::Healthy)
                     .map_err(crate::adapters::engine_api::EngineError::Moved)?;
                 let e = inner.engines.get(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
-                Ok(Some((engine_id.to_string(), e.record().url.clone(), e.load().clone())))
+                Ok(Some((engine_id.clone(), e.record().url.clone(), e.load().clone())))
             });
         }
         manager
@@ -410,12 +414,12 @@ async fn readopt(
         Ok(Ok(handed)) => {
             if handed.is_some() {
                 tracing::info!(
-                    engine_id,
+                    engine_id = %engine_id,
                     pid = process.pid,
                     "re-adopted engine without restart; it finishes its turn in the resumed weight update"
                 );
             } else {
-                tracing::info!(engine_id, pid = process.pid, "re-adopted engine without restart");
+                tracing::info!(engine_id = %engine_id, pid = process.pid, "re-adopted engine without restart");
             }
             handed
         }
@@ -424,13 +428,13 @@ async fn readopt(
                 Ok(Err(e)) => e.to_string(),
                 _ => "no answer within 60 s".to_string(),
             };
-            tracing::warn!(engine_id, error = %why, "re-adopted engine is not usable; restarting it");
+            tracing::warn!(engine_id = %engine_id, error = %why, "re-adopted engine is not usable; restarting it");
             manager.fleet.update(|inner| {
                 inner.engines.fail(engine_id, Some(format!("after restart: {why}")));
             });
             process.stop(manager.shutdown_grace()).await;
             let m = manager.clone();
-            let id = engine_id.to_string();
+            let id = engine_id.clone();
             manager.tasks.spawn(async move { m.recover(&id, Duration::ZERO).await });
             None
         }

@@ -5,6 +5,7 @@ use crate::foundation::records::{EngineRecord, ScaleInRecord, Transition};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::scaling::{Accepted, ScaleInRequest};
+use rollout_core::ids::EngineId;
 use rollout_core::scale_in::Candidate;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
 use serde::Serialize;
@@ -22,7 +23,7 @@ pub enum ScaleInAnswer {
 pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, OpError> {
     let (target, drain) = check(manager, &req)?;
     let request_id = uuid::Uuid::new_v4().to_string();
-    let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<String>>), OpError> {
+    let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<EngineId>>), OpError> {
         if let Some(running) = inner.ops.running() {
             return Err(OpError::conflict(
                 "operation_in_progress",
@@ -129,13 +130,13 @@ fn choose_victims(
     inner: &crate::registry::fleet::FleetInner,
     req: &ScaleInRequest,
     target: u32,
-) -> Result<Vec<String>, OpError> {
+) -> Result<Vec<EngineId>, OpError> {
     let candidates: Vec<_> = inner
         .engines
         .values()
         .filter(|e| !matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed))
         .collect();
-    let victims: Vec<String> = if target > 0 {
+    let victims: Vec<EngineId> = if target > 0 {
         let engines: Vec<Candidate> = candidates
             .iter()
             .map(|e| Candidate {
@@ -175,7 +176,7 @@ fn choose_victims(
 /// Takes the victims out of routing at once (DRAINING engines get no new requests; with
 /// `--move-on-drain` their movable requests are asked to move). Engines that never became
 /// routable (still starting, or failed) skip the drain.
-fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[String], move_on_drain: bool) {
+fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[EngineId], move_on_drain: bool) {
     for id in victims {
         let status = inner.engines.get(id).map(|e| e.status());
         if matches!(status, Some(EngineStatus::Active | EngineStatus::Unhealthy)) {
@@ -189,7 +190,7 @@ fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[Str
     }
 }
 
-async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<String>, drain: Duration) {
+async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<EngineId>, drain: Duration) {
     // An external router must stop sending them work before the drain starts.
     let urls: Vec<String> = {
         let inner = manager.fleet.lock();

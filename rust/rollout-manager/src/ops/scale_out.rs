@@ -18,6 +18,7 @@ use crate::adapters::engine_api::EngineError;
 use crate::foundation::records::FailedEngine;
 use crate::ops::manager::Manager;
 use futures::stream::{FuturesUnordered, StreamExt};
+use rollout_core::ids::EngineId;
 use rollout_core::scale_out::{self as settle, End};
 use rollout_core::{
     EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, Phase, ScaleOutEvent, ScaleOutStatus,
@@ -27,7 +28,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Phase of the slowest engine still in the race.
-fn slowest(inner: &crate::registry::fleet::FleetInner, racing: &[String]) -> Option<Phase> {
+fn slowest(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) -> Option<Phase> {
     racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| Phase::of_engine(e.status()))).min()
 }
 
@@ -40,14 +41,14 @@ pub(crate) fn advance_to(op: &mut crate::foundation::records::ScaleOutRecord, ph
 }
 
 /// Whether an engine still waits for its placement (Ray mode, PENDING_RESOURCES).
-fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[String]) -> bool {
+fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) -> bool {
     racing.iter().any(|id| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Pending))
 }
 
 /// Moves the operation forward to the phase of its slowest engine still in the race. Takes the
 /// write path (which wakes fleet watchers) only when there is something to move. The operation
 /// stays PENDING while an engine waits for resources (Ray mode).
-fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start: ScaleOutEvent) {
+fn follow_slowest(manager: &Manager, request_id: &str, racing: &[EngineId], start: ScaleOutEvent) {
     let behind = {
         let inner = manager.fleet.lock();
         let status = inner.ops.scale_out(request_id).map(|op| op.status);
@@ -73,7 +74,7 @@ fn follow_slowest(manager: &Manager, request_id: &str, racing: &[String], start:
 }
 
 /// Brings one engine from CREATING to READY.
-async fn bring_up(manager: &Arc<Manager>, id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
+async fn bring_up(manager: &Arc<Manager>, id: &EngineId, cancel: &CancellationToken) -> Result<(), EngineError> {
     let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record().origin == EngineOrigin::External);
     if external {
         manager.connect(id).await?;
@@ -92,7 +93,7 @@ const EXTERNAL_BRING_UPS: usize = 64;
 pub async fn run(
     manager: &Arc<Manager>,
     request_id: &str,
-    ids: Vec<String>,
+    ids: Vec<EngineId>,
     timeout: Duration,
     policy: PartialSuccessPolicy,
     cancel: CancellationToken,
@@ -118,7 +119,7 @@ pub async fn run(
         .ops
         .scale_out(request_id)
         .is_some_and(|r| r.trigger == crate::foundation::records::Trigger::Initial);
-    let doomed: Vec<(String, String)> = ids
+    let doomed: Vec<(EngineId, String)> = ids
         .iter()
         .filter(|id| !keep.contains(id))
         .map(|id| {
@@ -144,7 +145,7 @@ pub async fn run(
 
 /// The operation leaves PENDING (CREATING, or CONNECTING for external engines) unless its
 /// engines still wait for placements; the event it started with.
-fn begin(manager: &Manager, request_id: &str, ids: &[String]) -> ScaleOutEvent {
+fn begin(manager: &Manager, request_id: &str, ids: &[EngineId]) -> ScaleOutEvent {
     let external = manager
         .fleet
         .lock()
@@ -176,14 +177,14 @@ fn begin(manager: &Manager, request_id: &str, ids: &[String]) -> ScaleOutEvent {
 async fn race(
     manager: &Arc<Manager>,
     request_id: &str,
-    ids: &[String],
+    ids: &[EngineId],
     start: ScaleOutEvent,
     deadline: tokio::time::Instant,
     policy: PartialSuccessPolicy,
     cancel: &CancellationToken,
-) -> (End, Vec<FailedEngine>, Vec<String>) {
+) -> (End, Vec<FailedEngine>, Vec<EngineId>) {
     let external = start == ScaleOutEvent::StartConnecting;
-    let mut racing: Vec<String> = ids.to_vec();
+    let mut racing: Vec<EngineId> = ids.to_vec();
     let mut failed: Vec<FailedEngine> = Vec::new();
     // External engines are only connected to, so thousands can be attached in one operation;
     // at most EXTERNAL_BRING_UPS of them are brought up at once, so none times out waiting for
@@ -235,7 +236,7 @@ async fn race(
 /// recorded its end.
 struct Settled {
     end: End,
-    keep: Vec<String>,
+    keep: Vec<EngineId>,
     concluded: bool,
 }
 
@@ -248,7 +249,7 @@ struct Settled {
 async fn settle_and_activate(
     manager: &Arc<Manager>,
     request_id: &str,
-    ids: &[String],
+    ids: &[EngineId],
     mut end: End,
     policy: PartialSuccessPolicy,
     start: ScaleOutEvent,
@@ -323,7 +324,7 @@ fn conclude(
 }
 
 /// Initial engines stay listed as FAILED; dynamic and external ones are removed.
-async fn cleanup(manager: &Manager, engine_id: &str, keep_listed: bool, reason: &str) {
+async fn cleanup(manager: &Manager, engine_id: &EngineId, keep_listed: bool, reason: &str) {
     if keep_listed {
         manager.fail_engine(engine_id, reason).await;
     } else {
@@ -335,7 +336,7 @@ async fn cleanup(manager: &Manager, engine_id: &str, keep_listed: bool, reason: 
 const MAX_RESYNCS: u32 = 5;
 
 /// The operation's engines that are READY but do not serve the version the fleet wants now.
-fn stale_ready(manager: &Manager, ids: &[String]) -> Vec<String> {
+fn stale_ready(manager: &Manager, ids: &[EngineId]) -> Vec<EngineId> {
     let inner = manager.fleet.lock();
     let (want, _) = inner.weights.desired();
     ids.iter()
@@ -354,14 +355,14 @@ fn stale_ready(manager: &Manager, ids: &[String]) -> Vec<String> {
 /// recorded in `failed`; answers the operation's new end when it was cut short.
 async fn resync(
     manager: &Arc<Manager>,
-    stale: &[String],
+    stale: &[EngineId],
     deadline: tokio::time::Instant,
     cancel: &CancellationToken,
     failed: &mut Vec<FailedEngine>,
     policy: PartialSuccessPolicy,
 ) -> Option<End> {
     tracing::info!(engines = ?stale, "engines READY on a version the fleet no longer wants; syncing them again");
-    let syncing: Vec<String> = manager.fleet.update(|inner| {
+    let syncing: Vec<EngineId> = manager.fleet.update(|inner| {
         stale.iter().filter(|id| inner.engines.event(id, EngineEvent::UpdateWeights).is_ok()).cloned().collect()
     });
     let work = futures::future::join_all(
@@ -400,13 +401,13 @@ async fn resync(
 fn activate(
     manager: &Manager,
     request_id: &str,
-    ids: &[String],
+    ids: &[EngineId],
     end: End,
     policy: PartialSuccessPolicy,
     start: ScaleOutEvent,
     failed: &mut Vec<FailedEngine>,
     may_resync: bool,
-) -> Option<(Vec<String>, bool)> {
+) -> Option<(Vec<EngineId>, bool)> {
     let may_keep = settle::may_keep(end, policy, !failed.is_empty());
     manager.fleet.update(|inner| {
         if !may_keep {
@@ -416,13 +417,13 @@ fn activate(
         let on_target = |e: &crate::registry::fleet::Engine| {
             want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
         };
-        let candidates: Vec<String> =
+        let candidates: Vec<EngineId> =
             ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
-        let stale = |id: &String| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Ready && !on_target(e));
+        let stale = |id: &EngineId| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Ready && !on_target(e));
         if may_resync && candidates.iter().any(stale) {
             return None;
         }
-        let (ready, lost): (Vec<String>, Vec<String>) = candidates.into_iter().partition(|id| {
+        let (ready, lost): (Vec<EngineId>, Vec<EngineId>) = candidates.into_iter().partition(|id| {
             inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Ready && on_target(e))
         });
         for id in &lost {

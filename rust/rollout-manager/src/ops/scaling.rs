@@ -20,6 +20,7 @@ use crate::foundation::records::{RunningOp, ScaleOutRecord, Trigger};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::registry::fleet::FleetInner;
+use rollout_core::ids::EngineId;
 use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -370,7 +371,7 @@ fn attach_external(
                 ),
             ));
         }
-        let ids: Vec<String> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
+        let ids: Vec<EngineId> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
         record.engine_ids = ids.clone();
         record.message = format!(
             "attaching {} external engines{}",
@@ -398,7 +399,7 @@ fn reserve(
     n: u32,
     origin: EngineOrigin,
     op: &str,
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<EngineId>, String> {
     let mut ids = Vec::new();
     for _ in 0..n {
         match manager.reserve_engine(inner, origin, op) {
@@ -451,7 +452,7 @@ fn spawn_scale_out(
     manager: &Arc<Manager>,
     cancels: &Arc<Cancels>,
     request_id: String,
-    ids: Vec<String>,
+    ids: Vec<EngineId>,
     timeout: Duration,
     policy: PartialSuccessPolicy,
 ) {
@@ -509,13 +510,13 @@ impl Drop for OpGuard {
 
 /// The engines of operation `id`, if it has not ended, that are not ACTIVE (what its task would
 /// have rolled back).
-fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<String>> {
+fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<EngineId>> {
     let engines = match (inner.ops.scale_out(id), inner.ops.scale_in(id)) {
         (Some(op), _) if !op.status.is_terminal() => op.engine_ids.clone(),
         (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
         _ => return None,
     };
-    let not_active = |e: &String| inner.engines.get(e).is_some_and(|en| en.status() != EngineStatus::Active);
+    let not_active = |e: &EngineId| inner.engines.get(e).is_some_and(|en| en.status() != EngineStatus::Active);
     Some(engines.into_iter().filter(not_active).collect())
 }
 

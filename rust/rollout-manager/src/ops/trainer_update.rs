@@ -35,6 +35,7 @@ use crate::foundation::records::{
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
+use rollout_core::ids::EngineId;
 use rollout_core::ids::VersionName;
 use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
@@ -529,7 +530,7 @@ fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_gr
         if let Some(u) = inner.weights.updates.get_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             u.message = "failed before the broadcast".into();
-            let pending: Vec<String> = u.engines.keys().cloned().collect();
+            let pending: Vec<EngineId> = u.engines.keys().cloned().collect();
             for id in pending {
                 u.engine(&id, EngineUpdateEvent::Skip, None);
             }
@@ -668,7 +669,7 @@ fn record_turns(
     update_id: &str,
     plan: &[(GroupMember, bool)],
     turns: &[Turn],
-) -> (usize, Vec<String>, Vec<String>) {
+) -> (usize, Vec<String>, Vec<EngineId>) {
     let mut verified = 0usize;
     let mut failures = Vec::new();
     let mut restart = Vec::new();
@@ -857,7 +858,7 @@ pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, Op
 /// Scale-in: waits while a trainer update runs whose group has any of `engines` (a member
 /// removed from the collective would hang the trainer's broadcast). `waiting` is called once
 /// with the update's id when it has to wait.
-pub async fn wait_not_members(manager: &Manager, engines: &[String], waiting: impl FnOnce(&str)) {
+pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: impl FnOnce(&str)) {
     let mut waiting = Some(waiting);
     let mut changes = manager.fleet.subscribe();
     loop {

@@ -34,6 +34,7 @@
 use crate::adapters::engine_api::{DiskLoad, EngineError};
 use crate::foundation::records::EngineUpdate;
 use crate::ops::manager::Manager;
+use rollout_core::ids::EngineId;
 use rollout_core::weights::{
     next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
 };
@@ -51,7 +52,7 @@ pub(crate) enum Turn {
 }
 
 /// An engine whose turn starts out of routing (WEIGHT_SYNCING): id, URL, in-flight counter.
-pub type TurnEngine = (String, String, Arc<crate::registry::fleet::EngineLoad>);
+pub type TurnEngine = (EngineId, String, Arc<crate::registry::fleet::EngineLoad>);
 
 /// Why an update stopped before committing.
 enum Stop {
@@ -126,7 +127,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
         }
     };
     let go = manager.fleet.update(|inner| {
-        let engines: BTreeMap<String, EngineUpdate> = inner
+        let engines: BTreeMap<EngineId, EngineUpdate> = inner
             .engines
             .values()
             .filter(|e| e.status().is_routable())
@@ -170,7 +171,7 @@ pub async fn resume(
     manager: Arc<Manager>,
     update_id: String,
     readopts: Vec<tokio::task::JoinHandle<Option<TurnEngine>>>,
-    restarting: Vec<String>,
+    restarting: Vec<EngineId>,
 ) {
     let mut carry = Vec::new();
     for handle in readopts {
@@ -375,7 +376,7 @@ fn next_turns(
 #[expect(clippy::too_many_arguments, reason = "the turn needs the engine, the version and the plan")]
 async fn turn(
     manager: &Arc<Manager>,
-    id: &str,
+    id: &EngineId,
     url: &str,
     load: &crate::registry::fleet::EngineLoad,
     want: &WeightVersion,
@@ -423,7 +424,7 @@ async fn turn(
 /// or skipped when it left the fleet meanwhile.
 pub(crate) async fn finish_turn(
     manager: &Arc<Manager>,
-    id: &str,
+    id: &EngineId,
     want: &WeightVersion,
     result: Result<(Option<String>, Option<String>), EngineError>,
 ) -> Turn {
@@ -457,7 +458,7 @@ pub(crate) async fn finish_turn(
             match process {
                 None => Turn::Skipped,
                 Some(p) => {
-                    tracing::warn!(engine_id = id, error = %why, "engine failed its weight update; out of routing");
+                    tracing::warn!(engine_id = %id, error = %why, "engine failed its weight update; out of routing");
                     if let Some(p) = p {
                         p.stop(manager.shutdown_grace()).await;
                     }
@@ -484,7 +485,7 @@ pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -
         // Only a running update commits (one that failed meanwhile leaves the version alone).
         let updating = rollout_core::weights::WeightUpdateStatus::Updating;
         let Some(u) = w.updates.get_mut(update_id).filter(|u| u.status == updating) else { return false };
-        let pending: Vec<String> =
+        let pending: Vec<EngineId> =
             u.engines.iter().filter(|(_, e)| !e.status.is_terminal()).map(|(id, _)| id.clone()).collect();
         for id in pending {
             u.engine(&id, EngineUpdateEvent::Skip, Some("left the fleet before its turn".into()));
@@ -524,7 +525,7 @@ fn retain_current(manager: &Manager) {
 /// and engines already serving the failed version are restarted on the current checkpoint.
 pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why: &str) {
     tracing::warn!(update_id, version = %want.version, error = why, "weight update failed");
-    let restart: Vec<(String, Option<crate::foundation::host::EngineProcess>)> = manager.fleet.update(|inner| {
+    let restart: Vec<(EngineId, Option<crate::foundation::host::EngineProcess>)> = manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
@@ -536,7 +537,7 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightV
         }
         let current = inner.weights.current.clone();
         // Engines whose turn in this update failed (the update's own record of them).
-        let failed_turns: std::collections::HashSet<String> = inner
+        let failed_turns: std::collections::HashSet<EngineId> = inner
             .weights
             .updates
             .get(update_id)
@@ -549,7 +550,7 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightV
             })
             .unwrap_or_default();
         let mut out = Vec::new();
-        let ids: Vec<String> = inner.engines.keys().cloned().collect();
+        let ids: Vec<EngineId> = inner.engines.keys().cloned().collect();
         for id in ids {
             let Some(e) = inner.engines.get_mut(&id) else { continue };
             if e.record().origin == EngineOrigin::External {

@@ -18,6 +18,7 @@
 use crate::foundation::locks::Locked;
 use crate::foundation::records::{EngineRecord, ScaleInRecord, ScaleOutRecord, WeightsState};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use rollout_core::ids::EngineId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -113,7 +114,10 @@ struct Written {
 }
 
 /// The keys of `written` that `current` no longer has.
-fn gone<V, W>(written: &HashMap<String, V>, current: &BTreeMap<String, W>) -> Vec<String> {
+fn gone<K: std::borrow::Borrow<str> + Ord, V, W>(
+    written: &HashMap<String, V>,
+    current: &BTreeMap<K, W>,
+) -> Vec<String> {
     written.keys().filter(|k| !current.contains_key(k.as_str())).cloned().collect()
 }
 
@@ -182,10 +186,10 @@ impl Store {
         // Remember it as written. (A record stored under another key than its id is rewritten
         // under its id by the next sync, and the stray key stays: harmless, never read.)
         let mut written = self.written.locked();
-        written.engines = engines.iter().map(|e| (e.record.engine_id.clone(), e.clone())).collect();
+        written.engines = engines.iter().map(|e| (e.record.engine_id.to_string(), e.clone())).collect();
         written.scale_outs = scale_outs.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
         written.scale_ins = scale_ins.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
-        written.placements = placements.iter().map(|p| (p.engine_id.clone(), p.clone())).collect();
+        written.placements = placements.iter().map(|p| (p.engine_id.to_string(), p.clone())).collect();
         written.meta = meta.clone();
         written.weights = weights.clone();
         Ok(Snapshot { engines, scale_outs, scale_ins, placements, meta, weights })
@@ -201,8 +205,8 @@ impl Store {
         for (id, e) in now.engines {
             if written.engines.get(id.as_str()).is_none_or(|w| !e.same_as(w)) {
                 let stored = e.to_stored();
-                batch.rows[ENGINES_AT].insert(id.clone(), Some(to_json(&stored)));
-                written.engines.insert(id.clone(), stored);
+                batch.rows[ENGINES_AT].insert(id.to_string(), Some(to_json(&stored)));
+                written.engines.insert(id.to_string(), stored);
             }
         }
         for r in now.scale_outs.values() {
@@ -219,8 +223,8 @@ impl Store {
         }
         for p in now.placements.values() {
             if written.placements.get(p.engine_id.as_str()) != Some(p) {
-                batch.rows[PLACEMENTS_AT].insert(p.engine_id.clone(), Some(to_json(p)));
-                written.placements.insert(p.engine_id.clone(), p.clone());
+                batch.rows[PLACEMENTS_AT].insert(p.engine_id.to_string(), Some(to_json(p)));
+                written.placements.insert(p.engine_id.to_string(), p.clone());
             }
         }
         if written.meta.as_ref() != Some(&now.meta) {
@@ -312,10 +316,10 @@ pub trait EngineRow {
 
 /// The registry's durable contents, by id, as [`Store::stage`] reads them.
 pub struct Current<'a, E> {
-    pub engines: &'a BTreeMap<String, E>,
+    pub engines: &'a BTreeMap<EngineId, E>,
     pub scale_outs: &'a BTreeMap<String, ScaleOutRecord>,
     pub scale_ins: &'a BTreeMap<String, ScaleInRecord>,
-    pub placements: &'a BTreeMap<String, rollout_core::Placement>,
+    pub placements: &'a BTreeMap<EngineId, rollout_core::Placement>,
     pub meta: Meta,
     pub weights: &'a WeightsState,
 }
@@ -367,7 +371,7 @@ mod tests {
         }
     }
 
-    fn stage_and_commit(store: &Store, engines: &BTreeMap<String, StoredEngine>, weights: &WeightsState) -> bool {
+    fn stage_and_commit(store: &Store, engines: &BTreeMap<EngineId, StoredEngine>, weights: &WeightsState) -> bool {
         let meta = Meta { next_seq: 3, weight_version: weights.current.version.clone(), placement_revision: 0 };
         let none = BTreeMap::new();
         let (outs, ins) = (BTreeMap::new(), BTreeMap::new());
@@ -388,10 +392,10 @@ mod tests {
         let (outs, ins, none) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
         {
             let store = Store::open(&dir).unwrap();
-            let one: BTreeMap<String, StoredEngine> = [("e1".to_string(), engine("e1", 0))].into();
+            let one: BTreeMap<EngineId, StoredEngine> = [(EngineId::parse("e1").unwrap(), engine("e1", 0))].into();
             let mut two = one.clone();
-            two.insert("e2".into(), engine("e2", 0));
-            let stage = |engines: &BTreeMap<String, StoredEngine>| {
+            two.insert(EngineId::parse("e2").unwrap(), engine("e2", 0));
+            let stage = |engines: &BTreeMap<EngineId, StoredEngine>| {
                 let current = Current {
                     engines,
                     scale_outs: &outs,
@@ -421,14 +425,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rollout-store-test-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let weights = WeightsState::new("v0");
-        let mut engines: BTreeMap<String, StoredEngine> =
-            ["e1", "e2"].iter().map(|id| (id.to_string(), engine(id, 0))).collect();
+        let mut engines: BTreeMap<EngineId, StoredEngine> =
+            ["e1", "e2"].iter().map(|id| (EngineId::parse(id).unwrap(), engine(id, 0))).collect();
         {
             let store = Store::open(&dir).unwrap();
             assert!(stage_and_commit(&store, &engines, &weights), "a fresh store stages everything");
             assert!(!stage_and_commit(&store, &engines, &weights), "no change, nothing staged");
             engines.remove("e1");
-            engines.insert("e2".into(), engine("e2", 1));
+            engines.insert(EngineId::parse("e2").unwrap(), engine("e2", 1));
             assert!(stage_and_commit(&store, &engines, &weights), "a delete and a change are staged");
         }
         let store = Store::open(&dir).unwrap();

@@ -63,7 +63,7 @@ pub(super) struct Tracked {
     /// the client only ever sees whole events, so the error event of a cut never lands in
     /// the middle of one.
     pub(super) partial: bytes::BytesMut,
-    pub(super) engine_id: String,
+    pub(super) engine_id: rollout_core::ids::EngineId,
     /// The stream was cut and its error event sent: nothing follows.
     pub(super) closed: bool,
     /// The body was read to its end.

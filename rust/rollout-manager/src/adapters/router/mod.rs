@@ -377,7 +377,7 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
     .await;
     let ok = results.iter().all(|(_, s)| (200..300).contains(s));
     let engines: serde_json::Map<String, serde_json::Value> =
-        results.into_iter().map(|(id, s)| (id, serde_json::json!(s))).collect();
+        results.into_iter().map(|(id, s)| (id.to_string(), serde_json::json!(s))).collect();
     let status = if ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
     (status, Json(serde_json::json!({"success": ok, "engines": engines}))).into_response()
 }

@@ -64,7 +64,7 @@ pub(super) struct Request {
 
 /// The engine a part runs on, with the request counted on it.
 pub(super) struct Part {
-    pub engine_id: String,
+    pub engine_id: rollout_core::ids::EngineId,
     pub route: super::table::Route,
     /// The request counted on this engine while the part runs (released once it ended, before
     /// the next part is sent: a draining engine is idle as soon as its answers came back).
@@ -230,7 +230,7 @@ enum Ended {
 }
 
 async fn run(request: Request, first: Part, client: &mut Out) {
-    let mut produced = Produced { engines: vec![first.engine_id.clone()], ..Produced::default() };
+    let mut produced = Produced { engines: vec![first.engine_id.to_string()], ..Produced::default() };
     let mut part = first;
     let mut rid = request.rid.clone();
     loop {
@@ -303,7 +303,7 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                     "from": part.engine_id, "to": next.engine_id,
                     "at_token": produced.output_ids.len(), "reason": reason,
                 }));
-                produced.engines.push(next.engine_id.clone());
+                produced.engines.push(next.engine_id.to_string());
                 if let Some(entry) = &request.tail {
                     entry.moved(
                         next.route.load.clone(),

@@ -22,6 +22,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use rollout_core::ids::EngineId;
 use rollout_core::AgentBinding;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -100,12 +101,18 @@ fn placement_json(p: &rollout_core::Placement) -> Result<Json<Value>, ApiError> 
     serde_json::to_value(p).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
+/// The engine id of a placement path; one that cannot be an id names no placement.
+fn placement_id(raw: &str) -> Result<EngineId, ApiError> {
+    EngineId::parse(raw).map_err(|_| crate::ops::placements::unknown(raw).into())
+}
+
 async fn bind(
     State(s): State<ApiState>,
     Path(engine_id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     crate::ops::placements::ray_only(&s.manager)?;
+    let engine_id = placement_id(&engine_id)?;
     let req: BindRequest = super::parse_body(&body)?;
     let agent_url = crate::ops::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
         ApiError::bad_request(
@@ -145,6 +152,7 @@ async fn lost(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     crate::ops::placements::ray_only(&s.manager)?;
+    let engine_id = placement_id(&engine_id)?;
     let req: LostRequest = super::parse_body(&body)?;
     let reason = if req.reason.trim().is_empty() { "reported by the Ray shim" } else { req.reason.trim() };
     let reason: String = reason.chars().take(500).collect();
@@ -157,6 +165,7 @@ async fn lost(
 }
 
 async fn released(State(s): State<ApiState>, Path(engine_id): Path<String>) -> Result<Json<Value>, ApiError> {
-    crate::ops::placements::released(&s.manager, &engine_id)?;
+    crate::ops::placements::ray_only(&s.manager)?;
+    crate::ops::placements::released(&s.manager, &placement_id(&engine_id)?)?;
     Ok(Json(json!({ "engine_id": engine_id, "released": true })))
 }

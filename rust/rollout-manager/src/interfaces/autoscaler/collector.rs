@@ -17,7 +17,7 @@ pub struct Collector {
 }
 
 /// The fleet as the scale API counts it, read under the registry lock.
-pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(String, String)>) {
+pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(rollout_core::ids::EngineId, String)>) {
     let inner = manager.fleet.lock();
     let mut fleet = FleetState { live_engines: inner.engines.live_count(), ..FleetState::default() };
     let mut active = Vec::new();
@@ -57,13 +57,13 @@ impl Collector {
         &mut self,
         manager: &Manager,
         router_metrics: &crate::adapters::router::metrics::RouterMetrics,
-        engines: &[(String, String)],
+        engines: &[(rollout_core::ids::EngineId, String)],
         timeout: Duration,
         at: f64,
     ) -> Tick {
         let reads = engines.iter().map(|(id, url)| {
-            let use_loads = !self.no_loads_route.contains(id);
-            async move { (id.clone(), read_engine(&manager.http, url, use_loads, timeout).await) }
+            let use_loads = !self.no_loads_route.contains(id.as_str());
+            async move { (id.to_string(), read_engine(&manager.http, url, use_loads, timeout).await) }
         });
         let results = futures::future::join_all(reads).await;
         let mut observations = BTreeMap::new();

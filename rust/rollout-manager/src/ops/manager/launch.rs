@@ -12,7 +12,7 @@ impl Manager {
         inner: &mut crate::registry::fleet::FleetInner,
         origin: EngineOrigin,
         created_by: &str,
-    ) -> Result<String, String> {
+    ) -> Result<EngineId, String> {
         let per_engine = self.config.rollout_num_gpus_per_engine;
         if self.ray() {
             // Ray finds the GPUs; the engine waits in PENDING until an agent is bound.
@@ -20,7 +20,7 @@ impl Manager {
             if let Some(e) = inner.engines.get_mut(&id) {
                 e.set_detail(Some(PENDING_DETAIL.into()));
             }
-            inner.placements.set(&id, Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
+            inner.placements.set(Placement::plan(&id, per_engine, origin == EngineOrigin::Initial));
             return Ok(id);
         }
         let host = &self.config.engine_host;
@@ -39,7 +39,7 @@ impl Manager {
         inner: &mut crate::registry::fleet::FleetInner,
         url: &str,
         created_by: &str,
-    ) -> String {
+    ) -> EngineId {
         self.register(
             inner,
             EngineStatus::Creating,
@@ -60,7 +60,7 @@ impl Manager {
         origin: EngineOrigin,
         held: Held,
         created_by: &str,
-    ) -> String {
+    ) -> EngineId {
         debug_assert!(matches!(status, EngineStatus::Creating | EngineStatus::Pending));
         let now = unix_now();
         let logs = (origin != EngineOrigin::External).then(|| self.config.state_dir.join("logs"));
@@ -91,7 +91,7 @@ impl Manager {
     /// Connects to an external engine: its `/model_info` must answer and name the fleet's model
     /// (the startup `--model-path` or a checkpoint the fleet published). Moves it to
     /// HEALTH_CHECKING.
-    pub async fn connect(&self, engine_id: &str) -> Result<(), EngineError> {
+    pub async fn connect(&self, engine_id: &EngineId) -> Result<(), EngineError> {
         let info = self.model_info(engine_id).await?;
         let (model, _) = crate::foundation::engine_http::model_info_fields(&info);
         if !self.fleet.lock().weights.is_fleet_model(&self.config.model_path, model) {
@@ -107,7 +107,7 @@ impl Manager {
     /// Cancel-safe: the work runs in its own task, so a caller that stops waiting (a cancelled
     /// scale-out) cannot leave a started process unregistered; a process whose engine left the
     /// fleet meanwhile is stopped.
-    pub async fn launch(self: &Arc<Self>, engine_id: &str) -> Result<(), EngineError> {
+    pub async fn launch(self: &Arc<Self>, engine_id: &EngineId) -> Result<(), EngineError> {
         self.launch_avoiding(engine_id, &[]).await.map(|_| ())
     }
 
@@ -115,11 +115,11 @@ impl Manager {
     /// from, if any.
     pub(super) async fn launch_avoiding(
         self: &Arc<Self>,
-        engine_id: &str,
-        tried: &[String],
-    ) -> Result<Option<String>, EngineError> {
+        engine_id: &EngineId,
+        tried: &[EngineId],
+    ) -> Result<Option<EngineId>, EngineError> {
         let m = self.clone();
-        let id = engine_id.to_string();
+        let id = engine_id.clone();
         let tried = tried.to_vec();
         self.tasks
             .spawn(async move { m.launch_now(&id, tried).await })
@@ -129,9 +129,9 @@ impl Manager {
 
     pub(super) async fn launch_now(
         self: &Arc<Self>,
-        engine_id: &str,
-        mut tried: Vec<String>,
-    ) -> Result<Option<String>, EngineError> {
+        engine_id: &EngineId,
+        mut tried: Vec<EngineId>,
+    ) -> Result<Option<EngineId>, EngineError> {
         let seed = self.usable_seed(engine_id, &mut tried).await;
         let copying = seed.as_ref().map(|s| s.engine_id.clone());
         let hosted = self.start_process(engine_id, seed).await?;
@@ -145,10 +145,10 @@ impl Manager {
     /// seed, up to [`SEED_ATTEMPTS`] seeds; any other failure is returned as it is.
     pub async fn launch_healthy(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         cancel: &CancellationToken,
     ) -> Result<(), EngineError> {
-        let mut tried: Vec<String> = Vec::new();
+        let mut tried: Vec<EngineId> = Vec::new();
         loop {
             let seed = self.launch_avoiding(engine_id, &tried).await?;
             let healthy = self.wait_healthy(engine_id, cancel).await;
@@ -179,7 +179,7 @@ impl Manager {
             if !again {
                 return healthy;
             }
-            tracing::warn!(engine_id, seed = %seed, error = %why, "copy from the seed failed at startup; starting again from another seed");
+            tracing::warn!(engine_id = %engine_id, seed = %seed, error = %why, "copy from the seed failed at startup; starting again from another seed");
         }
     }
 
@@ -211,7 +211,7 @@ impl Manager {
     /// Starts the engine's process (see [`Manager::launch_weights`] for what it loads).
     pub(super) async fn start_process(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         seed: Option<crate::adapters::launch::Seed>,
     ) -> Result<crate::adapters::engine_host::Hosted, EngineError> {
         let (spec, at) = if self.ray() {
@@ -252,7 +252,7 @@ impl Manager {
             (spec, Location::Local { url, keeper_socket })
         };
         let args = crate::adapters::launch::redacted(&spec.args);
-        tracing::info!(engine_id, program = %spec.program.display(), ?args, at = ?at, "launching engine");
+        tracing::info!(engine_id = %engine_id, program = %spec.program.display(), ?args, at = ?at, "launching engine");
         self.host().launch(engine_id, &spec, &at).await.map_err(|e| EngineError::Start(e.to_string()))
     }
 
@@ -261,7 +261,7 @@ impl Manager {
     /// fleet meanwhile is stopped.
     pub(super) fn register_process(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         hosted: crate::adapters::engine_host::Hosted,
         event: Option<EngineEvent>,
     ) -> Result<(), EngineError> {
@@ -292,14 +292,14 @@ impl Manager {
             self.tasks.spawn(async move { orphan.stop(grace).await });
             return Err(EngineError::Left(format!("engine left the fleet while starting ({e})")));
         }
-        self.watch_exit(engine_id.to_string(), process);
+        self.watch_exit(engine_id.clone(), process);
         Ok(())
     }
 
     /// Ray mode: waits until the engine's placement has an agent (the engine is then past
     /// PENDING), and returns the binding. Fails when the engine leaves the fleet or its placement
     /// is no longer wanted, and on shutdown.
-    pub(super) async fn wait_bound(&self, engine_id: &str) -> Result<rollout_core::AgentBinding, EngineError> {
+    pub(super) async fn wait_bound(&self, engine_id: &EngineId) -> Result<rollout_core::AgentBinding, EngineError> {
         let mut changes = self.fleet.subscribe();
         loop {
             let (bound, detail_stale) = {

@@ -19,6 +19,7 @@ use crate::foundation::clock::unix_now;
 use crate::foundation::host::{EngineProcess, ExitInfo};
 use crate::foundation::records::EngineRecord;
 use crate::registry::fleet::{Fleet, Held};
+use rollout_core::ids::EngineId;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;
 use std::time::Duration;
@@ -155,7 +156,7 @@ impl Manager {
 
     /// Where `engine_id` loads weights: its agent's node in Ray mode, else this machine
     /// (external engines included: they are given the manager's path).
-    pub fn weight_node(&self, engine_id: &str) -> Result<Node, EngineError> {
+    pub fn weight_node(&self, engine_id: &EngineId) -> Result<Node, EngineError> {
         let inner = self.fleet.lock();
         let external = inner.engines.get(engine_id).is_some_and(|e| e.record().origin == EngineOrigin::External);
         if !self.ray() || external {
@@ -210,7 +211,7 @@ impl Manager {
     /// [`Manager::weights_path_on`] the node of `engine_id`.
     pub async fn weights_path_for(
         &self,
-        engine_id: &str,
+        engine_id: &EngineId,
         version: &rollout_core::weights::WeightVersion,
         staged: &str,
     ) -> Result<String, EngineError> {
@@ -222,7 +223,7 @@ impl Manager {
         Duration::from_secs_f64(self.config.scale_in_shutdown_timeout)
     }
 
-    pub(crate) fn url_of(&self, engine_id: &str) -> Option<String> {
+    pub(crate) fn url_of(&self, engine_id: &EngineId) -> Option<String> {
         self.fleet.lock().engines.get(engine_id).map(|e| e.record().url.clone())
     }
 }
@@ -233,7 +234,7 @@ impl Manager {
 /// The directory is ours alone (mode 0700, owned by this user, not a symlink: a name in a
 /// shared temp dir could have been planted by someone else), so nobody else can reach or
 /// replace a keeper's socket, which is itself 0600.
-pub fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &str) -> std::io::Result<std::path::PathBuf> {
+pub fn keeper_socket_path(state_dir: &std::path::Path, engine_id: &EngineId) -> std::io::Result<std::path::PathBuf> {
     use std::hash::{Hash, Hasher};
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let mut h = std::collections::hash_map::DefaultHasher::new();

@@ -8,7 +8,7 @@ impl Manager {
     /// the startup deadline passes, or `cancel` fires. Probes back off from 50 ms to 250 ms
     /// (readiness noticed late is time added to every scale-out); a change of the fleet (such as
     /// the process exiting) wakes the wait at once.
-    pub async fn wait_healthy(&self, engine_id: &str, cancel: &CancellationToken) -> Result<(), EngineError> {
+    pub async fn wait_healthy(&self, engine_id: &EngineId, cancel: &CancellationToken) -> Result<(), EngineError> {
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
         let deadline = Duration::from_secs_f64(self.config.engine_startup_timeout);
         let mut changes = self.fleet.subscribe();
@@ -45,14 +45,14 @@ impl Manager {
     }
 
     /// The engine's `/model_info`.
-    pub(super) async fn model_info(&self, engine_id: &str) -> Result<serde_json::Value, EngineError> {
+    pub(super) async fn model_info(&self, engine_id: &EngineId) -> Result<serde_json::Value, EngineError> {
         let url = self.url_of(engine_id).ok_or(EngineError::Cancelled)?;
         self.engine_api.model_info(&url).await
     }
 
     /// The weight version and checksum an engine reports in `/model_info` (the checksum is
     /// `sglang-sim`'s `weights_checksum`; real SGLang reports none).
-    pub async fn served_weights(&self, engine_id: &str) -> Result<(Option<String>, Option<String>), EngineError> {
+    pub async fn served_weights(&self, engine_id: &EngineId) -> Result<(Option<String>, Option<String>), EngineError> {
         let info = self.model_info(engine_id).await?;
         let text = |k: &str| info.get(k).and_then(|v| v.as_str()).map(String::from);
         Ok((text("weight_version"), text("weights_checksum")))
@@ -65,7 +65,7 @@ impl Manager {
     /// if a publish moved the target meanwhile, the engine is synced again.
     pub async fn sync_weights(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         events: &[EngineEvent],
     ) -> Result<String, EngineError> {
         self.sync_weights_inner(engine_id, events, false).await
@@ -77,7 +77,7 @@ impl Manager {
     /// update keeps its waves instead of reloading every re-adopted engine at once.
     pub async fn sync_weights_keeping_current(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         events: &[EngineEvent],
     ) -> Result<String, EngineError> {
         self.sync_weights_inner(engine_id, events, true).await
@@ -85,7 +85,7 @@ impl Manager {
 
     pub(super) async fn sync_weights_inner(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         events: &[EngineEvent],
         keep_current: bool,
     ) -> Result<String, EngineError> {
@@ -168,7 +168,7 @@ impl Manager {
     /// engine on it, the least busy, none of `tried`), and notes the copy on the engine so the
     /// next pick spreads. None: the version has a checkpoint, an update is under way (its
     /// target has no engine on it yet), or no engine serves it.
-    pub fn choose_seed(&self, engine_id: &str, tried: &[String]) -> Option<crate::adapters::launch::Seed> {
+    pub fn choose_seed(&self, engine_id: &EngineId, tried: &[EngineId]) -> Option<crate::adapters::launch::Seed> {
         let chosen = self.fleet.update(|inner| {
             let (want, path) = inner.weights.desired();
             if path.is_some() || !inner.weights.desired_from_trainer() || inner.weights.loading_update().is_some() {
@@ -176,7 +176,7 @@ impl Manager {
             }
             let tp = self.config.rollout_num_gpus_per_engine.max(1);
             let mut engines: Vec<&crate::registry::fleet::Engine> =
-                inner.engines.values().filter(|e| e.record().engine_id != engine_id).collect();
+                inner.engines.values().filter(|e| e.id() != engine_id).collect();
             engines.sort_by_key(|e| e.seq());
             // Copies in progress per seed, counted once (this runs under the registry lock).
             let mut copies: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
@@ -194,8 +194,10 @@ impl Manager {
                     sending: sending(&e.record().engine_id),
                 })
                 .collect();
-            let seed_id = rollout_core::catchup::pick_seed(&candidates, &want.version, tp, tried)?.to_string();
-            let url = inner.engines.get(&seed_id)?.record().url.clone();
+            let tried: Vec<&str> = tried.iter().map(|t| t.as_str()).collect();
+            let picked = rollout_core::catchup::pick_seed(&candidates, &want.version, tp, &tried)?;
+            let seed = inner.engines.get(picked)?;
+            let (seed_id, url) = (seed.id().clone(), seed.url().to_string());
             let addr = rollout_core::EngineAddr::parse(&url)?;
             let port = addr.port?;
             if let Some(e) = inner.engines.get_mut(engine_id) {
@@ -219,8 +221,8 @@ impl Manager {
     /// and older).
     pub(super) async fn usable_seed(
         &self,
-        engine_id: &str,
-        tried: &mut Vec<String>,
+        engine_id: &EngineId,
+        tried: &mut Vec<EngineId>,
     ) -> Option<crate::adapters::launch::Seed> {
         loop {
             let seed = self.choose_seed(engine_id, tried)?;
@@ -228,7 +230,7 @@ impl Manager {
             if self.engine_api.serves(&url, "/send_weights_to_remote_instance").await {
                 return Some(seed);
             }
-            tracing::info!(engine_id, seed = %seed.engine_id, "the seed's SGLang cannot send weights to a new instance");
+            tracing::info!(engine_id = %engine_id, seed = %seed.engine_id, "the seed's SGLang cannot send weights to a new instance");
             self.fleet.update(|inner| {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.copy_over();
@@ -247,11 +249,11 @@ impl Manager {
     /// serve changed; the caller checks what it serves again.
     pub(super) async fn catch_up(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         want: &rollout_core::weights::WeightVersion,
     ) -> Result<(), EngineError> {
         let mut changes = self.fleet.subscribe();
-        let mut tried: Vec<String> = Vec::new();
+        let mut tried: Vec<EngineId> = Vec::new();
         let mut parked = false;
         loop {
             if self.shutdown.is_cancelled() {
@@ -274,7 +276,7 @@ impl Manager {
                 let detail =
                     format!("copying weight version {} from {} (remote instance)", want.version, seed.engine_id);
                 self.set_awaiting(engine_id, false, Some(detail));
-                tracing::info!(engine_id, seed = %seed.engine_id, version = %want.version, "restarting the engine on a copy from a seed");
+                tracing::info!(engine_id = %engine_id, seed = %seed.engine_id, version = %want.version, "restarting the engine on a copy from a seed");
                 let seed_id = seed.engine_id.clone();
                 match self.restart_in_place(engine_id, seed).await {
                     Ok(()) => {
@@ -283,7 +285,7 @@ impl Manager {
                     }
                     Err(EngineError::Cancelled) => return Err(EngineError::Cancelled),
                     Err(e) => {
-                        tracing::warn!(engine_id, seed = %seed_id, error = %e, "copy from the seed failed; trying another");
+                        tracing::warn!(engine_id = %engine_id, seed = %seed_id, error = %e, "copy from the seed failed; trying another");
                         tried.push(seed_id);
                         continue;
                     }
@@ -295,7 +297,7 @@ impl Manager {
                      can send it yet; the engine joins the next trainer update, or copies it once an engine serves it",
                     want.version
                 );
-                tracing::info!(engine_id, version = %want.version, "engine waits for the trainer's version");
+                tracing::info!(engine_id = %engine_id, version = %want.version, "engine waits for the trainer's version");
                 self.set_awaiting(engine_id, true, Some(detail));
                 parked = true;
             }
@@ -308,7 +310,7 @@ impl Manager {
         }
     }
 
-    pub(super) fn set_awaiting(&self, engine_id: &str, awaiting: bool, detail: Option<String>) {
+    pub(super) fn set_awaiting(&self, engine_id: &EngineId, awaiting: bool, detail: Option<String>) {
         self.fleet.update(|inner| {
             if let Some(e) = inner.engines.get_mut(engine_id) {
                 e.wait_for_trainer(awaiting, detail);
@@ -321,7 +323,7 @@ impl Manager {
     /// once it is healthy.
     pub(super) async fn restart_in_place(
         self: &Arc<Self>,
-        engine_id: &str,
+        engine_id: &EngineId,
         seed: crate::adapters::launch::Seed,
     ) -> Result<(), EngineError> {
         let process = self.fleet.update(|inner| {

@@ -6,14 +6,14 @@ use super::*;
 impl Manager {
     /// Marks the engine FAILED when its process exits without being asked to, and schedules
     /// its recovery if it had been serving.
-    pub fn watch_exit(self: &Arc<Self>, engine_id: String, process: EngineProcess) {
+    pub fn watch_exit(self: &Arc<Self>, engine_id: EngineId, process: EngineProcess) {
         let manager = self.clone();
         self.tasks.spawn(async move {
             let info = process.wait().await;
             if info.requested {
                 return;
             }
-            tracing::warn!(engine_id, exit = %info, "engine process exited unexpectedly");
+            tracing::warn!(engine_id = %engine_id, exit = %info, "engine process exited unexpectedly");
             let was = manager.fleet.update(|inner| {
                 let was = inner.engines.get(&engine_id).map(|e| e.status());
                 // Ray mode: a placement unbound by an agent loss already says why (the loss).
@@ -41,7 +41,7 @@ impl Manager {
     /// Restarts a FAILED managed engine on its GPUs with the fleet's current weights, retrying
     /// with exponential backoff (1 s doubling to 60 s) until it is ACTIVE again, it is removed
     /// on purpose, or the manager shuts down.
-    pub async fn recover(self: &Arc<Self>, engine_id: &str, first_delay: Duration) {
+    pub async fn recover(self: &Arc<Self>, engine_id: &EngineId, first_delay: Duration) {
         let mut delay = first_delay;
         loop {
             // The restart budget decides the wait (backoff within a crash loop) or gives up.
@@ -80,7 +80,7 @@ impl Manager {
             if !restarted {
                 return;
             }
-            tracing::info!(engine_id, "restarting failed engine");
+            tracing::info!(engine_id = %engine_id, "restarting failed engine");
             let result = async {
                 self.launch_healthy(engine_id, &self.shutdown).await?;
                 self.fleet
@@ -92,7 +92,7 @@ impl Manager {
             .await;
             match result {
                 Ok(()) => {
-                    tracing::info!(engine_id, "engine recovered");
+                    tracing::info!(engine_id = %engine_id, "engine recovered");
                     return;
                 }
                 Err(e) => {
@@ -117,7 +117,7 @@ impl Manager {
                             });
                         }
                     }
-                    tracing::warn!(engine_id, error = %e, "engine recovery failed; will retry within its restart budget");
+                    tracing::warn!(engine_id = %engine_id, error = %e, "engine recovery failed; will retry within its restart budget");
                 }
             }
         }
@@ -134,7 +134,7 @@ impl Manager {
     /// within a crash loop), or None when there is nothing to restart: the engine is gone, no
     /// longer FAILED, or its restart budget is spent. Then it stays FAILED, its `detail` says
     /// why and its record keeps the last lines of its log.
-    pub(super) fn restart_wait(&self, engine_id: &str) -> Option<Duration> {
+    pub(super) fn restart_wait(&self, engine_id: &EngineId) -> Option<Duration> {
         let budget = self.restart_budget();
         let (decision, log_path) = {
             let inner = self.fleet.lock();
@@ -159,7 +159,7 @@ impl Manager {
             e.give_up(detail, tail.clone().unwrap_or_default())
         });
         if gave_up {
-            tracing::error!(engine_id, restarts, "engine crash-loops: restart budget spent, it stays FAILED");
+            tracing::error!(engine_id = %engine_id, restarts, "engine crash-loops: restart budget spent, it stays FAILED");
         }
         None
     }
@@ -167,19 +167,19 @@ impl Manager {
     /// A local engine about to start again moves to a free port (the old one may linger in
     /// TIME_WAIT or be taken); if none can be had it keeps the old one, and a launch that finds
     /// it taken fails and is retried.
-    pub(super) fn move_to_fresh_port(&self, inner: &mut crate::registry::fleet::FleetInner, engine_id: &str) {
+    pub(super) fn move_to_fresh_port(&self, inner: &mut crate::registry::fleet::FleetInner, engine_id: &EngineId) {
         let host = &self.config.engine_host;
         if let Err(e) = inner.engines.move_port(
             engine_id,
             |taken| free_port(host, taken),
             |port| format!("http://{}:{port}", url_host(host)),
         ) {
-            tracing::warn!(engine_id, error = %e, "no new port for the restart; keeping the old one");
+            tracing::warn!(engine_id = %engine_id, error = %e, "no new port for the restart; keeping the old one");
         }
     }
 
     /// Ray mode: the agent bound to the engine's placement.
-    pub(super) fn bound_agent(&self, engine_id: &str) -> Option<String> {
+    pub(super) fn bound_agent(&self, engine_id: &EngineId) -> Option<String> {
         let inner = self.fleet.lock();
         inner.placements.get(engine_id).and_then(|p| p.agent.as_ref()).map(|a| a.url.clone())
     }
@@ -190,7 +190,7 @@ impl Manager {
     /// its engine is taken as exited: a serving engine is recovered on the fleet's current
     /// weights once a new agent is bound, one being created is left to its scale-out.
     /// Returns the engines unbound; a stale report (not bound to that agent) unbinds nothing.
-    pub fn agent_lost(&self, agent_url: &str, only: Option<&str>, reason: &str) -> Vec<String> {
+    pub fn agent_lost(&self, agent_url: &str, only: Option<&EngineId>, reason: &str) -> Vec<EngineId> {
         let unbound = self.fleet.update(|inner| {
             let mut unbound = Vec::new();
             inner.placements.change_each(|engine_id, placement| {
@@ -199,7 +199,7 @@ impl Manager {
                 }
                 let lost = matches!(placement.lose(agent_url), rollout_core::LoseOutcome::Unbound { .. });
                 if lost {
-                    unbound.push(engine_id.to_string());
+                    unbound.push(engine_id.clone());
                 }
                 lost
             });
@@ -211,7 +211,7 @@ impl Manager {
             unbound
         });
         for engine_id in &unbound {
-            tracing::warn!(engine_id, agent = %agent_url, reason, "agent lost; its placement waits for a new agent");
+            tracing::warn!(engine_id = %engine_id, agent = %agent_url, reason, "agent lost; its placement waits for a new agent");
             // An unrequested exit, so a serving engine is recovered. Its process went with the
             // agent (agents stop their engines when their host actor dies).
             self.agents.forget(agent_url, engine_id);

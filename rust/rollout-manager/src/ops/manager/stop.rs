@@ -6,11 +6,11 @@ use super::*;
 impl Manager {
     /// Stops an engine's process (SIGTERM, then SIGKILL after the shutdown grace), releases
     /// its GPUs and port, and marks it REMOVED.
-    pub async fn remove_engine(&self, engine_id: &str) -> Option<ExitInfo> {
+    pub async fn remove_engine(&self, engine_id: &EngineId) -> Option<ExitInfo> {
         let process = self.fleet.update(|inner| {
             if let Err(e) = inner.engines.event(engine_id, EngineEvent::Remove) {
                 // Already on its way out: whoever moved it there finishes the removal too.
-                tracing::debug!(engine_id, error = %e, "remove");
+                tracing::debug!(engine_id = %engine_id, error = %e, "remove");
             }
             inner.engines.get(engine_id).and_then(|e| e.process().cloned())
         });
@@ -37,7 +37,7 @@ impl Manager {
 
     /// Stops an engine but keeps it listed as FAILED (used when an initial engine cannot start,
     /// so the operator sees it).
-    pub async fn fail_engine(&self, engine_id: &str, error: &str) {
+    pub async fn fail_engine(&self, engine_id: &EngineId, error: &str) {
         let process = self.fleet.update(|inner| {
             inner.engines.fail(engine_id, Some(error.to_string()));
             inner.engines.get(engine_id).and_then(|e| e.process().cloned())

@@ -9,6 +9,7 @@ use crate::foundation::clock::unix_now;
 use crate::foundation::host::EngineProcess;
 use crate::foundation::records::EngineRecord;
 use crate::foundation::slots::SlotQueue;
+use rollout_core::ids::EngineId;
 use rollout_core::{EngineEvent, EngineStatus, GpuPool, IllegalTransition};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use std::sync::Arc;
 /// The registry's engines, by id, and the local pool they draw from.
 #[derive(Debug)]
 pub struct Engines {
-    map: BTreeMap<String, Engine>,
+    map: BTreeMap<EngineId, Engine>,
     /// Shared by every engine's load: requests waiting for a slot (see [`EngineLoad`]).
     slot_freed: Arc<SlotQueue>,
     /// Whether engines' loads wake the slot queue (a per-engine in-flight cap is set).
@@ -32,7 +33,7 @@ pub struct Engines {
 
 /// The engine a new record is for: its id and creation order, from [`Engines::add`].
 pub struct NewEngine {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub seq: u64,
 }
 
@@ -62,7 +63,7 @@ impl Engines {
     }
 
     /// Every engine, by id.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &Engine)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&EngineId, &Engine)> {
         self.map.iter()
     }
 
@@ -71,7 +72,7 @@ impl Engines {
         self.map.values()
     }
 
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
+    pub fn keys(&self) -> impl Iterator<Item = &EngineId> {
         self.map.keys()
     }
 
@@ -84,7 +85,7 @@ impl Engines {
     }
 
     /// The rows the store keeps.
-    pub(in crate::registry) fn rows(&self) -> &BTreeMap<String, Engine> {
+    pub(in crate::registry) fn rows(&self) -> &BTreeMap<EngineId, Engine> {
         &self.map
     }
 
@@ -123,8 +124,8 @@ impl Engines {
     /// Adds an engine under the next id, built by `record` from that id, with a fresh load.
     /// `held` is what [`Engines::reserve_local`] reserved for it (nothing for external
     /// engines and in Ray mode); it is returned when the engine is forgotten.
-    pub fn add(&mut self, held: Held, record: impl FnOnce(&NewEngine) -> EngineRecord) -> String {
-        let new = NewEngine { engine_id: format!("engine_{}", self.next_seq), seq: self.next_seq };
+    pub fn add(&mut self, held: Held, record: impl FnOnce(&NewEngine) -> EngineRecord) -> EngineId {
+        let new = NewEngine { engine_id: EngineId::of_seq(self.next_seq), seq: self.next_seq };
         self.next_seq += 1;
         let record = record(&new);
         debug_assert_eq!(record.engine_id, new.engine_id);
@@ -381,7 +382,7 @@ impl Engine {
         &self.record
     }
 
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &EngineId {
         &self.record.engine_id
     }
 
@@ -596,7 +597,7 @@ mod tests {
         Engines::new(gpus, Arc::new(SlotQueue::new(QueueOrder::Fifo)), false, count_failed)
     }
 
-    fn add(engines: &mut Engines, gpus: u32, port: u16) -> String {
+    fn add(engines: &mut Engines, gpus: u32, port: u16) -> EngineId {
         let held = engines.reserve_local(gpus, |_| Ok(port)).unwrap();
         let gpu_ids = held.gpus.clone();
         engines.add(held, |new| {
@@ -609,7 +610,7 @@ mod tests {
     #[test]
     fn ids_follow_creation_order_and_continue_past_a_previous_run() {
         let mut e = engines(4, true);
-        assert_eq!((add(&mut e, 1, 1), add(&mut e, 1, 2)), ("engine_0".into(), "engine_1".into()));
+        assert_eq!((add(&mut e, 1, 1), add(&mut e, 1, 2)), (EngineId::of_seq(0), EngineId::of_seq(1)));
         assert_eq!((e.get("engine_0").unwrap().seq(), e.get("engine_1").unwrap().seq()), (0, 1));
         e.continue_after(7);
         assert_eq!(add(&mut e, 1, 3), "engine_7");

@@ -42,7 +42,7 @@ pub struct FleetInner {
 /// What the router needs to know about one routable engine.
 #[derive(Debug, Clone)]
 pub struct Backend {
-    pub engine_id: String,
+    pub engine_id: rollout_core::ids::EngineId,
     pub url: String,
     /// Host and port of `url`, for the router's connection pool.
     pub authority: String,

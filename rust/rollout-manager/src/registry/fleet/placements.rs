@@ -2,6 +2,7 @@
 //! revision that every change bumps, so `GET /rollout/placements?after=` can wait for the next
 //! one. The only ways to change a placement are the methods below, which all bump it.
 
+use rollout_core::ids::EngineId;
 use rollout_core::Placement;
 use std::collections::BTreeMap;
 
@@ -9,7 +10,7 @@ use std::collections::BTreeMap;
 /// by engine id.
 #[derive(Debug, Default)]
 pub struct Placements {
-    map: BTreeMap<String, Placement>,
+    map: BTreeMap<EngineId, Placement>,
     /// Bumped on every placement change.
     revision: u64,
 }
@@ -20,7 +21,7 @@ impl Placements {
     }
 
     /// Every placement, in engine id order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &Placement)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&EngineId, &Placement)> {
         self.map.iter()
     }
 
@@ -37,9 +38,9 @@ impl Placements {
         self.revision = self.revision.max(revision);
     }
 
-    /// Sets the placement of `engine_id` (its plan, or one read back from the store).
-    pub fn set(&mut self, engine_id: &str, placement: Placement) {
-        self.map.insert(engine_id.to_string(), placement);
+    /// Sets the placement of its engine (its plan, or one read back from the store).
+    pub fn set(&mut self, placement: Placement) {
+        self.map.insert(placement.engine_id.clone(), placement);
         self.revision += 1;
     }
 
@@ -67,7 +68,7 @@ impl Placements {
     }
 
     /// Changes every placement `f` says it changed (returns true for).
-    pub fn change_each(&mut self, mut f: impl FnMut(&str, &mut Placement) -> bool) {
+    pub fn change_each(&mut self, mut f: impl FnMut(&EngineId, &mut Placement) -> bool) {
         let mut changed = false;
         for (id, p) in self.map.iter_mut() {
             changed |= f(id, p);
@@ -87,7 +88,7 @@ impl Placements {
     }
 
     /// The placements the store keeps.
-    pub(in crate::registry) fn rows(&self) -> &BTreeMap<String, Placement> {
+    pub(in crate::registry) fn rows(&self) -> &BTreeMap<EngineId, Placement> {
         &self.map
     }
 }
@@ -99,7 +100,7 @@ mod tests {
     #[test]
     fn every_change_bumps_the_revision_and_nothing_else_does() {
         let mut p = Placements::default();
-        p.set("engine_0", Placement::plan("engine_0", 1, false));
+        p.set(Placement::plan(&EngineId::of_seq(0), 1, false));
         assert_eq!(p.revision(), 1);
         assert!(p.change("engine_0", |pl| pl.unwant()));
         assert!(!p.change("nobody", |pl| pl.unwant()));
