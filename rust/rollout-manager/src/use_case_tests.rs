@@ -4,6 +4,7 @@
 
 use crate::ops::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
 use crate::testing::{crash_copy, manager, manager_on_store, one_life, wait_for, FakeEngines};
+use rollout_core::ids::UpdateId;
 use rollout_core::{EngineStatus, ScaleInStatus, ScaleOutStatus};
 use std::sync::Arc;
 
@@ -184,7 +185,7 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
 /// Starts a `rolling` update of every ACTIVE engine to `version` (what a publish records once
 /// the checkpoint is read and staged; the disk transport loads it from `path` as it is).
 /// An update whose checkpoint is already hashed and staged (PENDING), running.
-fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, path: &str) -> String {
+fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, path: &str) -> UpdateId {
     use crate::foundation::records::{EngineUpdate, Transition};
     use rollout_core::weights::WeightUpdateStatus;
     let update_id = start_publish_record(m, version, std::path::Path::new(path), None);
@@ -213,7 +214,7 @@ fn start_publish(
     version: &str,
     dir: &std::path::Path,
     expected: Option<String>,
-) -> String {
+) -> UpdateId {
     let update_id = start_publish_record(m, version, dir, expected);
     m.tasks.spawn(crate::ops::weight_update::checksum_then_run(m.clone(), update_id.clone()));
     update_id
@@ -225,10 +226,10 @@ fn start_publish_record(
     version: &str,
     dir: &std::path::Path,
     expected: Option<String>,
-) -> String {
+) -> UpdateId {
     use crate::foundation::records::{Transition, UpdateRecord};
     use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
-    let update_id = format!("update-{version}");
+    let update_id = UpdateId::parse(&format!("update-{version}")).unwrap();
     m.fleet.update(|inner| {
         let record = UpdateRecord {
             update_id: update_id.clone(),
@@ -558,7 +559,7 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
 }
 
 /// Opens a trainer update to `version` (one tensor; the fake engines take any).
-fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> String {
+fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
     let req = crate::ops::trainer_update::OpenRequest {
         version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
         names: vec!["w".into()],
@@ -580,9 +581,9 @@ async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
     assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
 }
 
-async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &str) {
+async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &UpdateId) {
     crate::ops::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
-    wait_for(m, "the trainer update to end", |i| i.weights.updates[id].status.is_terminal()).await;
+    wait_for(m, "the trainer update to end", |i| i.weights.updates[id.as_str()].status.is_terminal()).await;
 }
 
 fn copies(engines: &FakeEngines) -> Vec<String> {

@@ -3,7 +3,7 @@
 //! keep the record's timestamps and history.
 
 use crate::foundation::clock::unix_now;
-use rollout_core::ids::EngineId;
+use rollout_core::ids::{EngineId, OpId, UpdateId};
 use rollout_core::weights::{
     EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
 };
@@ -38,7 +38,7 @@ pub struct EngineRecord {
     /// How the process ended, or why the engine failed.
     pub last_error: Option<String>,
     /// The operation that created this engine.
-    pub created_by: Option<String>,
+    pub created_by: Option<OpId>,
     /// How many times recovery restarted this engine.
     pub restarts: u32,
     /// What the engine waits for, when that is not obvious from its status (Ray mode:
@@ -77,7 +77,7 @@ pub struct FailedEngine {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleOutRecord {
-    pub request_id: String,
+    pub request_id: OpId,
     pub status: ScaleOutStatus,
     pub model_name: String,
     pub num_replicas: u32,
@@ -96,7 +96,7 @@ pub struct ScaleOutRecord {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScaleInRecord {
-    pub request_id: String,
+    pub request_id: OpId,
     pub status: ScaleInStatus,
     pub model_name: String,
     pub num_replicas: u32,
@@ -170,7 +170,7 @@ fn observe_finished(kind: &str, status: &str, secs: f64) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunningOp {
     pub kind: &'static str,
-    pub request_id: String,
+    pub request_id: OpId,
 }
 
 /// Updates kept in memory and in the store (the oldest finished ones are forgotten first).
@@ -195,7 +195,7 @@ impl EngineUpdate {
 /// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UpdateRecord {
-    pub update_id: String,
+    pub update_id: UpdateId,
     pub version: String,
     pub path: String,
     /// SHA-256 of the checkpoint (see [`rollout_core::weights`] for the rule); `None` while the
@@ -438,10 +438,10 @@ pub struct WeightsState {
     /// When `current` became the fleet's version.
     pub current_since: f64,
     /// The update that made `current`, if any.
-    pub current_update: Option<String>,
+    pub current_update: Option<UpdateId>,
     /// The update in flight: its target is what new engines start on.
-    pub running: Option<String>,
-    pub updates: BTreeMap<String, UpdateRecord>,
+    pub running: Option<UpdateId>,
+    pub updates: BTreeMap<UpdateId, UpdateRecord>,
     pub next_seq: u64,
     /// The trainer's weight-update group the engines joined last (kept while its members stay).
     #[serde(default)]
@@ -565,9 +565,9 @@ impl WeightsState {
     /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
     /// COMPLETED update recording what was observed, so the version history (and the pins'
     /// order) has it and engines that start later copy it from a peer.
-    pub fn observe_trainer_version(&mut self, version: &str, engines: &[EngineId]) -> String {
+    pub fn observe_trainer_version(&mut self, version: &str, engines: &[EngineId]) -> UpdateId {
         let now = unix_now();
-        let update_id = uuid::Uuid::new_v4().to_string();
+        let update_id: UpdateId = uuid::Uuid::new_v4().into();
         let done = EngineUpdate {
             status: EngineUpdateStatus::Verified,
             error: None,
@@ -613,7 +613,7 @@ impl WeightsState {
         self.prune();
         tracing::info!(
             version,
-            update_id,
+            update_id = %update_id,
             "fleet weight version taken from the engines (a trainer updated them directly)"
         );
         update_id
@@ -624,7 +624,7 @@ impl WeightsState {
         if self.updates.len() <= KEEP_UPDATES {
             return;
         }
-        let mut done: Vec<(f64, String)> = self
+        let mut done: Vec<(f64, UpdateId)> = self
             .updates
             .iter()
             .filter(|(id, u)| u.status.is_terminal() && self.current_update.as_ref() != Some(id))
@@ -640,7 +640,7 @@ impl WeightsState {
     /// After a manager restart: the update that was in flight, if any, is marked resumed
     /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
     /// Whether it can really go on is checked next ([`check_resumable`]).
-    pub fn resume_after_restart(&mut self) -> Option<String> {
+    pub fn resume_after_restart(&mut self) -> Option<UpdateId> {
         let u = self.running_update_mut()?;
         if u.status.is_terminal() {
             self.running = None;
@@ -671,7 +671,7 @@ mod tests {
 
     fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
         UpdateRecord {
-            update_id: id.into(),
+            update_id: UpdateId::parse(id).unwrap(),
             version: version.into(),
             path: format!("/ckpt/{version}"),
             checksum: Some(format!("sum-{version}")),
@@ -701,11 +701,11 @@ mod tests {
     #[test]
     fn the_fleets_model_is_the_startup_path_or_a_published_checkpoint() {
         let mut w = WeightsState::new("v0");
-        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Completed));
-        w.updates.insert("u2".into(), record("u2", "v2", 2.0, WeightUpdateStatus::Failed));
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert(UpdateId::parse("u2").unwrap(), record("u2", "v2", 2.0, WeightUpdateStatus::Failed));
         let mut trained = record("u3", "v3", 3.0, WeightUpdateStatus::Completed);
         trained.source = UpdateSource::Trainer;
-        w.updates.insert("u3".into(), trained);
+        w.updates.insert(UpdateId::parse("u3").unwrap(), trained);
         for (path, fleet) in [
             ("/models/base", true),
             ("/ckpt/v1", true),
@@ -723,8 +723,8 @@ mod tests {
     fn desired_is_the_running_target_else_current() {
         let mut w = WeightsState::new("v0");
         assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
-        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
-        w.running = Some("u1".into());
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some(UpdateId::parse("u1").unwrap());
         let (want, path) = w.desired();
         assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
         assert_eq!(path.as_deref(), Some("/stage/v1"));
@@ -751,8 +751,8 @@ mod tests {
     fn a_restart_resumes_the_running_update_and_counts_it() {
         let mut w = WeightsState::new("v0");
         assert_eq!(w.resume_after_restart(), None);
-        w.updates.insert("u1".into(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
-        w.running = Some("u1".into());
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some(UpdateId::parse("u1").unwrap());
         assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
         assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
         let u = &w.updates["u1"];
@@ -782,9 +782,9 @@ mod tests {
     #[test]
     fn version_order_and_known_versions_skip_failed_updates() {
         let mut w = WeightsState::new("v0");
-        w.updates.insert("a".into(), record("a", "v1", 1.0, WeightUpdateStatus::Completed));
-        w.updates.insert("b".into(), record("b", "bad", 2.0, WeightUpdateStatus::Failed));
-        w.updates.insert("c".into(), record("c", "v2", 3.0, WeightUpdateStatus::Completed));
+        w.updates.insert(UpdateId::parse("a").unwrap(), record("a", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert(UpdateId::parse("b").unwrap(), record("b", "bad", 2.0, WeightUpdateStatus::Failed));
+        w.updates.insert(UpdateId::parse("c").unwrap(), record("c", "v2", 3.0, WeightUpdateStatus::Completed));
         assert_eq!(w.version_order(), vec!["v0", "v1", "v2"]);
         let known: Vec<String> = w.known_versions().into_iter().map(|v| v.version).collect();
         assert_eq!(known, vec!["v0", "v1", "v2"]);
@@ -795,11 +795,14 @@ mod tests {
         let mut w = WeightsState::new("v0");
         for i in 0..KEEP_UPDATES + 5 {
             let id = format!("u{i:04}");
-            w.updates.insert(id.clone(), record(&id, &format!("v{i}"), i as f64, WeightUpdateStatus::Completed));
+            w.updates.insert(
+                UpdateId::parse(&id).unwrap(),
+                record(&id, &format!("v{i}"), i as f64, WeightUpdateStatus::Completed),
+            );
         }
-        w.current_update = Some("u0000".into());
+        w.current_update = Some(UpdateId::parse("u0000").unwrap());
         w.updates.get_mut("u0001").unwrap().status = WeightUpdateStatus::Updating;
-        w.running = Some("u0001".into());
+        w.running = Some(UpdateId::parse("u0001").unwrap());
         w.prune();
         assert_eq!(w.updates.len(), KEEP_UPDATES);
         assert!(w.updates.contains_key("u0000") && w.updates.contains_key("u0001"));

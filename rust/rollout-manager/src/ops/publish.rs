@@ -17,7 +17,7 @@ use crate::foundation::clock::unix_now;
 use crate::foundation::records::{Transition, UpdateRecord, UpdateSource, WeightsState};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
-use rollout_core::ids::VersionName;
+use rollout_core::ids::{UpdateId, VersionName};
 use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ pub enum Published {
     Joined(Box<UpdateRecord>),
     /// Published before from this path: the latest update that published it, if still recorded
     /// (else the fleet's current version), with its status and checksum.
-    Existing { update_id: Option<String>, status: String, version: String, checksum: Option<String> },
+    Existing { update_id: Option<UpdateId>, status: String, version: String, checksum: Option<String> },
 }
 
 /// Publishes `req` (see the module docs). Answers at once; a started update runs in the
@@ -57,7 +57,7 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
         .await
         .map_err(|e| OpError::internal("checkpoint_task", e.to_string()))?
         .map_err(|e| OpError::invalid("invalid_checkpoint", format!("{e}; nothing was published")))?;
-    let update_id = uuid::Uuid::new_v4().to_string();
+    let update_id: UpdateId = uuid::Uuid::new_v4().into();
     let transport = manager.transport.name().to_string();
     let published = manager.fleet.update(|inner| -> Result<Published, OpError> {
         match decide(&inner.weights, &req.version, &req.path, req.checksum.as_deref())? {
@@ -121,7 +121,7 @@ enum Decision {
     /// A new version: start an update.
     New,
     /// The running update publishes this version from this path: answer with it.
-    Join(String),
+    Join(UpdateId),
     /// Published before (same version and path, and the checksum, when given, matches).
     Existing(Published),
 }

@@ -35,7 +35,7 @@ use crate::foundation::host::process_start_ticks;
 use crate::ops::manager::Manager;
 use crate::ops::weight_update::TurnEngine;
 use crate::registry::store::Snapshot;
-use rollout_core::ids::EngineId;
+use rollout_core::ids::{EngineId, UpdateId};
 use rollout_core::restore::{self as plan, MidTurn};
 use rollout_core::weights::EngineUpdateStatus;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Phase, ScaleOutEvent};
@@ -143,7 +143,7 @@ struct Rebuilt {
     keep: Keep,
     drop_live: DropLive,
     /// The weight update that was in flight, to resume.
-    resumed: Option<String>,
+    resumed: Option<UpdateId>,
     /// Engines that update had taken out of routing for their turn (WEIGHT_SYNCING, UPDATING).
     mid_turn: HashSet<EngineId>,
 }
@@ -206,7 +206,7 @@ fn rebuild(
 fn restore_weights(
     inner: &mut crate::registry::fleet::FleetInner,
     snapshot: &Snapshot,
-) -> (Option<String>, HashSet<EngineId>) {
+) -> (Option<UpdateId>, HashSet<EngineId>) {
     let mut mid_turn = HashSet::new();
     let Some(weights) = &snapshot.weights else { return (None, mid_turn) };
     inner.weights = weights.clone();

@@ -6,6 +6,7 @@ use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::scaling::{Accepted, ScaleInRequest};
 use rollout_core::ids::EngineId;
+use rollout_core::ids::OpId;
 use rollout_core::scale_in::Candidate;
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
 use serde::Serialize;
@@ -22,7 +23,7 @@ pub enum ScaleInAnswer {
 
 pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, OpError> {
     let (target, drain) = check(manager, &req)?;
-    let request_id = uuid::Uuid::new_v4().to_string();
+    let request_id: OpId = uuid::Uuid::new_v4().into();
     let result = manager.fleet.update(|inner| -> Result<(ScaleInAnswer, Option<Vec<EngineId>>), OpError> {
         if let Some(running) = inner.ops.running() {
             return Err(OpError::conflict(
@@ -190,7 +191,7 @@ fn start_draining(inner: &mut crate::registry::fleet::FleetInner, victims: &[Eng
     }
 }
 
-async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<EngineId>, drain: Duration) {
+async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<EngineId>, drain: Duration) {
     // An external router must stop sending them work before the drain starts.
     let urls: Vec<String> = {
         let inner = manager.fleet.lock();
@@ -224,7 +225,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &str, victims: Vec<Eng
     // A member of a trainer update in flight stays until it ends: the trainer's broadcast
     // needs every member of its group.
     crate::ops::trainer_update::wait_not_members(manager, &victims, |update_id| {
-        tracing::info!(request_id, update_id, "scale-in waits for the trainer update to finish");
+        tracing::info!(request_id = %request_id, update_id, "scale-in waits for the trainer update to finish");
         manager.fleet.update(|inner| {
             if let Some(r) = inner.ops.scale_in_mut(request_id) {
                 r.message = format!(

@@ -19,6 +19,7 @@ use crate::foundation::records::FailedEngine;
 use crate::ops::manager::Manager;
 use futures::stream::{FuturesUnordered, StreamExt};
 use rollout_core::ids::EngineId;
+use rollout_core::ids::OpId;
 use rollout_core::scale_out::{self as settle, End};
 use rollout_core::{
     EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, Phase, ScaleOutEvent, ScaleOutStatus,
@@ -48,7 +49,7 @@ fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) 
 /// Moves the operation forward to the phase of its slowest engine still in the race. Takes the
 /// write path (which wakes fleet watchers) only when there is something to move. The operation
 /// stays PENDING while an engine waits for resources (Ray mode).
-fn follow_slowest(manager: &Manager, request_id: &str, racing: &[EngineId], start: ScaleOutEvent) {
+fn follow_slowest(manager: &Manager, request_id: &OpId, racing: &[EngineId], start: ScaleOutEvent) {
     let behind = {
         let inner = manager.fleet.lock();
         let status = inner.ops.scale_out(request_id).map(|op| op.status);
@@ -92,7 +93,7 @@ const EXTERNAL_BRING_UPS: usize = 64;
 
 pub async fn run(
     manager: &Arc<Manager>,
-    request_id: &str,
+    request_id: &OpId,
     ids: Vec<EngineId>,
     timeout: Duration,
     policy: PartialSuccessPolicy,
@@ -145,7 +146,7 @@ pub async fn run(
 
 /// The operation leaves PENDING (CREATING, or CONNECTING for external engines) unless its
 /// engines still wait for placements; the event it started with.
-fn begin(manager: &Manager, request_id: &str, ids: &[EngineId]) -> ScaleOutEvent {
+fn begin(manager: &Manager, request_id: &OpId, ids: &[EngineId]) -> ScaleOutEvent {
     let external = manager
         .fleet
         .lock()
@@ -163,7 +164,7 @@ fn begin(manager: &Manager, request_id: &str, ids: &[EngineId]) -> ScaleOutEvent
                 );
             } else if let Err(e) = op.apply(start) {
                 // Cancelled before it started.
-                tracing::info!(request_id, error = %e, "scale-out not started");
+                tracing::info!(request_id = %request_id, error = %e, "scale-out not started");
             }
         }
     });
@@ -176,7 +177,7 @@ fn begin(manager: &Manager, request_id: &str, ids: &[EngineId]) -> ScaleOutEvent
 /// the engines that failed, and the ones still racing (not up when it ended).
 async fn race(
     manager: &Arc<Manager>,
-    request_id: &str,
+    request_id: &OpId,
     ids: &[EngineId],
     start: ScaleOutEvent,
     deadline: tokio::time::Instant,
@@ -214,7 +215,7 @@ async fn race(
                 None => break End::Done,
                 Some((id, result)) => {
                     if let Err(e) = result {
-                        tracing::warn!(engine_id = %id, error = %e, request_id, "engine failed during scale-out");
+                        tracing::warn!(engine_id = %id, error = %e, request_id = %request_id, "engine failed during scale-out");
                         let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url.clone()).unwrap_or_default();
                         racing.retain(|r| r != &id);
                         failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
@@ -248,7 +249,7 @@ struct Settled {
 #[expect(clippy::too_many_arguments, reason = "the operation's whole context, passed on from `run`")]
 async fn settle_and_activate(
     manager: &Arc<Manager>,
-    request_id: &str,
+    request_id: &OpId,
     ids: &[EngineId],
     mut end: End,
     policy: PartialSuccessPolicy,
@@ -300,7 +301,7 @@ fn ending_message(
 /// Ends the operation with `event` and frees the one-operation lock.
 fn conclude(
     inner: &mut crate::registry::fleet::FleetInner,
-    request_id: &str,
+    request_id: &OpId,
     start: ScaleOutEvent,
     event: ScaleOutEvent,
     message: Option<String>,
@@ -400,7 +401,7 @@ async fn resync(
 #[expect(clippy::too_many_arguments, reason = "the operation's plan and outcome so far")]
 fn activate(
     manager: &Manager,
-    request_id: &str,
+    request_id: &OpId,
     ids: &[EngineId],
     end: End,
     policy: PartialSuccessPolicy,

@@ -21,6 +21,7 @@ use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::registry::fleet::FleetInner;
 use rollout_core::ids::EngineId;
+use rollout_core::ids::OpId;
 use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -74,7 +75,7 @@ fn default_model() -> String {
 /// What `POST` answers for an accepted (or NOOP) operation.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Accepted {
-    pub request_id: String,
+    pub request_id: OpId,
     pub status: AcceptedStatus,
     pub message: String,
 }
@@ -164,10 +165,10 @@ fn busy(running: &RunningOp) -> OpError {
     )
 }
 
-fn new_scale_out_record(id: &str, req: &ScaleOutRequest, trigger: Trigger, version: &str) -> ScaleOutRecord {
+fn new_scale_out_record(id: &OpId, req: &ScaleOutRequest, trigger: Trigger, version: &str) -> ScaleOutRecord {
     let now = crate::foundation::clock::unix_now();
     ScaleOutRecord {
-        request_id: id.to_string(),
+        request_id: id.clone(),
         status: ScaleOutStatus::Pending,
         model_name: req.model_name.clone(),
         num_replicas: u32::try_from(req.num_replicas.max(0)).unwrap_or(u32::MAX),
@@ -198,7 +199,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         }
         return attach_external(manager, cancels, req, deadline);
     }
-    let request_id = uuid::Uuid::new_v4().to_string();
+    let request_id: OpId = uuid::Uuid::new_v4().into();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
     let (accepted, plan) = manager.fleet.update(|inner| -> Result<_, OpError> {
         if let Some(running) = inner.ops.running() {
@@ -332,7 +333,7 @@ fn attach_external(
             urls.push(url);
         }
     }
-    let request_id = uuid::Uuid::new_v4().to_string();
+    let request_id: OpId = uuid::Uuid::new_v4().into();
     let (accepted, ids) = manager.fleet.update(|inner| -> Result<_, OpError> {
         if let Some(running) = inner.ops.running() {
             return Err(busy(running));
@@ -398,7 +399,7 @@ fn reserve(
     inner: &mut FleetInner,
     n: u32,
     origin: EngineOrigin,
-    op: &str,
+    op: &OpId,
 ) -> Result<Vec<EngineId>, String> {
     let mut ids = Vec::new();
     for _ in 0..n {
@@ -417,12 +418,12 @@ fn reserve(
 }
 
 /// Starts the boot-time bring-up of the initial engines, as a scale-out with trigger `initial`.
-pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<Option<String>, String> {
+pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<Option<OpId>, String> {
     let n = manager.config.initial_engines();
     if n == 0 {
         return Ok(None);
     }
-    let request_id = uuid::Uuid::new_v4().to_string();
+    let request_id: OpId = uuid::Uuid::new_v4().into();
     let req = ScaleOutRequest {
         model_name: manager.config.model_name.clone(),
         num_replicas: i64::from(n),
@@ -451,7 +452,7 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
 fn spawn_scale_out(
     manager: &Arc<Manager>,
     cancels: &Arc<Cancels>,
-    request_id: String,
+    request_id: OpId,
     ids: Vec<EngineId>,
     timeout: Duration,
     policy: PartialSuccessPolicy,
@@ -474,7 +475,7 @@ fn spawn_scale_out(
 pub struct OpGuard {
     pub manager: Arc<Manager>,
     pub kind: &'static str,
-    pub request_id: String,
+    pub request_id: OpId,
 }
 
 impl Drop for OpGuard {
@@ -534,15 +535,15 @@ fn fail_unfinished_op(inner: &mut FleetInner, id: &str) {
     inner.ops.end(id);
 }
 
+/// The answer for a scale-out id nobody knows (or a text that cannot be one).
+pub fn unknown_scale_out(request_id: &str) -> OpError {
+    OpError::unknown("unknown_request", format!("no scale-out request with id {request_id}"))
+}
+
 /// Cancels a running scale-out. Its task rolls back what it created.
-pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &str) -> Result<ScaleOutRecord, OpError> {
-    let record = manager
-        .fleet
-        .lock()
-        .ops
-        .scale_out(request_id)
-        .cloned()
-        .ok_or_else(|| OpError::unknown("unknown_request", format!("no scale-out request with id {request_id}")))?;
+pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &OpId) -> Result<ScaleOutRecord, OpError> {
+    let record =
+        manager.fleet.lock().ops.scale_out(request_id).cloned().ok_or_else(|| unknown_scale_out(request_id))?;
     if record.status.is_terminal() {
         return Err(OpError::conflict(
             "already_finished",
@@ -583,7 +584,7 @@ pub struct BatchCancelRequest {
 
 /// Cancels every running scale-out that matches the filter (none with `dry_run`). The request
 /// ids of those cancelled (or that would be).
-pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<Vec<String>, OpError> {
+pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<Vec<OpId>, OpError> {
     let filter = match req.status_filter.as_deref() {
         None => None,
         Some(raw) => {
@@ -605,7 +606,7 @@ pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelReques
             Some(status)
         }
     };
-    let ids: Vec<String> = manager
+    let ids: Vec<OpId> = manager
         .fleet
         .lock()
         .ops

@@ -36,6 +36,7 @@ use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
 use rollout_core::ids::EngineId;
+use rollout_core::ids::UpdateId;
 use rollout_core::ids::VersionName;
 use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
@@ -124,7 +125,7 @@ fn check(req: &OpenRequest) -> Result<(), OpError> {
 /// update runs, the version name is taken, or no engine can take part.
 pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, OpError> {
     check(&req)?;
-    let update_id = uuid::Uuid::new_v4().to_string();
+    let update_id: UpdateId = uuid::Uuid::new_v4().into();
     let (record, old_group) = manager.fleet.update(|inner| -> Result<_, OpError> {
         refuse_if_busy(inner, &req.version)?;
         let (group, old_group) = plan_group(inner, &req)?;
@@ -133,7 +134,7 @@ pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, Op
         inner.weights.updates.insert(update_id.clone(), record.clone());
         inner.weights.running = Some(update_id.clone());
         inner.weights.prune();
-        tracing::info!(update_id, version = %req.version, "trainer update opened");
+        tracing::info!(update_id = %update_id, version = %req.version, "trainer update opened");
         Ok((record, old_group))
     })?;
     let m = manager.clone();
@@ -225,7 +226,7 @@ fn plan_group(
 
 /// The record of a trainer update just opened over `group` (PENDING: its members join first
 /// where the group is new).
-fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous_version: String) -> UpdateRecord {
+fn new_record(update_id: &UpdateId, req: &OpenRequest, group: &TrainerGroup, previous_version: String) -> UpdateRecord {
     let now = crate::foundation::clock::unix_now();
     let message = if group.new {
         format!(
@@ -236,7 +237,7 @@ fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous
         format!("group {} kept: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast", group.group_name)
     };
     UpdateRecord {
-        update_id: update_id.to_string(),
+        update_id: update_id.clone(),
         version: req.version.to_string(),
         path: String::new(),
         checksum: None,
@@ -273,13 +274,16 @@ fn new_record(update_id: &str, req: &OpenRequest, group: &TrainerGroup, previous
     }
 }
 
-fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &str) -> Result<UpdateRecord, OpError> {
-    let u = inner.weights.updates.get(update_id).ok_or_else(|| {
-        OpError::unknown(
-            "unknown_request",
-            format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
-        )
-    })?;
+/// The answer for an update id nobody knows (or a text that cannot be one).
+pub fn unknown_update(update_id: &str) -> OpError {
+    OpError::unknown(
+        "unknown_request",
+        format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
+    )
+}
+
+fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
+    let u = inner.weights.updates.get(update_id).ok_or_else(|| unknown_update(update_id))?;
     if u.trainer.is_none() {
         return Err(OpError::conflict(
             "not_a_trainer_update",
@@ -292,7 +296,7 @@ fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &str) -
 /// Waits (up to `limit`) until `done` holds for the update's record, and answers the record.
 async fn wait_for(
     manager: &Manager,
-    update_id: &str,
+    update_id: &UpdateId,
     limit: Duration,
     done: impl Fn(&UpdateRecord) -> bool,
 ) -> Result<UpdateRecord, OpError> {
@@ -315,7 +319,7 @@ async fn wait_for(
 /// every member and opens its session; answered then, with the record (UPDATING), while the
 /// members start receiving. 409 when the update failed (the group could not be built, or it
 /// timed out) or ended.
-pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &str) -> Result<UpdateRecord, OpError> {
+pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
     let ready = |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.group_ready);
     let u = wait_for(manager, update_id, limit, ready).await?;
@@ -360,14 +364,9 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &str) -> Result<
 /// with `reason`, the group is destroyed on its members, nothing was paused. Answered once the
 /// update has ended. 409 once the broadcast started (the update then ends when the members
 /// answer, each within `--weight-update-timeout-secs`).
-pub async fn abort(manager: &Arc<Manager>, update_id: &str, reason: &str) -> Result<UpdateRecord, OpError> {
+pub async fn abort(manager: &Arc<Manager>, update_id: &UpdateId, reason: &str) -> Result<UpdateRecord, OpError> {
     manager.fleet.update(|inner| {
-        let u = inner.weights.updates.get_mut(update_id).ok_or_else(|| {
-            OpError::unknown(
-                "unknown_request",
-                format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
-            )
-        })?;
+        let u = inner.weights.updates.get_mut(update_id).ok_or_else(|| unknown_update(update_id))?;
         let status = u.status;
         let Some(t) = u.trainer.as_mut() else {
             return Err(OpError::conflict("not_a_trainer_update", "only a trainer update can be aborted"));
@@ -390,7 +389,7 @@ pub async fn abort(manager: &Arc<Manager>, update_id: &str, reason: &str) -> Res
 
 /// Runs an opened update to its end (see the module docs). Never panics; every outcome is
 /// recorded on the update.
-async fn run(manager: Arc<Manager>, update_id: String, old_group: Option<TrainerGroup>) {
+async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<TrainerGroup>) {
     let Some((group, want)) = ({
         let inner = manager.fleet.lock();
         inner
@@ -441,7 +440,7 @@ async fn run(manager: Arc<Manager>, update_id: String, old_group: Option<Trainer
 
 /// The members of a new group join it (`/init_weights_update_group`, all at once); true when
 /// every one did, else the update ended FAILED (nothing was paused) and the ones that joined left.
-async fn join_group(manager: &Manager, update_id: &str, group: &TrainerGroup, timeout: Duration) -> bool {
+async fn join_group(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup, timeout: Duration) -> bool {
     let body = |m: &GroupMember| {
         json!({"master_address": group.master_address, "master_port": group.master_port,
                "rank_offset": m.rank_offset, "world_size": group.world_size,
@@ -489,7 +488,7 @@ async fn join_group(manager: &Manager, update_id: &str, group: &TrainerGroup, ti
 
 /// Waits until the trainer started its broadcast (`Ok`) or aborted the update (`Err` with its
 /// reason; `Err(None)` when the update or the registry is gone).
-async fn trainer_started(manager: &Manager, update_id: &str) -> Result<(), Option<String>> {
+async fn trainer_started(manager: &Manager, update_id: &UpdateId) -> Result<(), Option<String>> {
     let mut changes = manager.fleet.subscribe();
     loop {
         let state = {
@@ -524,8 +523,8 @@ async fn destroy(manager: &Manager, name: &str, members: &[GroupMember]) {
 }
 
 /// Ends the update FAILED before any engine was paused; the fleet stays where it was.
-fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_group: bool) {
-    tracing::warn!(update_id, error = why, "trainer update failed");
+fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forget_group: bool) {
+    tracing::warn!(update_id = %update_id, error = why, "trainer update failed");
     manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
@@ -535,7 +534,7 @@ fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_gr
                 u.engine(&id, EngineUpdateEvent::Skip, None);
             }
             if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
-                tracing::info!(update_id, error = %e, "the update had already ended");
+                tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
             }
         }
         if inner.weights.running.as_deref() == Some(update_id) {
@@ -548,7 +547,7 @@ fn end_before_broadcast(manager: &Manager, update_id: &str, why: &str, forget_gr
 }
 
 /// The broadcast: every member's side in parallel, then the commit.
-async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup, want: &WeightVersion) {
+async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &TrainerGroup, want: &WeightVersion) {
     let plan = start_members(manager, update_id, group);
     let Some(part) = manager.fleet.lock().weights.updates.get(update_id).and_then(|u| u.trainer.clone()) else {
         return;
@@ -603,7 +602,7 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
         return;
     }
     if !failures.is_empty() {
-        tracing::warn!(update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
+        tracing::warn!(update_id = %update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
         manager.fleet.update(|inner| {
             if let Some(u) = inner.weights.updates.get_mut(update_id) {
                 u.message = format!(
@@ -626,7 +625,7 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &str, group: &TrainerGroup
 /// draining) take part as they are, since a member missing from the collective would hang the
 /// trainer's broadcast; members gone are skipped. Each member taking part, and whether it was
 /// routed.
-fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Vec<(GroupMember, bool)> {
+fn start_members(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup) -> Vec<(GroupMember, bool)> {
     manager.fleet.update(|inner| {
         let mut plan = Vec::new();
         for m in &group.members {
@@ -666,7 +665,7 @@ fn start_members(manager: &Manager, update_id: &str, group: &TrainerGroup) -> Ve
 /// failed, and the failed ones (to restart).
 fn record_turns(
     manager: &Manager,
-    update_id: &str,
+    update_id: &UpdateId,
     plan: &[(GroupMember, bool)],
     turns: &[Turn],
 ) -> (usize, Vec<String>, Vec<EngineId>) {
@@ -698,7 +697,7 @@ fn record_turns(
 /// Commits the version once every ACTIVE engine is a member that received it (one that did not
 /// left routing), waiting up to 30 s for the registry to settle if one is still behind (a member
 /// returning to routing); else the update fails. False when it did not commit.
-async fn commit_when_settled(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion) -> bool {
+async fn commit_when_settled(manager: &Arc<Manager>, update_id: &UpdateId, want: &WeightVersion) -> bool {
     let mut changes = manager.fleet.subscribe();
     let settle_by = tokio::time::Instant::now() + Duration::from_secs(30);
     while !crate::ops::weight_update::commit(manager, update_id, want) {

@@ -35,6 +35,7 @@ use crate::adapters::engine_api::{DiskLoad, EngineError};
 use crate::foundation::records::EngineUpdate;
 use crate::ops::manager::Manager;
 use rollout_core::ids::EngineId;
+use rollout_core::ids::UpdateId;
 use rollout_core::weights::{
     next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
 };
@@ -66,7 +67,7 @@ enum Stop {
 /// cannot be read, changes while hashed, or does not have the checksum the publish expected ends
 /// the update FAILED with the reason, before any engine is touched. A shutdown stops the hashing
 /// and leaves the update CHECKSUMMING; a restarted manager hashes it again.
-pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
+pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
     let plan = manager.fleet.update(|inner| {
         let u = inner.weights.updates.get(&update_id)?;
         if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
@@ -110,7 +111,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
         }
         Err(e) => return fail(&manager, &update_id, &want, &format!("the hashing task failed: {e}")).await,
     };
-    tracing::info!(update_id, version = %want.version, checksum, bytes = ckpt.total_bytes, files = ckpt.files.len(),
+    tracing::info!(update_id = %update_id, version = %want.version, checksum, bytes = ckpt.total_bytes, files = ckpt.files.len(),
         seconds = started.elapsed().as_secs_f64(), "checkpoint hashed");
     if let Some(expected) = expected.filter(|e| *e != checksum) {
         let why = format!(
@@ -158,7 +159,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: String) {
 }
 
 /// Runs the update to its end. Never panics; every outcome is recorded on the update.
-pub async fn run(manager: Arc<Manager>, update_id: String) {
+pub async fn run(manager: Arc<Manager>, update_id: UpdateId) {
     run_with(manager, update_id, Vec::new()).await;
 }
 
@@ -169,7 +170,7 @@ pub async fn run(manager: Arc<Manager>, update_id: String) {
 /// back nor takes an engine out of routing that re-adoption is still checking.
 pub async fn resume(
     manager: Arc<Manager>,
-    update_id: String,
+    update_id: UpdateId,
     readopts: Vec<tokio::task::JoinHandle<Option<TurnEngine>>>,
     restarting: Vec<EngineId>,
 ) {
@@ -210,14 +211,14 @@ pub async fn resume(
         .get(&update_id)
         .is_some_and(|u| u.status == rollout_core::weights::WeightUpdateStatus::Checksumming);
     if checksumming {
-        tracing::info!(update_id, "resuming the weight update: hashing its checkpoint again");
+        tracing::info!(update_id = %update_id, "resuming the weight update: hashing its checkpoint again");
         return checksum_then_run(manager, update_id).await;
     }
-    tracing::info!(update_id, mid_turn = ?carry.iter().map(|c| &c.0).collect::<Vec<_>>(), "resuming the weight update");
+    tracing::info!(update_id = %update_id, mid_turn = ?carry.iter().map(|c| &c.0).collect::<Vec<_>>(), "resuming the weight update");
     run_with(manager, update_id, carry).await;
 }
 
-async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngine>) {
+async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEngine>) {
     let plan = manager.fleet.update(|inner| {
         let u = inner.weights.updates.get_mut(&update_id)?;
         if u.status.is_terminal() {
@@ -246,7 +247,7 @@ async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngin
                     "interrupted by the manager's shutdown while publishing {}; a manager restarted on the same --state-dir resumes it",
                     u.version
                 );
-                tracing::info!(update_id, version = %u.version, "weight update interrupted by the shutdown; left in flight");
+                tracing::info!(update_id = %update_id, version = %u.version, "weight update interrupted by the shutdown; left in flight");
             }
         }),
     }
@@ -257,7 +258,7 @@ async fn run_with(manager: Arc<Manager>, update_id: String, carry: Vec<TurnEngin
 #[expect(clippy::too_many_arguments, reason = "the update's plan, plus the engines carried over a restart")]
 async fn converge(
     manager: &Arc<Manager>,
-    update_id: &str,
+    update_id: &UpdateId,
     want: &WeightVersion,
     path: &str,
     strategy: UpdateStrategy,
@@ -284,7 +285,7 @@ async fn converge(
             }
             continue;
         }
-        tracing::info!(update_id, version = %want.version, engines = ?wave.iter().map(|w| &w.0).collect::<Vec<_>>(), "weight update wave");
+        tracing::info!(update_id = %update_id, version = %want.version, engines = ?wave.iter().map(|w| &w.0).collect::<Vec<_>>(), "weight update wave");
         let turns = futures::future::join_all(
             wave.iter().map(|(id, url, load)| turn(manager, id, url, load, want, path, strategy, pause_mode)),
         )
@@ -323,7 +324,7 @@ async fn converge(
 /// `want` (`rollout_core::weights::next_wave`).
 fn next_turns(
     manager: &Manager,
-    update_id: &str,
+    update_id: &UpdateId,
     want: &WeightVersion,
     strategy: UpdateStrategy,
     max_unavailable: Option<u32>,
@@ -472,7 +473,7 @@ pub(crate) async fn finish_turn(
 /// Moves the fleet version to `want` if every ACTIVE engine serves it. An engine READY on
 /// another version (a scale-out's, waiting for the rest of its operation) does not hold the
 /// commit: the scale-out syncs it again before it activates it (`scale_out::activate`).
-pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -> bool {
+pub(crate) fn commit(manager: &Manager, update_id: &UpdateId, want: &WeightVersion) -> bool {
     let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
             e.status() == EngineStatus::Active
@@ -502,9 +503,9 @@ pub(crate) fn commit(manager: &Manager, update_id: &str, want: &WeightVersion) -
             w.source = crate::foundation::records::VersionSource::Publish;
         }
         w.current_since = crate::foundation::clock::unix_now();
-        w.current_update = Some(update_id.to_string());
+        w.current_update = Some(update_id.clone());
         w.running = None;
-        tracing::info!(update_id, version = %want.version, "fleet weight version committed");
+        tracing::info!(update_id = %update_id, version = %want.version, "fleet weight version committed");
         true
     });
     if committed {
@@ -523,13 +524,13 @@ fn retain_current(manager: &Manager) {
 
 /// Ends the update FAILED: the fleet stays on its current version; engines FAILED by the update
 /// and engines already serving the failed version are restarted on the current checkpoint.
-pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &str, want: &WeightVersion, why: &str) {
-    tracing::warn!(update_id, version = %want.version, error = why, "weight update failed");
+pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &WeightVersion, why: &str) {
+    tracing::warn!(update_id = %update_id, version = %want.version, error = why, "weight update failed");
     let restart: Vec<(EngineId, Option<crate::foundation::host::EngineProcess>)> = manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
-                tracing::info!(update_id, error = %e, "the update had already ended");
+                tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
             }
         }
         if inner.weights.running.as_deref() == Some(update_id) {
@@ -623,7 +624,7 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
         // On agents' nodes the copy is checked (and staged if missing) before each load.
         return Ok(());
     }
-    tracing::warn!(update_id, version = %want.version, path = %engine_path, "the update's staged copy is gone; staging it again");
+    tracing::warn!(update_id = %update_id, version = %want.version, path = %engine_path, "the update's staged copy is gone; staging it again");
     let staged = manager
         .transport
         .stage(&want, &[crate::adapters::weights::transport::Node::Local])

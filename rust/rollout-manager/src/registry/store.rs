@@ -187,8 +187,8 @@ impl Store {
         // under its id by the next sync, and the stray key stays: harmless, never read.)
         let mut written = self.written.locked();
         written.engines = engines.iter().map(|e| (e.record.engine_id.to_string(), e.clone())).collect();
-        written.scale_outs = scale_outs.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
-        written.scale_ins = scale_ins.iter().map(|r| (r.request_id.clone(), r.clone())).collect();
+        written.scale_outs = scale_outs.iter().map(|r| (r.request_id.to_string(), r.clone())).collect();
+        written.scale_ins = scale_ins.iter().map(|r| (r.request_id.to_string(), r.clone())).collect();
         written.placements = placements.iter().map(|p| (p.engine_id.to_string(), p.clone())).collect();
         written.meta = meta.clone();
         written.weights = weights.clone();
@@ -211,14 +211,14 @@ impl Store {
         }
         for r in now.scale_outs.values() {
             if written.scale_outs.get(r.request_id.as_str()) != Some(r) {
-                batch.rows[SCALE_OUTS_AT].insert(r.request_id.clone(), Some(to_json(r)));
-                written.scale_outs.insert(r.request_id.clone(), r.clone());
+                batch.rows[SCALE_OUTS_AT].insert(r.request_id.to_string(), Some(to_json(r)));
+                written.scale_outs.insert(r.request_id.to_string(), r.clone());
             }
         }
         for r in now.scale_ins.values() {
             if written.scale_ins.get(r.request_id.as_str()) != Some(r) {
-                batch.rows[SCALE_INS_AT].insert(r.request_id.clone(), Some(to_json(r)));
-                written.scale_ins.insert(r.request_id.clone(), r.clone());
+                batch.rows[SCALE_INS_AT].insert(r.request_id.to_string(), Some(to_json(r)));
+                written.scale_ins.insert(r.request_id.to_string(), r.clone());
             }
         }
         for p in now.placements.values() {
@@ -317,8 +317,8 @@ pub trait EngineRow {
 /// The registry's durable contents, by id, as [`Store::stage`] reads them.
 pub struct Current<'a, E> {
     pub engines: &'a BTreeMap<EngineId, E>,
-    pub scale_outs: &'a BTreeMap<String, ScaleOutRecord>,
-    pub scale_ins: &'a BTreeMap<String, ScaleInRecord>,
+    pub scale_outs: &'a BTreeMap<rollout_core::ids::OpId, ScaleOutRecord>,
+    pub scale_ins: &'a BTreeMap<rollout_core::ids::OpId, ScaleInRecord>,
     pub placements: &'a BTreeMap<EngineId, rollout_core::Placement>,
     pub meta: Meta,
     pub weights: &'a WeightsState,

@@ -263,6 +263,7 @@ async fn cancel_scale_out(
     State(s): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let id = rollout_core::ids::OpId::parse(&id).map_err(|_| scaling::unknown_scale_out(&id))?;
     let record = scaling::cancel_scale_out(&s.manager, &s.cancels, &id)?;
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     value["message"] = json!("cancellation requested; created engines are being stopped");

@@ -96,8 +96,13 @@ async fn open_trainer_update(
     Ok((StatusCode::ACCEPTED, Json(out)))
 }
 
+/// The update id of a path; one that cannot be an id names no update.
+fn update_id(raw: &str) -> Result<rollout_core::ids::UpdateId, ApiError> {
+    rollout_core::ids::UpdateId::parse(raw).map_err(|_| crate::ops::trainer_update::unknown_update(raw).into())
+}
+
 async fn start_broadcast(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let record = crate::ops::trainer_update::start_broadcast(&s.manager, &id).await?;
+    let record = crate::ops::trainer_update::start_broadcast(&s.manager, &update_id(&id)?).await?;
     serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
@@ -117,7 +122,7 @@ async fn abort_update(
     let req: AbortRequest = if empty { AbortRequest::default() } else { parse_body(&body)? };
     let reason = req.reason.unwrap_or_else(|| "no reason given".into());
     let reason: String = reason.chars().take(500).collect();
-    let record = crate::ops::trainer_update::abort(&s.manager, &id, &reason).await?;
+    let record = crate::ops::trainer_update::abort(&s.manager, &update_id(&id)?, &reason).await?;
     serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
@@ -272,7 +277,7 @@ async fn list_updates(State(s): State<ApiState>, Query(f): Query<UpdateFilter>) 
 
 async fn get_update(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let u = inner.weights.updates.get(&id).ok_or_else(|| {
+    let u = inner.weights.updates.get(id.as_str()).ok_or_else(|| {
         ApiError::not_found(
             "unknown_request",
             format!("no weight update with id {id}; list them with GET /rollout/weights/updates"),

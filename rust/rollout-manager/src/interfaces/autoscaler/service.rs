@@ -445,7 +445,7 @@ impl Autoscaler {
         match result {
             Ok(accepted) => {
                 tracing::info!(request_id = %accepted.request_id, action = name, from, to, reason = %reason, "autoscaler scaling");
-                entry.request_id = Some(accepted.request_id);
+                entry.request_id = Some(accepted.request_id.to_string());
                 if accepted.status == crate::ops::scaling::AcceptedStatus::Noop {
                     entry.completed_at = Some(unix);
                     entry.error_message = Some(accepted.message);

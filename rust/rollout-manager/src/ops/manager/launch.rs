@@ -11,7 +11,7 @@ impl Manager {
         &self,
         inner: &mut crate::registry::fleet::FleetInner,
         origin: EngineOrigin,
-        created_by: &str,
+        created_by: &OpId,
     ) -> Result<EngineId, String> {
         let per_engine = self.config.rollout_num_gpus_per_engine;
         if self.ray() {
@@ -38,7 +38,7 @@ impl Manager {
         &self,
         inner: &mut crate::registry::fleet::FleetInner,
         url: &str,
-        created_by: &str,
+        created_by: &OpId,
     ) -> EngineId {
         self.register(
             inner,
@@ -59,7 +59,7 @@ impl Manager {
         url: String,
         origin: EngineOrigin,
         held: Held,
-        created_by: &str,
+        created_by: &OpId,
     ) -> EngineId {
         debug_assert!(matches!(status, EngineStatus::Creating | EngineStatus::Pending));
         let now = unix_now();
@@ -81,7 +81,7 @@ impl Manager {
             log_path: logs.map(|dir| dir.join(format!("{}.log", new.engine_id))),
             in_flight: 0,
             last_error: None,
-            created_by: Some(created_by.to_string()),
+            created_by: Some(created_by.clone()),
             restarts: 0,
             detail: None,
             log_tail: None,

@@ -19,7 +19,7 @@ use crate::foundation::clock::unix_now;
 use crate::foundation::host::{EngineProcess, ExitInfo};
 use crate::foundation::records::EngineRecord;
 use crate::registry::fleet::{Fleet, Held};
-use rollout_core::ids::EngineId;
+use rollout_core::ids::{EngineId, OpId};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;
 use std::time::Duration;

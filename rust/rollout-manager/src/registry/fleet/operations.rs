@@ -5,6 +5,7 @@
 //! under the id that holds it.
 
 use crate::foundation::records::{RunningOp, ScaleInRecord, ScaleOutRecord};
+use rollout_core::ids::OpId;
 use std::collections::BTreeMap;
 
 /// Finished operations of each kind kept in memory and in the store.
@@ -13,8 +14,8 @@ pub const KEEP_OPERATIONS: usize = 1000;
 /// The registry's scale operations.
 #[derive(Debug, Default)]
 pub struct Operations {
-    scale_outs: BTreeMap<String, ScaleOutRecord>,
-    scale_ins: BTreeMap<String, ScaleInRecord>,
+    scale_outs: BTreeMap<OpId, ScaleOutRecord>,
+    scale_ins: BTreeMap<OpId, ScaleInRecord>,
     /// Mutual exclusion: at most one scale operation runs.
     running: Option<RunningOp>,
 }
@@ -43,12 +44,12 @@ impl Operations {
         Ok(())
     }
 
-    fn take_lock_if(&mut self, runs: bool, kind: &'static str, request_id: &str) -> Result<(), RunningOp> {
+    fn take_lock_if(&mut self, runs: bool, kind: &'static str, request_id: &OpId) -> Result<(), RunningOp> {
         if let Some(held) = &self.running {
             return Err(held.clone());
         }
         if runs {
-            self.running = Some(RunningOp { kind, request_id: request_id.to_string() });
+            self.running = Some(RunningOp { kind, request_id: request_id.clone() });
         }
         Ok(())
     }
@@ -98,18 +99,18 @@ impl Operations {
     }
 
     /// The records the store keeps.
-    pub(in crate::registry) fn rows(&self) -> (&BTreeMap<String, ScaleOutRecord>, &BTreeMap<String, ScaleInRecord>) {
+    pub(in crate::registry) fn rows(&self) -> (&BTreeMap<OpId, ScaleOutRecord>, &BTreeMap<OpId, ScaleInRecord>) {
         (&self.scale_outs, &self.scale_ins)
     }
 
     /// Forgets the oldest finished operations beyond `keep` of each kind, so a long run (an
     /// autoscaler acting for days) holds a bounded history in memory and in the store.
     pub fn prune(&mut self, keep: usize) {
-        fn prune<R>(ops: &mut BTreeMap<String, R>, keep: usize, finished: impl Fn(&R) -> bool, at: impl Fn(&R) -> f64) {
+        fn prune<R>(ops: &mut BTreeMap<OpId, R>, keep: usize, finished: impl Fn(&R) -> bool, at: impl Fn(&R) -> f64) {
             if ops.len() <= keep {
                 return;
             }
-            let mut done: Vec<(f64, String)> =
+            let mut done: Vec<(f64, OpId)> =
                 ops.iter().filter(|(_, r)| finished(r)).map(|(k, r)| (at(r), k.clone())).collect();
             done.sort_by(|a, b| a.0.total_cmp(&b.0));
             let excess = ops.len() - keep;
@@ -130,7 +131,7 @@ mod tests {
 
     fn scale_out(id: &str, status: ScaleOutStatus, at: f64) -> ScaleOutRecord {
         ScaleOutRecord {
-            request_id: id.into(),
+            request_id: OpId::parse(id).unwrap(),
             status,
             model_name: "default".into(),
             num_replicas: 1,
