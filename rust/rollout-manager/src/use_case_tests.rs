@@ -2,7 +2,7 @@
 //! ([`crate::testing`]): the real manager, registry and state machines, with the engines'
 //! processes and HTTP calls behind the seams. Each test waits on registry changes, not sleeps.
 
-use crate::ops::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
+use crate::ops::scaling::{self, ScaleInRequest, ScaleOutRequest};
 use crate::testing::{crash_copy, manager, manager_on_store, one_life, wait_for, FakeEngines};
 use rollout_core::ids::UpdateId;
 use rollout_core::{EngineStatus, ScaleInStatus, ScaleOutStatus};
@@ -45,8 +45,7 @@ fn count(inner: &crate::registry::fleet::FleetInner, status: EngineStatus) -> us
 async fn scale_out_brings_every_engine_to_active_and_into_routing() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let accepted = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted");
+    let accepted = scaling::scale_out(&m, scale_out_request(2)).expect("accepted");
     let id = accepted.request_id;
     wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
@@ -66,8 +65,7 @@ async fn a_failing_launch_rolls_back_the_whole_scale_out_by_default() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     engines.fail_launch("engine_1");
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Failed));
     {
@@ -88,8 +86,7 @@ async fn keep_partial_activates_the_engines_that_came_up() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 3, &["--scale-out-partial-success-policy=keep_partial"]);
     engines.fail_launch("engine_0");
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(3)).expect("accepted").request_id;
     wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
     let inner = m.fleet.lock();
@@ -104,8 +101,7 @@ async fn keep_partial_activates_the_engines_that_came_up() {
 async fn cancel_during_the_health_check_rolls_everything_back() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     // Engines that never answer their health check: the scale-out waits in HEALTH_CHECKING.
     wait_for(&m, "both engines launched", |i| {
         let urls: Vec<String> = i.engines.values().map(|e| e.record().url.clone()).collect();
@@ -119,7 +115,7 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
         i.ops.scale_out(&id).is_some_and(|op| op.status == ScaleOutStatus::HealthChecking)
     })
     .await;
-    let cancelled = scaling::cancel_scale_out(&m, &cancels, &id).expect("cancellable");
+    let cancelled = scaling::cancel_scale_out(&m, &id).expect("cancellable");
     assert!(!cancelled.status.is_terminal() || cancelled.status == ScaleOutStatus::Cancelled);
     wait_for(&m, "the cancel", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Cancelled));
@@ -134,8 +130,7 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
 async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &["--scale-in-drain-timeout=600"]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A request in flight on the engine scale-in removes first (the newest, engine_1).
     let load = m.fleet.lock().engines.get("engine_1").unwrap().load().clone();
@@ -167,8 +162,7 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
 async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     engines.crash("engine_0");
     wait_for(&m, "the engine back after a restart", |i| {
@@ -267,8 +261,7 @@ fn start_publish_record(
 async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
@@ -304,8 +297,7 @@ fn write_checkpoint(dir: &std::path::Path) -> String {
 async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
@@ -328,8 +320,7 @@ async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
 async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let dir = TempDir::new();
     write_checkpoint(&dir.0);
@@ -360,8 +351,7 @@ async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
 async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
@@ -384,8 +374,7 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
 async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let (open, mut held) = engines.hold_model_info(2);
     let rejoining = crate::ops::health::Rejoining::default();
@@ -410,8 +399,7 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
 async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
     wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
@@ -437,8 +425,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
 async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its_version() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let url = m.fleet.lock().engines.get("engine_1").unwrap().record().url.clone();
     engines.refuse_loads(&url);
@@ -464,8 +451,7 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
 async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_came_back() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
-    let cancels = Arc::new(Cancels::default());
-    let id = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+    let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     // A probe of the first process hangs; meanwhile the process crashes and is restarted.
     let (open, waiting) = engines.hold_next_probe();
@@ -498,8 +484,7 @@ fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
     let before = Arc::new(FakeEngines::default());
     let id = one_life().block_on(async {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
-        let cancels = Arc::new(Cancels::default());
-        let id = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+        let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
         wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
         id
     });
@@ -529,13 +514,12 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
     let before = Arc::new(FakeEngines::default());
     let second = one_life().block_on(async {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
-        let cancels = Arc::new(Cancels::default());
-        let first = scaling::scale_out(&m, &cancels, scale_out_request(1)).expect("accepted").request_id;
+        let first = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
         wait_for(&m, "the first scale-out", |i| i.ops.scale_out(&first).is_some_and(|op| op.status.is_terminal()))
             .await;
         let (open, held) = before.hold_next_probe();
         let waiting = held.notified();
-        let second = scaling::scale_out(&m, &cancels, scale_out_request(2)).expect("accepted").request_id;
+        let second = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
         waiting.await;
         assert_eq!(m.fleet.lock().ops.scale_out(&second).unwrap().status, ScaleOutStatus::HealthChecking);
         crash_copy(&dir.0, &crashed.0);
@@ -576,7 +560,7 @@ fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> 
 }
 
 async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
-    let id = scaling::scale_out(m, &Arc::new(Cancels::default()), scale_out_request(n)).expect("accepted").request_id;
+    let id = scaling::scale_out(m, scale_out_request(n)).expect("accepted").request_id;
     wait_for(m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
 }
@@ -635,8 +619,7 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     finish_trainer_update(&m, &first).await;
     let second = open_trainer_update(&m, "step-2");
     // Started while step-2 is the target: no engine serves step-2 yet, so it waits out of routing.
-    let cancels = Arc::new(Cancels::default());
-    let op = scaling::scale_out(&m, &cancels, scale_out_request(3)).expect("accepted").request_id;
+    let op = scaling::scale_out(&m, scale_out_request(3)).expect("accepted").request_id;
     wait_for(&m, "the new engine to wait for the trainer", |i| {
         i.engines.get("engine_2").is_some_and(|e| e.awaiting_trainer())
     })
@@ -667,7 +650,7 @@ async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_act
     finish_trainer_update(&m, &first).await;
     // One new engine's health check hangs; the other gets READY and waits for it.
     let (open, waiting) = engines.hold_next_probe();
-    let op = scaling::scale_out(&m, &Arc::new(Cancels::default()), scale_out_request(4)).expect("accepted").request_id;
+    let op = scaling::scale_out(&m, scale_out_request(4)).expect("accepted").request_id;
     waiting.notified().await;
     wait_for(&m, "one new engine READY", |i| i.engines.values().any(|e| e.status() == EngineStatus::Ready)).await;
     let second = open_trainer_update(&m, "step-2");

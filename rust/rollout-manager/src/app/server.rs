@@ -9,7 +9,6 @@
 use crate::adapters::launch::EngineLauncher;
 use crate::interfaces::api::{self, ApiState};
 use crate::ops::manager::Manager;
-use crate::ops::scaling::Cancels;
 use rollout_core::ServeConfig;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -117,24 +116,18 @@ impl Server {
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
         let Self { manager, control, data, socket, snapshot, autoscaler, token, smg } = self;
-        let cancels = Arc::new(Cancels::default());
         let router_metrics =
             Arc::new(crate::adapters::router::metrics::RouterMetrics::new(manager.config.request_timeout_secs));
-        let autoscaler = crate::interfaces::autoscaler::Autoscaler::new(
-            manager.clone(),
-            router_metrics.clone(),
-            cancels.clone(),
-            autoscaler,
-        );
-        let api = api::router(ApiState {
-            manager: manager.clone(),
-            cancels: cancels.clone(),
-            router_metrics: router_metrics.clone(),
-        })
-        .merge(crate::interfaces::autoscaler::routes(autoscaler.clone()))
-        .method_not_allowed_fallback(api::method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(token.clone(), crate::foundation::auth::require_token))
-        .layer(axum::middleware::from_fn_with_state(api::BODY_LIMIT, crate::foundation::http_serve::read_body_first));
+        let autoscaler =
+            crate::interfaces::autoscaler::Autoscaler::new(manager.clone(), router_metrics.clone(), autoscaler);
+        let api = api::router(ApiState { manager: manager.clone(), router_metrics: router_metrics.clone() })
+            .merge(crate::interfaces::autoscaler::routes(autoscaler.clone()))
+            .method_not_allowed_fallback(api::method_not_allowed)
+            .layer(axum::middleware::from_fn_with_state(token.clone(), crate::foundation::auth::require_token))
+            .layer(axum::middleware::from_fn_with_state(
+                api::BODY_LIMIT,
+                crate::foundation::http_serve::read_body_first,
+            ));
         let router =
             crate::adapters::router::router(manager.fleet.clone(), manager.config.clone(), router_metrics, token);
         manager.tasks.spawn(router.tail_planner(manager.shutdown.clone()));
@@ -151,7 +144,7 @@ impl Server {
         }
         // The registry is rebuilt (or the initial bring-up reserved) before any request is
         // served, so no API call can race with it. Connections wait in the listen backlog.
-        crate::ops::restore::start(&manager, snapshot, &cancels).await;
+        crate::ops::restore::start(&manager, snapshot).await;
         let servers = tokio_util::task::TaskTracker::new();
         let header_timeout = Duration::from_secs_f64(manager.config.header_read_timeout_secs);
         if let Some((listener, path)) = socket {

@@ -48,7 +48,7 @@ use crate::foundation::records::RESTARTING;
 /// The fleet at start: rebuilt from the store when it holds engines ([`restore`]), else the
 /// initial engines reserved (and the published version, and an update in flight, taken back).
 /// Runs before any request is served, so no API call can race with it.
-pub async fn start(manager: &Arc<Manager>, snapshot: Snapshot, cancels: &Arc<crate::ops::scaling::Cancels>) {
+pub async fn start(manager: &Arc<Manager>, snapshot: Snapshot) {
     if snapshot.is_empty() {
         // A fleet with no engine left still remembers its published version.
         if let Some(mut weights) = snapshot.weights {
@@ -67,7 +67,7 @@ pub async fn start(manager: &Arc<Manager>, snapshot: Snapshot, cancels: &Arc<cra
                 }
             }
         }
-        if let Err(e) = crate::ops::scaling::start_initial(manager, cancels) {
+        if let Err(e) = crate::ops::scaling::start_initial(manager) {
             tracing::error!(error = %e, "cannot reserve the initial engines");
         }
     } else {

@@ -15,7 +15,6 @@
 //! process, GPU or route behind (with the default `rollback_all` policy); initial engines are
 //! never scaled in.
 
-use crate::foundation::locks::Locked;
 use crate::foundation::records::{RunningOp, ScaleOutRecord, Trigger};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
@@ -24,10 +23,8 @@ use rollout_core::ids::EngineId;
 use rollout_core::ids::OpId;
 use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
 use serde::Deserialize;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// Body of `POST /rollout/scale_out`.
 #[derive(Debug, Clone, Deserialize)]
@@ -94,24 +91,6 @@ impl std::fmt::Display for AcceptedStatus {
             AcceptedStatus::Pending => "PENDING",
             AcceptedStatus::Noop => "NOOP",
         })
-    }
-}
-
-/// Cancellation tokens of the running scale-outs, by request id.
-#[derive(Default)]
-pub struct Cancels(Mutex<HashMap<String, CancellationToken>>);
-
-impl Cancels {
-    fn insert(&self, id: &str) -> CancellationToken {
-        let token = CancellationToken::new();
-        self.0.locked().insert(id.to_string(), token.clone());
-        token
-    }
-    fn remove(&self, id: &str) {
-        self.0.locked().remove(id);
-    }
-    fn get(&self, id: &str) -> Option<CancellationToken> {
-        self.0.locked().get(id).cloned()
     }
 }
 
@@ -186,7 +165,7 @@ fn new_scale_out_record(id: &OpId, req: &ScaleOutRequest, trigger: Trigger, vers
 }
 
 /// Validates and records a scale-out, then starts it in the background.
-pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRequest) -> Result<Accepted, OpError> {
+pub fn scale_out(manager: &Arc<Manager>, req: ScaleOutRequest) -> Result<Accepted, OpError> {
     check_model(manager, &req.model_name)?;
     let deadline = timeout(req.timeout_secs, manager.config.scale_out_timeout)?;
     let target = replicas(req.num_replicas, manager.config.max_engines)?;
@@ -197,7 +176,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
                 "give num_replicas > 0 (target engine count) or engine_urls (external engines to attach)",
             ));
         }
-        return attach_external(manager, cancels, req, deadline);
+        return attach_external(manager, req, deadline);
     }
     let request_id: OpId = uuid::Uuid::new_v4().into();
     let ignored = if req.engine_urls.is_empty() { "" } else { " (engine_urls ignored: num_replicas takes priority)" };
@@ -236,7 +215,7 @@ pub fn scale_out(manager: &Arc<Manager>, cancels: &Arc<Cancels>, req: ScaleOutRe
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = plan {
-        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
+        spawn_scale_out(manager, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
     }
     Ok(accepted)
 }
@@ -320,12 +299,7 @@ pub async fn check_external_allowed(manager: &Manager, raw_urls: &[String]) -> R
 
 /// External mode: attach engines someone else started. URLs already in the fleet (or being
 /// attached) are filtered out; if none is left the request is a NOOP.
-fn attach_external(
-    manager: &Arc<Manager>,
-    cancels: &Arc<Cancels>,
-    req: ScaleOutRequest,
-    deadline: Duration,
-) -> Result<Accepted, OpError> {
+fn attach_external(manager: &Arc<Manager>, req: ScaleOutRequest, deadline: Duration) -> Result<Accepted, OpError> {
     let mut urls: Vec<String> = Vec::new();
     for raw in &req.engine_urls {
         let url = validate_engine_url(raw)?;
@@ -388,7 +362,7 @@ fn attach_external(
         Ok((accepted, Some(ids)))
     })?;
     if let Some(ids) = ids {
-        spawn_scale_out(manager, cancels, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
+        spawn_scale_out(manager, request_id, ids, deadline, manager.config.scale_out_partial_success_policy);
     }
     Ok(accepted)
 }
@@ -418,7 +392,7 @@ fn reserve(
 }
 
 /// Starts the boot-time bring-up of the initial engines, as a scale-out with trigger `initial`.
-pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<Option<OpId>, String> {
+pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, String> {
     let n = manager.config.initial_engines();
     if n == 0 {
         return Ok(None);
@@ -445,24 +419,22 @@ pub fn start_initial(manager: &Arc<Manager>, cancels: &Arc<Cancels>) -> Result<O
     })?;
     let timeout = Duration::from_secs_f64(manager.config.scale_out_timeout);
     // Initial engines that fail stay listed as FAILED rather than disappearing.
-    spawn_scale_out(manager, cancels, request_id.clone(), ids, timeout, PartialSuccessPolicy::KeepPartial);
+    spawn_scale_out(manager, request_id.clone(), ids, timeout, PartialSuccessPolicy::KeepPartial);
     Ok(Some(request_id))
 }
 
 fn spawn_scale_out(
     manager: &Arc<Manager>,
-    cancels: &Arc<Cancels>,
     request_id: OpId,
     ids: Vec<EngineId>,
     timeout: Duration,
     policy: PartialSuccessPolicy,
 ) {
-    let cancel = cancels.insert(&request_id);
-    let (m, c) = (manager.clone(), cancels.clone());
+    let cancel = manager.fleet.lock().ops.cancel_token(&request_id).unwrap_or_default();
+    let m = manager.clone();
     manager.tasks.spawn(async move {
         let _guard = OpGuard { manager: m.clone(), kind: "scale_out", request_id: request_id.clone() };
         crate::ops::scale_out::run(&m, &request_id, ids, timeout, policy, cancel).await;
-        c.remove(&request_id);
     });
 }
 
@@ -541,7 +513,7 @@ pub fn unknown_scale_out(request_id: &str) -> OpError {
 }
 
 /// Cancels a running scale-out. Its task rolls back what it created.
-pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &OpId) -> Result<ScaleOutRecord, OpError> {
+pub fn cancel_scale_out(manager: &Manager, request_id: &OpId) -> Result<ScaleOutRecord, OpError> {
     let record =
         manager.fleet.lock().ops.scale_out(request_id).cloned().ok_or_else(|| unknown_scale_out(request_id))?;
     if record.status.is_terminal() {
@@ -556,14 +528,11 @@ pub fn cancel_scale_out(manager: &Manager, cancels: &Cancels, request_id: &OpId)
             format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
         ));
     }
-    match cancels.get(request_id) {
-        Some(token) => token.cancel(),
-        None => {
-            return Err(OpError::conflict(
-                "already_finished",
-                format!("scale-out {request_id} is finishing; nothing to cancel"),
-            ))
-        }
+    if !manager.fleet.lock().ops.cancel(request_id) {
+        return Err(OpError::conflict(
+            "already_finished",
+            format!("scale-out {request_id} is finishing; nothing to cancel"),
+        ));
     }
     Ok(record)
 }
@@ -584,7 +553,7 @@ pub struct BatchCancelRequest {
 
 /// Cancels every running scale-out that matches the filter (none with `dry_run`). The request
 /// ids of those cancelled (or that would be).
-pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelRequest) -> Result<Vec<OpId>, OpError> {
+pub fn cancel_many(manager: &Manager, req: &BatchCancelRequest) -> Result<Vec<OpId>, OpError> {
     let filter = match req.status_filter.as_deref() {
         None => None,
         Some(raw) => {
@@ -616,16 +585,9 @@ pub fn cancel_many(manager: &Manager, cancels: &Cancels, req: &BatchCancelReques
         .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
         .map(|r| r.request_id.clone())
         .collect();
-    let mut cancelled = Vec::new();
-    for id in ids {
-        if req.dry_run {
-            cancelled.push(id);
-        } else if let Some(token) = cancels.get(&id) {
-            token.cancel();
-            cancelled.push(id);
-        }
-    }
-    Ok(cancelled)
+    // A dry run names what a cancel would take; a cancel takes what still runs.
+    let inner = manager.fleet.lock();
+    Ok(ids.into_iter().filter(|id| req.dry_run || inner.ops.cancel(id)).collect())
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ pub mod weights;
 use crate::foundation::error::ApiError;
 use crate::ops::manager::Manager;
 use crate::ops::scale_in::{self, ScaleInAnswer};
-use crate::ops::scaling::{self, Accepted, Cancels, ScaleInRequest, ScaleOutRequest};
+use crate::ops::scaling::{self, Accepted, ScaleInRequest, ScaleOutRequest};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -22,7 +22,6 @@ use std::sync::Arc;
 #[derive(Clone)]
 pub struct ApiState {
     pub manager: Arc<Manager>,
-    pub cancels: Arc<Cancels>,
     /// The data plane's counters, served on the control port's `/metrics` too.
     pub router_metrics: Arc<crate::adapters::router::metrics::RouterMetrics>,
 }
@@ -163,7 +162,7 @@ async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection
     if req.num_replicas <= 0 {
         scaling::check_external_allowed(&s.manager, &req.engine_urls).await?;
     }
-    Ok(Json(scaling::scale_out(&s.manager, &s.cancels, req)?))
+    Ok(Json(scaling::scale_out(&s.manager, req)?))
 }
 
 async fn scale_in(
@@ -264,7 +263,7 @@ async fn cancel_scale_out(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let id = rollout_core::ids::OpId::parse(&id).map_err(|_| scaling::unknown_scale_out(&id))?;
-    let record = scaling::cancel_scale_out(&s.manager, &s.cancels, &id)?;
+    let record = scaling::cancel_scale_out(&s.manager, &id)?;
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     value["message"] = json!("cancellation requested; created engines are being stopped");
     Ok((StatusCode::OK, Json(value)))
@@ -272,7 +271,7 @@ async fn cancel_scale_out(
 
 async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
-    let cancelled = scaling::cancel_many(&s.manager, &s.cancels, &req)?;
+    let cancelled = scaling::cancel_many(&s.manager, &req)?;
     Ok(Json(json!({ "dry_run": req.dry_run, "total": cancelled.len(), "cancelled": cancelled })))
 }
 

@@ -18,7 +18,7 @@ use crate::foundation::locks::Locked;
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::scale_in::{self, ScaleInAnswer};
-use crate::ops::scaling::{self, Cancels, ScaleInRequest, ScaleOutRequest};
+use crate::ops::scaling::{self, ScaleInRequest, ScaleOutRequest};
 use rollout_core::autoscaler::{
     Action, AutoscalerConfig, AutoscalerState, Evaluation, FleetMetrics, FleetState, PipelineReport, Tick, TraceLine,
 };
@@ -109,7 +109,6 @@ pub struct Autoscaler {
     pub(super) manager: Arc<Manager>,
     /// The router's counters (its queue length is a signal).
     router_metrics: Arc<crate::adapters::router::metrics::RouterMetrics>,
-    cancels: Arc<Cancels>,
     /// The YAML it was started with; None: the defaults, disabled.
     pub(super) source: Option<PathBuf>,
     /// Zero of the autoscaler's clock (tokio time, so tests can pause it).
@@ -123,7 +122,6 @@ impl Autoscaler {
     pub fn new(
         manager: Arc<Manager>,
         router_metrics: Arc<crate::adapters::router::metrics::RouterMetrics>,
-        cancels: Arc<Cancels>,
         config: Option<(PathBuf, AutoscalerConfig)>,
     ) -> Arc<Self> {
         let (source, config, enabled) = match config {
@@ -144,7 +142,6 @@ impl Autoscaler {
         Arc::new(Self {
             router_metrics,
             manager,
-            cancels,
             source,
             started: tokio::time::Instant::now(),
             shared: Mutex::new(Shared {
@@ -403,7 +400,7 @@ impl Autoscaler {
                 timeout_secs: None,
                 trigger: crate::foundation::records::Trigger::Autoscaler,
             };
-            scaling::scale_out(&self.manager, &self.cancels, req)
+            scaling::scale_out(&self.manager, req)
         } else {
             let req = ScaleInRequest {
                 model_name,

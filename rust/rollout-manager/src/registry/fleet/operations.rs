@@ -1,12 +1,14 @@
-//! The operations part of the registry: the scale-out and scale-in records and the
-//! one-operation lock. An operation that runs enters with its lock taken in the same step
-//! ([`Operations::start_scale_out`], [`Operations::start_scale_in`]), so there is never a
-//! running record without the lock or a lock without its record, and the lock is freed only
-//! under the id that holds it.
+//! The operations part of the registry: the scale-out and scale-in records, the
+//! one-operation lock and the running operation's cancellation token. An operation that runs
+//! enters with its lock and its token made in the same step ([`Operations::start_scale_out`],
+//! [`Operations::start_scale_in`]), so there is never a running record without the lock or a
+//! lock without its record; [`Operations::end`] frees both, and only under the id that holds
+//! them.
 
 use crate::foundation::records::{RunningOp, ScaleInRecord, ScaleOutRecord};
 use rollout_core::ids::OpId;
 use std::collections::BTreeMap;
+use tokio_util::sync::CancellationToken;
 
 /// Finished operations of each kind kept in memory and in the store.
 pub const KEEP_OPERATIONS: usize = 1000;
@@ -16,14 +18,26 @@ pub const KEEP_OPERATIONS: usize = 1000;
 pub struct Operations {
     scale_outs: BTreeMap<OpId, ScaleOutRecord>,
     scale_ins: BTreeMap<OpId, ScaleInRecord>,
-    /// Mutual exclusion: at most one scale operation runs.
-    running: Option<RunningOp>,
+    /// Mutual exclusion: at most one scale operation runs, with the token that cancels it.
+    running: Option<(RunningOp, CancellationToken)>,
 }
 
 impl Operations {
     /// The scale operation in progress, if any.
     pub fn running(&self) -> Option<&RunningOp> {
-        self.running.as_ref()
+        self.running.as_ref().map(|(op, _)| op)
+    }
+
+    /// The token that cancels the running operation `request_id` (None once it ended).
+    pub fn cancel_token(&self, request_id: &str) -> Option<CancellationToken> {
+        self.running.as_ref().filter(|(op, _)| op.request_id == request_id).map(|(_, token)| token.clone())
+    }
+
+    /// Asks the running operation `request_id` to stop (its task rolls back what it did);
+    /// false when it is not the one running.
+    pub fn cancel(&self, request_id: &str) -> bool {
+        let token = self.cancel_token(request_id);
+        token.inspect(CancellationToken::cancel).is_some()
     }
 
     /// Records a scale-out. One that has finished already (a NOOP) is only recorded; one that
@@ -45,11 +59,11 @@ impl Operations {
     }
 
     fn take_lock_if(&mut self, runs: bool, kind: &'static str, request_id: &OpId) -> Result<(), RunningOp> {
-        if let Some(held) = &self.running {
+        if let Some((held, _)) = &self.running {
             return Err(held.clone());
         }
         if runs {
-            self.running = Some(RunningOp { kind, request_id: request_id.clone() });
+            self.running = Some((RunningOp { kind, request_id: request_id.clone() }, CancellationToken::new()));
         }
         Ok(())
     }
@@ -65,9 +79,9 @@ impl Operations {
         self.scale_ins.insert(record.request_id.clone(), record);
     }
 
-    /// Frees the one-operation lock if `request_id` holds it.
+    /// Frees the one-operation lock (and drops the cancellation token) if `request_id` holds it.
     pub fn end(&mut self, request_id: &str) {
-        if self.running.as_ref().is_some_and(|r| r.request_id == request_id) {
+        if self.running.as_ref().is_some_and(|(r, _)| r.request_id == request_id) {
             self.running = None;
         }
     }
@@ -159,7 +173,11 @@ mod tests {
         assert!(ops.start_scale_out(scale_out("n", ScaleOutStatus::Noop, 2.0)).is_err(), "not even a NOOP");
         ops.end("b");
         assert!(ops.running().is_some(), "only the holder frees the lock");
+        let token = ops.cancel_token("a").unwrap();
+        assert!(!ops.cancel("b") && !token.is_cancelled(), "only the running operation is cancelled");
+        assert!(ops.cancel("a") && token.is_cancelled());
         ops.end("a");
+        assert!(ops.cancel_token("a").is_none() && !ops.cancel("a"), "an ended operation has no token");
         ops.start_scale_out(scale_out("n", ScaleOutStatus::Noop, 3.0)).unwrap();
         assert!(ops.running().is_none() && ops.scale_out("n").is_some(), "a NOOP is recorded, takes no lock");
         ops.restore_scale_out(scale_out("r", ScaleOutStatus::Pending, 4.0));
