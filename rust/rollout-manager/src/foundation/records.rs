@@ -52,15 +52,8 @@ pub struct EngineRecord {
 }
 
 /// `last_error` of a managed engine that a restarted manager starts again (until its restart
-/// begins).
+/// begins), for people; the registry marks the engine itself (`Engine::restart_queued`).
 pub const RESTARTING: &str = "manager restarted; starting the engine again";
-
-impl EngineRecord {
-    /// Whether a restarted manager found this engine gone and is about to start it again.
-    pub fn restarts_after_manager_restart(&self) -> bool {
-        self.status == EngineStatus::Failed && self.last_error.as_deref() == Some(RESTARTING)
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transition {

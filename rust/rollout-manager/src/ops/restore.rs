@@ -331,7 +331,13 @@ fn restore_engine(
     let claim = !ray && fate != plan::Fate::Watch;
     match inner.engines.restore(stored.seq, record, live.clone(), stored.keeper_socket, claim) {
         Ok(()) if fate == plan::Fate::Watch => {}
-        Ok(()) => rebuilt.keep.push((id, live)),
+        Ok(()) => {
+            // Fate::Restart restores it FAILED, so the mark always takes.
+            if fate == plan::Fate::Restart && !inner.engines.queue_restart(&id) {
+                tracing::error!(engine_id = %id, "a restored engine to restart is not FAILED");
+            }
+            rebuilt.keep.push((id, live))
+        }
         Err(e) => {
             tracing::error!(engine_id = %id, error = %e, "cannot claim the engine's GPUs after restart; dropping it");
             if let Some(p) = live {

@@ -190,7 +190,7 @@ pub async fn resume(
                     matches!(
                         e.status(),
                         EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::WeightSyncing
-                    ) || e.record().restarts_after_manager_restart()
+                    ) || e.restart_queued()
                 })
             })
         };

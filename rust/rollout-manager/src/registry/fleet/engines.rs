@@ -186,6 +186,7 @@ impl Engines {
             up_since: None,
             stayed_up_secs: None,
             crash_streak: 0,
+            restart_queued: false,
             keeper_socket,
             held,
         };
@@ -286,6 +287,7 @@ impl Engines {
         }
         match (event, to) {
             (EngineEvent::Restart, _) => {
+                engine.restart_queued = false;
                 engine.bringup = Some((tokio::time::Instant::now(), "restart"));
                 engine.up_since = None;
                 // A new process, judged afresh.
@@ -304,6 +306,7 @@ impl Engines {
                 engine.bringup = None;
                 engine.copying_from = None;
                 engine.awaiting_trainer = false;
+                engine.restart_queued = false;
             }
             _ => {}
         }
@@ -312,6 +315,18 @@ impl Engines {
             engine.copying_from = None;
         }
         Ok(to)
+    }
+
+    /// A restarted manager found this FAILED engine gone and starts it again: it is marked so
+    /// until its Restart edge. False (nothing marked) when it is unknown or not FAILED.
+    pub fn queue_restart(&mut self, engine_id: &str) -> bool {
+        match self.map.get_mut(engine_id).filter(|e| e.record.status == EngineStatus::Failed) {
+            Some(e) => {
+                e.restart_queued = true;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Records `error` (when given) as the engine's last error and marks it FAILED if it can
@@ -366,6 +381,10 @@ pub struct Engine {
     stayed_up_secs: Option<f64>,
     /// Restarts in a row (`rollout_core::health::restart_decision`).
     crash_streak: u32,
+    /// A restarted manager found it gone and starts it again: set from then until its restart
+    /// begins (the Restart edge) or it leaves (Fail, Remove), so nobody mistakes it for an
+    /// engine that stays FAILED.
+    restart_queued: bool,
     /// What this engine holds of the fleet's local pool, returned when it is forgotten.
     held: Held,
 }
@@ -429,6 +448,11 @@ impl Engine {
 
     pub fn keeper_socket(&self) -> Option<&PathBuf> {
         self.keeper_socket.as_ref()
+    }
+
+    /// Whether a restarted manager is about to start it again (see [`Engines::queue_restart`]).
+    pub fn restart_queued(&self) -> bool {
+        self.restart_queued
     }
 
     /// Whether it is being started again after a failure (not yet serving).
@@ -670,10 +694,14 @@ mod tests {
         let failed = e.get(&id).unwrap();
         assert_eq!((failed.status(), failed.record().last_error.as_deref()), (EngineStatus::Failed, Some("again")));
         assert!(!failed.record().is_healthy);
+        assert!(e.queue_restart(&id) && e.get(&id).unwrap().restart_queued());
+        assert!(!e.queue_restart("nobody"));
         e.event(&id, EngineEvent::Restart).unwrap();
         let restarted = e.get(&id).unwrap();
+        assert!(!restarted.restart_queued(), "the restart began");
         assert!(restarted.restarting());
         assert_eq!((restarted.probe_failures(), restarted.record().pid, restarted.transitions()), (0, None, 2));
+        assert!(!e.queue_restart(&id), "only a FAILED engine is queued");
     }
 
     #[test]
