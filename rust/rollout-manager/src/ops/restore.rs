@@ -63,7 +63,7 @@ pub async fn start(manager: &Arc<Manager>, snapshot: Snapshot) {
                         let m = manager.clone();
                         manager.tasks.spawn(crate::ops::weight_update::resume(m, update_id, Vec::new(), Vec::new()));
                     }
-                    Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why)),
+                    Err(why) => manager.fleet.update(|inner| inner.weights.fail_running(&why.to_string())),
                 }
             }
         }
@@ -105,7 +105,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
             Ok(()) => Some(id),
             Err(why) => {
                 tracing::warn!(update_id = %id, error = %why, "the interrupted weight update cannot resume; it ends FAILED");
-                manager.fleet.update(|inner| inner.weights.fail_running(&why));
+                manager.fleet.update(|inner| inner.weights.fail_running(&why.to_string()));
                 None
             }
         },
@@ -449,7 +449,7 @@ async fn readopt(
 
 /// Whether the update in flight can go on after the restart: a trainer update cannot (its
 /// members are continued); a publish can once its checkpoint is checked (and staged) again.
-pub async fn resumable(manager: &Manager) -> Result<(), String> {
+pub async fn resumable(manager: &Manager) -> Result<(), crate::ops::weight_update::CannotResume> {
     crate::ops::trainer_update::check_resumable(manager).await?;
     crate::ops::weight_update::check_resumable(manager).await
 }

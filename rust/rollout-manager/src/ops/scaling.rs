@@ -16,7 +16,7 @@
 //! never scaled in.
 
 use crate::foundation::records::{RunningOp, ScaleOutRecord, Trigger};
-use crate::ops::manager::Manager;
+use crate::ops::manager::{Manager, ReserveError};
 use crate::ops::op_error::OpError;
 use crate::registry::fleet::FleetInner;
 use rollout_core::ids::EngineId;
@@ -207,7 +207,7 @@ pub fn scale_out(manager: &Arc<Manager>, req: ScaleOutRequest) -> Result<Accepte
             ));
         }
         let ids = reserve(manager, inner, target - current, EngineOrigin::Dynamic, &request_id)
-            .map_err(|e| OpError::internal("reserve_failed", e))?;
+            .map_err(|e| OpError::internal("reserve_failed", e.to_string()))?;
         record.engine_ids = ids.clone();
         record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
         let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Pending, message: record.message.clone() };
@@ -374,7 +374,7 @@ fn reserve(
     n: u32,
     origin: EngineOrigin,
     op: &OpId,
-) -> Result<Vec<EngineId>, String> {
+) -> Result<Vec<EngineId>, ReserveError> {
     let mut ids = Vec::new();
     for _ in 0..n {
         match manager.reserve_engine(inner, origin, op) {
@@ -392,7 +392,16 @@ fn reserve(
 }
 
 /// Starts the boot-time bring-up of the initial engines, as a scale-out with trigger `initial`.
-pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, String> {
+/// Why the initial engines cannot be started.
+#[derive(Debug, thiserror::Error)]
+pub enum InitialError {
+    #[error("{} {} is already running", .0.kind, .0.request_id)]
+    Busy(RunningOp),
+    #[error(transparent)]
+    Reserve(#[from] ReserveError),
+}
+
+pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, InitialError> {
     let n = manager.config.initial_engines();
     if n == 0 {
         return Ok(None);
@@ -405,11 +414,11 @@ pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, String> {
         timeout_secs: None,
         trigger: Trigger::Initial,
     };
-    let ids = manager.fleet.update(|inner| -> Result<_, String> {
+    let ids = manager.fleet.update(|inner| -> Result<_, InitialError> {
         let version = inner.weights.current.version.clone();
         let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
         if let Some(held) = inner.ops.running() {
-            return Err(format!("{} {} is already running", held.kind, held.request_id));
+            return Err(InitialError::Busy(held.clone()));
         }
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
         record.engine_ids = ids.clone();

@@ -884,7 +884,7 @@ pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: 
 /// (its broadcast was cut). Continues every member it may have paused, ending any session it
 /// opened, forgets its group, and answers why it cannot resume (the caller fails it). Ok when
 /// the update in flight is not a trainer update.
-pub async fn check_resumable(manager: &Manager) -> Result<(), String> {
+pub async fn check_resumable(manager: &Manager) -> Result<(), crate::ops::weight_update::CannotResume> {
     let members = {
         let inner = manager.fleet.lock();
         match inner.weights.running_update() {
@@ -901,5 +901,5 @@ pub async fn check_resumable(manager: &Manager) -> Result<(), String> {
         let _ = manager.engine_api.control(&m.url, "/continue_generation", json!({})).await;
     }))
     .await;
-    Err("a trainer update cannot resume after a manager restart (the trainer's broadcast was cut); the trainer updates again".into())
+    Err(crate::ops::weight_update::CannotResume::TrainerUpdate)
 }

@@ -596,10 +596,26 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &We
     }
 }
 
+/// Why the weight update in flight cannot go on after a manager restart (it then ends FAILED
+/// with this as its error).
+#[derive(Debug, thiserror::Error)]
+pub enum CannotResume {
+    #[error(
+        "a trainer update cannot resume after a manager restart (the trainer's broadcast was cut); the trainer updates again"
+    )]
+    TrainerUpdate,
+    #[error("cannot resume after a manager restart: the checkpoint is no longer usable ({0})")]
+    CheckpointUnusable(String),
+    #[error("cannot resume after a manager restart: the checkpoint at {path} changed (SHA-256 {now} now, {published} published)")]
+    CheckpointChanged { path: String, now: String, published: String },
+    #[error("cannot resume after a manager restart: {0}")]
+    Staging(String),
+}
+
 /// After a restart, before any engine is re-adopted: checks that the running update's target can
 /// still be loaded, and stages it again where its staged copy is gone. Err: why not (the
 /// checkpoint directory vanished or changed, or staging failed); the caller fails the update.
-pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(), String> {
+pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(), CannotResume> {
     // An update still CHECKSUMMING loaded nothing and staged nothing: it is simply hashed again.
     let Some((update_id, want, engine_path)) = ({
         let inner = manager.fleet.lock();
@@ -611,14 +627,14 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
     let dir = std::path::PathBuf::from(&path);
     let info = tokio::task::spawn_blocking(move || crate::adapters::weights::checkpoint::read(&dir))
         .await
-        .map_err(|e| format!("cannot check the checkpoint after the restart: {e}"))?
-        .map_err(|e| format!("cannot resume after a manager restart: the checkpoint is no longer usable ({e})"))?;
+        .map_err(|e| CannotResume::CheckpointUnusable(format!("the check did not finish: {e}")))?
+        .map_err(|e| CannotResume::CheckpointUnusable(e.to_string()))?;
     if want.checksum.as_deref() != Some(info.checksum.as_str()) {
-        return Err(format!(
-            "cannot resume after a manager restart: the checkpoint at {path} changed (SHA-256 {} now, {} published)",
-            info.checksum,
-            want.checksum.as_deref().unwrap_or("-")
-        ));
+        return Err(CannotResume::CheckpointChanged {
+            path,
+            now: info.checksum,
+            published: want.checksum.unwrap_or_else(|| "-".into()),
+        });
     }
     if manager.ray() || std::path::Path::new(&engine_path).exists() {
         // On agents' nodes the copy is checked (and staged if missing) before each load.
@@ -629,7 +645,7 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
         .transport
         .stage(&want, &[crate::adapters::weights::transport::Node::Local])
         .await
-        .map_err(|e| format!("cannot resume after a manager restart: {e}"))?;
+        .map_err(|e| CannotResume::Staging(e.to_string()))?;
     manager.fleet.update(|inner| {
         if let Some(u) = inner.weights.updates.get_mut(&update_id) {
             u.engine_path = staged;

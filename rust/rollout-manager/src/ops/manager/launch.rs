@@ -12,7 +12,7 @@ impl Manager {
         inner: &mut crate::registry::fleet::FleetInner,
         origin: EngineOrigin,
         created_by: &OpId,
-    ) -> Result<EngineId, String> {
+    ) -> Result<EngineId, ReserveError> {
         let per_engine = self.config.rollout_num_gpus_per_engine;
         if self.ray() {
             // Ray finds the GPUs; the engine waits in PENDING until an agent is bound.
@@ -27,7 +27,7 @@ impl Manager {
         let held = inner
             .engines
             .reserve_local(per_engine, |taken| free_port(host, taken))
-            .map_err(|e| format!("{e} on {host}"))?;
+            .map_err(|pool| ReserveError { host: host.clone(), pool })?;
         let url = held.port.map(|port| format!("http://{}:{port}", url_host(host))).unwrap_or_default();
         Ok(self.register(inner, EngineStatus::Creating, url, origin, held, created_by))
     }

@@ -50,6 +50,15 @@ pub struct Manager {
     pub agents: AgentHost,
 }
 
+/// Why a new engine cannot be reserved on this machine: what the pool lacks, and which host.
+#[derive(Debug, thiserror::Error)]
+#[error("{pool} on {host}")]
+pub struct ReserveError {
+    pub host: String,
+    #[source]
+    pub pool: crate::registry::fleet::PoolError,
+}
+
 /// Seeds a starting engine tries before its launch counts as failed ([`Manager::launch_healthy`]).
 pub const SEED_ATTEMPTS: usize = 3;
 

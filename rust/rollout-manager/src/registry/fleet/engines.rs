@@ -31,6 +31,15 @@ pub struct Engines {
     count_failed: bool,
 }
 
+/// Why the local pool cannot give an engine what it needs.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error(transparent)]
+    Gpus(#[from] rollout_core::PlacementError),
+    #[error("no free port: {0}")]
+    NoPort(std::io::Error),
+}
+
 /// The engine a new record is for: its id and creation order, from [`Engines::add`].
 pub struct NewEngine {
     pub engine_id: EngineId,
@@ -138,7 +147,7 @@ impl Engines {
 
     /// Puts back an engine read from the store after a restart, claiming the GPUs and port its
     /// record names when `claim` (local managed engines). Refuses, holding nothing, when they
-    /// are not free.
+    /// are not free. An engine already under its id is replaced, and what it held returned.
     pub fn restore(
         &mut self,
         seq: u64,
@@ -146,10 +155,11 @@ impl Engines {
         process: Option<EngineProcess>,
         keeper_socket: Option<PathBuf>,
         claim: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), PoolError> {
+        self.forget(&record.engine_id);
         let mut held = Held::default();
         if claim {
-            self.gpus.claim(&record.gpu_ids).map_err(|e| e.to_string())?;
+            self.gpus.claim(&record.gpu_ids)?;
             held.gpus = record.gpu_ids.clone();
             held.port = rollout_core::EngineAddr::port_of(&record.url);
             if let Some(port) = held.port {
@@ -199,8 +209,8 @@ impl Engines {
         &mut self,
         gpus: u32,
         pick_port: impl FnOnce(&HashSet<u16>) -> std::io::Result<u16>,
-    ) -> Result<Held, String> {
-        let gpu_ids = self.gpus.allocate(gpus).map_err(|e| e.to_string())?;
+    ) -> Result<Held, PoolError> {
+        let gpu_ids = self.gpus.allocate(gpus)?;
         match pick_port(&self.ports_in_use) {
             Ok(port) => {
                 self.ports_in_use.insert(port);
@@ -210,7 +220,7 @@ impl Engines {
                 if let Err(err) = self.gpus.release(&gpu_ids) {
                     tracing::error!(%err, "GPU accounting mismatch releasing GPUs allocated just now");
                 }
-                Err(format!("no free port: {e}"))
+                Err(PoolError::NoPort(e))
             }
         }
     }
@@ -651,7 +661,7 @@ mod tests {
         assert!(e.reserve_local(2, |_| Ok(30001)).is_err(), "not enough GPUs");
         assert_eq!(e.free_gpus(), 1, "a refused reservation holds nothing");
         let no_port = e.reserve_local(1, |_| Err(std::io::Error::other("none")));
-        assert!(no_port.unwrap_err().contains("no free port"));
+        assert!(matches!(no_port, Err(PoolError::NoPort(_))));
         assert_eq!(e.free_gpus(), 1, "GPUs taken before the port failed are given back");
         let ports_seen = std::cell::RefCell::new(HashSet::new());
         let held = e.reserve_local(1, |in_use| {
@@ -677,6 +687,8 @@ mod tests {
         other.gpu_ids = vec![1];
         assert!(e.restore(5, other, None, None, true).is_err());
         assert!(!e.contains_key("engine_5"), "refused, it is not in the registry");
+        e.restore(4, r, None, None, true).unwrap();
+        assert_eq!(e.free_gpus(), 0, "restored again under its id: the old entry gave its GPUs back first");
         e.forget("engine_4");
         assert_eq!(e.free_gpus(), 2);
     }

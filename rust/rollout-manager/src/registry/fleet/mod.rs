@@ -11,7 +11,7 @@ mod load;
 mod operations;
 mod placements;
 
-pub use engines::{Engine, Engines, Held, NewEngine};
+pub use engines::{Engine, Engines, Held, NewEngine, PoolError};
 pub use load::{EngineLoad, InFlightGuard};
 pub use operations::{Operations, KEEP_OPERATIONS};
 pub use placements::Placements;
