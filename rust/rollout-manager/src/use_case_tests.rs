@@ -190,7 +190,7 @@ fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, pa
             .filter(|e| e.status().is_routable())
             .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
             .collect();
-        if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+        if let Some(u) = inner.weights.update_mut(&update_id) {
             u.checksum = Some("0".repeat(64));
             u.engine_path = path.into();
             u.status = WeightUpdateStatus::Pending;
@@ -234,7 +234,7 @@ fn start_publish_record(
             total_bytes: 0,
             hashed_bytes: crate::foundation::records::HashProgress::default(),
             engine_path: String::new(),
-            previous_version: inner.weights.current.version.clone(),
+            previous_version: inner.weights.current().version.clone(),
             strategy: UpdateStrategy::Rolling,
             max_unavailable: Some(1),
             pause_mode: "abort".into(),
@@ -251,8 +251,7 @@ fn start_publish_record(
             source: crate::foundation::records::UpdateSource::Checkpoint,
             trainer: None,
         };
-        inner.weights.updates.insert(update_id.clone(), record);
-        inner.weights.running = Some(update_id.clone());
+        inner.weights.start(record).unwrap();
     });
     update_id
 }
@@ -267,14 +266,14 @@ async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed()
     let checksum = write_checkpoint(&dir.0);
     // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
     let update = start_publish_record(&m, "v1", &dir.0, None);
-    m.fleet.update(|inner| inner.weights.updates.get_mut(&update).map(|u| u.hashed_bytes.set(7)));
+    m.fleet.update(|inner| inner.weights.update_mut(&update).map(|u| u.hashed_bytes.set(7)));
     crate::ops::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
     let inner = m.fleet.lock();
-    let record = &inner.weights.updates[&update];
+    let record = &inner.weights.updates()[&update];
     assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
     assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
     assert_eq!(record.hashed_bytes.get(), record.total_bytes, "hashed again from the start");
-    assert_eq!(inner.weights.current.version, "v1");
+    assert_eq!(inner.weights.current().version, "v1");
 }
 
 /// A two-shard checkpoint; returns its checksum.
@@ -302,9 +301,9 @@ async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some(checksum.clone()));
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     let inner = m.fleet.lock();
-    let record = &inner.weights.updates[&update];
+    let record = &inner.weights.updates()[&update];
     assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
     assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
     let size = |n: &str| std::fs::metadata(dir.0.join(n)).map(|m| m.len()).unwrap_or_default();
@@ -313,7 +312,7 @@ async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
     let statuses: Vec<&str> = record.history.iter().map(|t| t.status.as_str()).collect();
     assert_eq!(statuses, ["CHECKSUMMING", "PENDING", "UPDATING", "COMPLETED"]);
     assert_eq!(record.engines.len(), 2, "the engines serving when the checksum was known take part");
-    assert_eq!(inner.weights.current.checksum.as_deref(), Some(checksum.as_str()));
+    assert_eq!(inner.weights.current().checksum.as_deref(), Some(checksum.as_str()));
 }
 
 #[tokio::test]
@@ -325,20 +324,20 @@ async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
     let dir = TempDir::new();
     write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some("0".repeat(64)));
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     {
         let inner = m.fleet.lock();
-        let record = &inner.weights.updates[&update];
+        let record = &inner.weights.updates()[&update];
         assert_eq!(record.status.to_string(), "FAILED");
         let why = record.error_message.as_deref().unwrap_or_default();
         assert!(why.contains("does not match") && why.contains("nothing was loaded"), "{why}");
-        assert!(inner.weights.running.is_none() && inner.weights.current.version == "default");
+        assert!(inner.weights.running().is_none() && inner.weights.current().version == "default");
     }
     // A checkpoint that vanished fails the same way.
     std::fs::remove_dir_all(&dir.0).expect("removed");
     let gone = start_publish(&m, "v2", &dir.0, None);
-    wait_for(&m, "the second update to end", |i| i.weights.updates[&gone].status.is_terminal()).await;
-    let why = m.fleet.lock().weights.updates[&gone].error_message.clone().unwrap_or_default();
+    wait_for(&m, "the second update to end", |i| i.weights.updates()[&gone].status.is_terminal()).await;
+    let why = m.fleet.lock().weights.updates()[&gone].error_message.clone().unwrap_or_default();
     assert!(why.contains("does not exist") && why.contains("nothing was loaded"), "{why}");
     assert!(
         engines.calls().iter().all(|c| !c.starts_with("load ")),
@@ -354,10 +353,10 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     let inner = m.fleet.lock();
-    assert_eq!(inner.weights.updates[&update].status.to_string(), "COMPLETED");
-    assert_eq!(inner.weights.current.version, "v1");
+    assert_eq!(inner.weights.updates()[&update].status.to_string(), "COMPLETED");
+    assert_eq!(inner.weights.current().version, "v1");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
     assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
     assert_eq!(m.fleet.routes().version_order.last().map(String::as_str), Some("v1"));
@@ -384,13 +383,13 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     };
     held.wait_for(|n| *n == 2).await.expect("both readings are held");
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     open.send_replace(true);
     probing.await.expect("the probe pass ends");
     let inner = m.fleet.lock();
-    assert_eq!(inner.weights.current.version, "v1");
+    assert_eq!(inner.weights.current().version, "v1");
     assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
-    assert_eq!(inner.weights.updates.len(), 1, "no update observed from the engines");
+    assert_eq!(inner.weights.updates().len(), 1, "no update observed from the engines");
 }
 
 /// Every serving engine reports a version the fleet served before (an update's previous one):
@@ -402,7 +401,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     // Both engines are put back on the startup weights behind the manager's back.
     let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url.clone()).collect();
     for url in urls {
@@ -418,7 +417,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let inner = m.fleet.lock();
     // The registry says what the engines serve; the fleet's version stays.
     assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("default")));
-    assert_eq!(inner.weights.current.version, "v1");
+    assert_eq!(inner.weights.current().version, "v1");
 }
 
 #[tokio::test]
@@ -430,13 +429,13 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     let url = m.fleet.lock().engines.get("engine_1").unwrap().record().url.clone();
     engines.refuse_loads(&url);
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
     {
         let inner = m.fleet.lock();
-        let record = &inner.weights.updates[&update];
+        let record = &inner.weights.updates()[&update];
         assert_eq!(record.status.to_string(), "FAILED");
         assert!(record.error_message.as_deref().is_some_and(|e| e.contains("refused")), "{record:?}");
-        assert_eq!(inner.weights.current.version, "default", "the fleet version did not move");
+        assert_eq!(inner.weights.current().version, "default", "the fleet version did not move");
     }
     // Every engine comes back on the fleet's version, the one that had moved to v1 included.
     wait_for(&m, "the fleet back on its version", |i| {
@@ -567,7 +566,7 @@ async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
 
 async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &UpdateId) {
     crate::ops::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
-    wait_for(m, "the trainer update to end", |i| i.weights.updates[id.as_str()].status.is_terminal()).await;
+    wait_for(m, "the trainer update to end", |i| i.weights.updates()[id.as_str()].status.is_terminal()).await;
 }
 
 fn copies(engines: &FakeEngines) -> Vec<String> {
@@ -583,11 +582,11 @@ async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seed
     finish_trainer_update(&m, &id).await;
     {
         let inner = m.fleet.lock();
-        let u = &inner.weights.updates[&id];
+        let u = &inner.weights.updates()[&id];
         assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
-        assert_eq!(inner.weights.current.version, "step-1");
-        assert_eq!(inner.weights.source, crate::foundation::records::VersionSource::Trainer);
-        assert!(inner.weights.group.as_ref().is_some_and(|g| g.members.len() == 2));
+        assert_eq!(inner.weights.current().version, "step-1");
+        assert_eq!(inner.weights.source(), crate::foundation::records::VersionSource::Trainer);
+        assert!(inner.weights.group().as_ref().is_some_and(|g| g.members.len() == 2));
     }
     let calls = engines.calls();
     let order: Vec<&str> = ["/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed"]
@@ -633,7 +632,7 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 3);
     assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-2")), "{table:?}");
-    assert_eq!(m.fleet.lock().weights.current.version, "step-2");
+    assert_eq!(m.fleet.lock().weights.current().version, "step-2");
 }
 
 /// A scale-out of two engines: one is READY (on step-1) while the other still starts, and a
@@ -657,7 +656,7 @@ async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_act
     finish_trainer_update(&m, &second).await;
     {
         let inner = m.fleet.lock();
-        let u = &inner.weights.updates[&second];
+        let u = &inner.weights.updates()[&second];
         assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
         assert_eq!(u.engines.len(), 2, "the READY engine was not serving, so no member");
     }
@@ -684,9 +683,9 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     let second = open_trainer_update(&m, "step-2");
     finish_trainer_update(&m, &second).await;
     let inner = m.fleet.lock();
-    let u = &inner.weights.updates[&second];
+    let u = &inner.weights.updates()[&second];
     assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Failed, "{u:?}");
-    assert_eq!(inner.weights.current.version, "step-1");
+    assert_eq!(inner.weights.current().version, "step-1");
     // Not restarted: the only copies of step-1 are in these engines.
     for e in inner.engines.values() {
         assert_eq!((e.status(), e.record().restarts), (EngineStatus::Active, 0), "{:?}", e.record());

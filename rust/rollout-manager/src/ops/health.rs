@@ -112,7 +112,7 @@ async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(EngineId, Incarnation)
                 Some((id.clone(), at.clone(), e.transitions()))
             })
             .collect();
-        (asked, inner.weights.next_seq)
+        (asked, inner.weights.next_seq())
     };
     let reported = futures::future::join_all(asked.into_iter().map(|(id, at, transitions)| async move {
         let served =
@@ -464,10 +464,10 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
                 "engine reports another weight version than recorded (loaded without the manager); the registry follows it");
             e.set_weights(version, checksum);
         }
-        if inner.weights.next_seq != weights_seq {
+        if inner.weights.next_seq() != weights_seq {
             return;
         }
-        if inner.weights.running.is_some() {
+        if inner.weights.running().is_some() {
             return;
         }
         let mut active: Vec<&crate::registry::fleet::Engine> =
@@ -476,7 +476,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
         let serving: Vec<Option<&str>> = active.iter().map(|e| e.record().weight_version.as_deref()).collect();
         let known = inner.weights.seen_versions();
         let known: Vec<&str> = known.iter().map(String::as_str).collect();
-        let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current.version, &known, &serving)
+        let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current().version, &known, &serving)
         else {
             return;
         };

@@ -14,9 +14,10 @@
 
 use crate::adapters::weights::checkpoint;
 use crate::foundation::clock::unix_now;
-use crate::foundation::records::{Transition, UpdateRecord, UpdateSource, WeightsState};
+use crate::foundation::records::{Transition, UpdateRecord, UpdateSource};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
+use crate::registry::fleet::WeightsState;
 use rollout_core::ids::{UpdateId, VersionName};
 use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
 use std::collections::BTreeMap;
@@ -63,7 +64,7 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
         match decide(&inner.weights, &req.version, &req.path, req.checksum.as_deref())? {
             Decision::Existing(existing) => return Ok(existing),
             Decision::Join(id) => {
-                let running = inner.weights.updates.get(&id).cloned();
+                let running = inner.weights.updates().get(&id).cloned();
                 return running
                     .map(|u| Published::Joined(Box::new(u)))
                     .ok_or_else(|| OpError::internal("join", format!("update {id} vanished")));
@@ -80,7 +81,7 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
             total_bytes: ckpt.total_bytes,
             hashed_bytes: crate::foundation::records::HashProgress::default(),
             engine_path: String::new(),
-            previous_version: inner.weights.current.version.clone(),
+            previous_version: inner.weights.current().version.clone(),
             strategy: req.strategy,
             max_unavailable: req.max_unavailable,
             pause_mode: req.pause_mode.clone(),
@@ -104,9 +105,12 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
             source: UpdateSource::Checkpoint,
             trainer: None,
         };
-        inner.weights.updates.insert(update_id.clone(), record.clone());
-        inner.weights.running = Some(update_id.clone());
-        inner.weights.prune();
+        inner.weights.start(record.clone()).map_err(|running| {
+            OpError::conflict(
+                "update_in_progress",
+                format!("update {running} is in flight; wait for it to end (GET /rollout/weights/updates/{running})"),
+            )
+        })?;
         Ok(Published::Started(Box::new(record)))
     })?;
     if let Published::Started(_) = published {
@@ -156,12 +160,12 @@ fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> R
     match check_publish(&w.known_versions(), version, path, given) {
         PublishCheck::Same => {
             let existing = w
-                .updates
+                .updates()
                 .values()
                 .filter(|u| u.version == version && u.status != WeightUpdateStatus::Failed)
                 .max_by(|a, b| a.created_at.total_cmp(&b.created_at));
             let (update_id, status, checksum) = existing.map_or_else(
-                || (None, "COMPLETED".to_string(), w.current.checksum.clone()),
+                || (None, "COMPLETED".to_string(), w.current().checksum.clone()),
                 |u| (Some(u.update_id.clone()), u.status.to_string(), u.checksum.clone()),
             );
             Ok(Decision::Existing(Published::Existing { update_id, status, version: version.to_string(), checksum }))

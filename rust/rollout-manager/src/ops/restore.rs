@@ -165,7 +165,7 @@ fn rebuild(
         if let Some(meta) = &snapshot.meta {
             if snapshot.weights.is_none() {
                 // A store written before weights had their own record.
-                inner.weights = crate::foundation::records::WeightsState::new(&meta.weight_version);
+                inner.weights = crate::registry::fleet::WeightsState::new(&meta.weight_version);
             }
         }
         inner.engines.continue_after(snapshot.meta.as_ref().map_or(0, |m| m.next_seq));

@@ -184,7 +184,7 @@ pub fn scale_out(manager: &Arc<Manager>, req: ScaleOutRequest) -> Result<Accepte
         if let Some(running) = inner.ops.running() {
             return Err(busy(running));
         }
-        let version = inner.weights.current.version.clone();
+        let version = inner.weights.current().version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let current = inner.engines.live_count();
         if target <= current {
@@ -312,7 +312,7 @@ fn attach_external(manager: &Arc<Manager>, req: ScaleOutRequest, deadline: Durat
         if let Some(running) = inner.ops.running() {
             return Err(busy(running));
         }
-        let version = inner.weights.current.version.clone();
+        let version = inner.weights.current().version.clone();
         let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let known: Vec<&str> = inner
             .engines
@@ -415,7 +415,7 @@ pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, InitialErro
         trigger: Trigger::Initial,
     };
     let ids = manager.fleet.update(|inner| -> Result<_, InitialError> {
-        let version = inner.weights.current.version.clone();
+        let version = inner.weights.current().version.clone();
         let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
         if let Some(held) = inner.ops.running() {
             return Err(InitialError::Busy(held.clone()));

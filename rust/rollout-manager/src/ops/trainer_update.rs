@@ -129,11 +129,9 @@ pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, Op
     let (record, old_group) = manager.fleet.update(|inner| -> Result<_, OpError> {
         refuse_if_busy(inner, &req.version)?;
         let (group, old_group) = plan_group(inner, &req)?;
-        let record = new_record(&update_id, &req, &group, inner.weights.current.version.clone());
-        inner.weights.group = Some(group);
-        inner.weights.updates.insert(update_id.clone(), record.clone());
-        inner.weights.running = Some(update_id.clone());
-        inner.weights.prune();
+        let record = new_record(&update_id, &req, &group, inner.weights.current().version.clone());
+        inner.weights.start(record.clone()).map_err(|running| in_flight(&running))?;
+        inner.weights.set_group(Some(group));
         tracing::info!(update_id = %update_id, version = %req.version, "trainer update opened");
         Ok((record, old_group))
     })?;
@@ -199,7 +197,7 @@ fn plan_group(
         .collect();
     let keys: Vec<rollout_core::catchup::Member<'_>> =
         members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect();
-    let current = inner.weights.group.as_ref();
+    let current = inner.weights.group().as_ref();
     let current_keys = current.map(TrainerGroup::member_keys);
     let reuse = rollout_core::catchup::reuse_group(
         current.zip(current_keys.as_deref()).map(|(g, k)| (g.group_name.as_str(), g.master_address.as_str(), k)),
@@ -210,16 +208,16 @@ fn plan_group(
     Ok(match (reuse, current) {
         (true, Some(g)) => (TrainerGroup { new: false, ..g.clone() }, None),
         _ => {
-            inner.weights.groups_built += 1;
+            let built = inner.weights.count_group_built();
             let g = TrainerGroup {
-                group_name: format!("{}_{}", req.group_prefix, inner.weights.groups_built),
+                group_name: format!("{}_{}", req.group_prefix, built),
                 master_address: req.master_address.clone(),
                 master_port: req.master_port,
                 world_size,
                 members,
                 new: true,
             };
-            (g, inner.weights.group.take())
+            (g, inner.weights.take_group())
         }
     })
 }
@@ -282,8 +280,16 @@ pub fn unknown_update(update_id: &str) -> OpError {
     )
 }
 
+/// The answer while another update is in flight (checked before, under the same lock).
+fn in_flight(running: &UpdateId) -> OpError {
+    OpError::conflict(
+        "update_in_progress",
+        format!("update {running} is in flight; wait for it to end (GET /rollout/weights/updates/{running})"),
+    )
+}
+
 fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
-    let u = inner.weights.updates.get(update_id).ok_or_else(|| unknown_update(update_id))?;
+    let u = inner.weights.updates().get(update_id).ok_or_else(|| unknown_update(update_id))?;
     if u.trainer.is_none() {
         return Err(OpError::conflict(
             "not_a_trainer_update",
@@ -336,8 +342,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
     manager.fleet.update(|inner| {
         let u = inner
             .weights
-            .updates
-            .get_mut(update_id)
+            .update_mut(update_id)
             .ok_or_else(|| OpError::unknown("unknown_request", format!("update {update_id} vanished")))?;
         let Some(t) = u.trainer.as_mut() else {
             return Err(OpError::conflict("not_a_trainer_update", "not a trainer update"));
@@ -366,7 +371,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
 /// answer, each within `--weight-update-timeout-secs`).
 pub async fn abort(manager: &Arc<Manager>, update_id: &UpdateId, reason: &str) -> Result<UpdateRecord, OpError> {
     manager.fleet.update(|inner| {
-        let u = inner.weights.updates.get_mut(update_id).ok_or_else(|| unknown_update(update_id))?;
+        let u = inner.weights.update_mut(update_id).ok_or_else(|| unknown_update(update_id))?;
         let status = u.status;
         let Some(t) = u.trainer.as_mut() else {
             return Err(OpError::conflict("not_a_trainer_update", "only a trainer update can be aborted"));
@@ -394,7 +399,7 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
         let inner = manager.fleet.lock();
         inner
             .weights
-            .updates
+            .updates()
             .get(&update_id)
             .and_then(|u| u.trainer.as_ref().map(|t| (t.group.clone(), u.version_record())))
     }) else {
@@ -471,7 +476,7 @@ async fn join_group(manager: &Manager, update_id: &UpdateId, group: &TrainerGrou
         return false;
     }
     manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+        if let Some(u) = inner.weights.update_mut(update_id) {
             if let Some(t) = u.trainer.as_mut() {
                 t.group_ready = true;
             }
@@ -495,7 +500,7 @@ async fn trainer_started(manager: &Manager, update_id: &UpdateId) -> Result<(), 
             let inner = manager.fleet.lock();
             inner
                 .weights
-                .updates
+                .updates()
                 .get(update_id)
                 .and_then(|u| u.trainer.as_ref())
                 .map(|t| (t.broadcast_at, t.aborted.clone()))
@@ -526,7 +531,7 @@ async fn destroy(manager: &Manager, name: &str, members: &[GroupMember]) {
 fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forget_group: bool) {
     tracing::warn!(update_id = %update_id, error = why, "trainer update failed");
     manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+        if let Some(u) = inner.weights.update_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             u.message = "failed before the broadcast".into();
             let pending: Vec<EngineId> = u.engines.keys().cloned().collect();
@@ -537,11 +542,9 @@ fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forg
                 tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
             }
         }
-        if inner.weights.running.as_deref() == Some(update_id) {
-            inner.weights.running = None;
-        }
+        inner.weights.stop_running(update_id);
         if forget_group {
-            inner.weights.group = None;
+            inner.weights.set_group(None);
         }
     });
 }
@@ -549,18 +552,18 @@ fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forg
 /// The broadcast: every member's side in parallel, then the commit.
 async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &TrainerGroup, want: &WeightVersion) {
     let plan = start_members(manager, update_id, group);
-    let Some(part) = manager.fleet.lock().weights.updates.get(update_id).and_then(|u| u.trainer.clone()) else {
+    let Some(part) = manager.fleet.lock().weights.updates().get(update_id).and_then(|u| u.trainer.clone()) else {
         return;
     };
     let pause_mode =
-        manager.fleet.lock().weights.updates.get(update_id).map(|u| u.pause_mode.clone()).unwrap_or_default();
+        manager.fleet.lock().weights.updates().get(update_id).map(|u| u.pause_mode.clone()).unwrap_or_default();
     // Every member paused (and in its session) first, so the trainer's broadcast meets engines
     // that hold no running request; then every member receives.
     let prepared =
         futures::future::join_all(plan.iter().map(|(m, _)| watched(manager, &m.url, prepare(manager, m, &pause_mode))))
             .await;
     manager.fleet.update(|inner| {
-        if let Some(t) = inner.weights.updates.get_mut(update_id).and_then(|u| u.trainer.as_mut()) {
+        if let Some(t) = inner.weights.update_mut(update_id).and_then(|u| u.trainer.as_mut()) {
             t.receiving_at = Some(crate::foundation::clock::unix_now());
         }
     });
@@ -604,7 +607,7 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &Trainer
     if !failures.is_empty() {
         tracing::warn!(update_id = %update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
         manager.fleet.update(|inner| {
-            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            if let Some(u) = inner.weights.update_mut(update_id) {
                 u.message = format!(
                     "the fleet serves {}; {} member(s) failed their part and are restarted on a copy of it",
                     u.version,
@@ -643,7 +646,7 @@ fn start_members(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup) 
             if routed {
                 crate::foundation::records::checked(inner.engines.event(&m.engine_id, EngineEvent::UpdateWeights));
             }
-            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            if let Some(u) = inner.weights.update_mut(update_id) {
                 if alive {
                     u.engine(&m.engine_id, EngineUpdateEvent::Start, None);
                 } else {
@@ -654,7 +657,7 @@ fn start_members(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup) 
                 plan.push((m.clone(), routed));
             }
         }
-        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+        if let Some(u) = inner.weights.update_mut(update_id) {
             crate::foundation::records::checked(u.apply(WeightUpdateEvent::Start));
         }
         plan
@@ -674,7 +677,7 @@ fn record_turns(
     let mut restart = Vec::new();
     manager.fleet.update(|inner| {
         for ((m, _), turn) in plan.iter().zip(turns) {
-            let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
+            let Some(u) = inner.weights.update_mut(update_id) else { continue };
             match turn {
                 Turn::Verified => {
                     verified += 1;
@@ -708,7 +711,7 @@ async fn commit_when_settled(manager: &Arc<Manager>, update_id: &UpdateId, want:
             () = manager.shutdown.cancelled() => return false,
         }
     }
-    if manager.fleet.lock().weights.running.as_deref() == Some(update_id) {
+    if manager.fleet.lock().weights.running().as_deref() == Some(update_id) {
         let why = "engines on another version stayed routable; the update could not commit".to_string();
         crate::ops::weight_update::fail(manager, update_id, want, &why).await;
         return false;
@@ -788,7 +791,7 @@ async fn back_on_current(
     let Err(why) = result else { return None };
     let (found, checksum) = manager.served_weights(&m.engine_id).await.ok()?;
     manager.fleet.update(|inner| {
-        if !inner.weights.current.served_by(found.as_deref(), checksum.as_deref()) {
+        if !inner.weights.current().served_by(found.as_deref(), checksum.as_deref()) {
             return None;
         }
         let back = inner
@@ -841,7 +844,7 @@ pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, Op
                 format!("update {} uses the group; destroy it once the update has ended", u.update_id),
             ));
         }
-        Ok(inner.weights.group.take())
+        Ok(inner.weights.take_group())
     })?;
     if let Some(g) = &group {
         let here: Vec<GroupMember> = {
@@ -894,7 +897,7 @@ pub async fn check_resumable(manager: &Manager) -> Result<(), crate::ops::weight
             _ => return Ok(()),
         }
     };
-    manager.fleet.update(|inner| inner.weights.group = None);
+    manager.fleet.update(|inner| inner.weights.set_group(None));
     let timeout = Duration::from_secs(30);
     futures::future::join_all(members.iter().map(|m| async move {
         let _ = manager.engine_api.weights_call(&m.url, "/end_weight_update", json!({}), timeout).await;

@@ -69,7 +69,7 @@ enum Stop {
 /// and leaves the update CHECKSUMMING; a restarted manager hashes it again.
 pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
     let plan = manager.fleet.update(|inner| {
-        let u = inner.weights.updates.get(&update_id)?;
+        let u = inner.weights.updates().get(&update_id)?;
         if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
             return None;
         }
@@ -93,7 +93,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = hashing.await;
             manager.fleet.update(|inner| {
-                if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+                if let Some(u) = inner.weights.update_mut(&update_id) {
                     u.message = format!(
                         "interrupted by the manager's shutdown while hashing {}; a manager restarted on the same --state-dir hashes it again",
                         u.version
@@ -134,7 +134,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
             .filter(|e| e.status().is_routable())
             .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
             .collect();
-        let Some(u) = inner.weights.updates.get_mut(&update_id) else { return false };
+        let Some(u) = inner.weights.update_mut(&update_id) else { return false };
         if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
             return false;
         }
@@ -207,7 +207,7 @@ pub async fn resume(
         .fleet
         .lock()
         .weights
-        .updates
+        .updates()
         .get(&update_id)
         .is_some_and(|u| u.status == rollout_core::weights::WeightUpdateStatus::Checksumming);
     if checksumming {
@@ -220,7 +220,7 @@ pub async fn resume(
 
 async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEngine>) {
     let plan = manager.fleet.update(|inner| {
-        let u = inner.weights.updates.get_mut(&update_id)?;
+        let u = inner.weights.update_mut(&update_id)?;
         if u.status.is_terminal() {
             return None;
         }
@@ -242,7 +242,7 @@ async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEng
         Ok(()) => {}
         Err(Stop::Failed(why)) => fail(&manager, &update_id, &want, &why).await,
         Err(Stop::Interrupted) => manager.fleet.update(|inner| {
-            if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+            if let Some(u) = inner.weights.update_mut(&update_id) {
                 u.message = format!(
                     "interrupted by the manager's shutdown while publishing {}; a manager restarted on the same --state-dir resumes it",
                     u.version
@@ -295,7 +295,7 @@ async fn converge(
         let mut failures = Vec::new();
         manager.fleet.update(|inner| {
             for ((id, _, _), result) in wave.iter().zip(&turns) {
-                let Some(u) = inner.weights.updates.get_mut(update_id) else { continue };
+                let Some(u) = inner.weights.update_mut(update_id) else { continue };
                 match result {
                     Turn::Verified => u.engine(id, EngineUpdateEvent::Verified, None),
                     Turn::Skipped => {
@@ -365,7 +365,7 @@ fn next_turns(
             if let Some(e) = inner.engines.get(&id) {
                 out.push((id.clone(), e.record().url.clone(), e.load().clone()));
             }
-            if let Some(u) = inner.weights.updates.get_mut(update_id) {
+            if let Some(u) = inner.weights.update_mut(update_id) {
                 u.engine(&id, EngineUpdateEvent::Start, None);
             }
         }
@@ -482,29 +482,10 @@ pub(crate) fn commit(manager: &Manager, update_id: &UpdateId, want: &WeightVersi
         if behind {
             return false;
         }
-        let w = &mut inner.weights;
         // Only a running update commits (one that failed meanwhile leaves the version alone).
-        let updating = rollout_core::weights::WeightUpdateStatus::Updating;
-        let Some(u) = w.updates.get_mut(update_id).filter(|u| u.status == updating) else { return false };
-        let pending: Vec<EngineId> =
-            u.engines.iter().filter(|(_, e)| !e.status.is_terminal()).map(|(id, _)| id.clone()).collect();
-        for id in pending {
-            u.engine(&id, EngineUpdateEvent::Skip, Some("left the fleet before its turn".into()));
+        if !inner.weights.commit(update_id, want) {
+            return false;
         }
-        u.message = format!("the fleet serves {}", u.version);
-        crate::foundation::records::checked(u.apply(WeightUpdateEvent::Commit));
-        w.current = WeightVersion { published_seq: w.next_seq, ..want.clone() };
-        w.next_seq += 1;
-        if u.source == crate::foundation::records::UpdateSource::Trainer {
-            w.current_engine_path = None;
-            w.source = crate::foundation::records::VersionSource::Trainer;
-        } else {
-            w.current_engine_path = Some(u.engine_path.clone());
-            w.source = crate::foundation::records::VersionSource::Publish;
-        }
-        w.current_since = crate::foundation::clock::unix_now();
-        w.current_update = Some(update_id.clone());
-        w.running = None;
         tracing::info!(update_id = %update_id, version = %want.version, "fleet weight version committed");
         true
     });
@@ -517,7 +498,7 @@ pub(crate) fn commit(manager: &Manager, update_id: &UpdateId, want: &WeightVersi
 /// Lets the transport drop staged copies the fleet no longer uses (on this machine now, on
 /// the agents' nodes in the background).
 fn retain_current(manager: &Manager) {
-    let keep: Vec<String> = manager.fleet.lock().weights.current_engine_path.iter().cloned().collect();
+    let keep: Vec<String> = manager.fleet.lock().weights.current_engine_path().iter().cloned().collect();
     let on_agents = manager.transport.retain(&keep, &manager.weight_nodes());
     manager.tasks.spawn(on_agents);
 }
@@ -527,20 +508,18 @@ fn retain_current(manager: &Manager) {
 pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &WeightVersion, why: &str) {
     tracing::warn!(update_id = %update_id, version = %want.version, error = why, "weight update failed");
     let restart: Vec<(EngineId, Option<crate::foundation::host::EngineProcess>)> = manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.updates.get_mut(update_id) {
+        if let Some(u) = inner.weights.update_mut(update_id) {
             u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
             if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
                 tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
             }
         }
-        if inner.weights.running.as_deref() == Some(update_id) {
-            inner.weights.running = None;
-        }
-        let current = inner.weights.current.clone();
+        inner.weights.stop_running(update_id);
+        let current = inner.weights.current().clone();
         // Engines whose turn in this update failed (the update's own record of them).
         let failed_turns: std::collections::HashSet<EngineId> = inner
             .weights
-            .updates
+            .updates()
             .get(update_id)
             .map(|u| {
                 u.engines
@@ -647,7 +626,7 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
         .await
         .map_err(|e| CannotResume::Staging(e.to_string()))?;
     manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.updates.get_mut(&update_id) {
+        if let Some(u) = inner.weights.update_mut(&update_id) {
             u.engine_path = staged;
         }
     });
@@ -664,7 +643,7 @@ pub async fn restage_if_missing(manager: &crate::ops::manager::Manager) {
     }
     let (current, engine_path) = {
         let inner = manager.fleet.lock();
-        (inner.weights.current.clone(), inner.weights.current_engine_path.clone())
+        (inner.weights.current().clone(), inner.weights.current_engine_path().clone())
     };
     let Some(engine_path) = engine_path else { return };
     if current.path.is_none() || std::path::Path::new(&engine_path).exists() {
@@ -673,9 +652,7 @@ pub async fn restage_if_missing(manager: &crate::ops::manager::Manager) {
     tracing::warn!(version = %current.version, path = %engine_path, "the current version's engine copy is gone; staging it again");
     match manager.transport.stage(&current, &[crate::adapters::weights::transport::Node::Local]).await {
         Ok(path) => manager.fleet.update(|inner| {
-            if inner.weights.current.version == current.version {
-                inner.weights.current_engine_path = Some(path);
-            }
+            inner.weights.restaged(&current.version, path);
         }),
         Err(e) => tracing::error!(error = %e, "cannot stage the current version again; engines cannot start on it"),
     }

@@ -16,7 +16,8 @@
 //! a fleet; committing under the lock made every reader wait for an fsync.)
 
 use crate::foundation::locks::Locked;
-use crate::foundation::records::{EngineRecord, ScaleInRecord, ScaleOutRecord, WeightsState};
+use crate::foundation::records::{EngineRecord, ScaleInRecord, ScaleOutRecord};
+use crate::registry::fleet::WeightsState;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use rollout_core::ids::EngineId;
 use serde::{Deserialize, Serialize};
@@ -372,7 +373,7 @@ mod tests {
     }
 
     fn stage_and_commit(store: &Store, engines: &BTreeMap<EngineId, StoredEngine>, weights: &WeightsState) -> bool {
-        let meta = Meta { next_seq: 3, weight_version: weights.current.version.clone(), placement_revision: 0 };
+        let meta = Meta { next_seq: 3, weight_version: weights.current().version.clone(), placement_revision: 0 };
         let none = BTreeMap::new();
         let (outs, ins) = (BTreeMap::new(), BTreeMap::new());
         let staged =

@@ -107,7 +107,7 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
     let total_engines = engines.len();
     let (weight_version, weights_checksum) = {
         let inner = s.manager.fleet.lock();
-        (inner.weights.current.version.clone(), inner.weights.current.checksum.clone())
+        (inner.weights.current().version.clone(), inner.weights.current().checksum.clone())
     };
     let model = s.manager.config.model_name.clone();
     Json(EnginesAnswer {

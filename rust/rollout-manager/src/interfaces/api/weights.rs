@@ -233,7 +233,7 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
                    "weights_checksum": r.weights_checksum})
         })
         .collect();
-    let mut done: Vec<&UpdateRecord> = w.updates.values().collect();
+    let mut done: Vec<&UpdateRecord> = w.updates().values().collect();
     done.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
     let history: Vec<Value> = done
         .iter()
@@ -247,12 +247,12 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
         .collect();
     let last_strategy = done.first().map(|u| u.strategy);
     Json(json!({
-        "version": w.current.version,
-        "path": w.current.path,
-        "checksum": w.current.checksum,
-        "source": w.source,
-        "since": w.current_since,
-        "update_id": w.current_update,
+        "version": w.current().version,
+        "path": w.current().path,
+        "checksum": w.current().checksum,
+        "source": w.source(),
+        "since": w.current_since(),
+        "update_id": w.current_update(),
         "strategy": last_strategy,
         "transport": s.manager.transport.name(),
         "update": w.running_update(),
@@ -270,14 +270,14 @@ async fn list_updates(State(s): State<ApiState>, Query(f): Query<UpdateFilter>) 
     let wanted: Option<WeightUpdateStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let mut updates: Vec<&UpdateRecord> =
-        inner.weights.updates.values().filter(|u| wanted.is_none_or(|w| u.status == w)).collect();
+        inner.weights.updates().values().filter(|u| wanted.is_none_or(|w| u.status == w)).collect();
     updates.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
     Ok(Json(json!({"updates": updates, "total": updates.len()})))
 }
 
 async fn get_update(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let inner = s.manager.fleet.lock();
-    let u = inner.weights.updates.get(id.as_str()).ok_or_else(|| {
+    let u = inner.weights.updates().get(id.as_str()).ok_or_else(|| {
         ApiError::not_found(
             "unknown_request",
             format!("no weight update with id {id}; list them with GET /rollout/weights/updates"),

@@ -94,7 +94,7 @@ impl Manager {
             let (desired, engine_path, current, from_trainer) = {
                 let inner = self.fleet.lock();
                 let (desired, path) = inner.weights.desired();
-                (desired, path, inner.weights.current.clone(), inner.weights.desired_from_trainer())
+                (desired, path, inner.weights.current().clone(), inner.weights.desired_from_trainer())
             };
             let (mut found, mut checksum) = self.served_weights(engine_id).await?;
             // The version this engine is recorded on: the desired one, or (re-adoption) the
@@ -135,7 +135,7 @@ impl Manager {
                 crate::adapters::engine_api::verify(&want, found.as_deref(), checksum.as_deref())?;
             }
             let synced = self.fleet.update(|inner| -> Result<bool, EngineError> {
-                if inner.weights.desired().0 != desired || inner.weights.current != current {
+                if inner.weights.desired().0 != desired || *inner.weights.current() != current {
                     return Ok(false);
                 }
                 if let Some(e) = inner.engines.get_mut(engine_id) {

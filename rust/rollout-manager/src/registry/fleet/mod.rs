@@ -10,14 +10,16 @@ mod engines;
 mod load;
 mod operations;
 mod placements;
+mod weights;
 
 pub use engines::{Engine, Engines, Held, NewEngine, PoolError};
 pub use load::{EngineLoad, InFlightGuard};
 pub use operations::{Operations, KEEP_OPERATIONS};
 pub use placements::Placements;
+pub use weights::WeightsState;
 
 use crate::foundation::locks::{Locked, RwLocked};
-use crate::foundation::records::{EngineRecord, WeightsState};
+use crate::foundation::records::EngineRecord;
 use crate::foundation::slots::SlotQueue;
 use rollout_core::routing::QueueOrder;
 use rollout_core::EngineStatus;
@@ -166,7 +168,7 @@ impl Fleet {
                 placements: inner.placements.rows(),
                 meta: crate::registry::store::Meta {
                     next_seq: inner.engines.next_seq(),
-                    weight_version: inner.weights.current.version.clone(),
+                    weight_version: inner.weights.current().version.clone(),
                     placement_revision: inner.placements.revision(),
                 },
                 weights: &inner.weights,
@@ -316,8 +318,8 @@ impl Fleet {
                 }
             }
         }
-        fleet_version.with_label_values(&[inner.weights.current.version.as_str()]).set(1);
-        for u in inner.weights.updates.values().filter(|u| !u.status.is_terminal()) {
+        fleet_version.with_label_values(&[inner.weights.current().version.as_str()]).set(1);
+        for u in inner.weights.updates().values().filter(|u| !u.status.is_terminal()) {
             updates.with_label_values(&[u.status.to_string()]).inc();
         }
         let running = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);

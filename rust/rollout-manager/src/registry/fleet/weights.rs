@@ -1,0 +1,543 @@
+//! The weights part of the registry: the fleet's current version and where it came from, the
+//! weight updates (the one in flight and their history) and the trainer's group. Persisted as
+//! one record in the store.
+
+use crate::foundation::clock::unix_now;
+use crate::foundation::records::{
+    checked, EngineUpdate, HashProgress, TrainerGroup, Transition, UpdateRecord, UpdateSource, VersionSource,
+    KEEP_UPDATES, RESUMED,
+};
+use rollout_core::ids::{EngineId, UpdateId};
+use rollout_core::weights::{EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The fleet's weights: persisted as one record in the store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsState {
+    /// The version every routable engine serves once no update runs.
+    current: WeightVersion,
+    /// Where engines load `current` from (None: the startup `--model-path`).
+    current_engine_path: Option<String>,
+    /// Where `current` came from.
+    source: VersionSource,
+    /// When `current` became the fleet's version.
+    current_since: f64,
+    /// The update that made `current`, if any.
+    current_update: Option<UpdateId>,
+    /// The update in flight: its target is what new engines start on.
+    running: Option<UpdateId>,
+    updates: BTreeMap<UpdateId, UpdateRecord>,
+    next_seq: u64,
+    /// The trainer's weight-update group the engines joined last (kept while its members stay).
+    #[serde(default)]
+    group: Option<TrainerGroup>,
+    /// Groups built so far (names the next one).
+    #[serde(default)]
+    groups_built: u64,
+}
+
+impl WeightsState {
+    /// The version every routable engine serves once no update runs.
+    pub fn current(&self) -> &WeightVersion {
+        &self.current
+    }
+
+    /// Where engines load the current version from (None: the startup `--model-path`).
+    pub fn current_engine_path(&self) -> &Option<String> {
+        &self.current_engine_path
+    }
+
+    /// Where the current version came from.
+    pub fn source(&self) -> VersionSource {
+        self.source
+    }
+
+    /// When the current version became the fleet's.
+    pub fn current_since(&self) -> f64 {
+        self.current_since
+    }
+
+    /// The update that made the current version, if any.
+    pub fn current_update(&self) -> &Option<UpdateId> {
+        &self.current_update
+    }
+
+    /// The update in flight, if any.
+    pub fn running(&self) -> &Option<UpdateId> {
+        &self.running
+    }
+
+    /// Every update kept (the one in flight and the history), by id.
+    pub fn updates(&self) -> &BTreeMap<UpdateId, UpdateRecord> {
+        &self.updates
+    }
+
+    /// One update, to move through its machine ([`UpdateRecord::apply`]) or record an
+    /// engine's progress.
+    pub fn update_mut(&mut self, update_id: &str) -> Option<&mut UpdateRecord> {
+        self.updates.get_mut(update_id)
+    }
+
+    /// The publish order the next committed version gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// The trainer's weight-update group the engines joined last.
+    pub fn group(&self) -> &Option<TrainerGroup> {
+        &self.group
+    }
+
+    /// Groups built so far (names the next one).
+    pub fn groups_built(&self) -> u64 {
+        self.groups_built
+    }
+
+    /// Records a new update as the one in flight (its target is what new engines start on
+    /// from now); refused, naming the one in flight, while another runs.
+    pub fn start(&mut self, record: UpdateRecord) -> Result<(), UpdateId> {
+        if let Some(running) = &self.running {
+            return Err(running.clone());
+        }
+        self.running = Some(record.update_id.clone());
+        self.updates.insert(record.update_id.clone(), record);
+        self.prune();
+        Ok(())
+    }
+
+    /// `update_id` is no longer in flight (it ended); a no-op for any other id.
+    pub fn stop_running(&mut self, update_id: &str) {
+        if self.running.as_deref() == Some(update_id) {
+            self.running = None;
+        }
+    }
+
+    /// Makes `want` the fleet's version, from the update `update_id` (which must be UPDATING:
+    /// false, nothing changed, otherwise: one that failed meanwhile leaves the version alone).
+    /// The update's engines not yet done are recorded skipped (they left the fleet before their
+    /// turn), the update COMMITTED, and nothing is in flight any more.
+    pub fn commit(&mut self, update_id: &str, want: &WeightVersion) -> bool {
+        let updating = WeightUpdateStatus::Updating;
+        let Some(u) = self.updates.get_mut(update_id).filter(|u| u.status == updating) else { return false };
+        let pending: Vec<EngineId> =
+            u.engines.iter().filter(|(_, e)| !e.status.is_terminal()).map(|(id, _)| id.clone()).collect();
+        for id in pending {
+            u.engine(
+                &id,
+                rollout_core::weights::EngineUpdateEvent::Skip,
+                Some("left the fleet before its turn".into()),
+            );
+        }
+        u.message = format!("the fleet serves {}", u.version);
+        checked(u.apply(WeightUpdateEvent::Commit));
+        (self.current_engine_path, self.source) = match u.source {
+            UpdateSource::Trainer => (None, VersionSource::Trainer),
+            UpdateSource::Checkpoint => (Some(u.engine_path.clone()), VersionSource::Publish),
+        };
+        self.current = WeightVersion { published_seq: self.next_seq, ..want.clone() };
+        self.next_seq += 1;
+        self.current_since = unix_now();
+        self.current_update = Some(u.update_id.clone());
+        self.running = None;
+        true
+    }
+
+    /// Where engines load the current version from now (it was staged again), if `version`
+    /// is still the current one.
+    pub fn restaged(&mut self, version: &str, engine_path: String) {
+        if self.current.version == version {
+            self.current_engine_path = Some(engine_path);
+        }
+    }
+
+    /// The trainer's group the engines joined (None: forgotten, the next update builds one).
+    pub fn set_group(&mut self, group: Option<TrainerGroup>) {
+        self.group = group;
+    }
+
+    /// Forgets the trainer's group, returning it.
+    pub fn take_group(&mut self) -> Option<TrainerGroup> {
+        self.group.take()
+    }
+
+    /// Counts a group built now; its number names it.
+    pub fn count_group_built(&mut self) -> u64 {
+        self.groups_built += 1;
+        self.groups_built
+    }
+
+    pub fn new(startup_version: &str) -> Self {
+        Self {
+            current: WeightVersion::startup(startup_version),
+            current_engine_path: None,
+            source: VersionSource::Startup,
+            current_since: unix_now(),
+            current_update: None,
+            running: None,
+            updates: BTreeMap::new(),
+            next_seq: 1,
+            group: None,
+            groups_built: 0,
+        }
+    }
+
+    pub fn running_update(&self) -> Option<&UpdateRecord> {
+        self.running.as_ref().and_then(|id| self.updates.get(id))
+    }
+
+    pub fn running_update_mut(&mut self) -> Option<&mut UpdateRecord> {
+        let id = self.running.clone()?;
+        self.updates.get_mut(&id)
+    }
+
+    /// The version engines must serve to become routable: the running update's target, else
+    /// the current version; with the path they load it from (None: the startup model path).
+    /// While the running update is still CHECKSUMMING its target is not known to be loadable,
+    /// so engines keep starting on the current version.
+    pub fn desired(&self) -> (WeightVersion, Option<String>) {
+        match self.loading_update() {
+            Some(u) if u.source == UpdateSource::Trainer => (u.version_record(), None),
+            Some(u) => (u.version_record(), Some(u.engine_path.clone())),
+            None => (self.current.clone(), self.current_engine_path.clone()),
+        }
+    }
+
+    /// Whether the version engines must serve ([`WeightsState::desired`]) came from the
+    /// trainer: it has no checkpoint, and an engine that does not serve it copies it from a
+    /// peer (or waits for the trainer's next update) instead of loading it.
+    pub fn desired_from_trainer(&self) -> bool {
+        match self.loading_update() {
+            Some(u) => u.source == UpdateSource::Trainer,
+            None => self.source == VersionSource::Trainer,
+        }
+    }
+
+    /// The running update once its checksum is known (PENDING or UPDATING): engines may be
+    /// moving to its target.
+    pub fn loading_update(&self) -> Option<&UpdateRecord> {
+        self.running_update().filter(|u| u.status != WeightUpdateStatus::Checksumming)
+    }
+
+    /// Versions in publication order, oldest first (orders non-numeric versions for pins).
+    pub fn version_order(&self) -> Vec<String> {
+        let mut done: Vec<&UpdateRecord> =
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).collect();
+        done.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        let mut out = Vec::new();
+        if self.source == VersionSource::Startup || !done.iter().any(|u| u.version == self.current.version) {
+            out.push(self.current.version.clone());
+        }
+        for u in done {
+            if !out.contains(&u.version) {
+                out.push(u.version.clone());
+            }
+        }
+        out
+    }
+
+    /// Versions whose name is taken: the current one and every update that did not fail.
+    pub fn known_versions(&self) -> Vec<WeightVersion> {
+        let mut out = vec![self.current.clone()];
+        out.extend(
+            self.updates.values().filter(|u| u.status != WeightUpdateStatus::Failed).map(|u| u.version_record()),
+        );
+        out
+    }
+
+    /// Every version name the fleet has served: the current one, and each update's target
+    /// (unless it failed) and the version it started from. A version an engine reports
+    /// that is among these is not a trainer's new one (an engine that fell behind, or a
+    /// reading from before an update), so the fleet never goes back to it by observation.
+    pub fn seen_versions(&self) -> Vec<String> {
+        let mut out = vec![self.current.version.clone()];
+        for u in self.updates.values() {
+            let target = (u.status != WeightUpdateStatus::Failed).then_some(&u.version);
+            for v in target.into_iter().chain([&u.previous_version]) {
+                if !out.contains(v) {
+                    out.push(v.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether an engine whose `/model_info` names `model_path` holds the fleet's model: the
+    /// startup path, or a checkpoint the fleet published (SGLang renames an engine's
+    /// `model_path` to the checkpoint's path on `/update_weights_from_disk`, so an engine that
+    /// took a publish and is attached again names it).
+    pub fn is_fleet_model(&self, startup_path: &str, model_path: &str) -> bool {
+        model_path == startup_path
+            || self.current_engine_path.as_deref() == Some(model_path)
+            || self.updates.values().any(|u| {
+                u.source == UpdateSource::Checkpoint
+                    && u.status != WeightUpdateStatus::Failed
+                    && (u.path == model_path || (!u.engine_path.is_empty() && u.engine_path == model_path))
+            })
+    }
+
+    /// A trainer updated the engines without the manager and every serving engine (`engines`)
+    /// now reports `version`: it becomes the fleet's version (source `trainer`), with a
+    /// COMPLETED update recording what was observed, so the version history (and the pins'
+    /// order) has it and engines that start later copy it from a peer.
+    pub fn observe_trainer_version(&mut self, version: &str, engines: &[EngineId]) -> UpdateId {
+        let now = unix_now();
+        let update_id: UpdateId = uuid::Uuid::new_v4().into();
+        let done = EngineUpdate {
+            status: EngineUpdateStatus::Verified,
+            error: None,
+            started_at: Some(now),
+            finished_at: Some(now),
+        };
+        let record = UpdateRecord {
+            update_id: update_id.clone(),
+            version: version.to_string(),
+            path: String::new(),
+            checksum: None,
+            expected_checksum: None,
+            total_bytes: 0,
+            hashed_bytes: HashProgress::default(),
+            engine_path: String::new(),
+            previous_version: self.current.version.clone(),
+            strategy: UpdateStrategy::AllAtOnce,
+            max_unavailable: None,
+            pause_mode: String::new(),
+            transport: "trainer".into(),
+            status: WeightUpdateStatus::Completed,
+            engines: engines.iter().map(|id| (id.clone(), done.clone())).collect(),
+            created_at: now,
+            updated_at: now,
+            finished_at: Some(now),
+            error_message: None,
+            message: format!(
+                "observed: every serving engine reports {version}, which a trainer loaded without the manager"
+            ),
+            history: vec![Transition { status: WeightUpdateStatus::Completed.to_string(), at: now }],
+            resumed: 0,
+            source: UpdateSource::Trainer,
+            trainer: None,
+        };
+        self.updates.insert(update_id.clone(), record);
+        self.current =
+            WeightVersion { version: version.to_string(), path: None, checksum: None, published_seq: self.next_seq };
+        self.next_seq += 1;
+        self.current_engine_path = None;
+        self.source = VersionSource::Trainer;
+        self.current_since = now;
+        self.current_update = Some(update_id.clone());
+        self.prune();
+        tracing::info!(
+            version,
+            update_id = %update_id,
+            "fleet weight version taken from the engines (a trainer updated them directly)"
+        );
+        update_id
+    }
+
+    /// Forgets the oldest finished updates beyond [`KEEP_UPDATES`]; running ones stay.
+    pub fn prune(&mut self) {
+        if self.updates.len() <= KEEP_UPDATES {
+            return;
+        }
+        let mut done: Vec<(f64, UpdateId)> = self
+            .updates
+            .iter()
+            .filter(|(id, u)| u.status.is_terminal() && self.current_update.as_ref() != Some(id))
+            .map(|(id, u)| (u.created_at, id.clone()))
+            .collect();
+        done.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let excess = self.updates.len() - KEEP_UPDATES;
+        for (_, id) in done.into_iter().take(excess) {
+            self.updates.remove(&id);
+        }
+    }
+
+    /// After a manager restart: the update that was in flight, if any, is marked resumed
+    /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
+    /// Whether it can really go on is checked next ([`check_resumable`]).
+    pub fn resume_after_restart(&mut self) -> Option<UpdateId> {
+        let u = self.running_update_mut()?;
+        if u.status.is_terminal() {
+            self.running = None;
+            return None;
+        }
+        u.resumed += 1;
+        u.updated_at = unix_now();
+        u.history.push(Transition { status: RESUMED.into(), at: u.updated_at });
+        u.message = format!("resumed after a manager restart ({} so far); publishing {}", u.resumed, u.version);
+        tracing::info!(update_id = %u.update_id, version = %u.version, resumed = u.resumed, "weight update resumed after a restart");
+        Some(u.update_id.clone())
+    }
+
+    /// Ends the running update FAILED because it cannot go on after a restart; the fleet stays
+    /// on its current version (engines are brought back to it as they are re-adopted).
+    pub fn fail_running(&mut self, why: &str) {
+        if let Some(u) = self.running_update_mut() {
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
+            checked(u.apply(WeightUpdateEvent::Fail));
+        }
+        self.running = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rollout_core::weights::WeightUpdateStatus;
+
+    fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
+        UpdateRecord {
+            update_id: UpdateId::parse(id).unwrap(),
+            version: version.into(),
+            path: format!("/ckpt/{version}"),
+            checksum: Some(format!("sum-{version}")),
+            expected_checksum: None,
+            total_bytes: 0,
+            hashed_bytes: HashProgress::default(),
+            engine_path: format!("/stage/{version}"),
+            previous_version: "default".into(),
+            strategy: UpdateStrategy::Rolling,
+            max_unavailable: None,
+            pause_mode: "abort".into(),
+            transport: "disk".into(),
+            status,
+            engines: BTreeMap::new(),
+            created_at: at,
+            updated_at: at,
+            finished_at: None,
+            error_message: None,
+            message: String::new(),
+            history: Vec::new(),
+            resumed: 0,
+            source: UpdateSource::Checkpoint,
+            trainer: None,
+        }
+    }
+
+    #[test]
+    fn the_fleets_model_is_the_startup_path_or_a_published_checkpoint() {
+        let mut w = WeightsState::new("v0");
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert(UpdateId::parse("u2").unwrap(), record("u2", "v2", 2.0, WeightUpdateStatus::Failed));
+        let mut trained = record("u3", "v3", 3.0, WeightUpdateStatus::Completed);
+        trained.source = UpdateSource::Trainer;
+        w.updates.insert(UpdateId::parse("u3").unwrap(), trained);
+        for (path, fleet) in [
+            ("/models/base", true),
+            ("/ckpt/v1", true),
+            ("/stage/v1", true),
+            ("/ckpt/v2", false),
+            ("/ckpt/v3", false),
+            ("/models/other", false),
+            ("", false),
+        ] {
+            assert_eq!(w.is_fleet_model("/models/base", path), fleet, "{path}");
+        }
+    }
+
+    #[test]
+    fn desired_is_the_running_target_else_current() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some(UpdateId::parse("u1").unwrap());
+        let (want, path) = w.desired();
+        assert_eq!((want.version.as_str(), want.checksum.as_deref()), ("v1", Some("sum-v1")));
+        assert_eq!(path.as_deref(), Some("/stage/v1"));
+        // While its checkpoint is still being hashed, engines keep starting on the current one.
+        w.updates.get_mut("u1").unwrap().status = WeightUpdateStatus::Checksumming;
+        assert_eq!(w.desired(), (WeightVersion::startup("v0"), None));
+        assert!(w.loading_update().is_none() && w.running_update().is_some());
+    }
+
+    #[test]
+    fn a_restart_resumes_the_running_update_and_counts_it() {
+        let mut w = WeightsState::new("v0");
+        assert_eq!(w.resume_after_restart(), None);
+        w.updates.insert(UpdateId::parse("u1").unwrap(), record("u1", "v1", 1.0, WeightUpdateStatus::Updating));
+        w.running = Some(UpdateId::parse("u1").unwrap());
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        assert_eq!(w.resume_after_restart().as_deref(), Some("u1"));
+        let u = &w.updates["u1"];
+        assert_eq!((u.status, u.resumed), (WeightUpdateStatus::Updating, 2));
+        let entries: Vec<&str> = u.history.iter().map(|h| h.status.as_str()).collect();
+        assert_eq!(entries, vec![RESUMED, RESUMED]);
+        // Still the target: new and re-adopted engines are brought to it.
+        assert_eq!(w.desired().0.version, "v1");
+        // One that cannot go on ends FAILED with the reason; the fleet stays where it was.
+        w.fail_running("the checkpoint is gone");
+        assert_eq!(w.running, None);
+        let u = &w.updates["u1"];
+        assert_eq!(u.status, WeightUpdateStatus::Failed);
+        assert_eq!(u.error_message.as_deref(), Some("the checkpoint is gone; the fleet stays on default"));
+        assert_eq!(w.desired().0.version, "v0");
+        assert_eq!(w.resume_after_restart(), None);
+    }
+
+    #[test]
+    fn records_written_before_resume_existed_read_as_never_resumed() {
+        let mut v = serde_json::to_value(record("u", "v1", 0.0, WeightUpdateStatus::Updating)).unwrap();
+        v.as_object_mut().unwrap().remove("resumed");
+        let back: UpdateRecord = serde_json::from_value(v).unwrap();
+        assert_eq!(back.resumed, 0);
+    }
+
+    #[test]
+    fn version_order_and_known_versions_skip_failed_updates() {
+        let mut w = WeightsState::new("v0");
+        w.updates.insert(UpdateId::parse("a").unwrap(), record("a", "v1", 1.0, WeightUpdateStatus::Completed));
+        w.updates.insert(UpdateId::parse("b").unwrap(), record("b", "bad", 2.0, WeightUpdateStatus::Failed));
+        w.updates.insert(UpdateId::parse("c").unwrap(), record("c", "v2", 3.0, WeightUpdateStatus::Completed));
+        assert_eq!(w.version_order(), vec!["v0", "v1", "v2"]);
+        let known: Vec<String> = w.known_versions().into_iter().map(|v| v.version).collect();
+        assert_eq!(known, vec!["v0", "v1", "v2"]);
+    }
+
+    #[test]
+    fn prune_keeps_running_and_current_updates() {
+        let mut w = WeightsState::new("v0");
+        for i in 0..KEEP_UPDATES + 5 {
+            let id = format!("u{i:04}");
+            w.updates.insert(
+                UpdateId::parse(&id).unwrap(),
+                record(&id, &format!("v{i}"), i as f64, WeightUpdateStatus::Completed),
+            );
+        }
+        w.current_update = Some(UpdateId::parse("u0000").unwrap());
+        w.updates.get_mut("u0001").unwrap().status = WeightUpdateStatus::Updating;
+        w.running = Some(UpdateId::parse("u0001").unwrap());
+        w.prune();
+        assert_eq!(w.updates.len(), KEEP_UPDATES);
+        assert!(w.updates.contains_key("u0000") && w.updates.contains_key("u0001"));
+        assert!(!w.updates.contains_key("u0002") && w.updates.contains_key("u0007"));
+    }
+
+    #[test]
+    fn one_update_in_flight_and_a_commit_only_from_updating() {
+        let mut w = WeightsState::new("v0");
+        w.start(record("u1", "v1", 1.0, WeightUpdateStatus::Pending)).unwrap();
+        assert_eq!(w.start(record("u2", "v2", 2.0, WeightUpdateStatus::Pending)), Err(UpdateId::parse("u1").unwrap()));
+        assert!(!w.updates().contains_key("u2"), "a refused update is not recorded");
+        let v1 = w.updates()["u1"].version_record();
+        assert!(!w.commit("u1", &v1), "PENDING does not commit");
+        w.stop_running("u2");
+        assert_eq!(w.running().as_deref(), Some("u1"), "only the update in flight stops itself");
+        w.update_mut("u1").unwrap().status = WeightUpdateStatus::Updating;
+        let engine = EngineId::of_seq(3);
+        w.update_mut("u1").unwrap().engines.insert(engine.clone(), EngineUpdate::pending());
+        let seq = w.next_seq();
+        assert!(w.commit("u1", &v1));
+        assert_eq!((w.current().version.as_str(), w.current().published_seq, w.next_seq()), ("v1", seq, seq + 1));
+        assert_eq!((w.source(), w.current_engine_path().as_deref()), (VersionSource::Publish, Some("/stage/v1")));
+        assert_eq!((w.running(), w.current_update().as_deref()), (&None, Some("u1")));
+        assert_eq!(
+            w.updates()["u1"].engines[engine.as_str()].status,
+            EngineUpdateStatus::Skipped,
+            "left before its turn"
+        );
+        assert!(!w.commit("u1", &v1), "a committed update does not commit twice");
+        w.restaged("v0", "/elsewhere".into());
+        assert_eq!(w.current_engine_path().as_deref(), Some("/stage/v1"), "only the current version is restaged");
+        assert_eq!((w.count_group_built(), w.count_group_built(), w.groups_built()), (1, 2, 2));
+    }
+}
