@@ -463,8 +463,13 @@ impl Drop for OpGuard {
     fn drop(&mut self) {
         let id = self.request_id.clone();
         let leftovers = self.manager.fleet.update(|inner| {
-            let engines = unfinished_op_engines(inner, &id)?;
-            fail_unfinished_op(inner, &id);
+            let why = "internal error: the operation stopped unexpectedly; see the manager's log";
+            let engines: Vec<EngineId> = inner
+                .ops
+                .abandon(&id, why)?
+                .into_iter()
+                .filter(|e| inner.engines.get(e).is_some_and(|en| en.status() != EngineStatus::Active))
+                .collect();
             for e in &engines {
                 if let Err(err) = inner.engines.event(e, rollout_core::EngineEvent::Remove) {
                     tracing::debug!(engine_id = %e, error = %err, "already on its way out");
@@ -472,11 +477,8 @@ impl Drop for OpGuard {
             }
             Some(engines)
         });
-        // The operation had ended; its lock, if still held under its id, is freed.
-        let Some(leftovers) = leftovers else {
-            self.manager.fleet.update(|inner| inner.ops.end(&id));
-            return;
-        };
+        // The operation had ended (its lock, if still held under its id, was freed above).
+        let Some(leftovers) = leftovers else { return };
         tracing::error!(kind = self.kind, request_id = %id, "operation task ended unexpectedly; cleaning up");
         if leftovers.is_empty() || tokio::runtime::Handle::try_current().is_err() {
             return;
@@ -488,32 +490,6 @@ impl Drop for OpGuard {
             }
         });
     }
-}
-
-/// The engines of operation `id`, if it has not ended, that are not ACTIVE (what its task would
-/// have rolled back).
-fn unfinished_op_engines(inner: &FleetInner, id: &str) -> Option<Vec<EngineId>> {
-    let engines = match (inner.ops.scale_out(id), inner.ops.scale_in(id)) {
-        (Some(op), _) if !op.status.is_terminal() => op.engine_ids.clone(),
-        (_, Some(op)) if !op.status.is_terminal() => op.engine_ids.clone(),
-        _ => return None,
-    };
-    let not_active = |e: &EngineId| inner.engines.get(e).is_some_and(|en| en.status() != EngineStatus::Active);
-    Some(engines.into_iter().filter(not_active).collect())
-}
-
-/// Records operation `id` FAILED (an internal error) and frees the one-operation lock.
-fn fail_unfinished_op(inner: &mut FleetInner, id: &str) {
-    let why = "internal error: the operation stopped unexpectedly; see the manager's log".to_string();
-    if let Some(op) = inner.ops.scale_out_mut(id).filter(|op| !op.status.is_terminal()) {
-        op.error_message = Some(why.clone());
-        crate::foundation::records::checked(op.apply(ScaleOutEvent::Fail));
-    }
-    if let Some(op) = inner.ops.scale_in_mut(id).filter(|op| !op.status.is_terminal()) {
-        op.error_message = Some(why);
-        crate::foundation::records::checked(op.apply(rollout_core::ScaleInEvent::Fail));
-    }
-    inner.ops.end(id);
 }
 
 /// The answer for a scale-out id nobody knows (or a text that cannot be one).

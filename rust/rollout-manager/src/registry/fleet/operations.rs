@@ -5,8 +5,9 @@
 //! lock without its record; [`Operations::end`] frees both, and only under the id that holds
 //! them.
 
-use crate::foundation::records::{RunningOp, ScaleInRecord, ScaleOutRecord};
-use rollout_core::ids::OpId;
+use crate::foundation::records::{checked, RunningOp, ScaleInRecord, ScaleOutRecord};
+use rollout_core::ids::{EngineId, OpId};
+use rollout_core::{ScaleInEvent, ScaleOutEvent};
 use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
 
@@ -84,6 +85,25 @@ impl Operations {
         if self.running.as_ref().is_some_and(|(r, _)| r.request_id == request_id) {
             self.running = None;
         }
+    }
+
+    /// Ends operation `request_id` FAILED with `why` if it has not ended (its task stopped
+    /// without ending it) and frees its lock: the engines it was adding or removing (the caller
+    /// takes back those not serving), or None when it had ended.
+    pub fn abandon(&mut self, request_id: &str, why: &str) -> Option<Vec<EngineId>> {
+        let engines = if let Some(op) = self.scale_outs.get_mut(request_id).filter(|op| !op.status.is_terminal()) {
+            op.error_message = Some(why.to_string());
+            checked(op.apply(ScaleOutEvent::Fail));
+            Some(op.engine_ids.clone())
+        } else if let Some(op) = self.scale_ins.get_mut(request_id).filter(|op| !op.status.is_terminal()) {
+            op.error_message = Some(why.to_string());
+            checked(op.apply(ScaleInEvent::Fail));
+            Some(op.engine_ids.clone())
+        } else {
+            None
+        };
+        self.end(request_id);
+        engines
     }
 
     pub fn scale_out(&self, request_id: &str) -> Option<&ScaleOutRecord> {
@@ -182,6 +202,20 @@ mod tests {
         assert!(ops.running().is_none() && ops.scale_out("n").is_some(), "a NOOP is recorded, takes no lock");
         ops.restore_scale_out(scale_out("r", ScaleOutStatus::Pending, 4.0));
         assert!(ops.running().is_none(), "a record read back after a restart takes no lock");
+    }
+
+    #[test]
+    fn an_abandoned_operation_ends_failed_and_frees_the_lock() {
+        let mut ops = Operations::default();
+        let mut record = scale_out("a", ScaleOutStatus::Pending, 1.0);
+        record.engine_ids = vec![EngineId::of_seq(1)];
+        ops.start_scale_out(record).unwrap();
+        assert_eq!(ops.abandon("a", "task died"), Some(vec![EngineId::of_seq(1)]));
+        let a = ops.scale_out("a").unwrap();
+        assert_eq!((a.status, a.error_message.as_deref()), (ScaleOutStatus::Failed, Some("task died")));
+        assert!(ops.running().is_none());
+        assert_eq!(ops.abandon("a", "again"), None, "an ended operation is left as it is");
+        assert_eq!(ops.scale_out("a").unwrap().error_message.as_deref(), Some("task died"));
     }
 
     #[test]
