@@ -1,4 +1,7 @@
-//! The fleet registry: every engine and every scale operation, behind one mutex.
+//! The fleet registry: every engine, scale operation, weight update and placement, behind one
+//! mutex, in four parts ([`Engines`], [`Operations`], [`WeightsState`], [`Placements`]) that
+//! each own their records: private fields, changed only through methods that keep the part's
+//! rules (see each module). A [`Fleet::update`] closure gets the parts, never a bare map.
 //!
 //! The mutex is a std `Mutex`: no `.await` ever happens while it is held, so it never blocks
 //! the runtime for long. Every update publishes a copy-on-write [`RoutingTable`] (what the data

@@ -354,7 +354,7 @@ impl WeightsState {
 
     /// After a manager restart: the update that was in flight, if any, is marked resumed
     /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
-    /// Whether it can really go on is checked next ([`check_resumable`]).
+    /// Whether it can really go on is checked next (`crate::ops::weight_update::check_resumable`).
     pub fn resume_after_restart(&mut self) -> Option<UpdateId> {
         let u = self.running_update_mut()?;
         if u.status.is_terminal() {
