@@ -225,7 +225,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<En
     // A member of a trainer update in flight stays until it ends: the trainer's broadcast
     // needs every member of its group.
     crate::ops::trainer_update::wait_not_members(manager, &victims, |update_id| {
-        tracing::info!(request_id = %request_id, update_id, "scale-in waits for the trainer update to finish");
+        tracing::info!(request_id = %request_id, update_id = %update_id, "scale-in waits for the trainer update to finish");
         manager.fleet.update(|inner| {
             if let Some(r) = inner.ops.scale_in_mut(request_id) {
                 r.message = format!(

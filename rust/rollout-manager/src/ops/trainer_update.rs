@@ -860,7 +860,7 @@ pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, Op
 /// Scale-in: waits while a trainer update runs whose group has any of `engines` (a member
 /// removed from the collective would hang the trainer's broadcast). `waiting` is called once
 /// with the update's id when it has to wait.
-pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: impl FnOnce(&str)) {
+pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: impl FnOnce(&UpdateId)) {
     let mut waiting = Some(waiting);
     let mut changes = manager.fleet.subscribe();
     loop {
