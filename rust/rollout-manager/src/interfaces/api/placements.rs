@@ -112,7 +112,6 @@ async fn bind(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     crate::ops::placements::ray_only(&s.manager)?;
-    let engine_id = placement_id(&engine_id)?;
     let req: BindRequest = super::parse_body(&body)?;
     let agent_url = crate::ops::scaling::validate_engine_url(&req.agent_url).map_err(|_| {
         ApiError::bad_request(
@@ -134,7 +133,7 @@ async fn bind(
         ));
     }
     let binding = AgentBinding { url: agent_url, node_id: req.node_id, gpu_ids: req.gpu_ids };
-    placement_json(&crate::ops::placements::bind(&s.manager, &engine_id, binding).await?)
+    placement_json(&crate::ops::placements::bind(&s.manager, &placement_id(&engine_id)?, binding).await?)
 }
 
 /// Body of `POST /rollout/placements/{engine_id}/lost`.
@@ -152,10 +151,10 @@ async fn lost(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     crate::ops::placements::ray_only(&s.manager)?;
-    let engine_id = placement_id(&engine_id)?;
     let req: LostRequest = super::parse_body(&body)?;
     let reason = if req.reason.trim().is_empty() { "reported by the Ray shim" } else { req.reason.trim() };
     let reason: String = reason.chars().take(500).collect();
+    let engine_id = placement_id(&engine_id)?;
     let (placement, unbound) = crate::ops::placements::lost(&s.manager, &engine_id, &req.agent_url, &reason)?;
     let mut answer = placement_json(&placement)?;
     if let Some(obj) = answer.0.as_object_mut() {

@@ -147,7 +147,8 @@ impl Engines {
 
     /// Puts back an engine read from the store after a restart, claiming the GPUs and port its
     /// record names when `claim` (local managed engines). Refuses, holding nothing, when they
-    /// are not free. An engine already under its id is replaced, and what it held returned.
+    /// are not free. An engine already under its id is forgotten first (what it held returned),
+    /// also when the claim is then refused.
     pub fn restore(
         &mut self,
         seq: u64,
@@ -533,9 +534,10 @@ impl Engine {
         self.process = None;
     }
 
-    /// Takes its process out (to stop it outside the registry lock); its pid is forgotten.
+    /// Takes its process out (to stop it outside the registry lock, before it is started again
+    /// in place). The record keeps the pid until the new process is recorded ([`Engine::started`]):
+    /// a manager that dies in between still finds the process, or its keeper, from the store.
     pub fn take_process(&mut self) -> Option<EngineProcess> {
-        self.record.pid = None;
         self.process.take()
     }
 

@@ -59,6 +59,8 @@ impl Operations {
         Ok(())
     }
 
+    /// While an operation holds the lock every new record is refused, a NOOP too (callers check
+    /// [`Operations::running`] first, so a refused NOOP is a bug they log).
     fn take_lock_if(&mut self, runs: bool, kind: &'static str, request_id: &OpId) -> Result<(), RunningOp> {
         if let Some((held, _)) = &self.running {
             return Err(held.clone());
