@@ -6,3 +6,4 @@
 
 pub mod fleet;
 pub mod store;
+pub mod weights;

@@ -17,7 +17,7 @@
 
 use crate::foundation::locks::Locked;
 use crate::foundation::records::{EngineRecord, ScaleInRecord, ScaleOutRecord};
-use crate::registry::fleet::WeightsState;
+use crate::registry::weights::WeightsState;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use rollout_core::ids::EngineId;
 use serde::{Deserialize, Serialize};

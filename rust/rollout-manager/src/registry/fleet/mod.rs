@@ -13,13 +13,12 @@ mod engines;
 mod load;
 mod operations;
 mod placements;
-mod weights;
 
+pub use crate::registry::weights::WeightsState;
 pub use engines::{Engine, Engines, Held, NewEngine, PoolError};
 pub use load::{EngineLoad, InFlightGuard};
 pub use operations::{Operations, KEEP_OPERATIONS};
 pub use placements::Placements;
-pub use weights::WeightsState;
 
 use crate::foundation::locks::{Locked, RwLocked};
 use crate::foundation::records::EngineRecord;

@@ -1,6 +1,7 @@
-//! The weights part of the registry: the fleet's current version and where it came from, the
-//! weight updates (the one in flight and their history) and the trainer's group. Persisted as
-//! one record in the store.
+//! The weights part of the registry (`FleetInner::weights`): the fleet's current version and
+//! where it came from, the weight updates (the one in flight and their history) and the
+//! trainer's group. Persisted as one record in the store, which is why it sits beside `fleet`
+//! and `store` rather than inside `fleet` (the store may not use the fleet).
 
 use crate::foundation::clock::unix_now;
 use crate::foundation::records::{
