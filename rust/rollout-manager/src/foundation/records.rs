@@ -419,37 +419,44 @@ impl std::fmt::Display for Trigger {
     }
 }
 
+/// An update record for tests: `version` published from `/ckpt/<version>`, staged at
+/// `/stage/<version>`, in `status`, made at `at`.
+#[cfg(test)]
+pub(crate) fn test_update(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
+    UpdateRecord {
+        update_id: UpdateId::parse(id).unwrap(),
+        version: version.into(),
+        path: format!("/ckpt/{version}"),
+        checksum: Some(format!("sum-{version}")),
+        expected_checksum: None,
+        total_bytes: 0,
+        hashed_bytes: HashProgress::default(),
+        engine_path: format!("/stage/{version}"),
+        previous_version: "default".into(),
+        strategy: UpdateStrategy::Rolling,
+        max_unavailable: None,
+        pause_mode: "abort".into(),
+        transport: "disk".into(),
+        status,
+        engines: BTreeMap::new(),
+        created_at: at,
+        updated_at: at,
+        finished_at: None,
+        error_message: None,
+        message: String::new(),
+        history: Vec::new(),
+        resumed: 0,
+        source: UpdateSource::Checkpoint,
+        trainer: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
-        UpdateRecord {
-            update_id: UpdateId::parse(id).unwrap(),
-            version: version.into(),
-            path: format!("/ckpt/{version}"),
-            checksum: Some(format!("sum-{version}")),
-            expected_checksum: None,
-            total_bytes: 0,
-            hashed_bytes: HashProgress::default(),
-            engine_path: format!("/stage/{version}"),
-            previous_version: "default".into(),
-            strategy: UpdateStrategy::Rolling,
-            max_unavailable: None,
-            pause_mode: "abort".into(),
-            transport: "disk".into(),
-            status,
-            engines: BTreeMap::new(),
-            created_at: at,
-            updated_at: at,
-            finished_at: None,
-            error_message: None,
-            message: String::new(),
-            history: Vec::new(),
-            resumed: 0,
-            source: UpdateSource::Checkpoint,
-            trainer: None,
-        }
+        test_update(id, version, at, status)
     }
 
     #[test]
