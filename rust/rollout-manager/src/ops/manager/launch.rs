@@ -225,20 +225,14 @@ impl Manager {
             (spec, Location::Agent { agent_url: binding.url })
         } else {
             let (model_path, weight_version, seed_args) = self.launch_weights(Node::Local, seed.as_ref()).await?;
-            let (port, gpu_ids, log_path, url) = {
-                let inner = self.fleet.lock();
-                let e = inner
-                    .engines
-                    .get(engine_id)
-                    .ok_or_else(|| EngineError::Left(format!("{engine_id} left the fleet while starting")))?;
-                let port = rollout_core::EngineAddr::port_of(&e.record().url).unwrap_or(0);
-                (
-                    port,
-                    e.record().gpu_ids.clone(),
-                    e.record().log_path.clone().unwrap_or_default(),
-                    e.record().url.clone(),
-                )
-            };
+            let facts = self
+                .fleet
+                .lock()
+                .engines
+                .get(engine_id)
+                .map(crate::registry::fleet::Engine::launch_facts)
+                .ok_or_else(|| EngineError::Left(format!("{engine_id} left the fleet while starting")))?;
+            let LaunchFacts { port, gpu_ids, log_path, url } = facts;
             let mut spec = self.launcher.spec(&self.config, &model_path, port, &gpu_ids, &weight_version, log_path);
             spec.args.extend(seed_args);
             let keeper_socket = if self.config.reattach_grace_secs > 0.0 {

@@ -18,7 +18,7 @@ use crate::adapters::weights::transport::Node;
 use crate::foundation::clock::unix_now;
 use crate::foundation::host::{EngineProcess, ExitInfo};
 use crate::foundation::records::EngineRecord;
-use crate::registry::fleet::{Fleet, Held};
+use crate::registry::fleet::{Fleet, Held, LaunchFacts};
 use rollout_core::ids::{EngineId, OpId};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
 use std::sync::Arc;

@@ -461,6 +461,16 @@ impl Engine {
         self.keeper_socket.as_ref()
     }
 
+    /// What starting its process on this machine needs ([`LaunchFacts`]).
+    pub fn launch_facts(&self) -> LaunchFacts {
+        LaunchFacts {
+            port: rollout_core::EngineAddr::port_of(&self.record.url).unwrap_or(0),
+            gpu_ids: self.record.gpu_ids.clone(),
+            log_path: self.record.log_path.clone().unwrap_or_default(),
+            url: self.record.url.clone(),
+        }
+    }
+
     /// Whether a restarted manager is about to start it again (see [`Engines::queue_restart`]).
     pub fn restart_queued(&self) -> bool {
         self.restart_queued
@@ -597,6 +607,17 @@ impl Engine {
     }
 }
 
+/// What starting a local engine's process needs to know of it, read in one step: the port it
+/// listens on, its GPUs, its log and its URL. Read when the process starts, not kept from its
+/// reservation: a restart moves the engine to a fresh port ([`Engines::move_port`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchFacts {
+    pub port: u16,
+    pub gpu_ids: Vec<u32>,
+    pub log_path: PathBuf,
+    pub url: String,
+}
+
 /// GPUs and a port of the local pool held by one engine (none for external engines and in Ray
 /// mode, where Ray and the agents own them).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -639,6 +660,7 @@ mod tests {
         engines.add(held, |new| {
             let mut r = record(&new.engine_id, "CREATING");
             r.gpu_ids = gpu_ids;
+            r.url = format!("http://127.0.0.1:{port}");
             r
         })
     }
@@ -660,6 +682,8 @@ mod tests {
         let mut e = engines(4, true);
         let a = add(&mut e, 3, 30000);
         assert_eq!(e.free_gpus(), 1);
+        let facts = e.get(&a).unwrap().launch_facts();
+        assert_eq!((facts.port, facts.gpu_ids.len()), (30000, 3), "the record's URL names its port");
         assert!(e.reserve_local(2, |_| Ok(30001)).is_err(), "not enough GPUs");
         assert_eq!(e.free_gpus(), 1, "a refused reservation holds nothing");
         let no_port = e.reserve_local(1, |_| Err(std::io::Error::other("none")));

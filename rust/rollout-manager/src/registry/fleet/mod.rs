@@ -15,7 +15,7 @@ mod operations;
 mod placements;
 
 pub use crate::registry::weights::WeightsState;
-pub use engines::{Engine, Engines, Held, NewEngine, PoolError};
+pub use engines::{Engine, Engines, Held, LaunchFacts, NewEngine, PoolError};
 pub use load::{EngineLoad, InFlightGuard};
 pub use operations::{Operations, KEEP_OPERATIONS};
 pub use placements::Placements;
