@@ -105,12 +105,7 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
             source: UpdateSource::Checkpoint,
             trainer: None,
         };
-        inner.weights.start(record.clone()).map_err(|running| {
-            OpError::conflict(
-                "update_in_progress",
-                format!("update {running} is in flight; wait for it to end (GET /rollout/weights/updates/{running})"),
-            )
-        })?;
+        inner.weights.start(record.clone()).map_err(|running| crate::ops::weight_update::in_flight(&running))?;
         Ok(Published::Started(Box::new(record)))
     })?;
     if let Published::Started(_) = published {

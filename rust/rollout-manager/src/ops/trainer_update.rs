@@ -130,7 +130,7 @@ pub fn open(manager: &Arc<Manager>, req: OpenRequest) -> Result<UpdateRecord, Op
         refuse_if_busy(inner, &req.version)?;
         let (group, old_group) = plan_group(inner, &req)?;
         let record = new_record(&update_id, &req, &group, inner.weights.current().version.clone());
-        inner.weights.start(record.clone()).map_err(|running| in_flight(&running))?;
+        inner.weights.start(record.clone()).map_err(|running| crate::ops::weight_update::in_flight(&running))?;
         inner.weights.set_group(Some(group));
         tracing::info!(update_id = %update_id, version = %req.version, "trainer update opened");
         Ok((record, old_group))
@@ -277,14 +277,6 @@ pub fn unknown_update(update_id: &str) -> OpError {
     OpError::unknown(
         "unknown_request",
         format!("no weight update with id {update_id}; list them with GET /rollout/weights/updates"),
-    )
-}
-
-/// The answer while another update is in flight (checked before, under the same lock).
-fn in_flight(running: &UpdateId) -> OpError {
-    OpError::conflict(
-        "update_in_progress",
-        format!("update {running} is in flight; wait for it to end (GET /rollout/weights/updates/{running})"),
     )
 }
 

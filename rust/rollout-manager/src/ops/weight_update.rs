@@ -575,6 +575,16 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &We
     }
 }
 
+/// The answer when a new update finds another in flight. Publish and trainer updates check for
+/// one first, with their own fuller answer, under the same lock; this is what
+/// `WeightsState::start` refusing would say.
+pub(crate) fn in_flight(running: &UpdateId) -> crate::ops::op_error::OpError {
+    crate::ops::op_error::OpError::conflict(
+        "update_in_progress",
+        format!("update {running} is in flight; wait for it to end (GET /rollout/weights/updates/{running})"),
+    )
+}
+
 /// Why the weight update in flight cannot go on after a manager restart (it then ends FAILED
 /// with this as its error).
 #[derive(Debug, thiserror::Error)]
