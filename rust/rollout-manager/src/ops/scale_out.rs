@@ -18,8 +18,7 @@ use crate::adapters::engine_api::EngineError;
 use crate::foundation::records::FailedEngine;
 use crate::ops::manager::Manager;
 use futures::stream::{FuturesUnordered, StreamExt};
-use rollout_core::ids::EngineId;
-use rollout_core::ids::OpId;
+use rollout_core::ids::{EngineId, OpId};
 use rollout_core::scale_out::{self as settle, End};
 use rollout_core::{
     EngineEvent, EngineOrigin, EngineStatus, PartialSuccessPolicy, Phase, ScaleOutEvent, ScaleOutStatus,

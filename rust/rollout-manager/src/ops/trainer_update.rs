@@ -35,9 +35,7 @@ use crate::foundation::records::{
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
-use rollout_core::ids::EngineId;
-use rollout_core::ids::UpdateId;
-use rollout_core::ids::VersionName;
+use rollout_core::ids::{EngineId, UpdateId, VersionName};
 use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
 use serde_json::json;

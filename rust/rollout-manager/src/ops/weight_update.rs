@@ -34,8 +34,7 @@
 use crate::adapters::engine_api::{DiskLoad, EngineError};
 use crate::foundation::records::EngineUpdate;
 use crate::ops::manager::Manager;
-use rollout_core::ids::EngineId;
-use rollout_core::ids::UpdateId;
+use rollout_core::ids::{EngineId, UpdateId};
 use rollout_core::weights::{
     next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
 };
