@@ -180,23 +180,18 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
 /// the checkpoint is read and staged; the disk transport loads it from `path` as it is).
 /// An update whose checkpoint is already hashed and staged (PENDING), running.
 fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, path: &str) -> UpdateId {
-    use crate::foundation::records::{EngineUpdate, Transition};
-    use rollout_core::weights::WeightUpdateStatus;
     let update_id = start_publish_record(m, version, std::path::Path::new(path), None);
     m.fleet.update(|inner| {
-        let engines = inner
-            .engines
-            .values()
-            .filter(|e| e.status().is_routable())
-            .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
-            .collect();
-        if let Some(u) = inner.weights.update_mut(&update_id) {
-            u.checksum = Some("0".repeat(64));
-            u.engine_path = path.into();
-            u.status = WeightUpdateStatus::Pending;
-            u.engines = engines;
-            u.history = vec![Transition { status: "PENDING".into(), at: 1.0 }];
-        }
+        let engines =
+            inner.engines.values().filter(|e| e.status().is_routable()).map(|e| e.record().engine_id.clone()).collect();
+        let staged = crate::registry::weights::Staged {
+            checksum: "0".repeat(64),
+            engine_path: path.into(),
+            total_bytes: 0,
+            files: 0,
+            engines,
+        };
+        assert!(inner.weights.checksummed(&update_id, staged));
     });
     m.tasks.spawn(crate::ops::weight_update::run(m.clone(), update_id.clone()));
     update_id
@@ -266,7 +261,7 @@ async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed()
     let checksum = write_checkpoint(&dir.0);
     // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
     let update = start_publish_record(&m, "v1", &dir.0, None);
-    m.fleet.update(|inner| inner.weights.update_mut(&update).map(|u| u.hashed_bytes.set(7)));
+    m.fleet.lock().weights.updates()[&update].hashed_bytes.set(7);
     crate::ops::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
     let inner = m.fleet.lock();
     let record = &inner.weights.updates()[&update];

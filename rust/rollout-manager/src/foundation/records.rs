@@ -135,6 +135,14 @@ impl ScaleOutRecord {
         }
         Ok(())
     }
+
+    /// Applies the operation's forward events until it has reached `phase` (see
+    /// [`ScaleOutStatus::events_to`]).
+    pub fn advance_to(&mut self, phase: rollout_core::Phase) {
+        for event in self.status.events_to(phase) {
+            checked(self.apply(event));
+        }
+    }
 }
 
 impl ScaleInRecord {

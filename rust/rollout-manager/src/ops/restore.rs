@@ -245,7 +245,7 @@ fn end_interrupted_ops(inner: &mut crate::registry::fleet::FleetInner, snapshot:
             };
             let (ending, event) = match plan::interrupted_scale_out(&op.engine_ids, is_active) {
                 plan::InterruptedScaleOut::Complete => {
-                    crate::ops::scale_out::advance_to(&mut op, Phase::Ready);
+                    op.advance_to(Phase::Ready);
                     op.message = format!("{} (completed after a manager restart)", op.message);
                     ("completed", ScaleOutEvent::Activated)
                 }

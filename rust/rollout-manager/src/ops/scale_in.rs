@@ -225,20 +225,13 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<En
     // needs every member of its group.
     crate::ops::trainer_update::wait_not_members(manager, &victims, |update_id| {
         tracing::info!(request_id = %request_id, update_id = %update_id, "scale-in waits for the trainer update to finish");
-        manager.fleet.update(|inner| {
-            if let Some(r) = inner.ops.scale_in_mut(request_id) {
-                r.message = format!(
-                    "drained; waiting for trainer update {update_id} to finish before removing its members (membership is frozen while it runs)"
-                );
-            }
-        });
+        let says = format!(
+            "drained; waiting for trainer update {update_id} to finish before removing its members (membership is frozen while it runs)"
+        );
+        manager.fleet.update(|inner| inner.ops.scale_in_says(request_id, says));
     })
     .await;
-    manager.fleet.update(|inner| {
-        if let Some(r) = inner.ops.scale_in_mut(request_id) {
-            crate::foundation::records::checked(r.apply(ScaleInEvent::Drained));
-        }
-    });
+    manager.fleet.update(|inner| inner.ops.scale_in_drained(request_id));
     // REMOVING: stop processes and release resources. Partial success: what was removed stays
     // removed; failures are reported.
     let results = futures::future::join_all(
@@ -246,15 +239,11 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<En
     )
     .await;
     manager.fleet.update(|inner| {
-        if let Some(r) = inner.ops.scale_in_mut(request_id) {
-            // Removal always ends with the process reaped (SIGKILL after the grace period).
-            for (id, exit) in &results {
-                tracing::info!(engine_id = %id, exit = ?exit, "engine removed");
-                r.removed_engines.push(id.clone());
-            }
-            crate::foundation::records::checked(r.apply(ScaleInEvent::Removed));
+        // Removal always ends with the process reaped (SIGKILL after the grace period).
+        for (id, exit) in &results {
+            tracing::info!(engine_id = %id, exit = ?exit, "engine removed");
         }
-        inner.ops.end(request_id);
+        inner.ops.conclude_scale_in(request_id, results.iter().map(|(id, _)| id.clone()));
         // Sanity: a victim must be gone now.
         for id in &victims {
             if let Some(e) = inner.engines.get(id) {

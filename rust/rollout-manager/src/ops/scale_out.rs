@@ -32,14 +32,6 @@ fn slowest(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) -> O
     racing.iter().filter_map(|id| inner.engines.get(id).and_then(|e| Phase::of_engine(e.status()))).min()
 }
 
-/// Applies the operation's forward events until it has reached `phase` (see
-/// [`ScaleOutStatus::events_to`]).
-pub(crate) fn advance_to(op: &mut crate::foundation::records::ScaleOutRecord, phase: Phase) {
-    for event in op.status.events_to(phase) {
-        crate::foundation::records::checked(op.apply(event));
-    }
-}
-
 /// Whether an engine still waits for its placement (Ray mode, PENDING_RESOURCES).
 fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) -> bool {
     racing.iter().any(|id| inner.engines.get(id).is_some_and(|e| e.status() == EngineStatus::Pending))
@@ -58,16 +50,11 @@ fn follow_slowest(manager: &Manager, request_id: &OpId, racing: &[EngineId], sta
     };
     if behind {
         manager.fleet.update(|inner| {
-            let pending = any_pending(inner, racing);
-            if let Some(op) = inner.ops.scale_out_mut(request_id).filter(|op| op.status == ScaleOutStatus::Pending) {
-                if !pending {
-                    crate::foundation::records::checked(op.apply(start));
-                }
+            if !any_pending(inner, racing) {
+                inner.ops.scale_out_started(request_id, start);
             }
             if let Some(target) = slowest(inner, racing) {
-                if let Some(op) = inner.ops.scale_out_mut(request_id) {
-                    advance_to(op, target);
-                }
+                inner.ops.scale_out_reached(request_id, target);
             }
         });
     }
@@ -132,7 +119,7 @@ pub async fn run(
     let event = settle::last_event(end, !keep.is_empty());
     if !concluded {
         let message = ending_message(end, event, timeout, ids.len(), &failed);
-        manager.fleet.update(|inner| conclude(inner, request_id, start, event, message, &failed));
+        manager.fleet.update(|inner| inner.ops.conclude_scale_out(request_id, start, event, message, &failed));
     }
     // The fleet needs its initial engines: those that failed are restarted like crashed ones.
     if initial && manager.config.restart_failed_engines && !matches!(end, End::ShuttingDown) {
@@ -154,17 +141,10 @@ fn begin(manager: &Manager, request_id: &OpId, ids: &[EngineId]) -> ScaleOutEven
         .any(|e| ids.contains(&e.record().engine_id) && e.record().origin == EngineOrigin::External);
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
-        let pending = any_pending(inner, ids);
-        if let Some(op) = inner.ops.scale_out_mut(request_id) {
-            if pending {
-                op.message = format!(
-                    "{}; waiting for resources (PENDING_RESOURCES): the Ray shim places each engine and binds its agent",
-                    op.message
-                );
-            } else if let Err(e) = op.apply(start) {
-                // Cancelled before it started.
-                tracing::info!(request_id = %request_id, error = %e, "scale-out not started");
-            }
+        if any_pending(inner, ids) {
+            inner.ops.scale_out_waits_for_resources(request_id);
+        } else if !inner.ops.scale_out_started(request_id, start) {
+            tracing::info!(request_id = %request_id, "scale-out not started: cancelled before it started");
         }
     });
     start
@@ -297,32 +277,6 @@ fn ending_message(
     }
 }
 
-/// Ends the operation with `event` and frees the one-operation lock.
-fn conclude(
-    inner: &mut crate::registry::fleet::FleetInner,
-    request_id: &OpId,
-    start: ScaleOutEvent,
-    event: ScaleOutEvent,
-    message: Option<String>,
-    failed: &[FailedEngine],
-) {
-    if let Some(op) = inner.ops.scale_out_mut(request_id) {
-        op.failed_engines = failed.to_vec();
-        op.error_message = message;
-        if op.status == ScaleOutStatus::Pending && event == ScaleOutEvent::Activated {
-            crate::foundation::records::checked(op.apply(start));
-        }
-        if event == ScaleOutEvent::Activated {
-            // Catch up to READY (the slowest engines may have been dropped), then ACTIVE.
-            advance_to(op, Phase::Ready);
-        }
-        if let Err(e) = op.apply(event) {
-            tracing::error!(%e, "scale_out");
-        }
-    }
-    inner.ops.end(request_id);
-}
-
 /// Initial engines stay listed as FAILED; dynamic and external ones are removed.
 async fn cleanup(manager: &Manager, engine_id: &EngineId, keep_listed: bool, reason: &str) {
     if keep_listed {
@@ -449,7 +403,7 @@ fn activate(
         // engines ACTIVE while the operation still holds the one-operation lock.
         let concluded = ready.len() == ids.len();
         if concluded {
-            conclude(inner, request_id, start, ScaleOutEvent::Activated, None, failed);
+            inner.ops.conclude_scale_out(request_id, start, ScaleOutEvent::Activated, None, failed);
         }
         Some((ready, concluded))
     })

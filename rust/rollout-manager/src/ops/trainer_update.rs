@@ -35,8 +35,9 @@ use crate::foundation::records::{
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
+use crate::registry::weights::TrainerStepRefused;
 use rollout_core::ids::{EngineId, UpdateId, VersionName};
-use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
+use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateStatus, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
 use serde_json::json;
 use std::sync::Arc;
@@ -278,6 +279,25 @@ pub fn unknown_update(update_id: &str) -> OpError {
     )
 }
 
+/// The API's answer to a trainer step the weights part refused.
+fn refused(update_id: &UpdateId, why: TrainerStepRefused) -> OpError {
+    match why {
+        TrainerStepRefused::Unknown => unknown_update(update_id),
+        TrainerStepRefused::NotATrainerUpdate => OpError::conflict(
+            "not_a_trainer_update",
+            format!("update {update_id} publishes a checkpoint; only a trainer update is broadcast or aborted by the trainer"),
+        ),
+        TrainerStepRefused::GroupNotReady => OpError::conflict(
+            "group_not_ready",
+            format!("the members of update {update_id} have not all joined the group yet; call again"),
+        ),
+        TrainerStepRefused::BroadcastStarted => OpError::conflict(
+            "broadcast_started",
+            format!("the broadcast of update {update_id} has started; it ends when every member has answered"),
+        ),
+    }
+}
+
 fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
     let u = inner.weights.updates().get(update_id).ok_or_else(|| unknown_update(update_id))?;
     if u.trainer.is_none() {
@@ -329,26 +349,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
             ),
         ));
     }
-    manager.fleet.update(|inner| {
-        let u = inner
-            .weights
-            .update_mut(update_id)
-            .ok_or_else(|| OpError::unknown("unknown_request", format!("update {update_id} vanished")))?;
-        let Some(t) = u.trainer.as_mut() else {
-            return Err(OpError::conflict("not_a_trainer_update", "not a trainer update"));
-        };
-        if !t.group_ready {
-            return Err(OpError::conflict(
-                "group_not_ready",
-                format!("the members of update {update_id} have not all joined the group yet; call again"),
-            ));
-        }
-        if t.broadcast_at.is_none() {
-            t.broadcast_at = Some(crate::foundation::clock::unix_now());
-            u.message = format!("the trainer broadcasts {}; the engines receive it", u.version);
-        }
-        Ok(())
-    })?;
+    manager.fleet.update(|inner| inner.weights.trainer_broadcasts(update_id)).map_err(|e| refused(update_id, e))?;
     // Answered once every member is paused and about to receive.
     let receiving =
         |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.receiving_at.is_some());
@@ -360,24 +361,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
 /// update has ended. 409 once the broadcast started (the update then ends when the members
 /// answer, each within `--weight-update-timeout-secs`).
 pub async fn abort(manager: &Arc<Manager>, update_id: &UpdateId, reason: &str) -> Result<UpdateRecord, OpError> {
-    manager.fleet.update(|inner| {
-        let u = inner.weights.update_mut(update_id).ok_or_else(|| unknown_update(update_id))?;
-        let status = u.status;
-        let Some(t) = u.trainer.as_mut() else {
-            return Err(OpError::conflict("not_a_trainer_update", "only a trainer update can be aborted"));
-        };
-        if status.is_terminal() {
-            return Ok(());
-        }
-        if t.broadcast_at.is_some() {
-            return Err(OpError::conflict(
-                "broadcast_started",
-                format!("the broadcast of update {update_id} has started; it ends when every member has answered"),
-            ));
-        }
-        t.aborted = Some(reason.to_string());
-        Ok(())
-    })?;
+    manager.fleet.update(|inner| inner.weights.trainer_aborts(update_id, reason)).map_err(|e| refused(update_id, e))?;
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
     wait_for(manager, update_id, limit, |u| u.status.is_terminal()).await
 }
@@ -465,19 +449,7 @@ async fn join_group(manager: &Manager, update_id: &UpdateId, group: &TrainerGrou
         end_before_broadcast(manager, update_id, &why, true);
         return false;
     }
-    manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.update_mut(update_id) {
-            if let Some(t) = u.trainer.as_mut() {
-                t.group_ready = true;
-            }
-            if !u.status.is_terminal() {
-                u.message = format!(
-                    "every member joined group {}: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast",
-                    group.group_name
-                );
-            }
-        }
-    });
+    manager.fleet.update(|inner| inner.weights.group_joined(update_id, &group.group_name));
     true
 }
 
@@ -521,18 +493,7 @@ async fn destroy(manager: &Manager, name: &str, members: &[GroupMember]) {
 fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forget_group: bool) {
     tracing::warn!(update_id = %update_id, error = why, "trainer update failed");
     manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.update_mut(update_id) {
-            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
-            u.message = "failed before the broadcast".into();
-            let pending: Vec<EngineId> = u.engines.keys().cloned().collect();
-            for id in pending {
-                u.engine(&id, EngineUpdateEvent::Skip, None);
-            }
-            if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
-                tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
-            }
-        }
-        inner.weights.stop_running(update_id);
+        inner.weights.fail_before_broadcast(update_id, why);
         if forget_group {
             inner.weights.set_group(None);
         }
@@ -552,11 +513,7 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &Trainer
     let prepared =
         futures::future::join_all(plan.iter().map(|(m, _)| watched(manager, &m.url, prepare(manager, m, &pause_mode))))
             .await;
-    manager.fleet.update(|inner| {
-        if let Some(t) = inner.weights.update_mut(update_id).and_then(|u| u.trainer.as_mut()) {
-            t.receiving_at = Some(crate::foundation::clock::unix_now());
-        }
-    });
+    manager.fleet.update(|inner| inner.weights.members_receiving(update_id));
     let part = &part;
     let results = futures::future::join_all(plan.iter().zip(prepared).map(|((m, _), ready)| async move {
         match ready {
@@ -596,15 +553,12 @@ async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &Trainer
     }
     if !failures.is_empty() {
         tracing::warn!(update_id = %update_id, failures = ?failures, "members failed their part; they are restarted on a copy of the new version");
-        manager.fleet.update(|inner| {
-            if let Some(u) = inner.weights.update_mut(update_id) {
-                u.message = format!(
-                    "the fleet serves {}; {} member(s) failed their part and are restarted on a copy of it",
-                    u.version,
-                    failures.len()
-                );
-            }
-        });
+        let says = format!(
+            "the fleet serves {}; {} member(s) failed their part and are restarted on a copy of it",
+            want.version,
+            failures.len()
+        );
+        manager.fleet.update(|inner| inner.weights.tell(update_id, |_| says));
         for id in restart {
             let m = manager.clone();
             if m.config.restart_failed_engines {
@@ -636,20 +590,17 @@ fn start_members(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup) 
             if routed {
                 crate::foundation::records::checked(inner.engines.event(&m.engine_id, EngineEvent::UpdateWeights));
             }
-            if let Some(u) = inner.weights.update_mut(update_id) {
-                if alive {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Start, None);
-                } else {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet before the broadcast".into()));
-                }
+            if alive {
+                inner.weights.engine_turn(update_id, &m.engine_id, EngineUpdateEvent::Start, None);
+            } else {
+                let why = Some("left the fleet before the broadcast".into());
+                inner.weights.engine_turn(update_id, &m.engine_id, EngineUpdateEvent::Skip, why);
             }
             if alive {
                 plan.push((m.clone(), routed));
             }
         }
-        if let Some(u) = inner.weights.update_mut(update_id) {
-            crate::foundation::records::checked(u.apply(WeightUpdateEvent::Start));
-        }
+        inner.weights.updating(update_id);
         plan
     })
 }
@@ -667,17 +618,18 @@ fn record_turns(
     let mut restart = Vec::new();
     manager.fleet.update(|inner| {
         for ((m, _), turn) in plan.iter().zip(turns) {
-            let Some(u) = inner.weights.update_mut(update_id) else { continue };
+            let w = &mut inner.weights;
             match turn {
                 Turn::Verified => {
                     verified += 1;
-                    u.engine(&m.engine_id, EngineUpdateEvent::Verified, None);
+                    w.engine_turn(update_id, &m.engine_id, EngineUpdateEvent::Verified, None);
                 }
                 Turn::Skipped => {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
+                    let why = Some("left the fleet during its turn".into());
+                    w.engine_turn(update_id, &m.engine_id, EngineUpdateEvent::Skip, why)
                 }
                 Turn::Failed(why) => {
-                    u.engine(&m.engine_id, EngineUpdateEvent::Fail, Some(why.clone()));
+                    w.engine_turn(update_id, &m.engine_id, EngineUpdateEvent::Fail, Some(why.clone()));
                     failures.push(format!("{}: {why}", m.engine_id));
                     restart.push(m.engine_id.clone());
                 }

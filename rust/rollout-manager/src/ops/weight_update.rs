@@ -32,15 +32,12 @@
 //! turn loads and verifies the target again.
 
 use crate::adapters::engine_api::{DiskLoad, EngineError};
-use crate::foundation::records::EngineUpdate;
 use crate::ops::manager::Manager;
+use crate::registry::weights::Staged;
 use rollout_core::ids::{EngineId, UpdateId};
-use rollout_core::weights::{
-    next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightUpdateEvent, WeightVersion,
-};
+use rollout_core::weights::{next_wave, wave_size, EngineUpdateEvent, EngineView, UpdateStrategy, WeightVersion};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use serde_json::json;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,12 +89,10 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = hashing.await;
             manager.fleet.update(|inner| {
-                if let Some(u) = inner.weights.update_mut(&update_id) {
-                    u.message = format!(
-                        "interrupted by the manager's shutdown while hashing {}; a manager restarted on the same --state-dir hashes it again",
-                        u.version
-                    );
-                }
+                inner.weights.tell(&update_id, |u| format!(
+                    "interrupted by the manager's shutdown while hashing {}; a manager restarted on the same --state-dir hashes it again",
+                    u.version
+                ));
             });
             return;
         }
@@ -127,30 +122,16 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
         }
     };
     let go = manager.fleet.update(|inner| {
-        let engines: BTreeMap<EngineId, EngineUpdate> = inner
-            .engines
-            .values()
-            .filter(|e| e.status().is_routable())
-            .map(|e| (e.record().engine_id.clone(), EngineUpdate::pending()))
-            .collect();
-        let Some(u) = inner.weights.update_mut(&update_id) else { return false };
-        if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
-            return false;
-        }
-        u.checksum = Some(checksum.clone());
-        u.engine_path = engine_path.clone();
-        u.total_bytes = ckpt.total_bytes;
-        u.hashed_bytes.set(ckpt.total_bytes);
-        u.engines = engines;
-        u.message = format!(
-            "publishing {} ({} files, {} bytes) to the fleet, {}",
-            u.version,
-            ckpt.files.len(),
-            ckpt.total_bytes,
-            u.strategy
-        );
-        crate::foundation::records::checked(u.apply(WeightUpdateEvent::Checksummed));
-        true
+        let engines =
+            inner.engines.values().filter(|e| e.status().is_routable()).map(|e| e.record().engine_id.clone()).collect();
+        let staged = Staged {
+            checksum: checksum.clone(),
+            engine_path: engine_path.clone(),
+            total_bytes: ckpt.total_bytes,
+            files: ckpt.files.len(),
+            engines,
+        };
+        inner.weights.checksummed(&update_id, staged)
     });
     if go {
         run(manager, update_id).await;
@@ -219,14 +200,7 @@ pub async fn resume(
 
 async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEngine>) {
     let plan = manager.fleet.update(|inner| {
-        let u = inner.weights.update_mut(&update_id)?;
-        if u.status.is_terminal() {
-            return None;
-        }
-        // A resumed update (after a manager restart) is already UPDATING.
-        if u.status == rollout_core::weights::WeightUpdateStatus::Pending {
-            crate::foundation::records::checked(u.apply(WeightUpdateEvent::Start));
-        }
+        let u = inner.weights.updating(&update_id)?;
         let want = WeightVersion {
             version: u.version.clone(),
             path: Some(u.path.clone()),
@@ -240,15 +214,15 @@ async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEng
     match outcome {
         Ok(()) => {}
         Err(Stop::Failed(why)) => fail(&manager, &update_id, &want, &why).await,
-        Err(Stop::Interrupted) => manager.fleet.update(|inner| {
-            if let Some(u) = inner.weights.update_mut(&update_id) {
-                u.message = format!(
+        Err(Stop::Interrupted) => {
+            tracing::info!(update_id = %update_id, version = %want.version, "weight update interrupted by the shutdown; left in flight");
+            manager.fleet.update(|inner| {
+                inner.weights.tell(&update_id, |u| format!(
                     "interrupted by the manager's shutdown while publishing {}; a manager restarted on the same --state-dir resumes it",
                     u.version
-                );
-                tracing::info!(update_id = %update_id, version = %u.version, "weight update interrupted by the shutdown; left in flight");
-            }
-        }),
+                ));
+            });
+        }
     }
 }
 
@@ -294,15 +268,16 @@ async fn converge(
         let mut failures = Vec::new();
         manager.fleet.update(|inner| {
             for ((id, _, _), result) in wave.iter().zip(&turns) {
-                let Some(u) = inner.weights.update_mut(update_id) else { continue };
+                let w = &mut inner.weights;
                 match result {
-                    Turn::Verified => u.engine(id, EngineUpdateEvent::Verified, None),
+                    Turn::Verified => w.engine_turn(update_id, id, EngineUpdateEvent::Verified, None),
                     Turn::Skipped => {
-                        u.engine(id, EngineUpdateEvent::Skip, Some("left the fleet during its turn".into()))
+                        let why = Some("left the fleet during its turn".into());
+                        w.engine_turn(update_id, id, EngineUpdateEvent::Skip, why)
                     }
                     Turn::Failed(_) if interrupted => {}
                     Turn::Failed(why) => {
-                        u.engine(id, EngineUpdateEvent::Fail, Some(why.clone()));
+                        w.engine_turn(update_id, id, EngineUpdateEvent::Fail, Some(why.clone()));
                         failures.push(format!("{id}: {why}"));
                     }
                 }
@@ -364,9 +339,7 @@ fn next_turns(
             if let Some(e) = inner.engines.get(&id) {
                 out.push((id.clone(), e.record().url.clone(), e.load().clone()));
             }
-            if let Some(u) = inner.weights.update_mut(update_id) {
-                u.engine(&id, EngineUpdateEvent::Start, None);
-            }
+            inner.weights.engine_turn(update_id, &id, EngineUpdateEvent::Start, None);
         }
         out
     })
@@ -507,13 +480,7 @@ fn retain_current(manager: &Manager) {
 pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &WeightVersion, why: &str) {
     tracing::warn!(update_id = %update_id, version = %want.version, error = why, "weight update failed");
     let restart: Vec<(EngineId, Option<crate::foundation::host::EngineProcess>)> = manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.update_mut(update_id) {
-            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
-            if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
-                tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
-            }
-        }
-        inner.weights.stop_running(update_id);
+        inner.weights.fail(update_id, why);
         let current = inner.weights.current().clone();
         // Engines whose turn in this update failed (the update's own record of them).
         let failed_turns: std::collections::HashSet<EngineId> = inner
@@ -634,11 +601,7 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
         .stage(&want, &[crate::adapters::weights::transport::Node::Local])
         .await
         .map_err(|e| CannotResume::Staging(e.to_string()))?;
-    manager.fleet.update(|inner| {
-        if let Some(u) = inner.weights.update_mut(&update_id) {
-            u.engine_path = staged;
-        }
-    });
+    manager.fleet.update(|inner| inner.weights.restaged_update(&update_id, staged));
     Ok(())
 }
 

@@ -9,7 +9,9 @@ use crate::foundation::records::{
     KEEP_UPDATES, RESUMED,
 };
 use rollout_core::ids::{EngineId, UpdateId};
-use rollout_core::weights::{EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
+use rollout_core::weights::{
+    EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -74,10 +76,132 @@ impl WeightsState {
         &self.updates
     }
 
-    /// One update, to move through its machine ([`UpdateRecord::apply`]) or record an
-    /// engine's progress.
-    pub fn update_mut(&mut self, update_id: &str) -> Option<&mut UpdateRecord> {
-        self.updates.get_mut(update_id)
+    /// Says where update `update_id` stands (its `message`), phrased by `say` from the record.
+    pub fn tell(&mut self, update_id: &str, say: impl FnOnce(&UpdateRecord) -> String) {
+        if let Some(u) = self.updates.get_mut(update_id) {
+            u.message = say(u);
+        }
+    }
+
+    /// Records one engine's step in update `update_id` (started, verified, failed with
+    /// `error`, skipped); a step the engine's machine refuses is ignored.
+    pub fn engine_turn(&mut self, update_id: &str, engine: &EngineId, event: EngineUpdateEvent, error: Option<String>) {
+        if let Some(u) = self.updates.get_mut(update_id) {
+            u.engine(engine, event, error);
+        }
+    }
+
+    /// A CHECKSUMMING publish's checkpoint is hashed and staged: the update records what it
+    /// loads and the engines it moves, and is PENDING. False, nothing changed, when it is not
+    /// CHECKSUMMING any more (it failed meanwhile).
+    pub fn checksummed(&mut self, update_id: &str, staged: Staged) -> bool {
+        let checksumming = WeightUpdateStatus::Checksumming;
+        let Some(u) = self.updates.get_mut(update_id).filter(|u| u.status == checksumming) else { return false };
+        u.message = format!(
+            "publishing {} ({} files, {} bytes) to the fleet, {}",
+            u.version, staged.files, staged.total_bytes, u.strategy
+        );
+        u.checksum = Some(staged.checksum);
+        u.engine_path = staged.engine_path;
+        u.total_bytes = staged.total_bytes;
+        u.hashed_bytes.set(staged.total_bytes);
+        u.engines = staged.engines.into_iter().map(|id| (id, EngineUpdate::pending())).collect();
+        checked(u.apply(WeightUpdateEvent::Checksummed));
+        true
+    }
+
+    /// Engines start moving to update `update_id`'s target: a PENDING update is UPDATING from
+    /// now (one resumed after a restart is already). None when it is unknown or has ended.
+    pub fn updating(&mut self, update_id: &str) -> Option<&UpdateRecord> {
+        let u = self.updates.get_mut(update_id).filter(|u| !u.status.is_terminal())?;
+        if u.status == WeightUpdateStatus::Pending {
+            checked(u.apply(WeightUpdateEvent::Start));
+        }
+        Some(u)
+    }
+
+    /// Ends update `update_id` FAILED with `why` (the fleet stays on the version it started
+    /// from), unless it ended already; it is no longer in flight.
+    pub fn fail(&mut self, update_id: &str, why: &str) {
+        if let Some(u) = self.updates.get_mut(update_id) {
+            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
+            if let Err(e) = u.apply(WeightUpdateEvent::Fail) {
+                tracing::info!(update_id = %update_id, error = %e, "the update had already ended");
+            }
+        }
+        self.stop_running(update_id);
+    }
+
+    /// Like [`WeightsState::fail`], for a trainer update that ends before its broadcast: no
+    /// engine took part, each is recorded skipped.
+    pub fn fail_before_broadcast(&mut self, update_id: &str, why: &str) {
+        if let Some(u) = self.updates.get_mut(update_id) {
+            u.message = "failed before the broadcast".into();
+            let members: Vec<EngineId> = u.engines.keys().cloned().collect();
+            for id in members {
+                u.engine(&id, EngineUpdateEvent::Skip, None);
+            }
+        }
+        self.fail(update_id, why);
+    }
+
+    /// Update `update_id`'s checkpoint was staged again (its copy was gone after a restart).
+    pub fn restaged_update(&mut self, update_id: &str, engine_path: String) {
+        if let Some(u) = self.updates.get_mut(update_id) {
+            u.engine_path = engine_path;
+        }
+    }
+
+    /// Every member of trainer update `update_id`'s new group joined it: the trainer may start
+    /// its broadcast.
+    pub fn group_joined(&mut self, update_id: &str, group_name: &str) {
+        let Some(u) = self.updates.get_mut(update_id) else { return };
+        if let Some(t) = u.trainer.as_mut() {
+            t.group_ready = true;
+        }
+        if !u.status.is_terminal() {
+            u.message = format!(
+                "every member joined group {group_name}: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast"
+            );
+        }
+    }
+
+    /// The trainer says it starts its broadcast (once: a second call changes nothing). Refused
+    /// while the group's members have not all joined.
+    pub fn trainer_broadcasts(&mut self, update_id: &str) -> Result<(), TrainerStepRefused> {
+        let u = self.updates.get_mut(update_id).ok_or(TrainerStepRefused::Unknown)?;
+        let t = u.trainer.as_mut().ok_or(TrainerStepRefused::NotATrainerUpdate)?;
+        if !t.group_ready {
+            return Err(TrainerStepRefused::GroupNotReady);
+        }
+        if t.broadcast_at.is_none() {
+            t.broadcast_at = Some(unix_now());
+            u.message = format!("the trainer broadcasts {}; the engines receive it", u.version);
+        }
+        Ok(())
+    }
+
+    /// The trainer gives up before its broadcast, for `reason` (the update's task ends it).
+    /// Nothing to do once the update ended; refused once the broadcast started.
+    pub fn trainer_aborts(&mut self, update_id: &str, reason: &str) -> Result<(), TrainerStepRefused> {
+        let u = self.updates.get_mut(update_id).ok_or(TrainerStepRefused::Unknown)?;
+        let ended = u.status.is_terminal();
+        let t = u.trainer.as_mut().ok_or(TrainerStepRefused::NotATrainerUpdate)?;
+        if ended {
+            return Ok(());
+        }
+        if t.broadcast_at.is_some() {
+            return Err(TrainerStepRefused::BroadcastStarted);
+        }
+        t.aborted = Some(reason.to_string());
+        Ok(())
+    }
+
+    /// Every member of trainer update `update_id` is paused and about to receive.
+    pub fn members_receiving(&mut self, update_id: &str) {
+        if let Some(t) = self.updates.get_mut(update_id).and_then(|u| u.trainer.as_mut()) {
+            t.receiving_at = Some(unix_now());
+        }
     }
 
     /// The publish order the next committed version gets.
@@ -187,7 +311,7 @@ impl WeightsState {
         self.running.as_ref().and_then(|id| self.updates.get(id))
     }
 
-    pub fn running_update_mut(&mut self) -> Option<&mut UpdateRecord> {
+    fn running_update_mut(&mut self) -> Option<&mut UpdateRecord> {
         let id = self.running.clone()?;
         self.updates.get_mut(&id)
     }
@@ -373,12 +497,37 @@ impl WeightsState {
     /// Ends the running update FAILED because it cannot go on after a restart; the fleet stays
     /// on its current version (engines are brought back to it as they are re-adopted).
     pub fn fail_running(&mut self, why: &str) {
-        if let Some(u) = self.running_update_mut() {
-            u.error_message = Some(format!("{why}; the fleet stays on {}", u.previous_version));
-            checked(u.apply(WeightUpdateEvent::Fail));
+        if let Some(id) = self.running.clone() {
+            self.fail(&id, why);
         }
         self.running = None;
     }
+}
+
+/// What staging a publish's checkpoint found ([`WeightsState::checksummed`]).
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// The checkpoint's checksum.
+    pub checksum: String,
+    /// Where engines load it from.
+    pub engine_path: String,
+    pub total_bytes: u64,
+    pub files: usize,
+    /// The engines the update moves (those routable now).
+    pub engines: Vec<EngineId>,
+}
+
+/// Why a trainer's step on its update was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainerStepRefused {
+    /// No such update.
+    Unknown,
+    /// The update loads a checkpoint; the trainer has no part in it.
+    NotATrainerUpdate,
+    /// The members of a new group have not all joined it yet.
+    GroupNotReady,
+    /// The broadcast has started: the update ends when every member has answered.
+    BroadcastStarted,
 }
 
 #[cfg(test)]
@@ -498,9 +647,9 @@ mod tests {
         assert!(!w.commit("u1", &v1), "PENDING does not commit");
         w.stop_running("u2");
         assert_eq!(w.running().as_deref(), Some("u1"), "only the update in flight stops itself");
-        w.update_mut("u1").unwrap().status = WeightUpdateStatus::Updating;
+        assert_eq!(w.updating("u1").map(|u| u.status), Some(WeightUpdateStatus::Updating));
         let engine = EngineId::of_seq(3);
-        w.update_mut("u1").unwrap().engines.insert(engine.clone(), EngineUpdate::pending());
+        w.updates.get_mut("u1").unwrap().engines.insert(engine.clone(), EngineUpdate::pending());
         let seq = w.next_seq();
         assert!(w.commit("u1", &v1));
         assert_eq!((w.current().version.as_str(), w.current().published_seq, w.next_seq()), ("v1", seq, seq + 1));
@@ -515,5 +664,101 @@ mod tests {
         w.restaged("v0", "/elsewhere".into());
         assert_eq!(w.current_engine_path().as_deref(), Some("/stage/v1"), "only the current version is restaged");
         assert_eq!((w.count_group_built(), w.count_group_built(), w.groups_built()), (1, 2, 2));
+    }
+
+    fn trainer_record(id: &str, version: &str) -> UpdateRecord {
+        use crate::foundation::records::{TrainerGroup, TrainerPart};
+        let mut u = record(id, version, 1.0, WeightUpdateStatus::Pending);
+        u.source = UpdateSource::Trainer;
+        let group = TrainerGroup {
+            group_name: "g1".into(),
+            master_address: "127.0.0.1".into(),
+            master_port: 1,
+            world_size: 2,
+            members: vec![],
+            new: true,
+        };
+        u.trainer = Some(TrainerPart {
+            group,
+            names: vec![],
+            dtypes: vec![],
+            shapes: vec![],
+            flush_cache: false,
+            group_ready: false,
+            broadcast_at: None,
+            receiving_at: None,
+            aborted: None,
+        });
+        u
+    }
+
+    #[test]
+    fn the_trainers_handshake_goes_forward_only() {
+        let mut w = WeightsState::new("v0");
+        w.start(trainer_record("t1", "v1")).unwrap();
+        assert_eq!(w.trainer_broadcasts("nope"), Err(TrainerStepRefused::Unknown));
+        assert_eq!(w.trainer_broadcasts("t1"), Err(TrainerStepRefused::GroupNotReady), "the group is not joined yet");
+        w.group_joined("t1", "g1");
+        assert!(w.updates()["t1"].message.contains("every member joined group g1"));
+        assert_eq!(w.trainer_broadcasts("t1"), Ok(()));
+        let at = w.updates()["t1"].trainer.as_ref().unwrap().broadcast_at;
+        assert!(at.is_some());
+        assert_eq!(w.trainer_broadcasts("t1"), Ok(()), "a second call is answered the same");
+        assert_eq!(w.updates()["t1"].trainer.as_ref().unwrap().broadcast_at, at, "and changes nothing");
+        assert_eq!(w.trainer_aborts("t1", "gave up"), Err(TrainerStepRefused::BroadcastStarted));
+        w.members_receiving("t1");
+        assert!(w.updates()["t1"].trainer.as_ref().unwrap().receiving_at.is_some());
+
+        let mut w = WeightsState::new("v0");
+        w.start(record("p1", "v1", 1.0, WeightUpdateStatus::Pending)).unwrap();
+        assert_eq!(w.trainer_broadcasts("p1"), Err(TrainerStepRefused::NotATrainerUpdate));
+        assert_eq!(w.trainer_aborts("p1", "x"), Err(TrainerStepRefused::NotATrainerUpdate));
+        let mut w = WeightsState::new("v0");
+        w.start(trainer_record("t2", "v2")).unwrap();
+        assert_eq!(w.trainer_aborts("t2", "could not join"), Ok(()));
+        assert_eq!(w.updates()["t2"].trainer.as_ref().unwrap().aborted.as_deref(), Some("could not join"));
+    }
+
+    #[test]
+    fn a_failed_update_names_the_version_the_fleet_stays_on_and_ends_once() {
+        let mut w = WeightsState::new("v0");
+        let mut t = trainer_record("t1", "v1");
+        t.previous_version = "v0".into();
+        t.engines.insert(EngineId::of_seq(1), EngineUpdate::pending());
+        w.start(t).unwrap();
+        w.fail_before_broadcast("t1", "members could not join");
+        let u = &w.updates()["t1"];
+        assert_eq!(u.status, WeightUpdateStatus::Failed);
+        assert_eq!(u.error_message.as_deref(), Some("members could not join; the fleet stays on v0"));
+        assert_eq!(u.engines[EngineId::of_seq(1).as_str()].status, EngineUpdateStatus::Skipped);
+        assert_eq!(w.running(), &None);
+        w.fail("t1", "again");
+        assert_eq!(w.updates()["t1"].status, WeightUpdateStatus::Failed, "an ended update stays ended");
+        assert_eq!(w.current().version, "v0");
+    }
+
+    #[test]
+    fn a_publish_is_checksummed_once_and_only_while_checksumming() {
+        let mut w = WeightsState::new("v0");
+        w.start(record("p1", "v1", 1.0, WeightUpdateStatus::Checksumming)).unwrap();
+        assert!(w.updating("p1").is_some_and(|u| u.status == WeightUpdateStatus::Checksumming), "not loadable yet");
+        let staged = Staged {
+            checksum: "abc".into(),
+            engine_path: "/stage/v1".into(),
+            total_bytes: 10,
+            files: 2,
+            engines: vec![EngineId::of_seq(1), EngineId::of_seq(2)],
+        };
+        assert!(w.checksummed("p1", staged.clone()));
+        let u = &w.updates()["p1"];
+        assert_eq!((u.status, u.checksum.as_deref(), u.total_bytes), (WeightUpdateStatus::Pending, Some("abc"), 10));
+        assert_eq!((u.hashed_bytes.get(), u.engines.len()), (10, 2));
+        assert!(!w.checksummed("p1", staged), "a PENDING update is not checksummed again");
+        assert_eq!(w.updating("p1").map(|u| u.status), Some(WeightUpdateStatus::Updating));
+        assert_eq!(w.updating("p1").map(|u| u.status), Some(WeightUpdateStatus::Updating), "UPDATING stays");
+        w.engine_turn("p1", &EngineId::of_seq(1), rollout_core::weights::EngineUpdateEvent::Start, None);
+        assert_eq!(w.updates()["p1"].engines[EngineId::of_seq(1).as_str()].status, EngineUpdateStatus::Updating);
+        w.fail("p1", "x");
+        assert!(w.updating("p1").is_none(), "an ended update does not start again");
     }
 }

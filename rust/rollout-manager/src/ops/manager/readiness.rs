@@ -143,8 +143,9 @@ impl Manager {
                     e.set_last_error(None);
                 }
                 if want == desired {
-                    if let Some(u) = inner.weights.running_update_mut() {
-                        u.engine(engine_id, rollout_core::weights::EngineUpdateEvent::Verified, None);
+                    if let Some(running) = inner.weights.running().clone() {
+                        let verified = rollout_core::weights::EngineUpdateEvent::Verified;
+                        inner.weights.engine_turn(&running, engine_id, verified, None);
                     }
                 }
                 for event in events {

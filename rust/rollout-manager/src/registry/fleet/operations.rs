@@ -5,9 +5,9 @@
 //! lock without its record; [`Operations::end`] frees both, and only under the id that holds
 //! them.
 
-use crate::foundation::records::{checked, RunningOp, ScaleInRecord, ScaleOutRecord};
+use crate::foundation::records::{checked, FailedEngine, RunningOp, ScaleInRecord, ScaleOutRecord};
 use rollout_core::ids::{EngineId, OpId};
-use rollout_core::{ScaleInEvent, ScaleOutEvent};
+use rollout_core::{Phase, ScaleInEvent, ScaleOutEvent, ScaleOutStatus};
 use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
 
@@ -112,16 +112,84 @@ impl Operations {
         self.scale_outs.get(request_id)
     }
 
-    pub fn scale_out_mut(&mut self, request_id: &str) -> Option<&mut ScaleOutRecord> {
-        self.scale_outs.get_mut(request_id)
+    /// A PENDING scale-out's engines are all placed: it starts (`start`: LAUNCHING, or
+    /// CONNECTING for external engines). False, nothing changed, when it is not PENDING (it was
+    /// cancelled before it started, or started already).
+    pub fn scale_out_started(&mut self, request_id: &str, start: ScaleOutEvent) -> bool {
+        let Some(op) = self.scale_outs.get_mut(request_id) else { return false };
+        op.status == ScaleOutStatus::Pending && op.apply(start).is_ok()
+    }
+
+    /// A scale-out follows its slowest engine forward to `phase` (never back).
+    pub fn scale_out_reached(&mut self, request_id: &str, phase: Phase) {
+        if let Some(op) = self.scale_outs.get_mut(request_id) {
+            op.advance_to(phase);
+        }
+    }
+
+    /// A PENDING scale-out says it waits for resources (Ray mode places each engine first).
+    pub fn scale_out_waits_for_resources(&mut self, request_id: &str) {
+        if let Some(op) = self.scale_outs.get_mut(request_id) {
+            op.message = format!(
+                "{}; waiting for resources (PENDING_RESOURCES): the Ray shim places each engine and binds its agent",
+                op.message
+            );
+        }
+    }
+
+    /// Ends scale-out `request_id` with `event` (ACTIVATED: caught up to READY first, the
+    /// slowest engines may have been dropped), recording the engines that failed and the
+    /// message, and frees the one-operation lock.
+    pub fn conclude_scale_out(
+        &mut self,
+        request_id: &str,
+        start: ScaleOutEvent,
+        event: ScaleOutEvent,
+        message: Option<String>,
+        failed: &[FailedEngine],
+    ) {
+        if let Some(op) = self.scale_outs.get_mut(request_id) {
+            op.failed_engines = failed.to_vec();
+            op.error_message = message;
+            if event == ScaleOutEvent::Activated {
+                if op.status == ScaleOutStatus::Pending {
+                    checked(op.apply(start));
+                }
+                op.advance_to(Phase::Ready);
+            }
+            if let Err(e) = op.apply(event) {
+                tracing::error!(%e, "scale_out");
+            }
+        }
+        self.end(request_id);
     }
 
     pub fn scale_in(&self, request_id: &str) -> Option<&ScaleInRecord> {
         self.scale_ins.get(request_id)
     }
 
-    pub fn scale_in_mut(&mut self, request_id: &str) -> Option<&mut ScaleInRecord> {
-        self.scale_ins.get_mut(request_id)
+    /// What a running scale-in waits for now.
+    pub fn scale_in_says(&mut self, request_id: &str, message: String) {
+        if let Some(op) = self.scale_ins.get_mut(request_id) {
+            op.message = message;
+        }
+    }
+
+    /// A scale-in's victims are drained (idle, or their requests aborted at the timeout).
+    pub fn scale_in_drained(&mut self, request_id: &str) {
+        if let Some(op) = self.scale_ins.get_mut(request_id) {
+            checked(op.apply(ScaleInEvent::Drained));
+        }
+    }
+
+    /// Ends scale-in `request_id` with its victims removed (each process reaped) and frees the
+    /// one-operation lock.
+    pub fn conclude_scale_in(&mut self, request_id: &str, removed: impl IntoIterator<Item = EngineId>) {
+        if let Some(op) = self.scale_ins.get_mut(request_id) {
+            op.removed_engines.extend(removed);
+            checked(op.apply(ScaleInEvent::Removed));
+        }
+        self.end(request_id);
     }
 
     /// Every scale-out, in id order.
@@ -163,7 +231,6 @@ impl Operations {
 mod tests {
     use super::*;
     use crate::foundation::records::Trigger;
-    use rollout_core::ScaleOutStatus;
 
     fn scale_out(id: &str, status: ScaleOutStatus, at: f64) -> ScaleOutRecord {
         ScaleOutRecord {
@@ -218,6 +285,35 @@ mod tests {
         assert!(ops.running().is_none());
         assert_eq!(ops.abandon("a", "again"), None, "an ended operation is left as it is");
         assert_eq!(ops.scale_out("a").unwrap().error_message.as_deref(), Some("task died"));
+    }
+
+    #[test]
+    fn a_scale_out_starts_only_from_pending_and_concludes_after_catching_up() {
+        let mut ops = Operations::default();
+        ops.start_scale_out(scale_out("a", ScaleOutStatus::Pending, 1.0)).unwrap();
+        ops.scale_out_waits_for_resources("a");
+        assert!(ops.scale_out("a").unwrap().message.contains("PENDING_RESOURCES"));
+        assert!(ops.scale_out_started("a", ScaleOutEvent::StartCreating));
+        assert!(!ops.scale_out_started("a", ScaleOutEvent::StartCreating), "started once");
+        ops.scale_out_reached("a", Phase::HealthChecking);
+        let status = ops.scale_out("a").unwrap().status;
+        ops.scale_out_reached("a", Phase::Launching);
+        assert_eq!(ops.scale_out("a").unwrap().status, status, "never back");
+        ops.conclude_scale_out("a", ScaleOutEvent::StartCreating, ScaleOutEvent::Activated, None, &[]);
+        let a = ops.scale_out("a").unwrap();
+        assert_eq!(a.status, ScaleOutStatus::Active);
+        assert!(a.history.iter().any(|t| t.status == ScaleOutStatus::Ready.to_string()), "{:?}", a.history);
+        assert!(ops.running().is_none(), "the lock is freed with the end");
+
+        // Every engine ready at once: a PENDING scale-out starts and ends in one step.
+        ops.start_scale_out(scale_out("b", ScaleOutStatus::Pending, 2.0)).unwrap();
+        ops.conclude_scale_out("b", ScaleOutEvent::StartCreating, ScaleOutEvent::Activated, None, &[]);
+        assert_eq!(ops.scale_out("b").unwrap().status, ScaleOutStatus::Active);
+        // A cancelled one does not start.
+        ops.start_scale_out(scale_out("c", ScaleOutStatus::Pending, 3.0)).unwrap();
+        ops.conclude_scale_out("c", ScaleOutEvent::StartCreating, ScaleOutEvent::Cancel, Some("cancelled".into()), &[]);
+        assert!(!ops.scale_out_started("c", ScaleOutEvent::StartCreating));
+        assert_eq!(ops.scale_out("c").unwrap().status, ScaleOutStatus::Cancelled);
     }
 
     #[test]
