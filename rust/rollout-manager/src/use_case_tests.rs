@@ -34,7 +34,7 @@ fn scale_in_request(n: i64) -> ScaleInRequest {
 }
 
 fn op_status(m: &crate::ops::manager::Manager, id: &str) -> Option<ScaleOutStatus> {
-    m.fleet.lock().ops.scale_out(id).map(|op| op.status)
+    m.fleet.lock().ops.scale_out(id).map(|op| op.status())
 }
 
 fn count(inner: &crate::registry::fleet::FleetInner, status: EngineStatus) -> usize {
@@ -47,7 +47,7 @@ async fn scale_out_brings_every_engine_to_active_and_into_routing() {
     let m = manager(&engines, 2, &[]);
     let accepted = scaling::scale_out(&m, scale_out_request(2)).expect("accepted");
     let id = accepted.request_id;
-    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 2);
@@ -56,7 +56,7 @@ async fn scale_out_brings_every_engine_to_active_and_into_routing() {
     assert_eq!(engines.running(), 2);
     // The operation went through every phase, in order.
     let history: Vec<String> =
-        m.fleet.lock().ops.scale_out(&id).unwrap().history.iter().map(|t| t.status.clone()).collect::<Vec<_>>();
+        m.fleet.lock().ops.scale_out(&id).unwrap().history().iter().map(|t| t.status.clone()).collect::<Vec<_>>();
     assert_eq!(history, ["PENDING", "CREATING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "READY", "ACTIVE"]);
 }
 
@@ -66,13 +66,13 @@ async fn a_failing_launch_rolls_back_the_whole_scale_out_by_default() {
     let m = manager(&engines, 2, &[]);
     engines.fail_launch("engine_1");
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Failed));
     {
         let inner = m.fleet.lock();
         let op = &inner.ops.scale_out(&id).unwrap();
-        assert_eq!(op.failed_engines.len(), 1, "{op:?}");
-        assert!(op.failed_engines[0].error.contains("refused"), "{op:?}");
+        assert_eq!(op.failed_engines().len(), 1, "{op:?}");
+        assert!(op.failed_engines()[0].error.contains("refused"), "{op:?}");
         // Nothing is left: no routable engine, every GPU and process given back.
         assert!(m.fleet.routes().backends.is_empty());
         assert_eq!(inner.engines.free_gpus(), 2);
@@ -87,12 +87,12 @@ async fn keep_partial_activates_the_engines_that_came_up() {
     let m = manager(&engines, 3, &["--scale-out-partial-success-policy=keep_partial"]);
     engines.fail_launch("engine_0");
     let id = scaling::scale_out(&m, scale_out_request(3)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out to end", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Active));
     let inner = m.fleet.lock();
     let op = &inner.ops.scale_out(&id).unwrap();
-    assert_eq!(op.failed_engines.iter().map(|f| f.engine_id.as_str()).collect::<Vec<_>>(), ["engine_0"]);
-    assert!(op.error_message.is_some(), "{op:?}");
+    assert_eq!(op.failed_engines().iter().map(|f| f.engine_id.as_str()).collect::<Vec<_>>(), ["engine_0"]);
+    assert!(op.error_message().is_some(), "{op:?}");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
     assert_eq!(inner.engines.free_gpus(), 1, "the failed engine's GPU is returned");
 }
@@ -104,7 +104,7 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
     // Engines that never answer their health check: the scale-out waits in HEALTH_CHECKING.
     wait_for(&m, "both engines launched", |i| {
-        let urls: Vec<String> = i.engines.values().map(|e| e.record().url.clone()).collect();
+        let urls: Vec<String> = i.engines.values().map(|e| e.record().url().clone()).collect();
         for url in &urls {
             engines.set_down(url, true);
         }
@@ -112,12 +112,12 @@ async fn cancel_during_the_health_check_rolls_everything_back() {
     })
     .await;
     wait_for(&m, "the health check", |i| {
-        i.ops.scale_out(&id).is_some_and(|op| op.status == ScaleOutStatus::HealthChecking)
+        i.ops.scale_out(&id).is_some_and(|op| op.status() == ScaleOutStatus::HealthChecking)
     })
     .await;
     let cancelled = scaling::cancel_scale_out(&m, &id).expect("cancellable");
-    assert!(!cancelled.status.is_terminal() || cancelled.status == ScaleOutStatus::Cancelled);
-    wait_for(&m, "the cancel", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    assert!(!cancelled.status().is_terminal() || cancelled.status() == ScaleOutStatus::Cancelled);
+    wait_for(&m, "the cancel", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     assert_eq!(op_status(&m, &id), Some(ScaleOutStatus::Cancelled));
     wait_for(&m, "every process stopped", |_| engines.running() == 0).await;
     let inner = m.fleet.lock();
@@ -131,14 +131,14 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &["--scale-in-drain-timeout=600"]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     // A request in flight on the engine scale-in removes first (the newest, engine_1).
     let load = m.fleet.lock().engines.get("engine_1").unwrap().load().clone();
     let request = load.enter(100);
     let answer = crate::ops::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
     let crate::ops::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
     let op = accepted.request_id;
-    wait_for(&m, "the drain", |i| i.ops.scale_in(&op).is_some_and(|r| r.status == ScaleInStatus::Draining)).await;
+    wait_for(&m, "the drain", |i| i.ops.scale_in(&op).is_some_and(|r| r.status() == ScaleInStatus::Draining)).await;
     {
         let inner = m.fleet.lock();
         assert_eq!(inner.engines.get("engine_1").unwrap().status(), EngineStatus::Draining);
@@ -146,10 +146,10 @@ async fn scale_in_waits_for_requests_in_flight_then_removes_the_engine() {
         assert_eq!(m.fleet.routes().backends.len(), 1);
     }
     drop(request);
-    wait_for(&m, "the scale-in to end", |i| i.ops.scale_in(&op).is_some_and(|r| r.status.is_terminal())).await;
+    wait_for(&m, "the scale-in to end", |i| i.ops.scale_in(&op).is_some_and(|r| r.status().is_terminal())).await;
     {
         let inner = m.fleet.lock();
-        assert_eq!(inner.ops.scale_in(&op).unwrap().status, ScaleInStatus::Completed);
+        assert_eq!(inner.ops.scale_in(&op).unwrap().status(), ScaleInStatus::Completed);
         let gone = inner.engines.get("engine_1").is_none_or(|e| e.status() == EngineStatus::Removed);
         assert!(gone, "engine_1 is removed");
         assert_eq!(inner.engines.free_gpus(), 1);
@@ -163,10 +163,10 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
     let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     engines.crash("engine_0");
     wait_for(&m, "the engine back after a restart", |i| {
-        i.engines.get("engine_0").unwrap().record().restarts == 1
+        i.engines.get("engine_0").unwrap().record().restarts() == 1
             && i.engines.get("engine_0").unwrap().status() == EngineStatus::Active
     })
     .await;
@@ -182,8 +182,12 @@ async fn a_crashed_engine_is_restarted_on_the_fleet_version() {
 fn start_rolling_update(m: &Arc<crate::ops::manager::Manager>, version: &str, path: &str) -> UpdateId {
     let update_id = start_publish_record(m, version, std::path::Path::new(path), None);
     m.fleet.update(|inner| {
-        let engines =
-            inner.engines.values().filter(|e| e.status().is_routable()).map(|e| e.record().engine_id.clone()).collect();
+        let engines = inner
+            .engines
+            .values()
+            .filter(|e| e.status().is_routable())
+            .map(|e| e.record().engine_id().clone())
+            .collect();
         let staged = crate::registry::weights::Staged {
             checksum: "0".repeat(64),
             engine_path: path.into(),
@@ -216,36 +220,20 @@ fn start_publish_record(
     dir: &std::path::Path,
     expected: Option<String>,
 ) -> UpdateId {
-    use crate::foundation::records::{Transition, UpdateRecord};
-    use rollout_core::weights::{UpdateStrategy, WeightUpdateStatus};
+    use crate::registry::weights::{NewUpdate, UpdateRecord};
+    use rollout_core::weights::UpdateStrategy;
     let update_id = UpdateId::parse(&format!("update-{version}")).unwrap();
     m.fleet.update(|inner| {
-        let record = UpdateRecord {
+        let new = NewUpdate {
             update_id: update_id.clone(),
             version: version.into(),
-            path: dir.display().to_string(),
-            checksum: None,
-            expected_checksum: expected,
-            total_bytes: 0,
-            hashed_bytes: crate::foundation::records::HashProgress::default(),
-            engine_path: String::new(),
             previous_version: inner.weights.current().version.clone(),
-            strategy: UpdateStrategy::Rolling,
-            max_unavailable: Some(1),
             pause_mode: "abort".into(),
-            transport: "disk".into(),
-            status: WeightUpdateStatus::Checksumming,
-            engines: std::collections::BTreeMap::new(),
-            created_at: 1.0,
-            updated_at: 1.0,
-            finished_at: None,
-            error_message: None,
             message: String::new(),
-            history: vec![Transition { status: "CHECKSUMMING".into(), at: 1.0 }],
-            resumed: 0,
-            source: crate::foundation::records::UpdateSource::Checkpoint,
-            trainer: None,
         };
+        let path = dir.display().to_string();
+        let record =
+            UpdateRecord::from_publish(new, path, expected, 0, UpdateStrategy::Rolling, Some(1), "disk".into());
         inner.weights.start(record).unwrap();
     });
     update_id
@@ -256,18 +244,18 @@ async fn an_update_interrupted_while_checksumming_is_hashed_again_when_resumed()
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
     let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
     // As a restarted manager finds it in its store: CHECKSUMMING, half hashed, nothing staged.
     let update = start_publish_record(&m, "v1", &dir.0, None);
-    m.fleet.lock().weights.updates()[&update].hashed_bytes.set(7);
+    m.fleet.lock().weights.updates()[&update].hashed_bytes().set(7);
     crate::ops::weight_update::resume(m.clone(), update.clone(), Vec::new(), Vec::new()).await;
     let inner = m.fleet.lock();
     let record = &inner.weights.updates()[&update];
-    assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
-    assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
-    assert_eq!(record.hashed_bytes.get(), record.total_bytes, "hashed again from the start");
+    assert_eq!(record.status().to_string(), "COMPLETED", "{record:?}");
+    assert_eq!(record.checksum().as_deref(), Some(checksum.as_str()));
+    assert_eq!(record.hashed_bytes().get(), record.total_bytes(), "hashed again from the start");
     assert_eq!(inner.weights.current().version, "v1");
 }
 
@@ -292,21 +280,21 @@ async fn a_publish_is_hashed_in_the_background_then_rolled_out() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let dir = TempDir::new();
     let checksum = write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some(checksum.clone()));
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     let inner = m.fleet.lock();
     let record = &inner.weights.updates()[&update];
-    assert_eq!(record.status.to_string(), "COMPLETED", "{record:?}");
-    assert_eq!(record.checksum.as_deref(), Some(checksum.as_str()));
+    assert_eq!(record.status().to_string(), "COMPLETED", "{record:?}");
+    assert_eq!(record.checksum().as_deref(), Some(checksum.as_str()));
     let size = |n: &str| std::fs::metadata(dir.0.join(n)).map(|m| m.len()).unwrap_or_default();
     let total = size("a.safetensors") + size("b.safetensors");
-    assert_eq!((record.hashed_bytes.get(), record.total_bytes), (total, total));
-    let statuses: Vec<&str> = record.history.iter().map(|t| t.status.as_str()).collect();
+    assert_eq!((record.hashed_bytes().get(), record.total_bytes()), (total, total));
+    let statuses: Vec<&str> = record.history().iter().map(|t| t.status.as_str()).collect();
     assert_eq!(statuses, ["CHECKSUMMING", "PENDING", "UPDATING", "COMPLETED"]);
-    assert_eq!(record.engines.len(), 2, "the engines serving when the checksum was known take part");
+    assert_eq!(record.engines().len(), 2, "the engines serving when the checksum was known take part");
     assert_eq!(inner.weights.current().checksum.as_deref(), Some(checksum.as_str()));
 }
 
@@ -315,24 +303,24 @@ async fn a_publish_whose_files_lack_the_given_checksum_fails_before_any_load() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let dir = TempDir::new();
     write_checkpoint(&dir.0);
     let update = start_publish(&m, "v1", &dir.0, Some("0".repeat(64)));
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     {
         let inner = m.fleet.lock();
         let record = &inner.weights.updates()[&update];
-        assert_eq!(record.status.to_string(), "FAILED");
-        let why = record.error_message.as_deref().unwrap_or_default();
+        assert_eq!(record.status().to_string(), "FAILED");
+        let why = record.error_message().as_deref().unwrap_or_default();
         assert!(why.contains("does not match") && why.contains("nothing was loaded"), "{why}");
         assert!(inner.weights.running().is_none() && inner.weights.current().version == "default");
     }
     // A checkpoint that vanished fails the same way.
     std::fs::remove_dir_all(&dir.0).expect("removed");
     let gone = start_publish(&m, "v2", &dir.0, None);
-    wait_for(&m, "the second update to end", |i| i.weights.updates()[&gone].status.is_terminal()).await;
-    let why = m.fleet.lock().weights.updates()[&gone].error_message.clone().unwrap_or_default();
+    wait_for(&m, "the second update to end", |i| i.weights.updates()[&gone].status().is_terminal()).await;
+    let why = m.fleet.lock().weights.updates()[&gone].error_message().clone().unwrap_or_default();
     assert!(why.contains("does not exist") && why.contains("nothing was loaded"), "{why}");
     assert!(
         engines.calls().iter().all(|c| !c.starts_with("load ")),
@@ -346,14 +334,14 @@ async fn a_rolling_update_commits_when_every_engine_serves_the_new_version() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     let inner = m.fleet.lock();
-    assert_eq!(inner.weights.updates()[&update].status.to_string(), "COMPLETED");
+    assert_eq!(inner.weights.updates()[&update].status().to_string(), "COMPLETED");
     assert_eq!(inner.weights.current().version, "v1");
     assert_eq!(count(&inner, EngineStatus::Active), 2);
-    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version().as_deref() == Some("v1")));
     assert_eq!(m.fleet.routes().version_order.last().map(String::as_str), Some("v1"));
     // One wave at a time (max_unavailable 1): the two loads never overlap in the log.
     let loads: Vec<String> = engines.calls().into_iter().filter(|c| c.starts_with("load ")).collect();
@@ -369,7 +357,7 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let (open, mut held) = engines.hold_model_info(2);
     let rejoining = crate::ops::health::Rejoining::default();
     let probing = {
@@ -378,12 +366,12 @@ async fn a_version_reading_from_before_an_update_does_not_undo_it() {
     };
     held.wait_for(|n| *n == 2).await.expect("both readings are held");
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     open.send_replace(true);
     probing.await.expect("the probe pass ends");
     let inner = m.fleet.lock();
     assert_eq!(inner.weights.current().version, "v1");
-    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("v1")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version().as_deref() == Some("v1")));
     assert_eq!(inner.weights.updates().len(), 1, "no update observed from the engines");
 }
 
@@ -394,11 +382,11 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     // Both engines are put back on the startup weights behind the manager's back.
-    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url.clone()).collect();
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url().clone()).collect();
     for url in urls {
         let load = crate::adapters::engine_api::DiskLoad {
             path: "/base".into(),
@@ -411,7 +399,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
     crate::ops::health::probe_all(&m, &crate::ops::health::Rejoining::default()).await;
     let inner = m.fleet.lock();
     // The registry says what the engines serve; the fleet's version stays.
-    assert!(inner.engines.values().all(|e| e.record().weight_version.as_deref() == Some("default")));
+    assert!(inner.engines.values().all(|e| e.record().weight_version().as_deref() == Some("default")));
     assert_eq!(inner.weights.current().version, "v1");
 }
 
@@ -420,22 +408,22 @@ async fn a_rolling_update_with_a_failing_engine_fails_and_the_fleet_stays_on_its
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 2, &[]);
     let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
-    let url = m.fleet.lock().engines.get("engine_1").unwrap().record().url.clone();
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
+    let url = m.fleet.lock().engines.get("engine_1").unwrap().record().url().clone();
     engines.refuse_loads(&url);
     let update = start_rolling_update(&m, "v1", "/ckpt/v1");
-    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status.is_terminal()).await;
+    wait_for(&m, "the update to end", |i| i.weights.updates()[&update].status().is_terminal()).await;
     {
         let inner = m.fleet.lock();
         let record = &inner.weights.updates()[&update];
-        assert_eq!(record.status.to_string(), "FAILED");
-        assert!(record.error_message.as_deref().is_some_and(|e| e.contains("refused")), "{record:?}");
+        assert_eq!(record.status().to_string(), "FAILED");
+        assert!(record.error_message().as_deref().is_some_and(|e| e.contains("refused")), "{record:?}");
         assert_eq!(inner.weights.current().version, "default", "the fleet version did not move");
     }
     // Every engine comes back on the fleet's version, the one that had moved to v1 included.
     wait_for(&m, "the fleet back on its version", |i| {
         count(i, EngineStatus::Active) == 2
-            && i.engines.values().all(|e| e.record().weight_version.as_deref() == Some("default"))
+            && i.engines.values().all(|e| e.record().weight_version().as_deref() == Some("default"))
     })
     .await;
     assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("default")));
@@ -446,7 +434,7 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     let engines = Arc::new(FakeEngines::default());
     let m = manager(&engines, 1, &[]);
     let id = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     // A probe of the first process hangs; meanwhile the process crashes and is restarted.
     let (open, waiting) = engines.hold_next_probe();
     let rejoining = crate::ops::health::Rejoining::default();
@@ -458,7 +446,7 @@ async fn a_probe_sent_before_a_restart_does_not_count_against_the_engine_that_ca
     engines.crash("engine_0");
     wait_for(&m, "the restart", |i| {
         let e = &i.engines.get("engine_0").unwrap();
-        e.record().restarts == 1 && e.status() == EngineStatus::Active
+        e.record().restarts() == 1 && e.status() == EngineStatus::Active
     })
     .await;
     // The hung probe now fails: it was about the old process, so it counts for nothing.
@@ -479,7 +467,7 @@ fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
     let id = one_life().block_on(async {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
         let id = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
-        wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+        wait_for(&m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
         id
     });
     let crashed = TempDir::new();
@@ -490,7 +478,7 @@ fn a_restarted_manager_restarts_the_engines_it_finds_dead() {
         let m = manager_on_store(&after, 2, &[], &crashed.0).await;
         wait_for(&m, "both engines ACTIVE again", |i| count(i, EngineStatus::Active) == 2).await;
         let inner = m.fleet.lock();
-        assert_eq!(inner.ops.scale_out(&id).unwrap().status, ScaleOutStatus::Active);
+        assert_eq!(inner.ops.scale_out(&id).unwrap().status(), ScaleOutStatus::Active);
         assert_eq!(inner.engines.free_gpus(), 0, "the restarted engines hold their GPUs again");
         let mut launched = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect::<Vec<_>>();
         launched.sort();
@@ -509,13 +497,13 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
     let second = one_life().block_on(async {
         let m = manager_on_store(&before, 2, &[], &dir.0).await;
         let first = scaling::scale_out(&m, scale_out_request(1)).expect("accepted").request_id;
-        wait_for(&m, "the first scale-out", |i| i.ops.scale_out(&first).is_some_and(|op| op.status.is_terminal()))
+        wait_for(&m, "the first scale-out", |i| i.ops.scale_out(&first).is_some_and(|op| op.status().is_terminal()))
             .await;
         let (open, held) = before.hold_next_probe();
         let waiting = held.notified();
         let second = scaling::scale_out(&m, scale_out_request(2)).expect("accepted").request_id;
         waiting.await;
-        assert_eq!(m.fleet.lock().ops.scale_out(&second).unwrap().status, ScaleOutStatus::HealthChecking);
+        assert_eq!(m.fleet.lock().ops.scale_out(&second).unwrap().status(), ScaleOutStatus::HealthChecking);
         crash_copy(&dir.0, &crashed.0);
         drop(open);
         second
@@ -527,8 +515,8 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
         wait_for(&m, "the kept engine ACTIVE again", |i| count(i, EngineStatus::Active) == 1).await;
         let inner = m.fleet.lock();
         let op = &inner.ops.scale_out(&second).unwrap();
-        assert_eq!(op.status, ScaleOutStatus::Failed);
-        assert!(op.error_message.as_deref().is_some_and(|e| e.contains("rolled back")), "{op:?}");
+        assert_eq!(op.status(), ScaleOutStatus::Failed);
+        assert!(op.error_message().as_deref().is_some_and(|e| e.contains("rolled back")), "{op:?}");
         assert!(!inner.engines.contains_key("engine_1"), "the interrupted engine is rolled back");
         assert_eq!(inner.engines.free_gpus(), 1, "its GPU is free again");
         let launched: Vec<String> = after.calls().into_iter().filter(|c| c.starts_with("launch")).collect();
@@ -550,18 +538,18 @@ fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> 
         group_name: None,
         group_prefix: "g".into(),
     };
-    crate::ops::trainer_update::open(m, req).expect("opened").update_id
+    crate::ops::trainer_update::open(m, req).expect("opened").update_id().clone()
 }
 
 async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
     let id = scaling::scale_out(m, scale_out_request(n)).expect("accepted").request_id;
-    wait_for(m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status.is_terminal())).await;
+    wait_for(m, "the scale-out", |i| i.ops.scale_out(&id).is_some_and(|op| op.status().is_terminal())).await;
     assert_eq!(op_status(m, &id), Some(ScaleOutStatus::Active));
 }
 
 async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &UpdateId) {
     crate::ops::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
-    wait_for(m, "the trainer update to end", |i| i.weights.updates()[id.as_str()].status.is_terminal()).await;
+    wait_for(m, "the trainer update to end", |i| i.weights.updates()[id.as_str()].status().is_terminal()).await;
 }
 
 fn copies(engines: &FakeEngines) -> Vec<String> {
@@ -578,7 +566,7 @@ async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seed
     {
         let inner = m.fleet.lock();
         let u = &inner.weights.updates()[&id];
-        assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+        assert_eq!(u.status(), rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
         assert_eq!(inner.weights.current().version, "step-1");
         assert_eq!(inner.weights.source(), crate::foundation::records::VersionSource::Trainer);
         assert!(inner.weights.group().as_ref().is_some_and(|g| g.members.len() == 2));
@@ -621,7 +609,7 @@ async fn an_engine_started_during_a_trainer_update_waits_then_copies_the_new_ver
     assert_eq!(m.fleet.routes().backends.len(), 2, "the waiting engine is not routable");
     assert!(copies(&engines).is_empty(), "nothing to copy step-2 from yet");
     finish_trainer_update(&m, &second).await;
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status().is_terminal())).await;
     assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
     assert_eq!(copies(&engines).len(), 1, "restarted in place on a copy of step-2");
     let table = m.fleet.routes();
@@ -652,11 +640,11 @@ async fn an_engine_ready_when_a_trainer_update_opens_catches_up_before_it_is_act
     {
         let inner = m.fleet.lock();
         let u = &inner.weights.updates()[&second];
-        assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
-        assert_eq!(u.engines.len(), 2, "the READY engine was not serving, so no member");
+        assert_eq!(u.status(), rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+        assert_eq!(u.engines().len(), 2, "the READY engine was not serving, so no member");
     }
     open.send_replace(true);
-    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status.is_terminal())).await;
+    wait_for(&m, "the scale-out", |i| i.ops.scale_out(&op).is_some_and(|o| o.status().is_terminal())).await;
     assert_eq!(op_status(&m, &op), Some(ScaleOutStatus::Active));
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 4);
@@ -671,7 +659,7 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     scale_to(&m, 2).await;
     let first = open_trainer_update(&m, "step-1");
     finish_trainer_update(&m, &first).await;
-    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url.clone()).collect();
+    let urls: Vec<String> = m.fleet.lock().engines.values().map(|e| e.record().url().clone()).collect();
     for url in &urls {
         engines.refuse_loads(url);
     }
@@ -679,12 +667,12 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     finish_trainer_update(&m, &second).await;
     let inner = m.fleet.lock();
     let u = &inner.weights.updates()[&second];
-    assert_eq!(u.status, rollout_core::weights::WeightUpdateStatus::Failed, "{u:?}");
+    assert_eq!(u.status(), rollout_core::weights::WeightUpdateStatus::Failed, "{u:?}");
     assert_eq!(inner.weights.current().version, "step-1");
     // Not restarted: the only copies of step-1 are in these engines.
     for e in inner.engines.values() {
-        assert_eq!((e.status(), e.record().restarts), (EngineStatus::Active, 0), "{:?}", e.record());
-        assert_eq!(e.record().weight_version.as_deref(), Some("step-1"));
+        assert_eq!((e.status(), e.record().restarts()), (EngineStatus::Active, 0), "{:?}", e.record());
+        assert_eq!(e.record().weight_version().as_deref(), Some("step-1"));
     }
     assert_eq!(m.fleet.routes().backends.len(), 2);
 }

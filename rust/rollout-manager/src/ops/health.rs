@@ -65,7 +65,7 @@ enum Verdict {
 
 /// The start of `e` a probe is sent to (see [`Incarnation`]).
 fn incarnation(e: &crate::registry::fleet::Engine) -> Incarnation {
-    Incarnation { url: e.record().url.clone(), pid: e.record().pid, restarts: e.record().restarts }
+    Incarnation { url: e.record().url().clone(), pid: e.record().pid(), restarts: e.record().restarts() }
 }
 
 pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
@@ -76,8 +76,8 @@ pub(crate) async fn probe_all(manager: &Arc<Manager>, rejoining: &Rejoining) {
         .engines
         .values()
         .filter(|e| matches!(e.status(), EngineStatus::Active | EngineStatus::Unhealthy))
-        .filter(|e| !busy.contains(&e.record().engine_id))
-        .map(|e| (e.record().engine_id.clone(), incarnation(e)))
+        .filter(|e| !busy.contains(e.record().engine_id()))
+        .map(|e| (e.record().engine_id().clone(), incarnation(e)))
         .collect();
     let results = probe(manager, &targets).await;
     let verdicts = judge(manager, results);
@@ -175,7 +175,7 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(EngineId, Verdict)
             tracing::debug!(engine_id = %id, "health probe failed while the engine is paused; not counted");
             continue;
         };
-        let managed = engine.record().origin != EngineOrigin::External;
+        let managed = engine.record().origin() != EngineOrigin::External;
         let failures = engine.count_probe(passed);
         let verdict = match core_verdict(engine.status(), passed, failures, managed, policy) {
             Some(CoreVerdict::TakeOut) => Verdict::TakeOut(failures, failure.unwrap_or_default()),
@@ -251,7 +251,7 @@ fn hold_beyond_the_bound(
     // ones whose restart budget is spent: they would hold the bound for good).
     let failed_out = |e: &crate::registry::fleet::Engine| match e.status() {
         EngineStatus::Unhealthy => true,
-        EngineStatus::Failed => e.record().log_tail.is_none(),
+        EngineStatus::Failed => e.record().log_tail().is_none(),
         _ => e.restarting(),
     };
     let (serving, out) = inner.engines.values().fold((0, 0), |(n, out), e| {
@@ -306,7 +306,7 @@ async fn rejoin(manager: &Arc<Manager>, id: &EngineId) {
             );
             // Said once: its probes keep passing, so this runs every round.
             let known =
-                manager.fleet.lock().engines.get(id).is_some_and(|en| en.record().last_error == Some(why.clone()));
+                manager.fleet.lock().engines.get(id).is_some_and(|en| *en.record().last_error() == Some(why.clone()));
             if !known {
                 tracing::warn!(engine_id = %id, version, "external engine missed a trainer version; stays out of routing");
                 manager.fleet.update(|inner| {
@@ -347,7 +347,7 @@ async fn missed_trainer_version(manager: &Arc<Manager>, id: &EngineId) -> Option
         if path.is_some() || !inner.weights.desired_from_trainer() {
             return None;
         }
-        (want, engine.record().origin != EngineOrigin::External)
+        (want, engine.record().origin() != EngineOrigin::External)
     };
     let (found, checksum) = manager.served_weights(id).await.ok()?;
     (!want.served_by(found.as_deref(), checksum.as_deref())).then_some((want.version, managed))
@@ -447,7 +447,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             inner
                 .engines
                 .get(&r.engine_id)
-                .is_some_and(|e| r.fresh(e).is_some_and(|(version, _)| e.record().weight_version != *version))
+                .is_some_and(|e| r.fresh(e).is_some_and(|(version, _)| *e.record().weight_version() != *version))
         })
     };
     if !changed {
@@ -457,10 +457,10 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
         for r in reported {
             let Some(e) = inner.engines.get_mut(&r.engine_id) else { continue };
             let Some((version, checksum)) = r.fresh(e).cloned() else { continue };
-            if e.record().weight_version == version {
+            if *e.record().weight_version() == version {
                 continue;
             }
-            tracing::warn!(engine_id = %r.engine_id, recorded = ?e.record().weight_version, reports = ?version,
+            tracing::warn!(engine_id = %r.engine_id, recorded = ?e.record().weight_version(), reports = ?version,
                 "engine reports another weight version than recorded (loaded without the manager); the registry follows it");
             e.set_weights(version, checksum);
         }
@@ -473,7 +473,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
         let mut active: Vec<&crate::registry::fleet::Engine> =
             inner.engines.values().filter(|e| e.status() == EngineStatus::Active).collect();
         active.sort_by_key(|e| e.seq());
-        let serving: Vec<Option<&str>> = active.iter().map(|e| e.record().weight_version.as_deref()).collect();
+        let serving: Vec<Option<&str>> = active.iter().map(|e| e.record().weight_version().as_deref()).collect();
         let known = inner.weights.seen_versions();
         let known: Vec<&str> = known.iter().map(String::as_str).collect();
         let Some(found) = rollout_core::catchup::observed_version(&inner.weights.current().version, &known, &serving)
@@ -481,7 +481,7 @@ fn observe_versions(manager: &Manager, reported: &[Reported], weights_seq: u64) 
             return;
         };
         let found = found.to_string();
-        let ids: Vec<EngineId> = active.iter().map(|e| e.record().engine_id.clone()).collect();
+        let ids: Vec<EngineId> = active.iter().map(|e| e.record().engine_id().clone()).collect();
         inner.weights.observe_trainer_version(&found, &ids);
     });
 }

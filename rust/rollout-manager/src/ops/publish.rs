@@ -13,14 +13,12 @@
 //! `version_conflict` (conflict).
 
 use crate::adapters::weights::checkpoint;
-use crate::foundation::clock::unix_now;
-use crate::foundation::records::{Transition, UpdateRecord, UpdateSource};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::registry::fleet::WeightsState;
+use crate::registry::weights::UpdateRecord;
 use rollout_core::ids::{UpdateId, VersionName};
 use rollout_core::weights::{check_publish, PublishCheck, UpdateStrategy, WeightUpdateStatus};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// A publish, its fields checked by the caller.
@@ -71,27 +69,11 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
             }
             Decision::New => {}
         }
-        let now = unix_now();
-        let record = UpdateRecord {
+        let new = crate::registry::weights::NewUpdate {
             update_id: update_id.clone(),
             version: req.version.to_string(),
-            path: req.path.clone(),
-            checksum: None,
-            expected_checksum: req.checksum.clone(),
-            total_bytes: ckpt.total_bytes,
-            hashed_bytes: crate::foundation::records::HashProgress::default(),
-            engine_path: String::new(),
             previous_version: inner.weights.current().version.clone(),
-            strategy: req.strategy,
-            max_unavailable: req.max_unavailable,
             pause_mode: req.pause_mode.clone(),
-            transport,
-            status: WeightUpdateStatus::Checksumming,
-            engines: BTreeMap::new(),
-            created_at: now,
-            updated_at: now,
-            finished_at: None,
-            error_message: None,
             message: format!(
                 "checking {} ({} files, {} bytes, {} tensors) before publishing it, {}",
                 req.version,
@@ -100,11 +82,17 @@ pub async fn publish(manager: &Arc<Manager>, req: Publish) -> Result<Published, 
                 ckpt.num_tensors,
                 req.strategy
             ),
-            history: vec![Transition { status: WeightUpdateStatus::Checksumming.to_string(), at: now }],
-            resumed: 0,
-            source: UpdateSource::Checkpoint,
-            trainer: None,
         };
+        let (path, expected) = (req.path.clone(), req.checksum.clone());
+        let record = UpdateRecord::from_publish(
+            new,
+            path,
+            expected,
+            ckpt.total_bytes,
+            req.strategy,
+            req.max_unavailable,
+            transport,
+        );
         inner.weights.start(record.clone()).map_err(|running| crate::ops::weight_update::in_flight(&running))?;
         Ok(Published::Started(Box::new(record)))
     })?;
@@ -127,15 +115,15 @@ enum Decision {
 
 /// `given`: the checksum the publish asked for. Err: 409.
 fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> Result<Decision, OpError> {
-    if let Some(u) = w.running_update().filter(|u| u.version == version && u.path == path) {
-        let known = u.checksum.as_deref().or(u.expected_checksum.as_deref());
+    if let Some(u) = w.running_update().filter(|u| u.version() == version && u.path() == path) {
+        let known = u.checksum().as_deref().or(u.expected_checksum().as_deref());
         if let (Some(_), None) = (given, known) {
             // Joining would mean failing the running update if the files lack this checksum.
             return Err(OpError::conflict(
                 "update_in_progress",
                 format!(
                     "update {} is still hashing {version} from {path}, published without a checksum; publish again once it is PENDING (GET /rollout/weights/updates/{}) to compare checksums",
-                    u.update_id, u.update_id
+                    u.update_id(), u.update_id()
                 ),
             ));
         }
@@ -145,23 +133,23 @@ fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> R
                     "version_conflict",
                     format!(
                         "update {} publishes {version} from {path} with checksum {k}; this publish expects {g}: publish other bytes under a new version name",
-                        u.update_id
+                        u.update_id()
                     ),
                 ));
             }
         }
-        return Ok(Decision::Join(u.update_id.clone()));
+        return Ok(Decision::Join(u.update_id().clone()));
     }
     match check_publish(&w.known_versions(), version, path, given) {
         PublishCheck::Same => {
             let existing = w
                 .updates()
                 .values()
-                .filter(|u| u.version == version && u.status != WeightUpdateStatus::Failed)
-                .max_by(|a, b| a.created_at.total_cmp(&b.created_at));
+                .filter(|u| u.version() == version && u.status() != WeightUpdateStatus::Failed)
+                .max_by(|a, b| a.created_at().total_cmp(&b.created_at()));
             let (update_id, status, checksum) = existing.map_or_else(
                 || (None, "COMPLETED".to_string(), w.current().checksum.clone()),
-                |u| (Some(u.update_id.clone()), u.status.to_string(), u.checksum.clone()),
+                |u| (Some(u.update_id().clone()), u.status().to_string(), u.checksum().clone()),
             );
             Ok(Decision::Existing(Published::Existing { update_id, status, version: version.to_string(), checksum }))
         }
@@ -171,7 +159,7 @@ fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> R
                 "update_in_progress",
                 format!(
                     "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then publish again",
-                    u.update_id, u.version, u.status, u.update_id
+                    u.update_id(), u.version(), u.status(), u.update_id()
                 ),
             )),
             None => Ok(Decision::New),

@@ -38,7 +38,7 @@ use crate::registry::store::Snapshot;
 use rollout_core::ids::{EngineId, UpdateId};
 use rollout_core::restore::{self as plan, MidTurn};
 use rollout_core::weights::EngineUpdateStatus;
-use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Phase, ScaleOutEvent};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,7 +80,7 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
     // Re-attach to live keepers first, so nothing adoptable gets killed below.
     let mut adopted = Vec::new();
     for stored in &snapshot.engines {
-        let id = &stored.record.engine_id;
+        let id = stored.record.engine_id();
         let at = if manager.ray() {
             let agent = snapshot.placements.iter().find(|p| &p.engine_id == id).and_then(|p| p.agent.as_ref());
             agent.map(|a| Location::Agent { agent_url: a.url.clone() })
@@ -88,13 +88,13 @@ pub async fn restore(manager: &Arc<Manager>, snapshot: Snapshot) {
             stored
                 .keeper_socket
                 .as_ref()
-                .map(|socket| Location::Local { url: stored.record.url.clone(), keeper_socket: Some(socket.clone()) })
+                .map(|socket| Location::Local { url: stored.record.url().clone(), keeper_socket: Some(socket.clone()) })
         };
         let Some(at) = at else { continue };
-        if stored.record.pid.is_none() {
+        if stored.record.pid().is_none() {
             continue;
         }
-        if let Some(process) = manager.host().status(id, &at, stored.record.pid, stored.pid_start_ticks).await {
+        if let Some(process) = manager.host().status(id, &at, stored.record.pid(), stored.pid_start_ticks).await {
             adopted.push((id.clone(), process));
         }
     }
@@ -175,11 +175,11 @@ fn rebuild(
         let mut rebuilt = Rebuilt { keep: Vec::new(), drop_live: Vec::new(), resumed, mid_turn };
         let mut stale = Vec::new();
         for stored in snapshot.engines {
-            let id = stored.record.engine_id.clone();
+            let id = stored.record.engine_id().clone();
             let live = adopted.iter().find(|(a, _)| a == &id).map(|(_, p)| p.clone());
-            if live.is_none() && stored.record.origin != EngineOrigin::External && !ray {
+            if live.is_none() && stored.record.origin() != EngineOrigin::External && !ray {
                 // Not adoptable: a process still running under the recorded identity is ours.
-                if let (Some(pid), Some(ticks)) = (stored.record.pid, stored.pid_start_ticks) {
+                if let (Some(pid), Some(ticks)) = (stored.record.pid(), stored.pid_start_ticks) {
                     stale.push((id.clone(), pid, ticks));
                 }
             }
@@ -217,10 +217,12 @@ fn restore_weights(
                 .engines
                 .iter()
                 .filter(|e| {
-                    e.record.status == EngineStatus::WeightSyncing
-                        && u.engines.get(&e.record.engine_id).is_some_and(|p| p.status == EngineUpdateStatus::Updating)
+                    e.record.status() == EngineStatus::WeightSyncing
+                        && u.engines()
+                            .get(e.record.engine_id())
+                            .is_some_and(|p| p.status() == EngineUpdateStatus::Updating)
                 })
-                .map(|e| e.record.engine_id.clone()),
+                .map(|e| e.record.engine_id().clone()),
         );
     }
     (resumed, mid_turn)
@@ -238,48 +240,40 @@ struct OpEnds {
 /// Ends the operations that were in flight (see the module docs) and puts every operation back.
 fn end_interrupted_ops(inner: &mut crate::registry::fleet::FleetInner, snapshot: &Snapshot) -> OpEnds {
     let mut ends = OpEnds::default();
-    for mut op in snapshot.scale_outs.clone() {
-        if !op.status.is_terminal() {
-            let is_active = |id: &str| {
-                snapshot.engines.iter().any(|e| e.record.engine_id == id && e.record.status == EngineStatus::Active)
-            };
-            let (ending, event) = match plan::interrupted_scale_out(&op.engine_ids, is_active) {
-                plan::InterruptedScaleOut::Complete => {
-                    op.advance_to(Phase::Ready);
-                    op.message = format!("{} (completed after a manager restart)", op.message);
-                    ("completed", ScaleOutEvent::Activated)
-                }
-                plan::InterruptedScaleOut::Fail { kept, rolled_back: pending } => {
-                    let kept = if kept.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; the engines it had activated were kept: {}", kept.join(", "))
-                    };
-                    op.error_message = Some(format!(
-                        "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
-                    ));
-                    ends.rolled_back.extend(pending);
-                    ("failed", ScaleOutEvent::Fail)
-                }
-            };
-            if let Err(e) = op.apply(event) {
-                // A PENDING operation (still waiting for its placements) cannot complete.
-                tracing::warn!(request_id = %op.request_id, error = %e, ending, "interrupted scale-out");
-                crate::foundation::records::checked(op.apply(ScaleOutEvent::Fail));
+    for op in snapshot.scale_outs.clone() {
+        let id = op.request_id().clone();
+        let is_active = |id: &str| {
+            snapshot.engines.iter().any(|e| e.record.engine_id() == id && e.record.status() == EngineStatus::Active)
+        };
+        let interrupted = (!op.status().is_terminal()).then(|| plan::interrupted_scale_out(op.engine_ids(), is_active));
+        inner.ops.restore_scale_out(op);
+        match interrupted {
+            None => {}
+            Some(plan::InterruptedScaleOut::Complete) => inner.ops.complete_scale_out_after_restart(&id),
+            Some(plan::InterruptedScaleOut::Fail { kept, rolled_back }) => {
+                let kept = if kept.is_empty() {
+                    String::new()
+                } else {
+                    format!("; the engines it had activated were kept: {}", kept.join(", "))
+                };
+                let why = format!(
+                    "the manager restarted while this operation was in flight; engines it had not activated were rolled back{kept}"
+                );
+                inner.ops.fail_scale_out_after_restart(&id, why);
+                ends.rolled_back.extend(rolled_back);
             }
         }
-        inner.ops.restore_scale_out(op);
     }
-    for mut op in snapshot.scale_ins.clone() {
-        if !op.status.is_terminal() {
-            ends.scale_in_victims.extend(op.engine_ids.iter().cloned());
-            op.removed_engines = op.engine_ids.clone();
-            op.message = format!("{} (completed after a manager restart)", op.message);
-            for event in op.status.events_to_complete() {
-                crate::foundation::records::checked(op.apply(event));
-            }
+    for op in snapshot.scale_ins.clone() {
+        let id = op.request_id().clone();
+        let interrupted = !op.status().is_terminal();
+        if interrupted {
+            ends.scale_in_victims.extend(op.engine_ids().iter().cloned());
         }
         inner.ops.restore_scale_in(op);
+        if interrupted {
+            inner.ops.complete_scale_in_after_restart(&id);
+        }
     }
     ends
 }
@@ -294,38 +288,30 @@ fn restore_engine(
     ray: bool,
     rebuilt: &mut Rebuilt,
 ) {
-    let mut record = stored.record;
-    let id = record.engine_id.clone();
+    let record = stored.record;
+    let id = record.engine_id().clone();
     let fate = plan::fate(plan::StoredEngine {
-        status: record.status,
-        origin: record.origin,
+        status: record.status(),
+        origin: record.origin(),
         live: live.is_some(),
         scale_in_victim: ends.scale_in_victims.contains(&id),
         rolled_back: ends.rolled_back.contains(&id),
     });
-    record.in_flight = 0;
-    record.is_healthy = false;
-    if let Some(status) = fate.restored_status() {
-        record.status = status;
-    }
-    match fate {
+    let status = fate.restored_status();
+    let record = match fate {
         plan::Fate::Drop => {
-            tracing::info!(engine_id = %id, status = %record.status, "dropping engine after restart");
+            tracing::info!(engine_id = %id, status = %status.unwrap_or(record.status()), "dropping engine after restart");
             if let Some(p) = live {
                 rebuilt.drop_live.push((id, p));
             }
             return;
         }
         plan::Fate::Watch => {
-            record.pid = None;
-            record.last_error = Some("manager restarted; waiting for a passing health probe".into());
+            record.restored(status, false, Some("manager restarted; waiting for a passing health probe".into()))
         }
-        plan::Fate::Adopt => record.last_error = None,
-        plan::Fate::Restart => {
-            record.pid = None;
-            record.last_error = Some(RESTARTING.into());
-        }
-    }
+        plan::Fate::Adopt => record.restored(status, true, None),
+        plan::Fate::Restart => record.restored(status, false, Some(RESTARTING.into())),
+    };
     // Local managed engines take back their GPUs and port; in Ray mode Ray owns the GPUs
     // and the agent the port.
     let claim = !ray && fate != plan::Fate::Watch;
@@ -405,7 +391,7 @@ async fn readopt(
                     .event(engine_id, EngineEvent::Healthy)
                     .map_err(crate::adapters::engine_api::EngineError::Moved)?;
                 let e = inner.engines.get(engine_id).ok_or(crate::adapters::engine_api::EngineError::Cancelled)?;
-                Ok(Some((engine_id.clone(), e.record().url.clone(), e.load().clone())))
+                Ok(Some((engine_id.clone(), e.record().url().clone(), e.load().clone())))
             });
         }
         manager

@@ -1,13 +1,13 @@
 //! Scale-in: choose victims (LIFO among dynamic engines, or by URL), drain, remove.
 //! See the module docs of [`crate::ops::scaling`] for the flow and guarantees.
 
-use crate::foundation::records::{EngineRecord, ScaleInRecord, Transition};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::scaling::{Accepted, ScaleInRequest};
+use crate::registry::fleet::{EngineRecord, ScaleInRecord};
 use rollout_core::ids::{EngineId, OpId};
 use rollout_core::scale_in::Candidate;
-use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, ScaleInEvent, ScaleInStatus};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,41 +39,24 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
             let message = format!("would remove {} engines; nothing was changed", victims.len());
             return Ok((ScaleInAnswer::DryRun { dry_run: true, engines, message }, None));
         }
-        let now = crate::foundation::clock::unix_now();
-        let mut record = ScaleInRecord {
-            request_id: request_id.clone(),
-            status: ScaleInStatus::Pending,
-            model_name: req.model_name.clone(),
-            num_replicas: target,
-            engine_urls: req.engine_urls.clone(),
-            force: req.force,
-            engine_ids: victims.clone(),
-            removed_engines: Vec::new(),
-            failed_engines: Vec::new(),
-            created_at: now,
-            updated_at: now,
-            error_message: None,
-            message: String::new(),
-            history: vec![Transition { status: "PENDING".into(), at: now }],
-        };
+        let (model, urls) = (req.model_name.clone(), req.engine_urls.clone());
+        let record = ScaleInRecord::new(request_id.clone(), model, target, urls, req.force, victims.clone());
         if victims.is_empty() {
-            crate::foundation::records::checked(record.apply(ScaleInEvent::Noop));
-            record.message = format!("fleet already has {target} engines or fewer; nothing to remove");
+            let record = record.noop(format!("fleet already has {target} engines or fewer; nothing to remove"));
             let answer = Accepted {
                 request_id: request_id.clone(),
                 status: crate::ops::scaling::AcceptedStatus::Noop,
-                message: record.message.clone(),
+                message: record.message().clone(),
             };
             crate::foundation::records::checked_op(inner.ops.start_scale_in(record));
             return Ok((ScaleInAnswer::Accepted(answer), None));
         }
         start_draining(inner, &victims, manager.config.move_on_drain);
-        crate::foundation::records::checked(record.apply(ScaleInEvent::StartDraining));
-        record.message = format!("scale-in accepted: removing {}", victims.join(", "));
+        let record = record.draining(format!("scale-in accepted: removing {}", victims.join(", ")));
         let answer = Accepted {
             request_id: request_id.clone(),
             status: crate::ops::scaling::AcceptedStatus::Pending,
-            message: record.message.clone(),
+            message: record.message().clone(),
         };
         crate::foundation::records::checked_op(inner.ops.start_scale_in(record));
         Ok((ScaleInAnswer::Accepted(answer), Some(victims)))
@@ -140,10 +123,10 @@ fn choose_victims(
         let engines: Vec<Candidate> = candidates
             .iter()
             .map(|e| Candidate {
-                engine_id: e.record().engine_id.clone(),
+                engine_id: e.record().engine_id().clone(),
                 seq: e.seq(),
                 status: e.status(),
-                origin: e.record().origin,
+                origin: e.record().origin(),
             })
             .collect();
         rollout_core::scale_in::victims(&engines, target)
@@ -152,20 +135,20 @@ fn choose_victims(
         for url in &req.engine_urls {
             let normal = crate::ops::scaling::validate_engine_url(url)?;
             let want = normal.as_str();
-            let engine = candidates.iter().find(|e| e.record().url == want).ok_or_else(|| {
+            let engine = candidates.iter().find(|e| e.record().url() == want).ok_or_else(|| {
                 OpError::invalid(
                     "unknown_engine_url",
                     format!("no engine with url {url} is in the fleet; see GET /rollout/engines"),
                 )
             })?;
-            if engine.record().origin == EngineOrigin::Initial {
+            if engine.record().origin() == EngineOrigin::Initial {
                 return Err(OpError::invalid(
                     "initial_engine_protected",
-                    format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record().engine_id),
+                    format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record().engine_id()),
                 ));
             }
-            if !ids.contains(&engine.record().engine_id) {
-                ids.push(engine.record().engine_id.clone());
+            if !ids.contains(engine.record().engine_id()) {
+                ids.push(engine.record().engine_id().clone());
             }
         }
         ids
@@ -194,7 +177,7 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<En
     // An external router must stop sending them work before the drain starts.
     let urls: Vec<String> = {
         let inner = manager.fleet.lock();
-        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record().url.clone())).collect()
+        victims.iter().filter_map(|id| inner.engines.get(id).map(|e| e.record().url().clone())).collect()
     };
     if let Some(router) = &manager.external_router {
         router.forget(&urls).await;
@@ -205,7 +188,10 @@ async fn run_scale_in(manager: &Arc<Manager>, request_id: &OpId, victims: Vec<En
         victims
             .iter()
             .filter_map(|id| {
-                inner.engines.get(id).map(|e| (id.clone(), e.record().url.clone(), e.load().clone(), e.record().origin))
+                inner
+                    .engines
+                    .get(id)
+                    .map(|e| (id.clone(), e.record().url().clone(), e.load().clone(), e.record().origin()))
             })
             .collect()
     };

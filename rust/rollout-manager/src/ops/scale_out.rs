@@ -43,7 +43,7 @@ fn any_pending(inner: &crate::registry::fleet::FleetInner, racing: &[EngineId]) 
 fn follow_slowest(manager: &Manager, request_id: &OpId, racing: &[EngineId], start: ScaleOutEvent) {
     let behind = {
         let inner = manager.fleet.lock();
-        let status = inner.ops.scale_out(request_id).map(|op| op.status);
+        let status = inner.ops.scale_out(request_id).map(|op| op.status());
         let current = status.and_then(ScaleOutStatus::phase);
         let placed = status == Some(ScaleOutStatus::Pending) && !any_pending(&inner, racing);
         placed || matches!((slowest(&inner, racing), current), (Some(t), Some(c)) if c < t)
@@ -62,7 +62,7 @@ fn follow_slowest(manager: &Manager, request_id: &OpId, racing: &[EngineId], sta
 
 /// Brings one engine from CREATING to READY.
 async fn bring_up(manager: &Arc<Manager>, id: &EngineId, cancel: &CancellationToken) -> Result<(), EngineError> {
-    let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record().origin == EngineOrigin::External);
+    let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record().origin() == EngineOrigin::External);
     if external {
         manager.connect(id).await?;
         manager.wait_healthy(id, cancel).await?;
@@ -105,7 +105,7 @@ pub async fn run(
         .lock()
         .ops
         .scale_out(request_id)
-        .is_some_and(|r| r.trigger == crate::foundation::records::Trigger::Initial);
+        .is_some_and(|r| r.trigger() == crate::foundation::records::Trigger::Initial);
     let doomed: Vec<(EngineId, String)> = ids
         .iter()
         .filter(|id| !keep.contains(id))
@@ -138,7 +138,7 @@ fn begin(manager: &Manager, request_id: &OpId, ids: &[EngineId]) -> ScaleOutEven
         .lock()
         .engines
         .values()
-        .any(|e| ids.contains(&e.record().engine_id) && e.record().origin == EngineOrigin::External);
+        .any(|e| ids.contains(e.record().engine_id()) && e.record().origin() == EngineOrigin::External);
     let start = if external { ScaleOutEvent::StartConnecting } else { ScaleOutEvent::StartCreating };
     manager.fleet.update(|inner| {
         if any_pending(inner, ids) {
@@ -195,7 +195,7 @@ async fn race(
                 Some((id, result)) => {
                     if let Err(e) = result {
                         tracing::warn!(engine_id = %id, error = %e, request_id = %request_id, "engine failed during scale-out");
-                        let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url.clone()).unwrap_or_default();
+                        let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url().clone()).unwrap_or_default();
                         racing.retain(|r| r != &id);
                         failed.push(FailedEngine { engine_id: id, url, error: e.to_string() });
                         if policy == PartialSuccessPolicy::RollbackAll {
@@ -297,7 +297,7 @@ fn stale_ready(manager: &Manager, ids: &[EngineId]) -> Vec<EngineId> {
         .filter(|id| {
             inner.engines.get(id).is_some_and(|e| {
                 e.status() == EngineStatus::Ready
-                    && !want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
+                    && !want.served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref())
             })
         })
         .cloned()
@@ -333,7 +333,7 @@ async fn resync(
     };
     for (id, result) in results {
         if let Err(e) = result {
-            let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url.clone()).unwrap_or_default();
+            let url = manager.fleet.lock().engines.get(&id).map(|en| en.record().url().clone()).unwrap_or_default();
             failed.push(FailedEngine {
                 engine_id: id,
                 url,
@@ -369,7 +369,7 @@ fn activate(
         }
         let (want, _) = inner.weights.desired();
         let on_target = |e: &crate::registry::fleet::Engine| {
-            want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
+            want.served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref())
         };
         let candidates: Vec<EngineId> =
             ids.iter().filter(|id| !failed.iter().any(|f| &f.engine_id == *id)).cloned().collect();
@@ -384,7 +384,7 @@ fn activate(
             let (url, stale) = inner
                 .engines
                 .get(id)
-                .map(|e| (e.record().url.clone(), e.status() == EngineStatus::Ready))
+                .map(|e| (e.record().url().clone(), e.status() == EngineStatus::Ready))
                 .unwrap_or_default();
             let error = if stale {
                 format!("the fleet's weight version kept moving while it waited; it is ready on another ({MAX_RESYNCS} syncs)")

@@ -15,12 +15,13 @@
 //! process, GPU or route behind (with the default `rollback_all` policy); initial engines are
 //! never scaled in.
 
-use crate::foundation::records::{RunningOp, ScaleOutRecord, Trigger};
+use crate::foundation::records::{RunningOp, Trigger};
 use crate::ops::manager::{Manager, ReserveError};
 use crate::ops::op_error::OpError;
 use crate::registry::fleet::FleetInner;
+use crate::registry::fleet::ScaleOutRecord;
 use rollout_core::ids::{EngineId, OpId};
-use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutEvent, ScaleOutStatus};
+use rollout_core::{EngineOrigin, EngineStatus, PartialSuccessPolicy, ScaleOutStatus};
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -144,23 +145,15 @@ fn busy(running: &RunningOp) -> OpError {
 }
 
 fn new_scale_out_record(id: &OpId, req: &ScaleOutRequest, trigger: Trigger, version: &str) -> ScaleOutRecord {
-    let now = crate::foundation::clock::unix_now();
-    ScaleOutRecord {
-        request_id: id.clone(),
-        status: ScaleOutStatus::Pending,
-        model_name: req.model_name.clone(),
-        num_replicas: u32::try_from(req.num_replicas.max(0)).unwrap_or(u32::MAX),
-        engine_urls: req.engine_urls.clone(),
-        engine_ids: Vec::new(),
-        failed_engines: Vec::new(),
-        created_at: now,
-        updated_at: now,
-        error_message: None,
-        weight_version: Some(version.to_string()),
-        message: String::new(),
+    let num_replicas = u32::try_from(req.num_replicas.max(0)).unwrap_or(u32::MAX);
+    ScaleOutRecord::new(
+        id.clone(),
+        req.model_name.clone(),
+        num_replicas,
+        req.engine_urls.clone(),
         trigger,
-        history: vec![crate::foundation::records::Transition { status: "PENDING".into(), at: now }],
-    }
+        version.into(),
+    )
 }
 
 /// Validates and records a scale-out, then starts it in the background.
@@ -184,12 +177,12 @@ pub fn scale_out(manager: &Arc<Manager>, req: ScaleOutRequest) -> Result<Accepte
             return Err(busy(running));
         }
         let version = inner.weights.current().version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
+        let record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let current = inner.engines.live_count();
         if target <= current {
-            crate::foundation::records::checked(record.apply(ScaleOutEvent::Noop));
-            record.message = format!("fleet already has {current} engines (target {target}); nothing to do{ignored}");
-            let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Noop, message: record.message.clone() };
+            let record =
+                record.noop(format!("fleet already has {current} engines (target {target}); nothing to do{ignored}"));
+            let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Noop, message: record.message().clone() };
             crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
             return Ok((accepted, None));
         }
@@ -207,9 +200,9 @@ pub fn scale_out(manager: &Arc<Manager>, req: ScaleOutRequest) -> Result<Accepte
         }
         let ids = reserve(manager, inner, target - current, EngineOrigin::Dynamic, &request_id)
             .map_err(|e| OpError::internal("reserve_failed", e.to_string()))?;
-        record.engine_ids = ids.clone();
-        record.message = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
-        let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Pending, message: record.message.clone() };
+        let adding = format!("scale-out to {target} engines accepted: adding {}{ignored}", ids.len());
+        let record = record.adding(ids.clone(), adding);
+        let accepted = Accepted { request_id: request_id.clone(), status: crate::ops::scaling::AcceptedStatus::Pending, message: record.message().clone() };
         crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok((accepted, Some(ids)))
     })?;
@@ -312,24 +305,23 @@ fn attach_external(manager: &Arc<Manager>, req: ScaleOutRequest, deadline: Durat
             return Err(busy(running));
         }
         let version = inner.weights.current().version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, req.trigger, &version);
+        let record = new_scale_out_record(&request_id, &req, req.trigger, &version);
         let known: Vec<&str> = inner
             .engines
             .values()
             .filter(|e| {
                 !matches!(e.status(), rollout_core::EngineStatus::Removing | rollout_core::EngineStatus::Removed)
             })
-            .map(|e| e.record().url.as_str())
+            .map(|e| e.record().url().as_str())
             .collect();
         let fresh: Vec<String> = urls.iter().filter(|u| !known.contains(&u.as_str())).cloned().collect();
         let skipped = urls.len() - fresh.len();
         if fresh.is_empty() {
-            crate::foundation::records::checked(record.apply(ScaleOutEvent::Noop));
-            record.message = format!("all {} engine urls are already in the fleet; nothing to do", urls.len());
+            let record = record.noop(format!("all {} engine urls are already in the fleet; nothing to do", urls.len()));
             let accepted = Accepted {
                 request_id: request_id.clone(),
                 status: crate::ops::scaling::AcceptedStatus::Noop,
-                message: record.message.clone(),
+                message: record.message().clone(),
             };
             crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
             return Ok((accepted, None));
@@ -346,16 +338,16 @@ fn attach_external(manager: &Arc<Manager>, req: ScaleOutRequest, deadline: Durat
             ));
         }
         let ids: Vec<EngineId> = fresh.iter().map(|u| manager.reserve_external(inner, u, &request_id)).collect();
-        record.engine_ids = ids.clone();
-        record.message = format!(
+        let adding = format!(
             "attaching {} external engines{}",
             ids.len(),
             if skipped > 0 { format!(" ({skipped} already in the fleet, skipped)") } else { String::new() }
         );
+        let record = record.adding(ids.clone(), adding);
         let accepted = Accepted {
             request_id: request_id.clone(),
             status: crate::ops::scaling::AcceptedStatus::Pending,
-            message: record.message.clone(),
+            message: record.message().clone(),
         };
         crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok((accepted, Some(ids)))
@@ -415,13 +407,12 @@ pub fn start_initial(manager: &Arc<Manager>) -> Result<Option<OpId>, InitialErro
     };
     let ids = manager.fleet.update(|inner| -> Result<_, InitialError> {
         let version = inner.weights.current().version.clone();
-        let mut record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
+        let record = new_scale_out_record(&request_id, &req, Trigger::Initial, &version);
         if let Some(held) = inner.ops.running() {
             return Err(InitialError::Busy(held.clone()));
         }
         let ids = reserve(manager, inner, n, EngineOrigin::Initial, &request_id)?;
-        record.engine_ids = ids.clone();
-        record.message = format!("initial fleet of {n} engines");
+        let record = record.adding(ids.clone(), format!("initial fleet of {n} engines"));
         crate::foundation::records::checked_op(inner.ops.start_scale_out(record));
         Ok(ids)
     })?;
@@ -500,13 +491,13 @@ pub fn unknown_scale_out(request_id: &str) -> OpError {
 pub fn cancel_scale_out(manager: &Manager, request_id: &OpId) -> Result<ScaleOutRecord, OpError> {
     let record =
         manager.fleet.lock().ops.scale_out(request_id).cloned().ok_or_else(|| unknown_scale_out(request_id))?;
-    if record.status.is_terminal() {
+    if record.status().is_terminal() {
         return Err(OpError::conflict(
             "already_finished",
-            format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status),
+            format!("scale-out {request_id} already finished with status {}; nothing to cancel", record.status()),
         ));
     }
-    if record.trigger == Trigger::Initial {
+    if record.trigger() == Trigger::Initial {
         return Err(OpError::conflict(
             "initial_bring_up",
             format!("{request_id} starts the initial engines, which the fleet needs; it cannot be cancelled"),
@@ -564,10 +555,10 @@ pub fn cancel_many(manager: &Manager, req: &BatchCancelRequest) -> Result<Vec<Op
         .lock()
         .ops
         .scale_outs()
-        .filter(|r| !r.status.is_terminal() && r.trigger != Trigger::Initial)
-        .filter(|r| filter.is_none_or(|f| r.status == f))
-        .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name == m))
-        .map(|r| r.request_id.clone())
+        .filter(|r| !r.status().is_terminal() && r.trigger() != Trigger::Initial)
+        .filter(|r| filter.is_none_or(|f| r.status() == f))
+        .filter(|r| req.model_name.as_deref().is_none_or(|m| r.model_name() == m))
+        .map(|r| r.request_id().clone())
         .collect();
     // A dry run names what a cancel would take; a cancel takes what still runs.
     let inner = manager.fleet.lock();

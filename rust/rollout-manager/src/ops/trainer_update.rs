@@ -29,15 +29,14 @@
 //! (the broadcast cannot be resumed) and continues every member it may have paused.
 
 use crate::adapters::engine_api::EngineError;
-use crate::foundation::records::{
-    EngineUpdate, GroupMember, TrainerGroup, TrainerPart, Transition, UpdateRecord, UpdateSource,
-};
+use crate::foundation::records::{GroupMember, TrainerGroup, TrainerPart, UpdateSource};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
 use crate::registry::weights::TrainerStepRefused;
+use crate::registry::weights::UpdateRecord;
 use rollout_core::ids::{EngineId, UpdateId, VersionName};
-use rollout_core::weights::{EngineUpdateEvent, UpdateStrategy, WeightUpdateStatus, WeightVersion};
+use rollout_core::weights::{EngineUpdateEvent, WeightVersion};
 use rollout_core::{EngineEvent, EngineStatus};
 use serde_json::json;
 use std::sync::Arc;
@@ -147,7 +146,7 @@ fn refuse_if_busy(inner: &crate::registry::fleet::FleetInner, version: &str) -> 
             "update_in_progress",
             format!(
                 "update {} to {} is in progress ({}); wait for it to finish (GET /rollout/weights/updates/{}), then update again",
-                u.update_id, u.version, u.status, u.update_id
+                u.update_id(), u.version(), u.status(), u.update_id()
             ),
         ));
     }
@@ -182,14 +181,14 @@ fn plan_group(
             "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
         ));
     }
-    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record().gpu_ids.len()).unwrap_or(1).max(1)).collect();
+    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record().gpu_ids().len()).unwrap_or(1).max(1)).collect();
     let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
     let members: Vec<GroupMember> = engines
         .iter()
         .zip(tps.iter().zip(offsets))
         .map(|(e, (tp, off))| GroupMember {
-            engine_id: e.record().engine_id.clone(),
-            url: e.record().url.clone(),
+            engine_id: e.record().engine_id().clone(),
+            url: e.record().url().clone(),
             tp_size: *tp,
             rank_offset: off,
         })
@@ -224,7 +223,6 @@ fn plan_group(
 /// The record of a trainer update just opened over `group` (PENDING: its members join first
 /// where the group is new).
 fn new_record(update_id: &UpdateId, req: &OpenRequest, group: &TrainerGroup, previous_version: String) -> UpdateRecord {
-    let now = crate::foundation::clock::unix_now();
     let message = if group.new {
         format!(
             "new group {}: the trainer joins as rank 0 at {}:{}, then POSTs /rollout/weights/updates/{update_id}/broadcast",
@@ -233,42 +231,25 @@ fn new_record(update_id: &UpdateId, req: &OpenRequest, group: &TrainerGroup, pre
     } else {
         format!("group {} kept: POST /rollout/weights/updates/{update_id}/broadcast, then broadcast", group.group_name)
     };
-    UpdateRecord {
+    let new = crate::registry::weights::NewUpdate {
         update_id: update_id.clone(),
         version: req.version.to_string(),
-        path: String::new(),
-        checksum: None,
-        expected_checksum: None,
-        total_bytes: 0,
-        hashed_bytes: crate::foundation::records::HashProgress::default(),
-        engine_path: String::new(),
         previous_version,
-        strategy: UpdateStrategy::AllAtOnce,
-        max_unavailable: None,
         pause_mode: req.pause_mode.clone(),
-        transport: "trainer".into(),
-        status: WeightUpdateStatus::Pending,
-        engines: group.members.iter().map(|m| (m.engine_id.clone(), EngineUpdate::pending())).collect(),
-        created_at: now,
-        updated_at: now,
-        finished_at: None,
-        error_message: None,
         message,
-        history: vec![Transition { status: WeightUpdateStatus::Pending.to_string(), at: now }],
-        resumed: 0,
-        source: UpdateSource::Trainer,
-        trainer: Some(TrainerPart {
-            group_ready: !group.new,
-            group: group.clone(),
-            names: req.names.clone(),
-            dtypes: req.dtypes.clone(),
-            shapes: req.shapes.clone(),
-            flush_cache: req.flush_cache,
-            broadcast_at: None,
-            receiving_at: None,
-            aborted: None,
-        }),
-    }
+    };
+    let part = TrainerPart {
+        group_ready: !group.new,
+        group: group.clone(),
+        names: req.names.clone(),
+        dtypes: req.dtypes.clone(),
+        shapes: req.shapes.clone(),
+        flush_cache: req.flush_cache,
+        broadcast_at: None,
+        receiving_at: None,
+        aborted: None,
+    };
+    UpdateRecord::from_trainer(new, part)
 }
 
 /// The answer for an update id nobody knows (or a text that cannot be one).
@@ -300,7 +281,7 @@ fn refused(update_id: &UpdateId, why: TrainerStepRefused) -> OpError {
 
 fn trainer_update(inner: &crate::registry::fleet::FleetInner, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
     let u = inner.weights.updates().get(update_id).ok_or_else(|| unknown_update(update_id))?;
-    if u.trainer.is_none() {
+    if u.trainer().is_none() {
         return Err(OpError::conflict(
             "not_a_trainer_update",
             format!("update {update_id} publishes a checkpoint; only trainer updates take this call"),
@@ -337,22 +318,22 @@ async fn wait_for(
 /// timed out) or ended.
 pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
-    let ready = |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.group_ready);
+    let ready = |u: &UpdateRecord| u.status().is_terminal() || u.trainer().as_ref().is_some_and(|t| t.group_ready);
     let u = wait_for(manager, update_id, limit, ready).await?;
-    if u.status.is_terminal() {
+    if u.status().is_terminal() {
         return Err(OpError::conflict(
             "update_ended",
             format!(
                 "update {update_id} is {}: {}",
-                u.status,
-                u.error_message.as_deref().unwrap_or("nothing more to broadcast")
+                u.status(),
+                u.error_message().as_deref().unwrap_or("nothing more to broadcast")
             ),
         ));
     }
     manager.fleet.update(|inner| inner.weights.trainer_broadcasts(update_id)).map_err(|e| refused(update_id, e))?;
     // Answered once every member is paused and about to receive.
     let receiving =
-        |u: &UpdateRecord| u.status.is_terminal() || u.trainer.as_ref().is_some_and(|t| t.receiving_at.is_some());
+        |u: &UpdateRecord| u.status().is_terminal() || u.trainer().as_ref().is_some_and(|t| t.receiving_at.is_some());
     wait_for(manager, update_id, limit, receiving).await
 }
 
@@ -363,7 +344,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
 pub async fn abort(manager: &Arc<Manager>, update_id: &UpdateId, reason: &str) -> Result<UpdateRecord, OpError> {
     manager.fleet.update(|inner| inner.weights.trainer_aborts(update_id, reason)).map_err(|e| refused(update_id, e))?;
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
-    wait_for(manager, update_id, limit, |u| u.status.is_terminal()).await
+    wait_for(manager, update_id, limit, |u| u.status().is_terminal()).await
 }
 
 /// Runs an opened update to its end (see the module docs). Never panics; every outcome is
@@ -375,7 +356,7 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
             .weights
             .updates()
             .get(&update_id)
-            .and_then(|u| u.trainer.as_ref().map(|t| (t.group.clone(), u.version_record())))
+            .and_then(|u| u.trainer().as_ref().map(|t| (t.group.clone(), u.version_record())))
     }) else {
         return;
     };
@@ -464,7 +445,7 @@ async fn trainer_started(manager: &Manager, update_id: &UpdateId) -> Result<(), 
                 .weights
                 .updates()
                 .get(update_id)
-                .and_then(|u| u.trainer.as_ref())
+                .and_then(|u| u.trainer().as_ref())
                 .map(|t| (t.broadcast_at, t.aborted.clone()))
         };
         match state {
@@ -503,11 +484,11 @@ fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forg
 /// The broadcast: every member's side in parallel, then the commit.
 async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &TrainerGroup, want: &WeightVersion) {
     let plan = start_members(manager, update_id, group);
-    let Some(part) = manager.fleet.lock().weights.updates().get(update_id).and_then(|u| u.trainer.clone()) else {
+    let Some(part) = manager.fleet.lock().weights.updates().get(update_id).and_then(|u| u.trainer().clone()) else {
         return;
     };
     let pause_mode =
-        manager.fleet.lock().weights.updates().get(update_id).map(|u| u.pause_mode.clone()).unwrap_or_default();
+        manager.fleet.lock().weights.updates().get(update_id).map(|u| u.pause_mode().clone()).unwrap_or_default();
     // Every member paused (and in its session) first, so the trainer's broadcast meets engines
     // that hold no running request; then every member receives.
     let prepared =
@@ -783,7 +764,7 @@ pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, Op
         if let Some(u) = inner.weights.running_update() {
             return Err(OpError::conflict(
                 "update_in_progress",
-                format!("update {} uses the group; destroy it once the update has ended", u.update_id),
+                format!("update {} uses the group; destroy it once the update has ended", u.update_id()),
             ));
         }
         Ok(inner.weights.take_group())
@@ -809,8 +790,8 @@ pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: 
         let holding = {
             let inner = manager.fleet.lock();
             inner.weights.running_update().and_then(|u| {
-                let t = u.trainer.as_ref()?;
-                t.group.members.iter().any(|m| engines.contains(&m.engine_id)).then(|| u.update_id.clone())
+                let t = u.trainer().as_ref()?;
+                t.group.members.iter().any(|m| engines.contains(&m.engine_id)).then(|| u.update_id().clone())
             })
         };
         let Some(update_id) = holding else { return };
@@ -833,8 +814,8 @@ pub async fn check_resumable(manager: &Manager) -> Result<(), crate::ops::weight
     let members = {
         let inner = manager.fleet.lock();
         match inner.weights.running_update() {
-            Some(u) if u.source == UpdateSource::Trainer => {
-                u.trainer.as_ref().map(|t| t.group.members.clone()).unwrap_or_default()
+            Some(u) if u.source() == UpdateSource::Trainer => {
+                u.trainer().as_ref().map(|t| t.group.members.clone()).unwrap_or_default()
             }
             _ => return Ok(()),
         }

@@ -66,11 +66,11 @@ enum Stop {
 pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
     let plan = manager.fleet.update(|inner| {
         let u = inner.weights.updates().get(&update_id)?;
-        if u.status != rollout_core::weights::WeightUpdateStatus::Checksumming {
+        if u.status() != rollout_core::weights::WeightUpdateStatus::Checksumming {
             return None;
         }
-        u.hashed_bytes.set(0);
-        Some((u.version_record(), u.expected_checksum.clone(), u.hashed_bytes.counter()))
+        u.hashed_bytes().set(0);
+        Some((u.version_record(), u.expected_checksum().clone(), u.hashed_bytes().counter()))
     });
     let Some((mut want, expected, progress)) = plan else { return };
     let path = want.path.clone().unwrap_or_default();
@@ -91,7 +91,7 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
             manager.fleet.update(|inner| {
                 inner.weights.tell(&update_id, |u| format!(
                     "interrupted by the manager's shutdown while hashing {}; a manager restarted on the same --state-dir hashes it again",
-                    u.version
+                    u.version()
                 ));
             });
             return;
@@ -122,8 +122,12 @@ pub async fn checksum_then_run(manager: Arc<Manager>, update_id: UpdateId) {
         }
     };
     let go = manager.fleet.update(|inner| {
-        let engines =
-            inner.engines.values().filter(|e| e.status().is_routable()).map(|e| e.record().engine_id.clone()).collect();
+        let engines = inner
+            .engines
+            .values()
+            .filter(|e| e.status().is_routable())
+            .map(|e| e.record().engine_id().clone())
+            .collect();
         let staged = Staged {
             checksum: checksum.clone(),
             engine_path: engine_path.clone(),
@@ -189,7 +193,7 @@ pub async fn resume(
         .weights
         .updates()
         .get(&update_id)
-        .is_some_and(|u| u.status == rollout_core::weights::WeightUpdateStatus::Checksumming);
+        .is_some_and(|u| u.status() == rollout_core::weights::WeightUpdateStatus::Checksumming);
     if checksumming {
         tracing::info!(update_id = %update_id, "resuming the weight update: hashing its checkpoint again");
         return checksum_then_run(manager, update_id).await;
@@ -202,12 +206,12 @@ async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEng
     let plan = manager.fleet.update(|inner| {
         let u = inner.weights.updating(&update_id)?;
         let want = WeightVersion {
-            version: u.version.clone(),
-            path: Some(u.path.clone()),
-            checksum: u.checksum.clone(),
+            version: u.version().clone(),
+            path: Some(u.path().clone()),
+            checksum: u.checksum().clone(),
             published_seq: 0,
         };
-        Some((want, u.engine_path.clone(), u.strategy, u.max_unavailable, u.pause_mode.clone()))
+        Some((want, u.engine_path().clone(), u.strategy(), u.max_unavailable(), u.pause_mode().clone()))
     });
     let Some((want, path, strategy, max_unavailable, pause_mode)) = plan else { return };
     let outcome = converge(&manager, &update_id, &want, &path, strategy, max_unavailable, &pause_mode, carry).await;
@@ -219,7 +223,7 @@ async fn run_with(manager: Arc<Manager>, update_id: UpdateId, carry: Vec<TurnEng
             manager.fleet.update(|inner| {
                 inner.weights.tell(&update_id, |u| format!(
                     "interrupted by the manager's shutdown while publishing {}; a manager restarted on the same --state-dir resumes it",
-                    u.version
+                    u.version()
                 ));
             });
         }
@@ -325,9 +329,10 @@ fn next_turns(
         let views: Vec<EngineView> = engines
             .iter()
             .map(|e| EngineView {
-                engine_id: e.record().engine_id.clone(),
+                engine_id: e.record().engine_id().clone(),
                 serving: e.status() == EngineStatus::Active,
-                on_target: want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref()),
+                on_target: want
+                    .served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref()),
             })
             .collect();
         let serving = views.iter().filter(|v| v.serving).count();
@@ -337,7 +342,7 @@ fn next_turns(
                 continue;
             }
             if let Some(e) = inner.engines.get(&id) {
-                out.push((id.clone(), e.record().url.clone(), e.load().clone()));
+                out.push((id.clone(), e.record().url().clone(), e.load().clone()));
             }
             inner.weights.engine_turn(update_id, &id, EngineUpdateEvent::Start, None);
         }
@@ -449,7 +454,7 @@ pub(crate) fn commit(manager: &Manager, update_id: &UpdateId, want: &WeightVersi
     let committed = manager.fleet.update(|inner| {
         let behind = inner.engines.values().any(|e| {
             e.status() == EngineStatus::Active
-                && !want.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref())
+                && !want.served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref())
         });
         if behind {
             return false;
@@ -488,9 +493,9 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &We
             .updates()
             .get(update_id)
             .map(|u| {
-                u.engines
+                u.engines()
                     .iter()
-                    .filter(|(_, e)| e.status == rollout_core::weights::EngineUpdateStatus::Failed)
+                    .filter(|(_, e)| e.status() == rollout_core::weights::EngineUpdateStatus::Failed)
                     .map(|(id, _)| id.clone())
                     .collect()
             })
@@ -499,11 +504,12 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &We
         let ids: Vec<EngineId> = inner.engines.keys().cloned().collect();
         for id in ids {
             let Some(e) = inner.engines.get_mut(&id) else { continue };
-            if e.record().origin == EngineOrigin::External {
+            if e.record().origin() == EngineOrigin::External {
                 // Not ours to restart: out of routing (UNHEALTHY) until the health monitor's
                 // rejoin check has it load the current version again.
                 let on_failed = e.status() == EngineStatus::Active
-                    && !current.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref());
+                    && !current
+                        .served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref());
                 if on_failed {
                     e.set_last_error(Some(format!("serves {} from a failed update", want.version)));
                     crate::foundation::records::checked(inner.engines.event(&id, EngineEvent::ProbeFailed));
@@ -512,7 +518,7 @@ pub(crate) async fn fail(manager: &Arc<Manager>, update_id: &UpdateId, want: &We
             }
             let failed_here = e.status() == EngineStatus::Failed && failed_turns.contains(&id);
             let on_failed = matches!(e.status(), EngineStatus::Ready | EngineStatus::Active)
-                && !current.served_by(e.record().weight_version.as_deref(), e.record().weights_checksum.as_deref());
+                && !current.served_by(e.record().weight_version().as_deref(), e.record().weights_checksum().as_deref());
             if on_failed {
                 e.set_last_error(Some(format!(
                     "serves {} from a failed update; restarting on {}",
@@ -574,7 +580,7 @@ pub async fn check_resumable(manager: &crate::ops::manager::Manager) -> Result<(
     // An update still CHECKSUMMING loaded nothing and staged nothing: it is simply hashed again.
     let Some((update_id, want, engine_path)) = ({
         let inner = manager.fleet.lock();
-        inner.weights.loading_update().map(|u| (u.update_id.clone(), u.version_record(), u.engine_path.clone()))
+        inner.weights.loading_update().map(|u| (u.update_id().clone(), u.version_record(), u.engine_path().clone()))
     }) else {
         return Ok(());
     };

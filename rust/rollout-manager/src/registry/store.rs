@@ -16,7 +16,8 @@
 //! a fleet; committing under the lock made every reader wait for an fsync.)
 
 use crate::foundation::locks::Locked;
-use crate::foundation::records::{EngineRecord, ScaleInRecord, ScaleOutRecord};
+use crate::registry::engines::EngineRecord;
+use crate::registry::operations::{ScaleInRecord, ScaleOutRecord};
 use crate::registry::weights::WeightsState;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use rollout_core::ids::EngineId;
@@ -187,9 +188,9 @@ impl Store {
         // Remember it as written. (A record stored under another key than its id is rewritten
         // under its id by the next sync, and the stray key stays: harmless, never read.)
         let mut written = self.written.locked();
-        written.engines = engines.iter().map(|e| (e.record.engine_id.to_string(), e.clone())).collect();
-        written.scale_outs = scale_outs.iter().map(|r| (r.request_id.to_string(), r.clone())).collect();
-        written.scale_ins = scale_ins.iter().map(|r| (r.request_id.to_string(), r.clone())).collect();
+        written.engines = engines.iter().map(|e| (e.record.engine_id().to_string(), e.clone())).collect();
+        written.scale_outs = scale_outs.iter().map(|r| (r.request_id().to_string(), r.clone())).collect();
+        written.scale_ins = scale_ins.iter().map(|r| (r.request_id().to_string(), r.clone())).collect();
         written.placements = placements.iter().map(|p| (p.engine_id.to_string(), p.clone())).collect();
         written.meta = meta.clone();
         written.weights = weights.clone();
@@ -211,15 +212,15 @@ impl Store {
             }
         }
         for r in now.scale_outs.values() {
-            if written.scale_outs.get(r.request_id.as_str()) != Some(r) {
-                batch.rows[SCALE_OUTS_AT].insert(r.request_id.to_string(), Some(to_json(r)));
-                written.scale_outs.insert(r.request_id.to_string(), r.clone());
+            if written.scale_outs.get(r.request_id().as_str()) != Some(r) {
+                batch.rows[SCALE_OUTS_AT].insert(r.request_id().to_string(), Some(to_json(r)));
+                written.scale_outs.insert(r.request_id().to_string(), r.clone());
             }
         }
         for r in now.scale_ins.values() {
-            if written.scale_ins.get(r.request_id.as_str()) != Some(r) {
-                batch.rows[SCALE_INS_AT].insert(r.request_id.to_string(), Some(to_json(r)));
-                written.scale_ins.insert(r.request_id.to_string(), r.clone());
+            if written.scale_ins.get(r.request_id().as_str()) != Some(r) {
+                batch.rows[SCALE_INS_AT].insert(r.request_id().to_string(), Some(to_json(r)));
+                written.scale_ins.insert(r.request_id().to_string(), r.clone());
             }
         }
         for p in now.placements.values() {
@@ -416,7 +417,7 @@ mod tests {
             store.commit_through(first).unwrap();
         }
         let snapshot = Store::open(&dir).unwrap().load().unwrap();
-        let ids: Vec<_> = snapshot.engines.iter().map(|e| e.record.engine_id.clone()).collect();
+        let ids: Vec<_> = snapshot.engines.iter().map(|e| e.record.engine_id().clone()).collect();
         assert_eq!(ids, ["e1", "e2"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }

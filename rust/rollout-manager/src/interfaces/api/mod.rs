@@ -97,7 +97,7 @@ struct EnginesAnswer {
 
 #[derive(serde::Serialize)]
 struct ModelEngines {
-    engines: Vec<crate::foundation::records::EngineRecord>,
+    engines: Vec<crate::registry::fleet::EngineRecord>,
     weight_version: String,
     weights_checksum: Option<String>,
 }
@@ -129,16 +129,19 @@ async fn prometheus_targets(State(s): State<ApiState>) -> Json<Value> {
         .engine_records()
         .into_iter()
         .filter(|e| {
-            matches!(e.status, S::HealthChecking | S::WeightSyncing | S::Ready | S::Active | S::Unhealthy | S::Draining)
+            matches!(
+                e.status(),
+                S::HealthChecking | S::WeightSyncing | S::Ready | S::Active | S::Unhealthy | S::Draining
+            )
         })
         .filter_map(|e| {
-            let url = reqwest::Url::parse(&e.url).ok()?;
+            let url = reqwest::Url::parse(e.url()).ok()?;
             let target = format!("{}:{}", url.host_str()?, url.port_or_known_default()?);
-            let origin = serde_json::to_value(e.origin).ok()?;
+            let origin = serde_json::to_value(e.origin()).ok()?;
             let mut labels = json!({
-                "engine_id": e.engine_id,
-                "__meta_rollout_model_name": e.model_name,
-                "__meta_rollout_status": e.status.to_string(),
+                "engine_id": e.engine_id(),
+                "__meta_rollout_model_name": e.model_name(),
+                "__meta_rollout_status": e.status().to_string(),
                 "__meta_rollout_origin": origin,
             });
             if url.scheme() != "http" {
@@ -151,7 +154,7 @@ async fn prometheus_targets(State(s): State<ApiState>) -> Json<Value> {
 }
 
 async fn get_engine(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let record = s.manager.fleet.engine_records().into_iter().find(|e| e.engine_id == id).ok_or_else(|| {
+    let record = s.manager.fleet.engine_records().into_iter().find(|e| *e.engine_id() == id).ok_or_else(|| {
         ApiError::not_found("unknown_engine", format!("no engine with id {id}; list them with GET /rollout/engines"))
     })?;
     serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
@@ -203,16 +206,16 @@ async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>)
     let wanted: Option<rollout_core::ScaleOutStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let keep =
-        |r: &crate::foundation::records::ScaleOutRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
-    Ok(Json(listing(inner.ops.scale_outs().filter(|r| keep(r)), |r| r.created_at)))
+        |r: &crate::registry::fleet::ScaleOutRecord| wanted.is_none_or(|w| r.status() == w) && f.wants(r.model_name());
+    Ok(Json(listing(inner.ops.scale_outs().filter(|r| keep(r)), |r| r.created_at())))
 }
 
 async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
     let wanted: Option<rollout_core::ScaleInStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let keep =
-        |r: &crate::foundation::records::ScaleInRecord| wanted.is_none_or(|w| r.status == w) && f.wants(&r.model_name);
-    Ok(Json(listing(inner.ops.scale_ins().filter(|r| keep(r)), |r| r.created_at)))
+        |r: &crate::registry::fleet::ScaleInRecord| wanted.is_none_or(|w| r.status() == w) && f.wants(r.model_name());
+    Ok(Json(listing(inner.ops.scale_ins().filter(|r| keep(r)), |r| r.created_at())))
 }
 
 /// `{"requests": [...], "total": n}`, oldest first.
@@ -236,10 +239,10 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
     let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     // Per-engine progress, for engines still in the fleet.
     let engines: Vec<Value> = record
-        .engine_ids
+        .engine_ids()
         .iter()
         .map(|eid| match inner.engines.get(eid) {
-            Some(e) => json!({"engine_id": eid, "url": e.record().url, "status": e.status(), "is_healthy": e.record().is_healthy, "detail": e.record().detail}),
+            Some(e) => json!({"engine_id": eid, "url": e.record().url(), "status": e.status(), "is_healthy": e.record().is_healthy(), "detail": e.record().detail()}),
             None => json!({"engine_id": eid, "status": "REMOVED"}),
         })
         .collect();

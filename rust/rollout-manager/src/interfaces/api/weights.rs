@@ -15,8 +15,8 @@
 
 use super::{parse_body, status_filter, ApiState};
 use crate::foundation::error::ApiError;
-use crate::foundation::records::UpdateRecord;
 use crate::ops::publish::Published;
+use crate::registry::weights::UpdateRecord;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -196,16 +196,18 @@ async fn publish(
     Ok(match crate::ops::publish::publish(&s.manager, publish).await? {
         Published::Started(u) => (
             StatusCode::ACCEPTED,
-            Json(json!({"update_id": u.update_id, "status": u.status, "version": u.version, "checksum": null,
-                        "message": u.message})),
+            Json(json!({"update_id": u.update_id(), "status": u.status(), "version": u.version(), "checksum": null,
+                        "message": u.message()})),
         ),
         Published::Joined(u) => {
             let message = format!(
                 "update {} already publishes {} from this path ({}); this publish joins it",
-                u.update_id, u.version, u.status
+                u.update_id(),
+                u.version(),
+                u.status()
             );
-            let body = json!({"update_id": u.update_id, "status": u.status, "version": u.version,
-                              "checksum": u.checksum, "message": message});
+            let body = json!({"update_id": u.update_id(), "status": u.status(), "version": u.version(),
+                              "checksum": u.checksum(), "message": message});
             (StatusCode::ACCEPTED, Json(body))
         }
         Published::Existing { update_id, status, version, checksum } => {
@@ -229,23 +231,23 @@ async fn weights(State(s): State<ApiState>) -> Json<Value> {
         .iter()
         .map(|e| {
             let r = &e.record();
-            json!({"engine_id": r.engine_id, "status": r.status, "weight_version": r.weight_version,
-                   "weights_checksum": r.weights_checksum})
+            json!({"engine_id": r.engine_id(), "status": r.status(), "weight_version": r.weight_version(),
+                   "weights_checksum": r.weights_checksum()})
         })
         .collect();
     let mut done: Vec<&UpdateRecord> = w.updates().values().collect();
-    done.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
+    done.sort_by(|a, b| b.created_at().total_cmp(&a.created_at()));
     let history: Vec<Value> = done
         .iter()
         .take(HISTORY)
         .map(|u| {
-            json!({"update_id": u.update_id, "version": u.version, "path": u.path, "checksum": u.checksum,
-                   "strategy": u.strategy, "status": u.status, "published_at": u.created_at,
-                   "finished_at": u.finished_at, "error_message": u.error_message, "resumed": u.resumed,
-                   "source": u.source})
+            json!({"update_id": u.update_id(), "version": u.version(), "path": u.path(), "checksum": u.checksum(),
+                   "strategy": u.strategy(), "status": u.status(), "published_at": u.created_at(),
+                   "finished_at": u.finished_at(), "error_message": u.error_message(), "resumed": u.resumed(),
+                   "source": u.source()})
         })
         .collect();
-    let last_strategy = done.first().map(|u| u.strategy);
+    let last_strategy = done.first().map(|u| u.strategy());
     Json(json!({
         "version": w.current().version,
         "path": w.current().path,
@@ -270,8 +272,8 @@ async fn list_updates(State(s): State<ApiState>, Query(f): Query<UpdateFilter>) 
     let wanted: Option<WeightUpdateStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let mut updates: Vec<&UpdateRecord> =
-        inner.weights.updates().values().filter(|u| wanted.is_none_or(|w| u.status == w)).collect();
-    updates.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        inner.weights.updates().values().filter(|u| wanted.is_none_or(|w| u.status() == w)).collect();
+    updates.sort_by(|a, b| a.created_at().total_cmp(&b.created_at()));
     Ok(Json(json!({"updates": updates, "total": updates.len()})))
 }
 

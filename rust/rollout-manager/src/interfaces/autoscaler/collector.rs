@@ -25,7 +25,7 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(rollout_core::ids::En
         match e.status() {
             EngineStatus::Active => {
                 fleet.active_engines += 1;
-                active.push((e.record().engine_id.clone(), e.record().url.clone()));
+                active.push((e.record().engine_id().clone(), e.record().url().clone()));
             }
             EngineStatus::Pending
             | EngineStatus::Creating
@@ -35,7 +35,7 @@ pub fn fleet_state(manager: &Manager) -> (FleetState, Vec<(rollout_core::ids::En
             _ => {}
         }
         let live = !matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed);
-        if live && e.record().origin == EngineOrigin::Initial {
+        if live && e.record().origin() == EngineOrigin::Initial {
             fleet.protected_engines += 1;
         }
     }

@@ -332,12 +332,12 @@ impl Autoscaler {
                     inner
                         .ops
                         .scale_out(&id)
-                        .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
+                        .map(|r| (r.status().to_string(), r.error_message().clone(), r.status().is_terminal()))
                 } else {
                     inner
                         .ops
                         .scale_in(&id)
-                        .map(|r| (r.status.to_string(), r.error_message.clone(), r.status.is_terminal()))
+                        .map(|r| (r.status().to_string(), r.error_message().clone(), r.status().is_terminal()))
                 };
                 match found {
                     Some((status, error, terminal)) => (id, status, error, terminal),

@@ -156,7 +156,7 @@ pub fn spawn_reconciler(manager: &Arc<Manager>, smg: Arc<Smg>) {
                 .engines
                 .values()
                 .filter(|e| e.status() == EngineStatus::Active)
-                .map(|e| e.record().url.clone())
+                .map(|e| e.record().url().clone())
                 .collect();
             smg.reconcile(&active).await;
             tokio::select! {

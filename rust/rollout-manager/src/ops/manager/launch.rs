@@ -62,30 +62,16 @@ impl Manager {
         created_by: &OpId,
     ) -> EngineId {
         debug_assert!(matches!(status, EngineStatus::Creating | EngineStatus::Pending));
-        let now = unix_now();
-        let logs = (origin != EngineOrigin::External).then(|| self.config.state_dir.join("logs"));
-        let gpu_ids = held.gpus.clone();
-        inner.engines.add(held, |new| EngineRecord {
-            engine_id: new.engine_id.clone(),
-            url,
+        let log_dir = (origin != EngineOrigin::External).then(|| self.config.state_dir.join("logs"));
+        let new = crate::registry::fleet::Registration {
             status,
-            is_healthy: false,
+            url,
             origin,
             model_name: self.config.model_name.clone(),
-            weight_version: None,
-            weights_checksum: None,
-            gpu_ids,
-            pid: None,
-            started_at: now,
-            updated_at: now,
-            log_path: logs.map(|dir| dir.join(format!("{}.log", new.engine_id))),
-            in_flight: 0,
-            last_error: None,
+            log_dir,
             created_by: Some(created_by.clone()),
-            restarts: 0,
-            detail: None,
-            log_tail: None,
-        })
+        };
+        inner.engines.add(held, new)
     }
 
     /// Connects to an external engine: its `/model_info` must answer and name the fleet's model
@@ -307,7 +293,7 @@ impl Manager {
                 };
                 let binding = placement.agent.clone();
                 let detail = binding.is_none().then(|| PENDING_DETAIL.to_string());
-                (binding, (engine.record().detail != detail).then_some(detail))
+                (binding, (*engine.record().detail() != detail).then_some(detail))
             };
             if let Some(detail) = detail_stale {
                 // Shown while waiting (after a restart of the manager, for instance).

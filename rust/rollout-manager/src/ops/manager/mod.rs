@@ -15,9 +15,7 @@
 use crate::adapters::engine_host::{AgentHost, EngineHost, LocalHost, Location};
 use crate::adapters::launch::{free_port, EngineLauncher};
 use crate::adapters::weights::transport::Node;
-use crate::foundation::clock::unix_now;
 use crate::foundation::host::{EngineProcess, ExitInfo};
-use crate::foundation::records::EngineRecord;
 use crate::registry::fleet::{Fleet, Held, LaunchFacts};
 use rollout_core::ids::{EngineId, OpId};
 use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, Placement, PlacementMode, ServeConfig};
@@ -167,7 +165,7 @@ impl Manager {
     /// (external engines included: they are given the manager's path).
     pub fn weight_node(&self, engine_id: &EngineId) -> Result<Node, EngineError> {
         let inner = self.fleet.lock();
-        let external = inner.engines.get(engine_id).is_some_and(|e| e.record().origin == EngineOrigin::External);
+        let external = inner.engines.get(engine_id).is_some_and(|e| e.record().origin() == EngineOrigin::External);
         if !self.ray() || external {
             return Ok(Node::Local);
         }
@@ -184,7 +182,7 @@ impl Manager {
     pub fn weight_nodes(&self) -> Vec<Node> {
         let inner = self.fleet.lock();
         let mut nodes = Vec::new();
-        let external = inner.engines.values().any(|e| e.record().origin == EngineOrigin::External);
+        let external = inner.engines.values().any(|e| e.record().origin() == EngineOrigin::External);
         if !self.ray() || external {
             nodes.push(Node::Local);
         }
@@ -233,7 +231,7 @@ impl Manager {
     }
 
     pub(crate) fn url_of(&self, engine_id: &EngineId) -> Option<String> {
-        self.fleet.lock().engines.get(engine_id).map(|e| e.record().url.clone())
+        self.fleet.lock().engines.get(engine_id).map(|e| e.record().url().clone())
     }
 }
 

@@ -20,7 +20,7 @@ impl Manager {
                     match inner.engines.get(engine_id) {
                         None => Some("the engine left the fleet".to_string()),
                         Some(e) if e.status() == EngineStatus::Failed => {
-                            Some(e.record().last_error.clone().unwrap_or_else(|| "failed".into()))
+                            Some(e.record().last_error().clone().unwrap_or_else(|| "failed".into()))
                         }
                         Some(_) => None,
                     }
@@ -188,11 +188,11 @@ impl Manager {
             let candidates: Vec<rollout_core::catchup::SeedCandidate<'_>> = engines
                 .iter()
                 .map(|e| rollout_core::catchup::SeedCandidate {
-                    engine_id: &e.record().engine_id,
+                    engine_id: e.record().engine_id(),
                     serving: e.status() == EngineStatus::Active,
-                    version: e.record().weight_version.as_deref(),
-                    tp_size: u32::try_from(e.record().gpu_ids.len()).unwrap_or(1).max(1),
-                    sending: sending(&e.record().engine_id),
+                    version: e.record().weight_version().as_deref(),
+                    tp_size: u32::try_from(e.record().gpu_ids().len()).unwrap_or(1).max(1),
+                    sending: sending(e.record().engine_id()),
                 })
                 .collect();
             let tried: Vec<&str> = tried.iter().map(|t| t.as_str()).collect();

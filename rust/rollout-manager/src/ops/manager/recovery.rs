@@ -52,7 +52,7 @@ impl Manager {
             }
             delay = Duration::ZERO;
             let restarted = self.fleet.update(|inner| {
-                let origin = inner.engines.get(engine_id).map(|e| e.record().origin);
+                let origin = inner.engines.get(engine_id).map(|e| e.record().origin());
                 if origin == Some(EngineOrigin::External) {
                     return false;
                 }
@@ -139,7 +139,7 @@ impl Manager {
         let (decision, log_path) = {
             let inner = self.fleet.lock();
             let e = inner.engines.get(engine_id).filter(|e| e.status() == EngineStatus::Failed)?;
-            (e.restart_decision(budget), e.record().log_path.clone().filter(|_| !self.ray()))
+            (e.restart_decision(budget), e.record().log_path().clone().filter(|_| !self.ray()))
         };
         let restarts = match decision {
             rollout_core::health::RestartDecision::After { secs, .. } => return Some(Duration::from_secs_f64(secs)),

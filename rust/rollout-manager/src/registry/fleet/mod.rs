@@ -9,19 +9,16 @@
 //! order, whether an update runs; [`Fleet::routes`]), so the data plane never takes the
 //! registry lock, and commits the change to the store after releasing the lock.
 
-mod engines;
-mod load;
-mod operations;
 mod placements;
 
+pub use crate::registry::engines::{
+    Engine, EngineLoad, EngineRecord, Engines, Held, InFlightGuard, LaunchFacts, PoolError, Registration,
+};
+pub use crate::registry::operations::{Operations, ScaleInRecord, ScaleOutRecord, KEEP_OPERATIONS};
 pub use crate::registry::weights::WeightsState;
-pub use engines::{Engine, Engines, Held, LaunchFacts, NewEngine, PoolError};
-pub use load::{EngineLoad, InFlightGuard};
-pub use operations::{Operations, KEEP_OPERATIONS};
 pub use placements::Placements;
 
 use crate::foundation::locks::{Locked, RwLocked};
-use crate::foundation::records::EngineRecord;
 use crate::foundation::slots::SlotQueue;
 use rollout_core::routing::QueueOrder;
 use rollout_core::EngineStatus;
@@ -197,12 +194,12 @@ impl Fleet {
             let status = e.status();
             if status.is_routable() {
                 backends.push(Backend {
-                    engine_id: e.record().engine_id.clone(),
-                    authority: rollout_core::EngineAddr::parse(&e.record().url)
+                    engine_id: e.record().engine_id().clone(),
+                    authority: rollout_core::EngineAddr::parse(e.record().url())
                         .map(|a| a.authority())
                         .unwrap_or_default(),
-                    url: e.record().url.clone(),
-                    weight_version: e.record().weight_version.clone(),
+                    url: e.record().url().clone(),
+                    weight_version: e.record().weight_version().clone(),
                     load: e.load().clone(),
                 });
             } else if status.keeps_its_requests() {
@@ -307,30 +304,30 @@ impl Fleet {
         let crash_looping = inner
             .engines
             .values()
-            .filter(|e| e.status() == EngineStatus::Failed && e.record().log_tail.is_some())
+            .filter(|e| e.status() == EngineStatus::Failed && e.record().log_tail().is_some())
             .count();
         given_up.with_label_values::<&str>(&[]).set(i64::try_from(crash_looping).unwrap_or(i64::MAX));
         for e in inner.engines.values() {
             engines.with_label_values(&[e.status().to_string()]).inc();
             if e.status() != EngineStatus::Removed {
-                let id = e.record().engine_id.as_str();
-                restarts.with_label_values(&[id]).set(i64::from(e.record().restarts));
-                if let Some(v) = &e.record().weight_version {
+                let id = e.record().engine_id().as_str();
+                restarts.with_label_values(&[id]).set(i64::from(e.record().restarts()));
+                if let Some(v) = &e.record().weight_version() {
                     versions.with_label_values(&[id, v.as_str()]).set(1);
                 }
             }
         }
         fleet_version.with_label_values(&[inner.weights.current().version.as_str()]).set(1);
-        for u in inner.weights.updates().values().filter(|u| !u.status.is_terminal()) {
-            updates.with_label_values(&[u.status.to_string()]).inc();
+        for u in inner.weights.updates().values().filter(|u| !u.status().is_terminal()) {
+            updates.with_label_values(&[u.status().to_string()]).inc();
         }
         let running = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         operations
             .with_label_values(&["scale_out"])
-            .set(running(inner.ops.scale_outs().filter(|o| !o.status.is_terminal()).count()));
+            .set(running(inner.ops.scale_outs().filter(|o| !o.status().is_terminal()).count()));
         operations
             .with_label_values(&["scale_in"])
-            .set(running(inner.ops.scale_ins().filter(|o| !o.status.is_terminal()).count()));
+            .set(running(inner.ops.scale_ins().filter(|o| !o.status().is_terminal()).count()));
         drop(inner);
         let store = counter_vec(
             "rollout_store_write_failures_total",
@@ -363,14 +360,27 @@ impl Fleet {
         let mut engines: Vec<&Engine> =
             inner.engines.values().filter(|e| e.status() != EngineStatus::Removed).collect();
         engines.sort_by_key(|e| e.seq());
-        engines
-            .into_iter()
-            .map(|e| {
-                let mut r = e.record().clone();
-                r.in_flight = e.load().get();
-                r
-            })
-            .collect()
+        engines.into_iter().map(Engine::record_now).collect()
+    }
+}
+
+/// The store keeps an engine as its record and what a restarted manager needs to find its
+/// process again.
+impl crate::registry::store::EngineRow for Engine {
+    fn same_as(&self, w: &crate::registry::store::StoredEngine) -> bool {
+        w.seq == self.seq()
+            && w.pid_start_ticks == self.pid_start_ticks()
+            && w.keeper_socket.as_ref() == self.keeper_socket()
+            && w.record == *self.record()
+    }
+
+    fn to_stored(&self) -> crate::registry::store::StoredEngine {
+        crate::registry::store::StoredEngine {
+            seq: self.seq(),
+            record: self.record().clone(),
+            pid_start_ticks: self.pid_start_ticks(),
+            keeper_socket: self.keeper_socket().cloned(),
+        }
     }
 }
 
@@ -378,15 +388,7 @@ impl Fleet {
 mod tests {
     use super::*;
 
-    pub(super) fn record(id: &str, status: &str) -> EngineRecord {
-        let record = serde_json::json!({
-            "engine_id": id, "url": "http://127.0.0.1:30000/", "status": status, "is_healthy": true,
-            "origin": "initial", "model_name": "m", "weight_version": "v0", "gpu_ids": [0], "pid": null,
-            "started_at": 1.0, "updated_at": 1.0, "log_path": null, "in_flight": 0, "last_error": null,
-            "created_by": null, "restarts": 0,
-        });
-        serde_json::from_value(record).unwrap()
-    }
+    use crate::registry::engines::test_record as record;
 
     #[test]
     fn the_routing_table_tells_lost_requests_from_finishing_ones() {

@@ -5,7 +5,10 @@
 //! lock without its record; [`Operations::end`] frees both, and only under the id that holds
 //! them.
 
-use crate::foundation::records::{checked, FailedEngine, RunningOp, ScaleInRecord, ScaleOutRecord};
+mod records;
+pub use records::{ScaleInRecord, ScaleOutRecord};
+
+use crate::foundation::records::{checked, FailedEngine, RunningOp};
 use rollout_core::ids::{EngineId, OpId};
 use rollout_core::{Phase, ScaleInEvent, ScaleOutEvent, ScaleOutStatus};
 use std::collections::BTreeMap;
@@ -75,6 +78,36 @@ impl Operations {
     /// task that ran it is gone).
     pub fn restore_scale_out(&mut self, record: ScaleOutRecord) {
         self.scale_outs.insert(record.request_id.clone(), record);
+    }
+
+    /// A scale-out the manager's restart interrupted, whose engines are all ACTIVE: it ends
+    /// ACTIVE (one still PENDING, waiting for its placements, cannot, and ends FAILED).
+    pub fn complete_scale_out_after_restart(&mut self, request_id: &str) {
+        let Some(op) = self.scale_outs.get_mut(request_id).filter(|op| !op.status.is_terminal()) else { return };
+        op.advance_to(Phase::Ready);
+        op.message = format!("{} (completed after a manager restart)", op.message);
+        if let Err(e) = op.apply(ScaleOutEvent::Activated) {
+            tracing::warn!(request_id = %request_id, error = %e, "interrupted scale-out could not complete");
+            checked(op.apply(ScaleOutEvent::Fail));
+        }
+    }
+
+    /// A scale-out the manager's restart interrupted that cannot complete: FAILED with `why`.
+    pub fn fail_scale_out_after_restart(&mut self, request_id: &str, why: String) {
+        let Some(op) = self.scale_outs.get_mut(request_id).filter(|op| !op.status.is_terminal()) else { return };
+        op.error_message = Some(why);
+        checked(op.apply(ScaleOutEvent::Fail));
+    }
+
+    /// A scale-in the manager's restart interrupted: its victims are removed (the restore drops
+    /// them), so it completes.
+    pub fn complete_scale_in_after_restart(&mut self, request_id: &str) {
+        let Some(op) = self.scale_ins.get_mut(request_id).filter(|op| !op.status.is_terminal()) else { return };
+        op.removed_engines = op.engine_ids.clone();
+        op.message = format!("{} (completed after a manager restart)", op.message);
+        for event in op.status.events_to_complete() {
+            checked(op.apply(event));
+        }
     }
 
     /// Puts back a scale-in read from the store after a restart.

@@ -4,13 +4,18 @@
 //! [`Engines::add`] or [`Engines::restore`], leaves only through [`Engines::forget`], and
 //! moves through its state machine only through [`Engines::event`].
 
-use super::load::EngineLoad;
+mod load;
+mod record;
+pub use load::{EngineLoad, InFlightGuard};
+#[cfg(test)]
+pub(crate) use record::test_record;
+pub use record::EngineRecord;
+
 use crate::foundation::clock::unix_now;
 use crate::foundation::host::EngineProcess;
-use crate::foundation::records::EngineRecord;
 use crate::foundation::slots::SlotQueue;
-use rollout_core::ids::EngineId;
-use rollout_core::{EngineEvent, EngineStatus, GpuPool, IllegalTransition};
+use rollout_core::ids::{EngineId, OpId};
+use rollout_core::{EngineEvent, EngineOrigin, EngineStatus, GpuPool, IllegalTransition};
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -40,10 +45,18 @@ pub enum PoolError {
     NoPort(std::io::Error),
 }
 
-/// The engine a new record is for: its id and creation order, from [`Engines::add`].
-pub struct NewEngine {
-    pub engine_id: EngineId,
-    pub seq: u64,
+/// What a new engine is registered with ([`Engines::add`]); the part makes its record.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    /// Its first state: CREATING, or PENDING while Ray places it.
+    pub status: EngineStatus,
+    pub url: String,
+    pub origin: EngineOrigin,
+    pub model_name: String,
+    /// Where its log goes (`<dir>/<engine_id>.log`); None for an external engine.
+    pub log_dir: Option<PathBuf>,
+    /// The operation that creates it.
+    pub created_by: Option<OpId>,
 }
 
 impl Engines {
@@ -133,16 +146,16 @@ impl Engines {
     /// Adds an engine under the next id, built by `record` from that id, with a fresh load.
     /// `held` is what [`Engines::reserve_local`] reserved for it (nothing for external
     /// engines and in Ray mode); it is returned when the engine is forgotten.
-    pub fn add(&mut self, held: Held, record: impl FnOnce(&NewEngine) -> EngineRecord) -> EngineId {
-        let new = NewEngine { engine_id: EngineId::of_seq(self.next_seq), seq: self.next_seq };
+    pub fn add(&mut self, held: Held, new: Registration) -> EngineId {
+        let seq = self.next_seq;
+        let engine_id = EngineId::of_seq(seq);
         self.next_seq += 1;
-        let record = record(&new);
-        debug_assert_eq!(record.engine_id, new.engine_id);
-        self.insert(new.seq, record, None, None, held);
-        if let Some(e) = self.map.get_mut(&new.engine_id) {
+        let record = EngineRecord::new(engine_id.clone(), new, held.gpus.clone());
+        self.insert(seq, record, None, None, held);
+        if let Some(e) = self.map.get_mut(&engine_id) {
             e.bringup = Some((tokio::time::Instant::now(), "create"));
         }
-        new.engine_id
+        engine_id
     }
 
     /// Puts back an engine read from the store after a restart, claiming the GPUs and port its
@@ -412,6 +425,13 @@ impl Engine {
         &self.record
     }
 
+    /// A copy of the record with the requests in flight now (the live count is kept beside it).
+    pub fn record_now(&self) -> EngineRecord {
+        let mut r = self.record.clone();
+        r.in_flight = self.load.get();
+        r
+    }
+
     pub fn id(&self) -> &EngineId {
         &self.record.engine_id
     }
@@ -626,28 +646,10 @@ pub struct Held {
     pub port: Option<u16>,
 }
 
-impl crate::registry::store::EngineRow for Engine {
-    fn same_as(&self, w: &crate::registry::store::StoredEngine) -> bool {
-        w.seq == self.seq
-            && w.pid_start_ticks == self.pid_start_ticks
-            && w.keeper_socket == self.keeper_socket
-            && w.record == self.record
-    }
-
-    fn to_stored(&self) -> crate::registry::store::StoredEngine {
-        crate::registry::store::StoredEngine {
-            seq: self.seq,
-            record: self.record.clone(),
-            pid_start_ticks: self.pid_start_ticks,
-            keeper_socket: self.keeper_socket.clone(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::fleet::tests::record;
+    use record::test_record as record;
     use rollout_core::routing::QueueOrder;
 
     fn engines(gpus: u32, count_failed: bool) -> Engines {
@@ -656,13 +658,15 @@ mod tests {
 
     fn add(engines: &mut Engines, gpus: u32, port: u16) -> EngineId {
         let held = engines.reserve_local(gpus, |_| Ok(port)).unwrap();
-        let gpu_ids = held.gpus.clone();
-        engines.add(held, |new| {
-            let mut r = record(&new.engine_id, "CREATING");
-            r.gpu_ids = gpu_ids;
-            r.url = format!("http://127.0.0.1:{port}");
-            r
-        })
+        let new = Registration {
+            status: EngineStatus::Creating,
+            url: format!("http://127.0.0.1:{port}"),
+            origin: EngineOrigin::Dynamic,
+            model_name: "m".into(),
+            log_dir: None,
+            created_by: None,
+        };
+        engines.add(held, new)
     }
 
     #[test]

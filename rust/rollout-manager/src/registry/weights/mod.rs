@@ -3,10 +3,14 @@
 //! trainer's group. Persisted as one record in the store, which is why it sits beside `fleet`
 //! and `store` rather than inside `fleet` (the store may not use the fleet).
 
+mod record;
+#[cfg(test)]
+pub(crate) use record::test_update;
+pub use record::{EngineUpdate, NewUpdate, UpdateRecord};
+
 use crate::foundation::clock::unix_now;
 use crate::foundation::records::{
-    checked, EngineUpdate, HashProgress, TrainerGroup, Transition, UpdateRecord, UpdateSource, VersionSource,
-    KEEP_UPDATES, RESUMED,
+    checked, HashProgress, TrainerGroup, Transition, UpdateSource, VersionSource, KEEP_UPDATES, RESUMED,
 };
 use rollout_core::ids::{EngineId, UpdateId};
 use rollout_core::weights::{
@@ -536,7 +540,7 @@ mod tests {
     use rollout_core::weights::WeightUpdateStatus;
 
     fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
-        crate::foundation::records::test_update(id, version, at, status)
+        crate::registry::weights::test_update(id, version, at, status)
     }
 
     #[test]
