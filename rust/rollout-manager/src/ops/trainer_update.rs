@@ -581,6 +581,15 @@ fn start_members(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup) 
                 plan.push((m.clone(), routed));
             }
         }
+        let pending = inner
+            .weights
+            .updates()
+            .get(update_id)
+            .is_some_and(|u| u.status() == rollout_core::weights::WeightUpdateStatus::Pending);
+        debug_assert!(pending, "the broadcast of update {update_id} starts on a PENDING update");
+        if !pending {
+            tracing::error!(update_id = %update_id, "the broadcast starts on an update that is not PENDING");
+        }
         inner.weights.updating(update_id);
         plan
     })

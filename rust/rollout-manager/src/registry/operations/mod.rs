@@ -160,7 +160,8 @@ impl Operations {
         }
     }
 
-    /// A PENDING scale-out says it waits for resources (Ray mode places each engine first).
+    /// A scale-out says it waits for resources (Ray mode places each engine first; the caller
+    /// asks while the operation is PENDING).
     pub fn scale_out_waits_for_resources(&mut self, request_id: &str) {
         if let Some(op) = self.scale_outs.get_mut(request_id) {
             op.message = format!(

@@ -89,7 +89,7 @@ impl ScaleOutRecord {
         self
     }
 
-    pub fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
+    pub(super) fn apply(&mut self, event: ScaleOutEvent) -> Result<(), IllegalTransition> {
         let next = self.status.on(event)?;
         tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_out");
         self.status = next;
@@ -103,7 +103,7 @@ impl ScaleOutRecord {
 
     /// Applies the operation's forward events until it has reached `phase` (see
     /// [`ScaleOutStatus::events_to`]).
-    pub fn advance_to(&mut self, phase: rollout_core::Phase) {
+    pub(super) fn advance_to(&mut self, phase: rollout_core::Phase) {
         for event in self.status.events_to(phase) {
             checked(self.apply(event));
         }
@@ -153,7 +153,7 @@ impl ScaleInRecord {
         self
     }
 
-    pub fn apply(&mut self, event: ScaleInEvent) -> Result<(), IllegalTransition> {
+    pub(super) fn apply(&mut self, event: ScaleInEvent) -> Result<(), IllegalTransition> {
         let next = self.status.on(event)?;
         tracing::info!(request_id = %self.request_id, from = %self.status, to = %next, "scale_in");
         self.status = next;

@@ -147,7 +147,7 @@ impl UpdateRecord {
         u
     }
 
-    pub fn apply(&mut self, event: WeightUpdateEvent) -> Result<(), IllegalTransition> {
+    pub(super) fn apply(&mut self, event: WeightUpdateEvent) -> Result<(), IllegalTransition> {
         let next = self.status.on(event)?;
         tracing::info!(update_id = %self.update_id, version = %self.version, from = %self.status, to = %next, "weight_update");
         self.status = next;
@@ -165,7 +165,7 @@ impl UpdateRecord {
 
     /// Moves one engine's progress; engines not yet listed start as PENDING. Illegal moves are
     /// ignored (an engine already VERIFIED stays so).
-    pub fn engine(&mut self, engine_id: &EngineId, event: EngineUpdateEvent, error: Option<String>) {
+    pub(super) fn engine(&mut self, engine_id: &EngineId, event: EngineUpdateEvent, error: Option<String>) {
         let now = unix_now();
         let e = self.engines.entry(engine_id.clone()).or_insert_with(EngineUpdate::pending);
         if let Ok(next) = e.status.on(event) {
