@@ -10,12 +10,10 @@ pub use record::{EngineUpdate, NewUpdate, UpdateRecord};
 
 use crate::foundation::clock::unix_now;
 use crate::foundation::records::{
-    checked, HashProgress, TrainerGroup, Transition, UpdateSource, VersionSource, KEEP_UPDATES, RESUMED,
+    checked, TrainerGroup, Transition, UpdateSource, VersionSource, KEEP_UPDATES, RESUMED,
 };
 use rollout_core::ids::{EngineId, UpdateId};
-use rollout_core::weights::{
-    EngineUpdateEvent, EngineUpdateStatus, UpdateStrategy, WeightUpdateEvent, WeightUpdateStatus, WeightVersion,
-};
+use rollout_core::weights::{EngineUpdateEvent, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -412,40 +410,16 @@ impl WeightsState {
     pub fn observe_trainer_version(&mut self, version: &str, engines: &[EngineId]) -> UpdateId {
         let now = unix_now();
         let update_id: UpdateId = uuid::Uuid::new_v4().into();
-        let done = EngineUpdate {
-            status: EngineUpdateStatus::Verified,
-            error: None,
-            started_at: Some(now),
-            finished_at: Some(now),
-        };
-        let record = UpdateRecord {
+        let new = NewUpdate {
             update_id: update_id.clone(),
             version: version.to_string(),
-            path: String::new(),
-            checksum: None,
-            expected_checksum: None,
-            total_bytes: 0,
-            hashed_bytes: HashProgress::default(),
-            engine_path: String::new(),
             previous_version: self.current.version.clone(),
-            strategy: UpdateStrategy::AllAtOnce,
-            max_unavailable: None,
             pause_mode: String::new(),
-            transport: "trainer".into(),
-            status: WeightUpdateStatus::Completed,
-            engines: engines.iter().map(|id| (id.clone(), done.clone())).collect(),
-            created_at: now,
-            updated_at: now,
-            finished_at: Some(now),
-            error_message: None,
             message: format!(
                 "observed: every serving engine reports {version}, which a trainer loaded without the manager"
             ),
-            history: vec![Transition { status: WeightUpdateStatus::Completed.to_string(), at: now }],
-            resumed: 0,
-            source: UpdateSource::Trainer,
-            trainer: None,
         };
+        let record = UpdateRecord::observed(new, engines);
         self.updates.insert(update_id.clone(), record);
         self.current =
             WeightVersion { version: version.to_string(), path: None, checksum: None, published_seq: self.next_seq };
@@ -537,7 +511,7 @@ pub enum TrainerStepRefused {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rollout_core::weights::WeightUpdateStatus;
+    use rollout_core::weights::{EngineUpdateStatus, WeightUpdateStatus};
 
     fn record(id: &str, version: &str, at: f64, status: WeightUpdateStatus) -> UpdateRecord {
         crate::registry::weights::test_update(id, version, at, status)

@@ -139,6 +139,21 @@ impl UpdateRecord {
         u
     }
 
+    /// A trainer's update the fleet observed after the fact (every serving engine, `engines`,
+    /// reports its version): COMPLETED, each engine verified.
+    pub(super) fn observed(new: NewUpdate, engines: &[EngineId]) -> Self {
+        let mut u = Self::opened(new, WeightUpdateStatus::Completed, UpdateSource::Trainer, "trainer".into());
+        let done = EngineUpdate {
+            status: EngineUpdateStatus::Verified,
+            error: None,
+            started_at: Some(u.created_at),
+            finished_at: Some(u.created_at),
+        };
+        u.engines = engines.iter().map(|id| (id.clone(), done.clone())).collect();
+        u.finished_at = Some(u.created_at);
+        u
+    }
+
     /// A trainer's update over its group, PENDING: every member takes part, all at once.
     pub fn from_trainer(new: NewUpdate, trainer: TrainerPart) -> Self {
         let mut u = Self::opened(new, WeightUpdateStatus::Pending, UpdateSource::Trainer, "trainer".into());
