@@ -79,6 +79,7 @@ lint-rust:
 	@$(CARGO) fmt --version >/dev/null 2>&1 && $(CARGO) clippy --version >/dev/null 2>&1 || rustup component add rustfmt clippy
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 
 # ruff and mypy come pinned with python[test]; their one config is python/pyproject.toml.
 PY_CONFIG := python/pyproject.toml

@@ -137,9 +137,9 @@ pub struct Produced {
     pub moves: Vec<Value>,
     /// The engines it ran on, in order.
     pub engines: Vec<String>,
-    /// The output's logprob fields ([`OUTPUT_LOGPROBS`]), concatenated over the parts.
+    /// The output's logprob fields (`OUTPUT_LOGPROBS`), concatenated over the parts.
     pub logprobs: Map<String, Value>,
-    /// The prompt's logprob fields ([`INPUT_LOGPROBS`]), from the first part that had output.
+    /// The prompt's logprob fields (`INPUT_LOGPROBS`), from the first part that had output.
     pub input_logprobs: Option<Map<String, Value>>,
     /// A text prompt's ids, as its first engine made them (`prompt_token_ids`).
     pub prompt_ids: Option<Vec<u64>>,

@@ -1,14 +1,14 @@
 //! `elastic_rollout._native`: the few pieces of the manager that Python front ends need, from the
 //! manager's own Rust code, so nothing is declared twice.
 //!
-//! - [`parse_serve_args`] and [`describe_serve_args`]: `rollout-manager serve`'s clap parser,
+//! - `parse_serve_args` and `describe_serve_args`: `rollout-manager serve`'s clap parser,
 //!   layered as the binary layers it (command line > `ROLLOUT_MANAGER_*` environment variables of
 //!   this process > `--config` file > defaults), then [`ServeConfig::validate`], so
 //!   `python -m elastic_rollout_ray.launch` rejects a bad flag with the binary's own message
 //!   before anything starts on a cluster. The dict returned is `ServeConfig`'s serde form.
-//! - [`binary_path`]: the `rollout-manager` binary that matches this module (bundled in the
+//! - `binary_path`: the `rollout-manager` binary that matches this module (bundled in the
 //!   package's `_bin/`, or the cargo build of the source tree this module was built from).
-//! - [`autoscaler_replay`]: the pure `replay()` of `rollout-manager autoscaler-replay` (the same
+//! - `autoscaler_replay`: the pure `replay()` of `rollout-manager autoscaler-replay` (the same
 //!   `decide()` as the live autoscaler) over a YAML config and a JSONL trace given as strings.
 //!
 //! Errors: a bad argument list, environment variable, config file or config raises `ValueError`

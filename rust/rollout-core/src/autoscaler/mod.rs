@@ -1,5 +1,5 @@
 //! The autoscaler's pure half: its configuration (the seed's YAML), engine load samples and
-//! their sliding window, a Prometheus text parser, the RL pipeline signal, and [`decide`].
+//! their sliding window, a Prometheus text parser, the RL pipeline signal, and [`decide()`].
 //!
 //! The manager (`rollout-manager/src/autoscaler/`) reads the engines, feeds
 //! [`AutoscalerState`] and acts through the scale API; `rollout-manager autoscaler-replay`

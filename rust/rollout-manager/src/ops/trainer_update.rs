@@ -10,7 +10,7 @@
 //!    engines waiting for the trainer's version, frozen until the update ends. The answer is
 //!    the group layout: the group of the last update when the trainer names it and the members
 //!    did not change, else a new group (new name, the trainer's master address and port).
-//! 2. [`run`]: for a new group, the old one is destroyed on its members still here, and every
+//! 2. `run`: for a new group, the old one is destroyed on its members still here, and every
 //!    member joins the new one (`/init_weights_update_group`, in parallel) while the trainer
 //!    joins as rank 0. Any member that cannot join fails the update before anything is paused.
 //! 3. The trainer calls `.../broadcast` (answered once the group is ready) and broadcasts. The

@@ -326,7 +326,7 @@ pub struct Current<'a, E> {
     pub weights: &'a WeightsState,
 }
 
-/// Changed rows by table (in [`TABLES`] order): `Some(json)` writes the row, `None` deletes it.
+/// Changed rows by table (in `TABLES` order): `Some(json)` writes the row, `None` deletes it.
 #[derive(Debug, Default)]
 pub struct Batch {
     rows: [BTreeMap<String, Option<String>>; 5],

@@ -130,7 +130,7 @@ fn hash_file(path: &Path, len: u64, progress: &AtomicU64, stop: [&AtomicBool; 2]
     Ok(sum.finish())
 }
 
-/// Hashes the checkpoint's files, up to [`MAX_HASH_THREADS`] (and the machine's cores) at once,
+/// Hashes the checkpoint's files, up to `MAX_HASH_THREADS` (and the machine's cores) at once,
 /// largest first; returns its checksum. `progress` counts the bytes read; setting `stop` ends the
 /// hashing early with [`CheckpointError::Stopped`]. The first error stops the other threads.
 pub fn hash(ckpt: &Checkpoint, progress: &AtomicU64, stop: &AtomicBool) -> Result<String, CheckpointError> {

@@ -1,9 +1,9 @@
 //! Weight versions of the fleet: what it serves, what it is moving to, and how.
 //!
-//! Expected flow of a publish (`POST /rollout/weights/publish`, [`api`]): the manager reads and
+//! Expected flow of a publish (`POST /rollout/weights/publish`, `interfaces::api`): the manager reads and
 //! checksums the checkpoint directory ([`checkpoint`]), stages it through the configured
 //! [`transport::WeightTransport`], records an update (PENDING) with the new version as the
-//! fleet's *target*, and runs it in the background ([`update`]): waves of ACTIVE engines leave
+//! fleet's *target*, and runs it in the background (`ops::weight_update`): waves of ACTIVE engines leave
 //! routing (WEIGHT_SYNCING), drain or pause, load the version with `/update_weights_from_disk`,
 //! and come back (READY -> ACTIVE) only once `/model_info` reports the new version and checksum.
 //!
@@ -26,7 +26,7 @@
 //!   again is answered with the existing update; a version name never changes its bytes (409).
 //! - The state is persisted in the store, so a restarted manager knows the version and its
 //!   checkpoint, and an update in flight when the manager stopped (crash, SIGKILL, SIGTERM)
-//!   resumes under the same id ([`update::resume`]): its checkpoint is checked again (gone or
+//!   resumes under the same id (`ops::weight_update::resume`): its checkpoint is checked again (gone or
 //!   changed: the update ends FAILED with the reason, the fleet stays), engines already on the
 //!   target count as done, engines caught mid-turn finish their turn, and the rest follow the
 //!   strategy. The record counts the restarts it went through (`resumed`, and a `RESUMED`

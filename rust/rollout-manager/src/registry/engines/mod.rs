@@ -419,8 +419,8 @@ impl Engine {
         self.seq
     }
 
-    /// What the API shows of it (its in-flight count is filled in by
-    /// [`super::Fleet::engine_records`]).
+    /// What the API shows of it (with its in-flight count filled in:
+    /// [`Engine::record_now`]).
     pub fn record(&self) -> &EngineRecord {
         &self.record
     }
