@@ -28,6 +28,8 @@ $(VENV)/.ok: python/pyproject.toml ray_integration/pyproject.toml
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q 'maturin>=1.9,<2' 'ray[serve]==2.60.*' 'httpx>=0.27'
+	# Wheels for older glibc and other architectures without Docker (make wheel), and their check.
+	$(PY) -m pip install -q 'ziglang==0.17.1' 'cargo-zigbuild==0.24.1' 'auditwheel==6.8.2'
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation -e 'python[test]'
 	$(PY) -m pip install -q -e ray_integration
 	@touch $@ $(VENV)/.native
@@ -46,13 +48,20 @@ build:
 build-release:
 	$(CARGO) build --release --workspace --bins
 
-# Two wheels into dist/: elastic-rollout (native module, the binaries in elastic_rollout/_bin/ and
-# console scripts for them; tagged manylinux_2_<N> for the newest glibc the binaries need, 2.34 when
-# built on Debian 12) and elastic-rollout-ray (pure Python). deploy/build-wheels.sh says how.
-# PROFILE=debug packages the debug build (`make build`) instead of a release build (CI, tests).
+# Wheels into dist/: elastic-rollout (native module, the binaries in elastic_rollout/_bin/ and
+# console scripts for them) for each architecture of WHEEL_ARCHES, linked against glibc
+# WHEEL_GLIBC with zig (no Docker; cargo-zigbuild and ziglang come into .venv from PyPI), so it
+# installs on RHEL/Rocky 8, Ubuntu 20.04, Debian 11 and newer; and elastic-rollout-ray (pure
+# Python). deploy/build-wheels.sh says how. PROFILE=debug packages a debug build (CI, tests).
 PROFILE ?= release
-wheel: $(if $(filter debug,$(PROFILE)),build,build-release) venv
-	PROFILE=$(PROFILE) PYTHON=$(CURDIR)/$(PY) deploy/build-wheels.sh $(CURDIR)/dist
+WHEEL_GLIBC ?= 2.28
+WHEEL_ARCHES ?= $(shell uname -m)
+wheel: venv
+	@for arch in $(WHEEL_ARCHES); do \
+	  rustup target list --installed | grep -qx "$$arch-unknown-linux-gnu" || rustup target add "$$arch-unknown-linux-gnu" || exit 1; \
+	  TARGET=$$arch-unknown-linux-gnu.$(WHEEL_GLIBC) PROFILE=$(PROFILE) PYTHON=$(CURDIR)/$(PY) \
+	    deploy/build-wheels.sh $(CURDIR)/dist || exit 1; \
+	done
 
 setup: venv build
 
