@@ -305,6 +305,69 @@ def test_an_engine_out_during_an_update_catches_up_before_it_rejoins(start_fleet
     assert send_count(a.url) >= 1, "the copy came from the engine that serves the version"
 
 
+def test_a_bucketed_update_reaches_every_engine_bucket_by_bucket(release_fleet: ManagerHandle) -> None:
+    """What slime, AReaL and verl do: the tensors go in buckets, each its own
+    ``/update_weights_from_distributed`` on every engine, and the version only with the end."""
+    fleet = release_fleet
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    buckets = [SPECS[:2], SPECS[2:]]
+    with Traffic(fleet.router_url).running() as traffic:
+        wait_until(lambda: traffic.answered() >= 5, 60, "answers before the update")
+        result = sync.update("step-1", buckets=buckets)
+        after = traffic.answered()
+        wait_until(lambda: traffic.answered() >= after + 10, 60, "answers after the update")
+    assert result.update is not None and result.update.status == "COMPLETED"
+    trainer = result.update.trainer or {}
+    assert (trainer["buckets_sent"], trainer["buckets_received"], trainer["last_sent"]) == (2, 2, True)
+    assert rank0.broadcasts == [(result.layout.group_name, [s.name for s in b]) for b in buckets]
+    assert fleet.client.weights().version == "step-1"
+    for e in fleet.engines().engines:
+        assert model_info(e.url)["weight_version"] == "step-1"
+    assert set(traffic.versions) <= {"default", "step-1"} and not traffic.errors, (traffic.versions, traffic.errors)
+
+    # A bucket that does not fit the update is refused with what to do instead.
+    opened = fleet.client.open_trainer_update("step-2", [], "127.0.0.1", 1, group_name=result.layout.group_name)
+    url = f"{fleet.control_url}/rollout/weights/updates/{opened.update_id}/broadcast"
+    refused = http("POST", url, {})
+    assert refused.status == 400 and refused.json()["error"]["code"] == "bucket_expected", refused.body
+    bad = http("POST", url, {"names": ["w"], "dtypes": ["bfloat17"], "shapes": [[2]]})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_dtype", bad.body
+    fleet.client.abort_weight_update(opened.update_id, "test done")
+
+
+def test_a_trainer_that_gives_up_between_buckets_leaves_no_engine_on_part_of_a_version(fleet: ManagerHandle) -> None:
+    rank0 = StandInRank0()
+    sync = make_sync(fleet, rank0)
+    sync.update("step-1", SPECS)
+    before = engine_identities(fleet)
+    with Traffic(fleet.router_url).running() as traffic:
+        wait_until(lambda: traffic.answered() >= 5, 60, "answers before the update")
+        try:
+            with sync.begin("step-2") as bucketed:
+                bucketed.send(SPECS[:2])
+                rank0.broadcast(bucketed.layout, SPECS[:2])
+                raise MemoryError("CUDA out of memory while gathering bucket 2")
+        except MemoryError:
+            pass
+        # Every member loaded bucket 1 of step-2: none may generate again, so each is stopped
+        # without resuming and started afresh (a copy of step-1 needs a seed: none is left, so
+        # each waits for the trainer's next update).
+        fleet.wait_engines(2, "WEIGHT_SYNCING", STARTUP_TIMEOUT)
+    failed = fleet.client.weight_updates(status="FAILED")
+    assert len(failed) == 1 and "aborted after 1 bucket(s)" in (failed[0].error_message or ""), failed
+    assert "CUDA out of memory" in (failed[0].error_message or "")
+    assert fleet.client.weights().version == "step-1"
+    after = engine_identities(fleet)
+    assert all(after.get(k) != v for k, v in before.items()), "every member was started again"
+    assert set(traffic.versions) == {"step-1"}, traffic.versions
+
+    # The trainer's next update brings them back.
+    sync.update("step-3", SPECS)
+    fleet.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT)
+    assert {e.weight_version for e in fleet.engines().engines} == {"step-3"}
+
+
 def test_a_trainer_that_cannot_join_leaves_no_group_and_nothing_paused(fleet: ManagerHandle) -> None:
     def broken_join(layout: GroupLayout) -> None:
         StandInRank0().join_group(layout)

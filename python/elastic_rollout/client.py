@@ -209,6 +209,14 @@ def _quote(segment: str) -> str:
     return urllib.parse.quote(segment, safe="")
 
 
+def _tensor_fields(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> JsonObject:
+    return {
+        "names": [t[0] for t in tensors],
+        "dtypes": [t[1] for t in tensors],
+        "shapes": [list(t[2]) for t in tensors],
+    }
+
+
 def _scale_body(
     model_name: str, num_replicas: int | None, engine_urls: list[str] | None, timeout_secs: float | None
 ) -> JsonObject:
@@ -344,9 +352,7 @@ class _Calls:
     ) -> _Call[WeightUpdate]:
         body: JsonObject = {
             "version": version,
-            "names": [t[0] for t in tensors],
-            "dtypes": [t[1] for t in tensors],
-            "shapes": [list(t[2]) for t in tensors],
+            **_tensor_fields(tensors),
             "master_address": master_address,
             "master_port": master_port,
             "flush_cache": flush_cache,
@@ -364,9 +370,16 @@ class _Calls:
         return _Call("POST", "/rollout/weights/trainer_group/destroy", {}, _json)
 
     @staticmethod
-    def start_broadcast(update_id: str) -> _Call[WeightUpdate]:
+    def start_broadcast(
+        update_id: str, tensors: Sequence[tuple[str, str, Sequence[int]]] | None, last: bool | None
+    ) -> _Call[WeightUpdate]:
         path = f"/rollout/weights/updates/{_quote(update_id)}/broadcast"
-        return _Call("POST", path, {}, lambda data, _s: WeightUpdate.from_json(data))
+        body: JsonObject = {}
+        if tensors is not None:
+            body.update(_tensor_fields(tensors))
+        if last is not None:
+            body["last"] = last
+        return _Call("POST", path, body, lambda data, _s: WeightUpdate.from_json(data))
 
     @staticmethod
     def abort_weight_update(update_id: str, reason: str) -> _Call[WeightUpdate]:
@@ -724,11 +737,18 @@ class RolloutClient(_Base):
             )
         )
 
-    def start_broadcast(self, update_id: str) -> WeightUpdate:
+    def start_broadcast(
+        self,
+        update_id: str,
+        tensors: Sequence[tuple[str, str, Sequence[int]]] | None = None,
+        last: bool | None = None,
+    ) -> WeightUpdate:
         """``POST /rollout/weights/updates/{id}/broadcast``: the trainer is about to broadcast;
         answered once every member joined the group (the manager then pauses them and starts
-        their side)."""
-        return self._call(_Calls.start_broadcast(update_id))
+        their side). For an update opened without tensors, each call names the next bucket
+        (``tensors``: ``(name, dtype, shape)``) and is answered once every member received the
+        bucket before; ``last=True`` (with or without a bucket) ends the broadcast."""
+        return self._call(_Calls.start_broadcast(update_id, tensors, last))
 
     def abort_weight_update(self, update_id: str, reason: str) -> WeightUpdate:
         """``POST /rollout/weights/updates/{id}/abort``: the trainer gives up before its
@@ -971,9 +991,14 @@ class AsyncRolloutClient(_Base):
             )
         )
 
-    async def start_broadcast(self, update_id: str) -> WeightUpdate:
+    async def start_broadcast(
+        self,
+        update_id: str,
+        tensors: Sequence[tuple[str, str, Sequence[int]]] | None = None,
+        last: bool | None = None,
+    ) -> WeightUpdate:
         """As :meth:`RolloutClient.start_broadcast`."""
-        return await self._call(_Calls.start_broadcast(update_id))
+        return await self._call(_Calls.start_broadcast(update_id, tensors, last))
 
     async def abort_weight_update(self, update_id: str, reason: str) -> WeightUpdate:
         """As :meth:`RolloutClient.abort_weight_update`."""

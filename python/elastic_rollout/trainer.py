@@ -39,7 +39,7 @@ import asyncio
 import inspect
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from elastic_rollout.models import WeightUpdate
 
 __all__ = [
     "AsyncDistributedWeightSync",
+    "BucketedUpdate",
     "DistributedWeightSync",
     "EngineFailure",
     "GroupLayout",
@@ -186,13 +187,18 @@ def _outcome(version: str, layout: GroupLayout, rebuilt: bool, done: WeightUpdat
     return UpdateResult(version, layout, rebuilt, done, failed)
 
 
-def _open_args(
-    sync: _SyncBase, version: str, specs: Sequence[TensorSpec], flush_cache: bool
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _tensors(specs: Sequence[TensorSpec]) -> list[tuple[str, str, tuple[int, ...]]]:
     if not specs:
         raise ValueError("specs is empty: name at least one tensor to broadcast")
+    return [(s.name, s.dtype, tuple(s.shape)) for s in specs]
+
+
+def _open_args(
+    sync: _SyncBase, version: str, specs: Sequence[TensorSpec] | None, flush_cache: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The open's arguments; ``specs`` None opens a bucketed update (no tensors)."""
     port = sync.master_port if sync.master_port is not None else _free_port(sync.master_address)
-    tensors = [(s.name, s.dtype, tuple(s.shape)) for s in specs]
+    tensors = [] if specs is None else _tensors(specs)
     kwargs = {
         "group_name": sync.layout.group_name if sync.layout is not None else None,
         "pause_mode": sync.pause_mode,
@@ -270,25 +276,29 @@ class DistributedWeightSync(_SyncBase):
         self.destroy_group = destroy_group
         self._lock = threading.Lock()
 
-    def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
-        """Broadcasts one weight version to the fleet through the manager (see the module docs)."""
+    def update(
+        self,
+        version: str,
+        specs: Sequence[TensorSpec] | None = None,
+        *,
+        buckets: Iterable[Sequence[TensorSpec]] | None = None,
+        flush_cache: bool = True,
+    ) -> UpdateResult:
+        """Broadcasts one weight version to the fleet through the manager (see the module docs):
+        every tensor of ``specs`` in one ``broadcast(layout, specs)`` call, or ``buckets`` (an
+        iterable, consumed as the broadcast goes) with one ``broadcast(layout, bucket)`` call
+        per bucket, each received by the engines before the next is sent."""
+        if (specs is None) == (buckets is None):
+            raise ValueError("give the tensors as specs (one broadcast) or as buckets, not both or neither")
+        if buckets is not None:
+            with self.begin(version, flush_cache=flush_cache) as bucketed:
+                for bucket in buckets:
+                    bucketed.send(bucket)
+                    self.broadcast(bucketed.layout, bucket)
+                return bucketed.end()
+        assert specs is not None
         with self._lock:
-            args, kwargs = _open_args(self, version, specs, flush_cache)
-            try:
-                opened = self.manager.open_trainer_update(*args, **kwargs)
-            except RolloutApiError as err:
-                raise _refused("open", err) from err
-            layout, rebuilt = _layout_of(opened)
-            if rebuilt:
-                old, self.layout = self.layout, None
-                if old is not None and self.destroy_group is not None:
-                    self.destroy_group(old)
-                try:
-                    self.join_group(layout)
-                except BaseException as err:
-                    self._abort(opened.update_id, f"the trainer could not join group {layout.group_name}: {err}")
-                    raise
-                self.layout = layout
+            opened, layout, rebuilt = self._open(version, specs, flush_cache)
             try:
                 self.manager.start_broadcast(opened.update_id)
             except RolloutApiError as err:
@@ -298,6 +308,42 @@ class DistributedWeightSync(_SyncBase):
             self.broadcast(layout, specs)
             done = self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout, poll_interval=POLL)
             return _outcome(version, layout, rebuilt, done)
+
+    def begin(self, version: str, *, flush_cache: bool = True) -> BucketedUpdate:
+        """Opens an update whose tensors the trainer sends in buckets, for trainers that make
+        each bucket as they go: :meth:`BucketedUpdate.send` before broadcasting a bucket,
+        :meth:`BucketedUpdate.end` after the last, :meth:`BucketedUpdate.abort` to give up
+        between two. Other updates wait until it ends. As a context manager it ends on a
+        normal exit and aborts on an exception."""
+        self._lock.acquire()
+        try:
+            opened, layout, rebuilt = self._open(version, None, flush_cache)
+        except BaseException:
+            self._lock.release()
+            raise
+        return BucketedUpdate(self, version, opened, layout, rebuilt)
+
+    def _open(
+        self, version: str, specs: Sequence[TensorSpec] | None, flush_cache: bool
+    ) -> tuple[WeightUpdate, GroupLayout, bool]:
+        """Opens the update and, for a new group, joins it as rank 0 (under the lock)."""
+        args, kwargs = _open_args(self, version, specs, flush_cache)
+        try:
+            opened = self.manager.open_trainer_update(*args, **kwargs)
+        except RolloutApiError as err:
+            raise _refused("open", err) from err
+        layout, rebuilt = _layout_of(opened)
+        if rebuilt:
+            old, self.layout = self.layout, None
+            if old is not None and self.destroy_group is not None:
+                self.destroy_group(old)
+            try:
+                self.join_group(layout)
+            except BaseException as err:
+                self._abort(opened.update_id, f"the trainer could not join group {layout.group_name}: {err}")
+                raise
+            self.layout = layout
+        return opened, layout, rebuilt
 
     def _abort(self, update_id: str, reason: str) -> None:
         try:
@@ -315,6 +361,84 @@ class DistributedWeightSync(_SyncBase):
                 pass  # the manager is gone or an update runs: the next update builds a new group
             if old is not None and self.destroy_group is not None:
                 self.destroy_group(old)
+
+
+class BucketedUpdate:
+    """One trainer update sent in buckets (from :meth:`DistributedWeightSync.begin`)."""
+
+    def __init__(
+        self, sync: DistributedWeightSync, version: str, opened: WeightUpdate, layout: GroupLayout, rebuilt: bool
+    ) -> None:
+        self.sync = sync
+        self.version = version
+        self.update_id = opened.update_id
+        #: The group to broadcast over (the trainer is rank 0).
+        self.layout = layout
+        self.rebuilt = rebuilt
+        #: Buckets sent so far.
+        self.sent = 0
+        self._open = True
+
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
+            self.sync._lock.release()
+
+    def send(self, specs: Sequence[TensorSpec]) -> None:
+        """Tells the manager the next bucket; broadcast it once this returns (the engines are
+        paused and about to receive it). Waits until every engine received the bucket before."""
+        if not self._open:
+            raise RuntimeError(f"update {self.update_id} has ended; begin another")
+        tensors = _tensors(specs)
+        try:
+            self.sync.manager.start_broadcast(self.update_id, tensors, last=False)
+        except RolloutApiError as err:
+            done = self.sync.manager.weight_update(self.update_id)
+            if done.status in ("COMPLETED", "FAILED"):
+                if self.sent == 0:  # the engines could not join: the group is gone
+                    self.sync.layout = None
+                self._release()
+            step = "join_group" if self.sent == 0 else "broadcast"
+            raise WeightSyncError(step, [EngineFailure("-", "", err.status, err.message)], done) from err
+        self.sent += 1
+
+    def end(self) -> UpdateResult:
+        """After the last bucket's broadcast: waits until the fleet serves the version (raises
+        :class:`WeightSyncError` if no engine got it)."""
+        if not self._open:
+            raise RuntimeError(f"update {self.update_id} has ended")
+        try:
+            if self.sent == 0:
+                raise ValueError("no bucket was sent: send at least one before end()")
+            try:
+                self.sync.manager.start_broadcast(self.update_id, None, last=True)
+            except RolloutApiError as err:
+                done = self.sync.manager.weight_update(self.update_id)
+                raise WeightSyncError("broadcast", [EngineFailure("-", "", err.status, err.message)], done) from err
+            manager = self.sync.manager
+            done = manager.wait_for_weight_update(self.update_id, timeout=self.sync.timeout, poll_interval=POLL)
+            return _outcome(self.version, self.layout, self.rebuilt, done)
+        finally:
+            self._release()
+
+    def abort(self, reason: str) -> None:
+        """Gives up between buckets: the update ends FAILED, the fleet stays on its version, and
+        engines that received part of this one are started again on it."""
+        if not self._open:
+            return
+        try:
+            self.sync._abort(self.update_id, reason)
+        finally:
+            self._release()
+
+    def __enter__(self) -> BucketedUpdate:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, _tb: Any) -> None:
+        if err is not None:
+            self.abort(f"the trainer failed: {err}")
+        elif self._open:
+            self.end()
 
 
 async def _maybe_await(value: Any) -> None:
@@ -352,8 +476,17 @@ class AsyncDistributedWeightSync(_SyncBase):
         self.destroy_group = destroy_group
         self._lock = asyncio.Lock()
 
-    async def update(self, version: str, specs: Sequence[TensorSpec], *, flush_cache: bool = True) -> UpdateResult:
+    async def update(
+        self,
+        version: str,
+        specs: Sequence[TensorSpec] | None = None,
+        *,
+        buckets: Iterable[Sequence[TensorSpec]] | None = None,
+        flush_cache: bool = True,
+    ) -> UpdateResult:
         """As :meth:`DistributedWeightSync.update`."""
+        if (specs is None) == (buckets is None):
+            raise ValueError("give the tensors as specs (one broadcast) or as buckets, not both or neither")
         async with self._lock:
             args, kwargs = _open_args(self, version, specs, flush_cache)
             try:
@@ -362,29 +495,50 @@ class AsyncDistributedWeightSync(_SyncBase):
                 raise _refused("open", err) from err
             layout, rebuilt = _layout_of(opened)
             if rebuilt:
-                old, self.layout = self.layout, None
-                if old is not None and self.destroy_group is not None:
-                    await _maybe_await(self.destroy_group(old))
-                try:
-                    await _maybe_await(self.join_group(layout))
-                except BaseException as err:
-                    try:
-                        await self.manager.abort_weight_update(
-                            opened.update_id, f"the trainer could not join group {layout.group_name}: {err}"
-                        )
-                    except RolloutApiError:
-                        pass
-                    raise
-                self.layout = layout
+                await self._join(opened.update_id, layout)
+            sent = 0
             try:
-                await self.manager.start_broadcast(opened.update_id)
+                if specs is not None:
+                    await self.manager.start_broadcast(opened.update_id)
+                    await _maybe_await(self.broadcast(layout, specs))
+                else:
+                    assert buckets is not None
+                    for bucket in buckets:
+                        await self.manager.start_broadcast(opened.update_id, _tensors(bucket), last=False)
+                        sent += 1
+                        await _maybe_await(self.broadcast(layout, bucket))
+                    if sent == 0:
+                        raise ValueError("buckets is empty: send at least one")
+                    await self.manager.start_broadcast(opened.update_id, None, last=True)
             except RolloutApiError as err:
-                self.layout = None
+                if sent == 0:
+                    self.layout = None
                 done = await self.manager.weight_update(opened.update_id)
-                raise WeightSyncError("join_group", [EngineFailure("-", "", err.status, err.message)], done) from err
-            await _maybe_await(self.broadcast(layout, specs))
+                step = "join_group" if sent == 0 else "broadcast"
+                raise WeightSyncError(step, [EngineFailure("-", "", err.status, err.message)], done) from err
+            except BaseException as err:
+                if specs is None:
+                    await self._abort(opened.update_id, f"the trainer failed: {err}")
+                raise
             done = await self.manager.wait_for_weight_update(opened.update_id, timeout=self.timeout, poll_interval=POLL)
             return _outcome(version, layout, rebuilt, done)
+
+    async def _join(self, update_id: str, layout: GroupLayout) -> None:
+        old, self.layout = self.layout, None
+        if old is not None and self.destroy_group is not None:
+            await _maybe_await(self.destroy_group(old))
+        try:
+            await _maybe_await(self.join_group(layout))
+        except BaseException as err:
+            await self._abort(update_id, f"the trainer could not join group {layout.group_name}: {err}")
+            raise
+        self.layout = layout
+
+    async def _abort(self, update_id: str, reason: str) -> None:
+        try:
+            await self.manager.abort_weight_update(update_id, reason)
+        except RolloutApiError:
+            pass  # the update ends by its timeout instead
 
     async def close(self) -> None:
         """As :meth:`DistributedWeightSync.close`."""

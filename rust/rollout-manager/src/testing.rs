@@ -271,10 +271,13 @@ impl EngineApi for FakeEngines {
             if s.refuse_loads.contains(url) && path == "/update_weights_from_distributed" {
                 return Err(EngineError::Refused { path, detail: "HTTP 400: refused".into() });
             }
-            if path == "/update_weights_from_distributed" {
-                if let Some(v) = body.get("weight_version").and_then(|v| v.as_str()) {
-                    s.serving.insert(url.to_string(), v.to_string());
-                }
+            let told = match path {
+                "/update_weights_from_distributed" => body.get("weight_version"),
+                "/update_weight_version" => body.get("new_version"),
+                _ => None,
+            };
+            if let Some(v) = told.and_then(|v| v.as_str()) {
+                s.serving.insert(url.to_string(), v.to_string());
             }
             Ok(true)
         })

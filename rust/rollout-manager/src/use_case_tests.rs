@@ -528,9 +528,11 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
 fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
     let req = crate::ops::trainer_update::OpenRequest {
         version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
-        names: vec!["w".into()],
-        dtypes: vec!["bfloat16".into()],
-        shapes: vec![vec![2]],
+        tensors: crate::foundation::records::Bucket {
+            names: vec!["w".into()],
+            dtypes: vec!["bfloat16".into()],
+            shapes: vec![vec![2]],
+        },
         pause_mode: "retract".into(),
         flush_cache: true,
         master_address: "127.0.0.1".into(),
@@ -548,7 +550,7 @@ async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
 }
 
 async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &UpdateId) {
-    crate::ops::trainer_update::start_broadcast(m, id).await.expect("the broadcast starts");
+    crate::ops::trainer_update::start_broadcast(m, id, None).await.expect("the broadcast starts");
     wait_for(m, "the trainer update to end", |i| i.weights.updates()[id.as_str()].status().is_terminal()).await;
 }
 
@@ -590,6 +592,101 @@ async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seed
     let table = m.fleet.routes();
     assert_eq!(table.backends.len(), 4);
     assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some("step-1")), "{table:?}");
+}
+
+/// Opens a trainer update to `version` whose tensors come in buckets.
+fn open_bucketed_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
+    let req = crate::ops::trainer_update::OpenRequest {
+        version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
+        tensors: crate::foundation::records::Bucket::default(),
+        pause_mode: "retract".into(),
+        flush_cache: true,
+        master_address: "127.0.0.1".into(),
+        master_port: 29500,
+        group_name: None,
+        group_prefix: "g".into(),
+    };
+    crate::ops::trainer_update::open(m, req).expect("opened").update_id().clone()
+}
+
+fn bucket(name: &str, last: bool) -> Option<crate::foundation::records::BroadcastStep> {
+    let bucket = crate::foundation::records::Bucket {
+        names: vec![name.into()],
+        dtypes: vec!["bfloat16".into()],
+        shapes: vec![vec![2]],
+    };
+    Some(crate::foundation::records::BroadcastStep { bucket: Some(bucket), last })
+}
+
+fn calls_to(engines: &FakeEngines, route: &str) -> usize {
+    engines.calls().iter().filter(|c| c.ends_with(route)).count()
+}
+
+#[tokio::test]
+async fn a_bucketed_trainer_update_receives_every_bucket_then_tells_the_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    scale_to(&m, 2).await;
+    let id = open_bucketed_update(&m, "step-1");
+    use crate::ops::trainer_update::start_broadcast;
+    let refused = start_broadcast(&m, &id, None).await.expect_err("a bucketed update takes buckets");
+    assert_eq!(refused.code(), "bucket_expected");
+    start_broadcast(&m, &id, bucket("a", false)).await.expect("the first bucket");
+    start_broadcast(&m, &id, bucket("b", false)).await.expect("the second, once the first was received");
+    wait_for(&m, "the second bucket received", |i| {
+        i.weights.updates()[id.as_str()].trainer().as_ref().is_some_and(|t| t.buckets_received == 2)
+    })
+    .await;
+    assert_eq!(calls_to(&engines, "/update_weights_from_distributed"), 4, "two buckets, two members");
+    assert_eq!(calls_to(&engines, "/update_weight_version"), 0, "no version before the last step");
+    {
+        let inner = m.fleet.lock();
+        assert!(inner.engines.values().all(|e| e.status() == EngineStatus::WeightSyncing));
+        assert_eq!(inner.weights.current().version, "default");
+    }
+    let end = crate::foundation::records::BroadcastStep { bucket: None, last: true };
+    start_broadcast(&m, &id, Some(end)).await.expect("the end");
+    wait_for(&m, "the update to end", |i| i.weights.updates()[id.as_str()].status().is_terminal()).await;
+    let inner = m.fleet.lock();
+    let u = &inner.weights.updates()[&id];
+    assert_eq!(u.status(), rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+    assert_eq!(inner.weights.current().version, "step-1");
+    assert_eq!(calls_to(&engines, "/update_weight_version"), 2);
+    assert_eq!(calls_to(&engines, "/flush_cache"), 2);
+    assert!(m.fleet.routes().backends.iter().all(|b| b.weight_version.as_deref() == Some("step-1")));
+    let t = u.trainer().clone().expect("a trainer part");
+    assert_eq!((t.buckets_sent, t.buckets_received, t.last_sent), (2, 2, true));
+}
+
+#[tokio::test]
+async fn a_trainer_that_gives_up_between_buckets_leaves_no_member_holding_part_of_a_version() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    scale_to(&m, 2).await;
+    let id = open_bucketed_update(&m, "step-1");
+    crate::ops::trainer_update::start_broadcast(&m, &id, bucket("a", false)).await.expect("the first bucket");
+    let launched_before = calls_to(&engines, "launch engine_0") + calls_to(&engines, "launch engine_1");
+    let continued_before = calls_to(&engines, "/continue_generation");
+    let ended = crate::ops::trainer_update::abort(&m, &id, "out of memory").await.expect("aborted between buckets");
+    assert_eq!(ended.status(), rollout_core::weights::WeightUpdateStatus::Failed);
+    let why = ended.error_message().clone().unwrap_or_default();
+    assert!(why.contains("aborted after 1 bucket(s): out of memory"), "{why}");
+    // Both members loaded the first bucket: neither returns to routing as it is; both are
+    // started again on the fleet's version.
+    wait_for(&m, "both members restarted and ACTIVE", |i| {
+        i.engines.values().filter(|e| e.status() == EngineStatus::Active).count() == 2
+    })
+    .await;
+    let launched = calls_to(&engines, "launch engine_0") + calls_to(&engines, "launch engine_1");
+    assert_eq!(launched, launched_before + 2, "{:?}", engines.calls());
+    assert_eq!(m.fleet.lock().weights.current().version, "default");
+    assert_eq!(calls_to(&engines, "/update_weight_version"), 0);
+    assert_eq!(
+        calls_to(&engines, "/continue_generation"),
+        continued_before,
+        "a member holding part of a version never generates again: {:?}",
+        engines.calls()
+    );
 }
 
 #[tokio::test]

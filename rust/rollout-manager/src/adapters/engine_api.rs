@@ -56,6 +56,10 @@ pub enum EngineError {
     /// It answered a weight-update call with an error (SGLang's `{success: false, message}`).
     #[error("engine refused {path}: {detail}")]
     Refused { path: &'static str, detail: String },
+    /// The weight update it took part in stopped before its end (the trainer gave up between
+    /// two buckets, say); what it loaded so far is part of a version.
+    #[error("the update stopped before this engine had all of it: {0}")]
+    UpdateStopped(String),
     #[error("cancelled")]
     Cancelled,
 }

@@ -90,15 +90,49 @@ impl TrainerGroup {
     }
 }
 
+/// The tensors of one `/update_weights_from_distributed` call, in broadcast order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bucket {
+    pub names: Vec<String>,
+    pub dtypes: Vec<String>,
+    pub shapes: Vec<Vec<u64>>,
+}
+
+/// What the trainer said it broadcasts next: a bucket of tensors (None: no more tensors, only
+/// the end), and whether it is the last step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BroadcastStep {
+    pub bucket: Option<Bucket>,
+    pub last: bool,
+}
+
 /// The trainer's side of a trainer update: the group, the tensors it broadcasts, and how far
 /// the handshake with the trainer got.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerPart {
     pub group: TrainerGroup,
+    /// The tensors, when the update was opened with them (one bucket); empty when the trainer
+    /// names each bucket as it broadcasts it (`bucketed`).
     pub names: Vec<String>,
     pub dtypes: Vec<String>,
     pub shapes: Vec<Vec<u64>>,
     pub flush_cache: bool,
+    /// The trainer sends its tensors in buckets, each named by its own `.../broadcast` call.
+    #[serde(default)]
+    pub bucketed: bool,
+    /// Buckets the trainer announced so far.
+    #[serde(default)]
+    pub buckets_sent: u32,
+    /// Buckets every member still taking part has answered.
+    #[serde(default)]
+    pub buckets_received: u32,
+    /// The trainer sent its last step: no bucket follows.
+    #[serde(default)]
+    pub last_sent: bool,
+    /// The step the update's task has not taken yet (kept in memory only: a restart fails a
+    /// trainer update in flight anyway).
+    #[serde(skip)]
+    pub pending: Option<BroadcastStep>,
     /// Every member joined the group (or the group was kept): the trainer may broadcast.
     pub group_ready: bool,
     /// When the trainer said it broadcasts (`POST .../broadcast`); engines are paused then.

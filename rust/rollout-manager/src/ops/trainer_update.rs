@@ -29,7 +29,7 @@
 //! (the broadcast cannot be resumed) and continues every member it may have paused.
 
 use crate::adapters::engine_api::EngineError;
-use crate::foundation::records::{GroupMember, TrainerGroup, TrainerPart, UpdateSource};
+use crate::foundation::records::{BroadcastStep, Bucket, GroupMember, TrainerGroup, TrainerPart, UpdateSource};
 use crate::ops::manager::Manager;
 use crate::ops::op_error::OpError;
 use crate::ops::weight_update::Turn;
@@ -62,9 +62,9 @@ const DTYPES: &[&str] = &[
 #[derive(Debug, Clone)]
 pub struct OpenRequest {
     pub version: VersionName,
-    pub names: Vec<String>,
-    pub dtypes: Vec<String>,
-    pub shapes: Vec<Vec<u64>>,
+    /// The tensors, in broadcast order; empty when the trainer names each bucket as it
+    /// broadcasts it.
+    pub tensors: Bucket,
     pub pause_mode: String,
     pub flush_cache: bool,
     /// Where the trainer listens as rank 0 when a new group is built.
@@ -76,24 +76,32 @@ pub struct OpenRequest {
     pub group_prefix: String,
 }
 
-fn check(req: &OpenRequest) -> Result<(), OpError> {
-    let n = req.names.len();
-    if n == 0 || req.dtypes.len() != n || req.shapes.len() != n {
+/// 400 unless `bucket` names one or more tensors, each with a dtype SGLang accepts and a shape.
+pub fn check_bucket(bucket: &Bucket) -> Result<(), OpError> {
+    let n = bucket.names.len();
+    if n == 0 || bucket.dtypes.len() != n || bucket.shapes.len() != n {
         return Err(OpError::invalid(
             "invalid_tensors",
             format!(
                 "names, dtypes and shapes must be non-empty lists of equal length (got {}, {} and {}): one entry per tensor, in broadcast order",
                 n,
-                req.dtypes.len(),
-                req.shapes.len()
+                bucket.dtypes.len(),
+                bucket.shapes.len()
             ),
         ));
     }
-    if let Some(bad) = req.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
+    if let Some(bad) = bucket.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
         return Err(OpError::invalid(
             "invalid_dtype",
             format!("dtype {bad:?} is not a torch dtype name SGLang accepts; use one of {}", DTYPES.join(", ")),
         ));
+    }
+    Ok(())
+}
+
+fn check(req: &OpenRequest) -> Result<(), OpError> {
+    if req.tensors != Bucket::default() {
+        check_bucket(&req.tensors)?;
     }
     if !matches!(req.pause_mode.as_str(), "abort" | "retract" | "in_place") {
         return Err(OpError::invalid(
@@ -241,10 +249,15 @@ fn new_record(update_id: &UpdateId, req: &OpenRequest, group: &TrainerGroup, pre
     let part = TrainerPart {
         group_ready: !group.new,
         group: group.clone(),
-        names: req.names.clone(),
-        dtypes: req.dtypes.clone(),
-        shapes: req.shapes.clone(),
+        names: req.tensors.names.clone(),
+        dtypes: req.tensors.dtypes.clone(),
+        shapes: req.tensors.shapes.clone(),
         flush_cache: req.flush_cache,
+        bucketed: req.tensors.names.is_empty(),
+        buckets_sent: 0,
+        buckets_received: 0,
+        last_sent: false,
+        pending: None,
         broadcast_at: None,
         receiving_at: None,
         aborted: None,
@@ -275,6 +288,22 @@ fn refused(update_id: &UpdateId, why: TrainerStepRefused) -> OpError {
         TrainerStepRefused::BroadcastStarted => OpError::conflict(
             "broadcast_started",
             format!("the broadcast of update {update_id} has started; it ends when every member has answered"),
+        ),
+        TrainerStepRefused::TensorsGivenAtOpen => OpError::invalid(
+            "tensors_given_at_open",
+            format!("update {update_id} was opened with its tensors; POST .../broadcast without a body (open it without names to send buckets)"),
+        ),
+        TrainerStepRefused::BucketExpected => OpError::invalid(
+            "bucket_expected",
+            format!("update {update_id} was opened without tensors: each .../broadcast names its bucket ({{\"names\", \"dtypes\", \"shapes\", \"last\"}}), or ends the update with {{\"last\": true}}"),
+        ),
+        TrainerStepRefused::LastStepSent => OpError::conflict(
+            "last_bucket_sent",
+            format!("the last bucket of update {update_id} was sent; wait for the update (GET /rollout/weights/updates/{update_id})"),
+        ),
+        TrainerStepRefused::BucketInFlight => OpError::conflict(
+            "bucket_in_flight",
+            format!("the members of update {update_id} have not all received the bucket before; call again"),
         ),
     }
 }
@@ -312,13 +341,27 @@ async fn wait_for(
     }
 }
 
-/// The trainer is about to broadcast: once every member joined the group, the manager pauses
-/// every member and opens its session; answered then, with the record (UPDATING), while the
-/// members start receiving. 409 when the update failed (the group could not be built, or it
-/// timed out) or ended.
-pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
+/// The trainer is about to broadcast `step` (None: the tensors it opened the update with).
+/// Once every member joined the group (and, for a bucket after the first, received the one
+/// before), the manager takes the step; answered then, with the record (UPDATING) once every
+/// member is paused and about to receive. 400 for a step that does not fit the update (see
+/// [`TrainerStepRefused`]); 409 when the update failed (the group could not be built, or it
+/// timed out) or ended, or its last bucket was sent.
+pub async fn start_broadcast(
+    manager: &Arc<Manager>,
+    update_id: &UpdateId,
+    step: Option<BroadcastStep>,
+) -> Result<UpdateRecord, OpError> {
+    if let Some(bucket) = step.as_ref().and_then(|s| s.bucket.as_ref()) {
+        check_bucket(bucket)?;
+    }
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
-    let ready = |u: &UpdateRecord| u.status().is_terminal() || u.trainer().as_ref().is_some_and(|t| t.group_ready);
+    let ready = |u: &UpdateRecord| {
+        u.status().is_terminal()
+            || u.trainer().as_ref().is_some_and(|t| {
+                t.group_ready && (t.last_sent || (t.pending.is_none() && t.buckets_received == t.buckets_sent))
+            })
+    };
     let u = wait_for(manager, update_id, limit, ready).await?;
     if u.status().is_terminal() {
         return Err(OpError::conflict(
@@ -330,7 +373,7 @@ pub async fn start_broadcast(manager: &Arc<Manager>, update_id: &UpdateId) -> Re
             ),
         ));
     }
-    manager.fleet.update(|inner| inner.weights.trainer_broadcasts(update_id)).map_err(|e| refused(update_id, e))?;
+    manager.fleet.update(|inner| inner.weights.trainer_sends(update_id, step)).map_err(|e| refused(update_id, e))?;
     // Answered once every member is paused and about to receive.
     let receiving =
         |u: &UpdateRecord| u.status().is_terminal() || u.trainer().as_ref().is_some_and(|t| t.receiving_at.is_some());
@@ -373,13 +416,13 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
         return;
     }
     // Wait for the trainer: broadcast, abort, a timeout, or the manager's shutdown.
-    let started = trainer_started(&manager, &update_id);
+    let started = next_step(&manager, &update_id);
     let outcome = tokio::select! {
         r = tokio::time::timeout(timeout, started) => r,
         () = manager.shutdown.cancelled() => return,
     };
-    match outcome {
-        Ok(Ok(())) => {}
+    let first = match outcome {
+        Ok(Ok(step)) => step,
         Ok(Err(None)) => return,
         Ok(Err(Some(reason))) => {
             destroy(&manager, &group.group_name, &group.members).await;
@@ -394,8 +437,8 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
             // The group stays: the trainer may still hold it and name it next time.
             return end_before_broadcast(&manager, &update_id, &why, false);
         }
-    }
-    broadcast(&manager, &update_id, &group, &want).await;
+    };
+    broadcast(&manager, &update_id, &group, &want, first).await;
 }
 
 /// The members of a new group join it (`/init_weights_update_group`, all at once); true when
@@ -434,25 +477,25 @@ async fn join_group(manager: &Manager, update_id: &UpdateId, group: &TrainerGrou
     true
 }
 
-/// Waits until the trainer started its broadcast (`Ok`) or aborted the update (`Err` with its
-/// reason; `Err(None)` when the update or the registry is gone).
-async fn trainer_started(manager: &Manager, update_id: &UpdateId) -> Result<(), Option<String>> {
+/// Waits for the trainer's next step of its broadcast and takes it (`Ok`), or for its abort
+/// (`Err` with its reason; `Err(None)` when the update or the registry is gone).
+async fn next_step(manager: &Manager, update_id: &UpdateId) -> Result<BroadcastStep, Option<String>> {
     let mut changes = manager.fleet.subscribe();
     loop {
         let state = {
             let inner = manager.fleet.lock();
-            inner
-                .weights
-                .updates()
-                .get(update_id)
-                .and_then(|u| u.trainer().as_ref())
-                .map(|t| (t.broadcast_at, t.aborted.clone()))
+            let t = inner.weights.updates().get(update_id).and_then(|u| u.trainer().as_ref());
+            t.map(|t| (t.aborted.clone(), t.pending.is_some()))
         };
         match state {
             None => return Err(None),
-            Some((_, Some(reason))) => return Err(Some(reason)),
-            Some((Some(_), None)) => return Ok(()),
-            Some((None, None)) => {}
+            Some((Some(reason), _)) => return Err(Some(reason)),
+            Some((None, true)) => {
+                if let Some(step) = manager.fleet.update(|inner| inner.weights.take_step(update_id)) {
+                    return Ok(step);
+                }
+            }
+            Some((None, false)) => {}
         }
         if changes.changed().await.is_err() {
             return Err(None);
@@ -481,46 +524,71 @@ fn end_before_broadcast(manager: &Manager, update_id: &UpdateId, why: &str, forg
     });
 }
 
-/// The broadcast: every member's side in parallel, then the commit.
-async fn broadcast(manager: &Arc<Manager>, update_id: &UpdateId, group: &TrainerGroup, want: &WeightVersion) {
+/// One member's side of the broadcast, as it goes.
+struct Receiver {
+    m: GroupMember,
+    /// It was ACTIVE and left routing for the update.
+    routed: bool,
+    /// Its update session is open (SGLang 0.5.21 on).
+    session: bool,
+    /// It loaded a bucket: it no longer holds only the version it served before.
+    loaded: bool,
+    /// Why its part failed; it takes no more buckets then.
+    failed: Option<EngineError>,
+}
+
+/// The broadcast: every member's side in parallel, bucket after bucket, then the commit.
+async fn broadcast(
+    manager: &Arc<Manager>,
+    update_id: &UpdateId,
+    group: &TrainerGroup,
+    want: &WeightVersion,
+    first: BroadcastStep,
+) {
     let plan = start_members(manager, update_id, group);
-    let Some(part) = manager.fleet.lock().weights.updates().get(update_id).and_then(|u| u.trainer().clone()) else {
+    let Some((pause_mode, flush_cache)) = manager.fleet.lock().weights.updates().get(update_id).and_then(|u| {
+        let t = u.trainer().as_ref()?;
+        Some((u.pause_mode().clone(), t.flush_cache))
+    }) else {
         return;
     };
-    let pause_mode =
-        manager.fleet.lock().weights.updates().get(update_id).map(|u| u.pause_mode().clone()).unwrap_or_default();
     // Every member paused (and in its session) first, so the trainer's broadcast meets engines
     // that hold no running request; then every member receives.
     let prepared =
         futures::future::join_all(plan.iter().map(|(m, _)| watched(manager, &m.url, prepare(manager, m, &pause_mode))))
             .await;
     manager.fleet.update(|inner| inner.weights.members_receiving(update_id));
-    let part = &part;
-    let results = futures::future::join_all(plan.iter().zip(prepared).map(|((m, _), ready)| async move {
-        match ready {
-            Ok(session) => watched(manager, &m.url, receive(manager, m, session, part, want)).await,
-            Err(e) => {
-                // Resume even after a failed step: SGLang keeps serving what it holds.
-                let _ = manager.engine_api.control(&m.url, "/continue_generation", json!({})).await;
-                Err(e)
-            }
-        }
-    }))
-    .await;
+    let mut members: Vec<Receiver> = plan
+        .into_iter()
+        .zip(prepared)
+        .map(|((m, routed), ready)| {
+            let (session, failed) = match ready {
+                Ok(session) => (session, None),
+                Err(e) => (false, Some(e)),
+            };
+            Receiver { m, routed, session, loaded: false, failed }
+        })
+        .collect();
+    let ended = receive_buckets(manager, update_id, &group.group_name, want, flush_cache, first, &mut members).await;
+    let ended = &ended;
+    let results =
+        futures::future::join_all(members.iter_mut().map(|r| finish(manager, r, ended, want, flush_cache))).await;
     // When no member got the version, the fleet stays on its own, and a member that failed
     // but still verifiably serves it goes back to routing: restarting it could leave no engine
     // holding a version that exists only in the engines.
     let none_got_it = results.iter().all(Result::is_err);
-    let turns = futures::future::join_all(plan.iter().zip(results).map(|((m, routed), result)| async move {
-        if none_got_it && *routed {
-            if let Some(turn) = back_on_current(manager, m, &result).await {
+    let turns = futures::future::join_all(members.iter().zip(results).map(|(r, result)| async move {
+        // A member that loaded a bucket holds part of a version: it cannot go back.
+        if none_got_it && r.routed && !r.loaded {
+            if let Some(turn) = back_on_current(manager, &r.m, &result).await {
                 return turn;
             }
         }
-        settle(manager, m, *routed, want, result).await
+        settle(manager, r, want, result).await
     }))
     .await;
     let interrupted = manager.shutdown.is_cancelled();
+    let plan: Vec<(GroupMember, bool)> = members.into_iter().map(|r| (r.m, r.routed)).collect();
     let (verified, failures, restart) = record_turns(manager, update_id, &plan, &turns);
     if interrupted {
         return;
@@ -672,41 +740,150 @@ async fn prepare(manager: &Manager, m: &GroupMember, pause_mode: &str) -> Result
     manager.engine_api.weights_call(&m.url, "/begin_weight_update", json!({}), timeout).await
 }
 
-/// A member's second step, while the trainer broadcasts: `/update_weights_from_distributed`,
-/// `/end_weight_update` (when a session is open), `/continue_generation`, and the version
-/// `/model_info` reports.
-async fn receive(
+/// The trainer's buckets, each received by every member still taking part (in parallel), from
+/// `first` until the trainer's last step. Ok(whether the members must still be told the
+/// version: the last step named no tensors); Err(why the trainer stopped before its last step:
+/// it aborted, sent nothing in time, or every member failed).
+async fn receive_buckets(
+    manager: &Manager,
+    update_id: &UpdateId,
+    group_name: &str,
+    want: &WeightVersion,
+    flush_cache: bool,
+    first: BroadcastStep,
+    members: &mut [Receiver],
+) -> Result<bool, String> {
+    let timeout = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    let mut step = first;
+    let mut received = 0u32;
+    loop {
+        if let Some(bucket) = &step.bucket {
+            // The version and the cache flush come with the last bucket, once all of it is in.
+            let body = json!({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                              "group_name": group_name, "weight_version": step.last.then_some(&want.version),
+                              "flush_cache": flush_cache && step.last});
+            let body = &body;
+            let taking_part = members.iter_mut().filter(|r| r.failed.is_none());
+            futures::future::join_all(taking_part.map(|r| async move {
+                let call = manager.engine_api.weights_call(
+                    &r.m.url,
+                    "/update_weights_from_distributed",
+                    body.clone(),
+                    timeout,
+                );
+                match watched(manager, &r.m.url, call).await {
+                    Ok(true) => r.loaded = true,
+                    Ok(false) => {
+                        let detail = "not served (404)".into();
+                        r.failed = Some(EngineError::Refused { path: "/update_weights_from_distributed", detail });
+                    }
+                    Err(e) => r.failed = Some(e),
+                }
+            }))
+            .await;
+            received += 1;
+            if members.iter().all(|r| r.failed.is_some()) {
+                return Err(format!("every member failed bucket {received}"));
+            }
+            manager.fleet.update(|inner| inner.weights.bucket_received(update_id));
+        }
+        if step.last {
+            return Ok(step.bucket.is_none());
+        }
+        let next = tokio::select! {
+            r = tokio::time::timeout(timeout, next_step(manager, update_id)) => r,
+            () = manager.shutdown.cancelled() => return Err("the manager is shutting down".into()),
+        };
+        step = match next {
+            Ok(Ok(step)) => step,
+            Ok(Err(Some(reason))) => return Err(format!("the trainer aborted after {received} bucket(s): {reason}")),
+            Ok(Err(None)) => return Err("the update is gone".into()),
+            Err(_) => {
+                return Err(format!(
+                    "the trainer sent no bucket within {}s after bucket {received} (POST /rollout/weights/updates/{update_id}/broadcast)",
+                    timeout.as_secs()
+                ))
+            }
+        };
+    }
+}
+
+/// A member's last step. One that received every bucket ends its session, is told the version
+/// (and flushes its cache) when the last bucket did not, continues, and must report the
+/// version in `/model_info`. Any other failed its part: it continues with what it holds if it
+/// loaded nothing, else it stays paused until it is stopped.
+async fn finish(
+    manager: &Manager,
+    r: &mut Receiver,
+    ended: &Result<bool, String>,
+    want: &WeightVersion,
+    flush_cache: bool,
+) -> Result<(Option<String>, Option<String>), EngineError> {
+    let failed = match (r.failed.take(), ended) {
+        (None, Ok(tell)) => {
+            let complete = complete(manager, &r.m, r.session, *tell, want, flush_cache);
+            return watched(manager, &r.m.url, complete).await;
+        }
+        (Some(e), _) => e,
+        (None, Err(why)) => EngineError::UpdateStopped(why.clone()),
+    };
+    if r.loaded {
+        // It holds part of the version: it must not generate again (it is stopped and started
+        // afresh, see `settle`), so it stays paused.
+        return Err(failed);
+    }
+    let api = &manager.engine_api;
+    if r.session {
+        let timeout = Duration::from_secs(30);
+        let _ = api.weights_call(&r.m.url, "/end_weight_update", json!({}), timeout).await;
+    }
+    // Resume even after a failed step: SGLang keeps serving what it held, untouched.
+    let _ = api.control(&r.m.url, "/continue_generation", json!({})).await;
+    Err(failed)
+}
+
+/// A member that received every bucket: `/end_weight_update` (when a session is open), the
+/// version (`/update_weight_version`, `/flush_cache`) when `tell`, `/continue_generation`, and
+/// the version `/model_info` reports.
+async fn complete(
     manager: &Manager,
     m: &GroupMember,
     session: bool,
-    part: &TrainerPart,
+    tell: bool,
     want: &WeightVersion,
+    flush_cache: bool,
 ) -> Result<(Option<String>, Option<String>), EngineError> {
     let timeout = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
     let api = &manager.engine_api;
     let url = m.url.as_str();
-    let body = json!({"names": part.names, "dtypes": part.dtypes, "shapes": part.shapes,
-                      "group_name": part.group.group_name, "weight_version": want.version,
-                      "flush_cache": part.flush_cache});
-    let updated = api.weights_call(url, "/update_weights_from_distributed", body, timeout).await;
-    let ended = if session {
+    let served = |path: &'static str| {
+        move |served: bool| {
+            if served {
+                Ok(())
+            } else {
+                Err(EngineError::Refused { path, detail: "not served (404)".into() })
+            }
+        }
+    };
+    let mut done = if session {
         api.weights_call(url, "/end_weight_update", json!({}), timeout).await.map(|_| ())
     } else {
         Ok(())
     };
+    if tell && done.is_ok() {
+        // Not abort_all_requests (SGLang's default): the paused requests go on after the update.
+        let body = json!({"new_version": want.version, "abort_all_requests": false});
+        done = api
+            .weights_call(url, "/update_weight_version", body, timeout)
+            .await
+            .and_then(served("/update_weight_version"));
+    }
+    if tell && flush_cache && done.is_ok() {
+        done = api.weights_call(url, "/flush_cache", json!({}), timeout).await.and_then(served("/flush_cache"));
+    }
     // Resume even after a failed step: SGLang keeps serving what it holds.
     api.control(url, "/continue_generation", json!({})).await?;
-    match updated {
-        Ok(true) => {}
-        Ok(false) => {
-            return Err(EngineError::Refused {
-                path: "/update_weights_from_distributed",
-                detail: "not served (404)".into(),
-            })
-        }
-        Err(e) => return Err(e),
-    }
-    ended?;
+    done?;
     let (found, checksum) = manager.served_weights(&m.engine_id).await?;
     crate::adapters::engine_api::verify(want, found.as_deref(), checksum.as_deref())?;
     Ok((found, checksum))
@@ -738,19 +915,19 @@ async fn back_on_current(
 
 /// How a member's part ended. A routed member (taken out of routing for its turn) returns to
 /// routing verified, or is FAILED; any other member (waiting for weights, draining) keeps its
-/// state and only has its version recorded, or stays where it was.
+/// state and only has its version recorded, or stays where it was, unless it loaded part of
+/// the version and did not get the rest: then it is FAILED too (it serves no version whole).
 async fn settle(
     manager: &Arc<Manager>,
-    m: &GroupMember,
-    routed: bool,
+    r: &Receiver,
     want: &WeightVersion,
     result: Result<(Option<String>, Option<String>), EngineError>,
 ) -> Turn {
-    if routed {
-        return crate::ops::weight_update::finish_turn(manager, &m.engine_id, want, result).await;
+    if r.routed {
+        return crate::ops::weight_update::finish_turn(manager, &r.m.engine_id, want, result).await;
     }
     match result {
-        Ok((found, checksum)) => manager.fleet.update(|inner| match inner.engines.get_mut(&m.engine_id) {
+        Ok((found, checksum)) => manager.fleet.update(|inner| match inner.engines.get_mut(&r.m.engine_id) {
             Some(e) => {
                 e.set_weights(found, checksum);
                 // An engine waiting for this version has it now (its wait ends, see
@@ -760,6 +937,11 @@ async fn settle(
             }
             None => Turn::Skipped,
         }),
+        Err(e) if r.loaded => {
+            let why = format!("holds part of {} after its update failed: {e}", want.version);
+            manager.fail_engine(&r.m.engine_id, &why).await;
+            Turn::Failed(e.to_string())
+        }
         Err(e) => Turn::Failed(e.to_string()),
     }
 }

@@ -15,6 +15,7 @@
 
 use super::{parse_body, status_filter, ApiState};
 use crate::foundation::error::ApiError;
+use crate::foundation::records::{BroadcastStep, Bucket};
 use crate::ops::publish::Published;
 use crate::registry::weights::UpdateRecord;
 use axum::body::Bytes;
@@ -54,9 +55,13 @@ async fn destroy_group(State(s): State<ApiState>) -> Result<Json<Value>, ApiErro
 pub struct TrainerUpdateRequest {
     pub version: String,
     /// The tensors the trainer broadcasts, in broadcast order (SGLang's
-    /// `/update_weights_from_distributed` fields).
+    /// `/update_weights_from_distributed` fields); none when each `.../broadcast` names its
+    /// bucket.
+    #[serde(default)]
     pub names: Vec<String>,
+    #[serde(default)]
     pub dtypes: Vec<String>,
+    #[serde(default)]
     pub shapes: Vec<Vec<u64>>,
     pub master_address: String,
     pub master_port: u16,
@@ -81,9 +86,7 @@ async fn open_trainer_update(
     let version = version_name(&req.version)?;
     let open = crate::ops::trainer_update::OpenRequest {
         version,
-        names: req.names,
-        dtypes: req.dtypes,
-        shapes: req.shapes,
+        tensors: Bucket { names: req.names, dtypes: req.dtypes, shapes: req.shapes },
         pause_mode: req.pause_mode.unwrap_or_else(|| "retract".into()),
         flush_cache: req.flush_cache.unwrap_or(true),
         master_address: req.master_address,
@@ -101,8 +104,38 @@ fn update_id(raw: &str) -> Result<rollout_core::ids::UpdateId, ApiError> {
     rollout_core::ids::UpdateId::parse(raw).map_err(|_| crate::ops::trainer_update::unknown_update(raw).into())
 }
 
-async fn start_broadcast(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let record = crate::ops::trainer_update::start_broadcast(&s.manager, &update_id(&id)?).await?;
+/// Body of `POST /rollout/weights/updates/{id}/broadcast` for a bucketed update: the bucket
+/// the trainer broadcasts next, and whether it is the last (`{"last": true}` alone ends the
+/// update after the buckets sent). An update opened with its tensors takes no body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BroadcastRequest {
+    #[serde(default)]
+    names: Vec<String>,
+    #[serde(default)]
+    dtypes: Vec<String>,
+    #[serde(default)]
+    shapes: Vec<Vec<u64>>,
+    #[serde(default)]
+    last: bool,
+}
+
+async fn start_broadcast(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let empty = matches!(&body, Ok(b) if b.iter().all(u8::is_ascii_whitespace));
+    let step = if empty {
+        None
+    } else {
+        let req: BroadcastRequest = parse_body(&body)?;
+        let bucket = Bucket { names: req.names, dtypes: req.dtypes, shapes: req.shapes };
+        // `{}` is no step, as an empty body.
+        let named = bucket != Bucket::default();
+        (named || req.last).then(|| BroadcastStep { bucket: named.then_some(bucket), last: req.last })
+    };
+    let record = crate::ops::trainer_update::start_broadcast(&s.manager, &update_id(&id)?, step).await?;
     serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 

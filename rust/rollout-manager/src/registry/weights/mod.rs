@@ -10,7 +10,7 @@ pub use record::{EngineUpdate, NewUpdate, UpdateRecord};
 
 use crate::foundation::clock::unix_now;
 use crate::foundation::records::{
-    checked, TrainerGroup, Transition, UpdateSource, VersionSource, KEEP_UPDATES, RESUMED,
+    checked, BroadcastStep, Bucket, TrainerGroup, Transition, UpdateSource, VersionSource, KEEP_UPDATES, RESUMED,
 };
 use rollout_core::ids::{EngineId, UpdateId};
 use rollout_core::weights::{EngineUpdateEvent, WeightUpdateEvent, WeightUpdateStatus, WeightVersion};
@@ -168,23 +168,67 @@ impl WeightsState {
         }
     }
 
-    /// The trainer says it starts its broadcast (once: a second call changes nothing). Refused
-    /// while the group's members have not all joined.
-    pub fn trainer_broadcasts(&mut self, update_id: &str) -> Result<(), TrainerStepRefused> {
+    /// The trainer's next step of its broadcast. An update opened with its tensors has one
+    /// step, those tensors (`step` None; a second call changes nothing). A bucketed update takes
+    /// one bucket per call, each once the one before was answered by every member, until the
+    /// step marked last. Refused while the group's members have not all joined.
+    pub fn trainer_sends(&mut self, update_id: &str, step: Option<BroadcastStep>) -> Result<(), TrainerStepRefused> {
         let u = self.updates.get_mut(update_id).ok_or(TrainerStepRefused::Unknown)?;
         let t = u.trainer.as_mut().ok_or(TrainerStepRefused::NotATrainerUpdate)?;
         if !t.group_ready {
             return Err(TrainerStepRefused::GroupNotReady);
         }
+        let step = match (t.bucketed, step) {
+            (false, Some(_)) => return Err(TrainerStepRefused::TensorsGivenAtOpen),
+            (false, None) if t.broadcast_at.is_some() => return Ok(()),
+            (false, None) => BroadcastStep {
+                bucket: Some(Bucket { names: t.names.clone(), dtypes: t.dtypes.clone(), shapes: t.shapes.clone() }),
+                last: true,
+            },
+            (true, None) => return Err(TrainerStepRefused::BucketExpected),
+            (true, Some(_)) if t.last_sent => return Err(TrainerStepRefused::LastStepSent),
+            (true, Some(_)) if t.pending.is_some() || t.buckets_received < t.buckets_sent => {
+                return Err(TrainerStepRefused::BucketInFlight)
+            }
+            (true, Some(step)) => step,
+        };
         if t.broadcast_at.is_none() {
             t.broadcast_at = Some(unix_now());
-            u.message = format!("the trainer broadcasts {}; the engines receive it", u.version);
         }
+        if step.bucket.is_some() {
+            t.buckets_sent += 1;
+        }
+        t.last_sent = step.last;
+        u.message = match (t.bucketed, step.last) {
+            (false, _) => format!("the trainer broadcasts {}; the engines receive it", u.version),
+            (true, false) => {
+                format!("the trainer broadcasts bucket {} of {}; the engines receive it", t.buckets_sent, u.version)
+            }
+            (true, true) => format!(
+                "the trainer sent the last of {} buckets of {}; the engines finish the update",
+                t.buckets_sent, u.version
+            ),
+        };
+        t.pending = Some(step);
         Ok(())
     }
 
-    /// The trainer gives up before its broadcast, for `reason` (the update's task ends it).
-    /// Nothing to do once the update ended; refused once the broadcast started.
+    /// The update's task takes the trainer's next step (None: there is none yet).
+    pub fn take_step(&mut self, update_id: &str) -> Option<BroadcastStep> {
+        self.updates.get_mut(update_id).and_then(|u| u.trainer.as_mut()).and_then(|t| t.pending.take())
+    }
+
+    /// Every member still taking part answered the trainer's latest bucket.
+    pub fn bucket_received(&mut self, update_id: &str) {
+        if let Some(t) = self.updates.get_mut(update_id).and_then(|u| u.trainer.as_mut()) {
+            t.buckets_received = t.buckets_sent;
+        }
+    }
+
+    /// The trainer gives up (the update's task ends it), for `reason`: before its broadcast,
+    /// or between two buckets of a bucketed update. Nothing to do once the update ended;
+    /// refused once the last step was sent (or the one broadcast of an unbucketed update
+    /// started).
     pub fn trainer_aborts(&mut self, update_id: &str, reason: &str) -> Result<(), TrainerStepRefused> {
         let u = self.updates.get_mut(update_id).ok_or(TrainerStepRefused::Unknown)?;
         let ended = u.status.is_terminal();
@@ -192,7 +236,7 @@ impl WeightsState {
         if ended {
             return Ok(());
         }
-        if t.broadcast_at.is_some() {
+        if t.last_sent || (!t.bucketed && t.broadcast_at.is_some()) {
             return Err(TrainerStepRefused::BroadcastStarted);
         }
         t.aborted = Some(reason.to_string());
@@ -504,8 +548,17 @@ pub enum TrainerStepRefused {
     NotATrainerUpdate,
     /// The members of a new group have not all joined it yet.
     GroupNotReady,
-    /// The broadcast has started: the update ends when every member has answered.
+    /// The broadcast has started (or its last bucket was sent): the update ends when every
+    /// member has answered.
     BroadcastStarted,
+    /// The update was opened with its tensors: the broadcast call names none.
+    TensorsGivenAtOpen,
+    /// The update is bucketed: each broadcast call names its bucket.
+    BucketExpected,
+    /// The last step was sent already.
+    LastStepSent,
+    /// The bucket before has not been answered by every member yet.
+    BucketInFlight,
 }
 
 #[cfg(test)]
@@ -658,10 +711,15 @@ mod tests {
         };
         u.trainer = Some(TrainerPart {
             group,
-            names: vec![],
-            dtypes: vec![],
-            shapes: vec![],
+            names: vec!["w".into()],
+            dtypes: vec!["bfloat16".into()],
+            shapes: vec![vec![1]],
             flush_cache: false,
+            bucketed: false,
+            buckets_sent: 0,
+            buckets_received: 0,
+            last_sent: false,
+            pending: None,
             group_ready: false,
             broadcast_at: None,
             receiving_at: None,
@@ -674,14 +732,19 @@ mod tests {
     fn the_trainers_handshake_goes_forward_only() {
         let mut w = WeightsState::new("v0");
         w.start(trainer_record("t1", "v1")).unwrap();
-        assert_eq!(w.trainer_broadcasts("nope"), Err(TrainerStepRefused::Unknown));
-        assert_eq!(w.trainer_broadcasts("t1"), Err(TrainerStepRefused::GroupNotReady), "the group is not joined yet");
+        assert_eq!(w.trainer_sends("nope", None), Err(TrainerStepRefused::Unknown));
+        assert_eq!(w.trainer_sends("t1", None), Err(TrainerStepRefused::GroupNotReady), "the group is not joined yet");
         w.group_joined("t1", "g1");
         assert!(w.updates()["t1"].message.contains("every member joined group g1"));
-        assert_eq!(w.trainer_broadcasts("t1"), Ok(()));
+        assert_eq!(w.trainer_sends("t1", Some(step(&["a"], false))), Err(TrainerStepRefused::TensorsGivenAtOpen));
+        assert_eq!(w.trainer_sends("t1", None), Ok(()));
+        let taken = w.take_step("t1").unwrap();
+        assert!(taken.last, "the tensors given at the open are the one and last step");
+        assert_eq!(taken.bucket.unwrap().names, vec!["w".to_string()]);
         let at = w.updates()["t1"].trainer.as_ref().unwrap().broadcast_at;
         assert!(at.is_some());
-        assert_eq!(w.trainer_broadcasts("t1"), Ok(()), "a second call is answered the same");
+        assert_eq!(w.trainer_sends("t1", None), Ok(()), "a second call is answered the same");
+        assert_eq!(w.take_step("t1"), None, "and gives no second step");
         assert_eq!(w.updates()["t1"].trainer.as_ref().unwrap().broadcast_at, at, "and changes nothing");
         assert_eq!(w.trainer_aborts("t1", "gave up"), Err(TrainerStepRefused::BroadcastStarted));
         w.members_receiving("t1");
@@ -689,12 +752,65 @@ mod tests {
 
         let mut w = WeightsState::new("v0");
         w.start(record("p1", "v1", 1.0, WeightUpdateStatus::Pending)).unwrap();
-        assert_eq!(w.trainer_broadcasts("p1"), Err(TrainerStepRefused::NotATrainerUpdate));
+        assert_eq!(w.trainer_sends("p1", None), Err(TrainerStepRefused::NotATrainerUpdate));
         assert_eq!(w.trainer_aborts("p1", "x"), Err(TrainerStepRefused::NotATrainerUpdate));
         let mut w = WeightsState::new("v0");
         w.start(trainer_record("t2", "v2")).unwrap();
         assert_eq!(w.trainer_aborts("t2", "could not join"), Ok(()));
         assert_eq!(w.updates()["t2"].trainer.as_ref().unwrap().aborted.as_deref(), Some("could not join"));
+    }
+
+    fn step(names: &[&str], last: bool) -> BroadcastStep {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let bucket = (!names.is_empty()).then(|| Bucket {
+            dtypes: vec!["bfloat16".into(); names.len()],
+            shapes: vec![vec![1]; names.len()],
+            names,
+        });
+        BroadcastStep { bucket, last }
+    }
+
+    #[test]
+    fn a_bucketed_broadcast_takes_one_bucket_at_a_time_until_the_last() {
+        let mut w = WeightsState::new("v0");
+        let mut u = trainer_record("t1", "v1");
+        if let Some(t) = u.trainer.as_mut() {
+            (t.names, t.dtypes, t.shapes, t.bucketed) = (vec![], vec![], vec![], true);
+        }
+        w.start(u).unwrap();
+        w.group_joined("t1", "g1");
+        assert_eq!(w.trainer_sends("t1", None), Err(TrainerStepRefused::BucketExpected));
+        assert_eq!(w.trainer_sends("t1", Some(step(&["a", "b"], false))), Ok(()));
+        assert_eq!(
+            w.trainer_sends("t1", Some(step(&["c"], false))),
+            Err(TrainerStepRefused::BucketInFlight),
+            "a bucket waits until every member answered the one before"
+        );
+        assert_eq!(w.take_step("t1"), Some(step(&["a", "b"], false)));
+        assert_eq!(w.trainer_sends("t1", Some(step(&["c"], false))), Err(TrainerStepRefused::BucketInFlight));
+        w.bucket_received("t1");
+        assert_eq!(w.trainer_aborts("x", "r"), Err(TrainerStepRefused::Unknown));
+        assert_eq!(w.trainer_sends("t1", Some(step(&["c"], false))), Ok(()));
+        assert!(w.updates()["t1"].message.contains("bucket 2 of v1"), "{}", w.updates()["t1"].message);
+        w.take_step("t1");
+        w.bucket_received("t1");
+        assert_eq!(w.trainer_sends("t1", Some(step(&[], true))), Ok(()), "the end may come without tensors");
+        let t = w.updates()["t1"].trainer.clone().unwrap();
+        assert_eq!((t.buckets_sent, t.buckets_received, t.last_sent), (2, 2, true));
+        assert_eq!(w.trainer_sends("t1", Some(step(&["d"], true))), Err(TrainerStepRefused::LastStepSent));
+        assert_eq!(w.trainer_aborts("t1", "late"), Err(TrainerStepRefused::BroadcastStarted));
+
+        // Between two buckets the trainer may still give up.
+        let mut w = WeightsState::new("v0");
+        let mut u = trainer_record("t2", "v2");
+        if let Some(t) = u.trainer.as_mut() {
+            (t.names, t.dtypes, t.shapes, t.bucketed) = (vec![], vec![], vec![], true);
+        }
+        w.start(u).unwrap();
+        w.group_joined("t2", "g1");
+        w.trainer_sends("t2", Some(step(&["a"], false))).unwrap();
+        assert_eq!(w.trainer_aborts("t2", "out of memory"), Ok(()));
+        assert_eq!(w.updates()["t2"].trainer.as_ref().unwrap().aborted.as_deref(), Some("out of memory"));
     }
 
     #[test]
