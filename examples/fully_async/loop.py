@@ -329,7 +329,7 @@ class Publisher(threading.Thread):
     """Moves each step's weights to the fleet in order, each once the previous update has ended.
 
     ``--weights trainer`` (the default, what slime, AReaL and verl's async mode do): the
-    trainer broadcasts them as NCCL rank 0 through the manager (``DistributedWeightSync``; on
+    trainer broadcasts them in buckets as NCCL rank 0 through the manager (``DistributedWeightSync``; on
     simulated engines rank 0 is :class:`elastic_rollout.sim.SimRank0`, which needs no torch).
     ``--weights checkpoint``: it publishes the step's checkpoint directory (``rolling``).
     """
@@ -353,9 +353,10 @@ class Publisher(threading.Thread):
                 waited = time.monotonic() - waited
                 version = self.book.versions.name(num)
                 if path is None:
-                    # The trainer's broadcast: answered when the fleet serves the version.
+                    # The trainer's broadcast, one bucket per tensor as the frameworks bucket
+                    # theirs: answered when the fleet serves the version.
                     self.book.published(num)
-                    result = self.sync.update(version, POLICY_TENSORS)
+                    result = self.sync.update(version, buckets=([t] for t in POLICY_TENSORS))
                     assert result.update is not None
                     self.last_update = result.update.update_id
                 else:
