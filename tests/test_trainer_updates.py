@@ -388,13 +388,14 @@ def test_a_trainer_that_cannot_join_leaves_no_group_and_nothing_paused(fleet: Ma
         assert http("GET", e.url + "/ready").status == 200
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["one_broadcast", "between_buckets"])
 def test_a_manager_killed_mid_broadcast_fails_the_update_and_restarts_its_members(
-    manager_bin: Path, tmp_path: Path
+    manager_bin: Path, tmp_path: Path, bucketed: bool
 ) -> None:
     """SIGKILL of the manager while the members receive (engines under keepers, so they outlive
     it): the restarted manager cannot resume the broadcast, ends the update FAILED, and does not
-    trust what the members report (their receive may still finish): it restarts them on the
-    fleet's version."""
+    trust what the members report (their receive may still finish, or, between two buckets, they
+    hold part of the version): it restarts them on the fleet's version."""
     state = tmp_path / "state"
     ports = (free_port(), free_port())
     first = start(manager_bin, state, ports, load_delay=3)
@@ -404,12 +405,22 @@ def test_a_manager_killed_mid_broadcast_fails_the_update_and_restarts_its_member
         first.wait_engines(ENGINES, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
         rank0 = StandInRank0()
         specs = [(s.name, s.dtype, s.shape) for s in SPECS]
-        opened = first.client.open_trainer_update("step-1", specs, "127.0.0.1", free_port())
+        opened = first.client.open_trainer_update("step-1", [] if bucketed else specs, "127.0.0.1", free_port())
         layout = GroupLayout.from_json((opened.trainer or {})["group"])
         rank0.join_group(layout)
-        first.client.start_broadcast(opened.update_id)
-        # Every member is paused and in its session; they receive, then load for 3 s.
-        rank0.broadcast(layout, SPECS)
+        if bucketed:
+            first.client.start_broadcast(opened.update_id, specs[:1], last=False)
+            rank0.broadcast(layout, SPECS[:1])
+            # Every member loads the first bucket for 3 s, then waits for the next one.
+            wait_until(
+                lambda: (first.client.weight_update(opened.update_id).trainer or {}).get("buckets_received") == 1,
+                30,
+                "the first bucket received",
+            )
+        else:
+            first.client.start_broadcast(opened.update_id)
+            # Every member is paused and in its session; they receive, then load for 3 s.
+            rank0.broadcast(layout, SPECS)
         before = first.client.weight_update(opened.update_id)
         assert before.status == "UPDATING", before
         identities = engine_identities(first)

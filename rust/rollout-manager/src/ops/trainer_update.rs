@@ -999,19 +999,25 @@ pub async fn wait_not_members(manager: &Manager, engines: &[EngineId], waiting: 
 
 /// After a restart, before any engine is re-adopted: a trainer update in flight cannot go on
 /// (its broadcast was cut). Continues every member it may have paused, ending any session it
-/// opened, forgets its group, and answers why it cannot resume (the caller fails it). Ok when
-/// the update in flight is not a trainer update.
+/// opened, unless a bucket was sent (a member may hold part of the version: it stays paused
+/// until it is restarted, as a member caught mid-turn is), forgets its group, and answers why
+/// it cannot resume (the caller fails it). Ok when the update in flight is not a trainer update.
 pub async fn check_resumable(manager: &Manager) -> Result<(), crate::ops::weight_update::CannotResume> {
-    let members = {
+    let (members, partial) = {
         let inner = manager.fleet.lock();
         match inner.weights.running_update() {
-            Some(u) if u.source() == UpdateSource::Trainer => {
-                u.trainer().as_ref().map(|t| t.group.members.clone()).unwrap_or_default()
-            }
+            Some(u) if u.source() == UpdateSource::Trainer => u
+                .trainer()
+                .as_ref()
+                .map(|t| (t.group.members.clone(), t.bucketed && t.buckets_sent > 0))
+                .unwrap_or_default(),
             _ => return Ok(()),
         }
     };
     manager.fleet.update(|inner| inner.weights.set_group(None));
+    if partial {
+        return Err(crate::ops::weight_update::CannotResume::TrainerUpdate);
+    }
     let timeout = Duration::from_secs(30);
     futures::future::join_all(members.iter().map(|m| async move {
         let _ = manager.engine_api.weights_call(&m.url, "/end_weight_update", json!({}), timeout).await;
