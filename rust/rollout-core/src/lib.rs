@@ -21,6 +21,7 @@ pub mod lengths;
 pub mod moves;
 pub mod placement;
 pub mod restore;
+pub mod rl;
 pub mod routes;
 pub mod routing;
 pub mod scale_in;

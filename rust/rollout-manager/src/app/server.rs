@@ -128,8 +128,13 @@ impl Server {
                 api::BODY_LIMIT,
                 crate::foundation::http_serve::read_body_first,
             ));
-        let router =
-            crate::adapters::router::router(manager.fleet.clone(), manager.config.clone(), router_metrics, token);
+        let router = crate::adapters::router::router(
+            manager.fleet.clone(),
+            manager.config.clone(),
+            router_metrics,
+            token.clone(),
+        )
+        .with_control_plane(crate::interfaces::rl::routes(manager.clone(), token));
         manager.tasks.spawn(router.tail_planner(manager.shutdown.clone()));
 
         let stop = manager.shutdown.clone();

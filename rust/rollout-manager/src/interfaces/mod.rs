@@ -7,3 +7,4 @@
 pub mod api;
 pub mod autoscaler;
 pub mod integrations;
+pub mod rl;

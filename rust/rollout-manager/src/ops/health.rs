@@ -157,6 +157,11 @@ fn judge(manager: &Manager, results: Vec<Probed<'_>>) -> Vec<(EngineId, Verdict)
         if incarnation(engine) != *at {
             continue;
         }
+        if failure.is_some() && paused && engine.paused_by_control() {
+            tracing::debug!(engine_id = %id, "health probe failed while a client paused the engine; not counted");
+            manager.fleet.count_probe(crate::registry::fleet::ProbeResult::Paused);
+            continue;
+        }
         let probe = match (&failure, paused) {
             (None, _) => Probe::Passed,
             (Some(_), false) => Probe::Failed,

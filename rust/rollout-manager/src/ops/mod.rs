@@ -4,6 +4,7 @@
 //! A module here uses modules of this layer or lower ones, never a higher one
 //! (`tests/layers.rs`, docs/architecture.md "Layers").
 
+pub mod control_pause;
 pub mod health;
 pub mod manager;
 pub mod op_error;

@@ -133,6 +133,13 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
+    /// The data plane with `routes` (paths under `/v1/rl/`, the RL control plane a higher
+    /// layer serves) among its own.
+    #[must_use]
+    pub fn with_control_plane(self, routes: Router) -> Self {
+        Self { own: self.own.merge(routes), state: self.state }
+    }
+
     /// The tail planner (`router::tail`), to run until `stop`; it returns at once with
     /// `--move-tail false`.
     pub fn tail_planner(&self, stop: tokio_util::sync::CancellationToken) -> impl Future<Output = ()> + use<> {
@@ -145,7 +152,7 @@ const OWN_ROUTES: [&str; 7] =
     ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache", "/workers", "/metrics"];
 
 fn is_own(path: &str) -> bool {
-    OWN_ROUTES.contains(&path) || path.starts_with("/workers/")
+    OWN_ROUTES.contains(&path) || path.starts_with("/workers/") || path.starts_with("/v1/rl/")
 }
 
 impl tower_service::Service<Request> for DataPlane {

@@ -203,6 +203,7 @@ impl Engines {
             load,
             probe_failures: 0,
             paused_since: None,
+            paused_by_control: false,
             bringup: None,
             copying_from: None,
             awaiting_trainer: false,
@@ -380,6 +381,10 @@ pub struct Engine {
     /// Since when its probes have failed while its scheduler answered (a pause; see
     /// `rollout_core::health`); None once a probe passes or fails outright.
     paused_since: Option<tokio::time::Instant>,
+    /// Paused through the RL control plane (`/v1/rl/.../pause_generation`) until it is
+    /// continued there: out of routing, and its failed probes while its scheduler answers are
+    /// not counted (a hung scheduler still is).
+    paused_by_control: bool,
     /// Since when, and why ("create", "restart"), the engine is being brought up: observed as
     /// `rollout_engine_startup_seconds` when it becomes ACTIVE.
     bringup: Option<(tokio::time::Instant, &'static str)>,
@@ -510,6 +515,16 @@ impl Engine {
     /// A probe that passed or failed outright: any pause is over.
     pub fn not_paused(&mut self) {
         self.paused_since = None;
+    }
+
+    /// Whether it was paused through the RL control plane and not continued yet.
+    pub fn paused_by_control(&self) -> bool {
+        self.paused_by_control
+    }
+
+    /// Paused (true) or continued (false) through the RL control plane.
+    pub fn set_paused_by_control(&mut self, paused: bool) {
+        self.paused_by_control = paused;
     }
 
     /// Counts a health probe that counts (passed, or failed outside a pause); the failures in a

@@ -192,7 +192,9 @@ impl Fleet {
         let mut finishing = Vec::new();
         for e in inner.engines.values() {
             let status = e.status();
-            if status.is_routable() {
+            if status.is_routable() && e.paused_by_control() {
+                finishing.push(e.load().clone());
+            } else if status.is_routable() {
                 backends.push(Backend {
                     engine_id: e.record().engine_id().clone(),
                     authority: rollout_core::EngineAddr::parse(e.record().url())

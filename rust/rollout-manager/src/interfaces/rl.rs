@@ -1,0 +1,352 @@
+//! The RL control plane of SMG (the SGLang router's successor), on the router port, so a
+//! trainer written against SMG's `smg.rl` client finds the fleet's engines and calls them here:
+//!
+//! - `GET /v1/rl/workers`, `GET /v1/rl/workers/{id}`: every engine the manager holds, with its
+//!   health, weight version, topology and the manager's status as labels;
+//! - `GET|POST /v1/rl/workers/{id}/engine/{path}`: one engine; the answer is
+//!   `{worker_id, url, status, latency_ms, body}` with the engine's own status and body;
+//! - `GET|POST /v1/rl/engine/{path}?selector=...`: every engine the selector names, in parallel
+//!   (at most [`FAN_OUT`] at once): `{results, failed, total, succeeded}`, 207 when any failed.
+//!
+//! What a path becomes is `rollout_core::rl::classify`: reads and request actions go to the
+//! engine as they are; `pause_generation`/`continue_generation` are the manager's known pauses
+//! ([`crate::ops::control_pause`]); a path that changes weights is refused (403
+//! `weights_managed`, naming the manager's weight API), so nothing reaches an engine around
+//! the manager's versions. Errors are SMG's `{"error": code, "message"}`.
+
+use crate::foundation::auth::require_token;
+use crate::ops::manager::Manager;
+use crate::registry::fleet::Engine;
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::{Json, Router};
+use futures::StreamExt;
+use rollout_core::ids::EngineId;
+use rollout_core::rl::{EngineCall, Selectable, Selector};
+use rollout_core::{EngineOrigin, EngineStatus};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Calls of one fan-out in flight at once.
+pub const FAN_OUT: usize = 32;
+/// How long one engine call may take (a weight reload behind a pause can be long).
+const CALL_TIMEOUT: Duration = Duration::from_secs(600);
+/// Largest request body taken (SGLang's admin bodies are small).
+const BODY_LIMIT: usize = 16 << 20;
+/// The version of this control plane's shapes, as SMG reports it per worker.
+const PROTOCOL_VERSION: u32 = 1;
+
+#[derive(Clone)]
+struct RlState {
+    manager: Arc<Manager>,
+    http: reqwest::Client,
+}
+
+/// The routes, ready to merge into the router port's own routes. `token`, when set, guards
+/// every call that is not a GET of the worker list.
+pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
+    let http = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(30)).build().unwrap_or_default();
+    Router::new()
+        .route("/v1/rl/workers", get(workers))
+        .route("/v1/rl/workers/{id}", get(worker))
+        .route("/v1/rl/workers/{id}/engine/{*path}", any(call_one))
+        .route("/v1/rl/engine/{*path}", any(fan_out))
+        .layer(axum::middleware::from_fn_with_state(token, require_token))
+        .layer(axum::middleware::from_fn_with_state(BODY_LIMIT, crate::foundation::http_serve::read_body_first))
+        .with_state(RlState { manager, http })
+}
+
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (status, Json(json!({"error": code, "message": message.into()}))).into_response()
+}
+
+/// One engine as the control plane shows it.
+struct Worker {
+    json: Value,
+    labels: BTreeMap<String, String>,
+}
+
+impl Selectable for Worker {
+    fn field(&self, key: &str) -> Option<String> {
+        match self.json.get(key)? {
+            Value::String(s) => Some(s.clone()),
+            Value::Null => None,
+            other => Some(other.to_string()),
+        }
+    }
+
+    fn labels(&self) -> &BTreeMap<String, String> {
+        &self.labels
+    }
+}
+
+fn worker_of(e: &Engine, model: &str) -> Worker {
+    let r = e.record();
+    let status = e.status();
+    let routable = status.is_routable() && !e.paused_by_control();
+    let origin = if r.origin() == EngineOrigin::External { "external" } else { "managed" };
+    let labels: BTreeMap<String, String> = [
+        ("status", status.to_string()),
+        ("origin", origin.to_string()),
+        ("paused", e.paused_by_control().to_string()),
+        ("routable", routable.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let health = match status {
+        EngineStatus::Active | EngineStatus::Draining | EngineStatus::WeightSyncing => "healthy",
+        EngineStatus::Pending | EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::Ready => {
+            "unknown"
+        }
+        _ => "unhealthy",
+    };
+    let json = json!({
+        "id": r.engine_id(), "url": r.url(), "base_url": r.url(), "engine": "sglang", "engine_version": null,
+        "model_id": model, "worker_type": "regular", "connection_mode": "http",
+        "tp_size": r.gpu_ids().len().max(1), "dp_size": 1, "pp_size": 1, "dp_ranks": 1, "role": null,
+        "health": health, "weight_version": r.weight_version(), "control_url": r.url(),
+        "labels": labels, "protocol_version": PROTOCOL_VERSION,
+        "capabilities": {"pause_generation": true, "continue_generation": true, "weights": "manager"},
+    });
+    Worker { json, labels }
+}
+
+/// The engines the control plane shows: every one the manager holds but those being removed.
+fn all_workers(manager: &Manager) -> Vec<(EngineId, String, Worker)> {
+    let inner = manager.fleet.lock();
+    let mut engines: Vec<&Engine> = inner
+        .engines
+        .values()
+        .filter(|e| !matches!(e.status(), EngineStatus::Removing | EngineStatus::Removed))
+        .collect();
+    engines.sort_by_key(|e| e.seq());
+    let model = &manager.config.model_name;
+    engines
+        .into_iter()
+        .map(|e| (e.record().engine_id().clone(), e.record().url().clone(), worker_of(e, model)))
+        .collect()
+}
+
+async fn workers(State(s): State<RlState>) -> Response {
+    let list: Vec<Value> = all_workers(&s.manager).into_iter().map(|(_, _, w)| w.json).collect();
+    Json(json!({"total": list.len(), "workers": list})).into_response()
+}
+
+async fn worker(State(s): State<RlState>, Path(id): Path<String>) -> Response {
+    match all_workers(&s.manager).into_iter().find(|(eid, _, _)| eid.as_str() == id) {
+        Some((_, _, w)) => Json(w.json).into_response(),
+        None => unknown_worker(&id),
+    }
+}
+
+fn unknown_worker(id: &str) -> Response {
+    error(StatusCode::NOT_FOUND, "unknown_worker", format!("no worker {id}; list them with GET /v1/rl/workers"))
+}
+
+/// What one engine answered: its status, its body (JSON when it is JSON), and how long it took.
+struct Answered {
+    status: u16,
+    body: Value,
+    latency_ms: u64,
+}
+
+/// Sends `method path?query` with `body` to the engine at `url`.
+async fn send(
+    http: &reqwest::Client,
+    url: &str,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    body: &Bytes,
+) -> Result<Answered, String> {
+    let started = Instant::now();
+    let mut target = format!("{url}/{}", path.trim_start_matches('/'));
+    if let Some(q) = query.filter(|q| !q.is_empty()) {
+        target = format!("{target}?{q}");
+    }
+    let mut request = http.request(method.clone(), target).timeout(CALL_TIMEOUT);
+    if !body.is_empty() {
+        request = request.header("content-type", "application/json").body(body.clone());
+    }
+    let answer = request.send().await.map_err(crate::foundation::engine_http::describe)?;
+    let status = answer.status().as_u16();
+    let raw = crate::foundation::engine_http::read_capped(answer, BODY_LIMIT, CALL_TIMEOUT)
+        .await
+        .map_err(|e| format!("its answer could not be read: {e}"))?;
+    let body = serde_json::from_slice(&raw).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&raw).into()));
+    Ok(Answered { status, body, latency_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX) })
+}
+
+/// Why one engine's call did not give an answer to pass on: an SMG error.
+type CallError = (StatusCode, &'static str, String);
+
+/// One engine's call, through the manager where the path is its own. Ok: what the engine
+/// answered (its status may be an error); Err: the call did not happen (a refusal of the
+/// manager's, or an engine that did not answer).
+async fn call_engine(
+    s: &RlState,
+    id: &EngineId,
+    url: &str,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    body: &Bytes,
+) -> Result<Answered, CallError> {
+    let unreachable = |e: String| (StatusCode::BAD_GATEWAY, "engine_unreachable", format!("{id} did not answer: {e}"));
+    let refused = |e: crate::ops::op_error::OpError| {
+        let status = match e.kind() {
+            "invalid" => StatusCode::BAD_REQUEST,
+            "unknown" => StatusCode::NOT_FOUND,
+            "conflict" => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        (status, e.code(), e.to_string())
+    };
+    // For the manager's steps: Ok only when the engine did it (2xx); else what it said, or why
+    // it said nothing.
+    let checked = async {
+        match send(&s.http, url, method, path, query, body).await {
+            Ok(a) if (200..300).contains(&a.status) => Ok(a),
+            other => Err(other),
+        }
+    };
+    let done = match rollout_core::rl::classify(method.as_str(), path) {
+        EngineCall::Forward => return send(&s.http, url, method, path, query, body).await.map_err(unreachable),
+        EngineCall::Refused { code, message } => return Err((StatusCode::FORBIDDEN, code, message)),
+        EngineCall::Pause => crate::ops::control_pause::pause(&s.manager, id, checked).await,
+        EngineCall::Continue => crate::ops::control_pause::resume(&s.manager, id, checked).await,
+    };
+    match done.map_err(refused)? {
+        Ok(a) | Err(Ok(a)) => Ok(a),
+        Err(Err(e)) => Err(unreachable(e)),
+    }
+}
+
+async fn call_one(
+    State(s): State<RlState>,
+    Path((id, path)): Path<(String, String)>,
+    method: Method,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Response {
+    let Some((engine_id, url, _)) = all_workers(&s.manager).into_iter().find(|(eid, _, _)| eid.as_str() == id) else {
+        return unknown_worker(&id);
+    };
+    match call_engine(&s, &engine_id, &url, &method, &path, query.as_deref(), &body).await {
+        Ok(a) => Json(json!({"worker_id": engine_id, "url": url, "status": a.status,
+                             "latency_ms": a.latency_ms, "body": a.body}))
+        .into_response(),
+        Err((status, code, message)) => error(status, code, message),
+    }
+}
+
+/// The query without `selector` (the rest goes to the engines).
+fn split_selector(query: Option<&str>) -> (Option<String>, String) {
+    let mut selector = None;
+    let mut rest = Vec::new();
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("selector", v)) => {
+                selector = Some(decode_query_value(v));
+            }
+            _ => rest.push(pair),
+        }
+    }
+    (selector, rest.join("&"))
+}
+
+/// A query value with `+` and `%XX` decoded (a bad escape is kept as it is).
+fn decode_query_value(v: &str) -> String {
+    let bytes = v.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn fan_out(
+    State(s): State<RlState>,
+    Path(path): Path<String>,
+    method: Method,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Response {
+    let (selector, rest) = split_selector(query.as_deref());
+    let Some(selector) = selector else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "missing_selector",
+            "a fan-out names its engines with ?selector= (`all`, or key=value terms joined by `,`)",
+        );
+    };
+    let selector = match Selector::parse(&selector) {
+        Ok(sel) => sel,
+        Err(why) => return error(StatusCode::BAD_REQUEST, "invalid_selector", why),
+    };
+    if let EngineCall::Refused { code, message } = rollout_core::rl::classify(method.as_str(), &path) {
+        return error(StatusCode::FORBIDDEN, code, message);
+    }
+    let targets: Vec<(EngineId, String)> = all_workers(&s.manager)
+        .into_iter()
+        .filter(|(_, _, w)| selector.matches(w))
+        .map(|(id, url, _)| (id, url))
+        .collect();
+    let (s, method, path, rest, body) = (&s, &method, path.as_str(), rest.as_str(), &body);
+    let answers: Vec<(EngineId, String, Result<Answered, CallError>)> = futures::stream::iter(targets)
+        .map(|(id, url)| async move {
+            let answer = call_engine(s, &id, &url, method, path, Some(rest), body).await;
+            (id, url, answer)
+        })
+        .buffer_unordered(FAN_OUT)
+        .collect()
+        .await;
+    fan_out_answer(answers)
+}
+
+/// `{results, failed, total, succeeded}`: 200 when every engine answered 2xx, else 207.
+fn fan_out_answer(mut answers: Vec<(EngineId, String, Result<Answered, CallError>)>) -> Response {
+    answers.sort_by(|a, b| a.0.cmp(&b.0));
+    let total = answers.len();
+    let mut results = serde_json::Map::new();
+    let mut failed = Vec::new();
+    for (id, url, answer) in answers {
+        match answer {
+            Ok(a) if (200..300).contains(&a.status) => {
+                results.insert(
+                    id.to_string(),
+                    json!({"url": url, "status": a.status, "latency_ms": a.latency_ms, "body": a.body}),
+                );
+            }
+            Ok(a) => failed.push(json!({"worker_id": id, "url": url, "status": a.status, "error": "engine_error",
+                                        "message": crate::foundation::engine_http::shorten(&a.body.to_string())})),
+            Err((status, code, message)) => failed.push(json!({"worker_id": id, "url": url,
+                "status": if code == "engine_unreachable" { Value::Null } else { json!(status.as_u16()) },
+                "error": code, "message": message})),
+        }
+    }
+    let succeeded = results.len();
+    let status = if failed.is_empty() { StatusCode::OK } else { StatusCode::MULTI_STATUS };
+    (status, Json(json!({"results": results, "failed": failed, "total": total, "succeeded": succeeded})))
+        .into_response()
+}

@@ -1,0 +1,105 @@
+"""SMG's RL control plane on our router port, driven by SMG's own Python client (``smg.rl`` from
+PyPI's ``smg``): discovery, single-engine and fan-out calls, the ``paused()`` context manager, and
+refusals that keep every weight change the manager's."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+from _support import ManagerHandle, StartManager, http, wait_until
+from smg.rl import RL, FanoutError, RlError, paused
+
+
+def probes(fleet: ManagerHandle, result: str) -> float:
+    text = http("GET", fleet.control_url + "/metrics").body.decode()
+    found = re.search(rf'^rollout_health_probes_total{{result="{result}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def routed(fleet: ManagerHandle) -> set[str]:
+    return {w["id"] for w in http("GET", fleet.router_url + "/workers").json()["workers"]}
+
+
+def test_a_trainer_written_against_smg_finds_and_calls_the_engines(fleet: ManagerHandle) -> None:
+    rl = RL(fleet.router_url, timeout=60)
+    workers = rl.workers()
+    engines = {e.engine_id: e for e in fleet.engines().engines}
+    assert {w.id for w in workers} == set(engines)
+    for w in workers:
+        assert (w.engine, w.health, w.worker_type, w.connection_mode) == ("sglang", "healthy", "regular", "http")
+        assert w.url == engines[w.id].url and w.weight_version == "default" and w.tp_size == 1
+        assert w.labels["status"] == "ACTIVE" and w.labels["paused"] == "false"
+    first = workers[0]
+    assert rl.worker(first.id) == first
+
+    info = rl.call(first.id, "model_info", method="GET")
+    assert info.status == 200 and info.worker_id == first.id and info.body["weight_version"] == "default"
+    flushed = rl.fanout("flush_cache", {}, selector="engine=sglang")
+    assert (flushed.total, flushed.succeeded, flushed.failed) == (2, 2, [])
+    assert set(flushed.results) == set(engines)
+
+    with pytest.raises(RlError) as unknown:
+        rl.worker("engine_99")
+    assert (unknown.value.status, unknown.value.code) == (404, "unknown_worker")
+    with pytest.raises(RlError) as bad:
+        rl.fanout("flush_cache", {}, selector="colour=red")
+    assert (bad.value.status, bad.value.code) == (400, "invalid_selector") and "key=value" in str(bad.value)
+    missing = http("POST", fleet.router_url + "/v1/rl/engine/flush_cache", {})
+    assert missing.status == 400 and missing.json()["error"] == "missing_selector"
+
+    # A weight change through the control plane would go around the manager's versions.
+    with pytest.raises(RlError) as refused:
+        rl.fanout("update_weights_from_disk", {"model_path": "/x", "weight_version": "9"}, selector="all")
+    assert (refused.value.status, refused.value.code) == (403, "weights_managed")
+    assert "/rollout/weights/publish" in str(refused.value)
+    with pytest.raises(RlError) as one:
+        rl.call(first.id, "init_weights_update_group", {"master_address": "127.0.0.1"})
+    assert one.value.code == "weights_managed"
+    assert {e.weight_version for e in fleet.engines().engines} == {"default"}
+
+
+def test_a_pause_through_the_control_plane_is_the_managers(start_fleet: StartManager) -> None:
+    """The paused engine leaves routing, and its failing health probes while its scheduler
+    answers are not taken for a hang however long the pause lasts (past the pause grace);
+    continuing puts it back."""
+    fleet = start_fleet(
+        "--health-check-interval-secs", "0.3", "--health-check-timeout-secs", "0.5",
+        "--health-failure-threshold", "2", "--health-pause-grace-secs", "0.5",
+    )  # fmt: skip
+    rl = RL(fleet.router_url, timeout=60)
+    a, b = sorted(w.id for w in rl.workers())
+    with paused(rl, f"id={a}") as result:
+        assert (result.total, result.succeeded) == (1, 1)
+        assert rl.worker(a).labels["paused"] == "true"
+        assert routed(fleet) == {b}
+        # Many probe rounds while paused, each failing with an answering scheduler.
+        before = probes(fleet, "paused")
+        wait_until(lambda: probes(fleet, "paused") >= before + 8, 60, "probes of the paused engine")
+        engine = fleet.engines().by_id(a)
+        assert engine is not None and engine.status == "ACTIVE", engine
+        out = http("POST", fleet.router_url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert out.status == 200
+    assert rl.worker(a).labels["paused"] == "false"
+    wait_until(lambda: routed(fleet) == {a, b}, 30, "the continued engine back in routing")
+
+
+def test_a_fan_out_reports_each_engine_and_answers_207_on_a_partial_failure(start_fleet: StartManager) -> None:
+    fleet = start_fleet("--restart-failed-engines", "false", "--health-check-interval-secs", "0.3")
+    rl = RL(fleet.router_url, timeout=60)
+    a, b = sorted(fleet.engines().engines, key=lambda e: e.engine_id)
+    assert b.pid is not None
+    os.kill(b.pid, signal.SIGKILL)
+    with pytest.raises(FanoutError) as partial:
+        rl.fanout("server_info", method="GET", selector="all")
+    assert partial.value.status == 207
+    result = partial.value.result
+    assert (result.total, result.succeeded) == (2, 1) and set(result.results) == {a.engine_id}
+    assert [(f.worker_id, f.error) for f in result.failed] == [(b.engine_id, "engine_unreachable")]
+    kept = rl.fanout("server_info", method="GET", selector="all", allow_partial=True)
+    assert kept.succeeded == 1
+    wait_until(lambda: rl.worker(b.engine_id).health == "unhealthy", 30, "the killed engine unhealthy")
+    only = rl.fanout("server_info", method="GET", selector="health=healthy")
+    assert (only.total, only.succeeded) == (1, 1)
