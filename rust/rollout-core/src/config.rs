@@ -274,6 +274,16 @@ pub struct ServeConfig {
     /// How long a request pinned to a weight version waits for an engine serving it, in seconds.
     #[arg(long, default_value_t = 30.0, value_name = "SECS", help_heading = heading::ROUTER)]
     pub version_wait_secs: f64,
+    /// SMG's version policy for requests that name no version: any, latest-only,
+    /// min-version:VERSION or max-staleness:K.
+    ///
+    /// latest-only: only the newest version the fleet has (an update's target while it runs);
+    /// max-staleness:K: one of the newest K+1 versions of the fleet's history. A request's
+    /// own pin (body `weight_version`, `x-weight-version` headers) comes first, then its
+    /// `x-smg-version-policy` header, then this. Requests wait up to --version-wait-secs for an
+    /// engine the policy allows.
+    #[arg(long, default_value = "any", value_name = "POLICY", help_heading = heading::ROUTER)]
+    pub rl_version_policy: String,
     /// How long a client may take to send a request's headers, in seconds.
     ///
     /// Applies on the control port, the router port and --api-socket; a slow-header client's
@@ -534,6 +544,7 @@ impl ServeConfig {
         positive_secs("--scale-out-timeout-secs", self.scale_out_timeout)?;
         positive_secs("--load-poll-interval-secs", self.load_poll_interval_secs)?;
         secs_or_zero("--version-wait-secs", self.version_wait_secs)?;
+        crate::routing::VersionPolicy::parse(&self.rl_version_policy).map_err(|e| bad("--rl-version-policy", e))?;
         positive_secs("--weight-update-timeout-secs", self.weight_update_timeout_secs)?;
         if let Some(spec) = &self.external_router {
             self.external_router_url().ok_or_else(|| {

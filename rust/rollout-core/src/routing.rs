@@ -296,6 +296,60 @@ pub const MAX_ESTIMATE_TOKENS: u64 = 1 << 40;
 pub enum VersionPin {
     Exact(String),
     AtLeast(String),
+    /// The newest version the fleet has (the last of the history: the target of an update in
+    /// flight, else the fleet's version).
+    Latest,
+    /// One of the newest `k + 1` versions of the history (0: the newest only).
+    WithinLast(u32),
+}
+
+/// SMG's version policy (`--rl-version-policy`, header `x-smg-version-policy`): which versions a
+/// request that names none may run on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VersionPolicy {
+    Any,
+    LatestOnly,
+    MinVersion(String),
+    MaxStaleness(u32),
+}
+
+/// SMG's policy grammar, for messages.
+pub const VERSION_POLICY_GRAMMAR: &str = "any | latest-only | min-version:<version> | max-staleness:<k>";
+
+impl VersionPolicy {
+    /// Parses SMG's grammar; Err names it.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        let bad = |why: &str| Err(format!("{text:?} {why}; a version policy is {VERSION_POLICY_GRAMMAR}"));
+        match text {
+            "any" => return Ok(Self::Any),
+            "latest-only" => return Ok(Self::LatestOnly),
+            _ => {}
+        }
+        if let Some(v) = text.strip_prefix("min-version:") {
+            if v.is_empty() || v.len() > 128 || v.chars().any(char::is_whitespace) {
+                return bad("names no version");
+            }
+            return Ok(Self::MinVersion(v.to_string()));
+        }
+        if let Some(k) = text.strip_prefix("max-staleness:") {
+            return match k.parse::<u32>() {
+                Ok(k) => Ok(Self::MaxStaleness(k)),
+                Err(_) => bad("needs a whole number of versions (0 or more)"),
+            };
+        }
+        bad("is not a version policy")
+    }
+
+    /// The pin a request under this policy carries (None: any version).
+    pub fn pin(&self) -> Option<VersionPin> {
+        match self {
+            Self::Any => None,
+            Self::LatestOnly => Some(VersionPin::Latest),
+            Self::MinVersion(v) => Some(VersionPin::AtLeast(v.clone())),
+            Self::MaxStaleness(k) => Some(VersionPin::WithinLast(*k)),
+        }
+    }
 }
 
 /// Orders weight versions: integers (optionally with a `v` or `step` prefix, e.g. `v12`,
@@ -327,6 +381,11 @@ impl VersionPin {
         match self {
             VersionPin::Exact(want) => v == want,
             VersionPin::AtLeast(min) => version_cmp(v, min, history).is_some_and(|o| o != std::cmp::Ordering::Less),
+            VersionPin::Latest => history.last().is_some_and(|last| last == v),
+            VersionPin::WithinLast(k) => history.iter().rposition(|h| h == v).is_some_and(|at| {
+                let newest = history.len() - 1;
+                newest - at <= usize::try_from(*k).unwrap_or(usize::MAX)
+            }),
         }
     }
 }

@@ -136,3 +136,31 @@ proptest! {
         prop_assert_eq!(most_free(&[full, empty], rotor), Some(1));
     }
 }
+
+#[test]
+fn smg_version_policies_parse_and_pin_as_documented() {
+    let history: Vec<String> = ["default", "step-1", "step-2", "step-3"].iter().map(|v| v.to_string()).collect();
+    let allowed = |policy: &str| -> Vec<&str> {
+        let pin = VersionPolicy::parse(policy).unwrap_or_else(|e| panic!("{policy}: {e}")).pin();
+        history
+            .iter()
+            .map(String::as_str)
+            .filter(|v| pin.as_ref().is_none_or(|p| p.allows(Some(v), &history)))
+            .collect()
+    };
+    assert_eq!(allowed("any"), ["default", "step-1", "step-2", "step-3"]);
+    assert_eq!(allowed("latest-only"), ["step-3"]);
+    assert_eq!(allowed(" max-staleness:0 "), ["step-3"]);
+    assert_eq!(allowed("max-staleness:1"), ["step-2", "step-3"]);
+    assert_eq!(allowed("max-staleness:99"), ["default", "step-1", "step-2", "step-3"]);
+    assert_eq!(allowed("min-version:step-2"), ["step-2", "step-3"]);
+    assert!(
+        !VersionPin::WithinLast(5).allows(Some("unknown"), &history),
+        "a version outside the history is not recent"
+    );
+    assert!(!VersionPin::Latest.allows(Some("x"), &[]), "no history, no latest");
+    for bad in ["", "latest", "min-version:", "max-staleness:-1", "max-staleness:x", "min-version:a b", "ANY"] {
+        let err = VersionPolicy::parse(bad).expect_err(bad);
+        assert!(err.contains(VERSION_POLICY_GRAMMAR), "{bad}: {err}");
+    }
+}

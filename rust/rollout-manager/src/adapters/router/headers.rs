@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, HeaderName};
 /// Headers that are not forwarded: hop-by-hop ones (and any a `connection` header names), the
 /// ones the proxy sets itself (`host`, `content-length`), `expect` (the router has read the whole
 /// body already) and the router's own request headers.
-const HOP_BY_HOP: [&str; 16] = [
+const HOP_BY_HOP: [&str; 17] = [
     "connection",
     "proxy-connection",
     "expect",
@@ -23,6 +23,7 @@ const HOP_BY_HOP: [&str; 16] = [
     "x-session-id",
     "x-weight-version",
     "x-min-weight-version",
+    "x-smg-version-policy",
 ];
 
 fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
@@ -82,6 +83,7 @@ pub(super) struct OwnHeaders<'a> {
     pub(super) session_id: Option<&'a str>,
     pub(super) smg_routing_key: Option<&'a str>,
     pub(super) partial_rollout: Option<&'a str>,
+    pub(super) smg_version_policy: Option<&'a str>,
 }
 
 impl<'a> OwnHeaders<'a> {
@@ -96,6 +98,7 @@ impl<'a> OwnHeaders<'a> {
                 "x-session-id" => (8, &mut own.session_id),
                 "x-smg-routing-key" => (16, &mut own.smg_routing_key),
                 "x-partial-rollout" => (32, &mut own.partial_rollout),
+                "x-smg-version-policy" => (64, &mut own.smg_version_policy),
                 _ => continue,
             };
             // The first value counts (as `HeaderMap::get`); one that is not text counts as absent.

@@ -112,6 +112,8 @@ pub struct RouterState {
     /// The manager's API token: a request's `Authorization` carrying it is for us, and is not
     /// forwarded to engines (an engine's own `--api-key` credential is).
     token: Option<Arc<str>>,
+    /// `--rl-version-policy`, parsed: what a request that names no version may run on.
+    version_policy: Option<VersionPin>,
     client: EngineClient,
     /// Connections of the proxy's hot path, per engine address.
     pools: pool::Pools,
@@ -192,11 +194,15 @@ pub fn router(
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(1024)
         .build(connector);
+    // Checked by the config's validation; an unparsable one (not through it) is `any`.
+    let version_policy =
+        rollout_core::routing::VersionPolicy::parse(&config.rl_version_policy).ok().and_then(|p| p.pin());
     let state = Arc::new(RouterState {
         fleet,
         config,
         metrics,
         token: token.clone(),
+        version_policy,
         client,
         pools: pool::Pools::default(),
         rotor: AtomicUsize::new(0),
@@ -323,6 +329,8 @@ async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc
     let wanted = match pin {
         Some(VersionPin::Exact(v)) => format!("exactly {v:?}"),
         Some(VersionPin::AtLeast(v)) => format!("at least {v:?}"),
+        Some(VersionPin::Latest) => "the newest (latest-only)".into(),
+        Some(VersionPin::WithinLast(k)) => format!("among the newest {} (max-staleness:{k})", u64::from(*k) + 1),
         None => "any".into(),
     };
     Err(error(

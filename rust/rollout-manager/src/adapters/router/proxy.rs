@@ -143,7 +143,15 @@ async fn admit(state: &Arc<RouterState>, request: Request) -> Result<Admitted, R
             return Err(bad("invalid_partial_rollout", &format!("x-partial-rollout: {v:?} is not true or false")))
         }
     };
-    let pin_header = peek::pin_from_headers(own.weight_version, own.min_weight_version);
+    // A version the request names (body, then headers) comes first; then its SMG version
+    // policy, then the fleet's default (`--rl-version-policy`).
+    let policy_pin = match own.smg_version_policy {
+        None => state.version_policy.clone(),
+        Some(text) => rollout_core::routing::VersionPolicy::parse(text)
+            .map(|p| p.pin())
+            .map_err(|e| bad("invalid_version_policy", &format!("x-smg-version-policy: {e}")))?,
+    };
+    let pin_header = peek::pin_from_headers(own.weight_version, own.min_weight_version).or(policy_pin);
     let session_header = own.session_id.or(own.smg_routing_key);
     let info = peek::peek(&body, session_header, pin_header).map_err(|e| bad("invalid_weight_version", &e.0))?;
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
