@@ -34,7 +34,7 @@ def test_a_trainer_written_against_smg_finds_and_calls_the_engines(fleet: Manage
     engines = {e.engine_id: e for e in fleet.engines().engines}
     assert {w.id for w in workers} == set(engines)
     for w in workers:
-        assert (w.engine, w.health, w.worker_type, w.connection_mode) == ("sglang", "healthy", "regular", "http")
+        assert (w.engine, w.health, w.worker_type, w.connection_mode) == ("sglang", "ready", "regular", "http")
         assert w.url == engines[w.id].url and w.weight_version == "default" and w.tp_size == 1
         assert w.labels["status"] == "ACTIVE" and w.labels["paused"] == "false"
     first = workers[0]
@@ -48,12 +48,16 @@ def test_a_trainer_written_against_smg_finds_and_calls_the_engines(fleet: Manage
 
     with pytest.raises(RlError) as unknown:
         rl.worker("engine_99")
-    assert (unknown.value.status, unknown.value.code) == (404, "unknown_worker")
+    assert (unknown.value.status, unknown.value.code) == (404, "worker_not_found")
     with pytest.raises(RlError) as bad:
+        rl.fanout("flush_cache", {}, selector="engine")
+    assert (bad.value.status, bad.value.code) == (400, "invalid_selector") and "k notin (a,b)" in str(bad.value)
+    with pytest.raises(RlError) as none:
         rl.fanout("flush_cache", {}, selector="colour=red")
-    assert (bad.value.status, bad.value.code) == (400, "invalid_selector") and "key=value" in str(bad.value)
+    assert (none.value.status, none.value.code) == (400, "no_workers_match")
     missing = http("POST", fleet.router_url + "/v1/rl/engine/flush_cache", {})
-    assert missing.status == 400 and missing.json()["error"] == "missing_selector"
+    assert missing.status == 400 and missing.json()["error"] == "selector_required"
+    assert http("GET", fleet.router_url + "/v1/rl/workers").json()["protocol_version"] == 1
 
     # A weight change through the control plane would go around the manager's versions.
     with pytest.raises(RlError) as refused:
@@ -102,11 +106,11 @@ def test_a_fan_out_reports_each_engine_and_answers_207_on_a_partial_failure(star
     assert partial.value.status == 207
     result = partial.value.result
     assert (result.total, result.succeeded) == (2, 1) and set(result.results) == {a.engine_id}
-    assert [(f.worker_id, f.error) for f in result.failed] == [(b.engine_id, "engine_unreachable")]
+    assert [(f.worker_id, f.error) for f in result.failed] == [(b.engine_id, "upstream_unreachable")]
     kept = rl.fanout("server_info", method="GET", selector="all", allow_partial=True)
     assert kept.succeeded == 1
-    wait_until(lambda: rl.worker(b.engine_id).health == "unhealthy", 30, "the killed engine unhealthy")
-    only = rl.fanout("server_info", method="GET", selector="health=healthy")
+    wait_until(lambda: rl.worker(b.engine_id).health != "ready", 30, "the killed engine out")
+    only = rl.fanout("server_info", method="GET", selector="health=ready")
     assert (only.total, only.succeeded) == (1, 1)
 
 
@@ -166,3 +170,28 @@ def test_a_bad_version_policy_flag_names_the_flag_and_the_grammar(manager_bin: P
     )  # fmt: skip
     assert out.returncode != 0
     assert "--rl-version-policy" in out.stderr and "max-staleness:<k>" in out.stderr, out.stderr
+
+
+def test_calls_through_the_control_plane_need_the_token(start_fleet: StartManager, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    fleet = start_fleet("--api-token-file", str(token))
+    anonymous = RL(fleet.router_url, timeout=60)
+    workers = anonymous.workers()  # discovery stays open
+    assert len(workers) == 2 and anonymous.worker(workers[0].id).id == workers[0].id
+    for call in (
+        lambda: anonymous.call(workers[0].id, "model_info", method="GET"),
+        lambda: anonymous.fanout("flush_cache", {}, selector="all"),
+        lambda: anonymous.fanout("server_info", method="GET", selector="all"),
+    ):
+        with pytest.raises(RlError) as refused:
+            call()
+        assert (refused.value.status, refused.value.code) == (401, "unauthorized")
+    # A GET does not flush: request actions are POSTs.
+    get_flush = http("GET", fleet.router_url + "/v1/rl/engine/flush_cache?selector=all",
+                     headers={"Authorization": "Bearer s3cret-token"})  # fmt: skip
+    assert get_flush.status == 403 and get_flush.json()["error"] == "path_not_allowed", get_flush.body
+    authed = RL(fleet.router_url, api_key="s3cret-token", timeout=60)
+    assert authed.fanout("flush_cache", {}, selector="all").succeeded == 2
+    assert authed.call(workers[0].id, "model_info", method="GET").status == 200

@@ -333,7 +333,15 @@ def test_a_bucketed_update_reaches_every_engine_bucket_by_bucket(release_fleet: 
     assert refused.status == 400 and refused.json()["error"]["code"] == "bucket_expected", refused.body
     bad = http("POST", url, {"names": ["w"], "dtypes": ["bfloat17"], "shapes": [[2]]})
     assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_dtype", bad.body
+    early_end = http("POST", url, {"last": True})
+    assert early_end.status == 400 and early_end.json()["error"]["code"] == "bucket_expected", early_end.body
     fleet.client.abort_weight_update(opened.update_id, "test done")
+
+    # No bucket at all: the helper refuses and leaves no update open behind it.
+    with pytest.raises(ValueError, match="no bucket was sent"):
+        sync.update("step-3", buckets=[])
+    assert not fleet.client.weight_updates(status="PENDING") and not fleet.client.weight_updates(status="UPDATING")
+    assert fleet.client.weights().version == "step-1"
 
 
 def test_a_trainer_that_gives_up_between_buckets_leaves_no_engine_on_part_of_a_version(fleet: ManagerHandle) -> None:

@@ -407,15 +407,19 @@ class BucketedUpdate:
         :class:`WeightSyncError` if no engine got it)."""
         if not self._open:
             raise RuntimeError(f"update {self.update_id} has ended")
+        if self.sent == 0:
+            self.abort("the trainer ended the update before sending any bucket")
+            raise ValueError("no bucket was sent: send at least one before end()")
+        manager = self.sync.manager
         try:
-            if self.sent == 0:
-                raise ValueError("no bucket was sent: send at least one before end()")
-            try:
-                self.sync.manager.start_broadcast(self.update_id, None, last=True)
-            except RolloutApiError as err:
-                done = self.sync.manager.weight_update(self.update_id)
-                raise WeightSyncError("broadcast", [EngineFailure("-", "", err.status, err.message)], done) from err
-            manager = self.sync.manager
+            manager.start_broadcast(self.update_id, None, last=True)
+        except RolloutApiError as err:
+            done = manager.weight_update(self.update_id)
+            if done.status not in ("COMPLETED", "FAILED"):
+                self.abort(f"the manager refused the end of the broadcast: {err.message}")
+            self._release()
+            raise WeightSyncError("broadcast", [EngineFailure("-", "", err.status, err.message)], done) from err
+        try:
             done = manager.wait_for_weight_update(self.update_id, timeout=self.sync.timeout, poll_interval=POLL)
             return _outcome(self.version, self.layout, self.rebuilt, done)
         finally:
@@ -508,12 +512,15 @@ class AsyncDistributedWeightSync(_SyncBase):
                         sent += 1
                         await _maybe_await(self.broadcast(layout, bucket))
                     if sent == 0:
+                        await self._abort(opened.update_id, "the trainer had no bucket to send")
                         raise ValueError("buckets is empty: send at least one")
                     await self.manager.start_broadcast(opened.update_id, None, last=True)
             except RolloutApiError as err:
                 if sent == 0:
                     self.layout = None
                 done = await self.manager.weight_update(opened.update_id)
+                if specs is None and done.status not in ("COMPLETED", "FAILED"):
+                    await self._abort(opened.update_id, f"the manager refused a step of the broadcast: {err.message}")
                 step = "join_group" if sent == 0 else "broadcast"
                 raise WeightSyncError(step, [EngineFailure("-", "", err.status, err.message)], done) from err
             except BaseException as err:

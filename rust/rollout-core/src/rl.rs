@@ -1,36 +1,93 @@
 //! The RL control plane's pure parts (SMG's `/v1/rl/*`, served on the router port): which
 //! engines a fan-out selector names, and what a call to an engine path becomes.
 //!
-//! A selector is `all` (or `*`), or terms `key=value` joined by `,`, every one of which must
-//! hold (AND). Keys: `id`, `engine`, `model_id`, `worker_type`, `connection_mode`, `health`,
-//! `status`, `weight_version`, and `label.<name>`. A value may not be empty.
+//! A selector is SMG's: terms joined by `,`, every one of which must hold (AND): `k=v`, `k!=v`,
+//! `k in (a,b)`, `k notin (a,b)`. A key is a built-in field (`id`, `url`, `base_url`, `engine`,
+//! `model` or `model_id`, `worker_type`, `connection_mode`, `health`, `weight_version`, `role`)
+//! or else a label. A missing key fails `=` and `in` and passes `!=` and `notin`. We also take
+//! `all` (or `*`) for every engine, which SMG does not.
 //!
 //! An engine path is forwarded as it is when it only reads (`model_info`, `server_info`,
-//! `health`, `v1/loads`, ...) or acts on requests only (`flush_cache`, `abort_request`);
+//! `health`, `v1/loads`, ...) or acts on requests only (`flush_cache`, `abort_request`, POST);
 //! `pause_generation` and `continue_generation` are the manager's own steps (it knows the
 //! pause, keeps the engine out of routing while it lasts, and does not take it for a hang);
 //! every other path changes what the fleet serves and belongs to the manager's API, which the
 //! refusal names.
 
-use std::collections::BTreeMap;
-
-/// Keys a selector term may name (besides `label.<name>`).
-pub const SELECTOR_KEYS: [&str; 8] =
-    ["id", "engine", "model_id", "worker_type", "connection_mode", "health", "status", "weight_version"];
-
 /// A parsed fan-out selector.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Selector {
     All,
-    /// Every term must hold: (key, value); a label's key is `label.<name>`.
-    Terms(Vec<(String, String)>),
+    /// Every term must hold.
+    Terms(Vec<Term>),
 }
 
-/// What an engine offers a selector: its fields and labels by name.
+/// One term of a selector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Term {
+    pub key: String,
+    /// `=` / `in` (true) or `!=` / `notin` (false).
+    pub positive: bool,
+    pub values: Vec<String>,
+}
+
+/// What an engine offers a selector: the value of a key (a built-in field, else a label).
 pub trait Selectable {
-    /// The value of `key` (one of [`SELECTOR_KEYS`]), None when it has none.
-    fn field(&self, key: &str) -> Option<String>;
-    fn labels(&self) -> &BTreeMap<String, String>;
+    fn value(&self, key: &str) -> Option<String>;
+}
+
+/// The grammar, for messages.
+pub const SELECTOR_GRAMMAR: &str =
+    "terms joined by `,`, all of which must hold: k=v, k!=v, k in (a,b), k notin (a,b); keys are id, url, base_url, engine, model, worker_type, connection_mode, health, weight_version, role or a label (or `all`)";
+
+fn key_ok(key: &str) -> bool {
+    !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c))
+}
+
+/// Splits on `,` outside parentheses.
+fn split_terms(text: &str) -> Vec<&str> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&text[start..]);
+    out
+}
+
+fn parse_term(term: &str) -> Result<Term, String> {
+    let term = term.trim();
+    let set = |rest: &str| -> Option<Vec<String>> {
+        let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
+        let values: Vec<String> = inner.split(',').map(|v| v.trim().trim_matches('"').to_string()).collect();
+        values.iter().all(|v| !v.is_empty()).then_some(values)
+    };
+    let (key, positive, values) = if let Some((k, v)) = term.split_once("!=") {
+        (k, false, Some(vec![v.trim().trim_matches('"').to_string()]))
+    } else if let Some((k, v)) = term.split_once('=') {
+        (k, true, Some(vec![v.trim().trim_matches('"').to_string()]))
+    } else if let Some((k, rest)) = term.split_once(" notin ") {
+        (k, false, set(rest))
+    } else if let Some((k, rest)) = term.split_once(" in ") {
+        (k, true, set(rest))
+    } else {
+        return Err(format!("term {term:?} has no =, !=, in or notin"));
+    };
+    let key = key.trim();
+    if !key_ok(key) {
+        return Err(format!("term {term:?}: the key must be letters, digits or _ . / -"));
+    }
+    match values {
+        Some(values) if values.iter().all(|v| !v.is_empty()) => Ok(Term { key: key.to_string(), positive, values }),
+        _ => Err(format!("term {term:?} has no value")),
+    }
 }
 
 impl Selector {
@@ -40,38 +97,21 @@ impl Selector {
         if text == "all" || text == "*" {
             return Ok(Self::All);
         }
-        let grammar = format!(
-            "a selector is `all`, or key=value terms joined by `,` (all must hold); keys: {}, label.<name>",
-            SELECTOR_KEYS.join(", ")
-        );
         if text.is_empty() {
-            return Err(format!("the selector is empty; {grammar}"));
+            return Err(format!("the selector is empty; a selector is {SELECTOR_GRAMMAR}"));
         }
-        let mut terms = Vec::new();
-        for term in text.split(',') {
-            let Some((key, value)) = term.split_once('=') else {
-                return Err(format!("term {term:?} has no `=`; {grammar}"));
-            };
-            let (key, value) = (key.trim(), value.trim());
-            let known = SELECTOR_KEYS.contains(&key) || key.strip_prefix("label.").is_some_and(|n| !n.is_empty());
-            if !known {
-                return Err(format!("unknown key {key:?}; {grammar}"));
-            }
-            if value.is_empty() {
-                return Err(format!("term {term:?} has no value; {grammar}"));
-            }
-            terms.push((key.to_string(), value.to_string()));
-        }
-        Ok(Self::Terms(terms))
+        let terms: Result<Vec<Term>, String> = split_terms(text).into_iter().map(parse_term).collect();
+        terms.map(Self::Terms).map_err(|e| format!("{e}; a selector is {SELECTOR_GRAMMAR}"))
     }
 
     /// Whether `engine` is selected.
     pub fn matches(&self, engine: &impl Selectable) -> bool {
         match self {
             Self::All => true,
-            Self::Terms(terms) => terms.iter().all(|(key, value)| match key.strip_prefix("label.") {
-                Some(name) => engine.labels().get(name) == Some(value),
-                None => engine.field(key).as_deref() == Some(value.as_str()),
+            Self::Terms(terms) => terms.iter().all(|t| {
+                let key = if t.key == "model" { "model_id" } else { t.key.as_str() };
+                let found = engine.value(key).is_some_and(|v| t.values.contains(&v));
+                found == t.positive
             }),
         }
     }
@@ -112,11 +152,14 @@ const REQUEST_ACTIONS: [&str; 2] = ["flush_cache", "abort_request"];
 /// What `path` (without the leading `/`) becomes when `method` calls it.
 pub fn classify(method: &str, path: &str) -> EngineCall {
     let path = path.trim_start_matches('/');
-    if READS.contains(&path) || REQUEST_ACTIONS.contains(&path) {
+    if READS.contains(&path) {
         return EngineCall::Forward;
     }
     if method != "POST" {
         return refused_route(path);
+    }
+    if REQUEST_ACTIONS.contains(&path) {
+        return EngineCall::Forward;
     }
     match path {
         "pause_generation" => EngineCall::Pause,
@@ -160,42 +203,42 @@ fn refused_route(path: &str) -> EngineCall {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
-    struct E {
-        fields: BTreeMap<String, String>,
-        labels: BTreeMap<String, String>,
-    }
+    struct E(BTreeMap<String, String>);
 
     impl Selectable for E {
-        fn field(&self, key: &str) -> Option<String> {
-            self.fields.get(key).cloned()
-        }
-        fn labels(&self) -> &BTreeMap<String, String> {
-            &self.labels
+        fn value(&self, key: &str) -> Option<String> {
+            self.0.get(key).cloned()
         }
     }
 
     fn engine(id: &str, health: &str, label: Option<(&str, &str)>) -> E {
-        let fields = [("id", id), ("engine", "sglang"), ("health", health)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let labels = label.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        E { fields, labels }
+        let mut fields: BTreeMap<String, String> =
+            [("id", id), ("engine", "sglang"), ("health", health), ("model_id", "m")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        fields.extend(label.map(|(k, v)| (k.to_string(), v.to_string())));
+        E(fields)
     }
 
     #[test]
-    fn selectors_parse_and_match_as_documented() {
-        let a = engine("engine_0", "healthy", Some(("origin", "managed")));
-        let b = engine("engine_1", "unhealthy", None);
-        let table: [(&str, bool, bool); 7] = [
+    fn selectors_parse_and_match_as_smg_documents_them() {
+        let a = engine("engine_0", "ready", Some(("origin", "managed")));
+        let b = engine("engine_1", "not_ready", None);
+        let table: [(&str, bool, bool); 11] = [
             ("all", true, true),
-            ("*", true, true),
             ("engine=sglang", true, true),
-            ("engine=sglang,health=healthy", true, false),
+            ("engine=sglang,health=ready", true, false),
             (" id = engine_1 ", false, true),
-            ("label.origin=managed", true, false),
+            ("origin=managed", true, false),
+            ("origin!=managed", false, true),
+            ("health in (ready, draining)", true, false),
+            ("id notin (engine_0,engine_9)", false, true),
+            ("model=m,engine in (sglang,vllm)", true, true),
             ("engine=vllm", false, false),
+            ("engine=\"sglang\"", true, true),
         ];
         for (text, on_a, on_b) in table {
             let s = Selector::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
@@ -207,14 +250,15 @@ mod tests {
     fn a_bad_selector_says_what_is_wrong_and_gives_the_grammar() {
         for (text, says) in [
             ("", "empty"),
-            ("engine", "no `=`"),
-            ("colour=red", "unknown key \"colour\""),
-            ("label.=x", "unknown key"),
+            ("engine", "no =, !=, in or notin"),
+            ("col our=red", "the key must be"),
             ("engine=", "no value"),
-            ("engine=sglang,", "no `=`"),
+            ("engine=sglang,", "no =, !="),
+            ("health in ready", "no value"),
+            ("health in (ready,)", "no value"),
         ] {
             let err = Selector::parse(text).expect_err(text);
-            assert!(err.contains(says) && err.contains("key=value"), "{text}: {err}");
+            assert!(err.contains(says) && err.contains("k notin (a,b)"), "{text}: {err}");
         }
     }
 
@@ -223,6 +267,10 @@ mod tests {
         assert_eq!(classify("GET", "model_info"), EngineCall::Forward);
         assert_eq!(classify("GET", "/server_info"), EngineCall::Forward);
         assert_eq!(classify("POST", "flush_cache"), EngineCall::Forward);
+        assert!(
+            matches!(classify("GET", "flush_cache"), EngineCall::Refused { .. }),
+            "request actions are POSTs: a GET changes nothing"
+        );
         assert_eq!(classify("POST", "pause_generation"), EngineCall::Pause);
         assert_eq!(classify("POST", "continue_generation"), EngineCall::Continue);
         assert!(matches!(classify("GET", "pause_generation"), EngineCall::Refused { code: "path_not_allowed", .. }));

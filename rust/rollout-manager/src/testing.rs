@@ -269,7 +269,9 @@ impl EngineApi for FakeEngines {
                 return Err(EngineError::Unreachable { path, detail: "connection refused".into() });
             }
             if s.refuse_loads.contains(url) && path == "/update_weights_from_distributed" {
-                return Err(EngineError::Refused { path, detail: "HTTP 400: refused".into() });
+                // SGLang 0.5.23's answer when the broadcast never arrived (nothing loaded).
+                let detail = "HTTP 400: Failed to receive weights: refused".into();
+                return Err(EngineError::Refused { path, detail });
             }
             let told = match path {
                 "/update_weights_from_distributed" => body.get("weight_version"),

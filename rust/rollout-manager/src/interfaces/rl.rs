@@ -14,7 +14,6 @@
 //! `weights_managed`, naming the manager's weight API), so nothing reaches an engine around
 //! the manager's versions. Errors are SMG's `{"error": code, "message"}`.
 
-use crate::foundation::auth::require_token;
 use crate::ops::manager::Manager;
 use crate::registry::fleet::Engine;
 use axum::body::Bytes;
@@ -39,7 +38,9 @@ pub const FAN_OUT: usize = 32;
 const CALL_TIMEOUT: Duration = Duration::from_secs(600);
 /// Largest request body taken (SGLang's admin bodies are small).
 const BODY_LIMIT: usize = 16 << 20;
-/// The version of this control plane's shapes, as SMG reports it per worker.
+/// Marks a transport error that was the call's timeout.
+const TIMED_OUT: &str = "timed out: ";
+/// The version of this control plane's shapes, as SMG reports it.
 const PROTOCOL_VERSION: u32 = 1;
 
 #[derive(Clone)]
@@ -49,7 +50,8 @@ struct RlState {
 }
 
 /// The routes, ready to merge into the router port's own routes. `token`, when set, guards
-/// every call that is not a GET of the worker list.
+/// every call but a GET of the worker list or of one worker (a call that only reads an engine
+/// reaches it too, and some reads run work there, such as `health_generate`).
 pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
     let http = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(30)).build().unwrap_or_default();
     Router::new()
@@ -57,9 +59,37 @@ pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         .route("/v1/rl/workers/{id}", get(worker))
         .route("/v1/rl/workers/{id}/engine/{*path}", any(call_one))
         .route("/v1/rl/engine/{*path}", any(fan_out))
-        .layer(axum::middleware::from_fn_with_state(token, require_token))
+        // The token is checked before the body is read.
         .layer(axum::middleware::from_fn_with_state(BODY_LIMIT, crate::foundation::http_serve::read_body_first))
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(token, needs_token))
         .with_state(RlState { manager, http })
+}
+
+/// The token check of these routes (when the manager has one), answered in SMG's error shape.
+async fn needs_token(
+    State(token): State<Option<Arc<str>>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = token else { return next.run(request).await };
+    let path = request.uri().path();
+    let listing = request.method() == Method::GET && (path == "/v1/rl/workers" || is_worker_path(path));
+    if listing || crate::foundation::auth::carries_token(request.headers(), Some(&token)) {
+        return next.run(request).await;
+    }
+    let mut answer = error(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "calls to engines through /v1/rl need Authorization: Bearer <token> (the manager's --api-token-file or ROLLOUT_MANAGER_API_TOKEN; smg.rl: RL(url, api_key=token))",
+    );
+    answer.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
+    answer
+}
+
+/// `/v1/rl/workers/{id}` itself (not a call under it).
+fn is_worker_path(path: &str) -> bool {
+    path.strip_prefix("/v1/rl/workers/").is_some_and(|id| !id.is_empty() && !id.contains('/'))
 }
 
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
@@ -73,16 +103,27 @@ struct Worker {
 }
 
 impl Selectable for Worker {
-    fn field(&self, key: &str) -> Option<String> {
+    fn value(&self, key: &str) -> Option<String> {
+        const FIELDS: [&str; 10] = [
+            "id",
+            "url",
+            "base_url",
+            "engine",
+            "model_id",
+            "worker_type",
+            "connection_mode",
+            "health",
+            "weight_version",
+            "role",
+        ];
+        if !FIELDS.contains(&key) {
+            return self.labels.get(key).cloned();
+        }
         match self.json.get(key)? {
             Value::String(s) => Some(s.clone()),
             Value::Null => None,
             other => Some(other.to_string()),
         }
-    }
-
-    fn labels(&self) -> &BTreeMap<String, String> {
-        &self.labels
     }
 }
 
@@ -100,19 +141,22 @@ fn worker_of(e: &Engine, model: &str) -> Worker {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    // SMG's worker states.
     let health = match status {
-        EngineStatus::Active | EngineStatus::Draining | EngineStatus::WeightSyncing => "healthy",
+        EngineStatus::Active | EngineStatus::WeightSyncing => "ready",
+        EngineStatus::Draining | EngineStatus::Removing | EngineStatus::Removed => "draining",
         EngineStatus::Pending | EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::Ready => {
-            "unknown"
+            "pending"
         }
-        _ => "unhealthy",
+        EngineStatus::Unhealthy => "not_ready",
+        EngineStatus::Failed => "failed",
     };
     let json = json!({
         "id": r.engine_id(), "url": r.url(), "base_url": r.url(), "engine": "sglang", "engine_version": null,
         "model_id": model, "worker_type": "regular", "connection_mode": "http",
         "tp_size": r.gpu_ids().len().max(1), "dp_size": 1, "pp_size": 1, "dp_ranks": 1, "role": null,
         "health": health, "weight_version": r.weight_version(), "control_url": r.url(),
-        "labels": labels, "protocol_version": PROTOCOL_VERSION,
+        "labels": labels,
         "capabilities": {"pause_generation": true, "continue_generation": true, "weights": "manager"},
     });
     Worker { json, labels }
@@ -136,7 +180,7 @@ fn all_workers(manager: &Manager) -> Vec<(EngineId, String, Worker)> {
 
 async fn workers(State(s): State<RlState>) -> Response {
     let list: Vec<Value> = all_workers(&s.manager).into_iter().map(|(_, _, w)| w.json).collect();
-    Json(json!({"total": list.len(), "workers": list})).into_response()
+    Json(json!({"protocol_version": PROTOCOL_VERSION, "total": list.len(), "workers": list})).into_response()
 }
 
 async fn worker(State(s): State<RlState>, Path(id): Path<String>) -> Response {
@@ -147,7 +191,8 @@ async fn worker(State(s): State<RlState>, Path(id): Path<String>) -> Response {
 }
 
 fn unknown_worker(id: &str) -> Response {
-    error(StatusCode::NOT_FOUND, "unknown_worker", format!("no worker {id}; list them with GET /v1/rl/workers"))
+    let message = format!("no worker {id}; list them with GET /v1/rl/workers");
+    (StatusCode::NOT_FOUND, Json(json!({"error": "worker_not_found", "message": message, "id": id}))).into_response()
 }
 
 /// What one engine answered: its status, its body (JSON when it is JSON), and how long it took.
@@ -175,7 +220,15 @@ async fn send(
     if !body.is_empty() {
         request = request.header("content-type", "application/json").body(body.clone());
     }
-    let answer = request.send().await.map_err(crate::foundation::engine_http::describe)?;
+    let answer = request.send().await.map_err(|e| {
+        let timeout = e.is_timeout();
+        let why = crate::foundation::engine_http::describe(e);
+        if timeout {
+            format!("{TIMED_OUT}{why}")
+        } else {
+            why
+        }
+    })?;
     let status = answer.status().as_u16();
     let raw = crate::foundation::engine_http::read_capped(answer, BODY_LIMIT, CALL_TIMEOUT)
         .await
@@ -199,7 +252,10 @@ async fn call_engine(
     query: Option<&str>,
     body: &Bytes,
 ) -> Result<Answered, CallError> {
-    let unreachable = |e: String| (StatusCode::BAD_GATEWAY, "engine_unreachable", format!("{id} did not answer: {e}"));
+    let unreachable = |e: String| match e.strip_prefix(TIMED_OUT) {
+        Some(why) => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", format!("{id} did not answer in time: {why}")),
+        None => (StatusCode::BAD_GATEWAY, "upstream_unreachable", format!("{id} did not answer: {e}")),
+    };
     let refused = |e: crate::ops::op_error::OpError| {
         let status = match e.kind() {
             "invalid" => StatusCode::BAD_REQUEST,
@@ -240,9 +296,12 @@ async fn call_one(
         return unknown_worker(&id);
     };
     match call_engine(&s, &engine_id, &url, &method, &path, query.as_deref(), &body).await {
-        Ok(a) => Json(json!({"worker_id": engine_id, "url": url, "status": a.status,
-                             "latency_ms": a.latency_ms, "body": a.body}))
-        .into_response(),
+        // The answer's status is the engine's, as SMG's.
+        Ok(a) => {
+            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            let body = json!({"worker_id": engine_id, "url": url, "status": a.status, "latency_ms": a.latency_ms, "body": a.body});
+            (status, Json(body)).into_response()
+        }
         Err((status, code, message)) => error(status, code, message),
     }
 }
@@ -296,11 +355,12 @@ async fn fan_out(
     let Some(selector) = selector else {
         return error(
             StatusCode::BAD_REQUEST,
-            "missing_selector",
-            "a fan-out names its engines with ?selector= (`all`, or key=value terms joined by `,`)",
+            "selector_required",
+            format!("a fan-out names its engines with ?selector=: {}", rollout_core::rl::SELECTOR_GRAMMAR),
         );
     };
-    let selector = match Selector::parse(&selector) {
+    let text = selector;
+    let selector = match Selector::parse(&text) {
         Ok(sel) => sel,
         Err(why) => return error(StatusCode::BAD_REQUEST, "invalid_selector", why),
     };
@@ -312,6 +372,14 @@ async fn fan_out(
         .filter(|(_, _, w)| selector.matches(w))
         .map(|(id, url, _)| (id, url))
         .collect();
+    if targets.is_empty() {
+        let message = format!("selector {text:?} matches no worker; list them with GET /v1/rl/workers");
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "no_workers_match", "message": message, "selector": text})),
+        )
+            .into_response();
+    }
     let (s, method, path, rest, body) = (&s, &method, path.as_str(), rest.as_str(), &body);
     let answers: Vec<(EngineId, String, Result<Answered, CallError>)> = futures::stream::iter(targets)
         .map(|(id, url)| async move {
@@ -324,28 +392,34 @@ async fn fan_out(
     fan_out_answer(answers)
 }
 
-/// `{results, failed, total, succeeded}`: 200 when every engine answered 2xx, else 207.
+/// `{results, failed, total, succeeded}`: every answer in `results` and each non-2xx or
+/// unanswered call in `failed`; 200 when nothing failed, else 207.
 fn fan_out_answer(mut answers: Vec<(EngineId, String, Result<Answered, CallError>)>) -> Response {
     answers.sort_by(|a, b| a.0.cmp(&b.0));
     let total = answers.len();
     let mut results = serde_json::Map::new();
     let mut failed = Vec::new();
+    let mut succeeded = 0usize;
     for (id, url, answer) in answers {
         match answer {
-            Ok(a) if (200..300).contains(&a.status) => {
+            Ok(a) => {
+                if (200..300).contains(&a.status) {
+                    succeeded += 1;
+                } else {
+                    failed.push(json!({"worker_id": id, "url": url, "status": a.status, "error": "upstream_error",
+                                       "message": format!("HTTP {}", a.status)}));
+                }
                 results.insert(
                     id.to_string(),
                     json!({"url": url, "status": a.status, "latency_ms": a.latency_ms, "body": a.body}),
                 );
             }
-            Ok(a) => failed.push(json!({"worker_id": id, "url": url, "status": a.status, "error": "engine_error",
-                                        "message": crate::foundation::engine_http::shorten(&a.body.to_string())})),
-            Err((status, code, message)) => failed.push(json!({"worker_id": id, "url": url,
-                "status": if code == "engine_unreachable" { Value::Null } else { json!(status.as_u16()) },
-                "error": code, "message": message})),
+            Err((status, code, message)) => {
+                let status = if code.starts_with("upstream_") { Value::Null } else { json!(status.as_u16()) };
+                failed.push(json!({"worker_id": id, "url": url, "status": status, "error": code, "message": message}));
+            }
         }
     }
-    let succeeded = results.len();
     let status = if failed.is_empty() { StatusCode::OK } else { StatusCode::MULTI_STATUS };
     (status, Json(json!({"results": results, "failed": failed, "total": total, "succeeded": succeeded})))
         .into_response()

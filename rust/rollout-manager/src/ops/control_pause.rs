@@ -20,13 +20,25 @@ fn pausable(status: EngineStatus) -> bool {
 
 /// Pauses `engine_id`: it is marked paused (out of routing) before `call` (the engine's own
 /// `/pause_generation`) runs, and unmarked again when `call` fails. 404 for an unknown engine,
-/// 409 for one that is starting, stopping or gone.
+/// 409 for one that is starting, stopping or gone, or while a weight update runs. The pause
+/// ends without a continue when the manager takes the engine over (a weight update, a
+/// failure, a restart); it is not kept across a manager restart.
 pub async fn pause<T, E>(
     manager: &Manager,
     engine_id: &EngineId,
     call: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<Result<T, E>, OpError> {
     manager.fleet.update(|inner| {
+        if let Some(u) = inner.weights.running_update() {
+            return Err(OpError::conflict(
+                "update_in_progress",
+                format!(
+                    "weight update {} to {} runs; the manager pauses and continues its engines itself. Pause once it has ended",
+                    u.update_id(),
+                    u.version()
+                ),
+            ));
+        }
         let e = inner.engines.get_mut(engine_id).ok_or_else(|| unknown(engine_id))?;
         if !pausable(e.status()) {
             return Err(OpError::conflict(

@@ -355,6 +355,19 @@ pub async fn start_broadcast(
     if let Some(bucket) = step.as_ref().and_then(|s| s.bucket.as_ref()) {
         check_bucket(bucket)?;
     }
+    // A step that does not fit the update is refused before any wait.
+    let opened = trainer_update(&manager.fleet.lock(), update_id)?;
+    if let Some(t) = opened.trainer() {
+        let misfit = match (t.bucketed, &step) {
+            (false, Some(_)) => Some(TrainerStepRefused::TensorsGivenAtOpen),
+            (true, None) => Some(TrainerStepRefused::BucketExpected),
+            (true, Some(s)) if s.bucket.is_none() && t.buckets_sent == 0 => Some(TrainerStepRefused::BucketExpected),
+            _ => None,
+        };
+        if let Some(why) = misfit {
+            return Err(refused(update_id, why));
+        }
+    }
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
     let ready = |u: &UpdateRecord| {
         u.status().is_terminal()
@@ -777,7 +790,13 @@ async fn receive_buckets(
                         let detail = "not served (404)".into();
                         r.failed = Some(EngineError::Refused { path: "/update_weights_from_distributed", detail });
                     }
-                    Err(e) => r.failed = Some(e),
+                    Err(e) => {
+                        // Unless it says the receive itself failed (then nothing was loaded),
+                        // it may hold part of the bucket: SGLang asks to discard the weights
+                        // after a failed load, and a call cut by a timeout may still load.
+                        r.loaded |= !receive_failed(&e);
+                        r.failed = Some(e);
+                    }
                 }
             }))
             .await;
@@ -806,6 +825,14 @@ async fn receive_buckets(
             }
         };
     }
+}
+
+/// Whether an engine's refusal of `/update_weights_from_distributed` says the tensors never
+/// arrived, so nothing was loaded (SGLang 0.5.23: "Failed to receive weights: ...", returned
+/// before `load_weights`; older releases receive and load in one step and say nothing of the
+/// kind).
+fn receive_failed(e: &EngineError) -> bool {
+    matches!(e, EngineError::Refused { detail, .. } if detail.contains("Failed to receive weights"))
 }
 
 /// A member's last step. One that received every bucket ends its session, is told the version

@@ -242,7 +242,9 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
     let line = json!({"group_name": name, "rank_offset": group.rank_offset, "engine_port": engine.port});
     if let Err(e) = receive_broadcast(&group.master_address, group.master_port, &line, &req.names).await {
         tracing::warn!(port = engine.port, group = name, error = e, "distributed weight update failed");
-        return fail(format!("Failed to update weights from group {name}: {e}"));
+        // SGLang 0.5.23's words (managers/scheduler_components/weight_updater.py): the receive
+        // failed before anything was loaded.
+        return fail(format!("Failed to receive weights: group {name}: {e}"));
     }
     // The transfer model: every rank of a broadcast receives in one transfer time.
     let transfer = engine.cfg.transfer_time();

@@ -301,6 +301,21 @@ impl Engines {
         engine.transitions += 1;
         engine.record.updated_at = unix_now();
         engine.record.is_healthy = matches!(to, EngineStatus::Active | EngineStatus::Draining | EngineStatus::Ready);
+        // A client's pause ends when the manager takes the engine over: a weight update (which
+        // continues it when done), a failure, a restart or its removal.
+        let takes_over = matches!(event, EngineEvent::UpdateWeights)
+            || matches!(
+                to,
+                EngineStatus::Failed
+                    | EngineStatus::Removing
+                    | EngineStatus::Removed
+                    | EngineStatus::Pending
+                    | EngineStatus::Creating
+            );
+        if takes_over && engine.paused_by_control {
+            tracing::info!(engine_id, "the client's pause ends: the manager takes the engine over");
+            engine.paused_by_control = false;
+        }
         match to {
             EngineStatus::Active => {
                 engine.up_since.get_or_insert_with(tokio::time::Instant::now);

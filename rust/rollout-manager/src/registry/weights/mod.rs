@@ -187,6 +187,9 @@ impl WeightsState {
             },
             (true, None) => return Err(TrainerStepRefused::BucketExpected),
             (true, Some(_)) if t.last_sent => return Err(TrainerStepRefused::LastStepSent),
+            (true, Some(step)) if step.bucket.is_none() && t.buckets_sent == 0 => {
+                return Err(TrainerStepRefused::BucketExpected)
+            }
             (true, Some(_)) if t.pending.is_some() || t.buckets_received < t.buckets_sent => {
                 return Err(TrainerStepRefused::BucketInFlight)
             }
@@ -780,6 +783,11 @@ mod tests {
         w.start(u).unwrap();
         w.group_joined("t1", "g1");
         assert_eq!(w.trainer_sends("t1", None), Err(TrainerStepRefused::BucketExpected));
+        assert_eq!(
+            w.trainer_sends("t1", Some(step(&[], true))),
+            Err(TrainerStepRefused::BucketExpected),
+            "an end before any bucket would tell the engines a version they never got"
+        );
         assert_eq!(w.trainer_sends("t1", Some(step(&["a", "b"], false))), Ok(()));
         assert_eq!(
             w.trainer_sends("t1", Some(step(&["c"], false))),
