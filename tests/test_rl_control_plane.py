@@ -121,7 +121,12 @@ def generate(fleet: ManagerHandle, policy: str | None) -> tuple[int, dict]:
         headers["x-smg-version-policy"] = policy
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     resp = http("POST", fleet.router_url + "/generate", body, headers=headers)
+    stamped.append(resp.headers.get("x-smg-weight-version"))
     return resp.status, resp.json()
+
+
+#: The `x-smg-weight-version` of every answer `generate` got, in order.
+stamped: list[str | None] = []
 
 
 def test_smg_version_policies_choose_the_engines_a_request_may_use(start_fleet: StartManager) -> None:
@@ -142,6 +147,8 @@ def test_smg_version_policies_choose_the_engines_a_request_may_use(start_fleet: 
             status, body = generate(fleet, policy)
             assert status == 200, body
             versions.add(body["meta_info"]["weight_version"])
+            # Stamped where SMG stamps it: the answering engine's version.
+            assert stamped[-1] == body["meta_info"]["weight_version"], (stamped, body)
         return versions
 
     assert served("latest-only") == {"step-2"}

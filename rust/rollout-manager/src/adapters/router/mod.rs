@@ -102,6 +102,8 @@ pub const MAX_ATTEMPTS: usize = 3;
 
 /// The response header naming the engine that answered.
 const ENGINE_ID_HEADER: HeaderName = HeaderName::from_static("x-rollout-engine-id");
+/// The answering engine's weight version, where SMG stamps it.
+const VERSION_HEADER: HeaderName = HeaderName::from_static("x-smg-weight-version");
 
 type EngineClient = Client<HttpConnector, Full<Bytes>>;
 

@@ -15,7 +15,7 @@ use super::send::{send, EngineBody};
 use super::table::Route;
 use super::{
     affinity, candidates, engine_cap, error, models, moving, path_and_query, peek, tail, QueuedGuard, RouterState,
-    ENGINE_ID_HEADER, MAX_ATTEMPTS, MAX_BODY_BYTES,
+    ENGINE_ID_HEADER, MAX_ATTEMPTS, MAX_BODY_BYTES, VERSION_HEADER,
 };
 use crate::foundation::slots::{Joining, Ticket};
 use crate::registry::fleet::{EngineLoad, InFlightGuard};
@@ -450,6 +450,9 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     strip_hop_by_hop(&mut head.headers);
     if let Some(v) = &backend.id_header {
         head.headers.insert(ENGINE_ID_HEADER, v.clone());
+    }
+    if let Some(v) = &backend.version_header {
+        head.headers.insert(VERSION_HEADER, v.clone());
     }
     // Only a successful answer's length is learned (the others just end).
     let learn = (head.status == StatusCode::OK).then_some(learn);

@@ -23,6 +23,9 @@ pub struct Route {
     /// The engine id as the `x-rollout-engine-id` response header (None if it is not a valid
     /// header value).
     pub id_header: Option<HeaderValue>,
+    /// The engine's weight version as SMG's `x-smg-weight-version` response header (None when
+    /// it has none, or it is not a valid header value).
+    pub version_header: Option<HeaderValue>,
     /// The router's idle connections to this engine (with `host_header`, a plain `host:port`).
     pub pool: Option<Arc<Pool>>,
 }
@@ -37,6 +40,7 @@ impl Route {
         let pool = host_header.as_ref().map(|_| pools.get(&backend.authority, fleet));
         Self {
             id_header: HeaderValue::from_str(&backend.engine_id).ok(),
+            version_header: backend.weight_version.as_deref().and_then(|v| HeaderValue::from_str(v).ok()),
             pool,
             backend: backend.clone(),
             uri_authority,
