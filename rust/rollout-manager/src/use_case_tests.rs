@@ -524,15 +524,15 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
     });
 }
 
-/// Opens a trainer update to `version` (one tensor; the fake engines take any).
-fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
+/// Opens a trainer update to `version` with `tensors` (empty: sent in buckets).
+fn open_update_with(
+    m: &Arc<crate::ops::manager::Manager>,
+    version: &str,
+    tensors: crate::foundation::records::Bucket,
+) -> UpdateId {
     let req = crate::ops::trainer_update::OpenRequest {
         version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
-        tensors: crate::foundation::records::Bucket {
-            names: vec!["w".into()],
-            dtypes: vec!["bfloat16".into()],
-            shapes: vec![vec![2]],
-        },
+        tensors,
         pause_mode: "retract".into(),
         flush_cache: true,
         master_address: "127.0.0.1".into(),
@@ -541,6 +541,16 @@ fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> 
         group_prefix: "g".into(),
     };
     crate::ops::trainer_update::open(m, req).expect("opened").update_id().clone()
+}
+
+/// Opens a trainer update to `version` (one tensor; the fake engines take any).
+fn open_trainer_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
+    let one = crate::foundation::records::Bucket {
+        names: vec!["w".into()],
+        dtypes: vec!["bfloat16".into()],
+        shapes: vec![vec![2]],
+    };
+    open_update_with(m, version, one)
 }
 
 async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
@@ -596,17 +606,7 @@ async fn a_trainer_update_is_the_fleet_version_and_new_engines_copy_it_from_seed
 
 /// Opens a trainer update to `version` whose tensors come in buckets.
 fn open_bucketed_update(m: &Arc<crate::ops::manager::Manager>, version: &str) -> UpdateId {
-    let req = crate::ops::trainer_update::OpenRequest {
-        version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
-        tensors: crate::foundation::records::Bucket::default(),
-        pause_mode: "retract".into(),
-        flush_cache: true,
-        master_address: "127.0.0.1".into(),
-        master_port: 29500,
-        group_name: None,
-        group_prefix: "g".into(),
-    };
-    crate::ops::trainer_update::open(m, req).expect("opened").update_id().clone()
+    open_update_with(m, version, crate::foundation::records::Bucket::default())
 }
 
 fn bucket(name: &str, last: bool) -> Option<crate::foundation::records::BroadcastStep> {
