@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import jsonschema
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
 from _trainer import SPECS, StandInRank0
 
-from elastic_rollout.trainer import DistributedWeightSync
+from elastic_rollout.trainer import DistributedWeightSync, GroupLayout
 
 
 def schema_of(spec: dict[str, Any], name: str) -> dict[str, Any]:
@@ -37,6 +38,8 @@ def test_every_documented_path_exists(shared_fleet: ManagerHandle, spec: dict[st
             if resp.status == 404:
                 # The route exists: the 404 names the unknown id, it is not the fallback's no_such_route.
                 expected = "unknown_engine" if path.startswith("/rollout/engines/") else "unknown_request"
+                if path == "/rollout/weights/trainer_group":
+                    expected = "no_trainer_group"  # the engines hold no group yet
                 assert resp.json()["error"]["code"] == expected, (method, path, resp.body)
         # A method the route does not take: 405, the usual JSON error, and the methods it takes.
         resp = http("DELETE", f"{shared_fleet.control_url}{concrete}")
@@ -104,3 +107,27 @@ def test_trainer_update_answers_match_the_schemas(start_fleet: StartManager) -> 
     with pytest.raises(jsonschema.ValidationError):
         check(spec, "TrainerUpdateRequest", bad)
     check(spec, "GroupDestroyed", http("POST", f"{fleet.control_url}/rollout/weights/trainer_group/destroy", {}).json())
+
+    # A group the trainer fixes: the request, the answer while its members join, and once joined.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    body = {"group_name": "fixed", "master_address": "127.0.0.1", "master_port": port, "world_size": 3}
+    check(spec, "BuildGroupRequest", body)
+    built = http("POST", f"{fleet.control_url}/rollout/weights/trainer_group", body)
+    assert built.status == 202 and built.json()["fixed"] == {"state": "joining"}, built.body
+    check(spec, "TrainerGroup", built.json())
+    rank0.join_group(GroupLayout.from_json(built.json()))
+
+    def joined() -> bool:
+        group = http("GET", f"{fleet.control_url}/rollout/weights/trainer_group").json()
+        return bool(group["fixed"]["state"] == "joined")
+
+    wait_until(joined, 30, "the fixed group joined")
+    check(spec, "TrainerGroup", http("GET", f"{fleet.control_url}/rollout/weights/trainer_group").json())
+    bad = dict(body, world_size=1)
+    resp = http("POST", f"{fleet.control_url}/rollout/weights/trainer_group", bad)
+    assert resp.status == 400 and resp.json()["error"]["code"] == "invalid_world_size", resp.body
+    check(spec, "Error", resp.json())
+    with pytest.raises(jsonschema.ValidationError):
+        check(spec, "BuildGroupRequest", bad)

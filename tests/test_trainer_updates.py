@@ -24,7 +24,14 @@ from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManag
 from _trainer import SPECS, StandInRank0, update_engines_directly
 from test_weights_resume import ENGINES, engine_identities, free_port, start, stop_both
 
-from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSpec
+from elastic_rollout.trainer import (
+    DistributedWeightSync,
+    FixedGroupSync,
+    GroupLayout,
+    TensorSpec,
+    UpdateResult,
+    WeightSyncError,
+)
 
 
 def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSync:
@@ -512,3 +519,87 @@ def test_a_seed_that_dies_mid_copy_is_replaced_by_another(start_fleet: StartMana
         f"{first} restarted",
     )
     fleet.track_children()
+
+
+def fixed_round(sync: FixedGroupSync, rank0: StandInRank0, version: str) -> UpdateResult:
+    """One update as AReaL sends it over its fixed group: bucket by bucket, each received before
+    the next, then the end (AReaL's ``continue_generation``)."""
+    assert sync.layout is not None
+    for bucket in (SPECS[:2], SPECS[2:]):
+        sync.send(version, bucket)
+        rank0.broadcast(sync.layout, bucket)
+        sync.wait_received()
+    return sync.end()
+
+
+def test_a_group_the_trainer_fixed_is_kept_and_engines_beyond_it_copy_each_version(fleet: ManagerHandle) -> None:
+    """AReaL's layout: the trainer builds its group once, with a world size of its own. The
+    manager fills it with the first engines, never rebuilds it, and an engine beyond it copies
+    every new version from a member before it serves again."""
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    rank0 = StandInRank0()
+    port = free_port()
+
+    def fixed(name: str, world_size: int) -> FixedGroupSync:
+        return FixedGroupSync(fleet.client, group_name=name, master_address="127.0.0.1", master_port=port,
+                              world_size=world_size, timeout=60)  # fmt: skip
+
+    with pytest.raises(WeightSyncError, match="world_size 4"):
+        fixed("too_big", 5).build()  # three engines hold three ranks: it says which world fits
+    sync = fixed("update_weight_group", 3)
+    layout = sync.build()
+    joining = threading.Thread(target=rank0.join_group, args=(layout,))
+    joining.start()
+    sync.wait_joined()
+    joining.join()
+    members = {m.engine_id for m in layout.members}
+    assert len(members) == 2 and layout.world_size == 3, layout
+    assert {line["world_size"] for line in rank0.joined[0]} == {3}
+    (beyond,) = [e for e in fleet.engines().engines if e.engine_id not in members]
+
+    fixed_round(sync, rank0, "step-1")
+    with Traffic(fleet.router_url).running() as during:
+        wait_until(lambda: during.answered() >= 5, 60, "answers before the second update")
+        result = fixed_round(sync, rank0, "step-2")
+    assert result.update is not None and set(result.update.engines) == members, result.update.engines
+    assert set(during.versions) <= {"step-1", "step-2"} and not during.errors, (during.versions, during.errors)
+    wait_until(lambda: len(fleet.engines().with_status("ACTIVE")) == 3, STARTUP_TIMEOUT, "all three ACTIVE")
+    for e in fleet.engines().engines:
+        assert model_info(e.url)["weight_version"] == "step-2", e.engine_id
+    # The engine beyond the group copied each version from a member; the group was never rebuilt.
+    assert sum(send_count(m.url) for m in fleet.engines().engines if m.engine_id in members) == 2
+    assert len(rank0.joined) == 1
+    with Traffic(fleet.router_url, limit=30).running() as after:
+        wait_until(lambda: after.answered() >= 30, 60, "answers after the update")
+    assert set(after.versions) == {"step-2"}, after.versions
+
+    # Scale-in takes the engine beyond the group, never a member.
+    shrink = fleet.client.scale_in(num_replicas=2)
+    assert fleet.client.wait_for_operation("scale_in", shrink.request_id, STARTUP_TIMEOUT).status == "COMPLETED"
+    assert {e.engine_id for e in fleet.engines().engines} == members and beyond.engine_id not in members
+
+    # A member killed: NCCL cannot take its new process into the formed group, so the next
+    # update is refused with what to do, and a new group works.
+    victim = fleet.engines().by_id(sorted(members)[1])
+    assert victim is not None and victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def back() -> bool:
+        e = fleet.engines().by_id(victim.engine_id)
+        return e is not None and e.status == "ACTIVE" and e.restarts == victim.restarts + 1
+
+    wait_until(back, STARTUP_TIMEOUT, f"{victim.engine_id} restarted")
+    fleet.track_children()
+    with pytest.raises(WeightSyncError, match="lost members"):
+        sync.send("step-3", SPECS[:2])
+    assert fleet.client.weights().version == "step-2"
+    again = fixed("update_weight_group_2", 3)
+    layout = again.build()
+    joining = threading.Thread(target=rank0.join_group, args=(layout,))
+    joining.start()
+    again.wait_joined()
+    joining.join()
+    assert fixed_round(again, rank0, "step-3").update is not None
+    for e in fleet.engines().engines:
+        assert model_info(e.url)["weight_version"] == "step-3", e.engine_id

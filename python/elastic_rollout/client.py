@@ -370,6 +370,22 @@ class _Calls:
         return _Call("POST", "/rollout/weights/trainer_group/destroy", {}, _json)
 
     @staticmethod
+    def build_trainer_group(
+        group_name: str, master_address: str, master_port: int, world_size: int
+    ) -> _Call[JsonObject]:
+        body: JsonObject = {
+            "group_name": group_name,
+            "master_address": master_address,
+            "master_port": master_port,
+            "world_size": world_size,
+        }
+        return _Call("POST", "/rollout/weights/trainer_group", body, _json)
+
+    @staticmethod
+    def trainer_group() -> _Call[JsonObject]:
+        return _Call("GET", "/rollout/weights/trainer_group", None, _json)
+
+    @staticmethod
     def start_broadcast(
         update_id: str, tensors: Sequence[tuple[str, str, Sequence[int]]] | None, last: bool | None
     ) -> _Call[WeightUpdate]:
@@ -760,6 +776,19 @@ class RolloutClient(_Base):
         weight-update group; the next trainer update builds a new one."""
         return self._call(_Calls.destroy_trainer_group())
 
+    def build_trainer_group(
+        self, group_name: str, master_address: str, master_port: int, world_size: int
+    ) -> JsonObject:
+        """``POST /rollout/weights/trainer_group``: a weight-update group whose name and world
+        size the trainer fixes (AReaL builds its group once). The first engines that fill
+        ``world_size - 1`` ranks join it while the trainer joins as rank 0; the answer is the
+        group (``fixed.state`` ``joining``), :meth:`trainer_group` says when it is ``joined``."""
+        return self._call(_Calls.build_trainer_group(group_name, master_address, master_port, world_size))
+
+    def trainer_group(self) -> JsonObject:
+        """``GET /rollout/weights/trainer_group``: the group the engines hold now."""
+        return self._call(_Calls.trainer_group())
+
     def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
         """``GET /rollout/weights/updates``: the updates the manager remembers, oldest first,
         optionally only those in ``status``."""
@@ -1007,6 +1036,16 @@ class AsyncRolloutClient(_Base):
     async def destroy_trainer_group(self) -> JsonObject:
         """As :meth:`RolloutClient.destroy_trainer_group`."""
         return await self._call(_Calls.destroy_trainer_group())
+
+    async def build_trainer_group(
+        self, group_name: str, master_address: str, master_port: int, world_size: int
+    ) -> JsonObject:
+        """As :meth:`RolloutClient.build_trainer_group`."""
+        return await self._call(_Calls.build_trainer_group(group_name, master_address, master_port, world_size))
+
+    async def trainer_group(self) -> JsonObject:
+        """As :meth:`RolloutClient.trainer_group`."""
+        return await self._call(_Calls.trainer_group())
 
     async def weight_updates(self, status: str | None = None) -> list[WeightUpdate]:
         return await self._call(_Calls.weight_updates(status))

@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_rollout.client import AsyncRolloutClient, RolloutApiError, RolloutClient
+from elastic_rollout.client import AsyncRolloutClient, RolloutApiError, RolloutClient, _poll
 from elastic_rollout.models import WeightUpdate
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "BucketedUpdate",
     "DistributedWeightSync",
     "EngineFailure",
+    "FixedGroupSync",
     "GroupLayout",
     "GroupMember",
     "TensorSpec",
@@ -443,6 +444,157 @@ class BucketedUpdate:
             self.abort(f"the trainer failed: {err}")
         elif self._open:
             self.end()
+
+
+class FixedGroupSync:
+    """Trainer updates over a group whose name and world size the trainer fixes itself.
+
+    For trainers that build their NCCL group once, before any update, from their own view of
+    the fleet (AReaL: ``world_size = rollout GPUs + 1``, in ``connect_engine``). The manager
+    places its engines into that layout: the first engines whose ranks fill ``world_size - 1``
+    are the members; engines beyond the world copy each new version from a member; members are
+    held against scale-in; the group is never rebuilt (a lost member makes the next update fail
+    with ``group_member_lost``: the trainer must build another group).
+
+    1. :meth:`build` asks the manager for the group; the trainer joins it as rank 0 while the
+       members join, then :meth:`wait_joined`.
+    2. Per bucket of a version: :meth:`send` (the first bucket of a version opens its update),
+       the trainer's broadcast, and :meth:`wait_received` before the next bucket.
+    3. :meth:`end` after the last bucket: the version is told to the members, which continue;
+       returns once the fleet serves it. :meth:`abort` gives up between buckets.
+    """
+
+    def __init__(
+        self,
+        manager: RolloutClient | str,
+        *,
+        group_name: str,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        pause_mode: str = "retract",
+        timeout: float = 600.0,
+    ) -> None:
+        self.manager = manager if isinstance(manager, RolloutClient) else RolloutClient(manager)
+        self.group_name = group_name
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.pause_mode = pause_mode
+        self.timeout = timeout
+        #: The group as the manager built it (members, rank offsets), once :meth:`build` answered.
+        self.layout: GroupLayout | None = None
+        #: The update in flight (opened by the first bucket of a version) and its version.
+        self.update_id: str | None = None
+        self.version: str | None = None
+        self._sent = 0
+
+    def build(self) -> GroupLayout:
+        """Asks the manager to build the group; its members start joining at once. Join it as
+        rank 0 now, then call :meth:`wait_joined`."""
+        try:
+            data = self.manager.build_trainer_group(
+                self.group_name, self.master_address, self.master_port, self.world_size
+            )
+        except RolloutApiError as err:
+            raise _refused("open", err) from err
+        self.layout = GroupLayout.from_json(data)
+        return self.layout
+
+    def wait_joined(self) -> GroupLayout:
+        """Waits until every member joined (raises :class:`WeightSyncError` if one could not)."""
+
+        def state(group: Mapping[str, Any]) -> str:
+            return str((group.get("fixed") or {}).get("state") or "")
+
+        def late(group: Mapping[str, Any] | None) -> str:
+            seen = "nothing" if group is None else state(group)
+            return f"group {self.group_name} not joined within {self.timeout}s (last state: {seen})"
+
+        group = _poll(self.manager.trainer_group, lambda g: state(g) != "joining", late, self.timeout, POLL)
+        if group.get("group_name") != self.group_name:
+            why = f"the engines hold group {group.get('group_name')}, not {self.group_name}: it was replaced"
+            raise WeightSyncError("join_group", [EngineFailure("-", "", 0, why)])
+        if state(group) != "joined":
+            why = str((group.get("fixed") or {}).get("error") or "the members could not join")
+            raise WeightSyncError("join_group", [EngineFailure("-", "", 0, why)])
+        self.layout = GroupLayout.from_json(group)
+        return self.layout
+
+    def send(self, version: str, specs: Sequence[TensorSpec]) -> None:
+        """Names the next bucket of ``version``; broadcast it once this returns (the members are
+        paused and about to receive it). The first bucket of a version opens its update."""
+        tensors = _tensors(specs)
+        if self.update_id is not None and self.version != version:
+            raise RuntimeError(f"the update to {self.version} is still open; end() it before sending {version}")
+        if self.update_id is None:
+            try:
+                opened = self.manager.open_trainer_update(
+                    version, [], self.master_address, self.master_port,
+                    group_name=self.group_name, pause_mode=self.pause_mode,
+                )  # fmt: skip
+            except RolloutApiError as err:
+                raise _refused("open", err) from err
+            self.update_id, self.version, self._sent = opened.update_id, version, 0
+        update_id = self.update_id
+        try:
+            self.manager.start_broadcast(update_id, tensors, last=False)
+        except RolloutApiError as err:
+            done = self.manager.weight_update(update_id)
+            if done.is_terminal:
+                self.update_id = None
+            else:
+                self.abort(f"the manager refused a bucket: {err.message}")
+            raise WeightSyncError("broadcast", [EngineFailure("-", "", err.status, err.message)], done) from err
+        self._sent += 1
+
+    def wait_received(self) -> None:
+        """After a bucket's broadcast: waits until every member received it (raises
+        :class:`WeightSyncError` when the update ended meanwhile)."""
+        if self.update_id is None:
+            raise RuntimeError("no update is open: send() a bucket first")
+        update_id, sent = self.update_id, self._sent
+
+        def received(u: WeightUpdate) -> bool:
+            return u.is_terminal or int((u.trainer or {}).get("buckets_received") or 0) >= sent
+
+        manager = self.manager
+
+        def late(_u: WeightUpdate | None) -> str:
+            return f"bucket {sent} of update {update_id} was not received within {self.timeout}s"
+
+        done = _poll(lambda: manager.weight_update(update_id), received, late, self.timeout, POLL)
+        if done.is_terminal:
+            self.update_id = None
+            why = done.error_message or done.status
+            raise WeightSyncError("broadcast", [EngineFailure("-", "", 0, why)], done)
+
+    def end(self) -> UpdateResult:
+        """After the last bucket: the members are told the version and continue; returns once
+        the fleet serves it (raises :class:`WeightSyncError` if no engine got it)."""
+        if self.update_id is None or self.version is None:
+            raise RuntimeError("no update is open: send() a bucket first")
+        update_id, version = self.update_id, self.version
+        self.update_id = None
+        try:
+            self.manager.start_broadcast(update_id, None, last=True)
+        except RolloutApiError as err:
+            done = self.manager.weight_update(update_id)
+            if not done.is_terminal:
+                self.manager.abort_weight_update(update_id, f"the manager refused the end: {err.message}")
+            raise WeightSyncError("broadcast", [EngineFailure("-", "", err.status, err.message)], done) from err
+        done = self.manager.wait_for_weight_update(update_id, timeout=self.timeout, poll_interval=POLL)
+        assert self.layout is not None
+        return _outcome(version, self.layout, False, done)
+
+    def abort(self, reason: str) -> None:
+        """Gives up the update in flight between buckets (the fleet stays on its version)."""
+        update_id, self.update_id = self.update_id, None
+        if update_id is not None:
+            try:
+                self.manager.abort_weight_update(update_id, reason)
+            except RolloutApiError:
+                pass  # the update ends by its timeout instead
 
 
 async def _maybe_await(value: Any) -> None:

@@ -25,6 +25,40 @@ pub fn plan_ranks(tp_sizes: &[u32]) -> (Vec<u32>, u32) {
     (offsets, next)
 }
 
+/// Why a fleet cannot fill a group whose world size the trainer fixed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FillError {
+    /// The world leaves no rank for an engine (it is 1 or 0).
+    NoEngineRanks,
+    /// The engines hold fewer ranks than the world leaves them (`have` of `need`).
+    TooFew { have: u32, need: u32 },
+    /// The engines' ranks, taken in order, step over the world's size: the first `engines`
+    /// fill `at` ranks and the next one would pass `need`.
+    Uneven { engines: usize, at: u32, need: u32 },
+}
+
+/// How many engines, taken in order, fill a group whose `world_size` the trainer fixed
+/// (AReaL builds its group once, from its own allocation): their ranks must come to exactly
+/// `world_size - 1`, the trainer being rank 0. The engines after them are not members.
+pub fn fill_world(tp_sizes: &[u32], world_size: u32) -> Result<usize, FillError> {
+    let need = world_size.saturating_sub(1);
+    if need == 0 {
+        return Err(FillError::NoEngineRanks);
+    }
+    let mut at = 0u32;
+    for (i, tp) in tp_sizes.iter().enumerate() {
+        let next = at.saturating_add((*tp).max(1));
+        if next > need {
+            return Err(FillError::Uneven { engines: i, at, need });
+        }
+        at = next;
+        if at == need {
+            return Ok(i + 1);
+        }
+    }
+    Err(FillError::TooFew { have: at, need })
+}
+
 /// One member of a weight-update group as the group sees it: engine id, URL, TP size.
 pub type Member<'a> = (&'a str, &'a str, u32);
 
@@ -109,6 +143,39 @@ mod tests {
                 next += (*tp).max(1);
             }
             prop_assert_eq!(world, next);
+        }
+    }
+
+    #[test]
+    fn a_fixed_world_takes_the_first_engines_that_fill_it_exactly() {
+        let table: [(&[u32], u32, Result<usize, FillError>); 8] = [
+            (&[1, 1, 1], 3, Ok(2)),
+            (&[1, 1], 3, Ok(2)),
+            (&[2, 2, 2], 5, Ok(2)),
+            (&[1], 3, Err(FillError::TooFew { have: 1, need: 2 })),
+            (&[], 2, Err(FillError::TooFew { have: 0, need: 1 })),
+            (&[2, 2], 4, Err(FillError::Uneven { engines: 1, at: 2, need: 3 })),
+            (&[1, 1], 1, Err(FillError::NoEngineRanks)),
+            (&[0, 0], 3, Ok(2)),
+        ];
+        for (i, (tps, world, want)) in table.into_iter().enumerate() {
+            assert_eq!(fill_world(tps, world), want, "row {i}");
+        }
+    }
+
+    proptest! {
+        /// When it fills, the members' ranks are exactly the world's engine ranks, and the
+        /// plan of those members gives the trainer's world size back.
+        #[test]
+        fn a_filled_world_is_exact(tps in proptest::collection::vec(0u32..8, 0..32), world in 0u32..64) {
+            if let Ok(n) = fill_world(&tps, world) {
+                prop_assert!(n >= 1 && n <= tps.len());
+                prop_assert_eq!(plan_ranks(&tps[..n]).1, world);
+            } else {
+                // No prefix of the engines fills it.
+                let fits = (1..=tps.len()).any(|n| plan_ranks(&tps[..n]).1 == world);
+                prop_assert!(!fits);
+            }
         }
     }
 

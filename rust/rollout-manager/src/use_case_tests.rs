@@ -773,3 +773,78 @@ async fn a_trainer_update_no_member_received_leaves_them_serving_the_fleet_versi
     }
     assert_eq!(m.fleet.routes().backends.len(), 2);
 }
+
+/// A group whose world the trainer fixed (AReaL's layout): the first engines that fill it are
+/// the members, updates naming it keep it, the engine beyond it copies each new version from a
+/// member, and scale-in leaves the members alone.
+#[tokio::test]
+async fn a_group_the_trainer_fixed_keeps_its_members_and_the_rest_copy_from_them() {
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 3, &[]);
+    scale_to(&m, 3).await;
+    let fixed = |world_size| crate::ops::trainer_group::BuildRequest {
+        group_name: "areal".into(),
+        master_address: "127.0.0.1".into(),
+        master_port: 29500,
+        world_size,
+    };
+    let too_big = crate::ops::trainer_group::build(&m, fixed(5)).expect_err("three engines hold three ranks");
+    assert_eq!(too_big.code(), "group_does_not_fit");
+    assert!(too_big.to_string().contains("world_size 4"), "{too_big}");
+    let group = crate::ops::trainer_group::build(&m, fixed(3)).expect("built");
+    let members: Vec<&str> = group.members.iter().map(|g| g.engine_id.as_str()).collect();
+    assert_eq!(members, ["engine_0", "engine_1"]);
+    use crate::foundation::records::FixedJoin;
+    wait_for(&m, "the members to join", |i| {
+        i.weights.group().as_ref().is_some_and(|g| g.fixed == Some(FixedJoin::Joined))
+    })
+    .await;
+    assert_eq!(calls_to(&engines, "/init_weights_update_group"), 2);
+
+    for version in ["step-1", "step-2"] {
+        let one = crate::foundation::records::Bucket {
+            names: vec!["w".into()],
+            dtypes: vec!["bfloat16".into()],
+            shapes: vec![vec![2]],
+        };
+        let req = crate::ops::trainer_update::OpenRequest {
+            version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
+            tensors: one,
+            pause_mode: "retract".into(),
+            flush_cache: true,
+            master_address: "127.0.0.1".into(),
+            master_port: 29500,
+            group_name: Some("areal".into()),
+            group_prefix: "g".into(),
+        };
+        let opened = crate::ops::trainer_update::open(&m, req).expect("opened");
+        let t = opened.trainer().clone().expect("a trainer part");
+        assert!(!t.group.new && t.group.world_size == 3, "the fixed group is kept: {:?}", t.group);
+        let id = opened.update_id().clone();
+        finish_trainer_update(&m, &id).await;
+        let u = m.fleet.lock().weights.updates()[&id].clone();
+        assert_eq!(u.status(), rollout_core::weights::WeightUpdateStatus::Completed, "{u:?}");
+        wait_for(&m, "every engine back in routing", |_| m.fleet.routes().backends.len() == 3).await;
+        let table = m.fleet.routes();
+        assert!(table.backends.iter().all(|b| b.weight_version.as_deref() == Some(version)), "{table:?}");
+    }
+    assert_eq!(calls_to(&engines, "/init_weights_update_group"), 2, "never rebuilt");
+    assert_eq!(calls_to(&engines, "/update_weights_from_distributed"), 4, "members only, twice");
+    let copied = copies(&engines);
+    assert_eq!(copied.len(), 2, "engine_2 copied each version from a member: {copied:?}");
+    assert!(copied.iter().all(|c| c.contains("engine_2")), "{copied:?}");
+
+    // Scale-in: a member named by URL is refused; to one engine, only the one beyond the group goes.
+    let member_url = m.fleet.lock().engines.get("engine_1").map(|e| e.url().to_string()).expect("engine_1");
+    let by_url: ScaleInRequest =
+        serde_json::from_value(serde_json::json!({ "engine_urls": [member_url] })).expect("valid");
+    let refused = crate::ops::scale_in::scale_in(&m, by_url).expect_err("a member is held");
+    assert_eq!(refused.code(), "trainer_group_member");
+    let answer = crate::ops::scale_in::scale_in(&m, scale_in_request(1)).expect("accepted");
+    let crate::ops::scale_in::ScaleInAnswer::Accepted(accepted) = answer else { panic!("not a dry run") };
+    let op = accepted.request_id;
+    wait_for(&m, "the scale-in to end", |i| i.ops.scale_in(&op).is_some_and(|r| r.status().is_terminal())).await;
+    let inner = m.fleet.lock();
+    assert!(inner.engines.get("engine_2").is_none_or(|e| e.status() == EngineStatus::Removed));
+    assert_eq!(count(&inner, EngineStatus::Active), 2, "the members stay");
+}

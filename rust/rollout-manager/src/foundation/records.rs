@@ -69,6 +69,9 @@ pub struct GroupMember {
     pub url: String,
     pub tp_size: u32,
     pub rank_offset: u32,
+    /// Its process when it joined (a restarted member is no longer in the group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
 }
 
 /// A weight-update group: SGLang's `/init_weights_update_group` arguments for every member.
@@ -81,6 +84,24 @@ pub struct TrainerGroup {
     pub members: Vec<GroupMember>,
     /// Built for this update (the trainer must join it as rank 0), or kept from the last one.
     pub new: bool,
+    /// The trainer fixed the group's name and world size (`POST /rollout/weights/trainer_group`,
+    /// for trainers that build their group once, as AReaL does): None for a group an update
+    /// built. A fixed group is kept until the trainer destroys it, its members are held
+    /// against scale-in, and engines beyond its world copy each new version from a member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fixed: Option<FixedJoin>,
+}
+
+/// How far the members of a group the trainer fixed got in joining it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum FixedJoin {
+    /// `/init_weights_update_group` is in flight on the members (the trainer joins as rank 0).
+    Joining,
+    /// Every member joined: updates may name the group.
+    Joined,
+    /// A member could not join (or the manager restarted meanwhile); the group is unusable.
+    Failed { error: String },
 }
 
 impl TrainerGroup {

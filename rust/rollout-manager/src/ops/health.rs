@@ -367,6 +367,13 @@ async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &EngineId, version: &str) 
         return; // no longer UNHEALTHY
     }
     tracing::info!(engine_id = %id, version, "engine answers again but missed the trainer's version; catching up");
+    catch_up_out_of_routing(manager, id).await;
+}
+
+/// An engine out of routing (WEIGHT_SYNCING) on a version the fleet left: synced to the
+/// fleet's version (copied from an engine that serves it, see `Manager::sync_weights`), then
+/// back into routing. If that fails, it is failed and restarted like an engine whose process died.
+pub(crate) async fn catch_up_out_of_routing(manager: &Arc<Manager>, id: &EngineId) {
     let synced = tokio::select! {
         synced = manager.sync_weights(id, &[EngineEvent::WeightsSynced, EngineEvent::Activated]) => synced,
         () = manager.shutdown.cancelled() => return,
@@ -376,7 +383,7 @@ async fn rejoin_on_a_copy(manager: &Arc<Manager>, id: &EngineId, version: &str) 
         Err(e) => {
             tracing::warn!(engine_id = %id, error = %e, "catching up failed; restarting the engine");
             let process = manager.fleet.update(|inner| {
-                inner.engines.fail(id, Some(format!("could not catch up with weight version {version}: {e}")));
+                inner.engines.fail(id, Some(format!("could not catch up with the fleet's weight version: {e}")));
                 inner.engines.get(id).and_then(|en| en.process().cloned())
             });
             if let Some(p) = process {

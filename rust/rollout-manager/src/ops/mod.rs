@@ -14,5 +14,6 @@ pub mod restore;
 pub mod scale_in;
 pub mod scale_out;
 pub mod scaling;
+pub mod trainer_group;
 pub mod trainer_update;
 pub mod weight_update;

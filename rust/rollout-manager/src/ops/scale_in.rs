@@ -127,6 +127,7 @@ fn choose_victims(
                 seq: e.seq(),
                 status: e.status(),
                 origin: e.record().origin(),
+                held: crate::ops::trainer_group::held(inner, e.id()),
             })
             .collect();
         rollout_core::scale_in::victims(&engines, target)
@@ -145,6 +146,16 @@ fn choose_victims(
                 return Err(OpError::invalid(
                     "initial_engine_protected",
                     format!("{} ({url}) is an initial engine and cannot be scaled in", engine.record().engine_id()),
+                ));
+            }
+            if crate::ops::trainer_group::held(inner, engine.id()) {
+                return Err(OpError::conflict(
+                    "trainer_group_member",
+                    format!(
+                        "{} ({url}) holds ranks in the trainer's weight-update group, which cannot take a new rank; \
+                         destroy the group first (POST /rollout/weights/trainer_group/destroy) or scale in another engine",
+                        engine.record().engine_id()
+                    ),
                 ));
             }
             if !ids.contains(engine.record().engine_id()) {

@@ -9,7 +9,8 @@
 //!    [`crate::ops::manager::Manager::sync_weights`]). Its members are the ACTIVE engines and the
 //!    engines waiting for the trainer's version, frozen until the update ends. The answer is
 //!    the group layout: the group of the last update when the trainer names it and the members
-//!    did not change, else a new group (new name, the trainer's master address and port).
+//!    did not change, else a new group (new name, the trainer's master address and port). A
+//!    group whose layout the trainer fixed ([`crate::ops::trainer_group`]) is kept as it is.
 //! 2. `run`: for a new group, the old one is destroyed on its members still here, and every
 //!    member joins the new one (`/init_weights_update_group`, in parallel) while the trainer
 //!    joins as rank 0. Any member that cannot join fails the update before anything is paused.
@@ -175,32 +176,17 @@ fn plan_group(
     inner: &mut crate::registry::fleet::FleetInner,
     req: &OpenRequest,
 ) -> Result<(TrainerGroup, Option<TrainerGroup>), OpError> {
-    let mut engines: Vec<&crate::registry::fleet::Engine> = inner
-        .engines
-        .values()
-        .filter(|e| {
-            e.status() == EngineStatus::Active || (e.status() == EngineStatus::WeightSyncing && e.awaiting_trainer())
-        })
-        .collect();
-    engines.sort_by_key(|e| e.seq());
-    if engines.is_empty() {
+    if let Some(kept) = crate::ops::trainer_group::reuse_fixed(inner, req.group_name.as_deref())? {
+        return Ok((kept, None));
+    }
+    let members = crate::ops::trainer_group::takers(inner);
+    if members.is_empty() {
         return Err(OpError::conflict(
             "no_active_engines",
             "no engine is ACTIVE to receive the weights; wait for the fleet (GET /rollout/engines), then update",
         ));
     }
-    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record().gpu_ids().len()).unwrap_or(1).max(1)).collect();
-    let (offsets, world_size) = rollout_core::catchup::plan_ranks(&tps);
-    let members: Vec<GroupMember> = engines
-        .iter()
-        .zip(tps.iter().zip(offsets))
-        .map(|(e, (tp, off))| GroupMember {
-            engine_id: e.record().engine_id().clone(),
-            url: e.record().url().clone(),
-            tp_size: *tp,
-            rank_offset: off,
-        })
-        .collect();
+    let world_size = members.last().map_or(1, |m| m.rank_offset + m.tp_size);
     let keys: Vec<rollout_core::catchup::Member<'_>> =
         members.iter().map(|m| (m.engine_id.as_str(), m.url.as_str(), m.tp_size)).collect();
     let current = inner.weights.group().as_ref();
@@ -222,6 +208,7 @@ fn plan_group(
                 world_size,
                 members,
                 new: true,
+                fixed: None,
             };
             (g, inner.weights.take_group())
         }
@@ -423,7 +410,7 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
             let inner = manager.fleet.lock();
             old.members.iter().filter(|m| inner.engines.contains_key(&m.engine_id)).cloned().collect()
         };
-        destroy(&manager, &old.group_name, &here).await;
+        crate::ops::trainer_group::destroy(&manager, &old.group_name, &here).await;
     }
     if group.new && !join_group(&manager, &update_id, &group, timeout).await {
         return;
@@ -438,7 +425,7 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
         Ok(Ok(step)) => step,
         Ok(Err(None)) => return,
         Ok(Err(Some(reason))) => {
-            destroy(&manager, &group.group_name, &group.members).await;
+            crate::ops::trainer_group::destroy(&manager, &group.group_name, &group.members).await;
             let why = format!("aborted by the trainer before its broadcast: {reason}; nothing was paused");
             return end_before_broadcast(&manager, &update_id, &why, true);
         }
@@ -457,33 +444,8 @@ async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<Train
 /// The members of a new group join it (`/init_weights_update_group`, all at once); true when
 /// every one did, else the update ended FAILED (nothing was paused) and the ones that joined left.
 async fn join_group(manager: &Manager, update_id: &UpdateId, group: &TrainerGroup, timeout: Duration) -> bool {
-    let body = |m: &GroupMember| {
-        json!({"master_address": group.master_address, "master_port": group.master_port,
-               "rank_offset": m.rank_offset, "world_size": group.world_size,
-               "group_name": group.group_name, "backend": "nccl"})
-    };
-    let api = &manager.engine_api;
-    let body = &body;
-    let joined = futures::future::join_all(group.members.iter().map(|m| async move {
-        let r = api.weights_call(&m.url, "/init_weights_update_group", body(m), timeout).await;
-        (m, r)
-    }))
-    .await;
-    let failed: Vec<String> = joined
-        .iter()
-        .filter_map(|(m, r)| match r {
-            Ok(true) => None,
-            Ok(false) => Some(format!("{}: /init_weights_update_group is not served (404)", m.engine_id)),
-            Err(e) => Some(format!("{}: {e}", m.engine_id)),
-        })
-        .collect();
-    if !failed.is_empty() {
-        let ok: Vec<GroupMember> =
-            joined.iter().filter(|(_, r)| matches!(r, Ok(true))).map(|(m, _)| (*m).clone()).collect();
-        destroy(manager, &group.group_name, &ok).await;
-        let why =
-            format!("members could not join group {}: {}; nothing was paused", group.group_name, failed.join("; "));
-        end_before_broadcast(manager, update_id, &why, true);
+    if let Err(why) = crate::ops::trainer_group::join_members(manager, group, timeout).await {
+        end_before_broadcast(manager, update_id, &format!("{why}; nothing was paused"), true);
         return false;
     }
     manager.fleet.update(|inner| inner.weights.group_joined(update_id, &group.group_name));
@@ -514,16 +476,6 @@ async fn next_step(manager: &Manager, update_id: &UpdateId) -> Result<BroadcastS
             return Err(None);
         }
     }
-}
-
-/// Destroys group `name` on `members`, best effort (an engine gone or never joined answers an
-/// error, which is ignored).
-async fn destroy(manager: &Manager, name: &str, members: &[GroupMember]) {
-    let timeout = Duration::from_secs(30);
-    futures::future::join_all(members.iter().map(|m| {
-        manager.engine_api.weights_call(&m.url, "/destroy_weights_update_group", json!({"group_name": name}), timeout)
-    }))
-    .await;
 }
 
 /// Ends the update FAILED before any engine was paused; the fleet stays where it was.
@@ -590,6 +542,9 @@ async fn broadcast(
     // but still verifiably serves it goes back to routing: restarting it could leave no engine
     // holding a version that exists only in the engines.
     let none_got_it = results.iter().all(Result::is_err);
+    // Engines beyond a fixed group's world serve the old version: out of routing now, as the
+    // members come back on the new one, and caught up once the update has ended.
+    let parked = if none_got_it { Vec::new() } else { crate::ops::trainer_group::park_non_members(manager, group) };
     let turns = futures::future::join_all(members.iter().zip(results).map(|(r, result)| async move {
         // A member that loaded a bucket holds part of a version: it cannot go back.
         if none_got_it && r.routed && !r.loaded {
@@ -608,9 +563,12 @@ async fn broadcast(
     }
     if verified == 0 {
         let why = format!("no member received {}: {}", want.version, failures.join("; "));
-        return crate::ops::weight_update::fail(manager, update_id, want, &why).await;
+        crate::ops::weight_update::fail(manager, update_id, want, &why).await;
+        return crate::ops::trainer_group::catch_up(manager, parked);
     }
-    if !commit_when_settled(manager, update_id, want).await {
+    let committed = commit_when_settled(manager, update_id, want).await;
+    crate::ops::trainer_group::catch_up(manager, parked);
+    if !committed {
         return;
     }
     if !failures.is_empty() {
@@ -992,7 +950,7 @@ pub async fn destroy_group(manager: &Manager) -> Result<Option<TrainerGroup>, Op
             let inner = manager.fleet.lock();
             g.members.iter().filter(|m| inner.engines.contains_key(&m.engine_id)).cloned().collect()
         };
-        destroy(manager, &g.group_name, &here).await;
+        crate::ops::trainer_group::destroy(manager, &g.group_name, &here).await;
         tracing::info!(group = %g.group_name, "trainer group destroyed");
     }
     Ok(group)

@@ -41,7 +41,39 @@ pub fn routes() -> Router<ApiState> {
         .route("/rollout/weights/trainer_updates", post(open_trainer_update))
         .route("/rollout/weights/updates/{id}/broadcast", post(start_broadcast))
         .route("/rollout/weights/updates/{id}/abort", post(abort_update))
+        .route("/rollout/weights/trainer_group", get(trainer_group).post(build_group))
         .route("/rollout/weights/trainer_group/destroy", post(destroy_group))
+}
+
+/// Body of `POST /rollout/weights/trainer_group` (see [`crate::ops::trainer_group`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuildGroupRequest {
+    group_name: String,
+    master_address: String,
+    master_port: u16,
+    world_size: u32,
+}
+
+async fn build_group(
+    State(s): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let req: BuildGroupRequest = parse_body(&body)?;
+    let build = crate::ops::trainer_group::BuildRequest {
+        group_name: req.group_name,
+        master_address: req.master_address,
+        master_port: req.master_port,
+        world_size: req.world_size,
+    };
+    let group = crate::ops::trainer_group::build(&s.manager, build)?;
+    let out = serde_json::to_value(&group).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
+    Ok((StatusCode::ACCEPTED, Json(out)))
+}
+
+async fn trainer_group(State(s): State<ApiState>) -> Result<Json<Value>, ApiError> {
+    let group = crate::ops::trainer_group::current(&s.manager)?;
+    serde_json::to_value(&group).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
 
 async fn destroy_group(State(s): State<ApiState>) -> Result<Json<Value>, ApiError> {

@@ -330,6 +330,18 @@ impl WeightsState {
         self.group = group;
     }
 
+    /// The members of the fixed group `group_name` joined it, or could not (`Err(why)`); a
+    /// no-op when that group is no longer the one joining (it was destroyed or replaced).
+    pub fn fixed_group_joined(&mut self, group_name: &str, outcome: Result<(), String>) {
+        let joining = Some(crate::foundation::records::FixedJoin::Joining);
+        if let Some(g) = self.group.as_mut().filter(|g| g.group_name == group_name && g.fixed == joining) {
+            g.fixed = Some(match outcome {
+                Ok(()) => crate::foundation::records::FixedJoin::Joined,
+                Err(error) => crate::foundation::records::FixedJoin::Failed { error },
+            });
+        }
+    }
+
     /// Forgets the trainer's group, returning it.
     pub fn take_group(&mut self) -> Option<TrainerGroup> {
         self.group.take()
@@ -505,7 +517,12 @@ impl WeightsState {
     /// After a manager restart: the update that was in flight, if any, is marked resumed
     /// (count, `RESUMED` history entry, message) and keeps running; its id is returned.
     /// Whether it can really go on is checked next (`crate::ops::weight_update::check_resumable`).
+    /// A fixed group whose members were still joining is marked failed (the join was cut).
     pub fn resume_after_restart(&mut self) -> Option<UpdateId> {
+        // A fixed group's join was cut: its members may hold part of it.
+        if let Some(name) = self.group.as_ref().map(|g| g.group_name.clone()) {
+            self.fixed_group_joined(&name, Err("the manager restarted while the members joined".into()));
+        }
         let u = self.running_update_mut()?;
         if u.status.is_terminal() {
             self.running = None;
@@ -711,6 +728,7 @@ mod tests {
             world_size: 2,
             members: vec![],
             new: true,
+            fixed: None,
         };
         u.trainer = Some(TrainerPart {
             group,
