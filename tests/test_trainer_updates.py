@@ -11,6 +11,7 @@ end correctly; an engine killed before the broadcast is caught up after it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, wait_until
@@ -603,3 +605,54 @@ def test_a_group_the_trainer_fixed_is_kept_and_engines_beyond_it_copy_each_versi
     assert fixed_round(again, rank0, "step-3").update is not None
     for e in fleet.engines().engines:
         assert model_info(e.url)["weight_version"] == "step-3", e.engine_id
+
+
+def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
+    fleet: ManagerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/areal driven as AReaL's FSDPEngine drives its rollout engine (read at 4aef98d8,
+    fsdp_engine.py:1377-1437 and 1506-1597): ``connect_engine`` builds the group once (world =
+    rollout GPUs + 1) and joins as rank 0 while the engine's future runs; each update pauses,
+    then per bucket ``fut = update_weights_from_distributed(meta, specs)``, the broadcast,
+    ``fut.result()``, and ``continue_generation()`` at the end."""
+    monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
+    path = Path(__file__).resolve().parent.parent / "examples" / "areal" / "elastic_rollout_areal.py"
+    spec = importlib.util.spec_from_file_location("elastic_rollout_areal", path)
+    assert spec is not None and spec.loader is not None
+    areal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(areal)
+    # AReaL itself is not installed here: the engine is built without its base class's state.
+    engine = areal.ElasticSGLangEngine.__new__(areal.ElasticSGLangEngine)
+    engine._pipeline, engine._engine, engine._group = areal._Pipeline(), object(), None
+    rank0 = StandInRank0()
+    parallel = SimpleNamespace(world_size=2, pp_size=1)  # rollout.backend=sglang:d2
+    meta = SimpleNamespace(gen_allocation=SimpleNamespace(parallel=parallel), nccl_group_name="update_weight_group",
+                           nccl_master_address="127.0.0.1", nccl_master_port=free_port(), version=None,
+                           use_lora=False)  # fmt: skip
+    joined = engine.init_weights_update_group(meta)
+
+    def built() -> bool:
+        resp = http("GET", fleet.control_url + "/rollout/weights/trainer_group")
+        return resp.status == 200 and resp.json()["group_name"] == "update_weight_group"
+
+    wait_until(built, 30, "the group built")
+    layout = GroupLayout.from_json(fleet.client.trainer_group())
+    rank0.join_group(layout)
+    joined.result(timeout=60)
+    assert layout.world_size == 3 and len(layout.members) == 2
+    try:
+        for version in (1, 2):
+            meta.version = version
+            engine.pause_generation()
+            for bucket in (SPECS[:2], SPECS[2:]):
+                params = [SimpleNamespace(name=s.name, dtype=s.dtype, shape=s.shape) for s in bucket]
+                fut = engine.update_weights_from_distributed(meta, params)
+                rank0.broadcast(layout, bucket)
+                fut.result(timeout=60)
+            engine.continue_generation()
+            assert fleet.client.weights().version == str(version)
+            for e in fleet.engines().engines:
+                assert model_info(e.url)["weight_version"] == str(version), e.engine_id
+    finally:
+        engine._pipeline._stop.set()
+    assert len(rank0.joined) == 1 and len(rank0.broadcasts) == 4

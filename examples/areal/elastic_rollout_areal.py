@@ -1,13 +1,18 @@
 """AReaL remote SGLang engine for an Elastic Rollout fleet (checked against inclusionAI/AReaL
 4aef98d8).
 
-``ElasticSGLangEngine`` is AReaL's ``RemoteSGLangEngine`` with three changes:
+``ElasticSGLangEngine`` is AReaL's ``RemoteSGLangEngine`` with these changes:
 
 - every ``/generate`` carries ``weight_version: {"min_version": "<AReaL's current version>"}``;
+- ``xccl`` (AReaL's default): ``init_weights_update_group`` asks the manager for a group of
+  AReaL's world size (``POST /rollout/weights/trainer_group``; the manager fills it with its first
+  engines and has them join while AReaL's trainer joins as rank 0), each
+  ``update_weights_from_distributed`` bucket goes through the manager's trainer update, and
+  ``continue_generation`` ends it (``elastic_rollout.trainer.FixedGroupSync``);
 - ``update_weights_from_disk`` publishes AReaL's HF checkpoint through the manager (version =
   AReaL's new version number) instead of calling each server, and never deletes the directory;
-- ``pause_generation`` / ``continue_generation`` do nothing (the router refuses engine admin
-  routes; the manager's rolling update drains engines instead).
+- ``pause_generation`` does nothing (the manager pauses the members before the first bucket, and
+  a disk publish drains engines instead).
 
 It also reports each step to the autoscaler when ``ELASTIC_ROLLOUT_REPORT_STEPS=1``. Install it
 in your training script before the trainer is built (SPMD mode; see README.md):
@@ -29,10 +34,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_rollout import RolloutClient
+from elastic_rollout.trainer import FixedGroupSync, TensorSpec
 
 __all__ = ["ElasticSGLangEngine", "install"]
 
 _publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rollout-publish")
+#: One worker: AReaL waits on a bucket before it sends the next, and the end follows the last.
+_updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-rollout-xccl")
 
 
 def _client() -> RolloutClient:
@@ -95,18 +103,58 @@ class ElasticSGLangEngine(_base("areal.engine.sglang_remote", "RemoteSGLangEngin
         remote_inf_engine = _areal("areal.infra").RemoteInfEngine
         self._engine = remote_inf_engine(config, ElasticSGLangBackend())
         self._pipeline = _Pipeline()
+        self._group: FixedGroupSync | None = None
 
     def pause_generation(self) -> None:
         return None
 
     def continue_generation(self) -> None:
-        return None
+        """After an xccl update's last bucket: the members are told the version and continue;
+        returns once the fleet serves it."""
+        group = self._group
+        if group is not None and group.update_id is not None:
+            _updater.submit(group.end).result()
+            self._report(int(group.version or 0) - 1)
 
     def init_weights_update_group(self, meta: Any, xccl_group_ranks: list[int] | None = None) -> Future[None]:
-        raise NotImplementedError("use actor.weight_update_mode=disk with an Elastic Rollout fleet")
+        """AReaL's trainer builds its group once, of ``rollout GPUs + 1`` ranks, and joins it as
+        rank 0 while this future runs: the manager fills it with its first engines."""
+        parallel = meta.gen_allocation.parallel
+        if xccl_group_ranks is not None or int(getattr(parallel, "pp_size", 1)) != 1:
+            raise NotImplementedError("pipeline-parallel rollout (one group per stage) is not supported")
+        self._group = FixedGroupSync(
+            _client(),
+            group_name=str(meta.nccl_group_name),
+            master_address=str(meta.nccl_master_address),
+            master_port=int(meta.nccl_master_port),
+            world_size=int(parallel.world_size) + 1,
+            timeout=3600.0,
+        )
+        group = self._group
+
+        def build() -> None:
+            group.build()
+            group.wait_joined()
+
+        return _updater.submit(build)
 
     def update_weights_from_distributed(self, meta: Any, param_specs: Any) -> Future[None]:
-        raise NotImplementedError("use actor.weight_update_mode=disk with an Elastic Rollout fleet")
+        """One bucket of version ``meta.version`` (the first opens the manager's update): the
+        future ends once every member received it."""
+        group = self._group
+        if group is None:
+            raise RuntimeError("init_weights_update_group must run first (AReaL's connect_engine)")
+        if getattr(meta, "use_lora", False) or meta.version is None:
+            raise NotImplementedError("xccl updates need meta.version (meta.with_version) and no LoRA")
+        specs = [TensorSpec(str(p.name), str(p.dtype), tuple(int(d) for d in p.shape)) for p in param_specs]
+        version = str(meta.version)
+        self._pipeline.start_sampling(self._engine)
+
+        def send() -> None:
+            group.send(version, specs)
+            group.wait_received()
+
+        return _updater.submit(send)
 
     def prepare_batch(self, *args: Any, **kwargs: Any) -> Any:
         started = time.monotonic()
