@@ -5,7 +5,10 @@ trainer's update.
 The fleet is `sglang-sim` engines with the simulator's transfer model: `--weight-bytes` of
 weights over links of `--transfer-gbps`. A seed engine sends its weights to one new instance at a
 time (SGLang's remote-instance loading builds a 2-rank group per new instance, so one seed is a
-queue); every rank of the trainer's NCCL broadcast receives in one transfer time.
+queue); every rank of the trainer's NCCL broadcast receives a bucket in the time its bytes take
+on one link. The trainer sends `--weight-bytes` in buckets of `--bucket-mb` (slime's default
+`--update-weight-buffer-size`, 512 MiB), one `/update_weights_from_distributed` each, as slime,
+AReaL and verl do.
 
 Part 1, catch-up. For each number of seeds S (`--seeds`, the initial engines), a fresh manager
 brings up S engines, the trainer (a stand-in rank 0 through `DistributedWeightSync`) broadcasts
@@ -17,7 +20,7 @@ step-1 in `/model_info`.
 
 Part 2, a trainer update through the manager against the trainer driving the engines itself (the
 pre-manager `DistributedWeightSync`, reproduced here as `direct_update`: init group, pause,
-begin, update while rank 0 broadcasts, end, continue), alternated on the same engines,
+begin, each bucket's update while rank 0 broadcasts it, end, continue), alternated on the same engines,
 `--update-repeats` times each. The ratio manager / direct is the figure the issue bounds (<= 1.05).
 
 Run from the repository root after `cargo build --release --workspace --bins` (or debug):
@@ -53,7 +56,19 @@ from elastic_rollout.trainer import DistributedWeightSync, GroupLayout, TensorSp
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results"
-SPECS = [TensorSpec(f"model.layers.{i}.weight", "bfloat16", (4096, 4096)) for i in range(4)]
+
+
+def buckets_of(weight_bytes: float, bucket_mb: float) -> list[list[TensorSpec]]:
+    """The trainer's buckets: ``weight_bytes`` of bf16 tensors, one tensor of ``bucket_mb`` MiB
+    (rows of 8192 values) per bucket, the last one smaller."""
+    per_bucket = int(bucket_mb * 2**20)
+    left, out = int(weight_bytes), []
+    while left > 0:
+        size = min(left, per_bucket)
+        rows = max(1, size // (2 * 8192))
+        out.append([TensorSpec(f"model.bucket{len(out)}.weight", "bfloat16", (rows, 8192))])
+        left -= size
+    return out
 
 
 def free_port() -> int:
@@ -125,7 +140,7 @@ def catch_up(args: argparse.Namespace, seeds: int, work: Path) -> list[dict[str,
     try:
         sync = DistributedWeightSync(fleet.client, join_group=SimRank0().join_group,
                                      broadcast=SimRank0().broadcast, timeout=600)  # fmt: skip
-        sync.update("step-1", SPECS)
+        sync.update("step-1", buckets=args.buckets)
         for n in args.new:
             for r in range(args.repeats):
                 op = fleet.client.scale_out(num_replicas=seeds + n)
@@ -151,7 +166,9 @@ def catch_up(args: argparse.Namespace, seeds: int, work: Path) -> list[dict[str,
     return rows
 
 
-def direct_update(engines: list[tuple[str, str, int]], version: str, layout: GroupLayout | None) -> GroupLayout:
+def direct_update(
+    engines: list[tuple[str, str, int]], version: str, layout: GroupLayout | None, buckets: list[list[TensorSpec]]
+) -> GroupLayout:
     """What DistributedWeightSync did before the manager ran updates: the trainer calls every
     engine itself. Builds its own group on first use (a name of its own beside the manager's)."""
     rank0 = SimRank0()
@@ -179,13 +196,17 @@ def direct_update(engines: list[tuple[str, str, int]], version: str, layout: Gro
             joined.result()
     on_all("/pause_generation", {"mode": "retract"})
     on_all("/begin_weight_update", {})
-    body = {"names": [s.name for s in SPECS], "dtypes": [s.dtype for s in SPECS],
-            "shapes": [list(s.shape) for s in SPECS], "group_name": layout.group_name,
-            "weight_version": version, "flush_cache": True}  # fmt: skip
-    with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(rank0.broadcast, layout, SPECS)
-        on_all("/update_weights_from_distributed", body)
-        sent.result()
+    for i, bucket in enumerate(buckets):
+        last = i == len(buckets) - 1
+        body: dict[str, Any] = {"names": [s.name for s in bucket], "dtypes": [s.dtype for s in bucket],
+                                "shapes": [list(s.shape) for s in bucket], "group_name": layout.group_name,
+                                "flush_cache": last}  # fmt: skip
+        if last:
+            body["weight_version"] = version
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(rank0.broadcast, layout, bucket)
+            on_all("/update_weights_from_distributed", body)
+            sent.result()
     on_all("/end_weight_update", {})
     on_all("/continue_generation", {})
     return layout
@@ -195,14 +216,14 @@ def update_cost(args: argparse.Namespace, fleet: Fleet, sync: DistributedWeightS
     engines = [(e.engine_id, e.url, 1) for e in sorted(fleet.wait_active(len(fleet.client.engines().engines), 60),
                                                         key=lambda e: e.engine_id)]  # fmt: skip
     rows = []
-    direct_layout = direct_update(engines, "warm-direct", None)  # builds its group once
-    sync.update("warm-manager", SPECS)
+    direct_layout = direct_update(engines, "warm-direct", None, args.buckets)  # builds its group once
+    sync.update("warm-manager", buckets=args.buckets)
     for r in range(args.update_repeats):
         t0 = time.perf_counter()
-        direct_update(engines, f"direct-{r}", direct_layout)
+        direct_update(engines, f"direct-{r}", direct_layout, args.buckets)
         direct = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync.update(f"manager-{r}", SPECS)
+        sync.update(f"manager-{r}", buckets=args.buckets)
         managed = time.perf_counter() - t0
         assert fleet.client.weights().version == f"manager-{r}"
         rows.append({"seeds": len(engines), "update_repeat": r, "direct_s": round(direct, 4),
@@ -247,7 +268,9 @@ def main() -> None:
     p.add_argument("--weight-bytes", type=float, default=16e9, help="16 GB: an 8B model in bf16")
     p.add_argument("--transfer-gbps", type=float, default=100.0)
     p.add_argument("--startup-delay", type=float, default=0.5, help="each sim engine's simulated startup")
+    p.add_argument("--bucket-mb", type=float, default=512.0, help="the trainer's bucket size (slime's default)")
     args = p.parse_args()
+    args.buckets = buckets_of(args.weight_bytes, args.bucket_mb)
     work = Path(tempfile.mkdtemp(prefix="weights-catchup-"))
     rows: list[dict[str, Any]] = []
     for seeds in args.seeds:
@@ -281,7 +304,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "weights_catchup.json"
     meta = {
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "buckets"},
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

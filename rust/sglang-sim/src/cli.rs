@@ -205,8 +205,9 @@ pub struct Config {
     pub weight_bytes: u64,
     /// Link rate of the transfer model, in Gbit/s (0: transfers take no time). A seed sends
     /// `--weight-bytes` to one new instance at a time (`/send_weights_to_remote_instance`, a
-    /// 2-rank group each: a queue); a rank of the trainer's broadcast receives them in one
-    /// transfer time, whatever the group's size.
+    /// 2-rank group each: a queue); a rank of the trainer's broadcast receives the tensors one
+    /// `/update_weights_from_distributed` names (their shapes and dtypes) in the time their
+    /// bytes take on one link, whatever the group's size.
     #[arg(long, default_value_t = 0.0, help_heading = "Simulation")]
     pub transfer_gbps: f64,
 
@@ -236,10 +237,15 @@ pub struct Config {
 impl Config {
     /// How long moving `--weight-bytes` over one `--transfer-gbps` link takes.
     pub fn transfer_time(&self) -> std::time::Duration {
-        if self.transfer_gbps <= 0.0 || self.weight_bytes == 0 {
+        self.transfer_time_of(self.weight_bytes)
+    }
+
+    /// How long moving `bytes` over one `--transfer-gbps` link takes.
+    pub fn transfer_time_of(&self, bytes: u64) -> std::time::Duration {
+        if self.transfer_gbps <= 0.0 || bytes == 0 {
             return std::time::Duration::ZERO;
         }
-        std::time::Duration::from_secs_f64(self.weight_bytes as f64 * 8.0 / (self.transfer_gbps * 1e9))
+        std::time::Duration::from_secs_f64(bytes as f64 * 8.0 / (self.transfer_gbps * 1e9))
     }
 
     /// The version string reported where SGLang reports `__version__`: the release of

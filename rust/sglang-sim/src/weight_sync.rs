@@ -193,10 +193,13 @@ pub async fn receive_broadcast(
     use tokio::io::AsyncBufReadExt;
     let target = format!("{addr}:{port}");
     let work = async {
+        // A rank posted into an NCCL broadcast starts receiving as soon as the root sends, so
+        // the stand-in's listener is polled closely (a coarse poll would charge a wait to every
+        // bucket whose receiver is posted before the root).
         let mut stream = loop {
             match tokio::net::TcpStream::connect(&target).await {
                 Ok(s) => break s,
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
             }
         };
         let mut text = line.to_string();

@@ -23,6 +23,20 @@ use serde::Deserialize;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
+/// Bytes of the tensors a distributed update names: each shape's element count times its
+/// dtype's size.
+fn tensor_bytes(dtypes: &[String], shapes: &[Vec<u64>]) -> u64 {
+    let size = |dtype: &str| -> u64 {
+        match dtype {
+            "float64" | "int64" => 8,
+            "float32" | "int32" => 4,
+            "bfloat16" | "float16" | "int16" => 2,
+            _ => 1, // float8_*, int8, uint8, bool
+        }
+    };
+    dtypes.iter().zip(shapes).map(|(d, s)| s.iter().product::<u64>().saturating_mul(size(d))).sum()
+}
+
 /// Default group names, as in SGLang's request models.
 const UPDATE_GROUP: &str = "weight_update_group";
 const SEND_GROUP: &str = "weight_send_group";
@@ -246,8 +260,9 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
         // failed before anything was loaded.
         return fail(format!("Failed to receive weights: group {name}: {e}"));
     }
-    // The transfer model: every rank of a broadcast receives in one transfer time.
-    let transfer = engine.cfg.transfer_time();
+    // The transfer model: every rank of a broadcast receives this call's tensors in the time
+    // their bytes take on one link, whatever the group's size.
+    let transfer = engine.cfg.transfer_time_of(tensor_bytes(&req.dtypes, &req.shapes));
     if !transfer.is_zero() {
         tokio::time::sleep(transfer).await;
     }
@@ -372,5 +387,19 @@ pub async fn send_weights_to_remote_instance(State(engine): State<AppState>, b: 
             }))
         }
         Err(e) => fail(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tensor_bytes;
+
+    #[test]
+    fn a_calls_bytes_are_its_elements_times_their_dtype_size() {
+        let dtypes = ["bfloat16", "float32", "int8", "float64"].map(String::from);
+        let shapes = vec![vec![1024, 8], vec![3], vec![2, 2, 2], vec![]];
+        // 8192 x 2 + 3 x 4 + 8 x 1 + 1 x 8 (a scalar has one element).
+        assert_eq!(tensor_bytes(&dtypes, &shapes), 16_384 + 12 + 8 + 8);
+        assert_eq!(tensor_bytes(&[], &[]), 0);
     }
 }
