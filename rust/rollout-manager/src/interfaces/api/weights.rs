@@ -157,16 +157,11 @@ async fn start_broadcast(
     Path(id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let empty = matches!(&body, Ok(b) if b.iter().all(u8::is_ascii_whitespace));
-    let step = if empty {
-        None
-    } else {
-        let req: BroadcastRequest = parse_body(&body)?;
-        let bucket = Bucket { names: req.names, dtypes: req.dtypes, shapes: req.shapes };
-        // `{}` is no step, as an empty body.
-        let named = bucket != Bucket::default();
-        (named || req.last).then(|| BroadcastStep { bucket: named.then_some(bucket), last: req.last })
-    };
+    // An empty body parses as `{}`: no step (an update opened with its tensors).
+    let req: BroadcastRequest = parse_body(&body)?;
+    let bucket = Bucket { names: req.names, dtypes: req.dtypes, shapes: req.shapes };
+    let named = bucket != Bucket::default();
+    let step = (named || req.last).then(|| BroadcastStep { bucket: named.then_some(bucket), last: req.last });
     let record = crate::ops::trainer_update::start_broadcast(&s.manager, &update_id(&id)?, step).await?;
     serde_json::to_value(&record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
 }
@@ -183,8 +178,7 @@ async fn abort_update(
     Path(id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let empty = matches!(&body, Ok(b) if b.iter().all(u8::is_ascii_whitespace));
-    let req: AbortRequest = if empty { AbortRequest::default() } else { parse_body(&body)? };
+    let req: AbortRequest = parse_body(&body)?; // an empty body is `{}`: no reason given
     let reason = req.reason.unwrap_or_else(|| "no reason given".into());
     let reason: String = reason.chars().take(500).collect();
     let record = crate::ops::trainer_update::abort(&s.manager, &update_id(&id)?, &reason).await?;
