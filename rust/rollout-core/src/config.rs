@@ -82,6 +82,18 @@ pub struct ServeConfig {
     /// Port of the data plane (SGLang-compatible `/generate`); 0 picks a free port.
     #[arg(long, default_value_t = 30000, help_heading = heading::NETWORK)]
     pub router_port: u16,
+    /// Serve the fleet as one SGLang engine on this port, for trainers that drive SGLang's
+    /// weight-sync routes themselves; off unless given (0 picks a free port).
+    ///
+    /// The port answers SGLang's `/server_info`, `/init_weights_update_group`,
+    /// `/update_weights_from_distributed`, `/pause_generation`, `/continue_generation`,
+    /// `/flush_cache` and `/destroy_weights_update_group` for the whole fleet, and runs each
+    /// update as the manager's own (docs/api.md, "The fleet as one SGLang engine"): slime's
+    /// `--rollout-external-engine-addrs` takes it as its one engine. Same address and token
+    /// rules as the router.
+    #[arg(long, value_name = "PORT", help_heading = heading::NETWORK)]
+    #[serde(default)]
+    pub trainer_port: Option<u16>,
     /// What to launch as an engine.
     #[arg(long, value_enum, default_value_t = EngineKind::Sim, help_heading = heading::ENGINES)]
     pub engine: EngineKind,
@@ -453,6 +465,14 @@ impl ServeConfig {
         if self.port != 0 && self.port == self.router_port {
             return Err(bad("--router-port", format!("{} is also the control --port; pick another", self.port)));
         }
+        if let Some(p) = self.trainer_port.filter(|p| *p != 0) {
+            if p == self.port || p == self.router_port {
+                return Err(bad(
+                    "--trainer-port",
+                    format!("{p} is also the control --port or the --router-port; pick another"),
+                ));
+            }
+        }
         if self.model_path.trim().is_empty() {
             return Err(bad("--model-path", "must not be empty"));
         }
@@ -618,7 +638,7 @@ mod tests {
     #[test]
     fn errors_name_the_flag() {
         let long = format!("/tmp/{}", "s".repeat(120));
-        let cases: [(&[&str], &str); 14] = [
+        let cases: [(&[&str], &str); 16] = [
             (&["--gpus", "4000000000"], "--gpus"),
             (&["--external-allow-cidr", "10.0.0.0/40"], "--external-allow-cidr"),
             (&["--request-timeout-secs", "0"], "--request-timeout-secs"),
@@ -631,6 +651,8 @@ mod tests {
             (&["--rollout-num-gpus", "8", "--gpus", "4"], "--gpus"),
             (&["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine"),
             (&["--port", "9000", "--router-port", "9000"], "--router-port"),
+            (&["--trainer-port", "30000"], "--trainer-port"),
+            (&["--port", "9000", "--trainer-port", "9000"], "--trainer-port"),
             (&["--scale-in-drain-timeout-secs=-1"], "--scale-in-drain-timeout-secs"),
             (&["--max-engines", "1"], "--max-engines"),
         ];

@@ -141,6 +141,9 @@ fn main() -> ExitCode {
             // One line on stdout, for scripts and tests that start the manager on port 0.
             let mut out = std::io::stdout();
             let _ = writeln!(out, "rollout-manager listening control=http://{control} router=http://{router}");
+            if let Some(Ok(trainer)) = server.trainer_addr() {
+                let _ = writeln!(out, "rollout-manager trainer-port http://{trainer}");
+            }
             let _ = out.flush();
         }
         match server.run(shutdown_signal()).await {

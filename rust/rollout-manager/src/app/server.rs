@@ -42,6 +42,8 @@ pub struct Server {
     manager: Arc<Manager>,
     control: TcpListener,
     data: TcpListener,
+    /// `--trainer-port`: the fleet as one SGLang engine for a trainer's weight sync.
+    trainer: Option<TcpListener>,
     /// `--api-socket`: the control API again, on a Unix socket (mode 0600).
     socket: Option<(tokio::net::UnixListener, std::path::PathBuf)>,
     /// What `--state-dir` held at startup; empty on a first start.
@@ -66,6 +68,10 @@ impl Server {
         };
         let control = bind("--port", config.port).await?;
         let data = bind("--router-port", config.router_port).await?;
+        let trainer = match config.trainer_port {
+            Some(port) => Some(bind("--trainer-port", port).await?),
+            None => None,
+        };
         let socket = match &config.api_socket {
             Some(path) => Some((bind_private_socket(path)?, path.clone())),
             None => None,
@@ -102,7 +108,7 @@ impl Server {
         };
         let external = smg.clone().map(|s| s as Arc<dyn crate::ops::manager::ExternalRouter>);
         let manager = Manager::new(config, launcher, Some(store), token.as_deref(), external)?;
-        Ok(Self { manager, control, data, socket, snapshot, autoscaler, token, smg })
+        Ok(Self { manager, control, data, trainer, socket, snapshot, autoscaler, token, smg })
     }
 
     pub fn control_addr(&self) -> std::io::Result<SocketAddr> {
@@ -113,9 +119,14 @@ impl Server {
         self.data.local_addr()
     }
 
+    /// Where `--trainer-port` listens; None without the flag.
+    pub fn trainer_addr(&self) -> Option<std::io::Result<SocketAddr>> {
+        self.trainer.as_ref().map(TcpListener::local_addr)
+    }
+
     /// Runs until `signal` resolves, then shuts down in order.
     pub async fn run(self, signal: impl Future<Output = ()> + Send + 'static) -> Result<(), StartError> {
-        let Self { manager, control, data, socket, snapshot, autoscaler, token, smg } = self;
+        let Self { manager, control, data, trainer, socket, snapshot, autoscaler, token, smg } = self;
         let router_metrics =
             Arc::new(crate::adapters::router::metrics::RouterMetrics::new(manager.config.request_timeout_secs));
         let autoscaler =
@@ -134,7 +145,10 @@ impl Server {
             router_metrics,
             token.clone(),
         )
-        .with_control_plane(crate::interfaces::rl::routes(manager.clone(), token));
+        .with_control_plane(crate::interfaces::rl::routes(manager.clone(), token.clone()));
+        if let Some(port) = trainer.as_ref().and_then(|t| t.local_addr().ok()).map(|a| a.port()) {
+            router.trainer_port(port);
+        }
         manager.tasks.spawn(router.tail_planner(manager.shutdown.clone()));
 
         let stop = manager.shutdown.clone();
@@ -162,6 +176,11 @@ impl Server {
         }
         let stop = manager.shutdown.clone();
         servers.spawn(crate::foundation::http_serve::serve(control, api, stop, header_timeout));
+        if let Some(listener) = trainer {
+            let app = crate::interfaces::trainer_port::routes(manager.clone(), token);
+            let stop = manager.shutdown.clone();
+            servers.spawn(crate::foundation::http_serve::serve(listener, app, stop, header_timeout));
+        }
         let stop = manager.shutdown.clone();
         let done = serve_data_plane(data, router, stop, header_timeout, manager.config.router_threads)?;
         servers.spawn(async move {

@@ -8,3 +8,4 @@ pub mod api;
 pub mod autoscaler;
 pub mod integrations;
 pub mod rl;
+pub mod trainer_port;

@@ -161,6 +161,38 @@ pub fn current(manager: &Manager) -> Result<TrainerGroup, OpError> {
     })
 }
 
+/// Waits until the members of group `name` joined it or could not (at most
+/// `--weight-update-timeout-secs` plus 5 s), and answers the group as it is then. 404 when the
+/// engines hold no group of that name (another build replaced it).
+pub async fn wait_joined(manager: &Manager, name: &str) -> Result<TrainerGroup, OpError> {
+    let mut changes = manager.fleet.subscribe();
+    let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let group = current(manager)?;
+        if group.group_name != name {
+            return Err(OpError::unknown(
+                "group_replaced",
+                format!("the engines hold group {}, not {name}: another build replaced it", group.group_name),
+            ));
+        }
+        if group.fixed != Some(FixedJoin::Joining) {
+            return Ok(group);
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep_until(deadline) => return Ok(group),
+            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
+        }
+    }
+}
+
+/// The engines a group built now would take, in rank order (ACTIVE ones, and ones waiting for
+/// the trainer's version), with their ranks.
+pub fn candidates(manager: &Manager) -> Vec<GroupMember> {
+    takers(&manager.fleet.lock())
+}
+
 /// For an update that names the fixed group: the group as it is (`new` false). None when the
 /// update names no fixed group. 409 while its members join, when their join failed, or when a
 /// member is no longer the process that joined (gone, restarted, moved).

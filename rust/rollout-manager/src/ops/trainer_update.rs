@@ -380,6 +380,24 @@ pub async fn start_broadcast(
     wait_for(manager, update_id, limit, receiving).await
 }
 
+/// After the trainer broadcast bucket `n` (1-based): waits until every member received it, or
+/// the update ended, for at most `--weight-update-timeout-secs`; answers the record as it is
+/// then (the caller tells the three apart).
+pub async fn wait_received(manager: &Manager, update_id: &UpdateId, n: u32) -> Result<UpdateRecord, OpError> {
+    let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    wait_for(manager, update_id, limit, |u| {
+        u.status().is_terminal() || u.trainer().as_ref().is_some_and(|t| t.buckets_received >= n)
+    })
+    .await
+}
+
+/// Waits until the update ended (its members told the version and verified it, or it failed),
+/// for at most `--weight-update-timeout-secs` plus 5 s.
+pub async fn wait_ended(manager: &Manager, update_id: &UpdateId) -> Result<UpdateRecord, OpError> {
+    let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
+    wait_for(manager, update_id, limit, |u| u.status().is_terminal()).await
+}
+
 /// The trainer gives up before broadcasting (it could not join, say): the update ends FAILED
 /// with `reason`, the group is destroyed on its members, nothing was paused. Answered once the
 /// update has ended. 409 once the broadcast started (the update then ends when the members

@@ -174,6 +174,8 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
         "admin_api_key": cfg.admin_api_key.as_ref().map(|_| "<redacted>"),
         "page_size": cfg.page_size.unwrap_or(1),
         "schedule_policy": cfg.schedule_policy.clone().unwrap_or_else(|| "fcfs".into()),
+        // SGLang lists every server argument; slime checks this one of an external engine.
+        "enable_memory_saver": false,
     });
     if let Value::Object(a) = args {
         m.extend(a);

@@ -125,6 +125,9 @@ pub struct RouterState {
     routes: RouteCache,
     /// Movable requests running now, for the tail planner (`--move-tail`).
     tail: Arc<tail::Board>,
+    /// The port `--trainer-port` listens on, once bound: a trainer registering that endpoint
+    /// (the fleet itself) as a worker is told it is already served.
+    trainer_port: std::sync::OnceLock<u16>,
 }
 
 /// The data plane as served on the router port: the router's own routes go through an axum
@@ -142,6 +145,12 @@ impl DataPlane {
     #[must_use]
     pub fn with_control_plane(self, routes: Router) -> Self {
         Self { own: self.own.merge(routes), state: self.state }
+    }
+
+    /// Tells the router where `--trainer-port` listens: a trainer registering that URL with
+    /// `POST /workers` (the fleet itself) is told it is already served.
+    pub fn trainer_port(&self, port: u16) {
+        let _ = self.state.trainer_port.set(port);
     }
 
     /// The tail planner (`router::tail`), to run until `stop`; it returns at once with
@@ -212,6 +221,7 @@ pub fn router(
         gate: Gate::default(),
         routes: RouteCache::default(),
         tail: Arc::default(),
+        trainer_port: std::sync::OnceLock::new(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -231,7 +241,7 @@ pub fn router(
                 .layer(axum::middleware::from_fn_with_state(FAN_OUT_BODY_BYTES, read_body_first)),
         )
         .route("/metrics", get(metrics_text))
-        .route("/workers", get(workers).fallback(workers_managed))
+        .route("/workers", get(workers).post(register_worker).fallback(workers_managed))
         .route("/workers/{*id}", axum::routing::any(workers_managed))
         .fallback(proxy::proxy)
         .with_state(state.clone());
@@ -259,6 +269,48 @@ async fn workers(State(state): State<Arc<RouterState>>) -> Response {
         "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": routes.backends.len()},
     });
     Json(body).into_response()
+}
+
+/// `POST /workers`: the manager owns the list, so a registration is refused, except of the
+/// trainer port itself. slime registers each engine it did not launch with its router
+/// (`sglang_engine.py`, `_register_to_router`, and fails on an error), and with the trainer
+/// port as its one engine that is the fleet, whose engines the router already serves.
+async fn register_worker(State(state): State<Arc<RouterState>>, body: axum::body::Bytes) -> Response {
+    let url = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("url").and_then(|u| u.as_str()).map(str::to_string));
+    let ours = match (url.as_deref(), state.trainer_port.get()) {
+        (Some(url), Some(&port)) => is_local_endpoint(url, port).await,
+        _ => false,
+    };
+    if !ours {
+        return workers_managed().await;
+    }
+    let n = state.fleet.routes().backends.len();
+    let body = serde_json::json!({
+        "status": "ok", "url": url,
+        "message": format!("{} is this manager's trainer port, the fleet itself: its {n} routable engines are already served here", url.unwrap_or_default()),
+    });
+    Json(body).into_response()
+}
+
+/// Whether `url` is `http://host:port` with `port` the one given and a host that names this
+/// machine (an address a socket here can bind).
+async fn is_local_endpoint(url: &str, port: u16) -> bool {
+    let Ok(parsed) = reqwest::Url::parse(url) else { return false };
+    if parsed.scheme() != "http" || parsed.port() != Some(port) {
+        return false;
+    }
+    let Some(host) = parsed.host_str().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()) else {
+        return false;
+    };
+    let Ok(Ok(addrs)) =
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host((host.as_str(), port))).await
+    else {
+        return false;
+    };
+    let addrs: Vec<std::net::SocketAddr> = addrs.collect();
+    !addrs.is_empty() && addrs.iter().all(|a| std::net::UdpSocket::bind((a.ip(), 0)).is_ok())
 }
 
 /// Changing the worker list through the router: refused, the manager owns it.
@@ -429,5 +481,23 @@ impl QueuedGuard {
 impl Drop for QueuedGuard {
     fn drop(&mut self) {
         self.0.queued.dec();
+    }
+}
+
+#[cfg(test)]
+mod trainer_port_tests {
+    use super::is_local_endpoint;
+
+    #[tokio::test]
+    async fn only_this_machines_address_on_the_trainer_port_is_ours() {
+        assert!(is_local_endpoint("http://127.0.0.1:30001", 30001).await);
+        assert!(is_local_endpoint("http://localhost:30001/", 30001).await);
+        assert!(is_local_endpoint("http://[::1]:30001", 30001).await || std::net::UdpSocket::bind("[::1]:0").is_err());
+        // Another port, scheme or machine (TEST-NET-1 is never assigned here), or no URL at all.
+        assert!(!is_local_endpoint("http://127.0.0.1:30002", 30001).await);
+        assert!(!is_local_endpoint("https://127.0.0.1:30001", 30001).await);
+        assert!(!is_local_endpoint("http://192.0.2.7:30001", 30001).await);
+        assert!(!is_local_endpoint("127.0.0.1:30001", 30001).await);
+        assert!(!is_local_endpoint("http://127.0.0.1", 30001).await);
     }
 }

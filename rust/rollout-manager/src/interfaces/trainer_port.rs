@@ -1,0 +1,498 @@
+//! `--trainer-port`: the fleet as one SGLang engine, for trainers that drive SGLang's
+//! weight-sync routes themselves.
+//!
+//! slime moves weights by calling each engine's `/init_weights_update_group` once, then per
+//! sync `/pause_generation`, `/flush_cache`, one `/update_weights_from_distributed` per bucket
+//! while its rank 0 broadcasts, and `/continue_generation` (slime 624b824a,
+//! `update_weight_from_distributed.py`, `sglang_engine.py`). It has no hook for another
+//! updater, but it takes engines it did not launch (`--rollout-external-engine-addrs`), sizes
+//! its group from their `/server_info` (`num_gpus`) and gives engine `i` the ranks after the
+//! ones before it. Listed as its only engine, this port answers those routes for the whole
+//! fleet, each as the manager's own operation:
+//! - `/server_info`: an engine's, with `num_gpus` the ranks the fleet's engines hold, so the
+//!   trainer's world is those ranks plus its rank 0.
+//! - `/init_weights_update_group` (rank offset 1): builds a group whose layout the trainer fixed
+//!   ([`crate::ops::trainer_group`]) and answers once the members joined it.
+//! - `/update_weights_from_distributed`: the first bucket of a `weight_version` opens a trainer
+//!   update on that group ([`crate::ops::trainer_update`]); each is answered once every member
+//!   received it.
+//! - `/continue_generation`: ends the open update; answered once the fleet serves the version.
+//! - `/pause_generation` gives the mode of the next update's pause (the manager pauses the
+//!   members when the first bucket comes); `/flush_cache` is a no-op (the manager flushes each
+//!   member when an update ends); `/destroy_weights_update_group` destroys the group.
+//!
+//! Answers keep SGLang's shapes (`{"success", "message"}`); a refusal adds our
+//! `{"error": {"code", "message"}}` and an HTTP status that says whose fault it was. The
+//! trainer's calls are taken one at a time.
+
+use crate::adapters::dialect::Route;
+use crate::foundation::error::ApiError;
+use crate::foundation::records::{BroadcastStep, Bucket, FixedJoin};
+use crate::interfaces::api::parse_body;
+use crate::ops::manager::Manager;
+use crate::ops::op_error::OpError;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use rollout_core::ids::{UpdateId, VersionName};
+use rollout_core::weights::WeightUpdateStatus;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What the trainer has under way on this port.
+#[derive(Default)]
+struct Session {
+    /// The update its buckets go to, opened by the first bucket of a version.
+    open: Option<Open>,
+    /// The mode of its last `/pause_generation` since an update ended.
+    pause_mode: Option<String>,
+}
+
+struct Open {
+    update_id: UpdateId,
+    version: VersionName,
+    sent: u32,
+}
+
+struct Port {
+    manager: Arc<Manager>,
+    session: tokio::sync::Mutex<Session>,
+}
+
+type Shared = Arc<Port>;
+
+/// The routes of the trainer port (token rules as the router's: every POST, and `/flush_cache`,
+/// needs the token when one is configured).
+pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
+    let port = Arc::new(Port { manager, session: tokio::sync::Mutex::new(Session::default()) });
+    Router::new()
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/health", get(health))
+        .route("/health_generate", get(health))
+        .route("/get_weight_version", get(weight_version))
+        .route("/weight_version", get(weight_version))
+        .route("/init_weights_update_group", post(init_group))
+        .route("/destroy_weights_update_group", post(destroy_group))
+        .route("/update_weights_from_distributed", post(update_from_distributed))
+        .route("/pause_generation", post(pause))
+        .route("/continue_generation", post(continue_generation))
+        .route("/flush_cache", get(flush_cache).post(flush_cache))
+        .fallback(not_served)
+        .with_state(port)
+        .layer(axum::middleware::from_fn_with_state(token, crate::foundation::auth::require_token))
+        .layer(axum::middleware::from_fn_with_state(
+            crate::interfaces::api::BODY_LIMIT,
+            crate::foundation::http_serve::read_body_first,
+        ))
+}
+
+/// A refusal in SGLang's shape, with our code.
+fn refuse(e: impl Into<ApiError>) -> Response {
+    let e: ApiError = e.into();
+    let message = e.to_string();
+    let body = json!({"success": false, "message": message, "error": {"code": e.code(), "message": message}});
+    (e.status(), Json(body)).into_response()
+}
+
+fn done(message: String) -> Response {
+    Json(json!({"success": true, "message": message})).into_response()
+}
+
+/// The update failed on the engines (not the trainer's fault): 502 with its error.
+fn failed(update_id: &UpdateId, version: &VersionName, why: Option<&str>) -> Response {
+    let message = format!(
+        "update {update_id} to {version} failed: {}; the fleet stays on the version it had (GET /rollout/weights/updates/{update_id} on the control port)",
+        why.unwrap_or("no reason recorded")
+    );
+    let body = json!({"success": false, "message": message, "error": {"code": "update_failed", "message": message}});
+    (StatusCode::BAD_GATEWAY, Json(body)).into_response()
+}
+
+async fn not_served(uri: axum::http::Uri) -> Response {
+    refuse(ApiError::not_found(
+        "not_a_trainer_route",
+        format!(
+            "{} is not served here: this port is the fleet as one SGLang engine for a trainer's weight sync \
+             (/server_info, /init_weights_update_group, /update_weights_from_distributed, /pause_generation, \
+             /continue_generation, /flush_cache, /destroy_weights_update_group); send generation to the router port",
+            uri.path()
+        ),
+    ))
+}
+
+/// An engine's `/server_info` with `num_gpus` the ranks the fleet holds: what a trainer sizes
+/// its group from.
+async fn server_info(State(p): State<Shared>) -> Response {
+    let engines = crate::ops::trainer_group::candidates(&p.manager);
+    let Some(first) = engines.first() else {
+        return refuse(ApiError::unavailable(
+            "no_engines",
+            "no engine is ACTIVE yet; the fleet's ranks are known once one is (GET /rollout/engines on the control port)",
+        ));
+    };
+    let ranks: u32 = engines.iter().map(|m| m.tp_size).sum();
+    let got =
+        p.manager.routes.get(&p.manager.http, &first.url, Route::ServerInfo, Duration::from_secs(10), 4 << 20).await;
+    let mut info = match got.map(|(_, body)| serde_json::from_slice::<Value>(&body)) {
+        Ok(Ok(Value::Object(m))) => m,
+        Ok(_) => {
+            return refuse(ApiError::unavailable(
+                "engine_unavailable",
+                format!("engine {} answered /server_info with no JSON object; try again", first.engine_id),
+            ))
+        }
+        Err((name, e)) => {
+            return refuse(ApiError::unavailable(
+                "engine_unavailable",
+                format!("engine {} did not answer {name}: {e}; try again", first.engine_id),
+            ))
+        }
+    };
+    let version = p.manager.fleet.lock().weights.current().version.to_string();
+    info.insert("num_gpus".into(), json!(ranks));
+    info.insert("weight_version".into(), json!(version));
+    info.insert(
+        "elastic_rollout".into(),
+        json!({"engines": engines.len(), "ranks": ranks,
+               "note": "the fleet as one engine: num_gpus is the ranks its engines hold; a weight-update group takes them from rank 1"}),
+    );
+    Json(Value::Object(info)).into_response()
+}
+
+async fn health(State(p): State<Shared>) -> Response {
+    let n = p.manager.fleet.routes().backends.len();
+    let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"status": if n > 0 {"ok"} else {"no_engines"}, "routable_engines": n}))).into_response()
+}
+
+async fn weight_version(State(p): State<Shared>) -> Response {
+    let version = p.manager.fleet.lock().weights.current().version.to_string();
+    Json(json!({"weight_version": version})).into_response()
+}
+
+/// SGLang's `InitWeightsUpdateGroupReqInput`.
+#[derive(Debug, Deserialize)]
+struct InitGroup {
+    master_address: String,
+    master_port: u16,
+    rank_offset: u32,
+    world_size: u32,
+    #[serde(default = "default_group")]
+    group_name: String,
+    #[serde(default = "default_backend")]
+    backend: String,
+}
+
+fn default_group() -> String {
+    "weight_update_group".into()
+}
+
+fn default_backend() -> String {
+    "nccl".into()
+}
+
+async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req: InitGroup = match parse_body(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    if req.rank_offset != 1 {
+        return refuse(OpError::invalid(
+            "invalid_rank_offset",
+            format!(
+                "rank_offset {} must be 1: this port is the whole fleet as one engine holding ranks 1 to world_size - 1; \
+                 list it as the trainer's only engine",
+                req.rank_offset
+            ),
+        ));
+    }
+    if req.backend != "nccl" {
+        return refuse(OpError::invalid(
+            "invalid_backend",
+            format!("backend {:?}: the engines join weight-update groups over nccl", req.backend),
+        ));
+    }
+    let mut session = p.session.lock().await;
+    if session.open.is_some() {
+        return refuse(OpError::conflict(
+            "update_in_progress",
+            "an update is open on this port; POST /continue_generation ends it before a new group",
+        ));
+    }
+    let held = crate::ops::trainer_group::current(&p.manager)
+        .ok()
+        .filter(|g| g.group_name != req.group_name && matches!(g.fixed, Some(FixedJoin::Joined | FixedJoin::Joining)));
+    if let Some(g) = held {
+        return refuse(OpError::conflict(
+            "group_held",
+            format!(
+                "the engines hold group {}; destroy it first (POST /destroy_weights_update_group). One group at a time: \
+                 a trainer with one group per pipeline stage (slime with PP > 1) cannot use this port",
+                g.group_name
+            ),
+        ));
+    }
+    let build = crate::ops::trainer_group::BuildRequest {
+        group_name: req.group_name.clone(),
+        master_address: req.master_address,
+        master_port: req.master_port,
+        world_size: req.world_size,
+    };
+    if let Err(e) = crate::ops::trainer_group::build(&p.manager, build) {
+        return refuse(e);
+    }
+    session.pause_mode = None;
+    match crate::ops::trainer_group::wait_joined(&p.manager, &req.group_name).await {
+        Ok(g) => match g.fixed {
+            Some(FixedJoin::Joined) => done(format!(
+                "{} engines joined group {} as ranks 1 to {}",
+                g.members.len(),
+                g.group_name,
+                g.world_size - 1
+            )),
+            Some(FixedJoin::Failed { error }) => refuse(OpError::conflict(
+                "group_failed",
+                format!("the engines could not join group {}: {error}", g.group_name),
+            )),
+            _ => refuse(ApiError::unavailable(
+                "join_timed_out",
+                format!(
+                    "the engines had not joined group {} within --weight-update-timeout-secs; did rank 0 join at {}:{}?",
+                    g.group_name, g.master_address, g.master_port
+                ),
+            )),
+        },
+        Err(e) => refuse(e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct DestroyGroup {
+    #[serde(default = "default_group")]
+    group_name: String,
+}
+
+async fn destroy_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req: DestroyGroup = match parse_body(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    let session = p.session.lock().await;
+    if session.open.is_some() {
+        return refuse(OpError::conflict(
+            "update_in_progress",
+            "an update is open on this port; POST /continue_generation ends it first",
+        ));
+    }
+    match crate::ops::trainer_group::current(&p.manager) {
+        Ok(g) if g.group_name == req.group_name => {}
+        _ => {
+            return refuse(OpError::unknown(
+                "unknown_group",
+                format!("the engines hold no group named {}", req.group_name),
+            ))
+        }
+    }
+    match crate::ops::trainer_update::destroy_group(&p.manager).await {
+        Ok(_) => done(format!("group {} destroyed on its members", req.group_name)),
+        Err(e) => refuse(e),
+    }
+}
+
+/// SGLang's `UpdateWeightsFromDistributedReqInput` (unknown fields are ignored, as SGLang does).
+#[derive(Debug, Deserialize)]
+struct UpdateFromDistributed {
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<u64>>,
+    #[serde(default = "default_group")]
+    group_name: String,
+    #[serde(default)]
+    weight_version: Option<String>,
+    #[serde(default)]
+    load_format: Option<String>,
+    #[serde(default)]
+    selector: Option<String>,
+}
+
+async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req: UpdateFromDistributed = match parse_body(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    if let Some(f) = &req.load_format {
+        return refuse(OpError::invalid(
+            "invalid_load_format",
+            format!("load_format {f:?}: the manager sends each member the named tensors as they are; leave it out"),
+        ));
+    }
+    if req.selector.as_deref().is_some_and(|s| s != "all") {
+        return refuse(OpError::invalid(
+            "invalid_selector",
+            "selector: only \"all\" (the model and any draft model together) is taken",
+        ));
+    }
+    let Some(raw) = req.weight_version else {
+        return refuse(OpError::invalid(
+            "weight_version_required",
+            "weight_version is required here: the manager names every version it serves (the pins, the metrics and \
+             each answer's meta_info say it)",
+        ));
+    };
+    let version = match VersionName::parse(&raw) {
+        Ok(v) => v,
+        Err(e) => return refuse(OpError::invalid("invalid_version", e.to_string())),
+    };
+    let bucket = Bucket { names: req.names, dtypes: req.dtypes, shapes: req.shapes };
+    if let Err(e) = crate::ops::trainer_update::check_bucket(&bucket) {
+        return refuse(e);
+    }
+    let mut session = p.session.lock().await;
+    let group = match crate::ops::trainer_group::current(&p.manager) {
+        Ok(g) if g.group_name == req.group_name && g.fixed.is_some() => g,
+        _ => {
+            return refuse(OpError::conflict(
+                "unknown_group",
+                format!(
+                    "the engines hold no group named {} built on this port; POST /init_weights_update_group first",
+                    req.group_name
+                ),
+            ))
+        }
+    };
+    if let Some(open) = &session.open {
+        if open.version != version {
+            return refuse(OpError::conflict(
+                "update_open",
+                format!(
+                    "the update to {} is still open; POST /continue_generation ends it before buckets of {version}",
+                    open.version
+                ),
+            ));
+        }
+    } else {
+        let req = crate::ops::trainer_update::OpenRequest {
+            version: version.clone(),
+            tensors: Bucket::default(),
+            pause_mode: session.pause_mode.clone().unwrap_or_else(|| "retract".into()),
+            flush_cache: true,
+            master_address: group.master_address.clone(),
+            master_port: group.master_port,
+            group_name: Some(group.group_name.clone()),
+            group_prefix: "elastic_rollout_weights".into(),
+        };
+        match crate::ops::trainer_update::open(&p.manager, req) {
+            Ok(record) => session.open = Some(Open { update_id: record.update_id().clone(), version, sent: 0 }),
+            Err(e) => return refuse(e),
+        }
+    }
+    let Some(open) = session.open.as_mut() else { return refuse(OpError::internal("no_update", "no update open")) };
+    let update_id = open.update_id.clone();
+    let step = BroadcastStep { bucket: Some(bucket), last: false };
+    if let Err(e) = crate::ops::trainer_update::start_broadcast(&p.manager, &update_id, Some(step)).await {
+        let version = open.version.clone();
+        session.open = None;
+        return give_up(&p.manager, &update_id, &version, e).await;
+    }
+    open.sent += 1;
+    let sent = open.sent;
+    match crate::ops::trainer_update::wait_received(&p.manager, &update_id, sent).await {
+        Ok(u) if u.status().is_terminal() => {
+            let version = open.version.clone();
+            session.open = None;
+            failed(&update_id, &version, u.error_message().as_deref())
+        }
+        Ok(u) if u.trainer().as_ref().is_some_and(|t| t.buckets_received >= sent) => {
+            done(format!("bucket {sent} of {} received by every member", open.version))
+        }
+        Ok(_) => refuse(ApiError::unavailable(
+            "bucket_timed_out",
+            format!(
+                "the members had not received bucket {sent} within --weight-update-timeout-secs; the update ends FAILED \
+                 when its own timeout passes"
+            ),
+        )),
+        Err(e) => refuse(e),
+    }
+}
+
+/// A step the manager refused: the update is given up (aborted where it still runs), so no
+/// member keeps part of a version, and the refusal is answered.
+async fn give_up(manager: &Arc<Manager>, update_id: &UpdateId, version: &VersionName, e: OpError) -> Response {
+    let running = manager.fleet.lock().weights.updates().get(update_id).is_some_and(|u| !u.status().is_terminal());
+    if running {
+        let reason = format!("the trainer port gave the update up: {e}");
+        let _ = crate::ops::trainer_update::abort(manager, update_id, &reason).await;
+    }
+    tracing::warn!(%update_id, %version, error = %e, "trainer port: a step was refused; the update is given up");
+    refuse(e)
+}
+
+/// SGLang's `PauseGenerationReqInput`.
+#[derive(Debug, Deserialize)]
+struct Pause {
+    #[serde(default = "default_pause_mode")]
+    mode: String,
+}
+
+fn default_pause_mode() -> String {
+    "abort".into()
+}
+
+async fn pause(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req: Pause = match parse_body(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    if !matches!(req.mode.as_str(), "abort" | "retract" | "in_place") {
+        return refuse(OpError::invalid(
+            "invalid_pause_mode",
+            format!("mode {:?} must be abort, retract or in_place", req.mode),
+        ));
+    }
+    p.session.lock().await.pause_mode = Some(req.mode);
+    Json(json!({"message": "Generation paused successfully.", "status": "ok",
+                "note": "the members are paused in this mode when the first bucket of the next update comes"}))
+    .into_response()
+}
+
+/// Ends the open update (if any): the members get the version, continue, and are verified;
+/// answered once the fleet serves it.
+async fn continue_generation(State(p): State<Shared>) -> Response {
+    let mut session = p.session.lock().await;
+    session.pause_mode = None;
+    let Some(open) = session.open.take() else {
+        return Json(json!({"message": "Generation continued successfully.", "status": "ok"})).into_response();
+    };
+    let step = BroadcastStep { bucket: None, last: true };
+    if let Err(e) = crate::ops::trainer_update::start_broadcast(&p.manager, &open.update_id, Some(step)).await {
+        return give_up(&p.manager, &open.update_id, &open.version, e).await;
+    }
+    match crate::ops::trainer_update::wait_ended(&p.manager, &open.update_id).await {
+        Ok(u) if u.status() == WeightUpdateStatus::Completed => Json(json!({
+            "message": "Generation continued successfully.", "status": "ok", "weight_version": open.version,
+            "update_id": open.update_id,
+        }))
+        .into_response(),
+        Ok(u) if u.status().is_terminal() => failed(&open.update_id, &open.version, u.error_message().as_deref()),
+        Ok(_) => refuse(ApiError::unavailable(
+            "update_timed_out",
+            format!(
+                "update {} to {} had not ended within --weight-update-timeout-secs; see GET /rollout/weights/updates/{}",
+                open.update_id, open.version, open.update_id
+            ),
+        )),
+        Err(e) => refuse(e),
+    }
+}
+
+async fn flush_cache() -> Response {
+    (StatusCode::OK, "Cache flushed (the manager flushes each engine's cache when an update ends).\n").into_response()
+}

@@ -1,0 +1,220 @@
+"""The trainer port (``--trainer-port``): the fleet as one SGLang engine, driven as slime drives
+an engine it did not launch, with its default NCCL weight sync.
+
+The calls are slime's, in slime's order (read at THUDM/slime 624b824a):
+``backends/sglang_utils/external.py`` (discovery: ``/server_info``, ``num_gpus``),
+``sglang_engine.py`` (``_register_to_router``: ``POST /workers`` on the router, failing on an
+error; ``flush_cache`` by GET; every other call a POST with a JSON body) and
+``megatron_utils/update_weight/update_weight_from_distributed.py`` (``world_size = GPUs + 1``,
+engine ``i`` at ``rank_offset = 1 +`` the GPUs before it; each sync: pause, flush, one
+``/update_weights_from_distributed`` per bucket while rank 0 broadcasts, continue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _support import STARTUP_TIMEOUT, HttpResult, ManagerHandle, StartManager, http, wait_until
+from _trainer import SPECS, StandInRank0
+from test_weights_resume import free_port
+
+from elastic_rollout.trainer import GroupLayout, TensorSpec
+
+
+class SlimeOnExternalEngines:
+    """slime's weight sync against engines given by ``--rollout-external-engine-addrs``, as
+    HTTP calls (rank 0's NCCL side is the stand-in)."""
+
+    def __init__(self, addrs: Sequence[str], router_url: str, rank0: StandInRank0, manager: ManagerHandle) -> None:
+        self.urls = [f"http://{a}" for a in addrs]
+        self.router_url = router_url
+        self.rank0 = rank0
+        self.manager = manager
+        self.pool = ThreadPoolExecutor(4)
+        self.gpus: list[int] = []
+        self.group_name = "slime-pp_0"
+        self.weight_version = 0
+
+    def discover_and_register(self) -> None:
+        for url in self.urls:
+            info = http("GET", url + "/server_info").json()
+            self.gpus.append(int(info.get("num_gpus") or info.get("num_gpus_per_engine") or info["tp_size"]))
+            resp = http("POST", self.router_url + "/workers", {"url": url, "worker_type": "regular"})
+            assert resp.status == 200, resp.body[:300]  # slime: response.raise_for_status()
+
+    def connect(self) -> list[HttpResult]:
+        port = free_port()
+        world_size = sum(self.gpus) + 1
+        offsets = [1 + sum(self.gpus[:i]) for i in range(len(self.gpus))]
+        futures: list[Future[HttpResult]] = [
+            self.pool.submit(http, "POST", url + "/init_weights_update_group",
+                             {"master_address": "127.0.0.1", "master_port": port, "rank_offset": off,
+                              "world_size": world_size, "group_name": self.group_name, "backend": "nccl"}, timeout=120)
+            for url, off in zip(self.urls, offsets, strict=True)
+        ]  # fmt: skip
+        # Rank 0's init_process_group: the stand-in needs the members to check their ranks.
+        self.rank0.join_group(self.layout())
+        return [f.result(timeout=120) for f in futures]
+
+    def layout(self) -> GroupLayout:
+        def built() -> dict[str, Any] | None:
+            resp = http("GET", self.manager.control_url + "/rollout/weights/trainer_group")
+            return resp.json() if resp.status == 200 and resp.json()["group_name"] == self.group_name else None
+
+        return GroupLayout.from_json(wait_until(built, 60, "the trainer's group built"))
+
+    def sync(self, buckets: Sequence[Sequence[TensorSpec]]) -> list[HttpResult]:
+        self.weight_version += 1
+        answers = [http("POST", u + "/pause_generation", {}) for u in self.urls]
+        answers += [http("GET", u + "/flush_cache") for u in self.urls]
+        layout = self.layout()
+        for bucket in buckets:
+            body = {"names": [s.name for s in bucket], "dtypes": [s.dtype for s in bucket],
+                    "shapes": [list(s.shape) for s in bucket], "group_name": self.group_name,
+                    "flush_cache": False, "weight_version": str(self.weight_version)}  # fmt: skip
+            futures = [self.pool.submit(http, "POST", u + "/update_weights_from_distributed", body, timeout=120)
+                       for u in self.urls]  # fmt: skip
+            self.rank0.broadcast(layout, bucket)
+            answers += [f.result(timeout=120) for f in futures]
+        answers += [http("POST", u + "/continue_generation", {}, timeout=120) for u in self.urls]
+        return answers
+
+
+def ok(answers: Sequence[HttpResult]) -> None:
+    bad = [(a.status, a.body[:300]) for a in answers if a.status != 200]
+    assert not bad, bad
+
+
+def versions_answered(router_url: str, n: int) -> set[str]:
+    body = {"text": "count the sheep", "sampling_params": {"max_new_tokens": 2}}
+    out = set()
+    for _ in range(n):
+        resp = http("POST", router_url + "/generate", body, timeout=60)
+        assert resp.status == 200, resp.body[:200]
+        out.add(str(resp.json()["meta_info"]["weight_version"]))
+    return out
+
+
+@pytest.fixture
+def trainer_fleet(start_fleet: StartManager) -> tuple[ManagerHandle, str]:
+    port = free_port()
+    return start_fleet("--trainer-port", str(port)), f"127.0.0.1:{port}"
+
+
+def test_slime_syncs_weights_through_the_trainer_port_and_the_fleet_serves_each_version(
+    trainer_fleet: tuple[ManagerHandle, str],
+) -> None:
+    fleet, addr = trainer_fleet
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    slime.discover_and_register()
+    assert slime.gpus == [2]  # two engines of one GPU each, seen as one engine of two
+    ok(slime.connect())
+    group = fleet.client.trainer_group()
+    assert group["world_size"] == 3 and group["fixed"] == {"state": "joined"}
+    assert [m["rank_offset"] for m in group["members"]] == [1, 2]
+
+    ok(slime.sync([SPECS[:2], SPECS[2:]]))
+    weights = fleet.client.weights()
+    assert (weights.version, weights.raw["source"]) == ("1", "trainer")
+    assert {e.weight_version for e in fleet.engines().engines} == {"1"}
+    for e in fleet.engines().engines:
+        assert http("GET", e.url + "/model_info").json()["weight_version"] == "1"
+    assert versions_answered(fleet.router_url, 8) == {"1"}
+    update = fleet.client.weight_update(weights.raw["update_id"])
+    assert update.raw["trainer"]["buckets_received"] == 2
+    assert update.raw["pause_mode"] == "abort"  # slime's pause sends {}: SGLang's default mode
+
+    # A scale-out after the group was built: slime's group keeps its two ranks, the new engine
+    # copies version 1 from a member, and the next sync reaches it too (it copies version 2).
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, STARTUP_TIMEOUT).status == "ACTIVE"
+    assert {e.weight_version for e in fleet.engines().engines} == {"1"}
+    ok(slime.sync([SPECS]))
+    assert fleet.client.weights().version == "2"
+
+    def all_on_2() -> bool:
+        view = fleet.engines().engines
+        return len(view) == 3 and all(e.status == "ACTIVE" and e.weight_version == "2" for e in view)
+
+    wait_until(all_on_2, STARTUP_TIMEOUT, "the engine beyond the group copying version 2")
+    assert versions_answered(fleet.router_url, 12) == {"2"}
+    assert len(slime.rank0.joined) == 1 and len(slime.rank0.broadcasts) == 3
+
+    # slime's disconnect destroys the group.
+    resp = http("POST", f"http://{addr}/destroy_weights_update_group", {"group_name": slime.group_name})
+    assert resp.status == 200 and resp.json()["success"] is True
+    assert http("GET", fleet.control_url + "/rollout/weights/trainer_group").status == 404
+
+
+def test_the_trainer_port_refuses_what_it_cannot_do_and_says_why(trainer_fleet: tuple[ManagerHandle, str]) -> None:
+    fleet, addr = trainer_fleet
+    url = f"http://{addr}"
+
+    def refused(resp: HttpResult, status: int, code: str) -> None:
+        assert resp.status == status, (resp.status, resp.body[:300])
+        body = resp.json()
+        assert body["success"] is False and body["error"]["code"] == code, body
+
+    # The fleet as one engine holds ranks from 1: a second engine's offset cannot be it.
+    init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 2, "world_size": 3}
+    refused(http("POST", url + "/init_weights_update_group", init), 400, "invalid_rank_offset")
+    # A world the fleet's ranks cannot fill: the message says which would.
+    resp = http("POST", url + "/init_weights_update_group", {**init, "rank_offset": 1, "world_size": 5})
+    refused(resp, 409, "group_does_not_fit")
+    assert "world_size 3" in resp.json()["message"]
+    bucket = {"names": [SPECS[0].name], "dtypes": [SPECS[0].dtype], "shapes": [list(SPECS[0].shape)]}
+    refused(http("POST", url + "/update_weights_from_distributed", bucket), 400, "weight_version_required")
+    refused(http("POST", url + "/update_weights_from_distributed", {**bucket, "weight_version": "1"}), 409,
+            "unknown_group")  # fmt: skip
+    refused(http("POST", url + "/pause_generation", {"mode": "sideways"}), 400, "invalid_pause_mode")
+    refused(http("POST", url + "/generate", {"text": "hi"}), 404, "not_a_trainer_route")
+    # Nothing was opened or built; a continue with nothing open is SGLang's plain answer.
+    assert http("POST", url + "/continue_generation", {}).status == 200
+    assert fleet.client.weights().version == "default"
+    assert http("GET", fleet.control_url + "/rollout/weights/trainer_group").status == 404
+
+    # The router takes the trainer port's own registration (slime's) and still refuses others.
+    host, port = addr.split(":")
+    assert http("POST", fleet.router_url + "/workers", {"url": f"http://localhost:{port}"}).status == 200
+    other = http("POST", fleet.router_url + "/workers", {"url": f"http://{host}:{free_port()}"})
+    assert other.status == 403 and other.json()["error"]["code"] == "workers_managed"
+    assert http("GET", fleet.router_url + "/workers").json()["total"] == 2
+
+
+def test_a_failed_join_answers_slime_with_an_error_and_builds_again(trainer_fleet: tuple[ManagerHandle, str]) -> None:
+    """A rank 0 that never joins: the members cannot form the group, the port answers the init
+    with the error (slime's ray.get raises), and the next init builds the group again."""
+    fleet, addr = trainer_fleet
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(timeout=60), fleet)
+    slime.discover_and_register()
+    # A port nobody listens on: the members' rendezvous fails.
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3,
+            "group_name": "slime-pp_0"}  # fmt: skip
+    resp = http("POST", f"http://{addr}/init_weights_update_group", body, timeout=120)
+    assert resp.status == 409 and resp.json()["error"]["code"] == "group_failed", resp.body[:300]
+    assert "did not accept" in resp.json()["message"]
+    ok(slime.connect())
+    ok(slime.sync([SPECS]))
+    assert fleet.client.weights().version == "1"
+
+
+def test_the_trainer_port_takes_the_managers_token(start_fleet: StartManager, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    port = free_port()
+    start_fleet("--api-token-file", str(token), "--trainer-port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    # Reads stay open, as on the router; every call that acts on the fleet needs the token.
+    assert http("GET", url + "/server_info").json()["num_gpus"] == 2
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 2, "world_size": 3}
+    for path in ("/init_weights_update_group", "/pause_generation", "/continue_generation", "/flush_cache"):
+        resp = http("POST", url + path, body)
+        assert resp.status == 401 and resp.json()["error"]["code"] == "unauthorized", path
+    assert http("GET", url + "/flush_cache").status == 401
+    authed = http("POST", url + "/init_weights_update_group", body, headers={"Authorization": "Bearer s3cret-token"})
+    assert authed.status == 400 and authed.json()["error"]["code"] == "invalid_rank_offset"
