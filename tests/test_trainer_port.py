@@ -12,9 +12,11 @@ engine ``i`` at ``rank_offset = 1 +`` the GPUs before it; each sync: pause, flus
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,13 +59,17 @@ class SlimeOnExternalEngines:
             for url, off in zip(self.urls, offsets, strict=True)
         ]  # fmt: skip
         # Rank 0's init_process_group: the stand-in needs the members to check their ranks.
-        self.rank0.join_group(self.layout())
+        self.rank0.join_group(self.layout(port))
         return [f.result(timeout=120) for f in futures]
 
-    def layout(self) -> GroupLayout:
+    def layout(self, port: int | None = None) -> GroupLayout:
+        """The group as the manager built it (the one at rank 0's ``port``, when given)."""
+
         def built() -> dict[str, Any] | None:
             resp = http("GET", self.manager.control_url + "/rollout/weights/trainer_group")
-            return resp.json() if resp.status == 200 and resp.json()["group_name"] == self.group_name else None
+            if resp.status != 200 or resp.json()["group_name"] != self.group_name:
+                return None
+            return resp.json() if port is None or resp.json()["master_port"] == port else None
 
         return GroupLayout.from_json(wait_until(built, 60, "the trainer's group built"))
 
@@ -218,3 +224,90 @@ def test_the_trainer_port_takes_the_managers_token(start_fleet: StartManager, tm
     assert http("GET", url + "/flush_cache").status == 401
     authed = http("POST", url + "/init_weights_update_group", body, headers={"Authorization": "Bearer s3cret-token"})
     assert authed.status == 400 and authed.json()["error"]["code"] == "invalid_rank_offset"
+
+
+def test_a_sync_cut_between_buckets_never_becomes_a_version(trainer_fleet: tuple[ManagerHandle, str]) -> None:
+    """The update behind a sync ends between two buckets (here: given up on the control port, as
+    a timeout would end it). The next bucket of that version must not open it again with only
+    the buckets left: it is refused until the trainer starts a sync again; the members that held
+    part of it were restarted, so the group is gone and the trainer builds another."""
+    fleet, addr = trainer_fleet
+    url = f"http://{addr}"
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    slime.discover_and_register()
+    ok(slime.connect())
+    layout = slime.layout()
+
+    def bucket(specs: Sequence[TensorSpec], version: str) -> dict[str, Any]:
+        return {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs], "group_name": slime.group_name,
+                "weight_version": version}  # fmt: skip
+
+    ok([http("POST", url + "/pause_generation", {})])
+    first = slime.pool.submit(
+        http, "POST", url + "/update_weights_from_distributed", bucket(SPECS[:2], "1"), timeout=120
+    )
+    slime.rank0.broadcast(layout, SPECS[:2])
+    ok([first.result(timeout=120)])
+    open_id = fleet.client.weights().raw["update"]["update_id"]
+    resp = http("POST", f"{fleet.control_url}/rollout/weights/updates/{open_id}/abort", {"reason": "test: cut"})
+    assert resp.status == 200 and resp.json()["status"] == "FAILED", resp.body[:300]
+
+    second = http("POST", url + "/update_weights_from_distributed", bucket(SPECS[2:], "1"))
+    assert second.status == 409 and second.json()["error"]["code"] == "sync_not_started", second.body[:300]
+    assert fleet.client.weights().version == "default"
+
+    # Its members held bucket 1 of "1": they were restarted, so the trainer's group lost them.
+    def restarted() -> bool:
+        view = fleet.engines().engines
+        return len(view) == 2 and all(e.status == "ACTIVE" for e in view)
+
+    wait_until(restarted, STARTUP_TIMEOUT, "the members restarted")
+    ok([http("POST", url + "/pause_generation", {})])
+    lost = http("POST", url + "/update_weights_from_distributed", bucket(SPECS, "1"))
+    assert lost.status == 409 and lost.json()["error"]["code"] == "group_member_lost", lost.body[:300]
+    # A new group (a restarted slime), then a whole sync: version 1 with every bucket.
+    ok(slime.connect())
+    ok(slime.sync([SPECS[:2], SPECS[2:]]))
+    assert fleet.client.weights().version == "1"
+    for e in fleet.engines().engines:
+        assert http("GET", e.url + "/model_info").json()["weight_version"] == "1"
+    assert versions_answered(fleet.router_url, 6) == {"1"}
+
+
+def test_a_second_slime_run_numbers_its_syncs_after_the_fleets_version(
+    trainer_fleet: tuple[ManagerHandle, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slime numbers syncs from 1 in every run; examples/slime's init hook starts them after the
+    fleet's version, so a second run against the same manager is not refused."""
+    fleet, addr = trainer_fleet
+    first_run = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    first_run.discover_and_register()
+    ok(first_run.connect())
+    ok(first_run.sync([SPECS]))
+    ok(first_run.sync([SPECS]))
+    assert fleet.client.weights().version == "2"
+
+    monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
+    path = Path(__file__).resolve().parent.parent / "examples" / "slime" / "elastic_rollout_hooks.py"
+    spec = importlib.util.spec_from_file_location("elastic_rollout_hooks", path)
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    args = SimpleNamespace()
+    hooks.continue_fleet_versions(args)
+    assert args.update_weight_start_version == 2
+
+    second_run = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    second_run.discover_and_register()
+    ok(second_run.connect())
+    # Without the hook, the first sync would reuse "1": the manager keeps names unique.
+    again = http("POST", f"http://{addr}/pause_generation", {})
+    assert again.status == 200
+    body = {"names": [SPECS[0].name], "dtypes": [SPECS[0].dtype], "shapes": [list(SPECS[0].shape)],
+            "group_name": second_run.group_name, "weight_version": "1"}  # fmt: skip
+    reused = http("POST", f"http://{addr}/update_weights_from_distributed", body)
+    assert reused.status == 409 and reused.json()["error"]["code"] == "version_conflict", reused.body[:300]
+    second_run.weight_version = args.update_weight_start_version
+    ok(second_run.sync([SPECS]))
+    assert fleet.client.weights().version == "3"

@@ -8,6 +8,10 @@ with a version. Flags (README.md in this directory has the full list):
     --custom-update-weight-post-write-path elastic_rollout_hooks.publish_weights
     --custom-megatron-before-train-step-hook-path elastic_rollout_hooks.mark_train_start
 
+With slime's NCCL weight sync through the manager's trainer port instead of the publish hook:
+
+    --custom-megatron-init-path elastic_rollout_hooks.continue_fleet_versions
+
 Environment: ``ELASTIC_ROLLOUT_MANAGER`` (control API, default ``http://127.0.0.1:8000``),
 ``ROLLOUT_MANAGER_API_TOKEN`` (if the manager has one), ``ELASTIC_ROLLOUT_MAX_ENGINES`` (engines
 slime sizes its client concurrency for; default: the ACTIVE engines at the first rollout),
@@ -33,7 +37,7 @@ from typing import Any
 
 from elastic_rollout import RolloutClient
 
-__all__ = ["generate_rollout", "mark_train_start", "publish_weights"]
+__all__ = ["continue_fleet_versions", "generate_rollout", "mark_train_start", "publish_weights"]
 
 _VERSION_DIR = re.compile(r"^weight_v(\d+)$")
 _lock = threading.Lock()
@@ -101,6 +105,19 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
 
 def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+def continue_fleet_versions(args: Any) -> None:
+    """``--custom-megatron-init-path``: number this run's weight syncs after the fleet's version.
+
+    slime numbers its syncs ``1, 2, ...`` from ``args.update_weight_start_version`` (0 unless
+    set), read when it builds its weight updater, after this hook (``actor.py``). The manager
+    refuses a version name it already served, so a second run against the same fleet would fail
+    its first sync; starting from the fleet's version (when it is a number) continues the count.
+    """
+    version = _fleet_version(_client())
+    if version is not None and version.isdigit():
+        args.update_weight_start_version = max(int(version), int(getattr(args, "update_weight_start_version", 0) or 0))
 
 
 def mark_train_start(*_args: Any, **_kwargs: Any) -> None:

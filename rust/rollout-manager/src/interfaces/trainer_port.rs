@@ -46,12 +46,42 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// What the trainer has under way on this port.
-#[derive(Default)]
 struct Session {
     /// The update its buckets go to, opened by the first bucket of a version.
     open: Option<Open>,
     /// The mode of its last `/pause_generation` since an update ended.
     pause_mode: Option<String>,
+    /// Whether a bucket may open an update: false once an update here failed or was given up
+    /// mid-way, until the trainer starts a sync again (`/pause_generation`), ends it
+    /// (`/continue_generation`) or builds a group. A bucket after a failed one would otherwise
+    /// open the version again with only the remaining buckets, and the members would say that
+    /// version while holding the old weights for the ones before.
+    at_boundary: bool,
+}
+
+impl Session {
+    /// Drops the open update once it has ended without the trainer (it timed out, or failed
+    /// while the trainer was away): the trainer is then mid-sync with nothing to send to.
+    fn settle(&mut self, manager: &Manager) {
+        let ended = self.open.as_ref().is_some_and(|open| {
+            manager.fleet.lock().weights.updates().get(&open.update_id).is_none_or(|u| u.status().is_terminal())
+        });
+        if ended {
+            self.open = None;
+            self.at_boundary = false;
+        }
+    }
+
+    /// Gives up the open update, if any (a new group or a destroyed one: its rank 0 is gone).
+    async fn abandon(&mut self, manager: &Arc<Manager>, why: &str) {
+        self.settle(manager);
+        if let Some(open) = self.open.take() {
+            let reason = format!("the trainer port gave the update up: {why}");
+            let _ = crate::ops::trainer_update::abort(manager, &open.update_id, &reason).await;
+            tracing::warn!(update_id = %open.update_id, version = %open.version, %why, "trainer port: open update given up");
+            self.at_boundary = false;
+        }
+    }
 }
 
 struct Open {
@@ -70,7 +100,8 @@ type Shared = Arc<Port>;
 /// The routes of the trainer port (token rules as the router's: every POST, and `/flush_cache`,
 /// needs the token when one is configured).
 pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
-    let port = Arc::new(Port { manager, session: tokio::sync::Mutex::new(Session::default()) });
+    let session = Session { open: None, pause_mode: None, at_boundary: true };
+    let port = Arc::new(Port { manager, session: tokio::sync::Mutex::new(session) });
     Router::new()
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))
@@ -220,12 +251,8 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
         ));
     }
     let mut session = p.session.lock().await;
-    if session.open.is_some() {
-        return refuse(OpError::conflict(
-            "update_in_progress",
-            "an update is open on this port; POST /continue_generation ends it before a new group",
-        ));
-    }
+    // A trainer building a group mid-update was restarted: the open update's rank 0 is gone.
+    session.abandon(&p.manager, "the trainer built a new group").await;
     let held = crate::ops::trainer_group::current(&p.manager)
         .ok()
         .filter(|g| g.group_name != req.group_name && matches!(g.fixed, Some(FixedJoin::Joined | FixedJoin::Joining)));
@@ -251,12 +278,15 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
     session.pause_mode = None;
     match crate::ops::trainer_group::wait_joined(&p.manager, &req.group_name).await {
         Ok(g) => match g.fixed {
-            Some(FixedJoin::Joined) => done(format!(
+            Some(FixedJoin::Joined) => {
+                session.at_boundary = true;
+                done(format!(
                 "{} engines joined group {} as ranks 1 to {}",
                 g.members.len(),
                 g.group_name,
                 g.world_size - 1
-            )),
+            ))
+            }
             Some(FixedJoin::Failed { error }) => refuse(OpError::conflict(
                 "group_failed",
                 format!("the engines could not join group {}: {error}", g.group_name),
@@ -284,13 +314,7 @@ async fn destroy_group(State(p): State<Shared>, body: Result<Bytes, BytesRejecti
         Ok(r) => r,
         Err(e) => return refuse(e),
     };
-    let session = p.session.lock().await;
-    if session.open.is_some() {
-        return refuse(OpError::conflict(
-            "update_in_progress",
-            "an update is open on this port; POST /continue_generation ends it first",
-        ));
-    }
+    let mut session = p.session.lock().await;
     match crate::ops::trainer_group::current(&p.manager) {
         Ok(g) if g.group_name == req.group_name => {}
         _ => {
@@ -300,6 +324,7 @@ async fn destroy_group(State(p): State<Shared>, body: Result<Bytes, BytesRejecti
             ))
         }
     }
+    session.abandon(&p.manager, "the trainer destroyed its group").await;
     match crate::ops::trainer_update::destroy_group(&p.manager).await {
         Ok(_) => done(format!("group {} destroyed on its members", req.group_name)),
         Err(e) => refuse(e),
@@ -355,43 +380,8 @@ async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, By
         return refuse(e);
     }
     let mut session = p.session.lock().await;
-    let group = match crate::ops::trainer_group::current(&p.manager) {
-        Ok(g) if g.group_name == req.group_name && g.fixed.is_some() => g,
-        _ => {
-            return refuse(OpError::conflict(
-                "unknown_group",
-                format!(
-                    "the engines hold no group named {} built on this port; POST /init_weights_update_group first",
-                    req.group_name
-                ),
-            ))
-        }
-    };
-    if let Some(open) = &session.open {
-        if open.version != version {
-            return refuse(OpError::conflict(
-                "update_open",
-                format!(
-                    "the update to {} is still open; POST /continue_generation ends it before buckets of {version}",
-                    open.version
-                ),
-            ));
-        }
-    } else {
-        let req = crate::ops::trainer_update::OpenRequest {
-            version: version.clone(),
-            tensors: Bucket::default(),
-            pause_mode: session.pause_mode.clone().unwrap_or_else(|| "retract".into()),
-            flush_cache: true,
-            master_address: group.master_address.clone(),
-            master_port: group.master_port,
-            group_name: Some(group.group_name.clone()),
-            group_prefix: "elastic_rollout_weights".into(),
-        };
-        match crate::ops::trainer_update::open(&p.manager, req) {
-            Ok(record) => session.open = Some(Open { update_id: record.update_id().clone(), version, sent: 0 }),
-            Err(e) => return refuse(e),
-        }
+    if let Err(e) = update_for(&p.manager, &mut session, version, &req.group_name) {
+        return refuse(e);
     }
     let Some(open) = session.open.as_mut() else { return refuse(OpError::internal("no_update", "no update open")) };
     let update_id = open.update_id.clone();
@@ -410,7 +400,7 @@ async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, By
             failed(&update_id, &version, u.error_message().as_deref())
         }
         Ok(u) if u.trainer().as_ref().is_some_and(|t| t.buckets_received >= sent) => {
-            done(format!("bucket {sent} of {} received by every member", open.version))
+            done(format!("bucket {sent} of {} received by the members", open.version))
         }
         Ok(_) => refuse(ApiError::unavailable(
             "bucket_timed_out",
@@ -421,6 +411,68 @@ async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, By
         )),
         Err(e) => refuse(e),
     }
+}
+
+/// Where the trainer's bucket of `version` goes: the update open on the port for it, or a new
+/// one on the group the port built (at a sync's start only).
+fn update_for(
+    manager: &Arc<Manager>,
+    session: &mut Session,
+    version: VersionName,
+    group_name: &str,
+) -> Result<(), OpError> {
+    session.settle(manager);
+    let group = match crate::ops::trainer_group::current(manager) {
+        Ok(g) if g.group_name == group_name && g.fixed.is_some() => g,
+        _ => {
+            return Err(OpError::conflict(
+                "unknown_group",
+                format!(
+                    "the engines hold no group named {} built on this port; POST /init_weights_update_group first",
+                    group_name
+                ),
+            ))
+        }
+    };
+    if let Some(open) = &session.open {
+        if open.version != version {
+            return Err(OpError::conflict(
+                "update_open",
+                format!(
+                    "the update to {} is still open; POST /continue_generation ends it before buckets of {version}",
+                    open.version
+                ),
+            ));
+        }
+    } else if !session.at_boundary {
+        return Err(OpError::conflict(
+            "sync_not_started",
+            format!(
+                "the last update on this port failed or was given up mid-way, so this bucket cannot start {version}: \
+                 the buckets before it would be missing. Start the sync again (POST /pause_generation, then every \
+                 bucket from the first)"
+            ),
+        ));
+    } else {
+        let req = crate::ops::trainer_update::OpenRequest {
+            version: version.clone(),
+            tensors: Bucket::default(),
+            pause_mode: session.pause_mode.clone().unwrap_or_else(|| "retract".into()),
+            flush_cache: true,
+            master_address: group.master_address.clone(),
+            master_port: group.master_port,
+            group_name: Some(group.group_name.clone()),
+            group_prefix: "elastic_rollout_weights".into(),
+        };
+        match crate::ops::trainer_update::open(manager, req) {
+            Ok(record) => {
+                session.open = Some(Open { update_id: record.update_id().clone(), version, sent: 0 });
+                session.at_boundary = false;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A step the manager refused: the update is given up (aborted where it still runs), so no
@@ -457,7 +509,10 @@ async fn pause(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> 
             format!("mode {:?} must be abort, retract or in_place", req.mode),
         ));
     }
-    p.session.lock().await.pause_mode = Some(req.mode);
+    let mut session = p.session.lock().await;
+    session.settle(&p.manager);
+    session.pause_mode = Some(req.mode);
+    session.at_boundary = true;
     Json(json!({"message": "Generation paused successfully.", "status": "ok",
                 "note": "the members are paused in this mode when the first bucket of the next update comes"}))
     .into_response()
@@ -467,14 +522,31 @@ async fn pause(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> 
 /// answered once the fleet serves it.
 async fn continue_generation(State(p): State<Shared>) -> Response {
     let mut session = p.session.lock().await;
+    session.settle(&p.manager);
     session.pause_mode = None;
-    let Some(open) = session.open.take() else {
+    session.at_boundary = true;
+    let Some(open) = session.open.as_ref() else {
         return Json(json!({"message": "Generation continued successfully.", "status": "ok"})).into_response();
     };
-    let step = BroadcastStep { bucket: None, last: true };
-    if let Err(e) = crate::ops::trainer_update::start_broadcast(&p.manager, &open.update_id, Some(step)).await {
-        return give_up(&p.manager, &open.update_id, &open.version, e).await;
+    let (update_id, version) = (open.update_id.clone(), open.version.clone());
+    // A continue retried after its connection dropped: the end may have been sent already.
+    let sent = p
+        .manager
+        .fleet
+        .lock()
+        .weights
+        .updates()
+        .get(&update_id)
+        .and_then(|u| u.trainer().as_ref().map(|t| t.last_sent));
+    if sent != Some(true) {
+        let step = BroadcastStep { bucket: None, last: true };
+        if let Err(e) = crate::ops::trainer_update::start_broadcast(&p.manager, &update_id, Some(step)).await {
+            session.open = None;
+            return give_up(&p.manager, &update_id, &version, e).await;
+        }
     }
+    // The end is sent: the update finishes by itself from here, whether or not this answer is read.
+    let Some(open) = session.open.take() else { return refuse(OpError::internal("no_update", "no update open")) };
     match crate::ops::trainer_update::wait_ended(&p.manager, &open.update_id).await {
         Ok(u) if u.status() == WeightUpdateStatus::Completed => Json(json!({
             "message": "Generation continued successfully.", "status": "ok", "weight_version": open.version,

@@ -295,7 +295,8 @@ async fn register_worker(State(state): State<Arc<RouterState>>, body: axum::body
 }
 
 /// Whether `url` is `http://host:port` with `port` the one given and a host that names this
-/// machine (an address a socket here can bind).
+/// machine (an address a socket here can bind). Names are looked up only for the trainer
+/// port's number; the answer changes nothing either way.
 async fn is_local_endpoint(url: &str, port: u16) -> bool {
     let Ok(parsed) = reqwest::Url::parse(url) else { return false };
     if parsed.scheme() != "http" || parsed.port() != Some(port) {
@@ -304,13 +305,12 @@ async fn is_local_endpoint(url: &str, port: u16) -> bool {
     let Some(host) = parsed.host_str().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string()) else {
         return false;
     };
-    let Ok(Ok(addrs)) =
-        tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host((host.as_str(), port))).await
+    let Ok(Ok(addrs)) = tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host((host, port))).await
     else {
         return false;
     };
-    let addrs: Vec<std::net::SocketAddr> = addrs.collect();
-    !addrs.is_empty() && addrs.iter().all(|a| std::net::UdpSocket::bind((a.ip(), 0)).is_ok())
+    // Any of them: `localhost` may also name `::1` on a host without IPv6.
+    addrs.into_iter().any(|a| std::net::UdpSocket::bind((a.ip(), 0)).is_ok())
 }
 
 /// Changing the worker list through the router: refused, the manager owns it.
