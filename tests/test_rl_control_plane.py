@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, wait_until
 from _trainer import SPECS, StandInRank0, update_engines_directly
 from smg.rl import RL, FanoutError, RlError, paused
@@ -59,15 +60,58 @@ def test_a_trainer_written_against_smg_finds_and_calls_the_engines(fleet: Manage
     assert missing.status == 400 and missing.json()["error"] == "selector_required"
     assert http("GET", fleet.router_url + "/v1/rl/workers").json()["protocol_version"] == 1
 
-    # A weight change through the control plane would go around the manager's versions.
+    # A weight change on one engine, or over NCCL, would go around the manager's versions.
     with pytest.raises(RlError) as refused:
-        rl.fanout("update_weights_from_disk", {"model_path": "/x", "weight_version": "9"}, selector="all")
+        rl.call(first.id, "update_weights_from_disk", {"model_path": "/x", "weight_version": "9"})
     assert (refused.value.status, refused.value.code) == (403, "weights_managed")
-    assert "/rollout/weights/publish" in str(refused.value)
+    assert "selector=all" in str(refused.value)
     with pytest.raises(RlError) as one:
-        rl.call(first.id, "init_weights_update_group", {"master_address": "127.0.0.1"})
-    assert one.value.code == "weights_managed"
+        rl.fanout("init_weights_update_group", {"master_address": "127.0.0.1"}, selector="all")
+    assert one.value.code == "weights_managed" and "/rollout/weights/publish" in str(one.value)
     assert {e.weight_version for e in fleet.engines().engines} == {"default"}
+
+
+def test_smgs_own_weight_update_example_publishes_to_the_fleet(fleet: ManagerHandle, tmp_path: Path) -> None:
+    """The example in smg.rl's docstring, unchanged: pause every engine, fan out
+    update_weights_from_disk, continue. Here it is the manager's publish of the checkpoint to the
+    whole fleet, recorded and versioned."""
+    rl = RL(fleet.router_url, timeout=120)
+    p = str(tmp_path / "step-42")
+    checksum = write_checkpoint(Path(p), seed=42)
+    with paused(rl, "engine=sglang"):
+        result = rl.fanout(
+            "update_weights_from_disk", {"model_path": p, "weight_version": "42"}, selector="engine=sglang"
+        )
+    assert (result.total, result.succeeded, result.failed) == (2, 2, [])
+    assert {r.status for r in result.results.values()} == {200}
+    weights = fleet.client.weights()
+    assert (weights.version, weights.raw["path"], weights.raw["checksum"]) == ("42", p, checksum)
+    update = fleet.client.weight_update(weights.raw["update_id"])
+    assert update.status == "COMPLETED" and update.raw["strategy"] == "all_at_once"
+    for e in fleet.engines().engines:
+        assert (e.status, e.weight_version) == ("ACTIVE", "42")
+        assert http("GET", e.url + "/model_info").json()["weight_version"] == "42"
+    assert {w.weight_version for w in rl.workers()} == {"42"} and routed(fleet) == {w.id for w in rl.workers()}
+    out = http("POST", fleet.router_url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert out.status == 200 and out.json()["meta_info"]["weight_version"] == "42"
+
+    # The same files under the same version again: nothing to load, each worker says so.
+    again = rl.fanout("update_weights_from_disk", {"model_path": p, "weight_version": "42"}, selector="all")
+    assert again.succeeded == 2 and fleet.client.weights().raw["update_id"] == weights.raw["update_id"]
+
+    # What the manager cannot take is refused before anything is published.
+    cases = [
+        ({"model_path": p, "weight_version": "43"}, "id=" + next(iter(result.results)), 409, "partial_weight_update"),
+        ({"model_path": p}, "all", 400, "weight_version_required"),
+        ({"model_path": "relative/dir", "weight_version": "43"}, "all", 400, "invalid_path"),
+        ({"model_path": str(tmp_path / "missing"), "weight_version": "43"}, "all", 400, "invalid_checkpoint"),
+        ({"model_path": p, "weight_version": "43", "load_format": "dummy"}, "all", 400, "invalid_load_format"),
+    ]
+    for body, selector, status, code in cases:
+        with pytest.raises(RlError) as err:
+            rl.fanout("update_weights_from_disk", body, selector=selector)
+        assert (err.value.status, err.value.code) == (status, code), (body, err.value)
+    assert fleet.client.weights().version == "42"
 
 
 def test_a_pause_through_the_control_plane_is_the_managers(start_fleet: StartManager) -> None:

@@ -126,6 +126,10 @@ pub enum EngineCall {
     Pause,
     /// The manager resumes it.
     Continue,
+    /// A new weight version from a checkpoint (`update_weights_from_disk`): fanned out to every
+    /// engine, the manager's publish of it to the fleet; to one engine, refused (a version is
+    /// the fleet's).
+    FleetPublish,
     /// Not through this door: a code and a message that names the manager's API for it.
     Refused { code: &'static str, message: String },
 }
@@ -164,6 +168,7 @@ pub fn classify(method: &str, path: &str) -> EngineCall {
     match path {
         "pause_generation" => EngineCall::Pause,
         "continue_generation" => EngineCall::Continue,
+        "update_weights_from_disk" => EngineCall::FleetPublish,
         _ => refused_route(path),
     }
 }
@@ -183,9 +188,10 @@ fn refused_route(path: &str) -> EngineCall {
         return EngineCall::Refused {
             code: "weights_managed",
             message: format!(
-                "{path} changes the fleet's weights, which the manager versions: publish a checkpoint with \
+                "{path} changes the fleet's weights, which the manager versions: fan out update_weights_from_disk to \
+                 every worker (POST /v1/rl/engine/update_weights_from_disk?selector=all), publish a checkpoint with \
                  POST /rollout/weights/publish, or run a trainer broadcast with POST /rollout/weights/trainer_updates \
-                 (elastic_rollout.trainer.DistributedWeightSync), on the control port"
+                 (elastic_rollout.trainer.DistributedWeightSync) on the control port or through --trainer-port"
             ),
         };
     }
@@ -274,7 +280,12 @@ mod tests {
         assert_eq!(classify("POST", "pause_generation"), EngineCall::Pause);
         assert_eq!(classify("POST", "continue_generation"), EngineCall::Continue);
         assert!(matches!(classify("GET", "pause_generation"), EngineCall::Refused { code: "path_not_allowed", .. }));
-        for path in ["update_weights_from_disk", "init_weights_update_group", "update_weight_version"] {
+        assert_eq!(classify("POST", "update_weights_from_disk"), EngineCall::FleetPublish);
+        assert!(matches!(
+            classify("GET", "update_weights_from_disk"),
+            EngineCall::Refused { code: "weights_managed", .. }
+        ));
+        for path in ["update_weights_from_distributed", "init_weights_update_group", "update_weight_version"] {
             match classify("POST", path) {
                 EngineCall::Refused { code, message } => {
                     assert_eq!(code, "weights_managed");

@@ -10,9 +10,11 @@
 //!
 //! What a path becomes is `rollout_core::rl::classify`: reads and request actions go to the
 //! engine as they are; `pause_generation`/`continue_generation` are the manager's known pauses
-//! ([`crate::ops::control_pause`]); a path that changes weights is refused (403
-//! `weights_managed`, naming the manager's weight API), so nothing reaches an engine around
-//! the manager's versions. Errors are SMG's `{"error": code, "message"}`.
+//! ([`crate::ops::control_pause`]); `update_weights_from_disk` fanned out to every worker is
+//! the manager's publish of that checkpoint ([`crate::ops::publish`]), answered per worker once
+//! the update ended; any other path that changes weights is refused (403 `weights_managed`,
+//! naming the manager's weight API), so nothing reaches an engine around the manager's
+//! versions. Errors are SMG's `{"error": code, "message"}`.
 
 use crate::ops::manager::Manager;
 use crate::registry::fleet::Engine;
@@ -276,6 +278,16 @@ async fn call_engine(
     let done = match rollout_core::rl::classify(method.as_str(), path) {
         EngineCall::Forward => return send(&s.http, url, method, path, query, body).await.map_err(unreachable),
         EngineCall::Refused { code, message } => return Err((StatusCode::FORBIDDEN, code, message)),
+        EngineCall::FleetPublish => {
+            return Err((
+                StatusCode::FORBIDDEN,
+                "weights_managed",
+                format!(
+                    "{path} on one engine would split the fleet's version; fan it out to every worker instead \
+                     (POST /v1/rl/engine/{path}?selector=all): the manager then publishes it to the whole fleet"
+                ),
+            ))
+        }
         EngineCall::Pause => crate::ops::control_pause::pause(&s.manager, id, checked).await,
         EngineCall::Continue => crate::ops::control_pause::resume(&s.manager, id, checked).await,
     };
@@ -364,14 +376,14 @@ async fn fan_out(
         Ok(sel) => sel,
         Err(why) => return error(StatusCode::BAD_REQUEST, "invalid_selector", why),
     };
-    if let EngineCall::Refused { code, message } = rollout_core::rl::classify(method.as_str(), &path) {
+    let call = rollout_core::rl::classify(method.as_str(), &path);
+    if let EngineCall::Refused { code, message } = call {
         return error(StatusCode::FORBIDDEN, code, message);
     }
-    let targets: Vec<(EngineId, String)> = all_workers(&s.manager)
-        .into_iter()
-        .filter(|(_, _, w)| selector.matches(w))
-        .map(|(id, url, _)| (id, url))
-        .collect();
+    let listed = all_workers(&s.manager);
+    let total_listed = listed.len();
+    let targets: Vec<(EngineId, String)> =
+        listed.into_iter().filter(|(_, _, w)| selector.matches(w)).map(|(id, url, _)| (id, url)).collect();
     if targets.is_empty() {
         let message = format!("selector {text:?} matches no worker; list them with GET /v1/rl/workers");
         return (
@@ -379,6 +391,9 @@ async fn fan_out(
             Json(json!({"error": "no_workers_match", "message": message, "selector": text})),
         )
             .into_response();
+    }
+    if call == EngineCall::FleetPublish {
+        return publish_to_fleet(&s, &text, targets, total_listed, &body).await;
     }
     let (s, method, path, rest, body) = (&s, &method, path.as_str(), rest.as_str(), &body);
     let answers: Vec<(EngineId, String, Result<Answered, CallError>)> = futures::stream::iter(targets)
@@ -390,6 +405,171 @@ async fn fan_out(
         .collect()
         .await;
     fan_out_answer(answers)
+}
+
+/// SGLang's `UpdateWeightsFromDiskReqInput`, as far as the manager's publish takes it.
+#[derive(Debug, serde::Deserialize)]
+struct FromDisk {
+    model_path: String,
+    #[serde(default)]
+    weight_version: Option<String>,
+    #[serde(default)]
+    load_format: Option<String>,
+    #[serde(default)]
+    abort_all_requests: bool,
+}
+
+/// `update_weights_from_disk` fanned out to every worker: the manager publishes the checkpoint
+/// as the fleet's next version (all at once: a trainer sends it inside `paused()`), waits until
+/// the update ended, and answers each worker's part in the fan-out's shape. A selector that
+/// leaves out a worker is refused (a version is the fleet's), as is a body the publish cannot
+/// take; nothing is published then.
+async fn publish_to_fleet(
+    s: &RlState,
+    selector: &str,
+    targets: Vec<(EngineId, String)>,
+    listed: usize,
+    body: &Bytes,
+) -> Response {
+    if targets.len() != listed {
+        let message = format!(
+            "selector {selector:?} names {} of the {listed} workers; a weight version is the whole fleet's, so \
+             update_weights_from_disk goes to every worker (selector=all): the manager publishes it to all of them",
+            targets.len()
+        );
+        return error(StatusCode::CONFLICT, "partial_weight_update", message);
+    }
+    let req: FromDisk = match serde_json::from_slice(if body.is_empty() { b"{}" } else { body }) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_body", format!("update_weights_from_disk: {e}")),
+    };
+    if req.load_format.as_deref().is_some_and(|f| f != "auto") {
+        let message = "load_format: the manager's engines load a checkpoint of safetensors files as SGLang's default does; leave it out";
+        return error(StatusCode::BAD_REQUEST, "invalid_load_format", message);
+    }
+    let Some(raw) = req.weight_version else {
+        let message =
+            "weight_version is required: the manager names every version the fleet serves (pins, metrics and \
+                       each answer's meta_info say it)";
+        return error(StatusCode::BAD_REQUEST, "weight_version_required", message);
+    };
+    let version = match rollout_core::ids::VersionName::parse(&raw) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_version", e.to_string()),
+    };
+    if !std::path::Path::new(&req.model_path).is_absolute() {
+        let message =
+            format!("model_path {:?} must be absolute: engines resolve it from their own directory", req.model_path);
+        return error(StatusCode::BAD_REQUEST, "invalid_path", message);
+    }
+    let started = Instant::now();
+    let publish = crate::ops::publish::Publish {
+        version: version.clone(),
+        path: req.model_path,
+        checksum: None,
+        strategy: rollout_core::weights::UpdateStrategy::AllAtOnce,
+        max_unavailable: None,
+        pause_mode: if req.abort_all_requests { "abort".into() } else { "retract".into() },
+    };
+    let refused = |e: crate::ops::op_error::OpError| {
+        let status = match e.kind() {
+            "invalid" => StatusCode::BAD_REQUEST,
+            "unknown" => StatusCode::NOT_FOUND,
+            "conflict" => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        error(status, e.code(), e.to_string())
+    };
+    let update_id = match crate::ops::publish::publish(&s.manager, publish).await {
+        Ok(crate::ops::publish::Published::Started(u) | crate::ops::publish::Published::Joined(u)) => {
+            u.update_id().clone()
+        }
+        Ok(crate::ops::publish::Published::Existing { update_id, status, .. }) => {
+            // Published before from this path: each worker serves it already (or loads it when
+            // it is back), as a second SGLang load of the same files would leave it.
+            let why =
+                format!("version {version} was published from this path before ({status}); nothing to load again");
+            return fan_out_answer(published_answers(targets, None, &why, started, update_id.as_ref()));
+        }
+        Err(e) => return refused(e),
+    };
+    let record = match crate::ops::publish::wait_ended(&s.manager, &update_id, CALL_TIMEOUT).await {
+        Ok(r) => r,
+        Err(e) => return refused(e),
+    };
+    let why = match record.status() {
+        rollout_core::weights::WeightUpdateStatus::Completed => format!("serves version {version}"),
+        status if status.is_terminal() => {
+            let error = record.error_message().clone().unwrap_or_else(|| "no reason recorded".into());
+            let answers = targets
+                .into_iter()
+                .map(|(id, url)| {
+                    let message =
+                        format!("update {update_id} to {version} is {status}: {error}; the fleet stays on its version");
+                    (id, url, Err((StatusCode::BAD_GATEWAY, "update_failed", message)))
+                })
+                .collect();
+            return fan_out_answer(answers);
+        }
+        _ => {
+            let answers = targets
+                .into_iter()
+                .map(|(id, url)| {
+                    let message = format!("update {update_id} to {version} had not ended within {}s; GET /rollout/weights/updates/{update_id} on the control port", CALL_TIMEOUT.as_secs());
+                    (id, url, Err((StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", message)))
+                })
+                .collect();
+            return fan_out_answer(answers);
+        }
+    };
+    fan_out_answer(published_answers(targets, Some(&record), &why, started, Some(&update_id)))
+}
+
+/// Each worker's part of a publish that went through: 200 when it verified the version, 202
+/// when it was not serving (it starts on the version when it is back), and a failure when its
+/// own part failed (it is restarted on the fleet's version).
+fn published_answers(
+    targets: Vec<(EngineId, String)>,
+    record: Option<&crate::registry::weights::UpdateRecord>,
+    why: &str,
+    started: Instant,
+    update_id: Option<&rollout_core::ids::UpdateId>,
+) -> Vec<(EngineId, String, Result<Answered, CallError>)> {
+    use rollout_core::weights::EngineUpdateStatus;
+    let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    targets
+        .into_iter()
+        .map(|(id, url)| {
+            let part = record.and_then(|r| r.engines().get(&id));
+            let answer = match part.map(|p| (p.status(), p.error().clone())) {
+                Some((EngineUpdateStatus::Failed, error)) => Err((
+                    StatusCode::BAD_GATEWAY,
+                    "update_failed",
+                    format!(
+                        "{id} failed to load it ({}); it leaves routing and is restarted on the fleet's version",
+                        error.unwrap_or_default()
+                    ),
+                )),
+                Some((EngineUpdateStatus::Verified, _)) | None if record.is_none() => Ok(Answered {
+                    status: 200,
+                    body: json!({"success": true, "message": why, "update_id": update_id}),
+                    latency_ms,
+                }),
+                Some((EngineUpdateStatus::Verified, _)) => Ok(Answered {
+                    status: 200,
+                    body: json!({"success": true, "message": format!("{id} {why}"), "update_id": update_id}),
+                    latency_ms,
+                }),
+                _ => Ok(Answered {
+                    status: 202,
+                    body: json!({"success": true, "update_id": update_id,
+                                 "message": format!("{id} was not serving; it starts on this version when it is back")}),
+                    latency_ms,
+                }),
+            };
+            (id, url, answer)
+        })
+        .collect()
 }
 
 /// `{results, failed, total, succeeded}`: every answer in `results` and each non-2xx or

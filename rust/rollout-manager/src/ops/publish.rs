@@ -166,3 +166,32 @@ fn decide(w: &WeightsState, version: &str, path: &str, given: Option<&str>) -> R
         },
     }
 }
+
+/// Waits (up to `limit`) until the update ended, and answers its record as it is then (still
+/// running when `limit` passed). 404 when the registry no longer holds it.
+pub async fn wait_ended(
+    manager: &Manager,
+    update_id: &UpdateId,
+    limit: std::time::Duration,
+) -> Result<UpdateRecord, OpError> {
+    let mut changes = manager.fleet.subscribe();
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let record = manager
+            .fleet
+            .lock()
+            .weights
+            .updates()
+            .get(update_id)
+            .cloned()
+            .ok_or_else(|| OpError::unknown("unknown_request", format!("no weight update with id {update_id}")))?;
+        if record.status().is_terminal() {
+            return Ok(record);
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            () = tokio::time::sleep_until(deadline) => return Ok(record),
+            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
+        }
+    }
+}
