@@ -111,10 +111,13 @@ def trainer_fleet(start_fleet: StartManager) -> tuple[ManagerHandle, str]:
     return start_fleet("--trainer-port", str(port)), f"127.0.0.1:{port}"
 
 
+#: slime's pinned SGLang (0.5.15.post1: no weight-update session yet) and the newest.
+@pytest.mark.parametrize("release", ["0.5.15.post1", "0.5.23"])
 def test_slime_syncs_weights_through_the_trainer_port_and_the_fleet_serves_each_version(
-    trainer_fleet: tuple[ManagerHandle, str],
+    start_fleet: StartManager, release: str
 ) -> None:
-    fleet, addr = trainer_fleet
+    port = free_port()
+    fleet, addr = start_fleet("--trainer-port", str(port), f"--engine-arg=--sglang-api={release}"), f"127.0.0.1:{port}"
     slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
     slime.discover_and_register()
     assert slime.gpus == [2]  # two engines of one GPU each, seen as one engine of two
