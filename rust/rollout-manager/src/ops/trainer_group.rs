@@ -187,6 +187,18 @@ pub async fn wait_joined(manager: &Manager, name: &str) -> Result<TrainerGroup, 
     }
 }
 
+/// Whether an engine is on its way to serving (starting, restarting, catching up, or failed and
+/// about to be restarted): a group that does not fit now may fit once it is up.
+pub fn engines_coming(manager: &Manager) -> bool {
+    let restart = manager.config.restart_failed_engines;
+    manager.fleet.lock().engines.values().any(|e| match e.status() {
+        EngineStatus::Pending | EngineStatus::Creating | EngineStatus::HealthChecking | EngineStatus::Ready => true,
+        EngineStatus::WeightSyncing => !e.awaiting_trainer(),
+        EngineStatus::Unhealthy | EngineStatus::Failed => restart,
+        _ => false,
+    })
+}
+
 /// The engines a group built now would take, in rank order (ACTIVE ones, and ones waiting for
 /// the trainer's version), with their ranks.
 pub fn candidates(manager: &Manager) -> Vec<GroupMember> {
