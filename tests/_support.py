@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -378,3 +379,14 @@ def stop_manager(handle: ManagerHandle, *, check: bool = True) -> None:
             )
     finally:
         handle.kill_leftovers()
+
+
+def load_example(relative: str) -> Any:
+    """Loads an example adapter (``examples/...py``) as a module, as a framework would import it
+    from its own path; the examples are not a package."""
+    path = Path(__file__).resolve().parent.parent / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

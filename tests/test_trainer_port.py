@@ -12,7 +12,6 @@ engine ``i`` at ``rank_offset = 1 +`` the GPUs before it; each sync: pause, flus
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _support import STARTUP_TIMEOUT, HttpResult, ManagerHandle, StartManager, http, wait_until
+from _support import STARTUP_TIMEOUT, HttpResult, ManagerHandle, StartManager, http, load_example, wait_until
 from _trainer import SPECS, StandInRank0
 from test_weights_resume import free_port
 
@@ -289,11 +288,7 @@ def test_a_second_slime_run_numbers_its_syncs_after_the_fleets_version(
     assert fleet.client.weights().version == "2"
 
     monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
-    path = Path(__file__).resolve().parent.parent / "examples" / "slime" / "elastic_rollout_hooks.py"
-    spec = importlib.util.spec_from_file_location("elastic_rollout_hooks", path)
-    assert spec is not None and spec.loader is not None
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    hooks = load_example("examples/slime/elastic_rollout_hooks.py")
     args = SimpleNamespace()
     hooks.continue_fleet_versions(args)
     assert args.update_weight_start_version == 2

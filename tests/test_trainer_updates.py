@@ -11,7 +11,6 @@ end correctly; an engine killed before the broadcast is caught up after it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManager, http, load_example, wait_until
 from _trainer import SPECS, StandInRank0, update_engines_directly
 from test_weights_resume import ENGINES, engine_identities, free_port, start, stop_both
 
@@ -616,11 +615,7 @@ def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
     then per bucket ``fut = update_weights_from_distributed(meta, specs)``, the broadcast,
     ``fut.result()``, and ``continue_generation()`` at the end."""
     monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
-    path = Path(__file__).resolve().parent.parent / "examples" / "areal" / "elastic_rollout_areal.py"
-    spec = importlib.util.spec_from_file_location("elastic_rollout_areal", path)
-    assert spec is not None and spec.loader is not None
-    areal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(areal)
+    areal = load_example("examples/areal/elastic_rollout_areal.py")
     # AReaL itself is not installed here: the engine is built without its base class's state.
     engine = areal.ElasticSGLangEngine.__new__(areal.ElasticSGLangEngine)
     engine._pipeline, engine._engine, engine._group = areal._Pipeline(), object(), None

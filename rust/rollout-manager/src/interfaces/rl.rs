@@ -239,6 +239,16 @@ async fn send(
     Ok(Answered { status, body, latency_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX) })
 }
 
+/// The status of a use case's refusal: whose fault it was.
+fn op_status(e: &crate::ops::op_error::OpError) -> StatusCode {
+    match e.kind() {
+        "invalid" => StatusCode::BAD_REQUEST,
+        "unknown" => StatusCode::NOT_FOUND,
+        "conflict" => StatusCode::CONFLICT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 /// Why one engine's call did not give an answer to pass on: an SMG error.
 type CallError = (StatusCode, &'static str, String);
 
@@ -258,15 +268,7 @@ async fn call_engine(
         Some(why) => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", format!("{id} did not answer in time: {why}")),
         None => (StatusCode::BAD_GATEWAY, "upstream_unreachable", format!("{id} did not answer: {e}")),
     };
-    let refused = |e: crate::ops::op_error::OpError| {
-        let status = match e.kind() {
-            "invalid" => StatusCode::BAD_REQUEST,
-            "unknown" => StatusCode::NOT_FOUND,
-            "conflict" => StatusCode::CONFLICT,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        (status, e.code(), e.to_string())
-    };
+    let refused = |e: crate::ops::op_error::OpError| (op_status(&e), e.code(), e.to_string());
     // For the manager's steps: Ok only when the engine did it (2xx); else what it said, or why
     // it said nothing.
     let checked = async {
@@ -471,15 +473,7 @@ async fn publish_to_fleet(
         max_unavailable: None,
         pause_mode: if req.abort_all_requests { "abort".into() } else { "retract".into() },
     };
-    let refused = |e: crate::ops::op_error::OpError| {
-        let status = match e.kind() {
-            "invalid" => StatusCode::BAD_REQUEST,
-            "unknown" => StatusCode::NOT_FOUND,
-            "conflict" => StatusCode::CONFLICT,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        error(status, e.code(), e.to_string())
-    };
+    let refused = |e: crate::ops::op_error::OpError| error(op_status(&e), e.code(), e.to_string());
     let update_id = match crate::ops::publish::publish(&s.manager, publish).await {
         Ok(crate::ops::publish::Published::Started(u) | crate::ops::publish::Published::Joined(u)) => {
             u.update_id().clone()
