@@ -246,3 +246,46 @@ def test_calls_through_the_control_plane_need_the_token(start_fleet: StartManage
     authed = RL(fleet.router_url, api_key="s3cret-token", timeout=60)
     assert authed.fanout("flush_cache", {}, selector="all").succeeded == 2
     assert authed.call(workers[0].id, "model_info", method="GET").status == 200
+
+
+def test_smgs_state_and_version_writes_are_the_managers_pause_or_refused(fleet: ManagerHandle) -> None:
+    """SMG's control-state and version writes (crates/rl control.rs, read at 4d699e7/6559bee):
+    ``paused`` is the manager's pause of the engine, ``active`` resumes it, ``asleep`` is not
+    something the manager does, and a version label is refused (the engine's own version is the
+    one the manager reports)."""
+    rl = RL(fleet.router_url, timeout=60)
+    first, second = (w.id for w in rl.workers())
+    base = fleet.router_url + "/v1/rl"
+
+    paused = http("POST", f"{base}/workers/{first}/state", {"control": "paused"})
+    assert paused.status == 200, paused.body[:300]
+    assert (paused.json()["id"], paused.json()["control"], paused.json()["labels"]["routable"]) == (
+        first,
+        "paused",
+        "false",
+    )
+    assert routed(fleet) == {second}
+    active = http("POST", f"{base}/workers/{first}/state", {"control": "active"})
+    assert active.status == 200 and active.json()["control"] == "active"
+    wait_until(lambda: routed(fleet) == {first, second}, 30, "the resumed engine back in routing")
+
+    both = http("POST", f"{base}/state?selector=all", {"control": "paused"})
+    assert both.status == 200 and both.json()["total"] == 2
+    assert {w["control"] for w in both.json()["workers"]} == {"paused"} and routed(fleet) == set()
+    assert http("POST", f"{base}/state?selector=all", {"control": "active"}).status == 200
+    wait_until(lambda: routed(fleet) == {first, second}, 30, "both engines back in routing")
+
+    for path, body, status, code in [
+        (f"/workers/{first}/state", {"control": "asleep"}, 409, "not_supported"),
+        (f"/workers/{first}/state", {"control": "Paused"}, 400, "invalid_body"),
+        ("/workers/engine_99/state", {"control": "paused"}, 404, "worker_not_found"),
+        ("/state", {"control": "paused"}, 400, "selector_required"),
+        ("/state?selector=colour%3Dred", {"control": "paused"}, 400, "no_workers_match"),
+        (f"/workers/{first}/version", {"weight_version": "42"}, 403, "weights_managed"),
+        ("/version?selector=all", {"weight_version": "42"}, 403, "weights_managed"),
+        ("/version?selector=all", {"weight_version": ""}, 400, "invalid_version"),
+    ]:
+        resp = http("POST", base + path, body)
+        assert (resp.status, resp.json()["error"]) == (status, code), (path, body, resp.body[:300])
+    assert {w.weight_version for w in rl.workers()} == {"default"}
+    assert {e.status for e in fleet.engines().engines} == {"ACTIVE"}

@@ -61,6 +61,10 @@ pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         .route("/v1/rl/workers/{id}", get(worker))
         .route("/v1/rl/workers/{id}/engine/{*path}", any(call_one))
         .route("/v1/rl/engine/{*path}", any(fan_out))
+        .route("/v1/rl/workers/{id}/state", axum::routing::post(set_worker_state))
+        .route("/v1/rl/state", axum::routing::post(set_fleet_state))
+        .route("/v1/rl/workers/{id}/version", axum::routing::post(set_version))
+        .route("/v1/rl/version", axum::routing::post(set_version_all))
         // The token is checked before the body is read.
         .layer(axum::middleware::from_fn_with_state(BODY_LIMIT, crate::foundation::http_serve::read_body_first))
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
@@ -96,6 +100,122 @@ fn is_worker_path(path: &str) -> bool {
 
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
     (status, Json(json!({"error": code, "message": message.into()}))).into_response()
+}
+
+/// `{"control": "active" | "paused" | "asleep"}`, SMG's control-state write (its line B,
+/// crates/rl `control.rs`): checked before the worker is looked up, as SMG does.
+fn control_of(body: &Bytes) -> Result<&'static str, Box<Response>> {
+    let value: Option<Value> = serde_json::from_slice(body).ok();
+    match value.as_ref().and_then(|v| v.get("control")).and_then(Value::as_str) {
+        Some("active") => Ok("continue_generation"),
+        Some("paused") => Ok("pause_generation"),
+        Some("asleep") => Err(Box::new(error(
+            StatusCode::CONFLICT,
+            "not_supported",
+            "the manager does not put engines to sleep (release their memory); scale in to free GPUs \
+             (POST /rollout/scale_in on the control port), or pause them with {\"control\": \"paused\"}",
+        ))),
+        _ => Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+            "the body must be {\"control\": \"active\" | \"paused\" | \"asleep\"} (lowercase)",
+        ))),
+    }
+}
+
+/// `POST /v1/rl/workers/{id}/state`: `paused` is the manager's pause of that engine (out of
+/// routing, known to health), `active` resumes it; answers the worker's row.
+async fn set_worker_state(State(s): State<RlState>, Path(id): Path<String>, body: Bytes) -> Response {
+    let path = match control_of(&body) {
+        Ok(p) => p,
+        Err(refused) => return *refused,
+    };
+    let Some((engine_id, url, _)) = all_workers(&s.manager).into_iter().find(|(eid, _, _)| eid.as_str() == id) else {
+        return unknown_worker(&id);
+    };
+    let empty = Bytes::from_static(b"{}");
+    if let Err((status, code, message)) = call_engine(&s, &engine_id, &url, &Method::POST, path, None, &empty).await {
+        return error(status, code, message);
+    }
+    match all_workers(&s.manager).into_iter().find(|(eid, _, _)| *eid == engine_id) {
+        Some((_, _, w)) => Json(w.json).into_response(),
+        None => unknown_worker(&id),
+    }
+}
+
+/// `POST /v1/rl/state?selector=`: the same for every worker the selector names, one after
+/// another; answers the rows as `GET /v1/rl/workers` does, or the first refusal.
+async fn set_fleet_state(State(s): State<RlState>, RawQuery(query): RawQuery, body: Bytes) -> Response {
+    let path = match control_of(&body) {
+        Ok(p) => p,
+        Err(refused) => return *refused,
+    };
+    let targets = match selected(&s, query.as_deref()) {
+        Ok(t) => t,
+        Err(refused) => return *refused,
+    };
+    let empty = Bytes::from_static(b"{}");
+    for (engine_id, url) in &targets {
+        if let Err((status, code, message)) = call_engine(&s, engine_id, url, &Method::POST, path, None, &empty).await {
+            return error(status, code, message);
+        }
+    }
+    let ids: Vec<EngineId> = targets.into_iter().map(|(id, _)| id).collect();
+    let rows: Vec<Value> =
+        all_workers(&s.manager).into_iter().filter(|(id, _, _)| ids.contains(id)).map(|(_, _, w)| w.json).collect();
+    Json(json!({"protocol_version": PROTOCOL_VERSION, "total": rows.len(), "workers": rows})).into_response()
+}
+
+/// The workers `?selector=` names (SMG's errors when there is none, it is bad, or it names none).
+fn selected(s: &RlState, query: Option<&str>) -> Result<Vec<(EngineId, String)>, Box<Response>> {
+    let (selector, _) = split_selector(query);
+    let Some(text) = selector else {
+        let message = format!("name the workers with ?selector=: {}", rollout_core::rl::SELECTOR_GRAMMAR);
+        return Err(Box::new(error(StatusCode::BAD_REQUEST, "selector_required", message)));
+    };
+    let selector =
+        Selector::parse(&text).map_err(|why| Box::new(error(StatusCode::BAD_REQUEST, "invalid_selector", why)))?;
+    let targets: Vec<(EngineId, String)> = all_workers(&s.manager)
+        .into_iter()
+        .filter(|(_, _, w)| selector.matches(w))
+        .map(|(id, url, _)| (id, url))
+        .collect();
+    if targets.is_empty() {
+        let message = format!("selector {text:?} matches no worker; list them with GET /v1/rl/workers");
+        return Err(Box::new(
+            (StatusCode::BAD_REQUEST, Json(json!({"error": "no_workers_match", "message": message, "selector": text})))
+                .into_response(),
+        ));
+    }
+    Ok(targets)
+}
+
+/// `POST /v1/rl/workers/{id}/version` and `/v1/rl/version` (SMG's explicit version label): a
+/// well-formed body is refused, since the manager reads each engine's version from the engine
+/// itself and a label written here would say something the weights do not.
+async fn set_version(Path(_id): Path<String>, body: Bytes) -> Response {
+    version_refused(&body)
+}
+
+async fn set_version_all(body: Bytes) -> Response {
+    version_refused(&body)
+}
+
+fn version_refused(body: &Bytes) -> Response {
+    let value: Option<Value> = serde_json::from_slice(body).ok();
+    let Some(version) = value.as_ref().and_then(|v| v.get("weight_version")).and_then(Value::as_str) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_body", "the body must be {\"weight_version\": \"<version>\"}");
+    };
+    if let Err(e) = rollout_core::ids::VersionName::parse(version) {
+        return error(StatusCode::BAD_REQUEST, "invalid_version", e.to_string());
+    }
+    error(
+        StatusCode::FORBIDDEN,
+        "weights_managed",
+        "the manager reads each engine's weight version from the engine itself (/model_info), so a label set \
+         here would say something its weights do not; change the weights instead (update_weights_from_disk fanned \
+         out to every worker, POST /rollout/weights/publish, or a trainer update)",
+    )
 }
 
 /// One engine as the control plane shows it.
@@ -159,6 +279,7 @@ fn worker_of(e: &Engine, model: &str) -> Worker {
         "tp_size": r.gpu_ids().len().max(1), "dp_size": 1, "pp_size": 1, "dp_ranks": 1, "role": null,
         "health": health, "weight_version": r.weight_version(), "control_url": r.url(),
         "labels": labels,
+        "control": if e.paused_by_control() { "paused" } else { "active" },
         "capabilities": {"pause_generation": true, "continue_generation": true, "weights": "manager"},
     });
     Worker { json, labels }
@@ -365,35 +486,17 @@ async fn fan_out(
     RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Response {
-    let (selector, rest) = split_selector(query.as_deref());
-    let Some(selector) = selector else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "selector_required",
-            format!("a fan-out names its engines with ?selector=: {}", rollout_core::rl::SELECTOR_GRAMMAR),
-        );
-    };
-    let text = selector;
-    let selector = match Selector::parse(&text) {
-        Ok(sel) => sel,
-        Err(why) => return error(StatusCode::BAD_REQUEST, "invalid_selector", why),
+    let (text, rest) = split_selector(query.as_deref());
+    let targets = match selected(&s, query.as_deref()) {
+        Ok(t) => t,
+        Err(refused) => return *refused,
     };
     let call = rollout_core::rl::classify(method.as_str(), &path);
     if let EngineCall::Refused { code, message } = call {
         return error(StatusCode::FORBIDDEN, code, message);
     }
-    let listed = all_workers(&s.manager);
-    let total_listed = listed.len();
-    let targets: Vec<(EngineId, String)> =
-        listed.into_iter().filter(|(_, _, w)| selector.matches(w)).map(|(id, url, _)| (id, url)).collect();
-    if targets.is_empty() {
-        let message = format!("selector {text:?} matches no worker; list them with GET /v1/rl/workers");
-        return (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": "no_workers_match", "message": message, "selector": text})),
-        )
-            .into_response();
-    }
+    let total_listed = all_workers(&s.manager).len();
+    let text = text.unwrap_or_default();
     if call == EngineCall::FleetPublish {
         return publish_to_fleet(&s, &text, targets, total_listed, &body).await;
     }
