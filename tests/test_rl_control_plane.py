@@ -98,20 +98,31 @@ def test_smgs_own_weight_update_example_publishes_to_the_fleet(fleet: ManagerHan
     # The same files under the same version again: nothing to load, each worker says so.
     again = rl.fanout("update_weights_from_disk", {"model_path": p, "weight_version": "42"}, selector="all")
     assert again.succeeded == 2 and fleet.client.weights().raw["update_id"] == weights.raw["update_id"]
+    # Once the fleet moved on, going back to those files under their old name is refused (the
+    # engines would not be on "42" again): they need a new name.
+    p43 = str(tmp_path / "step-43")
+    write_checkpoint(Path(p43), seed=43)
+    assert (
+        rl.fanout("update_weights_from_disk", {"model_path": p43, "weight_version": "43"}, selector="all").succeeded
+        == 2
+    )
+    with pytest.raises(RlError) as back:
+        rl.fanout("update_weights_from_disk", {"model_path": p, "weight_version": "42"}, selector="all")
+    assert (back.value.status, back.value.code) == (409, "version_conflict")
 
     # What the manager cannot take is refused before anything is published.
     cases = [
-        ({"model_path": p, "weight_version": "43"}, "id=" + next(iter(result.results)), 409, "partial_weight_update"),
+        ({"model_path": p, "weight_version": "44"}, "id=" + next(iter(result.results)), 409, "partial_weight_update"),
         ({"model_path": p}, "all", 400, "weight_version_required"),
-        ({"model_path": "relative/dir", "weight_version": "43"}, "all", 400, "invalid_path"),
-        ({"model_path": str(tmp_path / "missing"), "weight_version": "43"}, "all", 400, "invalid_checkpoint"),
-        ({"model_path": p, "weight_version": "43", "load_format": "dummy"}, "all", 400, "invalid_load_format"),
+        ({"model_path": "relative/dir", "weight_version": "44"}, "all", 400, "invalid_path"),
+        ({"model_path": str(tmp_path / "missing"), "weight_version": "44"}, "all", 400, "invalid_checkpoint"),
+        ({"model_path": p, "weight_version": "44", "load_format": "dummy"}, "all", 400, "invalid_load_format"),
     ]
     for body, selector, status, code in cases:
         with pytest.raises(RlError) as err:
             rl.fanout("update_weights_from_disk", body, selector=selector)
         assert (err.value.status, err.value.code) == (status, code), (body, err.value)
-    assert fleet.client.weights().version == "42"
+    assert fleet.client.weights().version == "43"
 
 
 def test_a_pause_through_the_control_plane_is_the_managers(start_fleet: StartManager) -> None:

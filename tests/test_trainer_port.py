@@ -58,13 +58,16 @@ class SlimeOnExternalEngines:
             for url, off in zip(self.urls, offsets, strict=True)
         ]  # fmt: skip
         # Rank 0's init_process_group: the stand-in needs the members to check their ranks.
-        self.rank0.join_group(self.layout(port))
+        self.rank0.join_group(self.layout(port, futures))
         return [f.result(timeout=120) for f in futures]
 
-    def layout(self, port: int | None = None) -> GroupLayout:
-        """The group as the manager built it (the one at rank 0's ``port``, when given)."""
+    def layout(self, port: int | None = None, inits: Sequence[Future[HttpResult]] = ()) -> GroupLayout:
+        """The group as the manager built it (the one at rank 0's ``port``, when given); fails at
+        once when an init in ``inits`` was refused."""
 
         def built() -> dict[str, Any] | None:
+            refused = [f.result() for f in inits if f.done() and f.result().status != 200]
+            assert not refused, [(r.status, r.body[:300]) for r in refused]
             resp = http("GET", self.manager.control_url + "/rollout/weights/trainer_group")
             if resp.status != 200 or resp.json()["group_name"] != self.group_name:
                 return None
@@ -258,6 +261,13 @@ def test_a_sync_cut_between_buckets_never_becomes_a_version(trainer_fleet: tuple
     second = http("POST", url + "/update_weights_from_distributed", bucket(SPECS[2:], "1"))
     assert second.status == 409 and second.json()["error"]["code"] == "sync_not_started", second.body[:300]
     assert fleet.client.weights().version == "default"
+    # Starting the sync again does not get past a bucket the manager refuses either: a bucket it
+    # cannot take ends the sync, so the bucket after it cannot make a version without it.
+    ok([http("POST", url + "/pause_generation", {})])
+    bad = http("POST", url + "/update_weights_from_distributed", {**bucket(SPECS[:1], "1"), "dtypes": ["complex64"]})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_dtype", bad.body[:300]
+    after = http("POST", url + "/update_weights_from_distributed", bucket(SPECS[1:], "1"))
+    assert after.status == 409 and after.json()["error"]["code"] == "sync_not_started", after.body[:300]
 
     # Its members held bucket 1 of "1": they are restarted, so the trainer's group lost them.
     ok([http("POST", url + "/pause_generation", {})])

@@ -133,8 +133,7 @@ async fn set_worker_state(State(s): State<RlState>, Path(id): Path<String>, body
     let Some((engine_id, url, _)) = all_workers(&s.manager).into_iter().find(|(eid, _, _)| eid.as_str() == id) else {
         return unknown_worker(&id);
     };
-    let empty = Bytes::from_static(b"{}");
-    if let Err((status, code, message)) = call_engine(&s, &engine_id, &url, &Method::POST, path, None, &empty).await {
+    if let Err((status, code, message)) = state_call(&s, &engine_id, &url, path).await {
         return error(status, code, message);
     }
     match all_workers(&s.manager).into_iter().find(|(eid, _, _)| *eid == engine_id) {
@@ -143,31 +142,59 @@ async fn set_worker_state(State(s): State<RlState>, Path(id): Path<String>, body
     }
 }
 
-/// `POST /v1/rl/state?selector=`: the same for every worker the selector names, one after
-/// another; answers the rows as `GET /v1/rl/workers` does, or the first refusal.
+/// The manager's pause or resume of one engine; an engine that answers with an error is a
+/// failure too (its state did not change).
+async fn state_call(s: &RlState, id: &EngineId, url: &str, path: &'static str) -> Result<(), CallError> {
+    let empty = Bytes::from_static(b"{}");
+    let answer = call_engine(s, id, url, &Method::POST, path, None, &empty).await?;
+    if (200..300).contains(&answer.status) {
+        Ok(())
+    } else {
+        Err((StatusCode::BAD_GATEWAY, "upstream_error", format!("{id} answered {path} with HTTP {}", answer.status)))
+    }
+}
+
+/// `POST /v1/rl/state?selector=`: the same for every worker the selector names that it applies
+/// to (`paused`: those serving and not paused; `active`: those paused), all of them whatever
+/// fails; answers the selected rows, with `failed: [{worker_id, error, message}]` and 207 when
+/// any failed.
 async fn set_fleet_state(State(s): State<RlState>, RawQuery(query): RawQuery, body: Bytes) -> Response {
     let path = match control_of(&body) {
         Ok(p) => p,
         Err(refused) => return *refused,
     };
-    let targets = match selected(&s, query.as_deref()) {
+    let (targets, _) = match selected(&s, query.as_deref()) {
         Ok(t) => t,
         Err(refused) => return *refused,
     };
-    let empty = Bytes::from_static(b"{}");
-    for (engine_id, url) in &targets {
-        if let Err((status, code, message)) = call_engine(&s, engine_id, url, &Method::POST, path, None, &empty).await {
-            return error(status, code, message);
-        }
-    }
-    let ids: Vec<EngineId> = targets.into_iter().map(|(id, _)| id).collect();
+    let ids: Vec<EngineId> = targets.iter().map(|(id, _, _)| id.clone()).collect();
+    let label = |w: &Worker, k: &str| w.labels.get(k).map(String::as_str) == Some("true");
+    let applies: Vec<(EngineId, String)> = targets
+        .into_iter()
+        .filter(|(_, _, w)| if path == "pause_generation" { label(w, "routable") } else { label(w, "paused") })
+        .map(|(id, url, _)| (id, url))
+        .collect();
+    let s = &s;
+    let failed: Vec<Value> = futures::stream::iter(applies)
+        .map(|(id, url)| async move { (state_call(s, &id, &url, path).await, id) })
+        .buffer_unordered(FAN_OUT)
+        .filter_map(|(done, id)| async move {
+            done.err().map(|(_, code, message)| json!({"worker_id": id, "error": code, "message": message}))
+        })
+        .collect()
+        .await;
     let rows: Vec<Value> =
         all_workers(&s.manager).into_iter().filter(|(id, _, _)| ids.contains(id)).map(|(_, _, w)| w.json).collect();
-    Json(json!({"protocol_version": PROTOCOL_VERSION, "total": rows.len(), "workers": rows})).into_response()
+    let status = if failed.is_empty() { StatusCode::OK } else { StatusCode::MULTI_STATUS };
+    let body = json!({"protocol_version": PROTOCOL_VERSION, "total": rows.len(), "workers": rows, "failed": failed});
+    (status, Json(body)).into_response()
 }
 
-/// The workers `?selector=` names (SMG's errors when there is none, it is bad, or it names none).
-fn selected(s: &RlState, query: Option<&str>) -> Result<Vec<(EngineId, String)>, Box<Response>> {
+/// The workers `?selector=` names, and how many workers are listed (one snapshot); SMG's errors
+/// when there is no selector, it is bad, or it names none.
+type Selected = (Vec<(EngineId, String, Worker)>, usize);
+
+fn selected(s: &RlState, query: Option<&str>) -> Result<Selected, Box<Response>> {
     let (selector, _) = split_selector(query);
     let Some(text) = selector else {
         let message = format!("name the workers with ?selector=: {}", rollout_core::rl::SELECTOR_GRAMMAR);
@@ -175,11 +202,9 @@ fn selected(s: &RlState, query: Option<&str>) -> Result<Vec<(EngineId, String)>,
     };
     let selector =
         Selector::parse(&text).map_err(|why| Box::new(error(StatusCode::BAD_REQUEST, "invalid_selector", why)))?;
-    let targets: Vec<(EngineId, String)> = all_workers(&s.manager)
-        .into_iter()
-        .filter(|(_, _, w)| selector.matches(w))
-        .map(|(id, url, _)| (id, url))
-        .collect();
+    let listed = all_workers(&s.manager);
+    let total = listed.len();
+    let targets: Vec<(EngineId, String, Worker)> = listed.into_iter().filter(|(_, _, w)| selector.matches(w)).collect();
     if targets.is_empty() {
         let message = format!("selector {text:?} matches no worker; list them with GET /v1/rl/workers");
         return Err(Box::new(
@@ -187,7 +212,7 @@ fn selected(s: &RlState, query: Option<&str>) -> Result<Vec<(EngineId, String)>,
                 .into_response(),
         ));
     }
-    Ok(targets)
+    Ok((targets, total))
 }
 
 /// `POST /v1/rl/workers/{id}/version` and `/v1/rl/version` (SMG's explicit version label): a
@@ -487,15 +512,15 @@ async fn fan_out(
     body: Bytes,
 ) -> Response {
     let (text, rest) = split_selector(query.as_deref());
-    let targets = match selected(&s, query.as_deref()) {
+    let (targets, total_listed) = match selected(&s, query.as_deref()) {
         Ok(t) => t,
         Err(refused) => return *refused,
     };
+    let targets: Vec<(EngineId, String)> = targets.into_iter().map(|(id, url, _)| (id, url)).collect();
     let call = rollout_core::rl::classify(method.as_str(), &path);
     if let EngineCall::Refused { code, message } = call {
         return error(StatusCode::FORBIDDEN, code, message);
     }
-    let total_listed = all_workers(&s.manager).len();
     let text = text.unwrap_or_default();
     if call == EngineCall::FleetPublish {
         return publish_to_fleet(&s, &text, targets, total_listed, &body).await;
@@ -581,6 +606,17 @@ async fn publish_to_fleet(
         Ok(crate::ops::publish::Published::Started(u) | crate::ops::publish::Published::Joined(u)) => {
             u.update_id().clone()
         }
+        Ok(crate::ops::publish::Published::Existing { version: earlier, .. })
+            if s.manager.fleet.lock().weights.current().version.as_str() != earlier =>
+        {
+            // SGLang would load the older files again; the manager keeps one name per version
+            // and the fleet serves a newer one.
+            let message = format!(
+                "version {earlier} was published from this path before and the fleet has moved on since; to go back \
+                 to these files, publish them under a new version name"
+            );
+            return error(StatusCode::CONFLICT, "version_conflict", message);
+        }
         Ok(crate::ops::publish::Published::Existing { update_id, status, .. }) => {
             // Published before from this path: each worker serves it already (or loads it when
             // it is back), as a second SGLang load of the same files would leave it.
@@ -594,32 +630,40 @@ async fn publish_to_fleet(
         Ok(r) => r,
         Err(e) => return refused(e),
     };
-    let why = match record.status() {
-        rollout_core::weights::WeightUpdateStatus::Completed => format!("serves version {version}"),
+    fan_out_answer(ended_answers(targets, &record, &version, started))
+}
+
+/// Each worker's part once the publish's update is over: its own outcome when the update
+/// completed, the update's error for all when it failed, a timeout for all when it had not ended.
+fn ended_answers(
+    targets: Vec<(EngineId, String)>,
+    record: &crate::registry::weights::UpdateRecord,
+    version: &rollout_core::ids::VersionName,
+    started: Instant,
+) -> Vec<(EngineId, String, Result<Answered, CallError>)> {
+    let update_id = record.update_id();
+    let all_failed = |status: StatusCode, code: &'static str, message: String| {
+        targets.iter().map(|(id, url)| (id.clone(), url.clone(), Err((status, code, message.clone())))).collect()
+    };
+    match record.status() {
+        rollout_core::weights::WeightUpdateStatus::Completed => {
+            let why = format!("serves version {version}");
+            published_answers(targets, Some(record), &why, started, Some(update_id))
+        }
         status if status.is_terminal() => {
             let error = record.error_message().clone().unwrap_or_else(|| "no reason recorded".into());
-            let answers = targets
-                .into_iter()
-                .map(|(id, url)| {
-                    let message =
-                        format!("update {update_id} to {version} is {status}: {error}; the fleet stays on its version");
-                    (id, url, Err((StatusCode::BAD_GATEWAY, "update_failed", message)))
-                })
-                .collect();
-            return fan_out_answer(answers);
+            let message =
+                format!("update {update_id} to {version} is {status}: {error}; the fleet stays on its version");
+            all_failed(StatusCode::BAD_GATEWAY, "update_failed", message)
         }
         _ => {
-            let answers = targets
-                .into_iter()
-                .map(|(id, url)| {
-                    let message = format!("update {update_id} to {version} had not ended within {}s; GET /rollout/weights/updates/{update_id} on the control port", CALL_TIMEOUT.as_secs());
-                    (id, url, Err((StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", message)))
-                })
-                .collect();
-            return fan_out_answer(answers);
+            let message = format!(
+                "update {update_id} to {version} had not ended within {}s; GET /rollout/weights/updates/{update_id} on the control port",
+                CALL_TIMEOUT.as_secs()
+            );
+            all_failed(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", message)
         }
-    };
-    fan_out_answer(published_answers(targets, Some(&record), &why, started, Some(&update_id)))
+    }
 }
 
 /// Each worker's part of a publish that went through: 200 when it verified the version, 202

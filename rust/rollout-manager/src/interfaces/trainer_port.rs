@@ -312,14 +312,26 @@ async fn build_when_it_fits(
 ) -> Result<(), OpError> {
     let mut changes = manager.fleet.subscribe();
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    // The build and the look at who is coming are two snapshots: an engine may come up between
+    // them, so a misfit with nobody coming is tried once more before it is the answer.
+    let mut again = true;
     loop {
         match crate::ops::trainer_group::build(manager, build.clone()) {
             Ok(_) => return Ok(()),
-            Err(e) if e.code() == "group_does_not_fit" && crate::ops::trainer_group::engines_coming(manager) => {
-                tokio::select! {
-                    _ = changes.changed() => {}
-                    () = tokio::time::sleep_until(deadline) => return Err(e),
-                    () = manager.shutdown.cancelled() => return Err(e),
+            Err(e) if e.code() == "group_does_not_fit" => {
+                if crate::ops::trainer_group::engines_coming(manager) {
+                    again = true;
+                    tokio::select! {
+                        _ = changes.changed() => {}
+                        () = tokio::time::sleep_until(deadline) => return Err(e),
+                        () = manager.shutdown.cancelled() => return Err(e),
+                    }
+                    // At most one look every 20 ms however busy the registry is.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                } else if std::mem::take(&mut again) {
+                    continue;
+                } else {
+                    return Err(e);
                 }
             }
             Err(e) => return Err(e),
@@ -372,7 +384,20 @@ struct UpdateFromDistributed {
 }
 
 async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req: UpdateFromDistributed = match parse_body(&body) {
+    let mut session = p.session.lock().await;
+    let answer = take_bucket(&p, &mut session, &body).await;
+    if !answer.status().is_success() {
+        // Whatever the trainer sends next, this sync is short of a bucket: it is given up, and
+        // no bucket opens a version until the trainer starts a sync again.
+        session.abandon(&p.manager, "a bucket was refused").await;
+        session.at_boundary = false;
+    }
+    answer
+}
+
+/// One bucket of the trainer's (see the module docs); the caller holds the session.
+async fn take_bucket(p: &Port, session: &mut Session, body: &Result<Bytes, BytesRejection>) -> Response {
+    let req: UpdateFromDistributed = match parse_body(body) {
         Ok(r) => r,
         Err(e) => return refuse(e),
     };
@@ -403,8 +428,7 @@ async fn update_from_distributed(State(p): State<Shared>, body: Result<Bytes, By
     if let Err(e) = crate::ops::trainer_update::check_bucket(&bucket) {
         return refuse(e);
     }
-    let mut session = p.session.lock().await;
-    if let Err(e) = update_for(&p.manager, &mut session, version, &req.group_name) {
+    if let Err(e) = update_for(&p.manager, session, version, &req.group_name) {
         return refuse(e);
     }
     let Some(open) = session.open.as_mut() else { return refuse(OpError::internal("no_update", "no update open")) };
@@ -569,20 +593,24 @@ async fn continue_generation(State(p): State<Shared>) -> Response {
             return give_up(&p.manager, &update_id, &version, e).await;
         }
     }
-    // The end is sent: the update finishes by itself from here, whether or not this answer is read.
-    let Some(open) = session.open.take() else { return refuse(OpError::internal("no_update", "no update open")) };
-    match crate::ops::trainer_update::wait_ended(&p.manager, &open.update_id).await {
+    // The end is sent: the update finishes by itself from here, whether or not this answer is
+    // read. The session keeps it until it has ended, so a continue retried after a dropped
+    // connection waits for the same end (and `settle` drops it once ended).
+    let ended = crate::ops::trainer_update::wait_ended(&p.manager, &update_id).await;
+    if ended.as_ref().is_ok_and(|u| u.status().is_terminal()) {
+        session.open = None;
+    }
+    match ended {
         Ok(u) if u.status() == WeightUpdateStatus::Completed => Json(json!({
-            "message": "Generation continued successfully.", "status": "ok", "weight_version": open.version,
-            "update_id": open.update_id,
+            "message": "Generation continued successfully.", "status": "ok", "weight_version": version,
+            "update_id": update_id,
         }))
         .into_response(),
-        Ok(u) if u.status().is_terminal() => failed(&open.update_id, &open.version, u.error_message().as_deref()),
+        Ok(u) if u.status().is_terminal() => failed(&update_id, &version, u.error_message().as_deref()),
         Ok(_) => refuse(ApiError::unavailable(
             "update_timed_out",
             format!(
-                "update {} to {} had not ended within --weight-update-timeout-secs; see GET /rollout/weights/updates/{}",
-                open.update_id, open.version, open.update_id
+                "update {update_id} to {version} had not ended within --weight-update-timeout-secs; see GET /rollout/weights/updates/{update_id}"
             ),
         )),
         Err(e) => refuse(e),
