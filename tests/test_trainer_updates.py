@@ -25,6 +25,7 @@ from _support import STARTUP_TIMEOUT, ManagerHandle, ProcessIdentity, StartManag
 from _trainer import SPECS, StandInRank0, update_engines_directly
 from test_weights_resume import ENGINES, engine_identities, free_port, start, stop_both
 
+from elastic_rollout.models import Engine
 from elastic_rollout.trainer import (
     DistributedWeightSync,
     FixedGroupSync,
@@ -41,6 +42,19 @@ def make_sync(fleet: ManagerHandle, rank0: StandInRank0) -> DistributedWeightSyn
 
 def model_info(url: str) -> dict:
     return dict(http("GET", url + "/model_info").json())
+
+
+def kill_and_wait_restarted(fleet: ManagerHandle, victim: Engine) -> None:
+    """SIGKILLs the engine and waits until the manager has it ACTIVE again, restarted once more."""
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def back() -> bool:
+        e = fleet.engines().by_id(victim.engine_id)
+        return e is not None and e.status == "ACTIVE" and e.restarts == victim.restarts + 1
+
+    wait_until(back, STARTUP_TIMEOUT, f"{victim.engine_id} restarted")
+    fleet.track_children()
 
 
 def send_count(url: str) -> int:
@@ -169,15 +183,7 @@ def test_a_scale_out_and_a_sigkilled_engine_never_answer_on_another_version(rele
 
         # SIGKILL one engine: it comes back on step-1, copied from a peer.
         victim = view.with_status("ACTIVE")[0]
-        assert victim.pid is not None
-        os.kill(victim.pid, signal.SIGKILL)
-
-        def back() -> bool:
-            e = fleet.engines().by_id(victim.engine_id)
-            return e is not None and e.status == "ACTIVE" and e.restarts == victim.restarts + 1
-
-        wait_until(back, STARTUP_TIMEOUT, f"{victim.engine_id} restarted")
-        fleet.track_children()
+        kill_and_wait_restarted(fleet, victim)
         after_kill = traffic.answered()
         wait_until(lambda: traffic.answered() >= after_kill + 20, 30, "answers after the restart")
         restarted = fleet.engines().by_id(victim.engine_id)
@@ -583,15 +589,8 @@ def test_a_group_the_trainer_fixed_is_kept_and_engines_beyond_it_copy_each_versi
     # A member killed: NCCL cannot take its new process into the formed group, so the next
     # update is refused with what to do, and a new group works.
     victim = fleet.engines().by_id(sorted(members)[1])
-    assert victim is not None and victim.pid is not None
-    os.kill(victim.pid, signal.SIGKILL)
-
-    def back() -> bool:
-        e = fleet.engines().by_id(victim.engine_id)
-        return e is not None and e.status == "ACTIVE" and e.restarts == victim.restarts + 1
-
-    wait_until(back, STARTUP_TIMEOUT, f"{victim.engine_id} restarted")
-    fleet.track_children()
+    assert victim is not None
+    kill_and_wait_restarted(fleet, victim)
     with pytest.raises(WeightSyncError, match="lost members"):
         sync.send("step-3", SPECS[:2])
     assert fleet.client.weights().version == "step-2"

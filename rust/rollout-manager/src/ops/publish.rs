@@ -174,24 +174,14 @@ pub async fn wait_ended(
     update_id: &UpdateId,
     limit: std::time::Duration,
 ) -> Result<UpdateRecord, OpError> {
-    let mut changes = manager.fleet.subscribe();
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let record = manager
-            .fleet
-            .lock()
-            .weights
-            .updates()
-            .get(update_id)
-            .cloned()
-            .ok_or_else(|| OpError::unknown("unknown_request", format!("no weight update with id {update_id}")))?;
-        if record.status().is_terminal() {
-            return Ok(record);
-        }
-        tokio::select! {
-            _ = changes.changed() => {}
-            () = tokio::time::sleep_until(deadline) => return Ok(record),
-            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
-        }
-    }
+    manager
+        .watch(limit, || {
+            let record =
+                manager.fleet.lock().weights.updates().get(update_id).cloned().ok_or_else(|| {
+                    OpError::unknown("unknown_request", format!("no weight update with id {update_id}"))
+                })?;
+            let ended = record.status().is_terminal();
+            Ok((record, ended))
+        })
+        .await
 }

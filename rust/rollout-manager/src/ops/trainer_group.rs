@@ -165,26 +165,20 @@ pub fn current(manager: &Manager) -> Result<TrainerGroup, OpError> {
 /// `--weight-update-timeout-secs` plus 5 s), and answers the group as it is then. 404 when the
 /// engines hold no group of that name (another build replaced it).
 pub async fn wait_joined(manager: &Manager, name: &str) -> Result<TrainerGroup, OpError> {
-    let mut changes = manager.fleet.subscribe();
     let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs) + Duration::from_secs(5);
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let group = current(manager)?;
-        if group.group_name != name {
-            return Err(OpError::unknown(
-                "group_replaced",
-                format!("the engines hold group {}, not {name}: another build replaced it", group.group_name),
-            ));
-        }
-        if group.fixed != Some(FixedJoin::Joining) {
-            return Ok(group);
-        }
-        tokio::select! {
-            _ = changes.changed() => {}
-            () = tokio::time::sleep_until(deadline) => return Ok(group),
-            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
-        }
-    }
+    manager
+        .watch(limit, || {
+            let group = current(manager)?;
+            if group.group_name != name {
+                return Err(OpError::unknown(
+                    "group_replaced",
+                    format!("the engines hold group {}, not {name}: another build replaced it", group.group_name),
+                ));
+            }
+            let joining = group.fixed == Some(FixedJoin::Joining);
+            Ok((group, !joining))
+        })
+        .await
 }
 
 /// Whether an engine is on its way to serving (starting, restarting, catching up, or failed and

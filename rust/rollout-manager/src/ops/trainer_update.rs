@@ -313,19 +313,13 @@ async fn wait_for(
     limit: Duration,
     done: impl Fn(&UpdateRecord) -> bool,
 ) -> Result<UpdateRecord, OpError> {
-    let mut changes = manager.fleet.subscribe();
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let u = trainer_update(&manager.fleet.lock(), update_id)?;
-        if done(&u) {
-            return Ok(u);
-        }
-        tokio::select! {
-            _ = changes.changed() => {}
-            () = tokio::time::sleep_until(deadline) => return Ok(u),
-            () = manager.shutdown.cancelled() => return Err(OpError::conflict("shutting_down", "the manager is shutting down")),
-        }
-    }
+    manager
+        .watch(limit, || {
+            let u = trainer_update(&manager.fleet.lock(), update_id)?;
+            let done = done(&u);
+            Ok((u, done))
+        })
+        .await
 }
 
 /// The trainer is about to broadcast `step` (None: the tensors it opened the update with).

@@ -81,6 +81,31 @@ mod recovery;
 mod stop;
 
 impl Manager {
+    /// Looks again after every change of the fleet until `look` says it is done, or `limit`
+    /// passes; answers what it saw last. `look` answers (what it sees, whether that is the end)
+    /// or a refusal, which ends the wait. Err `shutting_down` when the manager stops meanwhile.
+    pub async fn watch<T>(
+        &self,
+        limit: Duration,
+        mut look: impl FnMut() -> Result<(T, bool), crate::ops::op_error::OpError>,
+    ) -> Result<T, crate::ops::op_error::OpError> {
+        let mut changes = self.fleet.subscribe();
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let (seen, done) = look()?;
+            if done {
+                return Ok(seen);
+            }
+            tokio::select! {
+                _ = changes.changed() => {}
+                () = tokio::time::sleep_until(deadline) => return Ok(seen),
+                () = self.shutdown.cancelled() => {
+                    return Err(crate::ops::op_error::OpError::conflict("shutting_down", "the manager is shutting down"))
+                }
+            }
+        }
+    }
+
     pub fn new(
         config: ServeConfig,
         launcher: EngineLauncher,
