@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean prometheus-tools
+.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean prometheus-tools openapi
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -81,6 +81,11 @@ run: build-release
 # grows; writes examples/fully_async/out/timeline.png (see examples/fully_async/README.md).
 example: build-release venv
 	$(PY) examples/fully_async/loop.py
+
+# docs/openapi.json is generated from the handlers (rollout-manager openapi); `cargo test`
+# fails while the committed file differs.
+openapi: build
+	target/debug/rollout-manager openapi > docs/openapi.json
 
 lint: lint-rust lint-python
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -28,6 +31,23 @@ def spec(shared_fleet: ManagerHandle) -> dict[str, Any]:
     document: dict[str, Any] = resp.json()
     jsonschema.Draft202012Validator.check_schema(schema_of(document, "Engine"))
     return document
+
+
+def test_the_served_document_is_the_generated_one(shared_fleet: ManagerHandle, manager_bin: Path) -> None:
+    """The manager serves the document its handlers generate, and docs/openapi.json is that
+    document (`make openapi` writes it with `rollout-manager openapi`)."""
+    served = http("GET", f"{shared_fleet.control_url}/openapi.json").body
+    printed = subprocess.run([str(manager_bin), "openapi"], capture_output=True, check=True, timeout=60).stdout
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "openapi.json").read_bytes()
+    assert served == printed, "GET /openapi.json differs from `rollout-manager openapi`"
+    assert committed == printed, "docs/openapi.json is out of date: run `make openapi` and commit it"
+    # Every operation documents its answers, each body with a schema from the handler's types.
+    operations = [(p, m, op) for p, ops in json.loads(served)["paths"].items() for m, op in ops.items()]
+    assert len(operations) >= 34, len(operations)
+    for path, method, op in operations:
+        assert op["operationId"] and op["responses"], (method, path)
+        for status, answer in op["responses"].items():
+            assert answer["content"]["application/json"]["schema"], (method, path, status)
 
 
 def test_every_documented_path_exists(shared_fleet: ManagerHandle, spec: dict[str, Any]) -> None:

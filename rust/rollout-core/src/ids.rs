@@ -44,6 +44,15 @@ macro_rules! name_type {
             }
         }
 
+        /// On the wire an id is its plain string.
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                <String as utoipa::PartialSchema>::schema()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
+
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(&self.0)

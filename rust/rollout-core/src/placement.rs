@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Whether the manager wants a placement to exist.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Desired {
     Present,
@@ -23,7 +23,7 @@ pub enum Desired {
 }
 
 /// Where a placement stands, as the shim and operators see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum PlacementStatus {
     /// Wanted, no agent bound yet (Ray is finding or growing resources).
@@ -35,7 +35,7 @@ pub enum PlacementStatus {
 }
 
 /// The agent a placement is bound to.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AgentBinding {
     /// gRPC URL of the agent, `http://<node_ip>:<port>`.
     pub url: String,
@@ -45,7 +45,7 @@ pub struct AgentBinding {
 }
 
 /// One engine's placement in Ray mode.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Placement {
     pub engine_id: crate::ids::EngineId,
     /// Resources of the engine's placement group, one map per bundle.

@@ -26,7 +26,7 @@ fn illegal(machine: &'static str, state: impl fmt::Debug, event: impl fmt::Debug
 
 /// Where an engine came from. Initial engines are protected from scale-in; external engines are
 /// detached, never killed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineOrigin {
     /// Started from the manager's own startup flags (`--rollout-num-gpus`).
@@ -47,7 +47,7 @@ pub enum EngineOrigin {
 /// exits unexpectedly makes the engine `FAILED` from any live state; recovery restarts a FAILED
 /// engine from `CREATING`. In Ray mode an engine starts in `PENDING` (its placement waits for
 /// resources, PENDING_RESOURCES) and moves to `CREATING` when an agent is bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum EngineStatus {
     Pending,
@@ -340,7 +340,7 @@ impl EngineStatus {
 /// Expected flow: `PENDING -> CREATING (managed) | CONNECTING (external) -> HEALTH_CHECKING ->
 /// WEIGHT_SYNCING -> READY -> ACTIVE`. Any non-terminal state can end in `FAILED` or
 /// `CANCELLED`. A request whose target is already met ends at once in `NOOP`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ScaleOutStatus {
     Pending,
@@ -481,7 +481,7 @@ impl Phase {
 ///
 /// Expected flow: `PENDING -> DRAINING -> REMOVING -> COMPLETED`; any non-terminal state can end
 /// in `FAILED`, and a request with nothing to remove ends at once in `NOOP`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ScaleInStatus {
     Pending,

@@ -57,7 +57,7 @@ impl WeightVersion {
 }
 
 /// How a fleet moves to a new version.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UpdateStrategy {
     AllAtOnce,
@@ -102,7 +102,7 @@ pub fn next_wave(engines: &[EngineView], wave: usize) -> Vec<crate::ids::EngineI
 }
 
 /// Progress of one engine within one update.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum EngineUpdateStatus {
     Pending,
@@ -158,7 +158,7 @@ impl EngineUpdateStatus {
 /// Expected flow: `PENDING -> UPDATING -> COMPLETED` (the fleet version moved). `FAILED`: an
 /// engine could not load or verify the version; the fleet stays on (is rolled back to) the
 /// version it had.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum WeightUpdateStatus {
     /// Published; the checkpoint is being checked and hashed. Nothing is loaded yet.

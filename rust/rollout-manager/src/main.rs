@@ -83,6 +83,8 @@ enum Command {
     Monitor(rollout_manager::interfaces::autoscaler::monitor::MonitorArgs),
     /// Replay a recorded metrics trace through the autoscaler's decide() with a YAML config.
     AutoscalerReplay(rollout_manager::interfaces::autoscaler::replay::ReplayArgs),
+    /// Print the control API's OpenAPI document (what `GET /openapi.json` serves).
+    Openapi,
 }
 
 fn main() -> ExitCode {
@@ -117,6 +119,10 @@ fn main() -> ExitCode {
                 eprintln!("{} decisions: {} scale-outs, {} scale-ins", s.evaluations, s.scale_outs, s.scale_ins);
             }
             return exit("autoscaler-replay", summary);
+        }
+        Command::Openapi => {
+            print!("{}", rollout_manager::interfaces::openapi::document());
+            return ExitCode::SUCCESS;
         }
         Command::Agent(args) => return exit("agent", runtime.block_on(rollout_manager::app::agent::run(args))),
         Command::Keeper(args) => {

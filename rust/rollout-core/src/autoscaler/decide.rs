@@ -84,7 +84,7 @@ impl Memory {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ConditionKind {
     ScaleOut,
@@ -92,7 +92,8 @@ pub enum ConditionKind {
 }
 
 /// One condition's state, as `GET /autoscaler/conditions` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = AutoscalerCondition)]
 pub struct Condition {
     #[serde(rename = "type")]
     pub kind: ConditionKind,
@@ -108,7 +109,7 @@ pub struct Condition {
 }
 
 /// Which signal decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Signal {
     Serving,

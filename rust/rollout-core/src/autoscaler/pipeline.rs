@@ -16,16 +16,20 @@ use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
 /// Body of `POST /rollout/pipeline`: one trainer step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineReport {
     /// The trainer's step number (a lower number than the last one starts a new run).
+    #[schema(minimum = 0)]
     pub step: u64,
     /// Seconds of this step the trainer spent waiting for rollout data.
+    #[schema(minimum = 0)]
     pub trainer_wait_secs: f64,
     /// Seconds of this step rollout was paused by its staleness limit.
+    #[schema(minimum = 0)]
     pub rollout_throttled_secs: f64,
     /// Wall-clock length of the step (training plus waiting).
+    #[schema(exclusive_minimum = 0)]
     pub step_secs: f64,
     /// Optional, with `next_step_samples`: samples rollout completed during this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]

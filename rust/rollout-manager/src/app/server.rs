@@ -133,6 +133,7 @@ impl Server {
             crate::interfaces::autoscaler::Autoscaler::new(manager.clone(), router_metrics.clone(), autoscaler);
         let api = api::router(ApiState { manager: manager.clone(), router_metrics: router_metrics.clone() })
             .merge(crate::interfaces::autoscaler::routes(autoscaler.clone()))
+            .merge(crate::interfaces::openapi::routes())
             .method_not_allowed_fallback(api::method_not_allowed)
             .layer(axum::middleware::from_fn_with_state(token.clone(), crate::foundation::auth::require_token))
             .layer(axum::middleware::from_fn_with_state(

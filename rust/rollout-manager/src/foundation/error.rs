@@ -67,6 +67,26 @@ impl ApiError {
     }
 }
 
+/// The body of every error answer.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[schema(as = Error)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong: a stable code to branch on and a message for people.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: &str, message: &str) -> Self {
+        Self { error: ErrorDetail { code: code.to_string(), message: message.to_string() } }
+    }
+}
+
 /// The JSON body of an error, for handlers that build responses by hand.
 pub fn error_body(code: &str, message: &str) -> serde_json::Value {
     json!({ "error": { "code": code, "message": message } })
@@ -74,6 +94,6 @@ pub fn error_body(code: &str, message: &str) -> serde_json::Value {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), Json(error_body(self.code(), &self.to_string()))).into_response()
+        (self.status(), Json(ErrorBody::new(self.code(), &self.to_string()))).into_response()
     }
 }

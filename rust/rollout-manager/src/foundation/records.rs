@@ -10,13 +10,13 @@ use serde::{Deserialize, Serialize};
 /// begins), for people; the registry marks the engine itself (`Engine::restart_queued`).
 pub const RESTARTING: &str = "manager restarted; starting the engine again";
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Transition {
     pub status: String,
     pub at: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FailedEngine {
     pub engine_id: EngineId,
     pub url: String,
@@ -52,7 +52,7 @@ pub struct RunningOp {
 pub const KEEP_UPDATES: usize = 100;
 
 /// Where an update's bytes come from.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum UpdateSource {
     /// A checkpoint directory, published with `POST /rollout/weights/publish`.
@@ -63,11 +63,12 @@ pub enum UpdateSource {
 }
 
 /// One engine's place in a weight-update group (the trainer is rank 0).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GroupMember {
     pub engine_id: EngineId,
     pub url: String,
     pub tp_size: u32,
+    /// The engine's first rank; the trainer is rank 0.
     pub rank_offset: u32,
     /// Its process when it joined (a restarted member is no longer in the group).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -75,11 +76,13 @@ pub struct GroupMember {
 }
 
 /// A weight-update group: SGLang's `/init_weights_update_group` arguments for every member.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TrainerGroup {
     pub group_name: String,
+    /// Where the trainer listens as rank 0.
     pub master_address: String,
     pub master_port: u16,
+    /// 1 (the trainer) plus every member's `tp_size`.
     pub world_size: u32,
     pub members: Vec<GroupMember>,
     /// Built for this update (the trainer must join it as rank 0), or kept from the last one.
@@ -93,7 +96,7 @@ pub struct TrainerGroup {
 }
 
 /// How far the members of a group the trainer fixed got in joining it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum FixedJoin {
     /// `/init_weights_update_group` is in flight on the members (the trainer joins as rank 0).
@@ -129,7 +132,7 @@ pub struct BroadcastStep {
 
 /// The trainer's side of a trainer update: the group, the tensors it broadcasts, and how far
 /// the handshake with the trainer got.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TrainerPart {
     pub group: TrainerGroup,
     /// The tensors, when the update was opened with them (one bucket); empty when the trainer
@@ -195,6 +198,15 @@ impl PartialEq for HashProgress {
     }
 }
 
+/// On the wire: the plain number of bytes.
+impl utoipa::PartialSchema for HashProgress {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        <u64 as utoipa::PartialSchema>::schema()
+    }
+}
+
+impl utoipa::ToSchema for HashProgress {}
+
 impl Serialize for HashProgress {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_u64(self.get())
@@ -211,7 +223,7 @@ impl<'de> Deserialize<'de> for HashProgress {
 }
 
 /// Where the fleet's current weight version came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum VersionSource {
     /// The `--weight-version` flag the manager started with.
@@ -224,7 +236,7 @@ pub enum VersionSource {
 }
 
 /// Who started a scale-out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Trigger {
     /// The boot-time bring-up of `--rollout-num-gpus`.

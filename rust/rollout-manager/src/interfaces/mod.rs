@@ -7,5 +7,6 @@
 pub mod api;
 pub mod autoscaler;
 pub mod integrations;
+pub mod openapi;
 pub mod rl;
 pub mod trainer_port;

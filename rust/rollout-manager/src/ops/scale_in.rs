@@ -13,11 +13,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// What `POST /rollout/scale_in` answers.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum ScaleInAnswer {
     Accepted(Accepted),
-    DryRun { dry_run: bool, engines: Vec<EngineRecord>, message: String },
+    DryRun(DryRun),
+}
+
+/// What `POST /rollout/scale_in` with `dry_run` answers: the engines it would remove.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DryRun {
+    /// Always true.
+    pub dry_run: bool,
+    pub engines: Vec<EngineRecord>,
+    pub message: String,
 }
 
 pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAnswer, OpError> {
@@ -37,7 +46,7 @@ pub fn scale_in(manager: &Arc<Manager>, req: ScaleInRequest) -> Result<ScaleInAn
         if req.dry_run {
             let engines = victims.iter().filter_map(|id| inner.engines.get(id)).map(|e| e.record().clone()).collect();
             let message = format!("would remove {} engines; nothing was changed", victims.len());
-            return Ok((ScaleInAnswer::DryRun { dry_run: true, engines, message }, None));
+            return Ok((ScaleInAnswer::DryRun(DryRun { dry_run: true, engines, message }), None));
         }
         let (model, urls) = (req.model_name.clone(), req.engine_urls.clone());
         let record = ScaleInRecord::new(request_id.clone(), model, target, urls, req.force, victims.clone());

@@ -27,16 +27,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Body of `POST /rollout/scale_out`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ScaleOutRequest {
     #[serde(default = "default_model")]
+    #[schema(default = "default")]
     pub model_name: String,
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 100000)]
     pub num_replicas: i64,
     #[serde(default)]
     pub engine_urls: Vec<String>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 2592000)]
     pub timeout_secs: Option<f64>,
     /// Who asked: `user` for the API, `autoscaler` for the autoscaler (not part of the body).
     #[serde(skip, default = "user_trigger")]
@@ -48,18 +51,21 @@ fn user_trigger() -> Trigger {
 }
 
 /// Body of `POST /rollout/scale_in`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ScaleInRequest {
     #[serde(default = "default_model")]
+    #[schema(default = "default")]
     pub model_name: String,
     #[serde(default)]
+    #[schema(minimum = 0)]
     pub num_replicas: i64,
     #[serde(default)]
     pub engine_urls: Vec<String>,
     #[serde(default)]
     pub force: bool,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 2592000)]
     pub timeout_secs: Option<f64>,
     #[serde(default)]
     pub dry_run: bool,
@@ -70,7 +76,7 @@ fn default_model() -> String {
 }
 
 /// What `POST` answers for an accepted (or NOOP) operation.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct Accepted {
     pub request_id: OpId,
     pub status: AcceptedStatus,
@@ -78,7 +84,7 @@ pub struct Accepted {
 }
 
 /// How a scale request was taken: it runs (PENDING), or there was nothing to do (NOOP).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum AcceptedStatus {
     Pending,
@@ -513,7 +519,7 @@ pub fn cancel_scale_out(manager: &Manager, request_id: &OpId) -> Result<ScaleOut
 }
 
 /// Body of `POST /rollout/scale_out_cancel`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchCancelRequest {
     /// Only cancel requests in this status (e.g. `PENDING`); default: every non-terminal one.

@@ -4,7 +4,7 @@
 pub mod placements;
 pub mod weights;
 
-use crate::foundation::error::ApiError;
+use crate::foundation::error::{ApiError, ErrorBody};
 use crate::ops::manager::Manager;
 use crate::ops::scale_in::{self, ScaleInAnswer};
 use crate::ops::scaling::{self, Accepted, ScaleInRequest, ScaleOutRequest};
@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::sync::Arc;
 
 #[derive(Clone)]
@@ -28,8 +28,7 @@ pub struct ApiState {
 
 pub fn router(state: ApiState) -> Router {
     Router::new()
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/openapi.json", get(openapi))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/rollout/prometheus/targets", get(prometheus_targets))
         .route("/rollout/engines", get(engines))
@@ -89,20 +88,39 @@ pub(crate) fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejectio
 
 /// `GET /rollout/engines`, serialised straight from the records: building a `serde_json::Value`
 /// tree first cost more than the serialisation itself with a thousand engines.
-#[derive(serde::Serialize)]
-struct EnginesAnswer {
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[schema(as = EnginesView)]
+pub(crate) struct EnginesAnswer {
+    /// The served model's engines (one model per manager).
     models: std::collections::BTreeMap<String, ModelEngines>,
     total_engines: usize,
 }
 
-#[derive(serde::Serialize)]
-struct ModelEngines {
+/// One model's engines and the fleet's weight version.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ModelEngines {
     engines: Vec<crate::registry::fleet::EngineRecord>,
     weight_version: String,
     weights_checksum: Option<String>,
 }
 
-async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
+/// `{"status": "ok"}`.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct Status {
+    status: &'static str,
+}
+
+/// The manager answers.
+#[utoipa::path(get, path = "/health", operation_id = "health",
+    responses((status = 200, description = "The manager is up", body = Status)))]
+pub(crate) async fn health() -> Json<Status> {
+    Json(Status { status: "ok" })
+}
+
+/// Every engine of the fleet with its status, health, weight version and load.
+#[utoipa::path(get, path = "/rollout/engines", operation_id = "listEngines",
+    responses((status = 200, description = "The fleet", body = EnginesAnswer)))]
+pub(crate) async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
     let engines = s.manager.fleet.engine_records();
     let total_engines = engines.len();
     let (weight_version, weights_checksum) = {
@@ -116,14 +134,45 @@ async fn engines(State(s): State<ApiState>) -> Json<EnginesAnswer> {
     })
 }
 
-/// Prometheus HTTP service discovery (`http_sd_configs`): one target group per engine whose
-/// process is up, so Prometheus scrapes each engine's own `/metrics` (SGLang's `sglang:*`) and
-/// follows the fleet as it grows and shrinks. Label: `engine_id` (SGLang's series carry
-/// `model_name` themselves); the model name, status and origin as `__meta_rollout_*` for
-/// relabelling.
-async fn prometheus_targets(State(s): State<ApiState>) -> Json<Value> {
+/// Prometheus HTTP service discovery (`http_sd_configs`), one target group per engine.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct PrometheusTargets(Vec<TargetGroup>);
+
+/// One engine as a Prometheus target.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct TargetGroup {
+    /// `host:port` of the engine.
+    #[schema(min_items = 1, max_items = 1)]
+    targets: Vec<String>,
+    labels: TargetLabels,
+}
+
+/// The target's labels: `engine_id` is kept on every series; the `__meta_rollout_*` ones are
+/// for relabelling.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct TargetLabels {
+    engine_id: rollout_core::ids::EngineId,
+    #[serde(rename = "__meta_rollout_model_name")]
+    model_name: String,
+    #[serde(rename = "__meta_rollout_status")]
+    status: rollout_core::EngineStatus,
+    #[serde(rename = "__meta_rollout_origin")]
+    origin: rollout_core::EngineOrigin,
+    /// The engine's URL scheme, when it is not `http`.
+    #[serde(rename = "__scheme__", skip_serializing_if = "Option::is_none")]
+    scheme: Option<String>,
+}
+
+/// Prometheus HTTP service discovery: one target group per engine whose process is up.
+///
+/// Prometheus then scrapes each engine's own `/metrics` (SGLang's `sglang:*`) and follows the
+/// fleet as it grows and shrinks. Label: `engine_id` (SGLang's series carry `model_name`
+/// themselves); the model name, status and origin as `__meta_rollout_*` for relabelling.
+#[utoipa::path(get, path = "/rollout/prometheus/targets", operation_id = "prometheusTargets",
+    responses((status = 200, description = "The target groups (http_sd_configs)", body = PrometheusTargets)))]
+pub(crate) async fn prometheus_targets(State(s): State<ApiState>) -> Json<PrometheusTargets> {
     use rollout_core::EngineStatus as S;
-    let groups: Vec<Value> = s
+    let groups = s
         .manager
         .fleet
         .engine_records()
@@ -137,30 +186,46 @@ async fn prometheus_targets(State(s): State<ApiState>) -> Json<Value> {
         .filter_map(|e| {
             let url = reqwest::Url::parse(e.url()).ok()?;
             let target = format!("{}:{}", url.host_str()?, url.port_or_known_default()?);
-            let origin = serde_json::to_value(e.origin()).ok()?;
-            let mut labels = json!({
-                "engine_id": e.engine_id(),
-                "__meta_rollout_model_name": e.model_name(),
-                "__meta_rollout_status": e.status().to_string(),
-                "__meta_rollout_origin": origin,
-            });
-            if url.scheme() != "http" {
-                labels["__scheme__"] = json!(url.scheme());
-            }
-            Some(json!({"targets": [target], "labels": labels}))
+            let labels = TargetLabels {
+                engine_id: e.engine_id().clone(),
+                model_name: e.model_name().clone(),
+                status: e.status(),
+                origin: e.origin(),
+                scheme: (url.scheme() != "http").then(|| url.scheme().to_string()),
+            };
+            Some(TargetGroup { targets: vec![target], labels })
         })
         .collect();
-    Json(Value::Array(groups))
+    Json(PrometheusTargets(groups))
 }
 
-async fn get_engine(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// One engine.
+#[utoipa::path(get, path = "/rollout/engines/{id}", operation_id = "getEngine",
+    params(("id" = String, Path, description = "the engine's id")),
+    responses((status = 200, description = "The engine", body = crate::registry::fleet::EngineRecord),
+              (status = 404, description = "No such engine", body = ErrorBody)))]
+pub(crate) async fn get_engine(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<crate::registry::fleet::EngineRecord>, ApiError> {
     let record = s.manager.fleet.engine_records().into_iter().find(|e| *e.engine_id() == id).ok_or_else(|| {
         ApiError::not_found("unknown_engine", format!("no engine with id {id}; list them with GET /rollout/engines"))
     })?;
-    serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
+    Ok(Json(record))
 }
 
-async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Accepted>, ApiError> {
+/// Add engines: to `num_replicas` in all, or attach the engines at `engine_urls`.
+///
+/// Answers at once with the operation's id; follow it with `GET /rollout/scale_out/{id}`.
+#[utoipa::path(post, path = "/rollout/scale_out", operation_id = "scaleOut", request_body = ScaleOutRequest,
+    responses((status = 200, description = "Accepted (PENDING) or nothing to do (NOOP)", body = Accepted),
+              (status = 400, description = "Bad body or target", body = ErrorBody),
+              (status = 409, description = "Another operation runs", body = ErrorBody),
+              (status = 500, description = "The GPUs could not be reserved", body = ErrorBody)))]
+pub(crate) async fn scale_out(
+    State(s): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Accepted>, ApiError> {
     let req: ScaleOutRequest = parse_body(&body)?;
     if req.num_replicas <= 0 {
         scaling::check_external_allowed(&s.manager, &req.engine_urls).await?;
@@ -168,7 +233,15 @@ async fn scale_out(State(s): State<ApiState>, body: Result<Bytes, BytesRejection
     Ok(Json(scaling::scale_out(&s.manager, req)?))
 }
 
-async fn scale_in(
+/// Remove engines: down to `num_replicas` in all, or the engines at `engine_urls`.
+///
+/// Draining engines finish their requests first (up to the drain timeout) unless `force`;
+/// `dry_run` answers which engines would go and removes nothing.
+#[utoipa::path(post, path = "/rollout/scale_in", operation_id = "scaleIn", request_body = ScaleInRequest,
+    responses((status = 200, description = "Accepted, nothing to do (NOOP), or the dry run's answer", body = ScaleInAnswer),
+              (status = 400, description = "Bad body or target", body = ErrorBody),
+              (status = 409, description = "Another operation runs", body = ErrorBody)))]
+pub(crate) async fn scale_in(
     State(s): State<ApiState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<ScaleInAnswer>, ApiError> {
@@ -176,9 +249,12 @@ async fn scale_in(
     Ok(Json(scale_in::scale_in(&s.manager, req)?))
 }
 
-#[derive(Deserialize)]
-struct ListFilter {
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ListFilter {
+    /// Only operations in this status (any case).
     status: Option<String>,
+    /// Only operations on this model.
     model_name: Option<String>,
 }
 
@@ -202,33 +278,91 @@ pub(crate) fn status_filter<S: DeserializeOwned>(raw: Option<&str>) -> Result<Op
     .transpose()
 }
 
-async fn list_scale_outs(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
+/// Scale-outs the manager remembers, oldest first.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ScaleOutList {
+    requests: Vec<crate::registry::fleet::ScaleOutRecord>,
+    total: usize,
+}
+
+/// Scale-ins the manager remembers, oldest first.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ScaleInList {
+    requests: Vec<crate::registry::fleet::ScaleInRecord>,
+    total: usize,
+}
+
+/// Scale-outs, oldest first.
+#[utoipa::path(get, path = "/rollout/scale_out", operation_id = "listScaleOuts", params(ListFilter),
+    responses((status = 200, description = "The scale-outs", body = ScaleOutList),
+              (status = 400, description = "Unknown status", body = ErrorBody)))]
+pub(crate) async fn list_scale_outs(
+    State(s): State<ApiState>,
+    Query(f): Query<ListFilter>,
+) -> Result<Json<ScaleOutList>, ApiError> {
     let wanted: Option<rollout_core::ScaleOutStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let keep =
         |r: &crate::registry::fleet::ScaleOutRecord| wanted.is_none_or(|w| r.status() == w) && f.wants(r.model_name());
-    Ok(Json(listing(inner.ops.scale_outs().filter(|r| keep(r)), |r| r.created_at())))
+    let requests = oldest_first(inner.ops.scale_outs().filter(|r| keep(r)), |r| r.created_at());
+    Ok(Json(ScaleOutList { total: requests.len(), requests }))
 }
 
-async fn list_scale_ins(State(s): State<ApiState>, Query(f): Query<ListFilter>) -> Result<Json<Value>, ApiError> {
+/// Scale-ins, oldest first.
+#[utoipa::path(get, path = "/rollout/scale_in", operation_id = "listScaleIns", params(ListFilter),
+    responses((status = 200, description = "The scale-ins", body = ScaleInList),
+              (status = 400, description = "Unknown status", body = ErrorBody)))]
+pub(crate) async fn list_scale_ins(
+    State(s): State<ApiState>,
+    Query(f): Query<ListFilter>,
+) -> Result<Json<ScaleInList>, ApiError> {
     let wanted: Option<rollout_core::ScaleInStatus> = status_filter(f.status.as_deref())?;
     let inner = s.manager.fleet.lock();
     let keep =
         |r: &crate::registry::fleet::ScaleInRecord| wanted.is_none_or(|w| r.status() == w) && f.wants(r.model_name());
-    Ok(Json(listing(inner.ops.scale_ins().filter(|r| keep(r)), |r| r.created_at())))
+    let requests = oldest_first(inner.ops.scale_ins().filter(|r| keep(r)), |r| r.created_at());
+    Ok(Json(ScaleInList { total: requests.len(), requests }))
 }
 
-/// `{"requests": [...], "total": n}`, oldest first.
-fn listing<'a, R: Clone + serde::Serialize + 'a>(
-    records: impl Iterator<Item = &'a R>,
-    created_at: fn(&R) -> f64,
-) -> Value {
+/// The records, oldest first.
+fn oldest_first<'a, R: Clone + 'a>(records: impl Iterator<Item = &'a R>, created_at: fn(&R) -> f64) -> Vec<R> {
     let mut requests: Vec<R> = records.cloned().collect();
     requests.sort_by(|a, b| created_at(a).total_cmp(&created_at(b)));
-    json!({ "requests": requests, "total": requests.len() })
+    requests
 }
 
-async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// A scale-out and how far each of its engines got.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ScaleOutProgress {
+    #[serde(flatten)]
+    record: crate::registry::fleet::ScaleOutRecord,
+    engines: Vec<EngineProgress>,
+}
+
+/// One engine of a scale-out.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct EngineProgress {
+    engine_id: rollout_core::ids::EngineId,
+    /// The engine's status, or `REMOVED` once it left the fleet.
+    status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    is_healthy: Option<bool>,
+    /// What the engine waits for, when its status does not say.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<Option<String>>,
+}
+
+/// One scale-out, with each engine's progress.
+#[utoipa::path(get, path = "/rollout/scale_out/{id}", operation_id = "getScaleOut",
+    params(("id" = String, Path, description = "the scale-out's request_id")),
+    responses((status = 200, description = "The scale-out", body = ScaleOutProgress),
+              (status = 404, description = "No such scale-out", body = ErrorBody)))]
+pub(crate) async fn get_scale_out(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<ScaleOutProgress>, ApiError> {
     let inner = s.manager.fleet.lock();
     let record = inner.ops.scale_out(&id).ok_or_else(|| {
         ApiError::not_found(
@@ -236,21 +370,39 @@ async fn get_scale_out(State(s): State<ApiState>, Path(id): Path<String>) -> Res
             format!("no scale-out request with id {id}; list them with GET /rollout/scale_out"),
         )
     })?;
-    let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
     // Per-engine progress, for engines still in the fleet.
-    let engines: Vec<Value> = record
+    let engines = record
         .engine_ids()
         .iter()
         .map(|eid| match inner.engines.get(eid) {
-            Some(e) => json!({"engine_id": eid, "url": e.record().url(), "status": e.status(), "is_healthy": e.record().is_healthy(), "detail": e.record().detail()}),
-            None => json!({"engine_id": eid, "status": "REMOVED"}),
+            Some(e) => EngineProgress {
+                engine_id: eid.clone(),
+                status: e.status().to_string(),
+                url: Some(e.record().url().clone()),
+                is_healthy: Some(e.record().is_healthy()),
+                detail: Some(e.record().detail().clone()),
+            },
+            None => EngineProgress {
+                engine_id: eid.clone(),
+                status: "REMOVED".into(),
+                url: None,
+                is_healthy: None,
+                detail: None,
+            },
         })
         .collect();
-    value["engines"] = Value::Array(engines);
-    Ok(Json(value))
+    Ok(Json(ScaleOutProgress { record: record.clone(), engines }))
 }
 
-async fn get_scale_in(State(s): State<ApiState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// One scale-in.
+#[utoipa::path(get, path = "/rollout/scale_in/{id}", operation_id = "getScaleIn",
+    params(("id" = String, Path, description = "the scale-in's request_id")),
+    responses((status = 200, description = "The scale-in", body = crate::registry::fleet::ScaleInRecord),
+              (status = 404, description = "No such scale-in", body = ErrorBody)))]
+pub(crate) async fn get_scale_in(
+    State(s): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<crate::registry::fleet::ScaleInRecord>, ApiError> {
     let inner = s.manager.fleet.lock();
     let record = inner.ops.scale_in(&id).ok_or_else(|| {
         ApiError::not_found(
@@ -258,32 +410,45 @@ async fn get_scale_in(State(s): State<ApiState>, Path(id): Path<String>) -> Resu
             format!("no scale-in request with id {id}; list them with GET /rollout/scale_in"),
         )
     })?;
-    serde_json::to_value(record).map(Json).map_err(|e| ApiError::internal("serialize", e.to_string()))
+    Ok(Json(record.clone()))
 }
 
-async fn cancel_scale_out(
+/// Cancel a running scale-out: the engines it created are stopped.
+#[utoipa::path(post, path = "/rollout/scale_out/{id}/cancel", operation_id = "cancelScaleOut",
+    params(("id" = String, Path, description = "the scale-out's request_id")),
+    responses((status = 200, description = "Cancellation requested", body = crate::registry::fleet::ScaleOutRecord),
+              (status = 404, description = "No such scale-out", body = ErrorBody),
+              (status = 409, description = "The scale-out already ended", body = ErrorBody)))]
+pub(crate) async fn cancel_scale_out(
     State(s): State<ApiState>,
     Path(id): Path<String>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<Json<crate::registry::fleet::ScaleOutRecord>, ApiError> {
     let id = rollout_core::ids::OpId::parse(&id).map_err(|_| scaling::unknown_scale_out(&id))?;
     let record = scaling::cancel_scale_out(&s.manager, &id)?;
-    let mut value = serde_json::to_value(record).map_err(|e| ApiError::internal("serialize", e.to_string()))?;
-    value["message"] = json!("cancellation requested; created engines are being stopped");
-    Ok((StatusCode::OK, Json(value)))
+    Ok(Json(record.answering("cancellation requested; created engines are being stopped")))
 }
 
-async fn cancel_many(State(s): State<ApiState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+/// What `POST /rollout/scale_out_cancel` cancelled (or would, for a dry run).
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct BatchCancelResult {
+    dry_run: bool,
+    /// The scale-outs' request ids.
+    cancelled: Vec<rollout_core::ids::OpId>,
+    total: usize,
+}
+
+/// Cancel every running scale-out (or those in `status_filter`).
+#[utoipa::path(post, path = "/rollout/scale_out_cancel", operation_id = "cancelScaleOuts",
+    request_body = scaling::BatchCancelRequest,
+    responses((status = 200, description = "The scale-outs cancelled", body = BatchCancelResult),
+              (status = 400, description = "Bad body or status", body = ErrorBody)))]
+pub(crate) async fn cancel_many(
+    State(s): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<BatchCancelResult>, ApiError> {
     let req: scaling::BatchCancelRequest = parse_body(&body)?;
     let cancelled = scaling::cancel_many(&s.manager, &req)?;
-    Ok(Json(json!({ "dry_run": req.dry_run, "total": cancelled.len(), "cancelled": cancelled })))
-}
-
-/// The OpenAPI document of this API, kept beside the docs and checked by the tests.
-const OPENAPI: &str = include_str!("../../../../../docs/openapi.json");
-
-async fn openapi() -> axum::response::Response {
-    use axum::response::IntoResponse;
-    ([("content-type", "application/json")], OPENAPI).into_response()
+    Ok(Json(BatchCancelResult { dry_run: req.dry_run, total: cancelled.len(), cancelled }))
 }
 
 /// The manager's Prometheus metrics: the process, the fleet, the router and each routable

@@ -23,7 +23,7 @@ use rollout_core::autoscaler::{
     Action, AutoscalerConfig, AutoscalerState, Evaluation, FleetMetrics, FleetState, PipelineReport, Tick, TraceLine,
 };
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -38,7 +38,8 @@ pub const HISTORY_FILE: &str = "autoscaler-history.json";
 
 /// One operation the autoscaler started (or tried to), as `GET /autoscaler/scale_history`
 /// shows it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = ScaleHistoryEntry)]
 pub struct HistoryEntry {
     /// The scale API's request id; null when the API refused the request.
     pub request_id: Option<String>,
@@ -53,6 +54,7 @@ pub struct HistoryEntry {
     pub delta: u32,
     pub reason: String,
     pub triggered_conditions: Vec<String>,
+    #[schema(value_type = MetricsView)]
     pub metrics_snapshot: Value,
     pub error_message: Option<String>,
     /// `serving` or `pipeline`.
@@ -412,7 +414,7 @@ impl Autoscaler {
             };
             match scale_in::scale_in(&self.manager, req) {
                 Ok(ScaleInAnswer::Accepted(a)) => Ok(a),
-                Ok(ScaleInAnswer::DryRun { .. }) => {
+                Ok(ScaleInAnswer::DryRun(_)) => {
                     Err(OpError::internal("unexpected_dry_run", "scale-in answered a dry run"))
                 }
                 Err(e) => Err(e),
@@ -430,7 +432,7 @@ impl Autoscaler {
             delta: *delta,
             reason: reason.clone(),
             triggered_conditions: conditions.clone(),
-            metrics_snapshot: metrics_view(evaluation.metrics.as_ref()),
+            metrics_snapshot: serde_json::to_value(metrics_view(evaluation.metrics.as_ref())).unwrap_or_default(),
             error_message: None,
             signal: serde_json::to_value(evaluation.signal)
                 .ok()
@@ -512,20 +514,49 @@ fn record_collect(c: &mut CollectStatus, tick: &Tick, at_unix: f64) {
     }
 }
 
-/// The fleet metrics as the API shows them (the seed's `recent_metrics` names first).
-pub fn metrics_view(m: Option<&FleetMetrics>) -> Value {
+/// The fleet's metrics as the latest complete read gave them: empty (`{}`) before the first.
+/// The seed's `recent_metrics` names first.
+#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
+#[schema(as = AutoscalerMetrics)]
+pub struct MetricsView {
+    /// Engines that answered the read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_engines: Option<u32>,
+    /// Mean KV-cache usage over the engines, 0..1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub avg_token_usage: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_queue_reqs: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_token_usage: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_running_reqs: Option<f64>,
+    /// Generated tokens per second, the fleet's sum.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gen_throughput: Option<f64>,
+    /// Seconds, over the requests that finished since the read before; null without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<f64>)]
+    pub queue_time_p95: Option<Option<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<f64>)]
+    pub ttft_p95: Option<Option<f64>>,
+}
+
+/// The fleet metrics as the API shows them.
+pub fn metrics_view(m: Option<&FleetMetrics>) -> MetricsView {
     match m {
-        None => json!({}),
-        Some(m) => json!({
-            "num_engines": m.num_engines,
-            "avg_token_usage": m.avg_token_usage,
-            "total_queue_reqs": m.total_queue_reqs,
-            "max_token_usage": m.max_token_usage,
-            "total_running_reqs": m.total_running_reqs,
-            "gen_throughput": m.gen_throughput,
-            "queue_time_p95": m.queue_time_p95,
-            "ttft_p95": m.ttft_p95,
-        }),
+        None => MetricsView::default(),
+        Some(m) => MetricsView {
+            num_engines: Some(m.num_engines),
+            avg_token_usage: Some(m.avg_token_usage),
+            total_queue_reqs: Some(m.total_queue_reqs),
+            max_token_usage: Some(m.max_token_usage),
+            total_running_reqs: Some(m.total_running_reqs),
+            gen_throughput: Some(m.gen_throughput),
+            queue_time_p95: Some(m.queue_time_p95),
+            ttft_p95: Some(m.ttft_p95),
+        },
     }
 }
 

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// One engine as reported by `GET /rollout/engines`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = Engine)]
 pub struct EngineRecord {
     pub(super) engine_id: EngineId,
     pub(super) url: String,
@@ -25,6 +26,7 @@ pub struct EngineRecord {
     pub(super) pid: Option<u32>,
     pub(super) started_at: f64,
     pub(super) updated_at: f64,
+    #[schema(value_type = Option<String>)]
     pub(super) log_path: Option<PathBuf>,
     /// Requests the router has in flight to this engine.
     pub(super) in_flight: usize,

@@ -9,7 +9,7 @@ use rollout_core::ids::{EngineId, OpId};
 use rollout_core::{IllegalTransition, ScaleInEvent, ScaleInStatus, ScaleOutEvent, ScaleOutStatus};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScaleOutRecord {
     pub(super) request_id: OpId,
     pub(super) status: ScaleOutStatus,
@@ -28,7 +28,7 @@ pub struct ScaleOutRecord {
     pub(super) history: Vec<Transition>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScaleInRecord {
     pub(super) request_id: OpId,
     pub(super) status: ScaleInStatus,
@@ -47,6 +47,12 @@ pub struct ScaleInRecord {
 }
 
 impl ScaleOutRecord {
+    /// The record as an answer that says `message` (the record itself keeps its own).
+    pub fn answering(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
+    }
+
     /// A PENDING scale-out as it is accepted (`weight_version`: the fleet's version then).
     pub fn new(
         request_id: OpId,

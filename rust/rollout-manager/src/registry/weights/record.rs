@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// One engine's part in an update.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EngineUpdate {
     pub(super) status: EngineUpdateStatus,
     pub(super) error: Option<String>,
@@ -30,12 +30,14 @@ impl EngineUpdate {
 }
 
 /// One fleet update, as `GET /rollout/weights/updates/{id}` reports it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = WeightUpdate)]
 pub struct UpdateRecord {
     pub(super) update_id: UpdateId,
     pub(super) version: String,
+    /// The checkpoint directory; empty for a trainer update.
     pub(super) path: String,
-    /// SHA-256 of the checkpoint (see [`rollout_core::weights`] for the rule); `None` while the
+    /// The checkpoint's checksum (SHA-256 of its shards' listing, docs/api.md); null while the
     /// update is CHECKSUMMING.
     pub(super) checksum: Option<String>,
     /// The checksum the publish asked for, if any: the update fails unless the files have it.
