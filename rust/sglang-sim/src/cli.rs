@@ -229,6 +229,11 @@ pub struct Config {
     /// the engine fails until the file is removed.
     #[arg(long, value_name = "PATH", help_heading = "Fault injection")]
     pub fail_startup_while: Option<std::path::PathBuf>,
+    /// Stay in the startup's weight loading (the port not yet bound) while this file exists:
+    /// a slow load that a test ends when it chooses, e.g. to lose the engine's node while it
+    /// starts.
+    #[arg(long, value_name = "PATH", help_heading = "Fault injection")]
+    pub hold_startup_while: Option<std::path::PathBuf>,
     /// Serve `POST /sim/faults` (slow health checks, hang) to break this engine while it runs.
     #[arg(long, help_heading = "Fault injection")]
     pub enable_fault_api: bool,

@@ -135,6 +135,12 @@ async fn run_instance(
         _ = tokio::time::sleep(Duration::from_secs_f64(cfg.startup_delay)) => {}
         _ = shutdown_requested(shutdown.clone()) => return Ok(()),
     }
+    while cfg.hold_startup_while.as_ref().is_some_and(|p| p.exists()) {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            _ = shutdown_requested(shutdown.clone()) => return Ok(()),
+        }
+    }
     if cfg.fail_startup || cfg.fail_startup_while.as_ref().is_some_and(|p| p.exists()) {
         return Err(StartupError::Simulated(port));
     }

@@ -60,8 +60,26 @@ fn follow_slowest(manager: &Manager, request_id: &OpId, racing: &[EngineId], sta
     }
 }
 
-/// Brings one engine from CREATING to READY.
+/// Most times a scale-out places one engine again after its node was lost while it started
+/// (Ray mode); the operation's deadline bounds the waits for a new node.
+const MAX_PLACEMENTS: usize = 4;
+
+/// Brings one engine from CREATING to READY. In Ray mode, an engine whose node is lost while it
+/// starts is placed again on another node rather than failing the operation.
 async fn bring_up(manager: &Arc<Manager>, id: &EngineId, cancel: &CancellationToken) -> Result<(), EngineError> {
+    let mut placements = 1;
+    loop {
+        let result = bring_up_once(manager, id, cancel).await;
+        match result {
+            Err(e) if placements < MAX_PLACEMENTS && manager.place_again_after_node_loss(id, &e).await => {
+                placements += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn bring_up_once(manager: &Arc<Manager>, id: &EngineId, cancel: &CancellationToken) -> Result<(), EngineError> {
     let external = manager.fleet.lock().engines.get(id).is_some_and(|e| e.record().origin() == EngineOrigin::External);
     if external {
         manager.connect(id).await?;

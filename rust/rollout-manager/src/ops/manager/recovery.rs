@@ -219,6 +219,48 @@ impl Manager {
         unbound
     }
 
+    /// Ray mode: an engine whose start failed because its node went away (its placement was
+    /// unbound by the agent's loss, or its agent no longer answers) is placed again: it goes
+    /// back to CREATING and its next launch waits for the agent Ray binds on another node. A
+    /// failure of the engine itself (its agent answers) is not retried here. Whether it was.
+    pub async fn place_again_after_node_loss(&self, engine_id: &EngineId, error: &EngineError) -> bool {
+        if !self.ray() || matches!(error, EngineError::Cancelled | EngineError::Left(_)) {
+            return false;
+        }
+        let agent = {
+            let inner = self.fleet.lock();
+            match inner.placements.get(engine_id) {
+                Some(p) if p.desired == rollout_core::Desired::Present => p.agent.clone(),
+                _ => return false,
+            }
+        };
+        if let Some(agent) = &agent {
+            if self.agents.is_live(&agent.url).await {
+                return false;
+            }
+            // The loss may not have been noticed yet: the placement is unbound now.
+            self.agent_lost(&agent.url, Some(engine_id), "its agent stopped answering while the engine started");
+        }
+        let again = self.fleet.update(|inner| {
+            let unbound = inner.placements.get(engine_id).is_some_and(|p| p.agent.is_none());
+            // A step that failed while the process still ran fails the engine first.
+            if !unbound || (!inner.engines.fail(engine_id, None) && !is_failed(inner, engine_id)) {
+                return false;
+            }
+            if inner.engines.event(engine_id, EngineEvent::Restart).is_err() {
+                return false;
+            }
+            if let Some(e) = inner.engines.get_mut(engine_id) {
+                e.set_detail(Some(format!("its node was lost while it started ({error}); placed again")));
+            }
+            true
+        });
+        if again {
+            tracing::warn!(engine_id = %engine_id, error = %error, "engine's node lost while it started; placing it again");
+        }
+        again
+    }
+
     /// Ray mode: unbinds the placements of every agent the connections find gone, until shutdown.
     pub fn spawn_agent_loss_watch(self: &Arc<Self>) {
         let (m, mut lost) = (self.clone(), self.agents.lost_agents());
@@ -239,4 +281,8 @@ impl Manager {
             }
         });
     }
+}
+
+fn is_failed(inner: &crate::registry::fleet::FleetInner, engine_id: &EngineId) -> bool {
+    inner.engines.get(engine_id).is_some_and(|e| e.status() == EngineStatus::Failed)
 }
