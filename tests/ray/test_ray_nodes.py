@@ -275,7 +275,8 @@ def test_a_lost_node_heals_under_load_on_the_current_weights(job: Job, tmp_path:
 
 
 def test_a_node_lost_while_a_scale_out_starts_an_engine_places_it_again(job: Job, home: Path) -> None:
-    # Two empty GPU nodes join; the fifth engine is placed on one of them and held in its weight
+    # After the test above: the fleet is on v2 and its 4 engines fill the 2 GPU nodes left. Two
+    # empty GPU nodes join; the fifth engine is placed on one of them and held in its weight
     # load, its process started there.
     fresh = [job.ray.cluster.add_node(**WORKER) for _ in range(2)]
     fresh_ids = {n.node_id for n in fresh}

@@ -306,6 +306,7 @@ pub(crate) struct HistoryQuery {
     #[param(minimum = 1)]
     limit: Option<i64>,
     /// Only this action.
+    #[param(inline)]
     action: Option<HistoryAction>,
 }
 

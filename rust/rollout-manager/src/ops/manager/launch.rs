@@ -202,6 +202,11 @@ impl Manager {
     ) -> Result<crate::adapters::engine_host::Hosted, EngineError> {
         let (spec, at) = if self.ray() {
             let binding = self.wait_bound(engine_id).await?;
+            self.fleet.update(|inner| {
+                if let Some(e) = inner.engines.get_mut(engine_id) {
+                    e.launching_on(&binding.url);
+                }
+            });
             let (model_path, weight_version, seed_args) =
                 self.launch_weights(Node::Agent(binding.url.clone()), seed.as_ref()).await?;
             let log_path = self.config.state_dir.join("logs").join(format!("{engine_id}.log"));

@@ -220,45 +220,78 @@ impl Manager {
     }
 
     /// Ray mode: an engine whose start failed because its node went away (its placement was
-    /// unbound by the agent's loss, or its agent no longer answers) is placed again: it goes
-    /// back to CREATING and its next launch waits for the agent Ray binds on another node. A
-    /// failure of the engine itself (its agent answers) is not retried here. Whether it was.
+    /// unbound by the agent's loss or bound since to another agent, or the agent it was launched
+    /// through no longer answers) is placed again: it goes back to CREATING and its next launch
+    /// waits for the agent Ray binds on another node. A failure of the engine itself (the agent
+    /// it runs on answers) is not retried here. Whether it was.
     pub async fn place_again_after_node_loss(&self, engine_id: &EngineId, error: &EngineError) -> bool {
         if !self.ray() || matches!(error, EngineError::Cancelled | EngineError::Left(_)) {
             return false;
         }
-        let agent = {
+        let (bound, launched_on, old) = {
             let inner = self.fleet.lock();
-            match inner.placements.get(engine_id) {
-                Some(p) if p.desired == rollout_core::Desired::Present => p.agent.clone(),
-                _ => return false,
-            }
+            let Some(p) = inner.placements.get(engine_id).filter(|p| p.desired == rollout_core::Desired::Present)
+            else {
+                return false;
+            };
+            let engine = inner.engines.get(engine_id);
+            let launched_on = engine.and_then(|e| e.launched_on()).map(str::to_string);
+            (p.agent.as_ref().map(|a| a.url.clone()), launched_on, engine.and_then(|e| e.process().cloned()))
         };
-        if let Some(agent) = &agent {
-            if self.agents.is_live(&agent.url).await {
+        // The agent the failed attempt ran on: the one it launched through, else the one bound.
+        let Some(ran_on) = launched_on.or_else(|| bound.clone()) else { return false };
+        if bound.as_deref() == Some(ran_on.as_str()) {
+            if self.agents.is_live(&ran_on).await {
                 return false;
             }
-            // The loss may not have been noticed yet: the placement is unbound now.
-            self.agent_lost(&agent.url, Some(engine_id), "its agent stopped answering while the engine started");
+            // The loss was not noticed yet: the placement is unbound now.
+            self.agent_lost(&ran_on, Some(engine_id), "its agent stopped answering while the engine started");
+        }
+        if let Some(old) = old {
+            // The old process's exit fails the engine: let that happen before it starts again.
+            self.wait_process_settled(engine_id, &old).await;
         }
         let again = self.fleet.update(|inner| {
-            let unbound = inner.placements.get(engine_id).is_some_and(|p| p.agent.is_none());
+            let moved_on =
+                inner.placements.get(engine_id).is_some_and(|p| p.agent.as_ref().is_none_or(|a| a.url != ran_on));
             // A step that failed while the process still ran fails the engine first.
-            if !unbound || (!inner.engines.fail(engine_id, None) && !is_failed(inner, engine_id)) {
+            if !moved_on || (!inner.engines.fail(engine_id, None) && !is_failed(inner, engine_id)) {
                 return false;
             }
             if inner.engines.event(engine_id, EngineEvent::Restart).is_err() {
                 return false;
             }
             if let Some(e) = inner.engines.get_mut(engine_id) {
-                e.set_detail(Some(format!("its node was lost while it started ({error}); placed again")));
+                e.process_gone();
             }
             true
         });
         if again {
-            tracing::warn!(engine_id = %engine_id, error = %error, "engine's node lost while it started; placing it again");
+            tracing::warn!(engine_id = %engine_id, agent = %ran_on, error = %error, "the engine's node was lost while it started; placing it again");
         }
         again
+    }
+
+    /// Waits (at most 2 s) until `old`, the engine's process, has exited and its exit has been
+    /// taken (the engine no longer holds it).
+    async fn wait_process_settled(&self, engine_id: &EngineId, old: &EngineProcess) {
+        let mut changes = self.fleet.subscribe();
+        let settled = async {
+            old.wait().await;
+            loop {
+                let holds = self
+                    .fleet
+                    .lock()
+                    .engines
+                    .get(engine_id)
+                    .and_then(|e| e.process())
+                    .is_some_and(|p| p.pid == old.pid && p.start_ticks == old.start_ticks);
+                if !holds || changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), settled).await;
     }
 
     /// Ray mode: unbinds the placements of every agent the connections find gone, until shutdown.

@@ -206,6 +206,7 @@ impl Engines {
             paused_by_control: false,
             bringup: None,
             copying_from: None,
+            launched_on: None,
             awaiting_trainer: false,
             transitions: 0,
             up_since: None,
@@ -410,6 +411,9 @@ pub struct Engine {
     /// The engine it copies its weights from while it starts (SGLang's remote-instance
     /// loading of a version the trainer broadcast); None once it is healthy.
     copying_from: Option<String>,
+    /// Ray mode: the agent its latest process was launched through (the placement may since
+    /// have been bound to another, when the node went away).
+    launched_on: Option<String>,
     /// It runs, but no engine serves the fleet's version to copy it from and the version has
     /// no checkpoint: it waits out of routing (WEIGHT_SYNCING) for the trainer's next update,
     /// which includes it.
@@ -481,6 +485,16 @@ impl Engine {
     /// The engine it copies its weights from while it starts, if any.
     pub fn copying_from(&self) -> Option<&str> {
         self.copying_from.as_deref()
+    }
+
+    /// Ray mode: the agent its latest process was launched through.
+    pub fn launched_on(&self) -> Option<&str> {
+        self.launched_on.as_deref()
+    }
+
+    /// Ray mode: its process is being launched through the agent at `agent_url`.
+    pub fn launching_on(&mut self, agent_url: &str) {
+        self.launched_on = Some(agent_url.to_string());
     }
 
     /// Whether it waits out of routing for the trainer's next update.
