@@ -57,6 +57,34 @@ impl WeightVersion {
 }
 
 /// How a fleet moves to a new version.
+/// SGLang's `/pause_generation` modes. Request bodies carry the name as a string, so that an
+/// unknown one is refused as `invalid_pause_mode` (checked with [`PauseMode::known`]) rather
+/// than as a body that cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(rename_all = "snake_case")]
+pub enum PauseMode {
+    Abort,
+    Retract,
+    InPlace,
+}
+
+impl PauseMode {
+    pub const ALL: [Self; 3] = [Self::Abort, Self::Retract, Self::InPlace];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Abort => "abort",
+            Self::Retract => "retract",
+            Self::InPlace => "in_place",
+        }
+    }
+
+    /// Whether `name` is one of the modes.
+    pub fn known(name: &str) -> bool {
+        Self::ALL.into_iter().any(|m| m.name() == name)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UpdateStrategy {

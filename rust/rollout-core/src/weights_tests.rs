@@ -216,3 +216,12 @@ fn every_edge_of_the_weight_machines() {
         }
     }
 }
+
+#[test]
+fn pause_modes_are_sglangs_three() {
+    for (name, known) in
+        [("abort", true), ("retract", true), ("in_place", true), ("in-place", false), ("Abort", false), ("", false)]
+    {
+        assert_eq!(crate::weights::PauseMode::known(name), known, "{name:?}");
+    }
+}

@@ -87,9 +87,9 @@ impl ErrorBody {
     }
 }
 
-/// The JSON body of an error, for handlers that build responses by hand.
+/// The JSON body of an error ([`ErrorBody`]), for handlers that build responses by hand.
 pub fn error_body(code: &str, message: &str) -> serde_json::Value {
-    json!({ "error": { "code": code, "message": message } })
+    json!(ErrorBody::new(code, message))
 }
 
 impl IntoResponse for ApiError {

@@ -551,7 +551,7 @@ async fn pause(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> 
         Ok(r) => r,
         Err(e) => return refuse(e),
     };
-    if !matches!(req.mode.as_str(), "abort" | "retract" | "in_place") {
+    if !rollout_core::weights::PauseMode::known(&req.mode) {
         return refuse(OpError::invalid(
             "invalid_pause_mode",
             format!("mode {:?} must be abort, retract or in_place", req.mode),

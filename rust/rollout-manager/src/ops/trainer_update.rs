@@ -104,7 +104,7 @@ fn check(req: &OpenRequest) -> Result<(), OpError> {
     if req.tensors != Bucket::default() {
         check_bucket(&req.tensors)?;
     }
-    if !matches!(req.pause_mode.as_str(), "abort" | "retract" | "in_place") {
+    if !rollout_core::weights::PauseMode::known(&req.pause_mode) {
         return Err(OpError::invalid(
             "invalid_pause_mode",
             format!("pause_mode {:?} must be abort, retract or in_place", req.pause_mode),

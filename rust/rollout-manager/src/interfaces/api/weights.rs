@@ -139,38 +139,11 @@ pub struct TrainerUpdateRequest {
     pub group_prefix: Option<String>,
     /// `/pause_generation` mode: `retract` (default), `abort` or `in_place`.
     #[serde(default)]
-    #[schema(value_type = Option<PauseMode>)]
+    #[schema(value_type = Option<rollout_core::weights::PauseMode>)]
     pub pause_mode: Option<String>,
     /// Flush the engines' cache after the update (default true).
     #[serde(default)]
     pub flush_cache: Option<bool>,
-}
-
-/// SGLang's `/pause_generation` modes. Bodies carry the name as a string, so that an unknown
-/// one is refused as `invalid_pause_mode` rather than as a body serde cannot read.
-#[derive(Clone, Copy, utoipa::ToSchema)]
-#[schema(rename_all = "snake_case")]
-pub(crate) enum PauseMode {
-    Abort,
-    Retract,
-    InPlace,
-}
-
-impl PauseMode {
-    const ALL: [Self; 3] = [Self::Abort, Self::Retract, Self::InPlace];
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Abort => "abort",
-            Self::Retract => "retract",
-            Self::InPlace => "in_place",
-        }
-    }
-
-    /// Whether `name` is one of the modes.
-    fn known(name: &str) -> bool {
-        Self::ALL.into_iter().any(|m| m.name() == name)
-    }
 }
 
 /// Open a weight update whose bytes the trainer broadcasts over NCCL.
@@ -306,7 +279,7 @@ pub struct PublishRequest {
     pub checksum: Option<String>,
     /// `all_at_once`: the `/pause_generation` mode (default `abort`).
     #[serde(default)]
-    #[schema(value_type = Option<PauseMode>)]
+    #[schema(value_type = Option<rollout_core::weights::PauseMode>)]
     pub pause_mode: Option<String>,
 }
 
@@ -353,7 +326,7 @@ pub(crate) async fn publish(
     let req: PublishRequest = parse_body(&body)?;
     let version = version_name(&req.version)?;
     let pause_mode = req.pause_mode.clone().unwrap_or_else(|| "abort".into());
-    if !PauseMode::known(&pause_mode) {
+    if !rollout_core::weights::PauseMode::known(&pause_mode) {
         return Err(ApiError::bad_request(
             "invalid_pause_mode",
             format!("pause_mode {pause_mode:?} must be abort, retract or in_place"),
