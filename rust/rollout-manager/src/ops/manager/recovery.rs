@@ -272,26 +272,17 @@ impl Manager {
         again
     }
 
-    /// Waits (at most 2 s) until `old`, the engine's process, has exited and its exit has been
-    /// taken (the engine no longer holds it).
+    /// Waits (at most 2 s) until the engine no longer holds `old`, its process: the exit was
+    /// taken (`watch_exit`).
     async fn wait_process_settled(&self, engine_id: &EngineId, old: &EngineProcess) {
-        let mut changes = self.fleet.subscribe();
-        let settled = async {
-            old.wait().await;
-            loop {
-                let holds = self
-                    .fleet
-                    .lock()
-                    .engines
-                    .get(engine_id)
-                    .and_then(|e| e.process())
-                    .is_some_and(|p| p.pid == old.pid && p.start_ticks == old.start_ticks);
-                if !holds || changes.changed().await.is_err() {
-                    return;
-                }
-            }
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(2), settled).await;
+        let _ = self
+            .watch(Duration::from_secs(2), || {
+                let inner = self.fleet.lock();
+                let process = inner.engines.get(engine_id).and_then(|e| e.process());
+                let holds = process.is_some_and(|p| p.pid == old.pid && p.start_ticks == old.start_ticks);
+                Ok(((), !holds))
+            })
+            .await;
     }
 
     /// Ray mode: unbinds the placements of every agent the connections find gone, until shutdown.
