@@ -7,16 +7,19 @@ One run, simulated engines (`sglang-sim --time-scale 0.01`), 1 GPU per engine:
   each N in `--sizes`, scale out to 2+N, time until the operation is ACTIVE, scale back in to 2;
 - Ray mode: a local `ray.cluster_utils.Cluster` (a head without GPUs, `--nodes` GPU nodes of
   `--gpus-per-node` logical GPUs), the fleet started with `ray job submit -- python -m
-  elastic_rollout_ray.launch`, the same scale-outs; then at 4 engines the GPU node hosting the most
+  elastic_rollout_ray.launch`, the same scale-outs (with how many node agents each started);
+  at 2 + max(sizes) engines, per GPU node: its engines, the fleet's Ray actors and their resident
+  memory, Ray's other worker processes (the raylet's children); then at 4 engines the GPU node hosting the most
   of them is killed hard (`Cluster.remove_node(..., allow_graceful=False)`: raylet and every
   process on it), timed until 4 engines are ACTIVE again with none on it; then `ray job stop`
   (Ray's default stop wait), timed until no placement group, actor, Serve app, agent or engine
   process of the fleet is left.
 
-The goals (issue 15): Ray mode adds at most 2 s to a 16-engine scale-out beyond local mode; a lost
-node's engines are ACTIVE elsewhere within 10 s plus the engines' own startup; nothing is left 30 s
-after `ray job stop`. Timeline plot (`pip install -e 'python[bench]'`): each engine's steps
-through the reconciler during the largest scale-out and the node loss.
+The goals (issues 15 and 33): Ray mode adds at most 2 s to a 16-engine scale-out beyond local
+mode; one agent per node whatever the engine count; a lost node's engines are ACTIVE elsewhere
+within 10 s plus the engines' own startup; nothing is left 30 s after `ray job stop`. Timeline
+plot (`pip install -e 'python[bench]'`): each engine's steps through the reconciler during the
+largest scale-out and the node loss.
 
     cargo build --release --workspace --bins
     .venv/bin/python benches/ray_fleet.py                       # ~3 min
@@ -205,6 +208,62 @@ def reconciler_events() -> list[tuple[float, str, str]]:
     return [(float(t), str(e), str(w)) for t, e, w in reconciler_status()["events"]]
 
 
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def ray_workers_of(raylet_pid: int) -> list[int]:
+    """The Ray worker processes a raylet started (its children titled ``ray::...``)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            title = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == raylet_pid and title.startswith(b"ray::"):
+            pids.append(int(proc.name))
+    return pids
+
+
+def processes_at(control: str, size: int, raylets: dict[str, int]) -> list[dict[str, Any]]:
+    """At ``size`` engines: per GPU node, its engines, the fleet's Ray actors there (agents) with
+    their resident memory, and the node's other Ray worker processes (Ray's pool: idle workers,
+    which also ran the GPU-id tasks), found as the children of the node's raylet (``raylets``:
+    node id -> raylet pid). Scales back in to 2 afterwards."""
+    from ray.util.state import list_actors
+
+    rid = call("POST", f"{control}/rollout/scale_out", {"num_replicas": size})["request_id"]
+    wait(lambda: call("GET", f"{control}/rollout/scale_out/{rid}")["status"] == "ACTIVE", 600, f"{size} engines")
+    placements = call("GET", f"{control}/rollout/placements")["placements"]
+    per_node = collections.Counter(p["agent"]["node_id"] for p in placements)
+    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if a.ray_namespace == NAMESPACE]
+    out = []
+    for node, count in sorted(per_node.items()):
+        fleet = [a for a in actors if a.node_id == node]
+        pids = {a.pid for a in fleet}
+        out.append({
+            "node_id": node, "engines": count, "fleet_actors": [a.class_name for a in fleet],
+            "fleet_actor_rss_mb": sum(rss_mb(pid) for pid in pids),
+            "other_ray_workers": len([p for p in ray_workers_of(raylets[node]) if p not in pids]),
+        })  # fmt: skip
+        n = out[-1]
+        print(f"  node {node[:8]}: {count} engines, fleet actors {n['fleet_actors']} "
+              f"({n['fleet_actor_rss_mb']:.0f} MB), {n['other_ray_workers']} other Ray workers")  # fmt: skip
+    inn = call("POST", f"{control}/rollout/scale_in", {"num_replicas": 2})["request_id"]
+    wait(lambda: call("GET", f"{control}/rollout/scale_in/{inn}")["status"] in ("COMPLETED", "FAILED"), 600, "in")
+    wait(lambda: len(engines(control)) == 2, 120, "scale-in done")
+    return out
+
+
 def run_ray(work: Path, nodes: int, gpus_per_node: int, sizes: list[int]) -> dict[str, Any]:
     import ray
     from ray import serve
@@ -253,6 +312,8 @@ def run_ray(work: Path, nodes: int, gpus_per_node: int, sizes: list[int]) -> dic
         clock = ActiveClock(control)
         result["scale_out"] = scale_series(control, sizes, 2)
         result["events"] = reconciler_events()
+        raylets = {n.node_id: n.all_processes["raylet"][0].process.pid for n in workers}
+        result["processes"] = processes_at(control, 2 + max(sizes), raylets)
 
         # A node dies: the one hosting the most of 4 engines.
         call("POST", f"{control}/rollout/scale_out", {"num_replicas": 4})
@@ -331,11 +392,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             result["ray"]["node_loss_events"],
         ),
     ]
-    colors = {"pg_created": "tab:blue", "pg_ready": "tab:cyan", "host_started": "tab:orange", "bound": "tab:green",
-              "host_lost": "tab:red", "released": "tab:grey"}  # fmt: skip
+    colors = {"pg_created": "tab:blue", "pg_ready": "tab:cyan", "gpus_read": "tab:orange", "bound": "tab:green",
+              "node_lost": "tab:red", "released": "tab:grey"}  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, (title, t0, events) in zip(axes, panels, strict=True):
-        window = [e for e in events if t0 - 0.05 <= e[0] <= t0 + 60]
+        # The placements' own events (the agents' are keyed agent:<node>).
+        window = [e for e in events if t0 - 0.05 <= e[0] <= t0 + 60 and not e[1].startswith("agent:")]
         ids = sorted({e[1] for e in window}, key=lambda x: int(x.rsplit("_", 1)[1]))
         for row, engine in enumerate(ids):
             for t, eid, what in window:
@@ -355,12 +417,30 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def summarize(result: dict[str, Any]) -> str:
-    lines = ["| scale-out of N engines | local mode s | Ray mode s | Ray - local s |", "|---|---|---|---|"]
+    lines = [
+        "| scale-out of N engines | local mode s | Ray mode s | Ray - local s | node agents started in it |",
+        "|---|---|---|---|---|",
+    ]
     for loc, ray_ in zip(result["local"], result["ray"]["scale_out"], strict=True):
+        started = sum(
+            1 for t, _, what in result["ray"]["events"] if what == "agent_started" and ray_["t0"] <= t <= ray_["t1"]
+        )
         lines.append(
             f"| {loc['engines']} | {loc['seconds']:.2f} | {ray_['seconds']:.2f} "
-            f"| {ray_['seconds'] - loc['seconds']:+.2f} |"
+            f"| {ray_['seconds'] - loc['seconds']:+.2f} | {started} |"
         )
+    lines += [
+        "",
+        f"At {sum(n['engines'] for n in result['ray']['processes'])} engines, per GPU node:",
+        "",
+        "| node | engines | the fleet's Ray actors there | their resident MB | Ray's other live workers |",
+        "|---|---|---|---|---|",
+    ]
+    for n in result["ray"]["processes"]:
+        actors = collections.Counter(n["fleet_actors"])
+        named = ", ".join(f"{c} {k}" for k, c in sorted(actors.items()))
+        rss, others = n["fleet_actor_rss_mb"], n["other_ray_workers"]
+        lines.append(f"| {n['node_id'][:8]} | {n['engines']} | {named} | {rss:.0f} | {others} |")
     nl, js = result["ray"]["node_loss"], result["ray"]["job_stop"]
     lines += [
         "",

@@ -20,8 +20,8 @@ Usually run as ``ray job submit -- python -m elastic_rollout_ray.launch ...``. F
 4. stay up until SIGTERM/SIGINT (``ray job stop``); a manager or reconciler actor that dies is
    started again (the manager on the same state dir and ports, so it re-adopts its engines);
 5. tear down everything it created: the Serve app, the manager (which stops its engines), every
-   host actor and placement group, the resource request, its actors. Ray's default stop wait
-   (3 s) may end this early with SIGKILL: then the actors, which this driver owns (and the host
+   agent actor and placement group, the resource request, its actors. Ray's default stop wait
+   (3 s) may end this early with SIGKILL: then the actors, which this driver owns (and the agent
    actors, which the reconciler owns), die with it, the placement groups of the job are removed by
    Ray, and agents and engines die with their actors. Only Serve is not owned by the job: the
    app is deleted first (Serve shut down with it when no other application uses Serve), and if
@@ -314,7 +314,7 @@ class Fleet:
 
     def teardown(self) -> None:
         """Everything at once: the manager (stopping its engines) and the reconciler (stopping
-        every host, removing every group) in parallel while the Serve app is deleted. Whatever a
+        every agent, removing every group) in parallel while the Serve app is deleted. Whatever a
         SIGKILL interrupts, Ray finishes: the actors die with this driver, the groups with the
         job, and the Serve app deletes itself when it sees the job dead."""
         import ray

@@ -2,27 +2,32 @@
 
 An asyncio actor. One task long-polls ``GET /rollout/placements?after=<rev>&wait_secs=<n>`` on the
 manager's Unix socket and hands every placement to its own :class:`PlacementWorker`, which brings
-Ray in line with it independently of the others (a slow or dead host never delays another
+Ray in line with it independently of the others (a slow or dead node never delays another
 placement). A worker waits on events, never on a timer:
 
 - desired present: a placement group ``er-<engine_id>`` (the placement's bundles and strategy) is
-  created, and its readiness awaited (one ``pg.ready()``, not polled); a host actor
-  ``er-host-<engine_id>`` then starts the node agent in bundle 0 and the worker binds it
-  (``POST .../bind``). One call to the host's ``watch`` stays pending: Ray fails it when the actor
-  or its node dies, and the worker reports ``POST .../lost`` and places the engine again (Ray
-  reschedules the group when the node is gone). Death is confirmed first: Ray's
-  ``ActorUnavailableError`` (a transient loss of contact, a network blip) counts only if the
-  host's node is dead in the GCS or the host fails :data:`UNAVAILABLE_PROBES` more probes;
-  otherwise the worker logs it (event ``host_unavailable_transient``) and watches again. A
-  change of the placement wakes the worker too, e.g. the manager unbinding an agent it found
-  gone: if the host no longer answers, the worker replaces its group, avoiding the suspect node.
-- desired absent and not BOUND (the manager stopped the engine): the host is stopped and killed,
-  the group removed, then ``POST .../released``.
+  created, and its readiness awaited (one ``pg.ready()``, not polled); a small task in bundle 0
+  (:func:`~elastic_rollout_ray.actors.bundle_gpus`) reads the node and the GPU ids Ray gave the
+  bundle; the node's agent (:class:`AgentHandle`: one actor ``er-agent-<node_id>`` per node,
+  started by the first placement there and shared by the others) hosts the engine, and the worker
+  binds it (``POST .../bind`` with the bundle's GPU ids). The handle keeps one call to the
+  agent's ``watch`` pending: Ray fails it when the actor or its node dies. Death is confirmed
+  first: Ray's ``ActorUnavailableError`` (a transient loss of contact, a network blip) counts
+  only if the node is dead in the GCS or the agent fails :data:`UNAVAILABLE_PROBES` more probes;
+  otherwise it is logged (event ``agent_unavailable_transient``) and the agent watched again. On
+  a death every worker on that node reports ``POST .../lost`` and places its engine again (Ray
+  reschedules the group when the node is gone). A change of the placement wakes the worker too,
+  e.g. the manager unbinding an agent it found gone: if the agent no longer answers, it is
+  taken for dead and the groups on its node are replaced, avoiding the suspect node.
+- desired absent and not BOUND (the manager stopped its engine): the group is removed, then
+  ``POST .../released``. The agent stays for the node's other engines; one that no placement has
+  used for :data:`AGENT_IDLE_SECS` is stopped.
 
-Placement groups and host actors named ``er-*`` that match no placement are removed (so a new
-reconciler adopts or cleans what an old one left). ``request_resources`` gets the bundles of every
-present placement while any is PENDING_RESOURCES, and nothing once none is. Errors of one
-placement are recorded (``status()["errors"]``) and retried with backoff; they never stop the others.
+Placement groups named ``er-*`` that match no placement are removed, and agent actors no handle
+accounts for are stopped (so a new reconciler cleans what an old one left). ``request_resources``
+gets the bundles of every present placement while any is PENDING_RESOURCES, and nothing once none
+is. Errors of one placement are recorded (``status()["errors"]``) and retried with backoff; they
+never stop the others.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypedDict, TypeVar
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.util.placement_group import (
     PlacementGroup,
     get_placement_group,
@@ -43,31 +48,44 @@ from ray.util.placement_group import (
     placement_group_table,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from elastic_rollout import AsyncRolloutClient, RolloutApiError
-from elastic_rollout_ray.actors import EngineHost
-from elastic_rollout_ray.wire import BindRequest, HostInfo, LostRequest, Placement, parse_placement_list
+from elastic_rollout_ray.actors import NodeAgent, bundle_gpus
+from elastic_rollout_ray.wire import AgentInfo, BindRequest, BundleBinding, LostRequest, Placement, parse_placement_list
 
-__all__ = ["HOST_PREFIX", "PG_PREFIX", "PlacementWorker", "Reconciler", "ReconcilerImpl", "ReconcilerStatus"]
+__all__ = [
+    "AGENT_PREFIX",
+    "PG_PREFIX",
+    "AgentHandle",
+    "PlacementWorker",
+    "Reconciler",
+    "ReconcilerImpl",
+    "ReconcilerStatus",
+]
 
 log = logging.getLogger("elastic_rollout_ray.reconciler")
 
 PG_PREFIX = "er-"
-HOST_PREFIX = "er-host-"
+AGENT_PREFIX = "er-agent-"
 #: Long-poll window of the placements API (the manager's changes end it early).
 WAIT_SECS = 30
-#: How long a host may take to answer ``info`` before it is taken for dead.
-HOST_ANSWER_SECS = 5.0
-#: How long a host may take to start its agent (the agent's own ready timeout is 60 s).
-HOST_START_SECS = 90.0
+#: How long an agent may take to answer ``info`` before it is taken for dead.
+AGENT_ANSWER_SECS = 5.0
+#: How long an agent may take to start (its own ready timeout is 60 s), and a bundle's GPU ids
+#: to be read.
+AGENT_START_SECS = 90.0
 #: How long a group that avoids a suspect node may wait for room elsewhere before it is made
 #: again without the exclusion, if Ray still counts that node alive (Ray finds a dead node in
 #: about 15-30 s with its default health checks).
 AVOID_SECS = 30.0
+#: An agent no placement has used for this long is stopped. It holds no Ray resources, so it
+#: never keeps a node from being scaled down; kept meanwhile, it spares a later scale-out onto
+#: its node the agent's start (a Ray worker process and the agent: 1-2 s, benches/README.md).
+AGENT_IDLE_SECS = 600.0
 
-#: Probes of a host whose ``watch`` failed with ``ActorUnavailableError`` before it is taken for
-#: dead, with the pauses between them (seconds).
+#: Probes of an agent whose ``watch`` failed with ``ActorUnavailableError`` before it is taken
+#: for dead, with the pauses between them (seconds).
 UNAVAILABLE_PROBES = (0.5, 1.0, 2.0)
 
 T = TypeVar("T")
@@ -77,23 +95,171 @@ def pg_name(engine_id: str) -> str:
     return f"{PG_PREFIX}{engine_id}"
 
 
-def host_name(engine_id: str) -> str:
-    return f"{HOST_PREFIX}{engine_id}"
+def agent_name(node_id: str) -> str:
+    return f"{AGENT_PREFIX}{node_id}"
 
 
 class ReconcilerStatus(TypedDict):
     revision: int | None
     placements: list[Placement]
-    hosts: dict[str, HostInfo]
+    #: node id -> its agent
+    agents: dict[str, AgentInfo]
+    #: engine id -> the agent and GPUs its bundle is bound to
+    bindings: dict[str, BundleBinding]
     requested_bundles: list[dict[str, float]] | None
     errors: list[str]
-    #: ``[unix time, engine_id, event]`` for the latest events (pg_created, pg_ready, host_started,
-    #: bound, host_lost, released, ...): what the bench draws its timeline from.
+    #: ``[unix time, key, event]`` for the latest events: what the bench draws its timeline from.
+    #: Per placement (key: the engine id): pg_created, pg_ready, gpus_read, bound, node_lost,
+    #: released; per agent (key ``agent:<node_id>``): agent_started, agent_adopted,
+    #: agent_unavailable_transient, agent_lost, agent_stopped.
     events: list[tuple[float, str, str]]
 
 
 class _Changed(Exception):
     """The placement changed while a worker waited; it re-reads it."""
+
+
+class AgentHandle:
+    """The agent actor of one node, shared by the placements there: started (or adopted) once,
+    watched through one pending ``watch`` call, its death confirmed before it is reported.
+    ``dead`` resolves with the reason once it is gone (or stopped); a new handle replaces it."""
+
+    def __init__(self, owner: ReconcilerImpl, node_id: str) -> None:
+        self.owner = owner
+        self.node_id = node_id
+        self.key = f"agent:{node_id}"
+        self.actor: Any = None
+        self.info: AgentInfo | None = None
+        loop = asyncio.get_running_loop()
+        self.dead: asyncio.Future[str] = loop.create_future()
+        #: engines whose placement uses this agent
+        self.users: set[str] = set()
+        self.idle_since = time.monotonic()
+        #: an error the next wait on ``watch`` raises at once (:meth:`ReconcilerImpl.inject_watch_error`)
+        self.watch_fault: RayActorError | None = None
+        self._poke = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        self.ready: asyncio.Task[AgentInfo] = loop.create_task(self._start(), name=self.key)
+
+    def use(self, engine_id: str) -> None:
+        self.users.add(engine_id)
+
+    def leave(self, engine_id: str) -> None:
+        if engine_id in self.users:
+            self.users.discard(engine_id)
+            if not self.users:
+                self.idle_since = time.monotonic()
+
+    async def ask_info(self) -> AgentInfo:
+        info: AgentInfo = await asyncio.wrap_future(self.actor.info.remote().future())
+        self.info = info
+        return info
+
+    async def _start(self) -> AgentInfo:
+        try:
+            self.actor = await asyncio.to_thread(ray.get_actor, agent_name(self.node_id))
+            started = "agent_adopted"
+        except ValueError:
+            self.actor = NodeAgent.options(  # type: ignore[attr-defined]
+                name=agent_name(self.node_id),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
+            ).remote(self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
+            started = "agent_started"
+        try:
+            info = await asyncio.wait_for(self.ask_info(), AGENT_START_SECS)
+        except (TimeoutError, RayError) as err:  # RayError: also unschedulable (the node is gone)
+            self.fail(f"the agent did not start: {err!r}")
+            raise RuntimeError(f"the agent of node {self.node_id} did not start: {err!r}") from err
+        self.owner.event(self.key, started)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(), name=f"watch {self.key}")
+        return info
+
+    async def _watch(self) -> None:
+        watch: asyncio.Future[Any] | None = None
+        while not self.dead.done():
+            if watch is None:
+                watch = asyncio.wrap_future(self.actor.watch.remote().future())
+            poke = asyncio.ensure_future(self._poke.wait())
+            try:
+                await asyncio.wait({watch, poke}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                poke.cancel()
+            self._poke.clear()
+            fault, self.watch_fault = self.watch_fault, None
+            try:
+                if fault is not None:
+                    raise fault
+                if watch.done():
+                    watch.result()
+                    self._gone("its agent was stopped", "agent_stopped")
+            except RayActorError as err:
+                if fault is None:
+                    watch = None  # that call is over; a new one if the agent lives
+                why = await self._why_dead(err)
+                if why is not None:
+                    self.fail(why)
+
+    async def _why_dead(self, err: RayActorError) -> str | None:
+        """Why the agent is dead after its ``watch`` failed with ``err``, or None when it is not:
+        Ray's ``ActorDiedError`` is final; an ``ActorUnavailableError`` (contact lost, maybe for a
+        moment) is death only if the node is dead in the GCS, or the agent fails every probe of
+        :data:`UNAVAILABLE_PROBES` too."""
+        if not isinstance(err, ActorUnavailableError):
+            return f"agent actor died: {err}"
+        for pause in UNAVAILABLE_PROBES:
+            if self.node_id not in await alive_nodes():
+                return f"node {self.node_id} is dead ({err})"
+            try:
+                await asyncio.wait_for(self.ask_info(), AGENT_ANSWER_SECS)
+            except (TimeoutError, ActorUnavailableError):
+                await asyncio.sleep(pause)
+                continue
+            except RayActorError as again:
+                return f"agent actor died: {again}"
+            log.warning("%s was unavailable for a moment (%s); it answers, watching it again", self.key, err)
+            self.owner.event(self.key, "agent_unavailable_transient")
+            return None
+        return f"agent unavailable after {len(UNAVAILABLE_PROBES) + 1} tries: {err}"
+
+    def fail(self, why: str) -> None:
+        """The agent is taken for dead: killed, and every placement on it told (``dead``)."""
+        if self.dead.done():
+            return
+        self.owner.error(f"{self.key}: {why}")
+        self._gone(why, "agent_lost")
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+
+    def _gone(self, why: str, event: str) -> None:
+        if self.dead.done():
+            return
+        self.dead.set_result(why)
+        self.owner.event(self.key, event)
+        if self.owner.agents.get(self.node_id) is self:
+            del self.owner.agents[self.node_id]
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Stops the agent politely (its engines with it), then kills the actor."""
+        self._gone("stopped by the reconciler", "agent_stopped")
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if not self.ready.done():
+            self.ready.cancel()
+        if self.actor is not None:
+            await stop_agent(self.owner, self.actor, self.key, grace)
+
+
+async def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
+
+
+async def stop_agent(owner: ReconcilerImpl, actor: Any, key: str, grace: float) -> None:
+    """Stops an agent actor's agent politely (its engines with it), then kills the actor."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(actor.stop.remote(grace).future()), grace + 15.0)
+    except (TimeoutError, RayActorError) as err:
+        owner.error(f"{key} did not stop cleanly: {err!r}")
+    ray.kill(actor, no_restart=True)
 
 
 class PlacementWorker:
@@ -106,15 +272,12 @@ class PlacementWorker:
         self.changed = asyncio.Event()
         self.pg: PlacementGroup | None = None
         self._pg_ready: asyncio.Future[Any] | None = None
-        self.host: Any = None
-        self.info: HostInfo | None = None
-        self._watch: asyncio.Future[Any] | None = None
-        #: an error the next wait on ``watch`` raises at once (:meth:`ReconcilerImpl.inject_watch_error`)
-        self.watch_fault: RayActorError | None = None
-        self._started = "host_started"
+        #: (node id, GPU ids) of bundle 0, read in the bundle
+        self.bundle: tuple[str, list[str]] | None = None
+        self.agent: AgentHandle | None = None
         #: the agent URL this worker last bound
         self.bound_url: str | None = None
-        #: node ids a new group must avoid (its previous host there stopped answering)
+        #: node ids a new group must avoid (its agent there stopped answering)
         self.avoid: set[str] = set()
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"placement {self.engine_id}")
 
@@ -122,6 +285,14 @@ class PlacementWorker:
         if placement != self.placement:
             self.placement = placement
             self.changed.set()
+
+    def binding(self) -> BundleBinding | None:
+        if self.bundle is None or self.bound_url is None:
+            return None
+        node_id, gpu_ids = self.bundle
+        return BundleBinding(
+            engine_id=self.engine_id, bundle_index=0, node_id=node_id, gpu_ids=gpu_ids, agent_url=self.bound_url
+        )
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -153,29 +324,69 @@ class PlacementWorker:
 
     async def _run(self) -> None:
         backoff = 0.5
-        while True:
-            p = self.placement
-            self.changed.clear()
-            try:
-                if p["desired"] == "absent":
-                    if p["status"] == "BOUND":  # the manager is still stopping its engine
-                        await self.changed.wait()
-                        continue
-                    await self._release()
-                    return
-                await self._present(p)
-                backoff = 0.5
-            except _Changed:
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # one placement's trouble never ends its worker
-                self.owner.error(f"{self.engine_id}: {err!r}; retrying in {backoff:g}s")
-                await self._pause(backoff)
-                backoff = min(backoff * 2, 10.0)
+        try:
+            while True:
+                p = self.placement
+                self.changed.clear()
+                try:
+                    if p["desired"] == "absent":
+                        if p["status"] == "BOUND":  # the manager is still stopping its engine
+                            await self.changed.wait()
+                            continue
+                        await self._release()
+                        return
+                    await self._present(p)
+                    backoff = 0.5
+                except _Changed:
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # one placement's trouble never ends its worker
+                    self.owner.error(f"{self.engine_id}: {err!r}; retrying in {backoff:g}s")
+                    await self._pause(backoff)
+                    backoff = min(backoff * 2, 10.0)
+        finally:
+            self._leave_agent()
 
     async def _present(self, p: Placement) -> None:
-        """Placement group ready, host started, agent bound; then wait for a change or a death."""
+        """Group ready, GPU ids read, the node's agent up and bound; then wait for a change or
+        for the agent's death."""
+        if not await self._group_ready(p):
+            return
+        if self.bundle is None:
+            # The node's agent starts while the bundle's GPU ids are read (both may start a
+            # process); the GCS already says where the bundle is.
+            if (node := await self._bundle_node()) is not None:
+                self._use_agent(node)
+            self.bundle = await self._until(self._read_bundle(p, node), AGENT_START_SECS)
+        node_id, gpu_ids = self.bundle
+        agent = self._use_agent(node_id)
+        if agent.ready.cancelled():
+            raise RuntimeError(f"the agent of node {node_id} was stopped while it started")
+        try:
+            info = await self._until(asyncio.shield(agent.ready), AGENT_START_SECS)
+        except (RuntimeError, TimeoutError):
+            self.bundle = None  # Ray may have moved the group meanwhile: read it again
+            raise
+        bound = p["agent"]["url"] if p["agent"] is not None else None
+        if bound is None and self.bound_url == info["url"] and not agent.dead.done():
+            # The manager unbound our agent (it found it gone). An agent that still answers with
+            # a running process (restarted on the same port) is bound again; else it is dead.
+            try:
+                info = await self._until(agent.ask_info(), AGENT_ANSWER_SECS)
+            except (TimeoutError, RayActorError) as err:
+                agent.fail(f"it does not answer after the manager lost it: {err!r}")
+            else:
+                if not info["running"]:
+                    await self._pause(1.0)  # its process is being restarted; look again
+                    raise _Changed
+        if not agent.dead.done() and bound != info["url"]:
+            await self._bind(info["url"], node_id, gpu_ids)
+        why = await self._until(asyncio.shield(agent.dead))
+        await self._node_lost(agent, why)
+
+    async def _group_ready(self, p: Placement) -> bool:
+        """The group exists and is placed; False when the worker should look again."""
         if self._pg_ready is None:
             if self.pg is None:
                 self.pg = await self._ensure_pg(p)
@@ -185,84 +396,55 @@ class PlacementWorker:
             try:
                 await self._until(asyncio.shield(self._pg_ready), AVOID_SECS if self.avoid else None)
             except TimeoutError:
-                alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
-                if self.avoid & alive:
+                if self.avoid & await alive_nodes():
                     self.owner.event(self.engine_id, f"no room away from {sorted(self.avoid)}; allowing them again")
                     self.avoid.clear()
                     await self._remove_pg()
                 else:
                     self.avoid.clear()  # Ray knows they are dead: it places nothing there
-                return
+                return False
             self.owner.event(self.engine_id, "pg_ready")
         if (failed := self._pg_ready.exception()) is not None:  # the group was removed under us
-            self._pg_ready, self.pg = None, None
+            self._pg_ready, self.pg, self.bundle = None, None, None
             raise RuntimeError(f"its placement group failed: {failed!r}")
-        info = await self._ensure_host(p)
-        bound = p["agent"]["url"] if p["agent"] is not None else None
-        if bound is None and self.bound_url == info["url"]:
-            # The manager unbound our agent (it found it gone). A host that still answers with
-            # a running agent (restarted on the same port) is bound again; else it is replaced.
-            try:
-                info = await self._until(self._ask_info(), HOST_ANSWER_SECS)
-            except TimeoutError:
-                await self._host_lost("host does not answer after the manager lost its agent")
-                return
-            except RayActorError as err:
-                await self._host_lost(f"host actor died: {err}")
-                return
-            if not info["running"]:
-                await self._pause(1.0)  # its agent is being restarted; look again
-                raise _Changed
-        if bound != info["url"]:
-            await self._bind(info)
-        assert self._watch is not None  # set by _ensure_host
-        try:
-            if self.watch_fault is not None:
-                fault, self.watch_fault = self.watch_fault, None
-                raise fault
-            await self._until(asyncio.shield(self._watch))
-        except RayActorError as err:
-            why = await self._why_dead(err)
-            if why is None:
-                # Transient: the host answers and its node is alive. Watch it again.
-                self._watch = asyncio.wrap_future(self.host.watch.remote().future())
-                return
-            await self._host_lost(why)
-            return
-        # watch returned: the host was stopped (by us, or a reconciler before us); start anew.
-        self._forget_host()
+        return True
 
-    async def _why_dead(self, err: RayActorError) -> str | None:
-        """Why the host is dead after its ``watch`` failed with ``err``, or None when it is not:
-        Ray's ``ActorDiedError`` is final; an ``ActorUnavailableError`` (contact lost, maybe for
-        a moment) is death only if the host's node is dead in the GCS, or the host fails every
-        probe of :data:`UNAVAILABLE_PROBES` too."""
-        if not isinstance(err, ActorUnavailableError):
-            return f"host actor died: {err}"
-        node = self.info["node_id"] if self.info is not None else None
-        for pause in UNAVAILABLE_PROBES:
-            if node is not None:
-                alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
-                if node not in alive:
-                    return f"host's node {node} is dead ({err})"
-            try:
-                await self._until(self._ask_info(), HOST_ANSWER_SECS)
-            except (TimeoutError, ActorUnavailableError):
-                await self._pause(pause)
-                continue
-            except RayActorError as again:
-                return f"host actor died: {again}"
-            log.warning(
-                "%s: host was unavailable for a moment (%s); it answers, watching it again", self.engine_id, err
-            )
-            self.owner.event(self.engine_id, "host_unavailable_transient")
-            return None
-        return f"host actor unavailable after {len(UNAVAILABLE_PROBES) + 1} tries: {err}"
+    def _use_agent(self, node_id: str) -> AgentHandle:
+        """The agent of ``node_id`` for this placement (started if none is)."""
+        agent = self.agent
+        if agent is None or agent.dead.done() or agent.node_id != node_id:
+            self._leave_agent()
+            agent = self.agent = self.owner.agent_for(node_id)
+            agent.use(self.engine_id)
+        return agent
 
-    async def _ask_info(self) -> HostInfo:
-        info: HostInfo = await asyncio.wrap_future(self.host.info.remote().future())
-        self.info = info
-        return info
+    async def _bundle_node(self) -> str | None:
+        """The node bundle 0 of the group is on, as the GCS has it (None if it does not say)."""
+        assert self.pg is not None
+        table = await asyncio.to_thread(placement_group_table, self.pg)
+        node = (table.get("bundles_to_node_id") or {}).get(0)
+        return node if isinstance(node, str) and node else None
+
+    async def _read_bundle(self, p: Placement, node: str | None) -> tuple[str, list[str]]:
+        """The node of bundle 0 and the GPU ids Ray gave it, read by a task in the bundle. One
+        such task at a time per node (``node``: where the GCS says the bundle is): a task with
+        GPUs runs only in a worker process that has run GPU tasks, so tasks one after another
+        reuse one worker where tasks side by side would each start one (about a second of CPU
+        each)."""
+        async with self.owner.probe_lock(node):
+            return await self._read_bundle_now(p)
+
+    async def _read_bundle_now(self, p: Placement) -> tuple[str, list[str]]:
+        assert self.pg is not None
+        ref = bundle_gpus.options(
+            num_gpus=float(p["bundles"][0].get("GPU", 0)),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=0
+            ),
+        ).remote()
+        node_id, gpu_ids = await asyncio.wrap_future(ref.future())
+        self.owner.event(self.engine_id, "gpus_read")
+        return str(node_id), [str(g) for g in gpu_ids]
 
     async def _ensure_pg(self, p: Placement) -> PlacementGroup:
         name = pg_name(self.engine_id)
@@ -284,90 +466,47 @@ class PlacementWorker:
         self.owner.event(self.engine_id, "pg_created" + (f" avoiding {sorted(self.avoid)}" if self.avoid else ""))
         return pg
 
-    async def _ensure_host(self, p: Placement) -> HostInfo:
-        """A host in the group that answers, with a pending ``watch`` call: the running one, one
-        left by an earlier reconciler (adopted), or a new one. A change of the placement while
-        waiting leaves the host starting (the next pass waits for it again)."""
-        if self.host is not None and self._watch is not None and self.info is not None:
-            return self.info
-        if self.host is None:
-            try:
-                self.host = await asyncio.to_thread(ray.get_actor, host_name(self.engine_id))
-                started = "host_adopted"
-            except ValueError:
-                assert self.pg is not None
-                bundle = p["bundles"][0]
-                self.host = EngineHost.options(  # type: ignore[attr-defined]
-                    name=host_name(self.engine_id),
-                    num_cpus=float(bundle.get("CPU", 0)),
-                    num_gpus=float(bundle.get("GPU", 0)),
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=0
-                    ),
-                ).remote(
-                    self.engine_id, self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir
-                )
-                started = "host_started"
-            self._started = started
-        try:
-            info = await self._until(self._ask_info(), HOST_START_SECS)
-        except _Changed:
-            raise
-        except (TimeoutError, RayActorError) as err:
-            ray.kill(self.host, no_restart=True)
-            self._forget_host()
-            raise RuntimeError(f"its host did not start: {err!r}") from err
-        self._watch = asyncio.wrap_future(self.host.watch.remote().future())
-        self.owner.event(self.engine_id, self._started)
-        return info
-
-    async def _bind(self, info: HostInfo) -> None:
-        body = BindRequest(agent_url=info["url"], node_id=info["node_id"], gpu_ids=info["gpu_ids"])
+    async def _bind(self, url: str, node_id: str, gpu_ids: list[str]) -> None:
+        body = BindRequest(agent_url=url, node_id=node_id, gpu_ids=gpu_ids)
+        asked = time.monotonic()
         try:
             await self.owner.client.post(f"/rollout/placements/{self.engine_id}/bind", body)
         except RolloutApiError as err:
             if err.status == 409:  # no longer wanted, or another live agent: re-read the placement
-                self.owner.error(f"{self.engine_id}: bind to {info['url']} refused: {err}")
+                self.owner.error(f"{self.engine_id}: bind to {url} refused: {err}")
                 await self.changed.wait()
                 raise _Changed from err
             raise
-        self.bound_url = info["url"]
-        self.owner.event(self.engine_id, "bound")
+        self.bound_url = url
+        self.owner.event(self.engine_id, f"bound (the manager answered in {time.monotonic() - asked:.2f}s)")
 
-    async def _host_lost(self, why: str) -> None:
-        """The host (and its agent and engine) is gone: tell the manager, and place it again in
-        a new group that avoids the host's node. Ray may count a node alive for many seconds
-        after it died, and would keep the old group's bundle there; if the node is in fact fine
-        and the only one with room, the exclusion is dropped after :data:`AVOID_SECS`."""
-        info = self.info
-        self.owner.event(self.engine_id, "host_lost")
-        self.owner.error(f"{self.engine_id}: {why}")
-        if self.host is not None:
-            ray.kill(self.host, no_restart=True)
-        self._forget_host()
-        self.bound_url = None
-        if info is not None:
+    async def _node_lost(self, agent: AgentHandle, why: str) -> None:
+        """The node's agent (and the engine with it) is gone: tell the manager, and place the
+        engine again in a new group that avoids that node. Ray may count a node alive for many
+        seconds after it died, and would keep the old group's bundle there; if the node is in
+        fact fine and the only one with room, the exclusion is dropped after :data:`AVOID_SECS`."""
+        self.owner.event(self.engine_id, "node_lost")
+        self._leave_agent()
+        url = agent.info["url"] if agent.info is not None else self.bound_url
+        self.bound_url, self.bundle = None, None
+        if url is not None:
             try:
                 await self.owner.client.post(
-                    f"/rollout/placements/{self.engine_id}/lost", LostRequest(agent_url=info["url"], reason=why)
+                    f"/rollout/placements/{self.engine_id}/lost", LostRequest(agent_url=url, reason=why)
                 )
             except RolloutApiError as err:
                 if err.status != 404:
                     self.owner.error(f"{self.engine_id}: reporting the lost agent failed: {err}")
-        if info is not None:
-            self.avoid.add(info["node_id"])
+        self.avoid.add(agent.node_id)
         await self._remove_pg()
 
-    def _forget_host(self) -> None:
-        self.host = None
-        self.info = None
-        if self._watch is not None:
-            self._watch.cancel()
-        self._watch = None
+    def _leave_agent(self) -> None:
+        if self.agent is not None:
+            self.agent.leave(self.engine_id)
+        self.agent = None
 
     async def _remove_pg(self) -> None:
-        self._pg_ready = None
+        self._pg_ready, self.bundle = None, None
         pg, self.pg = self.pg, None
         if pg is None:
             try:
@@ -377,8 +516,9 @@ class PlacementWorker:
         await asyncio.to_thread(remove_placement_group, pg)
 
     async def _release(self) -> None:
-        await self.owner.stop_host(self.engine_id, self.host)
-        self._forget_host()
+        """The manager stopped the engine: its group goes (the agent stays for the node's others)."""
+        self._leave_agent()
+        self.bound_url = None
         await self._remove_pg()
         try:
             await self.owner.client.post(f"/rollout/placements/{self.engine_id}/released")
@@ -403,6 +543,9 @@ class ReconcilerImpl:
         self.revision: int | None = None
         self.placements: list[Placement] = []
         self.workers: dict[str, PlacementWorker] = {}
+        #: node id -> the agent there
+        self.agents: dict[str, AgentHandle] = {}
+        self._probe_locks: dict[str, asyncio.Lock] = {}
         self.requested: list[dict[str, float]] | None = None
         self.errors: deque[str] = deque(maxlen=50)
         self.events: deque[tuple[float, str, str]] = deque(maxlen=2000)
@@ -455,9 +598,24 @@ class ReconcilerImpl:
         for engine_id in [e for e, w in self.workers.items() if e not in listed and w.task.done()]:
             del self.workers[engine_id]
 
+    def probe_lock(self, node_id: str | None) -> asyncio.Lock:
+        """The lock that lets one GPU-id task at a time run on ``node_id`` (a fresh lock, held by
+        nobody else, when the node is unknown)."""
+        if node_id is None:
+            return asyncio.Lock()
+        return self._probe_locks.setdefault(node_id, asyncio.Lock())
+
+    def agent_for(self, node_id: str) -> AgentHandle:
+        """The agent of ``node_id``: the live one, or a new handle that starts (or adopts) it."""
+        agent = self.agents.get(node_id)
+        if agent is None or agent.dead.done():
+            agent = self.agents[node_id] = AgentHandle(self, node_id)
+        return agent
+
     async def _sweep(self) -> None:
-        """Removes ``er-*`` groups and hosts that no placement (and no worker) accounts for; at
-        most every 10 s, since it reads Ray's whole tables."""
+        """Removes ``er-*`` groups that no placement (and no worker) accounts for, stops agent
+        actors no handle accounts for and agents idle for :data:`AGENT_IDLE_SECS`; at most every
+        10 s, since it reads Ray's whole tables."""
         if time.monotonic() - self._last_sweep < 10.0:
             return
         self._last_sweep = time.monotonic()
@@ -468,27 +626,25 @@ class ReconcilerImpl:
             engine_id = name[len(PG_PREFIX) :]
             if name.startswith(PG_PREFIX) and info.get("state") != "REMOVED" and engine_id not in known:
                 self.error(f"placement group {name} matches no placement; removing it")
-                await self.stop_host(engine_id, None)
                 try:
                     await asyncio.to_thread(remove_placement_group, await asyncio.to_thread(get_placement_group, name))
                 except ValueError:
                     pass
+        now = time.monotonic()
+        for agent in [a for a in self.agents.values() if not a.users and now - a.idle_since > AGENT_IDLE_SECS]:
+            await agent.stop()
+        handled = {agent_name(n) for n in self.agents}
         for name in await asyncio.to_thread(ray.util.list_named_actors):
-            if name.startswith(HOST_PREFIX) and name[len(HOST_PREFIX) :] not in known:
-                await self.stop_host(name[len(HOST_PREFIX) :], None)
+            if name.startswith(AGENT_PREFIX) and name not in handled:
+                self.error(f"agent actor {name} matches no node of the fleet; stopping it")
+                await self._stop_named_agent(name, 30.0)
 
-    async def stop_host(self, engine_id: str, host: Any, grace: float = 30.0) -> None:
-        """Stops a host's agent politely (its engine with it), then kills the actor."""
-        if host is None:
-            try:
-                host = await asyncio.to_thread(ray.get_actor, host_name(engine_id))
-            except ValueError:
-                return
+    async def _stop_named_agent(self, name: str, grace: float) -> None:
         try:
-            await asyncio.wait_for(asyncio.wrap_future(host.stop.remote(grace).future()), grace + 15.0)
-        except (TimeoutError, RayActorError) as err:
-            self.error(f"host of {engine_id} did not stop cleanly: {err!r}")
-        ray.kill(host, no_restart=True)
+            actor = await asyncio.to_thread(ray.get_actor, name)
+        except ValueError:
+            return
+        await stop_agent(self, actor, name, grace)
 
     async def _request_resources(self, placements: list[Placement]) -> None:
         from ray.autoscaler.sdk import request_resources
@@ -504,35 +660,42 @@ class ReconcilerImpl:
     # -- control ---------------------------------------------------------------------------
 
     def inject_watch_error(self, engine_id: str) -> bool:
-        """Fault injection (tests): the host watch of ``engine_id`` fails with Ray's
+        """Fault injection (tests): the watch of the agent hosting ``engine_id`` fails with Ray's
         ``ActorUnavailableError``, as when contact with its node is lost for a moment. False if
-        no worker holds that engine."""
+        no worker holds that engine or its agent is not watched yet."""
         worker = self.workers.get(engine_id)
-        if worker is None or worker.task.done():
+        agent = worker.agent if worker is not None and not worker.task.done() else None
+        if agent is None or agent.dead.done() or agent._watcher is None:
             return False
-        worker.watch_fault = ActorUnavailableError("injected: contact lost for a moment", None)
-        worker.changed.set()
+        agent.watch_fault = ActorUnavailableError("injected: contact lost for a moment", None)
+        agent._poke.set()
         return True
 
     def status(self) -> ReconcilerStatus:
         return ReconcilerStatus(
             revision=self.revision,
             placements=self.placements,
-            hosts={e: w.info for e, w in self.workers.items() if w.info is not None},
+            agents={n: a.info for n, a in self.agents.items() if a.info is not None and not a.dead.done()},
+            bindings={e: b for e, w in self.workers.items() if (b := w.binding()) is not None},
             requested_bundles=self.requested,
             errors=list(self.errors),
             events=list(self.events),
         )
 
     async def shutdown(self) -> None:
-        """Stops the loop, every host (concurrently) and every group; resets the resource request."""
+        """Stops the loop, every agent (concurrently; each stops its engines) and every group;
+        resets the resource request."""
         tasks = [t for t in (self._poll, *(w.task for w in self.workers.values())) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        names = await asyncio.to_thread(ray.util.list_named_actors)
-        hosts = {n[len(HOST_PREFIX) :] for n in names if n.startswith(HOST_PREFIX)}
-        await asyncio.gather(*(self.stop_host(e, None, grace=10.0) for e in hosts | set(self.workers)))
+        agents = list(self.agents.values())
+        handled = {agent_name(a.node_id) for a in agents}
+        names = [n for n in await asyncio.to_thread(ray.util.list_named_actors) if n.startswith(AGENT_PREFIX)]
+        await asyncio.gather(
+            *(a.stop(grace=10.0) for a in agents),
+            *(self._stop_named_agent(n, 10.0) for n in names if n not in handled),
+        )
         for info in (await asyncio.to_thread(placement_group_table)).values():
             name = info.get("name") or ""
             if name.startswith(PG_PREFIX) and info.get("state") != "REMOVED":

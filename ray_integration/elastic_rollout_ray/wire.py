@@ -11,8 +11,9 @@ from typing import Literal, TypedDict, TypeVar, cast
 
 __all__ = [
     "AgentBinding",
+    "AgentInfo",
     "BindRequest",
-    "HostInfo",
+    "BundleBinding",
     "LostRequest",
     "Placement",
     "PlacementList",
@@ -64,17 +65,27 @@ class LostRequest(TypedDict):
     reason: str
 
 
-class HostInfo(TypedDict):
-    """What an engine-host actor reports about its agent."""
+class AgentInfo(TypedDict):
+    """What a node agent actor (``er-agent-<node_id>``) reports about its agent process."""
 
-    engine_id: str
     url: str
     node_id: str
-    gpu_ids: list[str]
     pid: int | None
     running: bool
     restarts: int
     log: str
+
+
+class BundleBinding(TypedDict):
+    """Which agent hosts which bundle: the engine of placement ``engine_id`` runs on the GPUs
+    ``gpu_ids`` of bundle ``bundle_index`` of its group, launched through the agent at
+    ``agent_url`` on node ``node_id`` (one agent per node, shared by the engines there)."""
+
+    engine_id: str
+    bundle_index: int
+    node_id: str
+    gpu_ids: list[str]
+    agent_url: str
 
 
 def _field(obj: dict[str, object], key: str, kind: type[T], where: str) -> T:

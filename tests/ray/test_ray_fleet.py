@@ -73,6 +73,21 @@ def er_placement_groups() -> dict[str, dict[str, Any]]:
     }
 
 
+def er_actors() -> list[str]:
+    """The names of the fleet's named actors."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
+
+
+def ray_status() -> dict[str, Any]:
+    """The reconciler's status()."""
+    import ray
+
+    status: dict[str, Any] = ray.get(ray.get_actor("er-reconciler", namespace=NAMESPACE).status.remote(), timeout=30)
+    return status
+
+
 def gpus_taken() -> float:
     import ray
 
@@ -226,6 +241,16 @@ def test_scale_out_to_4_through_serve_takes_4_gpus(fleet: RayFleet) -> None:
     wait_engines(fleet, 4)
     assert len(wait_until(lambda: len(er_placement_groups()) == 4 and er_placement_groups(), 60, "4 PGs")) == 4
     assert gpus_taken() == 4
+    # One agent for the node's four engines, each on the GPU its own bundle was given.
+    placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    assert len({p["agent"]["url"] for p in placements}) == 1, placements
+    gpus = [g for p in placements for g in p["agent"]["gpu_ids"]]
+    assert len(gpus) == 4 and len(set(gpus)) == 4, gpus
+    assert [a for a in er_actors() if a.startswith("er-agent-")] == [f"er-agent-{placements[0]['agent']['node_id']}"]
+    status = ray_status()
+    assert {e: (b["agent_url"], b["gpu_ids"]) for e, b in status["bindings"].items()} == {
+        p["engine_id"]: (p["agent"]["url"], p["agent"]["gpu_ids"]) for p in placements
+    }
 
 
 def parent_cmdline(pid: int) -> str:
@@ -270,31 +295,34 @@ def test_a_killed_engine_is_recovered_by_its_agent(fleet: RayFleet) -> None:
     wait_engines(fleet, 4)
 
 
-def test_a_transient_host_error_restarts_nothing(fleet: RayFleet) -> None:
-    """Ray's ActorUnavailableError on a host's watch (contact lost for a moment) is not taken
-    for death: the host answers and its node is alive, so nothing is reported lost or restarted,
-    and the host is watched again (a second blip is handled the same way)."""
+def test_a_transient_agent_error_restarts_nothing(fleet: RayFleet) -> None:
+    """Ray's ActorUnavailableError on an agent's watch (contact lost for a moment) is not taken
+    for death: the agent answers and its node is alive, so nothing is reported lost or restarted,
+    and the agent is watched again (a second blip is handled the same way)."""
     import ray
 
     engines = wait_engines(fleet, 4)
     before = {e["engine_id"]: e["pid"] for e in engines}
     restarts = {e["engine_id"]: e["restarts"] for e in engines}
-    agents = {
-        p["engine_id"]: p["agent"]["url"]
-        for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
-    }
+    placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
+    agents = {p["engine_id"]: p["agent"]["url"] for p in placements}
     reconciler = ray.get_actor("er-reconciler", namespace=NAMESPACE)
     victim = sorted(before)[0]
+    key = "agent:" + next(p["agent"]["node_id"] for p in placements if p["engine_id"] == victim)
     since = time.time()
 
-    def events(what: str) -> list[float]:
+    def events(*what: str) -> list[tuple[float, str, str]]:
         status = ray.get(reconciler.status.remote())
-        return [t for t, engine, event in status["events"] if engine == victim and event == what and t >= since]
+        return [(t, k, ev) for t, k, ev in status["events"] if ev in what and t >= since]
 
     for blip in (1, 2):
         assert ray.get(reconciler.inject_watch_error.remote(victim))
-        wait_until(lambda n=blip: len(events("host_unavailable_transient")) >= n, 60, f"blip {blip} seen as transient")
-    assert not events("host_lost"), ray.get(reconciler.status.remote())["errors"]
+        wait_until(
+            lambda n=blip: len([e for e in events("agent_unavailable_transient") if e[1] == key]) >= n,
+            60,
+            f"blip {blip} seen as transient",
+        )
+    assert not events("agent_lost", "node_lost"), ray.get(reconciler.status.remote())["errors"]
     assert {e["engine_id"]: e["pid"] for e in fleet.active()} == before
     now = {
         p["engine_id"]: p["agent"]["url"]
@@ -376,7 +404,7 @@ def test_a_killed_reconciler_is_replaced_and_the_fleet_rebuilt(fleet: RayFleet) 
     }
     assert len(before) == 2
     old = ray.get_actor("er-reconciler", namespace=NAMESPACE)
-    ray.kill(old, no_restart=True)  # its host actors (and their agents and engines) die with it
+    ray.kill(old, no_restart=True)  # its agent actors (and their agents and engines) die with it
 
     def rebuilt() -> dict[str, str] | None:
         placements = http("GET", fleet.control_url + "/rollout/placements").json()["placements"]
@@ -496,7 +524,7 @@ def test_job_stop_leaves_nothing(fleet: RayFleet) -> None:
     manager = manager_info()
     pids = [ProcessIdentity.of(manager["pid"]), *(ProcessIdentity.of(e["pid"]) for e in engines if e["pid"])]
     agents = [p["agent"]["url"] for p in http("GET", fleet.control_url + "/rollout/placements").json()["placements"]]
-    assert len(agents) == len(engines) > 0
+    assert len(agents) == len(engines) > 0 and any(a.startswith("er-agent-") for a in er_actors())
 
     def app_actors() -> list[dict[str, str]]:
         return [

@@ -5,9 +5,10 @@ elastic_rollout_ray.launch``, and without a ``--state-dir`` (each job keeps its 
 order: engines spread over the GPU nodes; a node killed (its raylet and everything on it) under
 load heals on the other nodes, on the fleet's current weights, without a failed request; a node
 killed while a scale-out starts an engine on it: the engine is placed again on another node and
-the operation ends ACTIVE; ``ray job stop`` with Ray's default stop wait leaves nothing; after a
-cluster restart a new job starts fresh, and ``--resume`` takes the old job's fleet up
-explicitly; a killed driver takes the whole fleet with it.
+the operation ends ACTIVE; the head killed with the GPU nodes up leaves nothing of the fleet on
+them; on a new cluster a new job starts fresh, ``ray job stop`` with Ray's default stop wait
+leaves nothing, and ``--resume`` takes the old job's fleet up explicitly; a killed driver takes
+the whole fleet with it.
 """
 
 from __future__ import annotations
@@ -93,6 +94,22 @@ def agent_pid(pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     return parent if b"agent" in cmdline[1:2] else None
+
+
+def lineage(pid: int) -> list[str]:
+    """``pid`` and its ancestors, as ``pid state argv``, for a failure message."""
+    out = []
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+        except OSError:
+            out.append(f"{pid} gone")
+            break
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out.append(f"{pid} {fields[0]} {argv}")
+        pid = int(fields[1])
+    return out
 
 
 def submit(cluster: RayCluster, job_id: str, serve_port: int, *extra: str) -> Job:
@@ -215,6 +232,12 @@ def test_engines_spread_over_the_gpu_nodes(job: Job, home: Path) -> None:
         if a.name in ("er-manager", "er-reconciler") or "RolloutIngress" in (a.class_name or "")
     }
     assert where == {"er-manager": head, "er-reconciler": head, "ingress": head}, where
+    # One agent per node, whatever the number of engines there, running on that node.
+    placements = job.placements()
+    urls = {n: {q["agent"]["url"] for q in placements if q["agent"]["node_id"] == n} for n in nodes}
+    assert all(len(u) == 1 for u in urls.values()), urls
+    agent_nodes = {a.name.removeprefix("er-agent-"): a.node_id for a in alive if (a.name or "").startswith("er-agent-")}
+    assert agent_nodes == {n: n for n in nodes}, agent_nodes
 
 
 def test_a_lost_node_heals_under_load_on_the_current_weights(job: Job, tmp_path: Path) -> None:
@@ -338,36 +361,38 @@ def test_a_node_lost_while_a_scale_out_starts_an_engine_places_it_again(job: Job
     wait_until(lambda: len(er_placement_groups()) == len(before), 60, lambda: f"{er_placement_groups()}")
 
 
-def test_job_stop_with_rays_default_wait_leaves_nothing(job: Job) -> None:
-    assert "RAY_JOB_STOP_WAIT_TIME_S" not in job.ray.env
-    job.engines()
-    manager = http("GET", job.control_url + "/rollout/engines")
-    assert manager.status == 200
-    stop = subprocess.run([*job.ray.ray_cli(), "job", "stop", job.job_id], capture_output=True, text=True,
-                          env=job.ray.env, timeout=120, check=False)  # fmt: skip
-    assert stop.returncode == 0, stop.stdout + stop.stderr
-    wait_until(lambda: job.status() == "STOPPED", 60, "the job stopped")
-    wait_until(lambda: nothing_left(job) is None, 30, lambda: f"nothing of the fleet left: {nothing_left(job)}")
-    import ray
-
-    # GPU nodes were killed in the tests before (Ray takes a while to count them out); the
-    # others' GPUs are all free again.
-    free = len(job.ray.cluster.worker_nodes) * GPUS_PER_NODE
-    wait_until(
-        lambda: ray.cluster_resources().get("GPU") == ray.available_resources().get("GPU") == free,
-        60, lambda: f"{free} GPUs, all free: {ray.cluster_resources()} {ray.available_resources()}",
-    )  # fmt: skip
-
-
-def test_after_a_cluster_restart_a_new_job_starts_fresh_and_resume_is_explicit(
+def test_a_dead_head_leaves_nothing_and_a_new_cluster_starts_fresh_with_explicit_resume(
     job: Job, cluster: RayCluster, home: Path, tmp_path_factory: pytest.TempPathFactory, manager_bin: Path
 ) -> None:
     import ray
 
     old = Path(job.state_dir)
     assert (old / "manager.log").exists()
-    # The whole cluster goes and a new one comes up, with the same home directory.
+    # The head dies as `ray stop` on it ends it (GCS, raylet, the job's driver, the manager
+    # actor), while the GPU nodes stay up with the fleet's agents and engines on them. Without
+    # GCS fault tolerance (Ray's default) their raylets give up on the GCS after Ray's default
+    # reconnect timeout (60 s), their workers with them, and every agent and engine follows its
+    # parent: nothing of the fleet is left on them.
+    job.engines()  # every engine, agent and the manager recorded in job.seen
+    assert {i.pid for i in job.seen.values() if i.alive()} and any(agent_pid(p) for p in job.seen), job.seen
     ray.shutdown()
+    cluster.cluster.remove_node(cluster.cluster.head_node, allow_graceful=False)
+    alive = {pid: i for pid, i in job.seen.items() if i.alive()}
+
+    def raylets() -> list[int | None]:
+        # Reaped as init reaps them on a real node: here they are this process's children, and
+        # Ray's workers take a raylet that is a zombie for alive (kill(pid, 0) succeeds).
+        return [n.all_processes["raylet"][0].process.poll() for n in cluster.cluster.worker_nodes]
+
+    def gone() -> bool:
+        raylets()
+        return not [p for p, i in alive.items() if i.alive()]
+
+    def left() -> str:
+        return f"{[lineage(p) for p, i in alive.items() if i.alive()]}; the raylets' exit codes {raylets()}"
+
+    wait_until(gone, 180, lambda: f"the fleet gone: {left()}", interval=0.5)
+    # A new cluster comes up, with the same home directory.
     cluster.cluster.shutdown()
     temp_dir = Path(tmp_path_factory.mktemp("rayn", numbered=True))
     with local_cluster(temp_dir, manager_bin, HEAD, [WORKER] * 2, home=home) as fresh:
@@ -376,8 +401,18 @@ def test_after_a_cluster_restart_a_new_job_starts_fresh_and_resume_is_explicit(
         assert sorted(e["engine_id"] for e in engines) == ["engine_0", "engine_1"]
         assert all(e["restarts"] == 0 and e["weight_version"] != "v2" for e in engines), engines
         assert Path(again.state_dir) != old
-        subprocess.run([*fresh.ray_cli(), "job", "stop", again.job_id], env=fresh.env, timeout=120, check=True)
+        # `ray job stop` with Ray's default stop wait leaves nothing of the fleet, and frees every GPU.
+        assert "RAY_JOB_STOP_WAIT_TIME_S" not in fresh.env
+        stop = subprocess.run([*fresh.ray_cli(), "job", "stop", again.job_id], capture_output=True, text=True,
+                              env=fresh.env, timeout=120, check=False)  # fmt: skip
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        wait_until(lambda: again.status() == "STOPPED", 60, "the job stopped")
         wait_until(lambda: nothing_left(again) is None, 30, lambda: f"nothing left: {nothing_left(again)}")
+        free = 2 * GPUS_PER_NODE
+        wait_until(
+            lambda: ray.cluster_resources().get("GPU") == ray.available_resources().get("GPU") == free,
+            60, lambda: f"{free} GPUs, all free: {ray.cluster_resources()} {ray.available_resources()}",
+        )  # fmt: skip
 
         # Resuming is a choice: the old fleet (4 engines on v2) comes back, its placements
         # re-placed on this cluster since the old agents are gone.

@@ -1,12 +1,15 @@
-"""The engine-host actor: runs ``rollout-manager agent`` on the GPUs Ray assigned to one engine.
+"""The node agent actor: runs one ``rollout-manager agent`` per node, for every engine there.
 
-One host actor lives in each engine's placement group. It starts the agent with
-``--listen <node_ip>:0 --ready-file <f>`` and ``CUDA_VISIBLE_DEVICES`` set to the GPUs Ray gave
-the actor, waits for the ready file (the agent's bound URL), and reports ``{url, node_id,
-gpu_ids}`` for the manager's bind. The agent gets the manager's API token (environment, never
-argv), so only the manager can drive it. If the agent exits, it is restarted on the same port (so the
-manager's stored URL stays valid and it sees the engines gone). The agent dies with the actor
-(parent-death signal) and stops its engines; :meth:`EngineHostImpl.stop` does the same politely.
+The reconciler starts one :class:`NodeAgentImpl` (as the Ray actor ``er-agent-<node_id>``, pinned
+to its node, no CPUs or GPUs of its own) on each node where a placement group of the fleet
+lands. It starts the agent with ``--listen <node_ip>:0 --ready-file <f>``, waits for the ready
+file (the agent's bound URL) and reports ``{url, node_id, ...}``; every engine on the node is then
+launched through that one agent, on the GPUs its own bundle was given (the manager sets each
+engine's ``CUDA_VISIBLE_DEVICES`` from the ids the reconciler read in the bundle). The agent gets
+the manager's API token (environment, never argv), so only the manager can drive it. If the
+agent exits it is restarted on the same port (the manager's stored URL stays valid and it sees
+the engines gone). The agent dies with the actor (parent-death signal) and stops its engines;
+:meth:`NodeAgentImpl.stop` does the same politely.
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from elastic_rollout_ray.process import SupervisedProcess
-from elastic_rollout_ray.wire import HostInfo
+from elastic_rollout_ray.wire import AgentInfo
 
-__all__ = ["EngineHostImpl", "agent_work_dir"]
+__all__ = ["NodeAgentImpl", "agent_work_dir"]
 
 
-def agent_work_dir(namespace: str, engine_id: str, root: str | None = None) -> Path:
-    """A new node-local directory (0700) for one host's agent: ready file, state, engine logs.
-    Unique per host, so fleets and restarts never share one. Under ``root`` (the launcher's
+def agent_work_dir(namespace: str, name: str, root: str | None = None) -> Path:
+    """A new node-local directory (0700) for one agent: ready file, state, engine logs. Unique
+    per agent start, so fleets and restarts never share one. Under ``root`` (the launcher's
     ``--agent-dir``) if given, else under the node's temp dir."""
     base = Path(root) if root else Path(tempfile.gettempdir()) / f"elastic-rollout-{os.getuid()}"
     parent = base / namespace
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return Path(tempfile.mkdtemp(prefix=f"{engine_id}-", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
 
 
 def _read_url(ready_file: Path) -> str | None:
@@ -42,26 +45,22 @@ def _read_url(ready_file: Path) -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-class EngineHostImpl:
-    """Holds one agent process; the Ray actor class is built from this in :mod:`.actors`."""
+class NodeAgentImpl:
+    """Holds the node's agent process; the Ray actor class is built from this in :mod:`.actors`."""
 
     def __init__(
         self,
-        engine_id: str,
         binary: str,
         namespace: str,
         node_ip: str,
         node_id: str,
-        gpu_ids: list[str],
         token: str | None = None,
         work_root: str | None = None,
         ready_timeout: float = 60.0,
     ) -> None:
-        self.engine_id = engine_id
         self._stopped = threading.Event()
         self.node_id = node_id
-        self.gpu_ids = gpu_ids
-        work = agent_work_dir(namespace, engine_id, work_root)
+        work = agent_work_dir(namespace, f"node-{node_id[:12]}", work_root)
         self.ready_file = work / "agent.ready.json"
         self.ready_file.unlink(missing_ok=True)
         argv = [
@@ -74,8 +73,8 @@ class EngineHostImpl:
             "--state-dir",
             str(work / "state"),
         ]
+        # Each engine's CUDA_VISIBLE_DEVICES comes with its launch (its bundle's GPUs).
         env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         if token:
             # The manager's token: the agent then refuses gRPC callers without it (docs/ray.md).
             env["ROLLOUT_MANAGER_API_TOKEN"] = token
@@ -87,12 +86,12 @@ class EngineHostImpl:
             restart=True,
             restart_argv=self._restart_argv,
             env=env,
-            name=f"agent of {engine_id}",
+            name=f"agent of node {node_id[:12]}",
         )
         self._process.start()
         url = _read_url(self.ready_file)
         if url is None:  # ready means the file had a URL; a race with its removal
-            raise RuntimeError(f"agent of {engine_id} became ready without a URL in {self.ready_file}")
+            raise RuntimeError(f"the agent became ready without a URL in {self.ready_file}")
         self.url = url
 
     def _restart_argv(self, process: SupervisedProcess) -> list[str]:
@@ -101,23 +100,18 @@ class EngineHostImpl:
         self.ready_file.unlink(missing_ok=True)
         return argv
 
-    def info(self) -> HostInfo:
-        return HostInfo(
-            engine_id=self.engine_id,
+    def info(self) -> AgentInfo:
+        return AgentInfo(
             url=self.url,
             node_id=self.node_id,
-            gpu_ids=self.gpu_ids,
             pid=self._process.pid,
             running=self._process.running(),
             restarts=self._process.restarts,
             log=str(self._process.log_path),
         )
 
-    def alive(self) -> bool:
-        return self._process.running()
-
     def watch(self) -> None:
-        """Returns once the host is stopped. The reconciler keeps one call pending per host: when
+        """Returns once the agent is stopped. The reconciler keeps one call pending per agent: when
         the actor (or its node) dies, Ray fails that call, which is how the death is noticed at
         once, without polling."""
         self._stopped.wait()
