@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,43 @@ class ActiveClock:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class LatencyProbe:
+    """Calls ``GET url`` every 0.1 s in a thread (one call at a time, 30 s timeout) and records
+    each call's start, duration and status (0 for no answer)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.calls: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            t0 = time.time()
+            try:
+                with urllib.request.urlopen(self.url, timeout=30) as resp:
+                    resp.read()
+                    status = resp.status
+            except urllib.error.HTTPError as err:
+                status = err.code
+            except OSError:
+                status = 0
+            self.calls.append((t0, time.time() - t0, status))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        took = sorted(d for _, d, _ in self.calls)
+        return {
+            "calls": len(took),
+            "not_200": sum(1 for _, _, st in self.calls if st != 200),
+            "median_s": took[len(took) // 2] if took else None,
+            "max_s": took[-1] if took else None,
+            "raw": self.calls,
+        }
 
 
 def scale_series(control: str, sizes: list[int], base: int) -> list[dict[str, Any]]:
@@ -304,8 +342,8 @@ def run_ray(work: Path, nodes: int, gpus_per_node: int, sizes: list[int]) -> dic
         line = wait(lambda: re.search(r"^ELASTIC_ROLLOUT_READY (.*)$", logs(), re.M), 180, "the launcher", 0.5)
         serve_url = json.loads(line.group(1))["control_url"]
         call("GET", f"{serve_url}/rollout/engines")  # the front door answers
-        # Timed on the manager's own port: Serve's proxy adds latency of its own (seconds after a
-        # node dies), which is not the fleet's.
+        # Timed on the manager's own port: Serve's proxy adds a hop of its own (measured below,
+        # during the node loss), which is not the fleet's.
         manager = ray.get_actor("er-manager", namespace=NAMESPACE)
         control = ray.get(manager.info.remote(), timeout=60)["control_url"]
         wait(lambda: sum(e["status"] == "ACTIVE" for e in engines(control)) == 2, 120, "2 Ray engines")
@@ -322,6 +360,10 @@ def run_ray(work: Path, nodes: int, gpus_per_node: int, sizes: list[int]) -> dic
         by_node = collections.Counter(p["agent"]["node_id"] for p in placements)
         victim_id, hosted = by_node.most_common(1)[0]
         victim = next(n for n in workers if n.node_id == victim_id)
+        # The control API's latency through Serve's proxy and on the manager's own port, side by
+        # side, from the kill until 10 s after it or 3 s after the heal, whichever is later.
+        probes = {"serve": LatencyProbe(f"{serve_url}/rollout/placements"),
+                  "manager": LatencyProbe(f"{control}/rollout/placements")}  # fmt: skip
         t0 = time.time()
         cluster.remove_node(victim, allow_graceful=False)
 
@@ -332,6 +374,11 @@ def run_ray(work: Path, nodes: int, gpus_per_node: int, sizes: list[int]) -> dic
 
         wait(healed, 300, "the fleet healed")
         t1 = time.time()
+        time.sleep(max(t0 + 10.0, t1 + 3.0) - time.time())
+        result["control_latency"] = {name: probe.stop() for name, probe in probes.items()}
+        for name, lat in result["control_latency"].items():
+            print(f"  GET /rollout/placements via {name} after the kill: {lat['calls']} calls, "
+                  f"{lat['not_200']} not 200, median {lat['median_s']:.3f}s, max {lat['max_s']:.3f}s")  # fmt: skip
         moved = [p["engine_id"] for p in placements if p["agent"]["node_id"] == victim_id]
         result["node_loss"] = {"seconds": t1 - t0, "engines_lost": hosted, "t0": t0, "t1": t1, "moved": moved}
         print(f"  node lost ({hosted} engines): whole again after {t1 - t0:.2f}s", flush=True)
@@ -450,6 +497,19 @@ def summarize(result: dict[str, Any]) -> str:
         "<= 10 + engine startup |",
         f"| `ray job stop` -> nothing of the fleet left | {js['seconds']:.2f} | <= 30 |",
     ]
+    if "control_latency" in result["ray"]:
+        lines += [
+            "",
+            "`GET /rollout/placements` every 0.1 s from the node's kill until 10 s after it (or 3 s after the heal):",
+            "",
+            "| through | calls | not 200 | median s | max s |",
+            "|---|---|---|---|---|",
+        ]
+        for name, lat in result["ray"]["control_latency"].items():
+            where = "Serve's proxy" if name == "serve" else "the manager's own port"
+            lines.append(
+                f"| {where} | {lat['calls']} | {lat['not_200']} | {lat['median_s']:.3f} | {lat['max_s']:.3f} |"
+            )
     return "\n".join(lines)
 
 
