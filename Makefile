@@ -122,7 +122,8 @@ test: venv build lint prometheus-tools
 	$(CARGO) test --workspace
 	@# The monitor's test drives it in tmux, as a person would.
 	@command -v tmux >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -qq tmux || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq tmux; }; }
-	$(PY) -m pytest tests -q
+	@# The slowest tests are listed at the end, to keep CI within its time.
+	$(PY) -m pytest tests -q --durations=20
 
 clean:
 	rm -rf $(VENV) $(STATE_DIR)

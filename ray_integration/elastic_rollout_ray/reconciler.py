@@ -33,6 +33,7 @@ never stop the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -40,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypedDict, TypeVar
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import (
     PlacementGroup,
     get_placement_group,
@@ -122,7 +123,8 @@ class _Changed(Exception):
 class AgentHandle:
     """The agent actor of one node, shared by the placements there: started (or adopted) once,
     watched through one pending ``watch`` call, its death confirmed before it is reported.
-    ``dead`` resolves with the reason once it is gone (or stopped); a new handle replaces it."""
+    ``dead`` resolves with the reason once it is gone (or stopped: ``stopped``); a new handle
+    replaces it."""
 
     def __init__(self, owner: ReconcilerImpl, node_id: str) -> None:
         self.owner = owner
@@ -132,6 +134,8 @@ class AgentHandle:
         self.info: AgentInfo | None = None
         loop = asyncio.get_running_loop()
         self.dead: asyncio.Future[str] = loop.create_future()
+        #: stopped by the reconciler (idle, or shutdown), as opposed to found dead
+        self.stopped = False
         #: engines whose placement uses this agent
         self.users: set[str] = set()
         self.idle_since = time.monotonic()
@@ -140,6 +144,8 @@ class AgentHandle:
         self._poke = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self.ready: asyncio.Task[AgentInfo] = loop.create_task(self._start(), name=self.key)
+        # Its failure is read by the workers (through ``dead``), whether or not one awaits it.
+        self.ready.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def use(self, engine_id: str) -> None:
         self.users.add(engine_id)
@@ -157,17 +163,22 @@ class AgentHandle:
 
     async def _start(self) -> AgentInfo:
         try:
-            self.actor = await asyncio.to_thread(ray.get_actor, agent_name(self.node_id))
-            started = "agent_adopted"
-        except ValueError:
-            self.actor = NodeAgent.options(  # type: ignore[attr-defined]
-                name=agent_name(self.node_id),
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
-            ).remote(self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
-            started = "agent_started"
-        try:
+            # An agent of this node being stopped goes first (its name is still registered).
+            if (stopping := self.owner.stopping.get(self.node_id)) is not None:
+                await asyncio.shield(stopping)
+            try:
+                self.actor = await asyncio.to_thread(ray.get_actor, agent_name(self.node_id))
+                started = "agent_adopted"
+            except ValueError:
+                self.actor = NodeAgent.options(  # type: ignore[attr-defined]
+                    name=agent_name(self.node_id),
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
+                ).remote(self.owner.binary, self.owner.namespace, self.owner.token, self.owner.agent_dir)
+                started = "agent_started"
             info = await asyncio.wait_for(self.ask_info(), AGENT_START_SECS)
-        except (TimeoutError, RayError) as err:  # RayError: also unschedulable (the node is gone)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # unschedulable (the node is gone), no answer, the GCS busy
             self.fail(f"the agent did not start: {err!r}")
             raise RuntimeError(f"the agent of node {self.node_id} did not start: {err!r}") from err
         self.owner.event(self.key, started)
@@ -177,31 +188,48 @@ class AgentHandle:
     async def _watch(self) -> None:
         watch: asyncio.Future[Any] | None = None
         while not self.dead.done():
-            if watch is None:
-                watch = asyncio.wrap_future(self.actor.watch.remote().future())
-            poke = asyncio.ensure_future(self._poke.wait())
             try:
-                await asyncio.wait({watch, poke}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                poke.cancel()
-            self._poke.clear()
-            fault, self.watch_fault = self.watch_fault, None
-            try:
-                if fault is not None:
-                    raise fault
-                if watch.done():
-                    watch.result()
-                    self._gone("its agent was stopped", "agent_stopped")
-            except RayActorError as err:
-                if fault is None:
-                    watch = None  # that call is over; a new one if the agent lives
-                why = await self._why_dead(err)
-                if why is not None:
-                    self.fail(why)
+                watch = await self._watch_once(watch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the GCS busy or restarting: look again
+                self.owner.error(f"{self.key}: watching it failed: {err!r}; looking again in 1s")
+                watch = None
+                await asyncio.sleep(1.0)
 
-    async def _why_dead(self, err: RayActorError) -> str | None:
-        """Why the agent is dead after its ``watch`` failed with ``err``, or None when it is not:
-        Ray's ``ActorDiedError`` is final; an ``ActorUnavailableError`` (contact lost, maybe for a
+    async def _watch_once(self, watch: asyncio.Future[Any] | None) -> asyncio.Future[Any] | None:
+        """Waits for the pending ``watch`` call to end (or a fault to be injected) and acts on it;
+        the call to keep waiting on (None: a new one)."""
+        if watch is None:
+            watch = asyncio.wrap_future(self.actor.watch.remote().future())
+        poke = asyncio.ensure_future(self._poke.wait())
+        try:
+            await asyncio.wait({watch, poke}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poke.cancel()
+        self._poke.clear()
+        fault, self.watch_fault = self.watch_fault, None
+        try:
+            if fault is not None:
+                raise fault
+            if watch.done():
+                watch.result()
+                self._gone("its agent was stopped", "agent_stopped")
+        except RayActorError as err:
+            await self.confirm(err)
+            return watch if fault is not None else None  # a failed call is over: a new one
+        return watch
+
+    async def confirm(self, err: RayActorError) -> None:
+        """``err`` came from a call to the agent: fails it if that means it is dead (see
+        :meth:`why_dead`), else leaves it be."""
+        why = await self.why_dead(err)
+        if why is not None:
+            self.fail(why)
+
+    async def why_dead(self, err: RayActorError) -> str | None:
+        """Why the agent is dead after a call failed with ``err``, or None when it is not: Ray's
+        ``ActorDiedError`` is final; an ``ActorUnavailableError`` (contact lost, maybe for a
         moment) is death only if the node is dead in the GCS, or the agent fails every probe of
         :data:`UNAVAILABLE_PROBES` too."""
         if not isinstance(err, ActorUnavailableError):
@@ -238,15 +266,27 @@ class AgentHandle:
         if self.owner.agents.get(self.node_id) is self:
             del self.owner.agents[self.node_id]
 
-    async def stop(self, grace: float = 30.0) -> None:
-        """Stops the agent politely (its engines with it), then kills the actor."""
+    def stop(self, grace: float = 30.0) -> asyncio.Task[None]:
+        """Stops the agent politely (its engines with it), then kills the actor, in a task that
+        a new agent of the node waits for (``owner.stopping``)."""
+        self.stopped = True
         self._gone("stopped by the reconciler", "agent_stopped")
         if self._watcher is not None:
             self._watcher.cancel()
         if not self.ready.done():
             self.ready.cancel()
-        if self.actor is not None:
-            await stop_agent(self.owner, self.actor, self.key, grace)
+
+        async def run() -> None:
+            try:
+                if self.actor is not None:
+                    await stop_agent(self.owner, self.actor, self.key, grace)
+            finally:
+                if self.owner.stopping.get(self.node_id) is task:
+                    del self.owner.stopping[self.node_id]
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"stop {self.key}")
+        self.owner.stopping[self.node_id] = task
+        return task
 
 
 async def alive_nodes() -> set[str]:
@@ -297,8 +337,9 @@ class PlacementWorker:
     # -- waiting -----------------------------------------------------------------------------
 
     async def _until(self, fut: Awaitable[T], timeout: float | None = None) -> T:
-        """``fut``'s result, unless the placement changes first (raises :class:`_Changed`; the
-        future is kept running) or ``timeout`` passes (raises ``TimeoutError``)."""
+        """``fut``'s result, unless the placement changes first (raises :class:`_Changed`) or
+        ``timeout`` passes (raises ``TimeoutError``); then ``fut`` is cancelled (pass a shield to
+        keep it going)."""
         if self.changed.is_set():
             raise _Changed
         waiter = asyncio.ensure_future(fut)
@@ -308,7 +349,11 @@ class PlacementWorker:
         finally:
             changed.cancel()
         if waiter in done:
+            if waiter.cancelled():  # e.g. a shielded agent start cancelled by its stop
+                raise RuntimeError("what the worker waited for was cancelled")
             return waiter.result()
+        # What is shielded goes on (a group's readiness, an agent's start); the rest is dropped.
+        waiter.cancel()
         if changed in done:
             raise _Changed
         raise TimeoutError
@@ -351,6 +396,13 @@ class PlacementWorker:
     async def _present(self, p: Placement) -> None:
         """Group ready, GPU ids read, the node's agent up and bound; then wait for a change or
         for the agent's death."""
+        if self.agent is not None and self.agent.dead.done():
+            # Its agent went while this worker was elsewhere (a backoff, a pause).
+            if self.bound_url is not None:
+                await self._node_lost(self.agent, self.agent.dead.result())
+                return
+            self._leave_agent()
+            self.bundle = None
         if not await self._group_ready(p):
             return
         if self.bundle is None:
@@ -372,14 +424,18 @@ class PlacementWorker:
         if bound is None and self.bound_url == info["url"] and not agent.dead.done():
             # The manager unbound our agent (it found it gone). An agent that still answers with
             # a running process (restarted on the same port) is bound again; else it is dead.
+            # No further probes here: the manager's unbind is already a second, independent sign
+            # (its agent refused connections or was silent for 10 s), and the manager counts the
+            # engines on it as exited either way; probing longer only delays their new placement
+            # (the bench's node loss took 11 s with the probes, 2-3 s without).
             try:
                 info = await self._until(agent.ask_info(), AGENT_ANSWER_SECS)
             except (TimeoutError, RayActorError) as err:
-                agent.fail(f"it does not answer after the manager lost it: {err!r}")
-            else:
-                if not info["running"]:
-                    await self._pause(1.0)  # its process is being restarted; look again
-                    raise _Changed
+                agent.fail(f"the manager lost its agent, and the agent actor does not answer: {err!r}")
+                raise _Changed from err  # look again: reported lost, placed anew
+            if not info["running"]:
+                await self._pause(1.0)  # its process is being restarted; look again
+                raise _Changed
         if not agent.dead.done() and bound != info["url"]:
             await self._bind(info["url"], node_id, gpu_ids)
         why = await self._until(asyncio.shield(agent.dead))
@@ -442,7 +498,13 @@ class PlacementWorker:
                 placement_group=self.pg, placement_group_bundle_index=0
             ),
         ).remote()
-        node_id, gpu_ids = await asyncio.wrap_future(ref.future())
+        try:
+            # Bounded, so that a task that never runs cannot hold the node's lock.
+            node_id, gpu_ids = await asyncio.wait_for(asyncio.wrap_future(ref.future()), AGENT_START_SECS)
+        except (TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(Exception):  # already finished, or Ray busy: nothing to undo
+                ray.cancel(ref)
+            raise
         self.owner.event(self.engine_id, "gpus_read")
         return str(node_id), [str(g) for g in gpu_ids]
 
@@ -497,7 +559,8 @@ class PlacementWorker:
             except RolloutApiError as err:
                 if err.status != 404:
                     self.owner.error(f"{self.engine_id}: reporting the lost agent failed: {err}")
-        self.avoid.add(agent.node_id)
+        if not agent.stopped:  # a node whose agent died; a stopped one is fine
+            self.avoid.add(agent.node_id)
         await self._remove_pg()
 
     def _leave_agent(self) -> None:
@@ -546,6 +609,8 @@ class ReconcilerImpl:
         #: node id -> the agent there
         self.agents: dict[str, AgentHandle] = {}
         self._probe_locks: dict[str, asyncio.Lock] = {}
+        #: node id -> the stop of its previous agent, still running
+        self.stopping: dict[str, asyncio.Task[None]] = {}
         self.requested: list[dict[str, float]] | None = None
         self.errors: deque[str] = deque(maxlen=50)
         self.events: deque[tuple[float, str, str]] = deque(maxlen=2000)
@@ -631,9 +696,10 @@ class ReconcilerImpl:
                 except ValueError:
                     pass
         now = time.monotonic()
-        for agent in [a for a in self.agents.values() if not a.users and now - a.idle_since > AGENT_IDLE_SECS]:
-            await agent.stop()
-        handled = {agent_name(n) for n in self.agents}
+        for agent in list(self.agents.values()):
+            if not agent.users and now - agent.idle_since > AGENT_IDLE_SECS and agent.ready.done():
+                agent.stop()  # in the background; a new agent of the node waits for it
+        handled = {agent_name(n) for n in (*self.agents, *self.stopping)}
         for name in await asyncio.to_thread(ray.util.list_named_actors):
             if name.startswith(AGENT_PREFIX) and name not in handled:
                 self.error(f"agent actor {name} matches no node of the fleet; stopping it")
@@ -691,10 +757,13 @@ class ReconcilerImpl:
         await asyncio.gather(*tasks, return_exceptions=True)
         agents = list(self.agents.values())
         handled = {agent_name(a.node_id) for a in agents}
+        stops = [a.stop(grace=10.0) for a in agents]
         names = [n for n in await asyncio.to_thread(ray.util.list_named_actors) if n.startswith(AGENT_PREFIX)]
         await asyncio.gather(
-            *(a.stop(grace=10.0) for a in agents),
+            *stops,
+            *self.stopping.values(),
             *(self._stop_named_agent(n, 10.0) for n in names if n not in handled),
+            return_exceptions=True,
         )
         for info in (await asyncio.to_thread(placement_group_table)).values():
             name = info.get("name") or ""
