@@ -279,6 +279,24 @@ def test_request_bodies_are_limited_everywhere(shared_fleet: ManagerHandle) -> N
         resp = http("POST", f"{fleet.control_url}{path}", raw_body=big)
         assert resp.status == 413, (path, resp.status, resp.body[:200])
         assert resp.json()["error"]["code"] == "body_too_large", (path, resp.body[:200])
+    # The body over the limit is still read to its end before the 413, so a client still writing
+    # it gets the answer (not a broken pipe) and keeps its connection: here the body comes in two
+    # writes, the second after the server has seen it is over the limit.
+    host, port = fleet.control_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        reader = conn.makefile("rb")
+        conn.sendall(
+            f"POST /rollout/scale_out HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(big)}\r\n\r\n".encode()
+        )
+        conn.sendall(big[: 2 * 1024 * 1024 + 4096])
+        time.sleep(0.3)
+        conn.sendall(big[2 * 1024 * 1024 + 4096 :])
+        status, answer = read_response(reader)
+        assert status == 413 and b"body_too_large" in answer, (status, answer[:200])
+        conn.sendall(f"GET /rollout/engines HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        status, answer = read_response(reader)
+        assert status == 200 and b"total_engines" in answer, (status, answer[:200])
     # The router: 1 MiB for fan-out calls, 64 MiB for requests it forwards.
     resp = http("POST", f"{fleet.router_url}/abort_request", raw_body=b"{" + b" " * (2 * 1024 * 1024) + b"}")
     assert resp.status == 413 and resp.json()["error"]["code"] == "body_too_large"

@@ -62,29 +62,89 @@ where
     connections.wait().await;
 }
 
+/// How much of a body over the limit is still read, and thrown away, so that a client still
+/// writing it gets the 413 instead of a broken pipe (hyper closes a connection whose body was
+/// left unread); a body announced or found bigger is cut off at once.
+const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
+/// How long that reading may take.
+const DRAIN_TIME: Duration = Duration::from_secs(10);
+
 /// Middleware, outside every check: reads the whole request body (at most `limit` bytes)
 /// before any check or handler sees the request, so that an answer given without looking at
 /// the body (a 401 from the token check, a 404 for an unknown route, a 405) never closes the
 /// connection under a client still writing it: Python's http.client writes the headers and the
 /// body separately, and on the Unix API socket it got a broken pipe instead of the answer. For
 /// routes whose bodies are small and read whole anyway (the control API, the router's fan-out
-/// calls); over `limit` it is 413 `body_too_large`.
+/// calls); over `limit` it is 413 `body_too_large`, given once the body is read to its end (up to
+/// 16 MiB, for up to 10 s), for the same reason.
 pub async fn read_body_first(
     axum::extract::State(limit): axum::extract::State<usize>,
     request: Request,
     next: axum::middleware::Next,
 ) -> Response {
     use axum::response::IntoResponse;
-    use http_body_util::BodyExt;
     let (parts, body) = request.into_parts();
-    let (status, code, message) = match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => return next.run(Request::from_parts(parts, Body::from(collected.to_bytes()))).await,
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => (
+    let (status, code, message) = match read_within(body, limit).await {
+        Ok(collected) => return next.run(Request::from_parts(parts, Body::from(collected))).await,
+        Err(BodyError::TooBig) if limit >= 1 << 20 => (
             axum::http::StatusCode::PAYLOAD_TOO_LARGE,
             "body_too_large",
-            format!("{e}; the limit is {} MiB", limit >> 20),
+            format!("the request body is over this route's limit of {} MiB; send a smaller one", limit >> 20),
         ),
-        Err(e) => (axum::http::StatusCode::BAD_REQUEST, "invalid_body", format!("cannot read the request body: {e}")),
+        Err(BodyError::TooBig) => (
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the request body is over this route's limit of {limit} bytes; send a smaller one"),
+        ),
+        Err(BodyError::Unreadable(e)) => {
+            (axum::http::StatusCode::BAD_REQUEST, "invalid_body", format!("cannot read the request body: {e}"))
+        }
     };
     (status, axum::Json(crate::foundation::error::error_body(code, &message))).into_response()
+}
+
+/// Why a body was not read whole.
+enum BodyError {
+    /// Over the limit (found by reading, or announced).
+    TooBig,
+    /// Not readable (a broken chunked encoding, a client gone mid-body).
+    Unreadable(axum::Error),
+}
+
+/// The whole body if it is at most `limit` bytes. One over it is read on to its end and thrown
+/// away, within [`DRAIN_LIMIT`] and [`DRAIN_TIME`], before it is refused.
+async fn read_within(mut body: Body, limit: usize) -> Result<bytes::Bytes, BodyError> {
+    use http_body::Body as _;
+    use http_body_util::BodyExt;
+    if body.size_hint().lower() > DRAIN_LIMIT as u64 {
+        return Err(BodyError::TooBig);
+    }
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    let mut drain_until = None;
+    loop {
+        let frame = match drain_until {
+            None => body.frame().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) => return Err(BodyError::TooBig),
+            },
+        };
+        let Some(frame) = frame else { break };
+        let Ok(data) = frame.map_err(BodyError::Unreadable)?.into_data() else { continue };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            kept.extend_from_slice(&data);
+        } else if seen > DRAIN_LIMIT {
+            return Err(BodyError::TooBig);
+        } else if drain_until.is_none() {
+            kept = Vec::new();
+            drain_until = Some(tokio::time::Instant::now() + DRAIN_TIME);
+        }
+    }
+    if seen > limit {
+        Err(BodyError::TooBig)
+    } else {
+        Ok(bytes::Bytes::from(kept))
+    }
 }
