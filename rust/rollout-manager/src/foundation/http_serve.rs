@@ -116,7 +116,9 @@ enum BodyError {
 async fn read_within(mut body: Body, limit: usize) -> Result<bytes::Bytes, BodyError> {
     use http_body::Body as _;
     use http_body_util::BodyExt;
-    if body.size_hint().lower() > DRAIN_LIMIT as u64 {
+    // A route whose own limit is above the drain limit still takes every body within it.
+    let cap = DRAIN_LIMIT.max(limit);
+    if body.size_hint().lower() > cap as u64 {
         return Err(BodyError::TooBig);
     }
     let mut kept = Vec::new();
@@ -135,7 +137,7 @@ async fn read_within(mut body: Body, limit: usize) -> Result<bytes::Bytes, BodyE
         seen = seen.saturating_add(data.len());
         if seen <= limit {
             kept.extend_from_slice(&data);
-        } else if seen > DRAIN_LIMIT {
+        } else if seen > cap {
             return Err(BodyError::TooBig);
         } else if drain_until.is_none() {
             kept = Vec::new();
