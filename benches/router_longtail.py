@@ -30,7 +30,9 @@ group and is killed at the end):
    `ours_fifo:capacity`, the defaults with `--queue-order fifo` (the switch for interactive
    traffic: late binding in arrival order); `ours_tail:capacity`, the defaults with
    `--move-tail true` (running requests move for the tail, and short ones give their slot to
-   much longer waiting ones); `ours_base:<policy>`, the defaults of another build
+   much longer waiting ones); `ours_chunk:capacity`, the defaults with `--chunk-tokens`
+   (`--chunk-tokens` here, 512 by default: every request runs one chunk at a time and goes back
+   to the router's queue between chunks); `ours_base:<policy>`, the defaults of another build
    (`--baseline-binary`, to measure a change in the same invocation); and `smg`
    with `cache_aware`, `power_of_two`, `least_load`,
    `round_robin`. Two reference rows use no router: `oracle:lpt_arrival` sends each request
@@ -40,8 +42,8 @@ group and is killed at the end):
    cap = batch size); every engine's `/v1/loads` is sampled every 0.25 s.
 5. Prints a markdown table (median and range over the repeats), writes
    benches/results/router_longtail.{json,md} and a PNG of load across engines over time
-   (ours capacity, vs the best smg policy by median makespan, or without smg in the run vs
-   `ours_tail:capacity`).
+   (ours capacity, vs `ours_chunk:capacity` or `ours_tail:capacity` when in the run, else vs
+   the best smg policy by median makespan).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ ALL_ROUTERS = [
     "ours_old:capacity",
     "ours_fifo:capacity",
     "ours_tail:capacity",
+    "ours_chunk:capacity",
     "ours:round_robin",
     "smg:cache_aware",
     "smg:power_of_two",
@@ -621,7 +624,7 @@ def scrape_ours(control: str) -> dict:
         "auto_caps": [int(float(v)) for v in re.findall(AUTO_CAP, text, re.MULTILINE)],
         "moves": {
             reason: g(rf'^rollout_router_moves_total\{{reason="{reason}"\}} (\S+)$')
-            for reason in ("tail", "preempt", "drain", "lost", "weight_update")
+            for reason in ("tail", "preempt", "chunk", "drain", "lost", "weight_update")
         },
         "move_prefill_tokens": g(r"^rollout_router_move_prefill_tokens_total (\S+)$"),
     }
@@ -720,7 +723,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
     router = None
     try:
         grpo = w.grpo
-        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_tail", "ours_base"):
+        if kind in ("ours", "ours_lf", "ours_old", "ours_fifo", "ours_tail", "ours_chunk", "ours_base"):
             # ours: the defaults. ours_lf: a fixed cap of --late-binding-cap requests per engine
             # instead of each engine's automatic one. ours_old: no late binding, arrival order.
             # ours_base: the defaults of another build (--baseline-binary).
@@ -731,6 +734,7 @@ def one_run(procs: Procs, a: argparse.Namespace, w: Workload, name: str, tmp: Pa
                 "ours_old": ["--max-inflight-per-engine", "0", "--queue-order", "fifo"],
                 "ours_fifo": ["--queue-order", "fifo"],
                 "ours_tail": ["--move-tail", "true"],
+                "ours_chunk": ["--chunk-tokens", str(a.chunk_tokens)],
             }[kind]
             binary = Path(a.baseline_binary) if kind == "ours_base" else MANAGER
             target, info = start_ours(procs, a, policy, urls, tmp, extra, binary)
@@ -834,10 +838,13 @@ def plot(results: list[dict], lb: float, path: Path, n: int, period: float) -> s
     mine = next((n for n in ("ours:capacity", "ours_lf:capacity") if n in groups), None)
     ours = representative(groups[mine]) if mine else None
     smg = [n for n in groups if n.startswith("smg:") and all(r["errors"] == 0 for r in groups[n])]
-    best = representative(groups[min(smg, key=lambda n: median([r["makespan_s"] for r in groups[n]]))]) if smg else None
-    if best is None and "ours_tail:capacity" in groups:
-        # Without smg in the run: the same defaults with moves for the tail.
-        best = representative(groups["ours_tail:capacity"])
+    best = None
+    for other in ("ours_chunk:capacity", "ours_tail:capacity"):
+        if best is None and other in groups:
+            # The same defaults with chunks, or with moves for the tail, before any smg row.
+            best = representative(groups[other])
+    if best is None and smg:
+        best = representative(groups[min(smg, key=lambda n: median([r["makespan_s"] for r in groups[n]]))])
     rows = [r for r in (ours, best) if r]
     if not rows:
         return "nothing to plot"
@@ -893,7 +900,7 @@ def moves_cell(runs: list[dict]) -> str:
     moves = [r["router_metrics"]["moves"] for r in runs if r.get("router_metrics", {}).get("moves")]
     if not moves:
         return "-"
-    return "/".join(f"{median(m.get(k, 0) for m in moves):.0f}" for k in ("tail", "preempt"))
+    return "/".join(f"{median(m.get(k, 0) for m in moves):.0f}" for k in ("tail", "preempt", "chunk"))
 
 
 def prefill_cell(runs: list[dict]) -> str:
@@ -911,7 +918,7 @@ def table(results: list[dict], lb: float) -> str:
         (
             "| router | policy | makespan (s), median [min-max] | / LB, median [min-max] | GRPO done (s) | "
             "sessions done (s) | engine last finish (s) | requests per engine | output tokens per engine (k) | "
-            "mean queue wait per engine (s) | prefix-cache hit | retractions | moves: tail/preempt | "
+            "mean queue wait per engine (s) | prefix-cache hit | retractions | moves: tail/preempt/chunk | "
             "move prefill / output tokens | errors |"
         ),
         "|---|---|---|---|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|",
@@ -922,6 +929,7 @@ def table(results: list[dict], lb: float) -> str:
         "ours_old": "ours, old defaults (no cap, fifo)",
         "ours_fifo": "ours, --queue-order fifo",
         "ours_tail": "ours, --move-tail true",
+        "ours_chunk": "ours, --chunk-tokens",
         "ours_base": "ours (defaults), --baseline-binary",
         "smg": "smg 1.13.0",
         "oracle": "oracle (no router)",
@@ -988,6 +996,12 @@ def main() -> int:
         type=int,
         default=32,
         help="--max-inflight-per-engine of the ours_lf row (near the engines' full batch)",
+    )
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=512,
+        help="--chunk-tokens of the ours_chunk row (output tokens per part of a request)",
     )
     ap.add_argument(
         "--baseline-binary",

@@ -461,3 +461,94 @@ def test_text_prompts_move_with_the_ids_their_first_engine_made(start_fleet: Sta
         else:
             # No ids: a whole answer starts again from the text elsewhere.
             assert [(m["reason"], m["at_token"]) for m in moves] == [("drain", 0)], result["answer"]["meta_info"]
+
+
+def test_generation_in_chunks_joins_every_chunk_into_one_answer(start_fleet: StartManager) -> None:
+    """With ``--chunk-tokens 32`` a request of 120 tokens runs as four parts (32, 32, 32 and the
+    last 24), each after the one before it went back to the router's queue; with nothing else
+    waiting each continues on the engine it ran on (its prefix cache holds the tokens), so no
+    prefill is counted. The client sees one answer, whole and token-exact, for prompts of ids and
+    of text, streamed or not; requests a continuation could change (stop strings) and requests
+    of one chunk or less run in one part."""
+    fleet = start_fleet(*SLOW, "--chunk-tokens", "32")
+    texts = [f"chunked question {i}: what is {i} squared?" for i in range(2)]
+    engine_url = engine_of(fleet, "engine_0").url
+    one_token = [{"text": t, "sampling_params": {"max_new_tokens": 1}} for t in texts]
+    counted = [http("POST", f"{engine_url}/generate", b).json()["meta_info"]["prompt_tokens"] for b in one_token]
+
+    def text_request(i: int) -> dict[str, Any]:
+        parsed = urllib.parse.urlsplit(fleet.router_url)
+        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+        stream = i == 0
+        body = {"text": texts[i], "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:300]
+            if not stream:
+                return {"answer": json.loads(resp.read()), "events": []}
+            got = events(resp)
+            return {"answer": got[-1], "events": got}
+        finally:
+            conn.close()
+
+    prompts = [[700 + i, 5, 6] for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        by_ids = [pool.submit(generate, fleet, p, i % 2 == 0) for i, p in enumerate(prompts)]
+        by_text = [pool.submit(text_request, i) for i in range(len(texts))]
+        short = pool.submit(generate, fleet, [800, 1], False, None, 32)
+        results = [f.result(timeout=120) for f in by_ids]
+        text_results = [f.result(timeout=120) for f in by_text]
+        short_result = short.result(timeout=120)
+    chunked = [*zip(results, prompts, strict=True), *zip(text_results, counted, strict=True)]
+    for result, prompt in chunked:
+        check_whole(result, prompt)
+        meta = result["answer"]["meta_info"]
+        assert [(m["reason"], m["at_token"]) for m in meta["moves"]] == [("chunk", 32), ("chunk", 64), ("chunk", 96)]
+        assert len(meta["engines"]) == 4 and len(set(meta["engines"])) == 1, meta["engines"]
+        assert len(meta["weight_versions"]) == 4, meta["weight_versions"]
+        assert "prompt_token_ids" not in result["answer"], sorted(result["answer"])
+        # A stream's events never end before the last chunk: one finish, at the end.
+        finishes = [e["meta_info"]["finish_reason"] for e in result["events"] if e["meta_info"].get("finish_reason")]
+        assert finishes in ([], [{"type": "length", "length": BUDGET}]), finishes
+    check_whole(short_result, 2, 32)
+    assert "moves" not in short_result["answer"]["meta_info"], short_result["answer"]["meta_info"]
+    # Stop strings: a continuation would not see one that started in the chunk before.
+    body = {"input_ids": [900, 1], "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "stop": ["@@@"]}}
+    answer = http("POST", f"{fleet.router_url}/generate", body).json()
+    assert answer["meta_info"]["completion_tokens"] == 64 and "moves" not in answer["meta_info"], answer["meta_info"]
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, 'rollout_router_moves_total{reason="chunk"}') == 3 * len(chunked)
+    assert metric_total(metrics, "rollout_router_move_prefill_tokens_total") == 0
+
+
+def test_a_chunk_goes_on_where_it_ran_unless_another_engine_is_idle(start_fleet: StartManager) -> None:
+    """Two long requests generated in chunks share the one engine; a second engine joins, idle.
+    At a chunk's end a request keeps its slot and engine, unless another engine is idle while its
+    own runs another request: then one of the two continues there (and, alone there, stays)."""
+    fleet = start_fleet(*SLOW, "--chunk-tokens", "32", "--rollout-num-gpus", "1", wait=False)
+    fleet.wait_engines(1, "ACTIVE", 120, fail_on_failed=True)
+    budget = 360  # 9 s at 40 tokens/s: still running when the second engine is up
+    prompts = [[960 + i, 1, 2] for i in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(generate, fleet, p, i == 0, None, budget) for i, p in enumerate(prompts)]
+        wait_until(lambda: engine_of(fleet, "engine_0").raw.get("in_flight", 0) == 2, 30, "both requests to run")
+        op = fleet.client.scale_out(num_replicas=2)
+        assert op.request_id is not None
+        assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+        results = [f.result(timeout=120) for f in futures]
+    engines = []
+    for result, prompt in zip(results, prompts, strict=True):
+        check_whole(result, prompt, budget)
+        meta = result["answer"]["meta_info"]
+        assert {m["reason"] for m in meta["moves"]} == {"chunk"}, meta["moves"]
+        assert [m["at_token"] for m in meta["moves"]] == list(range(32, budget, 32)), meta["moves"]
+        engines.append(meta["engines"])
+    moved = [e for e in engines if "engine_1" in e]
+    assert len(moved) == 1, engines
+    # It went over once and stayed there; the other never left the first engine.
+    went = moved[0]
+    assert went[went.index("engine_1") :] == ["engine_1"] * (len(went) - went.index("engine_1")), went
+    assert set(next(e for e in engines if e is not went)) == {"engine_0"}, engines
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    assert metric_total(metrics, "rollout_router_move_prefill_tokens_total") > 0

@@ -267,6 +267,14 @@ fn values_from_the_file_are_validated_like_flags() {
     assert_eq!(err.flag, "--scale-out-timeout-secs");
     let (parsed, ..) = serve(prefix, &["--config", "v.toml"], "v.toml", "rollout-num-gpus = 16\n").unwrap();
     assert_eq!(parsed.config.validate().unwrap_err().flag, "--gpus");
+    let (parsed, ..) = serve(prefix, &["--config", "c.yaml"], "c.yaml", "chunk-tokens: 8\n").unwrap();
+    let err = parsed.config.validate().unwrap_err();
+    assert_eq!(err.flag, "--chunk-tokens");
+    assert!(err.to_string().contains("at least 16"), "{err}");
+    for ok in ["chunk-tokens: 0\n", "chunk-tokens: 16\n", "chunk-tokens: 512\n"] {
+        let (parsed, ..) = serve(prefix, &["--config", "c.yaml"], "c.yaml", ok).unwrap();
+        assert!(parsed.config.validate().is_ok(), "{ok}");
+    }
 }
 
 #[test]

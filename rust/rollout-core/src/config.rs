@@ -342,6 +342,21 @@ pub struct ServeConfig {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL", help_heading = heading::ROUTER)]
     #[serde(default)]
     pub move_tail: bool,
+    /// Generate movable `/generate` requests in chunks of this many output tokens (0: off).
+    ///
+    /// A request whose budget is more than one chunk runs one chunk at a time: each part asks
+    /// its engine for at most N tokens, and when it stops there the request goes back to the
+    /// router's queue and continues from its prompt and output so far, on the engine it ran on
+    /// (whose prefix cache holds it) when that engine has a free slot, else on the least loaded
+    /// one. In the queue it goes before every request that has not started (only session turns
+    /// go first), and continuing requests by the output they are expected to have left, so the
+    /// ones that run long go on first. The client sees
+    /// one answer (`meta_info.moves` lists each chunk's start, reason `chunk`). Requests with
+    /// stop strings, a grammar, output penalties or a custom logit processor run in one part.
+    /// Off by default (benches/README.md, "Chunks").
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::ROUTER)]
+    #[serde(default)]
+    pub chunk_tokens: u64,
     /// Threads of the data plane (the router port); 0: one per available core.
     ///
     /// Each runs a single-thread runtime of its own, and client connections are handed to them
@@ -456,6 +471,9 @@ fn secs_or_zero(flag: &'static str, v: f64) -> Result<(), ConfigError> {
     }
 }
 
+/// The smallest `--chunk-tokens` (other than 0, off).
+pub const MIN_CHUNK_TOKENS: u64 = 16;
+
 impl ServeConfig {
     /// Checks every cross-field rule. Called once, before anything starts.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -472,6 +490,16 @@ impl ServeConfig {
                     format!("{p} is also the control --port or the --router-port; pick another"),
                 ));
             }
+        }
+        if self.chunk_tokens > 0 && self.chunk_tokens < MIN_CHUNK_TOKENS {
+            return Err(bad(
+                "--chunk-tokens",
+                format!(
+                    "{} is below {MIN_CHUNK_TOKENS}; every chunk costs the request a trip through the router's \
+                     queue, so use at least {MIN_CHUNK_TOKENS} (or 0 to generate in one part)",
+                    self.chunk_tokens
+                ),
+            ));
         }
         if self.model_path.trim().is_empty() {
             return Err(bad("--model-path", "must not be empty"));

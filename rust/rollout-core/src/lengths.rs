@@ -247,11 +247,38 @@ impl LengthEstimator {
         };
         len.min(UNKNOWN_TIER | crate::routing::MAX_ESTIMATE_TOKENS) | (u64::from(session) << 63)
     }
+
+    /// The place of a request that waits to continue after `so_far` of its `budget` output
+    /// tokens (the next chunk of a request generated in chunks, `--chunk-tokens`): above every
+    /// request that has not started yet ([`CONTINUING_TIER`]; only session turns go before it),
+    /// and among continuing requests by the output it is expected to have left. With
+    /// informative budgets that is the rest of its budget; otherwise its class's prediction less
+    /// what it produced, and for a request already past it as much again as it produced (a
+    /// generation that ran long is expected to go on long); at least one token and never more
+    /// than the rest of its budget. So a started generation is not held up behind the batch at
+    /// every chunk, and the longest ones go on first.
+    pub fn continuation_priority(&self, class: Option<u64>, budget: u64, so_far: u64, session: bool) -> u64 {
+        let rest = budget.saturating_sub(so_far).max(1);
+        let left = if self.budgets_are_lengths() {
+            rest
+        } else {
+            match self.predict(class, budget) {
+                Some(e) if e > so_far => e - so_far,
+                _ => so_far,
+            }
+            .clamp(1, rest)
+        };
+        left.min(crate::routing::MAX_ESTIMATE_TOKENS) | CONTINUING_TIER | (u64::from(session) << 63)
+    }
 }
 
 /// The bit that puts requests of classes without a finished member above the known ones in
 /// [`LengthEstimator::queue_priority`] (lengths are at most 2^40).
 pub const UNKNOWN_TIER: u64 = 1 << 62;
+
+/// The bits that put requests continuing after a chunk above those that have not started, in
+/// either tier ([`LengthEstimator::continuation_priority`]).
+pub const CONTINUING_TIER: u64 = UNKNOWN_TIER | 1 << 61;
 
 /// Footprint (prompt + output tokens) assumed for a request before any answer was observed.
 pub const PRIOR_FOOTPRINT: u64 = 512;

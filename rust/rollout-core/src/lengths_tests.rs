@@ -180,3 +180,35 @@ proptest! {
         prop_assert!(cap >= MIN_AUTO_CAP);
     }
 }
+
+#[test]
+fn a_continuation_queues_under_the_output_it_has_left() {
+    let mut e = LengthEstimator::new(100);
+    e.observe(Some(7), 4096, 0, 100); // a short group: 825 predicted (with the fleet mean)
+    e.observe(Some(8), 4096, 0, 3000); // a long group: 2275
+                                       // (class, budget, so_far, session) -> priority
+    let table = [
+        ((Some(8), 4096, 256, false), (2275 - 256) | CONTINUING_TIER), // its class's prediction, less its output
+        ((Some(7), 4096, 256, false), (825 - 256) | CONTINUING_TIER),
+        ((Some(7), 4096, 1024, false), 1024 | CONTINUING_TIER), // past its class: as much again
+        ((Some(7), 4096, 4000, false), 96 | CONTINUING_TIER),   // never beyond its budget
+        ((Some(9), 4096, 512, false), 512 | CONTINUING_TIER),   // unknown class: as much again
+        ((Some(7), 4096, 1024, true), 1024 | CONTINUING_TIER | 1 << 63), // session turns above all
+        ((Some(7), 4096, 4096, false), 1 | CONTINUING_TIER),    // nothing left: the floor
+    ];
+    for ((class, budget, so_far, session), want) in table {
+        assert_eq!(e.continuation_priority(class, budget, so_far, session), want, "{class:?} {so_far}");
+    }
+    // A started request goes on before any that has not, of a known class or not, but not
+    // before a session's turn.
+    let least = e.continuation_priority(Some(7), 4096, 4096, false);
+    assert!(least > e.queue_priority(Some(8), 4096, false));
+    assert!(least > e.queue_priority(Some(9), 4096, false));
+    assert!(least < e.queue_priority(Some(7), 10, true));
+    // Informative budgets: the rest of the budget.
+    let mut exact = LengthEstimator::new(100);
+    for len in [300, 50, 900] {
+        exact.observe(Some(1), len, 10, len);
+    }
+    assert_eq!(exact.continuation_priority(Some(1), 2000, 512, false), 1488 | CONTINUING_TIER);
+}

@@ -259,6 +259,65 @@ pub fn continuation(
     Some(body)
 }
 
+/// The budget of a request's next part when it is generated in chunks of `chunk` tokens
+/// (`--chunk-tokens`, 0: off) after `done` output tokens: `Some(chunk)` when more than one
+/// chunk of the request's budget is left (the part stops there and the request continues from
+/// the router's queue), None when the rest fits in one part (it runs to the request's end).
+pub fn chunk_cap(movable: &Movable, done: u64, chunk: u64) -> Option<u64> {
+    (chunk > 0 && movable.max_new_tokens.saturating_sub(done) > chunk).then_some(chunk)
+}
+
+/// Whether a request may be generated in chunks: nothing in it depends on the output
+/// generated before a chunk's start in a way a continuation would lose. A continuation's engine
+/// sees that output as prompt, so stop strings could straddle a chunk's start, a grammar
+/// (`regex`, `json_schema`, `ebnf`, `structural_tag`) would start again, output penalties
+/// (`frequency_penalty`, `presence_penalty`, `repetition_penalty`) and a custom logit processor
+/// would forget what they counted. Such requests run in one part (they still move for a drain
+/// or a lost engine).
+pub fn chunkable(body: &Value) -> bool {
+    if body.get("custom_logit_processor").is_some_and(|v| !v.is_null()) {
+        return false;
+    }
+    let Some(params) = body.get("sampling_params").and_then(Value::as_object) else { return true };
+    let set = |k: &str| match params.get(k) {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    let number_is = |k: &str, neutral: f64| params.get(k).and_then(Value::as_f64).is_none_or(|v| v == neutral);
+    !["stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag"].iter().any(|k| set(k))
+        && number_is("frequency_penalty", 0.0)
+        && number_is("presence_penalty", 0.0)
+        && number_is("repetition_penalty", 1.0)
+}
+
+/// Limits a part's request (`body`, the client's or a [`continuation`]) to `cap` new tokens:
+/// `max_new_tokens` becomes `cap`, and a `min_new_tokens` left above it is lowered to it (the
+/// rest of it goes with the next part). False when the body has no object to change.
+pub fn cap_part(body: &mut Value, cap: u64) -> bool {
+    let Some(obj) = body.as_object_mut() else { return false };
+    let params = obj.entry("sampling_params").or_insert_with(|| json!({}));
+    if params.is_null() {
+        *params = json!({});
+    }
+    let Some(params) = params.as_object_mut() else { return false };
+    params.insert("max_new_tokens".into(), json!(cap));
+    if let Some(min) = params.get("min_new_tokens").and_then(Value::as_u64) {
+        params.insert("min_new_tokens".into(), json!(min.min(cap)));
+    }
+    true
+}
+
+/// Whether a part limited to `cap` tokens ([`chunk_cap`]) stopped at that limit, so that the
+/// request goes on (rather than at a stop token, a stop string or an abort, which end it or
+/// move it): its finish reason is `length` and it produced `cap` tokens (`completion_tokens`,
+/// which an incremental stream's events count from the part's start too).
+pub fn chunk_ended(answer: &Value, cap: u64) -> bool {
+    answer.pointer("/meta_info/finish_reason/type").and_then(Value::as_str) == Some("length")
+        && answer.pointer("/meta_info/completion_tokens").and_then(Value::as_u64) == Some(cap)
+}
+
 /// The answer the client sees for a moved, non-streamed request: `last` (the final part's
 /// answer) with the joined text and ids, the original prompt's token count, the total output
 /// count, the spans of every part, and the moves (`meta_info.moves`, `meta_info.engines`).
@@ -313,8 +372,8 @@ fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable
             }
         }
     }
-    if before.moves.is_empty() {
-        return; // never moved: the engine's answer as it is
+    if before.moves.is_empty() && before.output_ids.is_empty() {
+        return; // one part: the engine's answer as it is
     }
     if !incremental {
         out["text"] = json!(all.text);
@@ -773,6 +832,124 @@ mod tests {
             let joined_ids: Vec<u64> = out["output_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
             prop_assert_eq!(&joined_ids, &ids);
             prop_assert_eq!(out["meta_info"]["completion_tokens"].as_u64(), Some(ids.len() as u64));
+        }
+    }
+
+    #[test]
+    fn chunks_cap_every_part_but_the_one_the_rest_fits_in() {
+        let m = |max: u64| Movable::of(&json!({"input_ids": [1], "sampling_params": {"max_new_tokens": max}})).unwrap();
+        // (budget, done, chunk, cap)
+        let cases = [
+            (1000, 0, 256, Some(256)),
+            (1000, 744, 256, None), // exactly one chunk left: the last part
+            (1000, 743, 256, Some(256)),
+            (256, 0, 256, None),
+            (1000, 0, 0, None), // off
+            (100, 200, 16, None),
+        ];
+        for (budget, done, chunk, cap) in cases {
+            assert_eq!(chunk_cap(&m(budget), done, chunk), cap, "budget {budget} done {done} chunk {chunk}");
+        }
+    }
+
+    #[test]
+    fn a_capped_part_keeps_everything_but_its_budget() {
+        let mut body = json!({"input_ids": [1], "rid": "r",
+                              "sampling_params": {"max_new_tokens": 4096, "min_new_tokens": 900, "temperature": 0.7}});
+        assert!(cap_part(&mut body, 256));
+        assert_eq!(
+            body,
+            json!({"input_ids": [1], "rid": "r",
+                   "sampling_params": {"max_new_tokens": 256, "min_new_tokens": 256, "temperature": 0.7}})
+        );
+        let mut low = json!({"input_ids": [1], "sampling_params": {"max_new_tokens": 4096, "min_new_tokens": 9}});
+        assert!(cap_part(&mut low, 256));
+        assert_eq!(low["sampling_params"], json!({"max_new_tokens": 256, "min_new_tokens": 9}));
+        let mut bare = json!({"input_ids": [1], "sampling_params": null});
+        assert!(cap_part(&mut bare, 64));
+        assert_eq!(bare["sampling_params"], json!({"max_new_tokens": 64}));
+        assert!(!cap_part(&mut json!([1]), 64));
+        // A continuation's budget is the rest; capped again, the next part is one chunk.
+        let m =
+            Movable::of(&json!({"input_ids": [1], "sampling_params": {"max_new_tokens": 1000, "min_new_tokens": 900}}))
+                .unwrap();
+        let mut next = continuation(&body, &m, &[1], &[5; 256], "r-m1").unwrap();
+        assert!(cap_part(&mut next, 256));
+        assert_eq!(next["sampling_params"]["max_new_tokens"], json!(256));
+        assert_eq!(next["sampling_params"]["min_new_tokens"], json!(256)); // 900 - 256 left, capped
+        assert_eq!(next["input_ids"].as_array().map(Vec::len), Some(257));
+    }
+
+    #[test]
+    fn a_chunk_ends_only_at_its_own_limit() {
+        let end = |kind: &str, n: u64| json!({"meta_info": {"completion_tokens": n, "finish_reason": {"type": kind}}});
+        assert!(chunk_ended(&end("length", 256), 256));
+        assert!(!chunk_ended(&end("stop", 256), 256)); // a stop token on the chunk's last step ends it
+        assert!(!chunk_ended(&end("abort", 256), 256));
+        assert!(!chunk_ended(&end("length", 100), 256)); // the context's limit, not the chunk's
+        assert!(!chunk_ended(&json!({"meta_info": {"completion_tokens": 256, "finish_reason": null}}), 256));
+    }
+
+    #[test]
+    fn only_requests_a_continuation_cannot_change_run_in_chunks() {
+        let with = |params: Value| json!({"input_ids": [1], "sampling_params": params});
+        let table = [
+            (json!({"input_ids": [1]}), true),
+            (with(json!({"max_new_tokens": 9, "temperature": 1.0, "stop_token_ids": [2], "ignore_eos": false})), true),
+            (with(json!({"stop": ""})), true),
+            (with(json!({"stop": []})), true),
+            (with(json!({"frequency_penalty": 0.0, "repetition_penalty": 1.0})), true),
+            (with(json!({"stop": "</answer>"})), false),
+            (with(json!({"stop": ["a"]})), false),
+            (with(json!({"regex": "[0-9]+"})), false),
+            (with(json!({"json_schema": "{}"})), false),
+            (with(json!({"ebnf": "root ::= x"})), false),
+            (with(json!({"presence_penalty": 0.5})), false),
+            (with(json!({"repetition_penalty": 1.1})), false),
+            (json!({"input_ids": [1], "custom_logit_processor": "x"}), false),
+        ];
+        for (body, want) in table {
+            assert_eq!(chunkable(&body), want, "{body}");
+        }
+    }
+
+    #[test]
+    fn an_answer_ended_by_the_router_after_one_part_holds_that_part() {
+        // A request that could not go on after its first part (no move made yet) ends with that
+        // part's output, joined with the router's own last (empty) part.
+        let m = Movable::of(&json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8}})).unwrap();
+        let mut before = Produced { engines: vec!["engine_0".into()], ..Produced::default() };
+        before.add_part(&part("abc", &[5, 6, 7], "v1"));
+        let last = json!({"text": "", "output_ids": [],
+                          "meta_info": {"completion_tokens": 0, "weight_versions": [],
+                                        "finish_reason": {"type": "abort", "message": "gone"}}});
+        let out = joined(&before, &m, &last);
+        assert_eq!(out["output_ids"], json!([5, 6, 7]));
+        assert_eq!(out["text"], json!("abc"));
+        assert_eq!(out["meta_info"]["completion_tokens"], json!(3));
+        assert_eq!(out["meta_info"]["prompt_tokens"], json!(2));
+        assert_eq!(out["meta_info"]["finish_reason"]["type"], json!("abort"));
+        assert_eq!(out["meta_info"]["weight_versions"], json!([{"start": 0, "end": 3, "version": "v1"}]));
+        assert_eq!(out["meta_info"]["moves"], json!([]));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn chunks_add_up_to_the_budget(budget in 1u64..6000, chunk in 16u64..700) {
+            let m = Movable::of(&json!({"input_ids": [1], "sampling_params": {"max_new_tokens": budget}})).unwrap();
+            let (mut done, mut parts) = (0u64, Vec::new());
+            loop {
+                let cap = chunk_cap(&m, done, chunk);
+                let part = cap.unwrap_or(budget - done);
+                parts.push(part);
+                done += part;
+                if cap.is_none() {
+                    break;
+                }
+            }
+            proptest::prop_assert_eq!(done, budget);
+            proptest::prop_assert!(parts.iter().all(|p| *p >= 1 && *p <= chunk));
+            proptest::prop_assert_eq!(parts.len() as u64, budget.div_ceil(chunk));
         }
     }
 }

@@ -76,6 +76,7 @@ struct Waiter {
     class: Option<u64>,
     budget: u64,
     session: bool,
+    so_far: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -96,7 +97,11 @@ impl Inner {
         let lengths = &self.lengths;
         let mut moved = Vec::new();
         for w in self.waiters.values_mut().filter(|w| class.is_none() || w.class == class) {
-            let key = (Reverse(lengths.queue_priority(w.class, w.budget, w.session)), w.key.1, w.key.2);
+            let priority = match w.so_far {
+                Some(n) => lengths.continuation_priority(w.class, w.budget, n, w.session),
+                None => lengths.queue_priority(w.class, w.budget, w.session),
+            };
+            let key = (Reverse(priority), w.key.1, w.key.2);
             if key != w.key {
                 moved.push((w.key, key));
                 w.key = key;
@@ -141,6 +146,10 @@ pub struct Joining {
     pub budget: u64,
     /// Whether it is a turn of a multi-turn session.
     pub session: bool,
+    /// The output it already produced, when it continues a request generated in chunks: it
+    /// waits under the output it is expected to have left
+    /// (`LengthEstimator::continuation_priority`), not as a new request.
+    pub so_far: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -186,7 +195,10 @@ impl SlotQueue {
         lengths.set_now(self.now());
         match self.order {
             QueueOrder::Fifo => 0,
-            QueueOrder::LongestFirst => lengths.queue_priority(r.class, r.budget, r.session),
+            QueueOrder::LongestFirst => match r.so_far {
+                Some(n) => lengths.continuation_priority(r.class, r.budget, n, r.session),
+                None => lengths.queue_priority(r.class, r.budget, r.session),
+            },
         }
     }
 
@@ -204,8 +216,15 @@ impl SlotQueue {
         };
         let key = (Reverse(self.priority(&mut inner.lengths, &r)), rank, id);
         inner.order.insert(key, id);
-        let waiter =
-            Waiter { key, notify: notify.clone(), woken: false, class: r.class, budget: r.budget, session: r.session };
+        let waiter = Waiter {
+            key,
+            notify: notify.clone(),
+            woken: false,
+            class: r.class,
+            budget: r.budget,
+            session: r.session,
+            so_far: r.so_far,
+        };
         inner.waiters.insert(id, waiter);
         Ticket { queue: self.clone(), id, notify }
     }
@@ -320,7 +339,7 @@ mod tests {
     use std::time::Duration;
 
     fn j(budget: u64, session: bool) -> Joining {
-        Joining { class: None, budget, session }
+        Joining { class: None, budget, session, so_far: None }
     }
 
     /// A request of `class` starts and answers `output` tokens.
@@ -330,7 +349,7 @@ mod tests {
     }
 
     fn sibling(class: u64) -> Joining {
-        Joining { class: Some(class), budget: 4096, session: false }
+        Joining { class: Some(class), budget: 4096, session: false, so_far: None }
     }
 
     async fn is_woken(t: &Ticket) -> bool {

@@ -15,6 +15,7 @@
 
 use super::send::EngineBody;
 use super::RouterState;
+use crate::foundation::slots::Joining;
 use crate::registry::fleet::InFlightGuard;
 use axum::body::Body;
 use axum::http::uri::PathAndQuery;
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 
 /// Largest non-streamed answer a movable request may have (it is read whole to be joined).
 const MAX_ANSWER_BYTES: usize = 64 << 20;
-/// Most moves of one request.
+/// Most moves of one request (a chunk's continuation is not one: see [`moves_left`]).
 const MAX_MOVES: usize = 4;
 /// How long the abort of a moving request may take on its engine.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -60,6 +61,18 @@ pub(super) struct Request {
     pub timeout: Duration,
     /// Its place on the tail planner's board (`--move-tail`).
     pub tail: Option<super::tail::Entry>,
+    /// How it is generated in chunks (`--chunk-tokens`); None: in one part.
+    pub chunk: Option<Chunking>,
+}
+
+/// Generation in chunks (`--chunk-tokens`): each part of a request asks for at most `tokens`
+/// output tokens (`rollout_core::moves::chunk_cap`), and a part that stopped there continues
+/// from the router's queue, where its class and session flag place it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Chunking {
+    pub tokens: u64,
+    pub class: Option<u64>,
+    pub session: bool,
 }
 
 /// The engine a part runs on, with the request counted on it.
@@ -242,7 +255,7 @@ async fn run(request: Request, first: Part, client: &mut Out) {
         let reason = match ended {
             Ended::Done | Ended::Gone => return,
             Ended::Moved(reason) => reason,
-            Ended::Lost(why) if produced.moves.len() < MAX_MOVES => {
+            Ended::Lost(why) if moves_left(&produced) => {
                 // A stream continues from the tokens the router saw; a whole answer (nothing
                 // seen of it) starts again.
                 tracing::warn!(engine_id = %part.engine_id, error = %why, "engine lost mid-answer; continuing elsewhere");
@@ -258,9 +271,17 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                 return;
             }
         };
+        if reason == "chunk" && produced.prompt(&request.movable).is_none() {
+            // Its first chunk is all the engine was asked for; without the prompt's ids
+            // nothing can follow it (a text prompt is never tokenized again).
+            let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15), which \
+                       --chunk-tokens needs for text prompts; send input_ids, or set --chunk-tokens 0";
+            fail(&request, client, &format!("could not continue the request after its first chunk: {why}")).await;
+            return;
+        }
         let n = produced.moves.len() + 1;
         let next_rid = format!("{}-m{n}", request.rid);
-        let body = match produced.prompt(&request.movable) {
+        let mut body = match produced.prompt(&request.movable) {
             Some(prompt) => {
                 match moves::continuation(&request.body, &request.movable, prompt, &produced.output_ids, &next_rid) {
                     Some(body) => body,
@@ -289,32 +310,29 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                 moves::restart(&request.body, &next_rid)
             }
         };
+        if let Some(cap) = part_cap(&request, &produced) {
+            moves::cap_part(&mut body, cap);
+        }
         // The part ended: its engine no longer holds the request (a non-streamed continuation
-        // answers only when it is done, and a drain must not wait for that).
-        drop(part.guard.take());
+        // answers only when it is done, and a drain must not wait for that). A chunk's slot is
+        // given up once its continuation has its place in the queue.
+        if reason != "chunk" {
+            drop(part.guard.take());
+        }
         if let Some(entry) = &request.tail {
             entry.between_parts();
         }
-        match next_part(&request, &part, body, reason).await {
+        match next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64).await {
             Ok(next) => {
-                let prompt = produced.prompt(&request.movable).map_or(0, <[u64]>::len);
-                request.state.metrics.moved(reason, prompt + produced.output_ids.len());
-                produced.moves.push(json!({
-                    "from": part.engine_id, "to": next.engine_id,
-                    "at_token": produced.output_ids.len(), "reason": reason,
-                }));
-                produced.engines.push(next.engine_id.to_string());
-                if let Some(entry) = &request.tail {
-                    entry.moved(
-                        next.route.load.clone(),
-                        produced.output_ids.len(),
-                        matches!(reason, "tail" | "preempt"),
-                    );
-                }
-                tracing::info!(from = %part.engine_id, to = %next.engine_id, at_token = produced.output_ids.len(),
-                    reason, "request moved");
+                record_move(&request, &mut produced, &part, &next, reason);
                 part = next;
                 rid = next_rid;
+            }
+            Err(why) if reason == "chunk" => {
+                // No engine of its weight version took it back (the fleet moved on while it
+                // waited between chunks): it ends as an update's abort ends a running request.
+                finish_aborted(&request, &produced, client, &why).await;
+                return;
             }
             Err(why) => {
                 fail(&request, client, &format!("could not continue the request after a move: {why}")).await;
@@ -324,14 +342,45 @@ async fn run(request: Request, first: Part, client: &mut Out) {
     }
 }
 
+/// Counts and records a move (or a chunk's continuation) from `from` to `next`, after the
+/// output `produced` holds.
+fn record_move(request: &Request, produced: &mut Produced, from: &Part, next: &Part, reason: &'static str) {
+    let prompt = produced.prompt(&request.movable).map_or(0, <[u64]>::len);
+    let at_token = produced.output_ids.len();
+    // A chunk that continues where it ran finds its tokens in that engine's prefix cache: it
+    // prefills (almost) nothing again.
+    let stays = reason == "chunk" && next.engine_id == from.engine_id;
+    request.state.metrics.moved(reason, if stays { 0 } else { prompt + at_token });
+    produced.moves.push(json!({"from": from.engine_id, "to": next.engine_id, "at_token": at_token, "reason": reason}));
+    produced.engines.push(next.engine_id.to_string());
+    if let Some(entry) = &request.tail {
+        entry.moved(next.route.load.clone(), at_token, matches!(reason, "tail" | "preempt"));
+    }
+    if reason == "chunk" {
+        tracing::debug!(from = %from.engine_id, to = %next.engine_id, at_token, "request continues with its next chunk");
+    } else {
+        tracing::info!(from = %from.engine_id, to = %next.engine_id, at_token, reason, "request moved");
+    }
+}
+
 /// Sends the continuation to the least loaded other engine the request may use (on the
 /// version `from` ran on, unless it may cross), waiting up to `--version-wait-secs` for one;
 /// the request is counted there from now on. After a weight update's abort, `from`'s own
 /// engine (back on the new version) may take it too, and after a tail move (planned for a less
 /// loaded engine, which may have filled meanwhile) as well.
-async fn next_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
+async fn next_part(request: &Request, from: &mut Part, body: Value, reason: &str, so_far: u64) -> Result<Part, String> {
     if reason == "preempt" {
-        return queued_part(request, from, body).await;
+        let entry = request.tail.as_ref().ok_or("a preempted request without its place on the board")?;
+        return queued_part(request, from, body, entry.joining(), false).await;
+    }
+    if let ("chunk", Some(chunk)) = (reason, request.chunk) {
+        let joining = Joining {
+            class: chunk.class,
+            budget: request.movable.max_new_tokens,
+            session: chunk.session,
+            so_far: Some(so_far),
+        };
+        return queued_part(request, from, body, joining, true).await;
     }
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
@@ -421,8 +470,20 @@ pub(super) fn ready(movable: &Movable, produced: &Produced) -> bool {
     !(movable.text && movable.stream && produced.prompt(movable).is_none())
 }
 
+/// Whether the request may still move ([`MAX_MOVES`]; a chunk's continuation does not count).
+fn moves_left(produced: &Produced) -> bool {
+    produced.moves.iter().filter(|m| m["reason"] != "chunk").count() < MAX_MOVES
+}
+
+/// The output budget of the request's next part when it is generated in chunks and more than
+/// one chunk is left (`rollout_core::moves::chunk_cap`); None: the part runs to its end.
+fn part_cap(request: &Request, produced: &Produced) -> Option<u64> {
+    let chunk = request.chunk?;
+    moves::chunk_cap(&request.movable, produced.output_ids.len() as u64, chunk.tokens)
+}
+
 fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
-    produced.moves.len() < MAX_MOVES
+    moves_left(produced)
         && ready(&request.movable, produced)
         && may_move(&request.state, &part.route, request.may_cross)
 }
@@ -433,20 +494,54 @@ fn planned_move(request: &Request) -> Option<&'static str> {
 }
 
 fn should_move_for_plan(request: &Request, produced: &Produced) -> Option<&'static str> {
-    planned_move(request).filter(|_| produced.moves.len() < MAX_MOVES && ready(&request.movable, produced))
+    planned_move(request).filter(|_| moves_left(produced) && ready(&request.movable, produced))
 }
 
-/// Sends the continuation of a preempted request once the router's queue gives it a slot: it
-/// waits there under its own expected length like any waiting request (the slot it gave up
-/// goes to a longer one), then takes the least loaded engine with a free slot that serves the
-/// version its part ran on.
-async fn queued_part(request: &Request, from: &Part, body: Value) -> Result<Part, String> {
+/// Sends the continuation of a preempted request, or the next chunk of one generated in
+/// chunks, once the router's queue gives it a slot: it waits there as `joining` places it (a
+/// preempted request under its own expected length, so the slot it gave up goes to a longer
+/// one; a chunk under the output it is expected to have left), then takes the least loaded
+/// engine with a free slot that serves the version its part ran on; with `stay`, the engine
+/// it ran on when that one has a free slot (its prefix cache holds the request's tokens),
+/// unless another engine is idle. The part's own slot, if it still holds one, is kept when the
+/// request is first in the queue (it goes on at once where it ran, or on an idle engine), else
+/// given up once the request has its place.
+async fn queued_part(
+    request: &Request,
+    from: &mut Part,
+    body: Value,
+    joining: Joining,
+    stay: bool,
+) -> Result<Part, String> {
     let state = &request.state;
-    let entry = request.tail.as_ref().ok_or("a preempted request without its place on the board")?;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
     let cap_mode = state.config.max_inflight_per_engine;
+    // Without a cap (`--max-inflight-per-engine 0`) every engine has room.
+    let cap = |load: &crate::registry::fleet::EngineLoad| match cap_mode {
+        rollout_core::routing::InflightCap::Fixed(0) => usize::MAX,
+        _ => super::engine_cap(cap_mode, load),
+    };
     let queue = state.fleet.slot_queue().clone();
-    let ticket = queue.join(entry.joining());
+    let ticket = queue.join(joining);
+    if let (true, true, Some(guard)) = (stay, ticket.is_head(), from.guard.take()) {
+        // Nothing waiting goes before it: it keeps its slot and goes on where it ran, if that
+        // engine still takes requests of its version, unless another engine is idle.
+        let routes = super::candidates(state, pin.as_ref()).await.unwrap_or_default();
+        let own = routes.iter().find(|r| Arc::ptr_eq(&r.load, &from.route.load));
+        let idle = routes.iter().find(|r| r.load.get() == 0 && cap(&r.load) > 0);
+        if let Some(own) = own {
+            // (Its own engine counts it: `> 1` when another request runs there too.)
+            let idle = idle.filter(|_| own.load.get() > 1);
+            if let Some((idle, there)) = idle.and_then(|r| Some((r, r.load.try_enter(request.tokens, cap(&r.load))?))) {
+                drop((ticket, guard));
+                return send_part(request, idle.clone(), there, body).await;
+            }
+            drop(ticket);
+            return send_part(request, own.clone(), guard, body).await;
+        }
+        drop(guard);
+    }
+    drop(from.guard.take());
     let _queued = super::QueuedGuard::new(state.metrics.clone());
     let mut changes = state.fleet.subscribe();
     let mut turn = ticket.is_head();
@@ -455,9 +550,13 @@ async fn queued_part(request: &Request, from: &Part, body: Value) -> Result<Part
             let routes = super::candidates(state, pin.as_ref())
                 .await
                 .map_err(|_| "no engine serves the version it ran on to continue on".to_string())?;
-            let free = |r: &&super::table::Route| r.load.get() < super::engine_cap(cap_mode, &r.load);
-            if let Some(route) = routes.iter().filter(free).min_by_key(|r| r.load.get()) {
-                if let Some(guard) = route.load.try_enter(request.tokens, super::engine_cap(cap_mode, &route.load)) {
+            let free = |r: &&super::table::Route| r.load.get() < cap(&r.load);
+            let least = routes.iter().filter(free).min_by_key(|r| r.load.get());
+            let own = routes.iter().filter(free).find(|r| stay && Arc::ptr_eq(&r.load, &from.route.load));
+            // Its own engine, unless another is idle while its own is not.
+            let own = own.filter(|o| o.load.get() == 0 || least.is_none_or(|l| l.load.get() > 0));
+            if let Some(route) = own.or(least) {
+                if let Some(guard) = route.load.try_enter(request.tokens, cap(&route.load)) {
                     drop(ticket);
                     if routes.iter().any(|r| free(&r)) {
                         // Another slot is free: the next in line takes it.
@@ -608,7 +707,8 @@ async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mu
         }
     }
     let strip = request.movable.text && !request.movable.client_prompt_ids;
-    if produced.moves.is_empty() && !moves::may_be_aborted(&buf) {
+    let cap = part_cap(request, produced);
+    if produced.moves.is_empty() && cap.is_none() && !moves::may_be_aborted(&buf) {
         // Unmoved and not aborted: the engine's bytes, without the prompt ids the router asked
         // for and the client did not.
         let bytes = match strip.then(|| moves::without_member(&buf, "prompt_token_ids")).flatten() {
@@ -630,6 +730,10 @@ async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mu
             produced.add_part(&answer);
             return Ended::Moved(reason);
         }
+    }
+    if cap.is_some_and(|cap| moves::chunk_ended(&answer, cap)) {
+        produced.add_part(&answer);
+        return Ended::Moved("chunk");
     }
     let out = moves::joined(produced, &request.movable, &answer);
     let as_is = produced.moves.is_empty() && !strip;
@@ -655,11 +759,13 @@ async fn stream_part(
     client: &mut Out,
 ) -> Ended {
     let seen = Seen { before: produced.clone(), ..Seen::default() };
+    let cap = part_cap(request, produced);
     let mut stream = Streamed {
-        unmoved: seen.before.moves.is_empty(),
+        unmoved: seen.before.moves.is_empty() && cap.is_none(),
         seen,
         strip: request.movable.text && !request.movable.client_prompt_ids,
         held: None,
+        cap,
     };
     let mut pending: Vec<u8> = Vec::new();
     let mut mover = Mover::new(request, part);
@@ -722,8 +828,11 @@ struct Streamed {
     unmoved: bool,
     /// A text prompt's `prompt_token_ids` are cut out of the events (the client sent no ids).
     strip: bool,
-    /// Why the request moves, once its abort's own event was held back.
+    /// Why the request moves, once its abort's own event was held back (or, `chunk`, its
+    /// chunk's last event was passed on without its finish).
     held: Option<&'static str>,
+    /// The part's budget when it is one chunk of the request's ([`part_cap`]).
+    cap: Option<u64>,
 }
 
 /// Where an event ends a streamed part.
@@ -751,7 +860,8 @@ fn on_event(
         return None;
     };
     if json == b"[DONE]" {
-        if let Some(reason) = stream.held.filter(|_| seen.last.as_ref().is_some_and(moves::aborted)) {
+        let moved = |reason: &&str| *reason == "chunk" || seen.last.as_ref().is_some_and(moves::aborted);
+        if let Some(reason) = stream.held.filter(moved) {
             return Some(Stop::Moved(reason));
         }
         return Some(Stop::Done);
@@ -793,7 +903,15 @@ fn on_event(
             return None;
         }
     }
-    let joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
+    let mut joined = moves::joined_chunk(&seen.before, &request.movable, &chunk, inc);
+    if stream.cap.is_some_and(|cap| moves::chunk_ended(&chunk, cap)) {
+        // The chunk's last event: its output goes to the client, its finish does not (the
+        // request continues with its next chunk).
+        if let Some(meta) = joined.get_mut("meta_info").and_then(Value::as_object_mut) {
+            meta.insert("finish_reason".into(), Value::Null);
+        }
+        stream.held = Some("chunk");
+    }
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(joined.to_string().as_bytes());
     out.extend_from_slice(b"\n\n");
@@ -876,6 +994,21 @@ async fn finish_at_budget(request: &Request, produced: &Produced, client: &mut O
     let last = json!({
         "text": "", "output_ids": [],
         "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "length", "length": n}, "weight_versions": []},
+    });
+    let out = moves::joined(produced, &request.movable, &last);
+    let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
+    let _ = client.send(Ok(Bytes::from(bytes))).await;
+}
+
+/// Ends the answer of a request generated in chunks that could not go on between two chunks:
+/// the output so far with finish reason `abort` (SGLang's shape), as a weight update's abort
+/// would have ended it.
+async fn finish_aborted(request: &Request, produced: &Produced, client: &mut Out, why: &str) {
+    tracing::warn!(error = why, "a request generated in chunks ends between two chunks");
+    let last = json!({
+        "text": "", "output_ids": [],
+        "meta_info": {"completion_tokens": 0, "weight_versions": [],
+                      "finish_reason": {"type": "abort", "message": format!("could not continue after a chunk: {why}")}},
     });
     let out = moves::joined(produced, &request.movable, &last);
     let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };

@@ -232,8 +232,12 @@ async fn pick(
         // A new request queues behind waiting ones rather than take a slot freed for them.
         if capped && (open.is_empty() || (queued.is_none() && state.metrics.queued.get() > 0)) {
             let (ticket, _) = queued.get_or_insert_with(|| {
-                let joining =
-                    Joining { class: request.class, budget: request.budget, session: request.info.session.is_some() };
+                let joining = Joining {
+                    class: request.class,
+                    budget: request.budget,
+                    session: request.info.session.is_some(),
+                    so_far: None,
+                };
                 (queue.join(joining), QueuedGuard::new(state.metrics.clone()))
             });
             if !open.is_empty() {
@@ -460,6 +464,11 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     if let (Some((value, m, rid)), StatusCode::OK) = (request.movable.take(), head.status) {
         // The body may change (joined after a move).
         head.headers.remove(axum::http::header::CONTENT_LENGTH);
+        let chunk = chunking(state, &value).map(|tokens| moving::Chunking {
+            tokens,
+            class: request.class,
+            session: request.info.session.is_some(),
+        });
         let moving_request = moving::Request {
             learn,
             started,
@@ -474,6 +483,7 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
             tokens: request.tokens,
             timeout: request.timeout,
             tail: on_board,
+            chunk,
         };
         let part = moving::Part {
             engine_id: backend.engine_id.clone(),
@@ -537,7 +547,8 @@ fn movable_request(
     body: Bytes,
     partial_rollout: bool,
 ) -> (Bytes, Option<(serde_json::Value, rollout_core::moves::Movable, String)>) {
-    let moves = state.config.move_on_drain || state.config.move_tail || partial_rollout;
+    let moves =
+        state.config.move_on_drain || state.config.move_tail || state.config.chunk_tokens > 0 || partial_rollout;
     if !moves || method != Method::POST || path != "/generate" {
         return (body, None);
     }
@@ -548,8 +559,13 @@ fn movable_request(
     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else { return (body, None) };
     let Some(movable) = rollout_core::moves::Movable::of(&value) else { return (body, None) };
     movable.prepare(&mut value);
+    // The first part of a request generated in chunks asks for one chunk (the body kept, to
+    // continue from, asks for the whole budget).
+    let first_cap = chunking(state, &value).and_then(|chunk| rollout_core::moves::chunk_cap(&movable, 0, chunk));
     let rid = match &movable.rid {
-        Some(rid) if !movable.text => return (body, Some((value, movable.clone(), rid.clone()))),
+        Some(rid) if !movable.text && first_cap.is_none() => {
+            return (body, Some((value, movable.clone(), rid.clone())))
+        }
         Some(rid) => rid.clone(),
         None => {
             let rid = moving::new_rid();
@@ -557,10 +573,25 @@ fn movable_request(
             rid
         }
     };
-    match serde_json::to_vec(&value) {
+    let sent = match first_cap {
+        Some(cap) => {
+            let mut part = value.clone();
+            rollout_core::moves::cap_part(&mut part, cap);
+            serde_json::to_vec(&part)
+        }
+        None => serde_json::to_vec(&value),
+    };
+    match sent {
         Ok(b) => (Bytes::from(b), Some((value, movable, rid))),
         Err(_) => (body, None),
     }
+}
+
+/// The chunk size a movable request (`body`, as sent) is generated in (`--chunk-tokens`);
+/// None when chunks are off or the request may not be cut (`rollout_core::moves::chunkable`).
+fn chunking(state: &RouterState, body: &serde_json::Value) -> Option<u64> {
+    let tokens = state.config.chunk_tokens;
+    (tokens > 0 && rollout_core::moves::chunkable(body)).then_some(tokens)
 }
 
 /// Whether some routable engine is under its cap (one a pinned or retried request may not use).

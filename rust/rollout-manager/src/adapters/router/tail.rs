@@ -153,7 +153,7 @@ impl Entry {
         let t = &self.ticket;
         let left = t.left.load(Ordering::Relaxed);
         let budget = if left > 0 { left.min(t.budget) } else { t.budget };
-        crate::foundation::slots::Joining { class: t.class, budget, session: false }
+        crate::foundation::slots::Joining { class: t.class, budget, session: false, so_far: None }
     }
 
     /// Resolves when the planner asks it to move (at once if it already did and nobody
