@@ -552,3 +552,69 @@ def test_a_chunk_goes_on_where_it_ran_unless_another_engine_is_idle(start_fleet:
     assert set(next(e for e in engines if e is not went)) == {"engine_0"}, engines
     metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
     assert metric_total(metrics, "rollout_router_move_prefill_tokens_total") > 0
+
+
+def test_chunks_of_an_incremental_stream_carry_each_token_once(start_fleet: StartManager) -> None:
+    """Engines that stream incrementally (`--incremental-streaming-output`: each event only the
+    new tokens): a request generated in chunks of 32 streams 120 tokens in all, each once, the
+    counts rising to 120 and one finish at the end; its whole twin answers 120 tokens joined."""
+    fleet = start_fleet(*SLOW, "--engine-arg=--incremental-streaming-output", "--chunk-tokens", "32")
+    conn, resp = post(fleet, [990, 4, 5], True)
+    try:
+        got = events(resp)
+    finally:
+        conn.close()
+    ids = [i for e in got for i in e["output_ids"]]
+    assert len(ids) == BUDGET, (len(ids), [len(e["output_ids"]) for e in got])
+    counts = [e["meta_info"]["completion_tokens"] for e in got]
+    assert counts == sorted(counts) and counts[-1] == BUDGET, counts
+    finishes = [e["meta_info"]["finish_reason"] for e in got if e["meta_info"].get("finish_reason")]
+    assert finishes == [{"type": "length", "length": BUDGET}], finishes
+    last = got[-1]["meta_info"]
+    assert [m["reason"] for m in last["moves"]] == ["chunk"] * 3, last["moves"]
+    assert last["prompt_tokens"] == 3 and last["weight_versions"][-1]["end"] == BUDGET, last
+    whole = generate(fleet, [991, 4, 5], False)
+    check_whole(whole, [991, 4, 5])
+    assert [m["at_token"] for m in whole["answer"]["meta_info"]["moves"]] == [32, 64, 96]
+
+
+def test_a_client_abort_ends_a_request_between_or_within_chunks(start_fleet: StartManager) -> None:
+    """After its first chunk a request's parts run under the router's own rids, and between two
+    chunks it is on no engine: a client's `/abort_request` through the router (by its `rid`, or
+    `abort_all` as slime sends at the end of a rollout) still ends it, with the output so far
+    and finish reason `abort`, as SGLang ends an aborted request."""
+    fleet = start_fleet(*SLOW, "--chunk-tokens", "32")
+    budget = 2000  # 50 s at 40 tokens/s: far from done when it is aborted
+
+    def one(rid: str, stream: bool) -> dict[str, Any]:
+        parsed = urllib.parse.urlsplit(fleet.router_url)
+        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+        body = {
+            "input_ids": [980, 1, 2],
+            "rid": rid,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": budget, "ignore_eos": True},
+        }
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:300]
+            return json.loads(resp.read()) if not stream else events(resp)[-1]
+        finally:
+            conn.close()
+
+    def chunk_moves() -> float:
+        return metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_router_moves_total")
+
+    for abort_body, stream in (({"rid": "rollout-7"}, False), ({"abort_all": True}, True)):
+        before = chunk_moves()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(one, "rollout-7", stream)
+            wait_until(lambda b=before: chunk_moves() >= b + 1, 30, "the request to pass its first chunk")
+            assert http("POST", f"{fleet.router_url}/abort_request", abort_body).status == 200
+            answer = future.result(timeout=30)
+        meta = answer["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort", meta
+        assert 32 <= meta["completion_tokens"] < budget, meta
+        assert len(answer["output_ids"]) == meta["completion_tokens"], meta
+        assert {m["reason"] for m in meta["moves"]} == {"chunk"}, meta["moves"]

@@ -249,19 +249,23 @@ impl LengthEstimator {
     }
 
     /// The place of a request that waits to continue after `so_far` of its `budget` output
-    /// tokens (the next chunk of a request generated in chunks, `--chunk-tokens`): above every
-    /// request that has not started yet ([`CONTINUING_TIER`]; only session turns go before it),
-    /// and among continuing requests by the output it is expected to have left. With
-    /// informative budgets that is the rest of its budget; otherwise its class's prediction less
-    /// what it produced, and for a request already past it as much again as it produced (a
-    /// generation that ran long is expected to go on long); at least one token and never more
-    /// than the rest of its budget. So a started generation is not held up behind the batch at
-    /// every chunk, and the longest ones go on first.
+    /// tokens (the next chunk of a request generated in chunks, `--chunk-tokens`). With
+    /// informative budgets, the rest of its budget, ordered with the budgets of requests not yet
+    /// started (longest remaining work first). Otherwise above every request that has not
+    /// started yet ([`CONTINUING_TIER`]; only session turns go before it), and among continuing
+    /// requests by the output it is expected to have left: its class's prediction less what it
+    /// produced, and for a request already past it as much again as it produced (a generation
+    /// that ran long is expected to go on long); at least one token and never more than the rest
+    /// of its budget. So a started generation is not held up behind the batch at every chunk, and
+    /// the longest ones go on first.
     pub fn continuation_priority(&self, class: Option<u64>, budget: u64, so_far: u64, session: bool) -> u64 {
         let rest = budget.saturating_sub(so_far).max(1);
-        let left = if self.budgets_are_lengths() {
-            rest
-        } else {
+        if self.budgets_are_lengths() {
+            // Every request's work is known: the rest of its budget against the others' budgets
+            // (longest remaining first), not above them.
+            return rest.min(crate::routing::MAX_ESTIMATE_TOKENS) | (u64::from(session) << 63);
+        }
+        let left = {
             match self.predict(class, budget) {
                 Some(e) if e > so_far => e - so_far,
                 _ => so_far,

@@ -210,5 +210,6 @@ fn a_continuation_queues_under_the_output_it_has_left() {
     for len in [300, 50, 900] {
         exact.observe(Some(1), len, 10, len);
     }
-    assert_eq!(exact.continuation_priority(Some(1), 2000, 512, false), 1488 | CONTINUING_TIER);
+    assert_eq!(exact.continuation_priority(Some(1), 2000, 512, false), 1488);
+    assert!(exact.continuation_priority(Some(1), 2000, 512, false) < exact.queue_priority(Some(1), 1500, false));
 }

@@ -143,6 +143,9 @@ pub struct Produced {
     pub input_logprobs: Option<Map<String, Value>>,
     /// A text prompt's ids, as its first engine made them (`prompt_token_ids`).
     pub prompt_ids: Option<Vec<u64>>,
+    /// Whether its engines stream incrementally (each event only the new output), once an
+    /// earlier part's events told (a first event of one token cannot).
+    pub stream_incremental: Option<bool>,
 }
 
 impl Produced {
@@ -362,7 +365,7 @@ fn rewrite(out: &mut Value, before: &Produced, all: &Produced, movable: &Movable
         // The ids the router asked for: the first engine's, and only if the client asked too.
         if let Some(obj) = out.as_object_mut() {
             match (movable.client_prompt_ids, &all.prompt_ids) {
-                (true, Some(ids)) if !before.moves.is_empty() => {
+                (true, Some(ids)) if !(before.moves.is_empty() && before.output_ids.is_empty()) => {
                     obj.insert("prompt_token_ids".into(), json!(ids));
                 }
                 (true, _) => {}

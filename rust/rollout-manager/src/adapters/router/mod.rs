@@ -125,6 +125,8 @@ pub struct RouterState {
     routes: RouteCache,
     /// Movable requests running now, for the tail planner (`--move-tail`).
     tail: Arc<tail::Board>,
+    /// Requests generated in chunks, for a client's `/abort_request` (`router::moving::Chunked`).
+    chunked: Arc<moving::Chunked>,
     /// The port `--trainer-port` listens on, once bound: a trainer registering that endpoint
     /// (the fleet itself) as a worker is told it is already served.
     trainer_port: std::sync::OnceLock<u16>,
@@ -221,6 +223,7 @@ pub fn router(
         gate: Gate::default(),
         routes: RouteCache::default(),
         tail: Arc::default(),
+        chunked: Arc::default(),
         trainer_port: std::sync::OnceLock::new(),
     });
     let own = Router::new()
@@ -334,6 +337,13 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response {
     (status, Json(error_body(code, message))).into_response()
 }
 
+/// The routable engines `pin` allows right now, without waiting for one (see [`candidates`]).
+fn candidates_now(state: &RouterState, pin: Option<&VersionPin>) -> Vec<Route> {
+    let current = state.routes.current(&state.fleet, &state.pools);
+    let history = &current.table.version_order;
+    current.all.iter().filter(|b| pin.is_none_or(|p| p.allows(b.weight_version.as_deref(), history))).cloned().collect()
+}
+
 /// The routable engines that satisfy `pin`, waiting up to `--version-wait-secs` for one.
 async fn candidates(state: &RouterState, pin: Option<&VersionPin>) -> Result<Arc<Vec<Route>>, Response> {
     let fleet = &state.fleet;
@@ -421,6 +431,11 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the body is limited to 1 MiB");
     };
     let path = path_and_query(&parts.uri);
+    if path.path() == "/abort_request" {
+        // Requests between two chunks are on no engine, and their parts run under the
+        // router's own rids: the router ends those itself.
+        state.chunked.abort(&body);
+    }
     let headers = to_engine(parts.headers, state.token.as_deref());
     let routes = state.routes.current(&state.fleet, &state.pools).all.clone();
     let client = &state.client;

@@ -15,6 +15,7 @@
 
 use super::send::EngineBody;
 use super::RouterState;
+use crate::foundation::locks::Locked;
 use crate::foundation::slots::Joining;
 use crate::registry::fleet::InFlightGuard;
 use axum::body::Body;
@@ -31,6 +32,8 @@ use tokio::sync::mpsc;
 
 /// Largest non-streamed answer a movable request may have (it is read whole to be joined).
 const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// Why a continuation found no engine: none serves the weight version its part ran on.
+const NO_ENGINE_OF_ITS_VERSION: &str = "no engine serves the weight version it ran on to continue on";
 /// Most moves of one request (a chunk's continuation is not one: see [`moves_left`]).
 const MAX_MOVES: usize = 4;
 /// How long the abort of a moving request may take on its engine.
@@ -63,6 +66,91 @@ pub(super) struct Request {
     pub tail: Option<super::tail::Entry>,
     /// How it is generated in chunks (`--chunk-tokens`); None: in one part.
     pub chunk: Option<Chunking>,
+    /// Its place among the requests generated in chunks, for a client's abort ([`Chunked`]).
+    pub client_abort: Option<ChunkedEntry>,
+}
+
+/// The requests generated in chunks now, by `rid`, for a client's `/abort_request` (by `rid`
+/// or `abort_all`): between two chunks such a request is on no engine, and after its first
+/// chunk its parts run under the router's own rids (`<rid>-m<n>`), which an engine's abort of
+/// the client's `rid` does not match. The router's fan-out marks them here; each then aborts its
+/// running part itself, or ends at its next chunk, with the output so far (finish `abort`).
+#[derive(Debug, Default)]
+pub struct Chunked {
+    by_rid: std::sync::Mutex<std::collections::HashMap<String, Arc<ClientAbort>>>,
+}
+
+/// Whether the client aborted one request generated in chunks.
+#[derive(Debug, Default)]
+pub(super) struct ClientAbort {
+    set: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl ClientAbort {
+    fn is_set(&self) -> bool {
+        self.set.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Resolves once the client aborted the request.
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            if self.is_set() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Chunked {
+    /// Follows the request `rid` while the returned entry lives.
+    pub(super) fn enter(self: &Arc<Self>, rid: &str) -> ChunkedEntry {
+        let flag = Arc::new(ClientAbort::default());
+        self.by_rid.locked().insert(rid.to_owned(), flag.clone());
+        ChunkedEntry { chunked: self.clone(), rid: rid.to_owned(), flag }
+    }
+
+    /// A client's `/abort_request` body (`{"rid"}` or `{"abort_all": true}`): marks the
+    /// requests it names.
+    pub(super) fn abort(&self, body: &[u8]) {
+        let Ok(req) = serde_json::from_slice::<Value>(body) else { return };
+        let all = req.get("abort_all").and_then(Value::as_bool).unwrap_or(false);
+        let rid = req.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty());
+        let map = self.by_rid.locked();
+        for (r, flag) in map.iter() {
+            if all || rid == Some(r.as_str()) {
+                flag.set.store(true, std::sync::atomic::Ordering::Release);
+                flag.notify.notify_waiters();
+            }
+        }
+    }
+}
+
+/// A request's place in [`Chunked`]; it leaves when this drops.
+#[derive(Debug)]
+pub(super) struct ChunkedEntry {
+    chunked: Arc<Chunked>,
+    rid: String,
+    flag: Arc<ClientAbort>,
+}
+
+impl Drop for ChunkedEntry {
+    fn drop(&mut self) {
+        let mut map = self.chunked.by_rid.locked();
+        if map.get(&self.rid).is_some_and(|f| Arc::ptr_eq(f, &self.flag)) {
+            map.remove(&self.rid);
+        }
+    }
+}
+
+/// Resolves when the client aborted the request (never for one not generated in chunks).
+async fn client_aborted(request: &Request) {
+    match &request.client_abort {
+        Some(entry) => entry.flag.wait().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Generation in chunks (`--chunk-tokens`): each part of a request asks for at most `tokens`
@@ -271,12 +359,7 @@ async fn run(request: Request, first: Part, client: &mut Out) {
                 return;
             }
         };
-        if reason == "chunk" && produced.prompt(&request.movable).is_none() {
-            // Its first chunk is all the engine was asked for; without the prompt's ids
-            // nothing can follow it (a text prompt is never tokenized again).
-            let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15), which \
-                       --chunk-tokens needs for text prompts; send input_ids, or set --chunk-tokens 0";
-            fail(&request, client, &format!("could not continue the request after its first chunk: {why}")).await;
+        if reason == "chunk" && ended_at_chunk(&request, &produced, client).await {
             return;
         }
         let n = produced.moves.len() + 1;
@@ -322,16 +405,18 @@ async fn run(request: Request, first: Part, client: &mut Out) {
         if let Some(entry) = &request.tail {
             entry.between_parts();
         }
-        match next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64).await {
+        let ended_on = produced.spans.last().and_then(|s| s["version"].as_str()).map(str::to_owned);
+        let ended_on = ended_on.or_else(|| part.route.weight_version.clone());
+        match next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64, ended_on).await {
             Ok(next) => {
                 record_move(&request, &mut produced, &part, &next, reason);
                 part = next;
                 rid = next_rid;
             }
-            Err(why) if reason == "chunk" => {
+            Err(why) if reason == "chunk" && why.starts_with(NO_ENGINE_OF_ITS_VERSION) => {
                 // No engine of its weight version took it back (the fleet moved on while it
                 // waited between chunks): it ends as an update's abort ends a running request.
-                finish_aborted(&request, &produced, client, &why).await;
+                finish_aborted(&request, &produced, client, &format!("could not continue after a chunk: {why}")).await;
                 return;
             }
             Err(why) => {
@@ -340,6 +425,24 @@ async fn run(request: Request, first: Part, client: &mut Out) {
             }
         }
     }
+}
+
+/// Ends the answer at the end of a chunk when it cannot go on, and says so: the client aborted
+/// it (the output so far, finish reason `abort`), or the ids of its text prompt are unknown
+/// (its first chunk is all the engine was asked for, and a text prompt is never tokenized
+/// again: an error).
+async fn ended_at_chunk(request: &Request, produced: &Produced, client: &mut Out) -> bool {
+    if request.client_abort.as_ref().is_some_and(|e| e.flag.is_set()) {
+        finish_aborted(request, produced, client, "aborted by the client's /abort_request").await;
+        return true;
+    }
+    if produced.prompt(&request.movable).is_none() {
+        let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15), which \
+                   --chunk-tokens needs for text prompts; send input_ids, or set --chunk-tokens 0";
+        fail(request, client, &format!("could not continue the request after its first chunk: {why}")).await;
+        return true;
+    }
+    false
 }
 
 /// Counts and records a move (or a chunk's continuation) from `from` to `next`, after the
@@ -368,10 +471,20 @@ fn record_move(request: &Request, produced: &mut Produced, from: &Part, next: &P
 /// the request is counted there from now on. After a weight update's abort, `from`'s own
 /// engine (back on the new version) may take it too, and after a tail move (planned for a less
 /// loaded engine, which may have filled meanwhile) as well.
-async fn next_part(request: &Request, from: &mut Part, body: Value, reason: &str, so_far: u64) -> Result<Part, String> {
+/// `ended_on` is the weight version the part's output ended on (a part an update kept running,
+/// `retract` or `in_place`, ends on the new one, which its next chunk then continues on).
+async fn next_part(
+    request: &Request,
+    from: &mut Part,
+    body: Value,
+    reason: &str,
+    so_far: u64,
+    ended_on: Option<String>,
+) -> Result<Part, String> {
     if reason == "preempt" {
         let entry = request.tail.as_ref().ok_or("a preempted request without its place on the board")?;
-        return queued_part(request, from, body, entry.joining(), false).await;
+        let ran_on = from.route.weight_version.clone();
+        return queued_part(request, from, body, entry.joining(), ran_on, false).await;
     }
     if let ("chunk", Some(chunk)) = (reason, request.chunk) {
         let joining = Joining {
@@ -380,7 +493,7 @@ async fn next_part(request: &Request, from: &mut Part, body: Value, reason: &str
             session: chunk.session,
             so_far: Some(so_far),
         };
-        return queued_part(request, from, body, joining, true).await;
+        return queued_part(request, from, body, joining, ended_on, true).await;
     }
     let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
@@ -511,10 +624,11 @@ async fn queued_part(
     from: &mut Part,
     body: Value,
     joining: Joining,
+    ran_on: Option<String>,
     stay: bool,
 ) -> Result<Part, String> {
     let state = &request.state;
-    let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
+    let pin = moves::target_pin(request.pin.as_ref(), ran_on.as_deref(), request.may_cross);
     let cap_mode = state.config.max_inflight_per_engine;
     // Without a cap (`--max-inflight-per-engine 0`) every engine has room.
     let cap = |load: &crate::registry::fleet::EngineLoad| match cap_mode {
@@ -526,7 +640,7 @@ async fn queued_part(
     if let (true, true, Some(guard)) = (stay, ticket.is_head(), from.guard.take()) {
         // Nothing waiting goes before it: it keeps its slot and goes on where it ran, if that
         // engine still takes requests of its version, unless another engine is idle.
-        let routes = super::candidates(state, pin.as_ref()).await.unwrap_or_default();
+        let routes = super::candidates_now(state, pin.as_ref());
         let own = routes.iter().find(|r| Arc::ptr_eq(&r.load, &from.route.load));
         let idle = routes.iter().find(|r| r.load.get() == 0 && cap(&r.load) > 0);
         if let Some(own) = own {
@@ -549,7 +663,7 @@ async fn queued_part(
         if turn {
             let routes = super::candidates(state, pin.as_ref())
                 .await
-                .map_err(|_| "no engine serves the version it ran on to continue on".to_string())?;
+                .map_err(|_| format!("{NO_ENGINE_OF_ITS_VERSION} within --version-wait-secs"))?;
             let free = |r: &&super::table::Route| r.load.get() < cap(&r.load);
             let least = routes.iter().filter(free).min_by_key(|r| r.load.get());
             let own = routes.iter().filter(free).find(|r| stay && Arc::ptr_eq(&r.load, &from.route.load));
@@ -564,6 +678,9 @@ async fn queued_part(
                     }
                     return send_part(request, route.clone(), guard, body).await;
                 }
+            } else if super::candidates_now(state, None).iter().any(|r| free(&r)) {
+                // A slot is free on an engine of another version: the next in line may use it.
+                ticket.pass_on();
             }
         }
         tokio::select! {
@@ -686,11 +803,16 @@ async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mu
     }
     let mut mover = Mover::new(request, part);
     let mut signal = part.route.load.move_signal();
+    let mut client_abort_sent = false;
     loop {
         mover.step(request, part, rid, produced).await;
         tokio::select! {
             () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
             () = tail_asked(request.tail.as_ref()), if !mover.moving => {}
+            () = client_aborted(request), if !client_abort_sent => {
+                client_abort_sent = true;
+                abort(request, part, rid).await;
+            }
             frame = part.body.frame() => match frame {
                 None => break,
                 Some(Ok(f)) => {
@@ -758,7 +880,7 @@ async fn stream_part(
     produced: &mut Produced,
     client: &mut Out,
 ) -> Ended {
-    let seen = Seen { before: produced.clone(), ..Seen::default() };
+    let seen = Seen { before: produced.clone(), incremental: produced.stream_incremental, ..Seen::default() };
     let cap = part_cap(request, produced);
     let mut stream = Streamed {
         unmoved: seen.before.moves.is_empty() && cap.is_none(),
@@ -771,6 +893,7 @@ async fn stream_part(
     let mut mover = Mover::new(request, part);
     let mut signal = part.route.load.move_signal();
     let mut first = part.first.take();
+    let mut client_abort_sent = false;
     loop {
         mover.step(request, part, rid, produced).await;
         let frame = match first.take() {
@@ -778,6 +901,11 @@ async fn stream_part(
             None => tokio::select! {
                 frame = part.body.frame() => frame,
                 _ = signal.changed() => continue,
+                () = client_aborted(request), if !client_abort_sent => {
+                    client_abort_sent = true;
+                    abort(request, part, rid).await;
+                    continue;
+                }
                 () = tokio::time::sleep_until(mover.again()), if mover.moving => continue,
                 () = tail_asked(request.tail.as_ref()), if !mover.moving => continue,
             },
@@ -889,11 +1017,21 @@ fn on_event(
     }
     let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
     let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
-    let inc = *seen.incremental.get_or_insert_with(|| count.is_some_and(|c| c > ids));
-    if inc {
+    if seen.incremental.is_none() {
+        // An event of one token (the first) reads the same either way; the next one tells.
+        seen.incremental = match count {
+            None => Some(false),
+            Some(c) if c > ids => Some(true),
+            Some(c) if c > 1 => Some(false),
+            Some(_) => None,
+        };
+    }
+    if seen.incremental != Some(false) {
         seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
         seen.lp.add_logprobs(&chunk);
+        seen.text.push_str(chunk.get("text").and_then(Value::as_str).unwrap_or(""));
     }
+    let inc = seen.incremental.unwrap_or(false);
     seen.last_raw = None;
     if moves::aborted(&chunk) {
         if let Some(reason) = move_reason(request, part, mover) {
@@ -933,9 +1071,11 @@ struct Seen {
     last: Option<Value>,
     last_raw: Option<Vec<u8>>,
     /// Whether the engine's events hold only the new output (`--incremental-streaming-output`),
-    /// known from the first event; then the ids and logprobs of every event are gathered here.
+    /// known from an earlier part or from the first event with more than one token; until it is
+    /// known to be false, the ids, text and logprobs of every event are gathered here.
     incremental: Option<bool>,
     ids: Vec<u64>,
+    text: String,
     lp: Produced,
 }
 
@@ -961,15 +1101,22 @@ impl Seen {
                         all.extend(entries.iter().cloned());
                     }
                 }
-                now.output_ids.extend_from_slice(&self.ids);
-                if let Some(t) = last.and_then(|chunk| chunk.get("text")).and_then(Value::as_str) {
-                    now.text.push_str(t);
+                // The part's whole output, with the version(s) its last event names.
+                let mut meta = serde_json::Map::new();
+                if let Some(m) = last.and_then(|chunk| chunk.get("meta_info")).and_then(Value::as_object) {
+                    for key in ["weight_version", "weight_versions"] {
+                        if let Some(v) = m.get(key) {
+                            meta.insert(key.into(), v.clone());
+                        }
+                    }
                 }
+                now.add_part(&json!({"text": self.text, "output_ids": self.ids, "meta_info": meta}));
             }
             (None, false) => {}
         }
         now.moves = produced.moves.clone();
         now.engines = produced.engines.clone();
+        now.stream_incremental = self.incremental.or(self.before.stream_incremental);
         if now.prompt_ids.is_none() {
             now.prompt_ids.clone_from(&produced.prompt_ids);
         }
@@ -995,9 +1142,22 @@ async fn finish_at_budget(request: &Request, produced: &Produced, client: &mut O
         "text": "", "output_ids": [],
         "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "length", "length": n}, "weight_versions": []},
     });
-    let out = moves::joined(produced, &request.movable, &last);
-    let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
-    let _ = client.send(Ok(Bytes::from(bytes))).await;
+    let _ = client.send(Ok(last_answer(request, produced, &last))).await;
+}
+
+/// The end of an answer the router writes itself (`last`: an empty final part): the joined
+/// body, or for a stream the last event (only the counts and finish for an incremental one,
+/// whose events carried the tokens already) and `[DONE]`.
+fn last_answer(request: &Request, produced: &Produced, last: &Value) -> Bytes {
+    if !request.movable.stream {
+        return Bytes::from(moves::joined(produced, &request.movable, last).to_string());
+    }
+    let out = if produced.stream_incremental == Some(true) {
+        moves::joined_chunk(produced, &request.movable, last, true)
+    } else {
+        moves::joined(produced, &request.movable, last)
+    };
+    Bytes::from(format!("data: {out}\n\ndata: [DONE]\n\n"))
 }
 
 /// Ends the answer of a request generated in chunks that could not go on between two chunks:
@@ -1008,11 +1168,9 @@ async fn finish_aborted(request: &Request, produced: &Produced, client: &mut Out
     let last = json!({
         "text": "", "output_ids": [],
         "meta_info": {"completion_tokens": 0, "weight_versions": [],
-                      "finish_reason": {"type": "abort", "message": format!("could not continue after a chunk: {why}")}},
+                      "finish_reason": {"type": "abort", "message": why}},
     });
-    let out = moves::joined(produced, &request.movable, &last);
-    let bytes = if request.movable.stream { format!("data: {out}\n\ndata: [DONE]\n\n") } else { out.to_string() };
-    let _ = client.send(Ok(Bytes::from(bytes))).await;
+    let _ = client.send(Ok(last_answer(request, produced, &last))).await;
 }
 
 /// Ends the client's answer with an error: an error event and `[DONE]` for a stream (SGLang's

@@ -469,6 +469,7 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
             class: request.class,
             session: request.info.session.is_some(),
         });
+        let client_abort = chunk.map(|_| state.chunked.enter(&rid));
         let moving_request = moving::Request {
             learn,
             started,
@@ -483,6 +484,7 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
             tokens: request.tokens,
             timeout: request.timeout,
             tail: on_board,
+            client_abort,
             chunk,
         };
         let part = moving::Part {
