@@ -559,11 +559,16 @@ def test_chunks_of_an_incremental_stream_carry_each_token_once(start_fleet: Star
     new tokens): a request generated in chunks of 32 streams 120 tokens in all, each once, the
     counts rising to 120 and one finish at the end; its whole twin answers 120 tokens joined."""
     fleet = start_fleet(*SLOW, "--engine-arg=--incremental-streaming-output", "--chunk-tokens", "32")
-    conn, resp = post(fleet, [990, 4, 5], True)
-    try:
-        got = events(resp)
-    finally:
-        conn.close()
+    # Both at once: once answers come back at their budget, the router takes budgets for the
+    # lengths and stops cutting requests into chunks.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        twin = pool.submit(generate, fleet, [991, 4, 5], False)
+        conn, resp = post(fleet, [990, 4, 5], True)
+        try:
+            got = events(resp)
+        finally:
+            conn.close()
+        whole = twin.result(timeout=120)
     ids = [i for e in got for i in e["output_ids"]]
     assert len(ids) == BUDGET, (len(ids), [len(e["output_ids"]) for e in got])
     counts = [e["meta_info"]["completion_tokens"] for e in got]
@@ -573,7 +578,6 @@ def test_chunks_of_an_incremental_stream_carry_each_token_once(start_fleet: Star
     last = got[-1]["meta_info"]
     assert [m["reason"] for m in last["moves"]] == ["chunk"] * 3, last["moves"]
     assert last["prompt_tokens"] == 3 and last["weight_versions"][-1]["end"] == BUDGET, last
-    whole = generate(fleet, [991, 4, 5], False)
     check_whole(whole, [991, 4, 5])
     assert [m["at_token"] for m in whole["answer"]["meta_info"]["moves"]] == [32, 64, 96]
 

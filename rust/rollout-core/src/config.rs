@@ -353,7 +353,9 @@ pub struct ServeConfig {
     /// ones that run long go on first. The client sees
     /// one answer (`meta_info.moves` lists each chunk's start, reason `chunk`). Requests with
     /// stop strings, a grammar, output penalties or a custom logit processor run in one part.
-    /// Off by default (benches/README.md, "Chunks").
+    /// Not while the budgets the router sees are the lengths (most answers end at their budget:
+    /// longest-first by budget already orders the work). Off by default (benches/README.md,
+    /// "Chunks").
     #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::ROUTER)]
     #[serde(default)]
     pub chunk_tokens: u64,

@@ -45,7 +45,7 @@ struct Admitted {
     partial_rollout: bool,
     /// A `/generate` that may move while it runs (`router::moving`): its body as JSON, what
     /// moves, and the `rid` it is aborted by. Taken by the attempt that hands it over.
-    movable: Option<(serde_json::Value, Movable, String)>,
+    movable: Option<MovableParts>,
     /// What learned lengths are keyed by: the session, else the prompt (GRPO siblings).
     class: Option<u64>,
     budget: u64,
@@ -363,7 +363,7 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
     };
     let sent = state.fleet.unless_lost(&backend.load, sent);
     // On the tail planner's board while it runs (router::tail).
-    let on_board = request.movable.as_ref().filter(|_| state.config.move_tail).map(|(_, m, _)| {
+    let on_board = request.movable.as_ref().filter(|_| state.config.move_tail).map(|(_, m, _, _)| {
         let entry = tail::Request {
             class: request.class,
             budget: request.budget,
@@ -379,7 +379,7 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
     let abort_when_asked = async {
         match &request.movable {
             // A streamed text prompt cannot move before its ids came back (with its first event).
-            Some((_, m, rid)) if moving::ready(m, &Default::default()) => {
+            Some((_, m, rid, _)) if moving::ready(m, &Default::default()) => {
                 let asked = moving::Asked { may_cross: request.partial_rollout, tail: on_board.as_ref() };
                 moving::abort_when_asked(state, backend, &request.headers, rid, asked, &aborted).await
             }
@@ -461,10 +461,10 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     // Only a successful answer's length is learned (the others just end).
     let learn = (head.status == StatusCode::OK).then_some(learn);
     // (The attempt ends here whatever the status: the request is not needed again.)
-    if let (Some((value, m, rid)), StatusCode::OK) = (request.movable.take(), head.status) {
+    if let (Some((value, m, rid, chunk)), StatusCode::OK) = (request.movable.take(), head.status) {
         // The body may change (joined after a move).
         head.headers.remove(axum::http::header::CONTENT_LENGTH);
-        let chunk = chunking(state, &value).map(|tokens| moving::Chunking {
+        let chunk = chunk.map(|tokens| moving::Chunking {
             tokens,
             class: request.class,
             session: request.info.session.is_some(),
@@ -539,6 +539,10 @@ fn load_addr(load: &Arc<EngineLoad>) -> usize {
     Arc::as_ptr(load) as usize
 }
 
+/// A movable request: the body to continue from, what it asks, its `rid`, and the chunk size
+/// it is generated in (`--chunk-tokens`, decided once at admission).
+type MovableParts = (serde_json::Value, Movable, String, Option<u64>);
+
 /// A `/generate` request that may move while it runs (`--move-on-drain`, a prompt of ids: see
 /// `rollout_core::moves::Movable`), with the body to send (given a `rid` if it had none) and
 /// that `rid`; other requests as they are.
@@ -548,7 +552,7 @@ fn movable_request(
     path: &str,
     body: Bytes,
     partial_rollout: bool,
-) -> (Bytes, Option<(serde_json::Value, rollout_core::moves::Movable, String)>) {
+) -> (Bytes, Option<MovableParts>) {
     let moves =
         state.config.move_on_drain || state.config.move_tail || state.config.chunk_tokens > 0 || partial_rollout;
     if !moves || method != Method::POST || path != "/generate" {
@@ -563,10 +567,11 @@ fn movable_request(
     movable.prepare(&mut value);
     // The first part of a request generated in chunks asks for one chunk (the body kept, to
     // continue from, asks for the whole budget).
-    let first_cap = chunking(state, &value).and_then(|chunk| rollout_core::moves::chunk_cap(&movable, 0, chunk));
+    let chunk = chunking(state, &value);
+    let first_cap = chunk.and_then(|chunk| rollout_core::moves::chunk_cap(&movable, 0, chunk));
     let rid = match &movable.rid {
         Some(rid) if !movable.text && first_cap.is_none() => {
-            return (body, Some((value, movable.clone(), rid.clone())))
+            return (body, Some((value, movable.clone(), rid.clone(), chunk)))
         }
         Some(rid) => rid.clone(),
         None => {
@@ -584,16 +589,22 @@ fn movable_request(
         None => serde_json::to_vec(&value),
     };
     match sent {
-        Ok(b) => (Bytes::from(b), Some((value, movable, rid))),
+        Ok(b) => (Bytes::from(b), Some((value, movable, rid, chunk))),
         Err(_) => (body, None),
     }
 }
 
 /// The chunk size a movable request (`body`, as sent) is generated in (`--chunk-tokens`);
-/// None when chunks are off or the request may not be cut (`rollout_core::moves::chunkable`).
+/// None when chunks are off, the request may not be cut (`rollout_core::moves::chunkable`), or
+/// the budgets the router sees are the lengths (chunks are for lengths it cannot tell, and with
+/// informative budgets longest-first already orders the work: 1.22x the bound with chunks
+/// against 1.03x without on the bench's exact budgets).
 fn chunking(state: &RouterState, body: &serde_json::Value) -> Option<u64> {
     let tokens = state.config.chunk_tokens;
-    (tokens > 0 && rollout_core::moves::chunkable(body)).then_some(tokens)
+    let chunked = tokens > 0
+        && rollout_core::moves::chunkable(body)
+        && !state.fleet.slot_queue().lengths(rollout_core::lengths::LengthEstimator::budgets_are_lengths);
+    chunked.then_some(tokens)
 }
 
 /// Whether some routable engine is under its cap (one a pinned or retried request may not use).
