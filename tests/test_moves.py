@@ -82,6 +82,23 @@ def generate(
         conn.close()
 
 
+def send(fleet: ManagerHandle, body: dict[str, Any]) -> dict[str, Any]:
+    """One `/generate` of ``body`` through the router: the final answer, and for a stream every
+    event."""
+    parsed = urllib.parse.urlsplit(fleet.router_url)
+    conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        if not body.get("stream"):
+            return {"answer": json.loads(resp.read()), "events": []}
+        got = events(resp)
+        return {"answer": got[-1], "events": got}
+    finally:
+        conn.close()
+
+
 def check_whole(result: dict[str, Any], prompt: list[int] | int, budget: int = BUDGET) -> None:
     """A complete answer of `budget` tokens to `prompt` (its ids, or its token count)."""
     answer = result["answer"]
@@ -359,22 +376,11 @@ def test_moved_requests_keep_their_logprobs(start_fleet: StartManager) -> None:
     prompts = [[200 + i, 5, 6, 7] for i in range(9)]
 
     def one(prompt: list[int], stream: bool) -> dict[str, Any]:
-        parsed = urllib.parse.urlsplit(fleet.router_url)
-        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
         body = {
             "input_ids": prompt, "stream": stream, "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True},
         }  # fmt: skip
-        try:
-            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()[:300]
-            if not stream:
-                return {"answer": json.loads(resp.read()), "events": []}
-            got = events(resp)
-            return {"answer": got[-1], "events": got}
-        finally:
-            conn.close()
+        return send(fleet, body)
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(one, p, i % 2 == 0) for i, p in enumerate(prompts)]
@@ -477,20 +483,8 @@ def test_generation_in_chunks_joins_every_chunk_into_one_answer(start_fleet: Sta
     counted = [http("POST", f"{engine_url}/generate", b).json()["meta_info"]["prompt_tokens"] for b in one_token]
 
     def text_request(i: int) -> dict[str, Any]:
-        parsed = urllib.parse.urlsplit(fleet.router_url)
-        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
-        stream = i == 0
-        body = {"text": texts[i], "stream": stream, "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True}}
-        try:
-            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()[:300]
-            if not stream:
-                return {"answer": json.loads(resp.read()), "events": []}
-            got = events(resp)
-            return {"answer": got[-1], "events": got}
-        finally:
-            conn.close()
+        params = {"max_new_tokens": BUDGET, "ignore_eos": True}
+        return send(fleet, {"text": texts[i], "stream": i == 0, "sampling_params": params})
 
     prompts = [[700 + i, 5, 6] for i in range(4)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -591,21 +585,11 @@ def test_a_client_abort_ends_a_request_between_or_within_chunks(start_fleet: Sta
     budget = 2000  # 50 s at 40 tokens/s: far from done when it is aborted
 
     def one(rid: str, stream: bool) -> dict[str, Any]:
-        parsed = urllib.parse.urlsplit(fleet.router_url)
-        conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
-        body = {
-            "input_ids": [980, 1, 2],
-            "rid": rid,
-            "stream": stream,
-            "sampling_params": {"max_new_tokens": budget, "ignore_eos": True},
-        }
-        try:
-            conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()[:300]
-            return json.loads(resp.read()) if not stream else events(resp)[-1]
-        finally:
-            conn.close()
+        params = {"max_new_tokens": budget, "ignore_eos": True}
+        answer: dict[str, Any] = send(
+            fleet, {"input_ids": [980, 1, 2], "rid": rid, "stream": stream, "sampling_params": params}
+        )["answer"]
+        return answer
 
     def chunk_moves() -> float:
         return metric_total(http("GET", f"{fleet.control_url}/metrics").body.decode(), "rollout_router_moves_total")
