@@ -357,6 +357,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_continuing_request_goes_before_fresh_ones_and_the_longest_left_first() {
+        let q = Arc::new(SlotQueue::new(QueueOrder::LongestFirst));
+        answer(&q, 7, 100); // a short group
+        answer(&q, 8, 3000); // a long group
+        let fresh_unknown = q.join(sibling(9));
+        let fresh_long = q.join(sibling(8));
+        let short_left = q.join(Joining { so_far: Some(512), ..sibling(7) }); // about 300 left
+        let long_left = q.join(Joining { so_far: Some(512), ..sibling(8) }); // about 1760 left
+        assert!(long_left.is_head(), "the continuation with the most left goes first");
+        drop(long_left);
+        assert!(short_left.is_head(), "any continuation before any request not started");
+        drop(short_left);
+        assert!(fresh_unknown.is_head());
+        drop((fresh_unknown, fresh_long));
+        // A session's turn still goes first.
+        let turn = q.join(Joining { session: true, ..sibling(7) });
+        let going_on = q.join(Joining { so_far: Some(512), ..sibling(8) });
+        assert!(turn.is_head());
+        drop((turn, going_on));
+        assert!(q.is_empty());
+    }
+
+    #[tokio::test]
     async fn fifo_wakes_in_arrival_order_one_per_slot() {
         let q = Arc::new(SlotQueue::new(QueueOrder::Fifo));
         let a = q.join(j(10, false));
