@@ -12,7 +12,7 @@ STATE_DIR ?= .rollout-state
 PORT ?= 8000
 ROUTER_PORT ?= 30000
 
-.PHONY: run test example setup venv build build-release wheel lint lint-rust lint-python clean prometheus-tools openapi
+.PHONY: run test example setup venv sglang-venv build build-release wheel lint lint-rust lint-python clean prometheus-tools openapi
 
 # A venv needs ensurepip; Debian's system Python ships it separately (python3-venv).
 # python/ is built by maturin (the native module elastic_rollout._native from rust/rollout-py);
@@ -118,12 +118,37 @@ $(PROM_TOOLS)/.ok: $(VENV)/.ok
 
 prometheus-tools: $(PROM_TOOLS)/.ok
 
-test: venv build lint prometheus-tools
+# The real-engine tier (tests/sglang/): SGLang 0.5.23 itself, on CPU, in a venv of its own outside
+# the clone (about 11 GB, 5-6 minutes to install on 2 cores), so that a new clone or `make clean`
+# does not install it again. Exactly the pinned set in tests/sglang_cpu/requirements.txt, with
+# --no-deps (no resolver: what CI installs is what was tried); the stamp names the requirements'
+# hash, so a change to them installs afresh. Then the suite's CPU platform plugin
+# (tests/sglang_cpu), reinstalled whenever it changes.
+SGLANG_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/elastic-rollout/sglang-0.5.23
+SGLANG_REQS := tests/sglang_cpu/requirements.txt
+SGLANG_BASE = $(SGLANG_VENV)/.ok-$(shell sha256sum $(SGLANG_REQS) | cut -c1-16)
+$(SGLANG_BASE):
+	@echo "Installing SGLang 0.5.23 for the real-engine tests into $(SGLANG_VENV) (once; about 11 GB)"
+	@rm -rf $(SGLANG_VENV) && mkdir -p $(dir $(SGLANG_VENV))
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade 'pip==26.3'
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r $(SGLANG_REQS)
+	@touch $@
+
+SGLANG_PLUGIN := $(wildcard tests/sglang_cpu/pyproject.toml tests/sglang_cpu/er_sglang_cpu/*.py)
+$(SGLANG_VENV)/.plugin: $(SGLANG_BASE) $(SGLANG_PLUGIN)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation ./tests/sglang_cpu
+	$(SGLANG_VENV)/bin/python -c "import sglang, er_sglang_cpu; print('sglang', sglang.__version__, 'with the CPU platform plugin')"
+	@touch $@
+
+sglang-venv: $(SGLANG_VENV)/.plugin
+
+test: venv build lint prometheus-tools sglang-venv
 	$(CARGO) test --workspace
 	@# The monitor's test drives it in tmux, as a person would.
 	@command -v tmux >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -qq tmux || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq tmux; }; }
 	@# The slowest tests are listed at the end, to keep CI within its time.
-	$(PY) -m pytest tests -q --durations=20
+	ER_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(PY) -m pytest tests -q --durations=20
 
 clean:
 	rm -rf $(VENV) $(STATE_DIR)
