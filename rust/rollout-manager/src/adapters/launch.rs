@@ -182,11 +182,18 @@ impl EngineLauncher {
     }
 }
 
-/// Flags whose value is a secret (SGLang's `--api-key`, `--admin-api-key`, tokens, passwords).
+/// Flags whose value is a secret: the flag's last word names one (SGLang's `--api-key`,
+/// `--admin-api-key`, `--ssl-keyfile-password`; `--hf-token`...), and no word makes it a count
+/// (`--max-total-tokens`, `--kt-max-deferred-experts-per-token` and `--speculative-token-map`
+/// are settings, not secrets).
 fn is_secret_flag(flag: &str) -> bool {
-    let name = flag.trim_start_matches('-').to_ascii_lowercase();
-    flag.starts_with("--")
-        && ["key", "token", "secret", "password", "passwd", "credential"].iter().any(|s| name.contains(s))
+    const SECRETS: [&str; 9] =
+        ["key", "apikey", "token", "secret", "password", "passwd", "pass", "credential", "credentials"];
+    const COUNTS: [&str; 4] = ["max", "min", "num", "per"];
+    let Some(name) = flag.strip_prefix("--") else { return false };
+    let name = name.to_ascii_lowercase();
+    let words: Vec<&str> = name.split(['-', '_']).collect();
+    words.last().is_some_and(|w| SECRETS.contains(w)) && !words.iter().any(|w| COUNTS.contains(w))
 }
 
 /// An engine's argv for the log: the values of secret flags (`--api-key X`, `--api-key=X`)
@@ -342,5 +349,40 @@ mod tests {
                 .collect();
         let shown = redacted(&args).join(" ");
         assert_eq!(shown, "--port 1 --api-key <redacted> --admin-api-key=<redacted> --hf-token --tp-size 2");
+    }
+
+    #[test]
+    fn only_flags_that_name_a_secret_are_secret() {
+        for (flag, secret) in [
+            ("--api-key", true),
+            ("--admin-api-key", true),
+            ("--ssl-keyfile-password", true),
+            ("--hf-token", true),
+            ("--access_token", true),
+            ("--client-secret", true),
+            ("--API-KEY", true),
+            // Settings whose names mention tokens or keys.
+            ("--max-total-tokens", false),
+            ("--max-prefill-tokens", false),
+            ("--kt-max-deferred-experts-per-token", false),
+            ("--speculative-token-map", false),
+            ("--speculative-num-draft-tokens", false),
+            ("--tokenizer-path", false),
+            ("--skip-tokenizer-init", false),
+            ("--ssl-keyfile", false),
+            ("--tokenizer-metrics-custom-labels-header", false),
+            // Not a flag.
+            ("api-key", false),
+        ] {
+            assert_eq!(is_secret_flag(flag), secret, "{flag}");
+        }
+        let args: Vec<String> = ["--max-total-tokens=16384", "--max-prefill-tokens", "4096", "--api-key=k"]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            redacted(&args).join(" "),
+            "--max-total-tokens=16384 --max-prefill-tokens 4096 --api-key=<redacted>"
+        );
     }
 }
