@@ -5,7 +5,7 @@
 //! - [`AgentHost`] (`--placement ray`): processes of a node agent (`rollout-manager agent`,
 //!   [`crate::app::agent`]) reached over gRPC at the URL the Ray shim bound to the placement.
 //!
-//! Both hand back an [`EngineProcess`]: `stop` (SIGTERM the group, SIGKILL after a grace; for an
+//! Both hand back an [`EngineProcess`]: `stop` (SIGINT to the engine, SIGKILL to its group after a grace; for an
 //! agent, its Stop RPC) and `wait` (how the process ended; for an agent, its EXITED event). So
 //! launch, stop, status and events have one shape, and the manager's lifecycle code (crash
 //! watch, recovery, scale-in, shutdown) is the same in both modes.

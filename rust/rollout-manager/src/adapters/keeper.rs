@@ -7,7 +7,8 @@
 //!
 //! - keeper -> manager, on connect: `{"hello": {"pid", "start_ticks"}}`;
 //! - keeper -> manager, when the engine ends: `{"exited": {"code", "signal", "requested"}}`;
-//! - manager -> keeper: `{"stop": {"grace_secs"}}` (SIGTERM the group, SIGKILL after the grace).
+//! - manager -> keeper: `{"stop": {"grace_secs"}}` (SIGINT to the engine, SIGKILL to its group
+//!   after the grace: `foundation::host` says why).
 //!
 //! Guarantees: while a manager is connected the keeper only follows orders. When the connection
 //! drops without a stop (the manager died), the keeper waits `grace` for a manager to connect
@@ -16,7 +17,7 @@
 //! engine (same pid, verified by start time) without restarting it.
 
 use crate::foundation::host::{process_start_ticks, EngineProcess, ExitInfo, HostError, LaunchSpec};
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -116,7 +117,7 @@ pub async fn run_keeper(args: KeeperArgs) -> io::Result<i32> {
                     Ok(Some(text)) => {
                         if let Ok(ToKeeper::Stop { grace_secs }) = serde_json::from_str(&text) {
                             stop_requested = true;
-                            let _ = killpg(group, Signal::SIGTERM);
+                            let _ = kill(group, Signal::SIGINT);
                             let grace = Duration::from_secs_f64(grace_secs.max(0.0));
                             if tokio::time::timeout(grace, child.wait()).await.is_err() {
                                 let _ = killpg(group, Signal::SIGKILL);

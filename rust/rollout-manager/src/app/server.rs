@@ -3,8 +3,8 @@
 //! [`Server::build`] does everything that can fail (validate config, find the engine program,
 //! bind both listeners) before anything starts. [`Server::run`] then starts the initial engines,
 //! the health monitor and both HTTP servers, and on the shutdown signal tears them down in one
-//! order: stop accepting requests, cancel background work, stop every engine (SIGTERM, then
-//! SIGKILL after `--scale-in-shutdown-timeout`), join every task.
+//! order: stop accepting requests, cancel background work, stop every engine (SIGINT to each, then
+//! SIGKILL to its group after `--scale-in-shutdown-timeout`), join every task.
 
 use crate::adapters::launch::EngineLauncher;
 use crate::interfaces::api::{self, ApiState};

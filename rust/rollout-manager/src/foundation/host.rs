@@ -2,8 +2,18 @@
 //!
 //! Expected flow: [`spawn`] starts the program in its own process group with
 //! `PR_SET_PDEATHSIG`, its output appended to a per-engine log file, and hands ownership of the
-//! child to a supervisor task. [`EngineProcess::stop`] asks the supervisor to send SIGTERM to
-//! the group, wait up to a grace period, then SIGKILL it, and returns how it exited.
+//! child to a supervisor task. [`EngineProcess::stop`] asks the supervisor to send SIGINT to
+//! the process itself (not its group), wait up to a grace period for it to exit, then SIGKILL
+//! the group, and returns how it exited.
+//!
+//! Why SIGINT to the leader only: an SGLang server is a tree (the HTTP server and tokenizer
+//! manager, with scheduler and detokenizer subprocesses) that its main process stops itself.
+//! A signal to the whole group reaches the scheduler directly, so the main process logs
+//! "Subprocess scheduler_0 crashed", waits 5 s for crash diagnostics and kills itself. SIGTERM
+//! to the main process alone is SGLang's drain, which looks for a signal only every 5 s (4.5-11
+//! s to exit, idle, on SGLang 0.5.23 here); SIGINT (Ctrl-C) stops its HTTP server, which then
+//! stops its subprocesses: 1.2-1.7 s, idle. The engine's requests were drained or moved before
+//! the manager stops it; whatever is left is cut either way, at the latest after the grace.
 //!
 //! Guarantees:
 //! - every child is reaped by its supervisor, whether it exits alone or is stopped;
@@ -15,7 +25,7 @@
 //! Errors: [`spawn`] fails when the program cannot be executed or the log cannot be opened; the
 //! error names the program and the log path.
 
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -88,8 +98,8 @@ impl EngineProcess {
         Self { pid, start_ticks, stop_tx, exit_rx }
     }
 
-    /// Stops the process group (SIGTERM, then SIGKILL after `grace`) and waits until it is
-    /// reaped. Returns at once if it already exited.
+    /// Stops the process (SIGINT to it, then SIGKILL to its group after `grace`) and waits
+    /// until it is reaped. Returns at once if it already exited.
     pub async fn stop(&self, grace: Duration) -> ExitInfo {
         // A closed channel means the supervisor already finished: the process is reaped.
         let _ = self.stop_tx.send(grace).await;
@@ -244,15 +254,16 @@ async fn supervise(
         }
         grace = stop_rx.recv() => {
             let grace = grace.unwrap_or(Duration::ZERO);
-            // Not reaped yet: the pid and group are still ours.
-            let _ = killpg(group, Signal::SIGTERM);
+            // Not reaped yet: the pid and group are still ours. The process stops its own
+            // children (see the module's docs); the group is killed once it exited.
+            let _ = kill(group, Signal::SIGINT);
             let status = match tokio::time::timeout(grace, child.wait()).await {
                 Ok(status) => {
                     let _ = killpg(group, Signal::SIGKILL);
                     status
                 }
                 Err(_) => {
-                    tracing::warn!(pid, ?grace, "engine did not exit after SIGTERM; sending SIGKILL");
+                    tracing::warn!(pid, ?grace, "engine did not exit after SIGINT; sending SIGKILL");
                     let _ = killpg(group, Signal::SIGKILL);
                     child.wait().await
                 }
@@ -324,11 +335,36 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn stop_kills_the_whole_group_even_if_sigterm_is_ignored() {
+    async fn stop_asks_the_process_itself_then_kills_what_is_left_of_its_group() {
+        let dir = tempdir();
+        let (pidfile, asked) = (dir.join("grandchild"), dir.join("asked"));
+        // The leader stops on SIGINT (saying so); its child in the same group does not hear it
+        // (a background job of a script ignores SIGINT) and is killed with the group.
+        let script = format!(
+            "trap 'echo int > {}; exit 0' INT; sleep 1000 & echo $! > {}; wait",
+            asked.display(),
+            pidfile.display()
+        );
+        let p = spawn(&spec(&dir, &script)).unwrap();
+        let grandchild: u32 = wait_for_file(&pidfile).await.trim().parse().unwrap();
+        let info = tokio::time::timeout(Duration::from_secs(10), p.stop(Duration::from_secs(5))).await.unwrap();
+        assert_eq!(info, ExitInfo { code: Some(0), signal: None, requested: true });
+        assert_eq!(std::fs::read_to_string(&asked).unwrap().trim(), "int");
+        for _ in 0..200 {
+            if !alive(grandchild) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!alive(grandchild), "grandchild {grandchild} survived its leader's stop");
+    }
+
+    #[tokio::test]
+    async fn stop_kills_the_whole_group_even_if_sigint_and_sigterm_are_ignored() {
         let dir = tempdir();
         let pidfile = dir.join("grandchild");
-        // The shell ignores SIGTERM and has a grandchild in the same group.
-        let script = format!("trap '' TERM; sleep 1000 & echo $! > {}; wait", pidfile.display());
+        // The shell ignores SIGINT and SIGTERM and has a grandchild in the same group.
+        let script = format!("trap '' INT TERM; sleep 1000 & echo $! > {}; wait", pidfile.display());
         let p = spawn(&spec(&dir, &script)).unwrap();
         let grandchild: u32 = wait_for_file(&pidfile).await.trim().parse().unwrap();
         assert!(alive(grandchild));

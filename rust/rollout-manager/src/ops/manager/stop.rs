@@ -4,7 +4,8 @@
 use super::*;
 
 impl Manager {
-    /// Stops an engine's process (SIGTERM, then SIGKILL after the shutdown grace), releases
+    /// Stops an engine's process (SIGINT, then SIGKILL to its group after the shutdown
+    /// grace: `foundation::host`), releases
     /// its GPUs and port, and marks it REMOVED.
     pub async fn remove_engine(&self, engine_id: &EngineId) -> Option<ExitInfo> {
         let process = self.fleet.update(|inner| {
