@@ -1,30 +1,51 @@
-"""Failures under load: requests in flight on an engine that dies are retried elsewhere when
-nothing was sent to the client yet; scale-out with keep_partial keeps the engines that came up."""
+"""Failures under load: requests in flight on an engine that dies continue elsewhere from the
+output they had (or are retried when nothing came back yet); scale-out with keep_partial keeps the
+engines that came up."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, wait_until
+from _support import STARTUP_TIMEOUT, ManagerHandle, StartManager, http, wait_until
 from test_drain import in_flight, start_long_requests
 
 
-def test_requests_on_a_dying_engine_are_retried(start_fleet: StartManager) -> None:
+def output_tokens_held(url: str) -> int:
+    """KV tokens an engine holds now (prompts and the output so far of its running requests)."""
+    loads = http("GET", f"{url}/v1/loads").json()
+    return sum(int(load["num_used_tokens"]) for load in loads["loads"])
+
+
+def test_requests_on_a_dying_engine_continue_from_their_output(start_fleet: StartManager) -> None:
     fleet = start_fleet("--engine-arg=--time-scale=0.1", "--restart-failed-engines", "false")
     victim, survivor = fleet.engines().engines
     threads, results = start_long_requests(fleet, 4)
     wait_until(lambda: in_flight(fleet, victim.engine_id) >= 1, 30, "requests in flight on the victim")
+    # Each has generated well past the first of the events the router reads them by (every 50
+    # tokens, router::moving) before the engine dies.
+    running = in_flight(fleet, victim.engine_id)
+    wait_until(lambda: output_tokens_held(victim.url) > 300 * running, 30, "output on the victim")
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
     assert len(results) == 4
+    lost = 0
     for engine, body in results:
-        # Every request completed, on the survivor for those that were on the victim.
+        # Every request completed, ending on the survivor for those that were on the victim.
         assert isinstance(body, dict), (engine, body)
         assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+        assert body["meta_info"]["completion_tokens"] == 1500 == len(body["output_ids"])
         assert engine == survivor.engine_id
+        if moves := body["meta_info"].get("moves"):
+            # Not generated again from nothing: it went on from the output its engine had sent.
+            lost += 1
+            (move,) = moves
+            assert move["reason"] == "lost" and move["from"] == victim.engine_id, move
+            assert move["at_token"] >= 250, move
+            assert body["meta_info"]["engines"] == [victim.engine_id, survivor.engine_id]
+    assert lost == running, results
     assert fleet.engines().by_id(victim.engine_id).status == "FAILED"  # type: ignore[union-attr]
 
 

@@ -21,6 +21,7 @@ pub mod lengths;
 pub mod moves;
 pub mod placement;
 pub mod restore;
+pub mod rids;
 pub mod rl;
 pub mod routes;
 pub mod routing;

@@ -16,7 +16,9 @@ use serde_json::{json, Map, Value};
 /// SGLang's `max_new_tokens` when a request gives none (`sampling_params.py`).
 pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
 
-/// A `/generate` request that can move: one prompt of token ids, one sample, no logprobs.
+/// A `/generate` request the router follows part by part: one prompt (ids, or text whose ids the
+/// engine returns), one sample. Only a [`continuable`] one moves or runs in chunks; the others
+/// stay where they run, and the router ends one whose engine is lost with the output so far.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Movable {
     /// The prompt's ids; empty for a text prompt (see [`Produced::prompt_ids`]).
@@ -33,6 +35,8 @@ pub struct Movable {
     pub rid: Option<String>,
     /// It asked for logprobs (`return_logprob`).
     pub logprobs: bool,
+    /// A continuation from its output would generate what it would have ([`continuable`]).
+    pub continuable: bool,
 }
 
 /// `meta_info` fields with one entry per output token: concatenated over a moved request's parts.
@@ -84,6 +88,10 @@ impl Movable {
         if param("n").is_some_and(|n| n.as_u64() != Some(1)) {
             return None;
         }
+        // Beam search (SGLang 0.5.23) answers with several sequences.
+        if param("beam_width").is_some_and(|w| !w.is_null() && w.as_u64() != Some(1)) {
+            return None;
+        }
         let number = |k: &str, default: u64| match param(k) {
             None | Some(Value::Null) => Some(default),
             Some(v) => v.as_u64(),
@@ -106,6 +114,7 @@ impl Movable {
             min_new_tokens: number("min_new_tokens", 0)?,
             stream,
             rid,
+            continuable: continuable(body),
         })
     }
 }
@@ -270,15 +279,17 @@ pub fn chunk_cap(movable: &Movable, done: u64, chunk: u64) -> Option<u64> {
     (chunk > 0 && movable.max_new_tokens.saturating_sub(done) > chunk).then_some(chunk)
 }
 
-/// Whether a request may be generated in chunks: nothing in it depends on the output
-/// generated before a chunk's start in a way a continuation would lose. A continuation's engine
-/// sees that output as prompt, so stop strings could straddle a chunk's start, a grammar
+/// Whether a request may continue from its output on another engine (a move) or in another
+/// part (a chunk): nothing in it depends on the output generated so far in a way a continuation
+/// would lose. A continuation's engine sees that output as prompt (SGLang 0.5.23), so a stop
+/// string could straddle the boundary (its check decodes the output ids only), a grammar
 /// (`regex`, `json_schema`, `ebnf`, `structural_tag`) would start again, output penalties
-/// (`frequency_penalty`, `presence_penalty`, `repetition_penalty`) and a custom logit processor
-/// would forget what they counted. Such requests run in one part (they still move for a drain
-/// or a lost engine).
-pub fn chunkable(body: &Value) -> bool {
-    if body.get("custom_logit_processor").is_some_and(|v| !v.is_null()) {
+/// (`frequency_penalty`, `presence_penalty`, `repetition_penalty`, which count output tokens)
+/// would forget what they counted, and so would a custom logit processor, a watermark and
+/// `max_thinking_tokens` (which counts from the request's start). Such requests never move and
+/// run in one part: a drain waits for them, and a lost engine ends them with their output.
+pub fn continuable(body: &Value) -> bool {
+    if ["custom_logit_processor", "max_thinking_tokens"].iter().any(|k| body.get(*k).is_some_and(|v| !v.is_null())) {
         return false;
     }
     let Some(params) = body.get("sampling_params").and_then(Value::as_object) else { return true };
@@ -289,7 +300,7 @@ pub fn chunkable(body: &Value) -> bool {
         Some(_) => true,
     };
     let number_is = |k: &str, neutral: f64| params.get(k).and_then(Value::as_f64).is_none_or(|v| v == neutral);
-    !["stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag"].iter().any(|k| set(k))
+    !["stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag", "watermark"].iter().any(|k| set(k))
         && number_is("frequency_penalty", 0.0)
         && number_is("presence_penalty", 0.0)
         && number_is("repetition_penalty", 1.0)
@@ -587,6 +598,8 @@ mod tests {
             (json!({"input_ids": [[1], [2]]}), false),
             (json!({"input_ids": []}), false),
             (json!({"input_ids": [1], "sampling_params": {"n": 2}}), false),
+            (json!({"input_ids": [1], "sampling_params": {"beam_width": 4}}), false),
+            (json!({"input_ids": [1], "sampling_params": {"beam_width": null}}), true),
             (json!({"input_ids": [1], "return_logprob": true}), true),
             (json!({"input_ids": [1], "return_logprob": [true]}), false),
             (json!({"input_ids": [1], "return_hidden_states": true}), false),
@@ -894,7 +907,7 @@ mod tests {
     }
 
     #[test]
-    fn only_requests_a_continuation_cannot_change_run_in_chunks() {
+    fn only_requests_a_continuation_cannot_change_move_or_run_in_chunks() {
         let with = |params: Value| json!({"input_ids": [1], "sampling_params": params});
         let table = [
             (json!({"input_ids": [1]}), true),
@@ -910,9 +923,15 @@ mod tests {
             (with(json!({"presence_penalty": 0.5})), false),
             (with(json!({"repetition_penalty": 1.1})), false),
             (json!({"input_ids": [1], "custom_logit_processor": "x"}), false),
+            (json!({"input_ids": [1], "custom_logit_processor": null}), true),
+            (json!({"input_ids": [1], "max_thinking_tokens": 64}), false),
+            (with(json!({"stop_regex": "\\d"})), false),
+            (with(json!({"structural_tag": "{}"})), false),
+            (with(json!({"watermark": {"key": 1}})), false),
         ];
         for (body, want) in table {
-            assert_eq!(chunkable(&body), want, "{body}");
+            assert_eq!(continuable(&body), want, "{body}");
+            assert_eq!(Movable::of(&body).map(|m| m.continuable), Some(want), "{body}");
         }
     }
 

@@ -5,10 +5,12 @@
 
 use super::metrics::{ErrorKind, RouterMetrics};
 use super::peek;
+use super::rids::RidEntry;
 use super::send::EngineBody;
 use crate::foundation::slots::{Answer, SlotQueue};
 use crate::registry::fleet::InFlightGuard;
 use bytes::Bytes;
+use rollout_core::rids::IdSwap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -52,6 +54,11 @@ impl Drop for Learn {
 /// the body ends (or the client goes away, or the deadline passes and the stream is cut), then
 /// records the request's duration.
 pub(super) struct Tracked {
+    /// The client's own rids, put back where the router's stand in the answer (None: nothing
+    /// to replace, the bytes pass as they are).
+    pub(super) swap: Option<IdSwap>,
+    /// Its places among the requests a client may abort by rid, while it runs.
+    pub(super) _entries: Vec<RidEntry>,
     /// Learned lengths: the answer's token counts, observed when it ends.
     pub(super) learn: Option<Learn>,
     pub(super) inner: EngineBody,
@@ -88,6 +95,15 @@ impl Drop for Tracked {
 }
 
 impl Tracked {
+    /// `data` with the client's own rids put back (None while all of it is held back, inside
+    /// what may be a rid).
+    fn swapped(&mut self, data: Bytes) -> Option<Bytes> {
+        let Some(swap) = self.swap.as_mut() else { return Some(data) };
+        let mut out = Vec::with_capacity(data.len());
+        swap.feed(&data, &mut out);
+        (!out.is_empty()).then(|| Bytes::from(out))
+    }
+
     /// Ends an answer the router cannot complete: a stream gets a last event in SGLang's own
     /// in-stream error shape (`data: {"error": {message, type, code, retryable}}`, then
     /// `data: [DONE]`), which clients already read; any other body is cut with an error, which
@@ -134,19 +150,27 @@ impl http_body::Body for Tracked {
                 tracing::warn!(engine_id = %self.engine_id, error = %e, "engine's answer was cut");
                 return Poll::Ready(Some(self.cut(why, "engine_lost", 502)));
             }
-            if !self.sse {
-                return Poll::Ready(frame);
-            }
             match frame {
-                // The end: what is left of an unterminated event goes as it is.
-                None if !self.partial.is_empty() => {
-                    return Poll::Ready(Some(Ok(http_body::Frame::data(self.partial.split().freeze()))));
+                // The end: what is left of an unterminated event (or of a rid being put back)
+                // goes as it is.
+                None => {
+                    let mut rest = self.partial.split().to_vec();
+                    if let Some(swap) = self.swap.as_mut() {
+                        let mut out = Vec::with_capacity(rest.len());
+                        swap.feed(&rest, &mut out);
+                        swap.finish(&mut out);
+                        rest = out;
+                    }
+                    if rest.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from(rest)))));
                 }
-                None => return Poll::Ready(None),
                 Some(Ok(f)) => match f.into_data() {
                     Ok(data) => {
-                        if let Some(events) = whole_events(&mut self.partial, data) {
-                            return Poll::Ready(Some(Ok(http_body::Frame::data(events))));
+                        let out = if self.sse { whole_events(&mut self.partial, data) } else { Some(data) };
+                        if let Some(out) = out.and_then(|out| self.swapped(out)) {
+                            return Poll::Ready(Some(Ok(http_body::Frame::data(out))));
                         }
                     }
                     Err(other) => return Poll::Ready(Some(Ok(other))),
@@ -164,10 +188,15 @@ impl http_body::Body for Tracked {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.first.is_none() && (self.closed || self.inner.is_end_stream())
+        let holds = !self.partial.is_empty() || self.swap.as_ref().is_some_and(IdSwap::holds);
+        self.first.is_none() && (self.closed || (self.inner.is_end_stream() && !holds))
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
+        if self.swap.is_some() {
+            // The client's ids put back change the length.
+            return http_body::SizeHint::default();
+        }
         let rest = self.inner.size_hint();
         let Some(n) = self.first.as_ref().and_then(|f| f.data_ref()).map(|d| d.len() as u64) else { return rest };
         // The upper bound first: a lower bound above the current upper one panics.

@@ -62,6 +62,9 @@ pub struct RouterMetrics {
     moves: IntCounterVec,
     /// Tokens sent again as prompt to continue moved requests (prefilled again on the target).
     move_prefill_tokens: IntCounter,
+    /// Requests ended with their output so far when their engine was lost, since a
+    /// continuation would change them (`rollout_core::moves::continuable`).
+    ended_on_loss: IntCounter,
 }
 
 impl RouterMetrics {
@@ -112,7 +115,8 @@ impl RouterMetrics {
                 let moves = counter_vec(
                     "rollout_router_moves_total",
                     "Running requests moved to another engine, by reason (drain: a scale-in; lost: the engine died \
-                     mid-stream; weight_update: aborted by a weight update, with partial rollout).",
+                     mid-answer; weight_update: aborted by a weight update, with partial rollout; tail, preempt: \
+                     the tail planner; chunk: the next chunk of a request generated in chunks).",
                     &["reason"],
                 );
                 for reason in ["drain", "lost", "weight_update"] {
@@ -126,7 +130,19 @@ impl RouterMetrics {
                 &[],
             )
             .with_label_values::<&str>(&[]),
+            ended_on_loss: counter_vec(
+                "rollout_router_ended_on_engine_loss_total",
+                "Requests ended with their output so far (finish abort) when their engine was lost, because a \
+                 continuation would change them (stop strings, a grammar, penalties, a logit processor).",
+                &[],
+            )
+            .with_label_values::<&str>(&[]),
         }
+    }
+
+    /// A request a continuation would change ended with its output when its engine was lost.
+    pub fn ended_on_loss(&self) {
+        self.ended_on_loss.inc();
     }
 
     /// A request moved for `reason`, continuing with `prefill` tokens of prompt.
@@ -169,6 +185,7 @@ impl RouterMetrics {
         out.extend(self.duration.0.collect());
         out.extend(self.moves.collect());
         out.extend(self.move_prefill_tokens.collect());
+        out.extend(self.ended_on_loss.collect());
         type Reader = fn(&Backend) -> i64;
         let gauges: [(&str, &str, Reader); 4] = [
             ("rollout_engine_in_flight", "Requests the router has in flight to the engine.", |b| {

@@ -56,6 +56,7 @@ mod moving;
 mod peek;
 mod pool;
 mod proxy;
+mod rids;
 mod send;
 mod table;
 pub mod tail;
@@ -125,8 +126,8 @@ pub struct RouterState {
     routes: RouteCache,
     /// Movable requests running now, for the tail planner (`--move-tail`).
     tail: Arc<tail::Board>,
-    /// Requests generated in chunks, for a client's `/abort_request` (`router::moving::Chunked`).
-    chunked: Arc<moving::Chunked>,
+    /// The router's rids, and the requests a client may abort by rid (`router::rids`).
+    rids: Arc<rids::Rids>,
     /// The port `--trainer-port` listens on, once bound: a trainer registering that endpoint
     /// (the fleet itself) as a worker is told it is already served.
     trainer_port: std::sync::OnceLock<u16>,
@@ -223,7 +224,7 @@ pub fn router(
         gate: Gate::default(),
         routes: RouteCache::default(),
         tail: Arc::default(),
-        chunked: Arc::default(),
+        rids: Arc::default(),
         trainer_port: std::sync::OnceLock::new(),
     });
     let own = Router::new()
@@ -431,15 +432,23 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the body is limited to 1 MiB");
     };
     let path = path_and_query(&parts.uri);
-    if path.path() == "/abort_request" {
-        // Requests between two chunks are on no engine, and their parts run under the
-        // router's own rids: the router ends those itself.
-        state.chunked.abort(&body);
-    }
+    // An abort names requests by the rids their clients know; the engines run them under the
+    // router's (router::rids), and the router ends those it follows part by part itself.
+    let bodies = match path.path() {
+        "/abort_request" => match state.rids.abort(&rollout_core::rids::abort_ask(&body)) {
+            rids::Forward::AsIs => vec![body],
+            rids::Forward::Rids(rids) => {
+                rids.iter().map(|rid| Bytes::from(serde_json::json!({ "rid": rid }).to_string())).collect()
+            }
+            rids::Forward::Nothing => Vec::new(),
+        },
+        _ => vec![body],
+    };
     let headers = to_engine(parts.headers, state.token.as_deref());
     let routes = state.routes.current(&state.fleet, &state.pools).all.clone();
     let client = &state.client;
-    let results = futures::future::join_all(routes.iter().map(|b| {
+    let sends = routes.iter().flat_map(|b| bodies.iter().map(move |body| (b, body)));
+    let results = futures::future::join_all(sends.map(|(b, body)| {
         let mut req = hyper::Request::new(Full::new(body.clone()));
         *req.method_mut() = parts.method.clone();
         *req.headers_mut() = headers.clone();
@@ -459,6 +468,16 @@ async fn fan_out(State(state): State<Arc<RouterState>>, request: Request) -> Res
         }
     }))
     .await;
+    // An engine's worst answer stands for it.
+    let mut worst: Vec<(rollout_core::ids::EngineId, u16)> = Vec::new();
+    for (id, status) in results {
+        match worst.iter_mut().find(|(e, _)| *e == id) {
+            Some((_, s)) if (200..300).contains(s) => *s = status,
+            Some(_) => {}
+            None => worst.push((id, status)),
+        }
+    }
+    let results = worst;
     let ok = results.iter().all(|(_, s)| (200..300).contains(s));
     let engines: serde_json::Map<String, serde_json::Value> =
         results.into_iter().map(|(id, s)| (id.to_string(), serde_json::json!(s))).collect();

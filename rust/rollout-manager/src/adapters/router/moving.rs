@@ -12,10 +12,19 @@
 //! request, so a draining engine is idle once its requests have moved. An answer that does not
 //! move is passed on as the engine wrote it, parsed only where it may have been aborted (and a
 //! text prompt's `prompt_token_ids`, asked for by the router, cut out of its bytes).
+//!
+//! A non-streamed request is read from its engine as a stream too (`stream: true` with
+//! [`WHOLE_STREAM_INTERVAL`]: an event with the output so far every that many tokens), and the
+//! client gets the last event's answer as one body: so a request whose engine is lost continues
+//! from the output its last event showed instead of starting again. Each part runs under a rid
+//! of the router's (`router::rids`); the client sees the rid it knows the request by throughout,
+//! and its `/abort_request` by that rid ends the request wherever it runs. A request a
+//! continuation would change (`rollout_core::moves::continuable`) never moves: a drain waits for
+//! it, and a lost engine ends it with the output so far (finish `abort`, saying why).
 
+use super::rids::RidEntry;
 use super::send::EngineBody;
 use super::RouterState;
-use crate::foundation::locks::Locked;
 use crate::foundation::slots::Joining;
 use crate::registry::fleet::InFlightGuard;
 use axum::body::Body;
@@ -24,14 +33,21 @@ use axum::http::{HeaderMap, Method, StatusCode};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use rollout_core::moves::{self, Movable, Produced};
+use rollout_core::rids::IdSwap;
 use rollout_core::routing::VersionPin;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// Largest non-streamed answer a movable request may have (it is read whole to be joined).
+/// Largest event of an answer the router follows (it is parsed to be joined).
 const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// How many tokens apart a non-streamed request's engine sends its output so far (SGLang's
+/// `stream_interval` sampling parameter, in every release since 0.5.2): an engine lost in the
+/// middle of the answer costs at most this many tokens generated again. SGLang itself moves a
+/// non-streamed request's output from its scheduler every 50 tokens
+/// (`SGLANG_FORCE_STREAM_INTERVAL`).
+pub(super) const WHOLE_STREAM_INTERVAL: u64 = 50;
 /// Why a continuation found no engine: none serves the weight version its part ran on.
 const NO_ENGINE_OF_ITS_VERSION: &str = "no engine serves the weight version it ran on to continue on";
 /// Most moves of one request (a chunk's continuation is not one: see [`moves_left`]).
@@ -52,9 +68,10 @@ pub(super) struct Request {
     pub state: Arc<RouterState>,
     pub headers: HeaderMap,
     pub path: PathAndQuery,
-    /// The body sent (with its `rid`).
+    /// The body sent (with its `rid`; a non-streamed request's asks for a stream).
     pub body: Value,
     pub movable: Movable,
+    /// The router's rid its first part was sent with.
     pub rid: String,
     pub pin: Option<VersionPin>,
     /// Whether it may continue on another weight version than its part ran on
@@ -66,91 +83,15 @@ pub(super) struct Request {
     pub tail: Option<super::tail::Entry>,
     /// How it is generated in chunks (`--chunk-tokens`); None: in one part.
     pub chunk: Option<Chunking>,
-    /// Its place among the requests generated in chunks, for a client's abort ([`Chunked`]).
-    pub client_abort: Option<ChunkedEntry>,
+    /// Its place among the requests a client may abort by rid (`router::rids`).
+    pub entry: RidEntry,
+    /// The ids its answer shows instead of the router's rids (the client's own rid).
+    pub swap: IdSwap,
 }
 
-/// The requests generated in chunks now, by `rid`, for a client's `/abort_request` (by `rid`
-/// or `abort_all`): between two chunks such a request is on no engine, and after its first
-/// chunk its parts run under the router's own rids (`<rid>-m<n>`), which an engine's abort of
-/// the client's `rid` does not match. The router's fan-out marks them here; each then aborts its
-/// running part itself, or ends at its next chunk, with the output so far (finish `abort`).
-#[derive(Debug, Default)]
-pub struct Chunked {
-    by_rid: std::sync::Mutex<std::collections::HashMap<String, Arc<ClientAbort>>>,
-}
-
-/// Whether the client aborted one request generated in chunks.
-#[derive(Debug, Default)]
-pub(super) struct ClientAbort {
-    set: std::sync::atomic::AtomicBool,
-    notify: tokio::sync::Notify,
-}
-
-impl ClientAbort {
-    fn is_set(&self) -> bool {
-        self.set.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Resolves once the client aborted the request.
-    async fn wait(&self) {
-        loop {
-            let notified = self.notify.notified();
-            if self.is_set() {
-                return;
-            }
-            notified.await;
-        }
-    }
-}
-
-impl Chunked {
-    /// Follows the request `rid` while the returned entry lives.
-    pub(super) fn enter(self: &Arc<Self>, rid: &str) -> ChunkedEntry {
-        let flag = Arc::new(ClientAbort::default());
-        self.by_rid.locked().insert(rid.to_owned(), flag.clone());
-        ChunkedEntry { chunked: self.clone(), rid: rid.to_owned(), flag }
-    }
-
-    /// A client's `/abort_request` body (`{"rid"}` or `{"abort_all": true}`): marks the
-    /// requests it names.
-    pub(super) fn abort(&self, body: &[u8]) {
-        let Ok(req) = serde_json::from_slice::<Value>(body) else { return };
-        let all = req.get("abort_all").and_then(Value::as_bool).unwrap_or(false);
-        let rid = req.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty());
-        let map = self.by_rid.locked();
-        for (r, flag) in map.iter() {
-            if all || rid == Some(r.as_str()) {
-                flag.set.store(true, std::sync::atomic::Ordering::Release);
-                flag.notify.notify_waiters();
-            }
-        }
-    }
-}
-
-/// A request's place in [`Chunked`]; it leaves when this drops.
-#[derive(Debug)]
-pub(super) struct ChunkedEntry {
-    chunked: Arc<Chunked>,
-    rid: String,
-    flag: Arc<ClientAbort>,
-}
-
-impl Drop for ChunkedEntry {
-    fn drop(&mut self) {
-        let mut map = self.chunked.by_rid.locked();
-        if map.get(&self.rid).is_some_and(|f| Arc::ptr_eq(f, &self.flag)) {
-            map.remove(&self.rid);
-        }
-    }
-}
-
-/// Resolves when the client aborted the request (never for one not generated in chunks).
+/// Resolves when the client aborted the request by its rid (or with `abort_all`).
 async fn client_aborted(request: &Request) {
-    match &request.client_abort {
-        Some(entry) => entry.flag.wait().await,
-        None => std::future::pending().await,
-    }
+    request.entry.live.aborted().await;
 }
 
 /// Generation in chunks (`--chunk-tokens`): each part of a request asks for at most `tokens`
@@ -185,38 +126,78 @@ pub(super) fn body(request: Request, part: Part) -> Body {
 /// (moves included) before the client gets its head: the client gets its length, and a request
 /// that could not be continued gets an error status instead of a cut body. The error's kind is
 /// `TimedOut` when the answer did not end within `--request-timeout-secs`.
-pub(super) async fn whole(mut request: Request, part: Part) -> Result<Bytes, std::io::Error> {
+pub(super) async fn whole(mut request: Request, part: Part) -> Result<Whole, std::io::Error> {
     let mut learn = request.learn.take();
     let (started, metrics, timeout) = (request.started, request.state.metrics.clone(), request.timeout);
-    let mut out = Out::Whole(None);
+    let mut out = Out::new(Sink::Whole(None), std::mem::take(&mut request.swap));
     let ran = tokio::time::timeout(timeout, run(request, part, &mut out)).await;
     metrics.duration.observe(started.elapsed());
     if ran.is_err() {
         let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
         return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
     }
-    let Out::Whole(answer) = out else { unreachable!("a whole answer's output") };
-    let answer = answer.unwrap_or_else(|| Ok(Bytes::new()))?;
-    if let Some(learn) = learn.as_mut() {
-        learn.usage.scan(&answer);
+    let (status, ended_on) = (out.status, out.ended_on.take());
+    let Sink::Whole(answer) = out.finish() else { unreachable!("a whole answer's output") };
+    let body = answer.unwrap_or_else(|| Ok(Bytes::new()))?;
+    if let Some(learn) = learn.as_mut().filter(|_| status == StatusCode::OK) {
+        learn.usage.scan(&body);
         learn.answered = true;
     }
-    Ok(answer)
+    Ok(Whole { status, body, ended_on })
 }
 
-/// Where a movable request's answer goes: the channel its client's streamed body reads, or
-/// one buffer for a whole answer.
-enum Out {
+/// A non-streamed request's answer, once complete.
+pub(super) struct Whole {
+    pub status: StatusCode,
+    pub body: Bytes,
+    /// The engine its last part ran on (its headers name it).
+    pub ended_on: Option<super::table::Route>,
+}
+
+/// Where a movable request's answer goes, with the ids it shows instead of the router's rids.
+struct Out {
+    sink: Sink,
+    swap: IdSwap,
+    /// The engine the answer's last part ran on, once it ended there.
+    ended_on: Option<super::table::Route>,
+    /// A whole answer's status (an engine's error event becomes the error status SGLang gives a
+    /// non-streamed request).
+    status: StatusCode,
+}
+
+/// The channel its client's streamed body reads, or one buffer for a whole answer.
+enum Sink {
     Stream(mpsc::Sender<Result<Bytes, std::io::Error>>),
     Whole(Option<Result<Bytes, std::io::Error>>),
 }
 
 impl Out {
-    /// Writes on; Err when the client went away.
+    fn new(sink: Sink, swap: IdSwap) -> Self {
+        Self { sink, swap, status: StatusCode::OK, ended_on: None }
+    }
+
+    /// Whether the client reads one body (a non-streamed request).
+    fn whole(&self) -> bool {
+        matches!(self.sink, Sink::Whole(_))
+    }
+
+    /// Writes on (the router's rids replaced by the ids the client knows); Err when the
+    /// client went away.
     async fn send(&mut self, item: Result<Bytes, std::io::Error>) -> Result<(), ()> {
-        match self {
-            Out::Stream(tx) => tx.send(item).await.map_err(|_| ()),
-            Out::Whole(answer) => {
+        let item = match item {
+            Ok(bytes) if !self.swap.is_empty() => {
+                let mut out = Vec::with_capacity(bytes.len());
+                self.swap.feed(&bytes, &mut out);
+                if matches!(self.sink, Sink::Whole(_)) {
+                    self.swap.finish(&mut out);
+                }
+                Ok(Bytes::from(out))
+            }
+            item => item,
+        };
+        match &mut self.sink {
+            Sink::Stream(tx) => tx.send(item).await.map_err(|_| ()),
+            Sink::Whole(answer) => {
                 *answer = Some(match (answer.take(), item) {
                     (None, item) => item,
                     (Some(Ok(before)), Ok(more)) => Ok([before, more].concat().into()),
@@ -226,17 +207,11 @@ impl Out {
             }
         }
     }
-}
 
-/// A fresh `rid` for a movable request that came without one: unique within this manager's
-/// run (a counter) and across runs (a random prefix drawn once), without a random draw per
-/// request.
-pub(super) fn new_rid() -> String {
-    static PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let prefix = PREFIX.get_or_init(|| uuid::Uuid::new_v4().simple().to_string());
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{prefix}-{n:x}")
+    /// The sink, once the answer is written.
+    fn finish(self) -> Sink {
+        self.sink
+    }
 }
 
 fn to_client(mut request: Request, part: Part) -> ToClient {
@@ -244,9 +219,10 @@ fn to_client(mut request: Request, part: Part) -> ToClient {
     let timeout = request.timeout;
     let learn = request.learn.take();
     let (started, metrics) = (request.started, request.state.metrics.clone());
+    let swap = std::mem::take(&mut request.swap);
     let answer = async move {
         // As for any answer: the whole of it, every part, within --request-timeout-secs.
-        let mut client = Out::Stream(tx);
+        let mut client = Out::new(Sink::Stream(tx), swap);
         if tokio::time::timeout(timeout, run(request, part, &mut client)).await.is_err() {
             let why = format!("the answer did not end within --request-timeout-secs ({timeout:?})");
             let event = json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
@@ -335,35 +311,22 @@ async fn run(request: Request, first: Part, client: &mut Out) {
     let mut part = first;
     let mut rid = request.rid.clone();
     loop {
-        let ended = if request.movable.stream {
-            stream_part(&request, &mut part, &rid, &mut produced, client).await
-        } else {
-            whole_part(&request, &mut part, &rid, &mut produced, client).await
-        };
-        let reason = match ended {
-            Ended::Done | Ended::Gone => return,
-            Ended::Moved(reason) => reason,
-            Ended::Lost(why) if moves_left(&produced) => {
-                // A stream continues from the tokens the router saw; a whole answer (nothing
-                // seen of it) starts again.
-                tracing::warn!(engine_id = %part.engine_id, error = %why, "engine lost mid-answer; continuing elsewhere");
-                "lost"
+        let ended = stream_part(&request, &mut part, &rid, &mut produced, client).await;
+        let done = matches!(ended, Ended::Done);
+        let Some(reason) = goes_on(&request, &part, ended, &produced, client).await else {
+            if done {
+                client.ended_on = Some(part.route.clone());
             }
-            Ended::Lost(why) => {
-                fail(
-                    &request,
-                    client,
-                    &format!("engine {} stopped in the middle of its answer ({why})", part.engine_id),
-                )
-                .await;
-                return;
-            }
+            return;
         };
+        if request.entry.live.is_aborted() {
+            finish_aborted(&request, &produced, client, "aborted by the client's /abort_request").await;
+            return;
+        }
         if reason == "chunk" && ended_at_chunk(&request, &produced, client).await {
             return;
         }
-        let n = produced.moves.len() + 1;
-        let next_rid = format!("{}-m{n}", request.rid);
+        let next_rid = request.state.rids.next();
         let mut body = match produced.prompt(&request.movable) {
             Some(prompt) => {
                 match moves::continuation(&request.body, &request.movable, prompt, &produced.output_ids, &next_rid) {
@@ -407,6 +370,9 @@ async fn run(request: Request, first: Part, client: &mut Out) {
         }
         let ended_on = produced.spans.last().and_then(|s| s["version"].as_str()).map(str::to_owned);
         let ended_on = ended_on.or_else(|| part.route.weight_version.clone());
+        // The client knows the request by one id, whatever rid its next part runs under.
+        client.swap.add(&next_rid, request.entry.shown());
+        request.entry.live.runs_as(&next_rid);
         match next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64, ended_on).await {
             Ok(next) => {
                 record_move(&request, &mut produced, &part, &next, reason);
@@ -427,15 +393,47 @@ async fn run(request: Request, first: Part, client: &mut Out) {
     }
 }
 
-/// Ends the answer at the end of a chunk when it cannot go on, and says so: the client aborted
-/// it (the output so far, finish reason `abort`), or the ids of its text prompt are unknown
-/// (its first chunk is all the engine was asked for, and a text prompt is never tokenized
-/// again: an error).
-async fn ended_at_chunk(request: &Request, produced: &Produced, client: &mut Out) -> bool {
-    if request.client_abort.as_ref().is_some_and(|e| e.flag.is_set()) {
-        finish_aborted(request, produced, client, "aborted by the client's /abort_request").await;
-        return true;
+/// Why the request goes on after its part ended (`ended`), if it does; else its answer was
+/// ended (complete, the client gone, or written here: a request a continuation would change
+/// ends with its output when its engine is lost, and one out of moves gets an error).
+async fn goes_on(
+    request: &Request,
+    part: &Part,
+    ended: Ended,
+    produced: &Produced,
+    client: &mut Out,
+) -> Option<&'static str> {
+    match ended {
+        Ended::Done | Ended::Gone => None,
+        Ended::Moved(reason) => Some(reason),
+        Ended::Lost(why) if !request.movable.continuable => {
+            let why = format!(
+                "engine {} was lost in the middle of the answer ({why}); the output is what it generated \
+                 before, and the request did not continue elsewhere because a continuation would change it \
+                 (stop strings, a grammar, penalties or a logit processor)",
+                part.engine_id
+            );
+            request.state.metrics.ended_on_loss();
+            finish_aborted(request, produced, client, &why).await;
+            None
+        }
+        Ended::Lost(why) if moves_left(produced) => {
+            // It continues from the output the router saw (its last event's).
+            tracing::warn!(engine_id = %part.engine_id, error = %why, "engine lost mid-answer; continuing elsewhere");
+            Some("lost")
+        }
+        Ended::Lost(why) => {
+            let why = format!("engine {} stopped in the middle of its answer ({why})", part.engine_id);
+            fail(request, client, &why).await;
+            None
+        }
     }
+}
+
+/// Ends the answer at the end of a chunk when it cannot go on, and says so: the ids of its text
+/// prompt are unknown (its first chunk is all the engine was asked for, and a text prompt is
+/// never tokenized again: an error).
+async fn ended_at_chunk(request: &Request, produced: &Produced, client: &mut Out) -> bool {
     if produced.prompt(&request.movable).is_none() {
         let why = "its engine did not return the text prompt's ids (SGLang before 0.5.15), which \
                    --chunk-tokens needs for text prompts; send input_ids, or set --chunk-tokens 0";
@@ -596,7 +594,9 @@ fn part_cap(request: &Request, produced: &Produced) -> Option<u64> {
 }
 
 fn should_move(request: &Request, part: &Part, produced: &Produced) -> bool {
-    moves_left(produced)
+    request.movable.continuable
+        && !request.entry.live.is_aborted()
+        && moves_left(produced)
         && ready(&request.movable, produced)
         && may_move(&request.state, &part.route, request.may_cross)
 }
@@ -607,7 +607,8 @@ fn planned_move(request: &Request) -> Option<&'static str> {
 }
 
 fn should_move_for_plan(request: &Request, produced: &Produced) -> Option<&'static str> {
-    planned_move(request).filter(|_| moves_left(produced) && ready(&request.movable, produced))
+    let may = request.movable.continuable && !request.entry.live.is_aborted();
+    planned_move(request).filter(|_| may && moves_left(produced) && ready(&request.movable, produced))
 }
 
 /// Sends the continuation of a preempted request, or the next chunk of one generated in
@@ -708,7 +709,10 @@ pub(super) async fn abort_when_asked(
 ) {
     let mut signal = route.load.move_signal();
     loop {
-        if may_move(state, route, asked.may_cross) || asked.tail.is_some_and(|e| e.asked().is_some()) {
+        let client = asked.client.is_some_and(super::rids::Live::is_aborted);
+        let moves = asked.movable
+            && (may_move(state, route, asked.may_cross) || asked.tail.is_some_and(|e| e.asked().is_some()));
+        if client || moves {
             aborted.store(true, std::sync::atomic::Ordering::Release);
             loop {
                 abort_rid(state, route, headers, rid).await;
@@ -721,6 +725,7 @@ pub(super) async fn abort_when_asked(
                 tail_asked(asked.tail).await;
             },
             () = tail_asked(asked.tail) => {}
+            () = async { match asked.client { Some(live) => live.aborted().await, None => std::future::pending().await } } => {}
         }
     }
 }
@@ -728,10 +733,15 @@ pub(super) async fn abort_when_asked(
 /// What may ask a request to move while it waits for its engine's response headers.
 #[derive(Clone, Copy)]
 pub(super) struct Asked<'a> {
+    /// The request may move now (a continuation would not change it, and its prompt's ids are
+    /// known).
+    pub movable: bool,
     /// The request may continue on another weight version (partial rollout).
     pub may_cross: bool,
     /// Its place on the tail planner's board.
     pub tail: Option<&'a super::tail::Entry>,
+    /// Whether its client aborted it by its rid (the abort is sent again until it ends).
+    pub client: Option<&'a super::rids::Live>,
 }
 
 /// Resolves when the tail planner asks the request to move (never without a board entry).
@@ -746,6 +756,10 @@ async fn tail_asked(entry: Option<&super::tail::Entry>) {
 /// weight update did and the request allows partial rollout (`weight_update`: its engine left
 /// routing for the update, which a client's abort through the router never reaches).
 fn move_reason(request: &Request, part: &Part, mover: &Mover) -> Option<&'static str> {
+    if request.entry.live.is_aborted() || !request.movable.continuable {
+        // The client asked for the abort (it ends the answer), or it may not move.
+        return None;
+    }
     if mover.moving {
         return Some(mover.reason);
     }
@@ -794,85 +808,14 @@ impl Mover {
     }
 }
 
-/// A non-streamed part: read whole (an abort meanwhile if its engine drains), then either the
-/// joined answer goes to the client, or what it produced is kept and the request moves.
-async fn whole_part(request: &Request, part: &mut Part, rid: &str, produced: &mut Produced, client: &mut Out) -> Ended {
-    let mut buf: Vec<u8> = Vec::new();
-    if let Some(f) = part.first.take().and_then(|f| f.into_data().ok()) {
-        buf.extend_from_slice(&f);
-    }
-    let mut mover = Mover::new(request, part);
-    let mut signal = part.route.load.move_signal();
-    let mut client_abort_sent = false;
-    loop {
-        mover.step(request, part, rid, produced).await;
-        tokio::select! {
-            () = tokio::time::sleep_until(mover.again()), if mover.moving => {}
-            () = tail_asked(request.tail.as_ref()), if !mover.moving => {}
-            () = client_aborted(request), if !client_abort_sent => {
-                client_abort_sent = true;
-                abort(request, part, rid).await;
-            }
-            frame = part.body.frame() => match frame {
-                None => break,
-                Some(Ok(f)) => {
-                    if let Ok(data) = f.into_data() {
-                        if buf.len() + data.len() > MAX_ANSWER_BYTES {
-                            return Ended::Lost(format!("the answer is larger than {MAX_ANSWER_BYTES} bytes"));
-                        }
-                        buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => return Ended::Lost(e.to_string()),
-            },
-            _ = signal.changed() => {}
-        }
-    }
-    let strip = request.movable.text && !request.movable.client_prompt_ids;
-    let cap = part_cap(request, produced);
-    if produced.moves.is_empty() && cap.is_none() && !moves::may_be_aborted(&buf) {
-        // Unmoved and not aborted: the engine's bytes, without the prompt ids the router asked
-        // for and the client did not.
-        let bytes = match strip.then(|| moves::without_member(&buf, "prompt_token_ids")).flatten() {
-            Some(cut) => Bytes::from(cut),
-            None => Bytes::from(buf),
-        };
-        return if client.send(Ok(bytes)).await.is_err() { Ended::Gone } else { Ended::Done };
-    }
-    let answer: Value = match serde_json::from_slice(&buf) {
-        Ok(v) => v,
-        Err(_) => {
-            // Not JSON (an engine's own error page): passed on as it is.
-            let _ = client.send(Ok(Bytes::from(buf))).await;
-            return Ended::Done;
-        }
-    };
-    if moves::aborted(&answer) {
-        if let Some(reason) = move_reason(request, part, &mover) {
-            produced.add_part(&answer);
-            return Ended::Moved(reason);
-        }
-    }
-    if cap.is_some_and(|cap| moves::chunk_ended(&answer, cap)) {
-        produced.add_part(&answer);
-        return Ended::Moved("chunk");
-    }
-    let out = moves::joined(produced, &request.movable, &answer);
-    let as_is = produced.moves.is_empty() && !strip;
-    let bytes = if as_is { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
-    if client.send(Ok(bytes)).await.is_err() {
-        return Ended::Gone;
-    }
-    Ended::Done
-}
-
-/// A streamed part: its events are passed on as they come (joined with the earlier parts'),
-/// the output so far is followed; an abort if its engine drains, after which its last
-/// (aborted) event and its `[DONE]` are held back and the request moves.
+/// One part, read as a stream: its events are passed on as they come (joined with the earlier
+/// parts'), the output so far is followed; an abort if its engine drains, after which its last
+/// (aborted) event and its `[DONE]` are held back and the request moves. For a whole answer
+/// (the client did not ask for a stream) the last event is kept instead, and it is the answer.
 ///
 /// Events of a part that has not moved are passed on as the engine wrote them (a text
 /// prompt's `prompt_token_ids` cut out), parsed only for the first one (the prompt's ids, and
-/// whether the engine streams incrementally) and where one may be aborted.
+/// whether the engine streams incrementally) and where one may be aborted or be an error.
 async fn stream_part(
     request: &Request,
     part: &mut Part,
@@ -888,6 +831,10 @@ async fn stream_part(
         strip: request.movable.text && !request.movable.client_prompt_ids,
         held: None,
         cap,
+        whole: client.whole(),
+        saw_event: false,
+        last: None,
+        error: None,
     };
     let mut pending: Vec<u8> = Vec::new();
     let mut mover = Mover::new(request, part);
@@ -911,6 +858,10 @@ async fn stream_part(
             },
         };
         let data = match frame {
+            None if stream.whole && !stream.saw_event && !pending.is_empty() => {
+                // One body instead of the stream asked for: the answer as it is.
+                return whole_body(request, part, &mover, produced, client, pending).await;
+            }
             None => {
                 // Ended without [DONE]: what was seen counts as produced.
                 stream.seen.keep(produced);
@@ -926,6 +877,10 @@ async fn stream_part(
             },
         };
         pending.extend_from_slice(&data);
+        if pending.len() > MAX_ANSWER_BYTES {
+            stream.seen.keep(produced);
+            return Ended::Lost(format!("an event of the answer is larger than {MAX_ANSWER_BYTES} bytes"));
+        }
         let mut out = Vec::new();
         while let Some(end) = find(&pending, b"\n\n") {
             let event: Vec<u8> = pending.drain(..end + 2).collect();
@@ -936,8 +891,7 @@ async fn stream_part(
                     return Ended::Moved(reason);
                 }
                 Some(Stop::Done) => {
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    let _ = client.send(Ok(Bytes::from(out))).await;
+                    send_end(stream, out, client).await;
                     finish_body(part).await;
                     return Ended::Done;
                 }
@@ -947,6 +901,88 @@ async fn stream_part(
             return Ended::Gone;
         }
     }
+}
+
+/// The answer of an engine that sent one body where the router asked for a stream (SGLang
+/// always streams when asked; a compatible server may not): passed on as it is when it did not
+/// move and was not aborted, else parsed, and either the joined answer goes to the client or
+/// what it produced is kept and the request moves.
+async fn whole_body(
+    request: &Request,
+    part: &Part,
+    mover: &Mover,
+    produced: &mut Produced,
+    client: &mut Out,
+    buf: Vec<u8>,
+) -> Ended {
+    let strip = request.movable.text && !request.movable.client_prompt_ids;
+    let cap = part_cap(request, produced);
+    if produced.moves.is_empty() && cap.is_none() && !moves::may_be_aborted(&buf) {
+        let bytes = match strip.then(|| moves::without_member(&buf, "prompt_token_ids")).flatten() {
+            Some(cut) => Bytes::from(cut),
+            None => Bytes::from(buf),
+        };
+        return if client.send(Ok(bytes)).await.is_err() { Ended::Gone } else { Ended::Done };
+    }
+    let Ok(answer) = serde_json::from_slice::<Value>(&buf) else {
+        // Not JSON (an engine's own error page): passed on as it is.
+        let _ = client.send(Ok(Bytes::from(buf))).await;
+        return Ended::Done;
+    };
+    if moves::aborted(&answer) {
+        if let Some(reason) = move_reason(request, part, mover) {
+            produced.add_part(&answer);
+            return Ended::Moved(reason);
+        }
+    }
+    if cap.is_some_and(|cap| moves::chunk_ended(&answer, cap)) {
+        produced.add_part(&answer);
+        return Ended::Moved("chunk");
+    }
+    let out = moves::joined(produced, &request.movable, &answer);
+    let as_is = produced.moves.is_empty() && !strip;
+    let bytes = if as_is { Bytes::from(buf) } else { Bytes::from(out.to_string()) };
+    if client.send(Ok(bytes)).await.is_err() {
+        return Ended::Gone;
+    }
+    Ended::Done
+}
+
+/// The end of an answer: a stream's last events and `[DONE]`; a whole answer's last event (or
+/// its error, with the status SGLang gives a non-streamed request that fails).
+async fn send_end(stream: Streamed, mut out: Vec<u8>, client: &mut Out) {
+    if !stream.whole {
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        let _ = client.send(Ok(Bytes::from(out))).await;
+        return;
+    }
+    let body = match (stream.error, stream.last) {
+        (Some((status, body)), _) => {
+            client.status = status;
+            body
+        }
+        (None, Some(last)) => last,
+        (None, None) => {
+            let why = "the engine's answer ended without any output or error";
+            let _ = client.send(Err(std::io::Error::other(why))).await;
+            return;
+        }
+    };
+    let _ = client.send(Ok(Bytes::from(body))).await;
+}
+
+/// An engine's error event (`{"error": {"message", "code", ...}}`, what SGLang streams where a
+/// non-streamed request gets an error status) as the status and body of a whole answer.
+fn error_answer(event: &Value) -> Option<(StatusCode, Vec<u8>)> {
+    let error = event.get("error")?;
+    if event.get("meta_info").is_some() {
+        return None;
+    }
+    let code = error.get("code").and_then(Value::as_u64).and_then(|c| u16::try_from(c).ok());
+    let status = code.and_then(|c| StatusCode::from_u16(c).ok()).filter(|s| s.is_client_error() || s.is_server_error());
+    let message = error.get("message").cloned().unwrap_or_else(|| error.clone());
+    let body = serde_json::to_vec(&json!({"error": {"message": message}})).unwrap_or_default();
+    Some((status.unwrap_or(StatusCode::BAD_GATEWAY), body))
 }
 
 /// What a streamed part's reading keeps between events.
@@ -961,6 +997,27 @@ struct Streamed {
     held: Option<&'static str>,
     /// The part's budget when it is one chunk of the request's ([`part_cap`]).
     cap: Option<u64>,
+    /// The client reads one body: events are not sent, the last one is kept.
+    whole: bool,
+    /// An event with a payload came (else a body that ends is one whole answer).
+    saw_event: bool,
+    /// Of a whole answer, the last event's payload as the client would get it.
+    last: Option<Vec<u8>>,
+    /// Of a whole answer, an error event, as a status and body.
+    error: Option<(StatusCode, Vec<u8>)>,
+}
+
+impl Streamed {
+    /// Writes one event's payload: into `out` for a stream, as the answer so far for a whole one.
+    fn emit(&mut self, out: &mut Vec<u8>, payload: &[u8]) {
+        if self.whole {
+            self.last = Some(payload.to_vec());
+        } else {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(payload);
+            out.extend_from_slice(b"\n\n");
+        }
+    }
 }
 
 /// Where an event ends a streamed part.
@@ -982,33 +1039,52 @@ fn on_event(
     event: Vec<u8>,
     out: &mut Vec<u8>,
 ) -> Option<Stop> {
-    let seen = &mut stream.seen;
     let Some(json) = payload(&event) else {
-        out.extend_from_slice(&event);
+        if !stream.whole {
+            out.extend_from_slice(&event);
+        }
         return None;
     };
+    stream.saw_event = true;
+    let seen = &mut stream.seen;
     if json == b"[DONE]" {
         let moved = |reason: &&str| *reason == "chunk" || seen.last.as_ref().is_some_and(moves::aborted);
         if let Some(reason) = stream.held.filter(moved) {
             return Some(Stop::Moved(reason));
         }
+        if stream.whole && seen.incremental == Some(true) {
+            // Each event held only its new output: the answer is all of it.
+            if let Some(last) = seen.last.as_ref() {
+                let answer = moves::joined(&seen.before, &request.movable, &seen.whole_part(last));
+                stream.last = Some(answer.to_string().into_bytes());
+            }
+        }
         return Some(Stop::Done);
     }
-    if stream.unmoved && seen.incremental == Some(false) && !moves::may_be_aborted(json) {
-        out.extend_from_slice(b"data: ");
-        match stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten() {
-            Some(cut) => out.extend_from_slice(&cut),
-            None => out.extend_from_slice(json),
-        }
-        out.extend_from_slice(b"\n\n");
-        seen.last = None;
-        seen.last_raw = Some(event);
+    let error = json.starts_with(b"{\"error\"");
+    if stream.unmoved && seen.incremental == Some(false) && !error && !moves::may_be_aborted(json) {
+        let cut = stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten();
+        stream.seen.last = None;
+        stream.emit(out, cut.as_deref().unwrap_or(json));
+        stream.seen.last_raw = Some(event);
         return None;
     }
     let Ok(chunk) = serde_json::from_slice::<Value>(json) else {
-        out.extend_from_slice(&event);
+        if !stream.whole {
+            out.extend_from_slice(&event);
+        }
         return None;
     };
+    if let Some(answer) = error_answer(&chunk) {
+        // Passed on as it is; a whole answer gets it as its status and body.
+        if stream.whole {
+            stream.error = Some(answer);
+        } else {
+            out.extend_from_slice(&event);
+        }
+        return None;
+    }
+    let seen = &mut stream.seen;
     if seen.before.output_ids.is_empty() {
         produced.learn_prompt(&chunk);
         if let Some(entry) = request.tail.as_ref().filter(|_| ready(&request.movable, produced)) {
@@ -1050,10 +1126,8 @@ fn on_event(
         }
         stream.held = Some("chunk");
     }
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(joined.to_string().as_bytes());
-    out.extend_from_slice(b"\n\n");
-    seen.last = Some(chunk);
+    stream.seen.last = Some(chunk);
+    stream.emit(out, joined.to_string().as_bytes());
     None
 }
 
@@ -1080,6 +1154,23 @@ struct Seen {
 }
 
 impl Seen {
+    /// The part's whole answer from an incremental stream: its last event with the output,
+    /// text and logprobs of every event.
+    fn whole_part(&self, last: &Value) -> Value {
+        let mut part = last.clone();
+        part["text"] = json!(self.text);
+        part["output_ids"] = json!(self.ids);
+        if let Some(meta) = part.get_mut("meta_info").and_then(Value::as_object_mut) {
+            for (key, entries) in &self.lp.logprobs {
+                meta.insert(key.clone(), entries.clone());
+            }
+            for (key, entries) in self.lp.input_logprobs.iter().flatten() {
+                meta.insert(key.clone(), entries.clone());
+            }
+        }
+        part
+    }
+
     /// Records what the part produced: its last event's output (cumulative events), or the ids
     /// and logprobs gathered from every event (incremental ones).
     fn keep(&self, produced: &mut Produced) {

@@ -11,6 +11,7 @@
 use super::answer::{Learn, Tracked};
 use super::headers::{strip_hop_by_hop, to_engine, OwnHeaders};
 use super::metrics::ErrorKind;
+use super::rids::RidEntry;
 use super::send::{send, EngineBody};
 use super::table::Route;
 use super::{
@@ -26,6 +27,7 @@ use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use rollout_core::moves::Movable;
+use rollout_core::rids::{take_client_rids, IdSwap};
 use rollout_core::routes::Intent;
 use rollout_core::routing::{choose, InflightCap, Policy};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,6 +48,11 @@ struct Admitted {
     /// A `/generate` that may move while it runs (`router::moving`): its body as JSON, what
     /// moves, and the `rid` it is aborted by. Taken by the attempt that hands it over.
     movable: Option<MovableParts>,
+    /// The client's rids, each with the router's that replaced it (`router::rids`).
+    rid_pairs: Vec<(String, String)>,
+    /// Its places among the requests a client may abort by rid: one per client rid (a batch
+    /// has several), or for a movable request without one, the router's rid. Taken with it.
+    entries: Vec<RidEntry>,
     /// What learned lengths are keyed by: the session, else the prompt (GRPO siblings).
     class: Option<u64>,
     budget: u64,
@@ -155,9 +162,15 @@ async fn admit(state: &Arc<RouterState>, request: Request) -> Result<Admitted, R
     let session_header = own.session_id.or(own.smg_routing_key);
     let info = peek::peek(&body, session_header, pin_header).map_err(|e| bad("invalid_weight_version", &e.0))?;
     let body = if info.pin_in_body { peek::strip_pin(&body).map(Bytes::from).unwrap_or(body) } else { body };
-    // A `/generate` request that can move to another engine while it runs (router::moving)
-    // gets a `rid` to be aborted by, if it has none.
-    let (body, movable) = movable_request(state, &parts.method, parts.uri.path(), body, partial_rollout);
+    // A client's own rids become the router's (an engine sees no rid that is a prefix of
+    // another), and a `/generate` request that can move to another engine while it runs
+    // (router::moving) gets one to be aborted by.
+    let prepared = prepare(state, &parts.method, parts.uri.path(), body, partial_rollout);
+    let (body, movable, rid_pairs) = (prepared.body, prepared.movable, prepared.rid_pairs);
+    let entries = match (&movable, rid_pairs.as_slice()) {
+        (Some((_, _, ours, _)), []) => vec![state.rids.enter(ours, ours)],
+        _ => rid_pairs.iter().map(|(client, ours)| state.rids.enter(client, ours)).collect(),
+    };
     let session_key = info.session.as_deref().map(affinity::session_key);
     let class = session_key.or(info.prompt_hash);
     let budget = info.output_budget;
@@ -176,6 +189,8 @@ async fn admit(state: &Arc<RouterState>, request: Request) -> Result<Admitted, R
         policy,
         partial_rollout,
         movable,
+        rid_pairs,
+        entries,
         class,
         budget,
         tokens,
@@ -362,25 +377,20 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
         }
     };
     let sent = state.fleet.unless_lost(&backend.load, sent);
-    // On the tail planner's board while it runs (router::tail).
-    let on_board = request.movable.as_ref().filter(|_| state.config.move_tail).map(|(_, m, _, _)| {
-        let entry = tail::Request {
-            class: request.class,
-            budget: request.budget,
-            prompt: request.info.prompt_tokens,
-            session: request.info.session.is_some(),
-            ready: moving::ready(m, &Default::default()),
-        };
-        state.tail.enter(backend.load.clone(), entry)
-    });
+    let on_board = board_entry(state, request, backend);
     // A movable request whose engine is asked to shed its requests before it answered is
-    // aborted there (router::moving continues it elsewhere).
+    // aborted there (router::moving continues it elsewhere); so is one its client aborted.
     let aborted = AtomicBool::new(false);
     let abort_when_asked = async {
         match &request.movable {
             // A streamed text prompt cannot move before its ids came back (with its first event).
-            Some((_, m, rid, _)) if moving::ready(m, &Default::default()) => {
-                let asked = moving::Asked { may_cross: request.partial_rollout, tail: on_board.as_ref() };
+            Some((_, m, rid, _)) => {
+                let asked = moving::Asked {
+                    movable: m.continuable && moving::ready(m, &Default::default()),
+                    may_cross: request.partial_rollout,
+                    tail: on_board.as_ref(),
+                    client: request.entries.first().map(|e| &*e.live),
+                };
                 moving::abort_when_asked(state, backend, &request.headers, rid, asked, &aborted).await
             }
             _ => std::future::pending().await,
@@ -430,6 +440,20 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
     }
 }
 
+/// A movable request's place on the tail planner's board while it runs (`--move-tail`, one a
+/// continuation would not change: `router::tail`).
+fn board_entry(state: &RouterState, request: &Admitted, backend: &Route) -> Option<tail::Entry> {
+    let (_, m, _, _) = request.movable.as_ref().filter(|(_, m, _, _)| state.config.move_tail && m.continuable)?;
+    let entry = tail::Request {
+        class: request.class,
+        budget: request.budget,
+        prompt: request.info.prompt_tokens,
+        session: request.info.session.is_some(),
+        ready: moving::ready(m, &Default::default()),
+    };
+    Some(state.tail.enter(backend.load.clone(), entry))
+}
+
 /// An engine's answer, head read, and what goes with it to the client.
 struct Answered<'a> {
     resp: hyper::Response<EngineBody>,
@@ -461,31 +485,14 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     // Only a successful answer's length is learned (the others just end).
     let learn = (head.status == StatusCode::OK).then_some(learn);
     // (The attempt ends here whatever the status: the request is not needed again.)
-    if let (Some((value, m, rid, chunk)), StatusCode::OK) = (request.movable.take(), head.status) {
-        // The body may change (joined after a move).
-        head.headers.remove(axum::http::header::CONTENT_LENGTH);
-        let chunk = chunk.map(|tokens| moving::Chunking {
-            tokens,
-            class: request.class,
-            session: request.info.session.is_some(),
-        });
-        let client_abort = chunk.map(|_| state.chunked.enter(&rid));
-        let moving_request = moving::Request {
-            learn,
-            started,
-            state: state.clone(),
-            headers: request.headers.clone(),
-            path: request.path.clone(),
-            body: value,
-            movable: m,
-            rid,
-            pin: request.info.pin.clone(),
-            may_cross: request.partial_rollout,
-            tokens: request.tokens,
-            timeout: request.timeout,
-            tail: on_board,
-            client_abort,
-            chunk,
+    let mut swap = IdSwap::new(state.rids.maker());
+    for (client, ours) in &request.rid_pairs {
+        swap.add(ours, client);
+    }
+    let entries = std::mem::take(&mut request.entries);
+    if let (Some(movable), StatusCode::OK) = (request.movable.take(), head.status) {
+        let Some(entry) = entries.into_iter().next() else {
+            unreachable!("a movable request has its place among the rids (admit)")
         };
         let part = moving::Part {
             engine_id: backend.engine_id.clone(),
@@ -495,21 +502,8 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
             first,
             aborted,
         };
-        if moving_request.movable.stream {
-            metrics.response(head.status.as_u16());
-            return Response::from_parts(head, moving::body(moving_request, part));
-        }
-        let answer = match moving::whole(moving_request, part).await {
-            // (Its length goes with it: hyper writes it from the body's exact size.)
-            Ok(bytes) => Response::from_parts(head, Body::from(bytes)),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-                metrics.error(ErrorKind::Timeout);
-                error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &e.to_string())
-            }
-            Err(e) => error(StatusCode::BAD_GATEWAY, "engine_lost", &e.to_string()),
-        };
-        metrics.response(answer.status().as_u16());
-        return answer;
+        let follow = Follow { movable, learn, started, on_board, entry, swap };
+        return follow_moving(state, request, head, part, follow).await;
     }
     metrics.response(head.status.as_u16());
     let sse = head
@@ -517,7 +511,13 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
+    if !swap.is_empty() {
+        // The client's ids are put back: the length may change.
+        head.headers.remove(axum::http::header::CONTENT_LENGTH);
+    }
     let tracked = Tracked {
+        swap: (!swap.is_empty()).then_some(swap),
+        _entries: entries,
         learn,
         inner: incoming,
         first,
@@ -535,6 +535,82 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     Response::from_parts(head, Body::new(tracked))
 }
 
+/// What goes with a movable request's answer into `router::moving`.
+struct Follow {
+    movable: MovableParts,
+    learn: Option<Learn>,
+    started: Instant,
+    on_board: Option<tail::Entry>,
+    entry: RidEntry,
+    swap: IdSwap,
+}
+
+/// The client's answer of a movable request, followed part by part by `router::moving`: a
+/// stream as it comes, a whole answer once complete (its status that of its end).
+async fn follow_moving(
+    state: &Arc<RouterState>,
+    request: &Admitted,
+    mut head: axum::http::response::Parts,
+    part: moving::Part,
+    follow: Follow,
+) -> Response {
+    let Follow { movable: (value, m, rid, chunk), learn, started, on_board, entry, swap } = follow;
+    let metrics = &state.metrics;
+    // The body may change (joined after a move).
+    head.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let chunk =
+        chunk.map(|tokens| moving::Chunking { tokens, class: request.class, session: request.info.session.is_some() });
+    if !m.stream {
+        // Read from the engine as a stream (see `prepare`), answered whole.
+        head.headers.insert(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/json"));
+    }
+    let moving_request = moving::Request {
+        learn,
+        started,
+        state: state.clone(),
+        headers: request.headers.clone(),
+        path: request.path.clone(),
+        body: value,
+        movable: m,
+        rid,
+        pin: request.info.pin.clone(),
+        may_cross: request.partial_rollout,
+        tokens: request.tokens,
+        timeout: request.timeout,
+        tail: on_board,
+        entry,
+        swap,
+        chunk,
+    };
+    if moving_request.movable.stream {
+        metrics.response(head.status.as_u16());
+        return Response::from_parts(head, moving::body(moving_request, part));
+    }
+    let answer = match moving::whole(moving_request, part).await {
+        // (Its length goes with it: hyper writes it from the body's exact size.)
+        Ok(whole) => {
+            head.status = whole.status;
+            // Its headers name the engine it ended on.
+            if let Some(route) = whole.ended_on {
+                for (name, value) in [(ENGINE_ID_HEADER, route.id_header), (VERSION_HEADER, route.version_header)] {
+                    match value {
+                        Some(v) => head.headers.insert(name, v),
+                        None => head.headers.remove(name),
+                    };
+                }
+            }
+            Response::from_parts(head, Body::from(whole.body))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            metrics.error(ErrorKind::Timeout);
+            error(StatusCode::GATEWAY_TIMEOUT, "engine_timeout", &e.to_string())
+        }
+        Err(e) => error(StatusCode::BAD_GATEWAY, "engine_lost", &e.to_string()),
+    };
+    metrics.response(answer.status().as_u16());
+    answer
+}
+
 fn load_addr(load: &Arc<EngineLoad>) -> usize {
     Arc::as_ptr(load) as usize
 }
@@ -543,43 +619,75 @@ fn load_addr(load: &Arc<EngineLoad>) -> usize {
 /// it is generated in (`--chunk-tokens`, decided once at admission).
 type MovableParts = (serde_json::Value, Movable, String, Option<u64>);
 
-/// A `/generate` request that may move while it runs (`--move-on-drain`, a prompt of ids: see
-/// `rollout_core::moves::Movable`), with the body to send (given a `rid` if it had none) and
-/// that `rid`; other requests as they are.
-fn movable_request(
-    state: &RouterState,
-    method: &Method,
-    path: &str,
+/// A request's body as the router sends it.
+struct Prepared {
     body: Bytes,
-    partial_rollout: bool,
-) -> (Bytes, Option<MovableParts>) {
+    movable: Option<MovableParts>,
+    /// The client's rids and the router's that replaced them.
+    rid_pairs: Vec<(String, String)>,
+}
+
+/// A request's body as the router sends it: a client's own `rid` (a string, or a batch's list)
+/// replaced by the router's ([`super::rids`]); a `/generate` request that may move while it runs
+/// (`--move-on-drain` and the other moves, a prompt of ids or text: see
+/// `rollout_core::moves::Movable`) given a `rid` if it had none, its text prompt asking for the
+/// prompt's ids, and when the client asked for one body, asking the engine for a stream (the
+/// output so far every [`moving::WHOLE_STREAM_INTERVAL`] tokens, which the router answers
+/// whole). Other requests as they are. A body is parsed only when it names a `rid` or may move.
+fn prepare(state: &RouterState, method: &Method, path: &str, body: Bytes, partial_rollout: bool) -> Prepared {
+    let as_is = |body| Prepared { body, movable: None, rid_pairs: Vec::new() };
+    if method != Method::POST && method != Method::PUT {
+        return as_is(body);
+    }
     let moves =
         state.config.move_on_drain || state.config.move_tail || state.config.chunk_tokens > 0 || partial_rollout;
-    if !moves || method != Method::POST || path != "/generate" {
-        return (body, None);
+    let may_move = moves
+        && method == Method::POST
+        && path == "/generate"
+        && (memchr::memmem::find(&body, b"\"input_ids\"").is_some()
+            || memchr::memmem::find(&body, b"\"text\"").is_some());
+    let names_rid = memchr::memmem::find(&body, b"\"rid\"").is_some();
+    if !may_move && !names_rid {
+        return as_is(body);
     }
-    // Only bodies with a prompt of ids or text are parsed whole.
-    if !body.windows(11).any(|w| w == b"\"input_ids\"") && !body.windows(6).any(|w| w == b"\"text\"") {
-        return (body, None);
-    }
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else { return (body, None) };
-    let Some(movable) = rollout_core::moves::Movable::of(&value) else { return (body, None) };
-    movable.prepare(&mut value);
-    // The first part of a request generated in chunks asks for one chunk (the body kept, to
-    // continue from, asks for the whole budget).
-    let chunk = chunking(state, &value);
-    let first_cap = chunk.and_then(|chunk| rollout_core::moves::chunk_cap(&movable, 0, chunk));
-    let rid = match &movable.rid {
-        Some(rid) if !movable.text && first_cap.is_none() => {
-            return (body, Some((value, movable.clone(), rid.clone(), chunk)))
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else { return as_is(body) };
+    let rid_pairs = take_client_rids(&mut value, || state.rids.next()).unwrap_or_default();
+    let movable = may_move.then(|| Movable::of(&value)).flatten();
+    let Some(movable) = movable else {
+        if rid_pairs.is_empty() {
+            return as_is(body);
         }
-        Some(rid) => rid.clone(),
+        return match serde_json::to_vec(&value) {
+            Ok(b) => Prepared { body: Bytes::from(b), movable: None, rid_pairs },
+            Err(_) => as_is(body),
+        };
+    };
+    movable.prepare(&mut value);
+    let rid = match rid_pairs.first() {
+        Some((_, ours)) => ours.clone(),
         None => {
-            let rid = moving::new_rid();
+            let rid = state.rids.next();
             value["rid"] = serde_json::json!(rid);
             rid
         }
     };
+    if !movable.stream {
+        // Read as a stream, answered whole (router::moving): a lost engine's output is known.
+        value["stream"] = serde_json::json!(true);
+        let params = value.as_object_mut().map(|o| o.entry("sampling_params").or_insert_with(|| serde_json::json!({})));
+        if let Some(params) = params {
+            if params.is_null() {
+                *params = serde_json::json!({});
+            }
+            if let Some(params) = params.as_object_mut() {
+                params.insert("stream_interval".into(), serde_json::json!(moving::WHOLE_STREAM_INTERVAL));
+            }
+        }
+    }
+    // The first part of a request generated in chunks asks for one chunk (the body kept, to
+    // continue from, asks for the whole budget).
+    let chunk = chunking(state, &value);
+    let first_cap = chunk.and_then(|chunk| rollout_core::moves::chunk_cap(&movable, 0, chunk));
     let sent = match first_cap {
         Some(cap) => {
             let mut part = value.clone();
@@ -589,20 +697,20 @@ fn movable_request(
         None => serde_json::to_vec(&value),
     };
     match sent {
-        Ok(b) => (Bytes::from(b), Some((value, movable, rid, chunk))),
-        Err(_) => (body, None),
+        Ok(b) => Prepared { body: Bytes::from(b), movable: Some((value, movable, rid, chunk)), rid_pairs },
+        Err(_) => as_is(body),
     }
 }
 
 /// The chunk size a movable request (`body`, as sent) is generated in (`--chunk-tokens`);
-/// None when chunks are off, the request may not be cut (`rollout_core::moves::chunkable`), or
+/// None when chunks are off, the request may not be cut (`rollout_core::moves::continuable`), or
 /// the budgets the router sees are the lengths (chunks are for lengths it cannot tell, and with
 /// informative budgets longest-first already orders the work: 1.22x the bound with chunks
 /// against 1.03x without on the bench's exact budgets).
 fn chunking(state: &RouterState, body: &serde_json::Value) -> Option<u64> {
     let tokens = state.config.chunk_tokens;
     let chunked = tokens > 0
-        && rollout_core::moves::chunkable(body)
+        && rollout_core::moves::continuable(body)
         && !state.fleet.slot_queue().lengths(rollout_core::lengths::LengthEstimator::budgets_are_lengths);
     chunked.then_some(tokens)
 }
