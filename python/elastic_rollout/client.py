@@ -349,6 +349,7 @@ class _Calls:
         pause_mode: str | None,
         flush_cache: bool,
         group_prefix: str | None,
+        backend: str | None = None,
     ) -> _Call[WeightUpdate]:
         body: JsonObject = {
             "version": version,
@@ -363,6 +364,8 @@ class _Calls:
             body["pause_mode"] = pause_mode
         if group_prefix is not None:
             body["group_prefix"] = group_prefix
+        if backend is not None:
+            body["backend"] = backend
         return _Call("POST", "/rollout/weights/trainer_updates", body, lambda data, _s: WeightUpdate.from_json(data))
 
     @staticmethod
@@ -371,7 +374,7 @@ class _Calls:
 
     @staticmethod
     def build_trainer_group(
-        group_name: str, master_address: str, master_port: int, world_size: int
+        group_name: str, master_address: str, master_port: int, world_size: int, backend: str | None = None
     ) -> _Call[JsonObject]:
         body: JsonObject = {
             "group_name": group_name,
@@ -379,6 +382,8 @@ class _Calls:
             "master_port": master_port,
             "world_size": world_size,
         }
+        if backend is not None:
+            body["backend"] = backend
         return _Call("POST", "/rollout/weights/trainer_group", body, _json)
 
     @staticmethod
@@ -740,16 +745,26 @@ class RolloutClient(_Base):
         pause_mode: str | None = None,
         flush_cache: bool = True,
         group_prefix: str | None = None,
+        backend: str | None = None,
     ) -> WeightUpdate:
         """``POST /rollout/weights/trainer_updates``: open an update whose bytes the trainer
-        broadcasts (``tensors``: ``(name, dtype, shape)`` in broadcast order). The answer's
+        broadcasts (``tensors``: ``(name, dtype, shape)`` in broadcast order; ``backend`` of a
+        new group: ``nccl`` by default, ``gloo`` for engines on CPU). The answer's
         ``trainer["group"]`` is the group layout; when its ``new`` is true the trainer joins it
         as rank 0 at ``master_address:master_port``. Then :meth:`start_broadcast`, broadcast,
         and :meth:`wait_for_weight_update`. ``elastic_rollout.trainer.DistributedWeightSync``
         does all of this."""
         return self._call(
             _Calls.open_trainer_update(
-                version, tensors, master_address, master_port, group_name, pause_mode, flush_cache, group_prefix
+                version,
+                tensors,
+                master_address,
+                master_port,
+                group_name,
+                pause_mode,
+                flush_cache,
+                group_prefix,
+                backend,
             )
         )
 
@@ -777,13 +792,14 @@ class RolloutClient(_Base):
         return self._call(_Calls.destroy_trainer_group())
 
     def build_trainer_group(
-        self, group_name: str, master_address: str, master_port: int, world_size: int
+        self, group_name: str, master_address: str, master_port: int, world_size: int, backend: str | None = None
     ) -> JsonObject:
         """``POST /rollout/weights/trainer_group``: a weight-update group whose name and world
-        size the trainer fixes (AReaL builds its group once). The first engines that fill
+        size the trainer fixes (AReaL builds its group once; ``backend`` as for
+        :meth:`open_trainer_update`). The first engines that fill
         ``world_size - 1`` ranks join it while the trainer joins as rank 0; the answer is the
         group (``fixed.state`` ``joining``), :meth:`trainer_group` says when it is ``joined``."""
-        return self._call(_Calls.build_trainer_group(group_name, master_address, master_port, world_size))
+        return self._call(_Calls.build_trainer_group(group_name, master_address, master_port, world_size, backend))
 
     def trainer_group(self) -> JsonObject:
         """``GET /rollout/weights/trainer_group``: the group the engines hold now."""
@@ -1012,11 +1028,20 @@ class AsyncRolloutClient(_Base):
         pause_mode: str | None = None,
         flush_cache: bool = True,
         group_prefix: str | None = None,
+        backend: str | None = None,
     ) -> WeightUpdate:
         """As :meth:`RolloutClient.open_trainer_update`."""
         return await self._call(
             _Calls.open_trainer_update(
-                version, tensors, master_address, master_port, group_name, pause_mode, flush_cache, group_prefix
+                version,
+                tensors,
+                master_address,
+                master_port,
+                group_name,
+                pause_mode,
+                flush_cache,
+                group_prefix,
+                backend,
             )
         )
 
@@ -1038,10 +1063,12 @@ class AsyncRolloutClient(_Base):
         return await self._call(_Calls.destroy_trainer_group())
 
     async def build_trainer_group(
-        self, group_name: str, master_address: str, master_port: int, world_size: int
+        self, group_name: str, master_address: str, master_port: int, world_size: int, backend: str | None = None
     ) -> JsonObject:
         """As :meth:`RolloutClient.build_trainer_group`."""
-        return await self._call(_Calls.build_trainer_group(group_name, master_address, master_port, world_size))
+        return await self._call(
+            _Calls.build_trainer_group(group_name, master_address, master_port, world_size, backend)
+        )
 
     async def trainer_group(self) -> JsonObject:
         """As :meth:`RolloutClient.trainer_group`."""

@@ -205,6 +205,7 @@ def _open_args(
         "pause_mode": sync.pause_mode,
         "flush_cache": flush_cache,
         "group_prefix": sync.group_prefix,
+        "backend": sync.backend,
     }
     return (version, tensors, sync.master_address, port), kwargs
 
@@ -225,9 +226,13 @@ class _SyncBase:
         group_prefix: str,
         pause_mode: str,
         timeout: float,
+        backend: str = "nccl",
     ) -> None:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode must be abort, retract or in_place, got {pause_mode!r}")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be nccl or gloo (engines on CPU), got {backend!r}")
+        self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
         self.group_prefix = group_prefix
@@ -244,8 +249,9 @@ class DistributedWeightSync(_SyncBase):
     joined (it runs while the engines' ``/init_weights_update_group`` calls are in flight).
     ``broadcast(layout, specs)`` must broadcast every tensor of ``specs`` in order.
     ``destroy_group(layout)``, if given, leaves the trainer's side of an old group.
-    ``engine_api_key`` and ``model_name`` are accepted for compatibility and not used: the
-    manager calls the engines.
+    ``backend`` is the group's collective backend: ``nccl``, or ``gloo`` where the engines
+    run on CPU (the trainer's side must then join over gloo too). ``engine_api_key`` and
+    ``model_name`` are accepted for compatibility and not used: the manager calls the engines.
     """
 
     def __init__(
@@ -262,6 +268,7 @@ class DistributedWeightSync(_SyncBase):
         engine_api_key: str | None = None,
         model_name: str | None = None,
         timeout: float = 600.0,
+        backend: str = "nccl",
     ) -> None:
         super().__init__(
             master_address=master_address,
@@ -269,6 +276,7 @@ class DistributedWeightSync(_SyncBase):
             group_prefix=group_prefix,
             pause_mode=pause_mode,
             timeout=timeout,
+            backend=backend,
         )
         del engine_api_key, model_name
         self.manager = manager if isinstance(manager, RolloutClient) else RolloutClient(manager)
@@ -474,8 +482,10 @@ class FixedGroupSync:
         world_size: int,
         pause_mode: str = "retract",
         timeout: float = 600.0,
+        backend: str = "nccl",
     ) -> None:
         self.manager = manager if isinstance(manager, RolloutClient) else RolloutClient(manager)
+        self.backend = backend
         self.group_name = group_name
         self.master_address = master_address
         self.master_port = master_port
@@ -494,7 +504,7 @@ class FixedGroupSync:
         rank 0 now, then call :meth:`wait_joined`."""
         try:
             data = self.manager.build_trainer_group(
-                self.group_name, self.master_address, self.master_port, self.world_size
+                self.group_name, self.master_address, self.master_port, self.world_size, self.backend
             )
         except RolloutApiError as err:
             raise _refused("open", err) from err
@@ -618,6 +628,7 @@ class AsyncDistributedWeightSync(_SyncBase):
         group_prefix: str = "elastic_rollout_weights",
         pause_mode: str = "retract",
         timeout: float = 600.0,
+        backend: str = "nccl",
     ) -> None:
         super().__init__(
             master_address=master_address,
@@ -625,6 +636,7 @@ class AsyncDistributedWeightSync(_SyncBase):
             group_prefix=group_prefix,
             pause_mode=pause_mode,
             timeout=timeout,
+            backend=backend,
         )
         self.manager = manager if isinstance(manager, AsyncRolloutClient) else AsyncRolloutClient(manager)
         self.join_group = join_group

@@ -85,6 +85,37 @@ impl PauseMode {
     }
 }
 
+/// The collective backend of a trainer's weight-update group (SGLang's
+/// `/init_weights_update_group` `backend`): `nccl` between GPUs, `gloo` where the engines run on
+/// CPU (SGLang's CPU platform, the real-engine tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupBackend {
+    #[default]
+    Nccl,
+    Gloo,
+}
+
+impl GroupBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nccl => "nccl",
+            Self::Gloo => "gloo",
+        }
+    }
+
+    /// The backend named `name`, or why not (the message lists the ones there are).
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "nccl" => Ok(Self::Nccl),
+            "gloo" => Ok(Self::Gloo),
+            other => Err(format!(
+                "backend {other:?} is not one the engines join weight-update groups over: use \"nccl\" (GPUs) or \"gloo\" (engines on CPU)"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UpdateStrategy {

@@ -225,3 +225,19 @@ fn pause_modes_are_sglangs_three() {
         assert_eq!(crate::weights::PauseMode::known(name), known, "{name:?}");
     }
 }
+
+#[test]
+fn group_backends_are_nccl_and_gloo() {
+    use crate::weights::GroupBackend;
+    for (name, want) in [("nccl", Some(GroupBackend::Nccl)), ("gloo", Some(GroupBackend::Gloo))] {
+        assert_eq!(GroupBackend::parse(name).ok(), want);
+        assert_eq!(want.map(GroupBackend::name), Some(name));
+    }
+    for name in ["NCCL", "mpi", "", "gloo "] {
+        let err = GroupBackend::parse(name).expect_err(name);
+        assert!(err.contains("\"nccl\"") && err.contains("\"gloo\""), "{err}");
+    }
+    assert_eq!(GroupBackend::default(), GroupBackend::Nccl);
+    // On the wire and in the store, by its name.
+    assert_eq!(serde_json::from_str::<GroupBackend>("\"gloo\"").ok(), Some(GroupBackend::Gloo));
+}

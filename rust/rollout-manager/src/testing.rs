@@ -38,6 +38,8 @@ struct State {
     /// What the manager asked, in order: `launch <id>`, `stop <id>`, `load <url> <version>`,
     /// `abort <url>`, `control <url><path>`.
     calls: Vec<String>,
+    /// The `backend` of every `/init_weights_update_group` call, in order.
+    group_backends: Vec<String>,
     next_pid: u32,
     /// The next probe waits for this to open, then fails (see [`FakeEngines::hold_next_probe`]).
     held_probe: Option<watch::Receiver<bool>>,
@@ -108,6 +110,11 @@ impl FakeEngines {
 
     pub fn calls(&self) -> Vec<String> {
         self.state().calls.clone()
+    }
+
+    /// The `backend` each `/init_weights_update_group` call named, in order.
+    pub fn group_backends(&self) -> Vec<String> {
+        self.state().group_backends.clone()
     }
 
     /// Engines whose process runs.
@@ -272,6 +279,10 @@ impl EngineApi for FakeEngines {
                 // SGLang 0.5.23's answer when the broadcast never arrived (nothing loaded).
                 let detail = "HTTP 400: Failed to receive weights: refused".into();
                 return Err(EngineError::Refused { path, detail });
+            }
+            if path == "/init_weights_update_group" {
+                let backend = body.get("backend").and_then(|b| b.as_str()).unwrap_or("(none)").to_string();
+                s.group_backends.push(backend);
             }
             let told = match path {
                 "/update_weights_from_distributed" => body.get("weight_version"),

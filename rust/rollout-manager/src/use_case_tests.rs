@@ -392,6 +392,7 @@ async fn the_fleet_never_goes_back_to_an_older_version_by_observation() {
             path: "/base".into(),
             version: "default".into(),
             abort_all: false,
+            flush_cache: true,
             timeout: std::time::Duration::from_secs(1),
         };
         crate::adapters::engine_api::EngineApi::load_from_disk(engines.as_ref(), &url, &load).await.expect("loaded");
@@ -524,11 +525,21 @@ fn a_scale_out_interrupted_by_a_restart_ends_failed_and_is_rolled_back() {
     });
 }
 
-/// Opens a trainer update to `version` with `tensors` (empty: sent in buckets).
+/// Opens a trainer update to `version` with `tensors` (empty: sent in buckets), over NCCL.
 fn open_update_with(
     m: &Arc<crate::ops::manager::Manager>,
     version: &str,
     tensors: crate::foundation::records::Bucket,
+) -> UpdateId {
+    open_update_over(m, version, tensors, rollout_core::weights::GroupBackend::Nccl)
+}
+
+/// Opens a trainer update to `version` with `tensors` whose new group is built over `backend`.
+fn open_update_over(
+    m: &Arc<crate::ops::manager::Manager>,
+    version: &str,
+    tensors: crate::foundation::records::Bucket,
+    backend: rollout_core::weights::GroupBackend,
 ) -> UpdateId {
     let req = crate::ops::trainer_update::OpenRequest {
         version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
@@ -539,6 +550,7 @@ fn open_update_with(
         master_port: 29500,
         group_name: None,
         group_prefix: "g".into(),
+        backend,
     };
     crate::ops::trainer_update::open(m, req).expect("opened").update_id().clone()
 }
@@ -562,6 +574,42 @@ async fn scale_to(m: &Arc<crate::ops::manager::Manager>, n: i64) {
 async fn finish_trainer_update(m: &Arc<crate::ops::manager::Manager>, id: &UpdateId) {
     crate::ops::trainer_update::start_broadcast(m, id, None).await.expect("the broadcast starts");
     wait_for(m, "the trainer update to end", |i| i.weights.updates()[id.as_str()].status().is_terminal()).await;
+}
+
+#[tokio::test]
+async fn a_trainer_group_is_built_over_the_backend_the_trainer_names_and_never_reused_over_another() {
+    use rollout_core::weights::GroupBackend;
+    let engines = Arc::new(FakeEngines::default());
+    let m = manager(&engines, 2, &[]);
+    scale_to(&m, 2).await;
+    let open = |version: &str, holds: Option<String>, backend| {
+        let req = crate::ops::trainer_update::OpenRequest {
+            version: rollout_core::ids::VersionName::parse(version).expect("a valid version name"),
+            tensors: crate::foundation::records::Bucket {
+                names: vec!["w".into()],
+                dtypes: vec!["float32".into()],
+                shapes: vec![vec![2]],
+            },
+            pause_mode: "retract".into(),
+            flush_cache: true,
+            master_address: "127.0.0.1".into(),
+            master_port: 29500,
+            group_name: holds,
+            group_prefix: "g".into(),
+            backend,
+        };
+        crate::ops::trainer_update::open(&m, req).expect("opened").update_id().clone()
+    };
+    let held = || m.fleet.lock().weights.group().as_ref().map(|g| g.group_name.clone());
+    finish_trainer_update(&m, &open("cpu-1", None, GroupBackend::Gloo)).await;
+    assert_eq!(engines.group_backends(), ["gloo", "gloo"]);
+    // The same members and master, the group named: kept over the same backend...
+    finish_trainer_update(&m, &open("cpu-2", held(), GroupBackend::Gloo)).await;
+    assert_eq!(engines.group_backends(), ["gloo", "gloo"]);
+    // ...and built anew over another.
+    finish_trainer_update(&m, &open("gpu-1", held(), GroupBackend::Nccl)).await;
+    assert_eq!(engines.group_backends(), ["gloo", "gloo", "nccl", "nccl"]);
+    assert_eq!(m.fleet.lock().weights.group().as_ref().map(|g| g.backend), Some(GroupBackend::Nccl));
 }
 
 fn copies(engines: &FakeEngines) -> Vec<String> {
@@ -787,6 +835,7 @@ async fn a_group_the_trainer_fixed_keeps_its_members_and_the_rest_copy_from_them
         master_address: "127.0.0.1".into(),
         master_port: 29500,
         world_size,
+        backend: rollout_core::weights::GroupBackend::Nccl,
     };
     let too_big = crate::ops::trainer_group::build(&m, fixed(5)).expect_err("three engines hold three ranks");
     assert_eq!(too_big.code(), "group_does_not_fit");
@@ -816,6 +865,7 @@ async fn a_group_the_trainer_fixed_keeps_its_members_and_the_rest_copy_from_them
             master_port: 29500,
             group_name: Some("areal".into()),
             group_prefix: "g".into(),
+            backend: rollout_core::weights::GroupBackend::Nccl,
         };
         let opened = crate::ops::trainer_update::open(&m, req).expect("opened");
         let t = opened.trainer().clone().expect("a trainer part");

@@ -118,6 +118,14 @@ pub trait EngineApi: Send + Sync {
         let _ = (url, path);
         Box::pin(async { true })
     }
+
+    /// Whether the engine can send its weights to a new engine (SGLang's remote-instance
+    /// loading): it serves `/send_weights_to_remote_instance`, and it does not run on CPU, where
+    /// SGLang 0.5.23's sender builds its group on a CUDA device (`weight_exporter.py`: "Found no
+    /// NVIDIA driver"), so the new engine would wait for a group that never forms.
+    fn can_send_weights<'a>(&'a self, url: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.serves(url, "/send_weights_to_remote_instance").await })
+    }
 }
 
 /// What [`EngineApi::load_from_disk`] asks an engine to load.
@@ -126,6 +134,10 @@ pub struct DiskLoad {
     pub path: String,
     pub version: String,
     pub abort_all: bool,
+    /// Flush the engine's prefix cache with the load. SGLang refuses the flush while requests
+    /// run (an `in_place` pause keeps them in the batch): it then answers 400 "Weights were
+    /// updated, but the cache was not flushed", so those loads do not ask for it.
+    pub flush_cache: bool,
     pub timeout: Duration,
 }
 
@@ -201,8 +213,8 @@ impl EngineApi for HttpEngineApi {
     fn load_from_disk<'a>(&'a self, url: &'a str, load: &'a DiskLoad) -> BoxFuture<'a, Result<(), EngineError>> {
         Box::pin(async move {
             let failed = |detail: String| EngineError::WeightLoad { path: load.path.clone(), detail };
-            let body =
-                json!({"model_path": load.path, "weight_version": load.version, "abort_all_requests": load.abort_all});
+            let body = json!({"model_path": load.path, "weight_version": load.version,
+                              "abort_all_requests": load.abort_all, "flush_cache": load.flush_cache});
             let response = self
                 .http
                 .post(format!("{url}/update_weights_from_disk"))
@@ -278,6 +290,21 @@ impl EngineApi for HttpEngineApi {
                 Ok(r) => r.status() != reqwest::StatusCode::NOT_FOUND,
                 Err(_) => false,
             }
+        })
+    }
+
+    fn can_send_weights<'a>(&'a self, url: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            if !self.serves(url, "/send_weights_to_remote_instance").await {
+                return false;
+            }
+            let info = self.http.get(format!("{url}/server_info")).timeout(Duration::from_secs(10)).send().await;
+            let device = match info {
+                Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+                _ => None,
+            };
+            let device = device.as_ref().and_then(|i| i.get("device")).and_then(serde_json::Value::as_str);
+            device != Some("cpu")
         })
     }
 

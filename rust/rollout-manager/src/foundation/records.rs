@@ -93,6 +93,9 @@ pub struct TrainerGroup {
     /// against scale-in, and engines beyond its world copy each new version from a member.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fixed: Option<FixedJoin>,
+    /// The collective backend the members join over (`nccl`, or `gloo` for engines on CPU).
+    #[serde(default)]
+    pub backend: rollout_core::weights::GroupBackend,
 }
 
 /// How far the members of a group the trainer fixed got in joining it.

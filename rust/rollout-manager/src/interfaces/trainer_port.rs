@@ -244,12 +244,10 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
             ),
         ));
     }
-    if req.backend != "nccl" {
-        return refuse(OpError::invalid(
-            "invalid_backend",
-            format!("backend {:?}: the engines join weight-update groups over nccl", req.backend),
-        ));
-    }
+    let backend = match rollout_core::weights::GroupBackend::parse(&req.backend) {
+        Ok(b) => b,
+        Err(why) => return refuse(OpError::invalid("invalid_backend", why)),
+    };
     let mut session = p.session.lock().await;
     // A trainer building a group mid-update was restarted: the open update's rank 0 is gone.
     session.abandon(&p.manager, "the trainer built a new group").await;
@@ -271,6 +269,7 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
         master_address: req.master_address,
         master_port: req.master_port,
         world_size: req.world_size,
+        backend,
     };
     if let Err(e) = build_when_it_fits(&p.manager, build).await {
         return refuse(e);
@@ -511,6 +510,7 @@ fn update_for(
             master_port: group.master_port,
             group_name: Some(group.group_name.clone()),
             group_prefix: "elastic_rollout_weights".into(),
+            backend: group.backend,
         };
         match crate::ops::trainer_update::open(manager, req) {
             Ok(record) => {

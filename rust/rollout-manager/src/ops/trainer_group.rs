@@ -35,6 +35,7 @@ pub struct BuildRequest {
     pub master_address: String,
     pub master_port: u16,
     pub world_size: u32,
+    pub backend: rollout_core::weights::GroupBackend,
 }
 
 fn check(req: &BuildRequest) -> Result<(), OpError> {
@@ -122,6 +123,7 @@ pub fn build(manager: &Arc<Manager>, req: BuildRequest) -> Result<TrainerGroup, 
             members: takers.into_iter().take(n).collect(),
             new: true,
             fixed: Some(FixedJoin::Joining),
+            backend: req.backend,
         };
         let old = inner.weights.take_group();
         inner.weights.set_group(Some(group.clone()));
@@ -321,7 +323,7 @@ pub(crate) async fn join_members(manager: &Manager, group: &TrainerGroup, timeou
     let body = |m: &GroupMember| {
         json!({"master_address": group.master_address, "master_port": group.master_port,
                "rank_offset": m.rank_offset, "world_size": group.world_size,
-               "group_name": group.group_name, "backend": "nccl"})
+               "group_name": group.group_name, "backend": group.backend.name()})
     };
     let api = &manager.engine_api;
     let body = &body;

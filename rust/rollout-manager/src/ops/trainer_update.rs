@@ -75,6 +75,8 @@ pub struct OpenRequest {
     pub group_name: Option<String>,
     /// Prefix of a new group's name.
     pub group_prefix: String,
+    /// The collective backend a new group is built over.
+    pub backend: rollout_core::weights::GroupBackend,
 }
 
 /// 400 unless `bucket` names one or more tensors, each with a dtype SGLang accepts and a shape.
@@ -198,7 +200,7 @@ fn plan_group(
         &keys,
     );
     Ok(match (reuse, current) {
-        (true, Some(g)) => (TrainerGroup { new: false, ..g.clone() }, None),
+        (true, Some(g)) if g.backend == req.backend => (TrainerGroup { new: false, ..g.clone() }, None),
         _ => {
             let built = inner.weights.count_group_built();
             let g = TrainerGroup {
@@ -209,6 +211,7 @@ fn plan_group(
                 members,
                 new: true,
                 fixed: None,
+                backend: req.backend,
             };
             (g, inner.weights.take_group())
         }

@@ -372,10 +372,14 @@ async fn turn(
         } else {
             manager.engine_api.control(url, "/pause_generation", json!({"mode": pause_mode})).await?;
         }
+        // An `in_place` pause keeps its requests running: SGLang cannot flush the cache then
+        // (their KV, and the prefixes cached before, stay from the old weights).
+        let in_place = strategy == UpdateStrategy::AllAtOnce && pause_mode == "in_place";
         let load = DiskLoad {
             path: path.clone(),
             version: want.version.clone(),
             abort_all: abort,
+            flush_cache: !in_place,
             timeout: Duration::from_secs_f64(manager.config.weight_update_timeout_secs),
         };
         let loaded = manager.engine_api.load_from_disk(url, &load).await;

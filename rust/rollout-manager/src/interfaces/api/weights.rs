@@ -58,6 +58,18 @@ pub(crate) struct BuildGroupRequest {
     /// The trainer's rank 0 plus the engines' ranks.
     #[schema(minimum = 2)]
     world_size: u32,
+    /// The collective backend: `nccl` (default) or `gloo` (engines on CPU).
+    #[serde(default)]
+    #[schema(value_type = Option<rollout_core::weights::GroupBackend>)]
+    backend: Option<String>,
+}
+
+/// The backend a body names (`nccl` when none), or 400 `invalid_backend`.
+fn backend(name: Option<&str>) -> Result<rollout_core::weights::GroupBackend, ApiError> {
+    name.map_or(Ok(rollout_core::weights::GroupBackend::Nccl), |n| {
+        rollout_core::weights::GroupBackend::parse(n)
+            .map_err(|why| crate::ops::op_error::OpError::invalid("invalid_backend", why).into())
+    })
 }
 
 /// Build a weight-update group the trainer fixes (its name and world size), as AReaL does.
@@ -80,6 +92,7 @@ pub(crate) async fn build_group(
         master_address: req.master_address,
         master_port: req.master_port,
         world_size: req.world_size,
+        backend: backend(req.backend.as_deref())?,
     };
     let group = crate::ops::trainer_group::build(&s.manager, build)?;
     Ok((StatusCode::ACCEPTED, Json(group)))
@@ -144,6 +157,10 @@ pub struct TrainerUpdateRequest {
     /// Flush the engines' cache after the update (default true).
     #[serde(default)]
     pub flush_cache: Option<bool>,
+    /// The collective backend of a new group: `nccl` (default) or `gloo` (engines on CPU).
+    #[serde(default)]
+    #[schema(value_type = Option<rollout_core::weights::GroupBackend>)]
+    pub backend: Option<String>,
 }
 
 /// Open a weight update whose bytes the trainer broadcasts over NCCL.
@@ -171,6 +188,7 @@ pub(crate) async fn open_trainer_update(
         master_port: req.master_port,
         group_name: req.group_name,
         group_prefix: req.group_prefix.unwrap_or_else(|| "elastic_rollout_weights".into()),
+        backend: backend(req.backend.as_deref())?,
     };
     let record = crate::ops::trainer_update::open(&s.manager, open)?;
     Ok((StatusCode::ACCEPTED, Json(record)))

@@ -128,6 +128,7 @@ impl Manager {
                     path,
                     version: want.version.clone(),
                     abort_all: false,
+                    flush_cache: true,
                     timeout: Duration::from_secs_f64(self.config.weight_update_timeout_secs),
                 };
                 self.engine_api.load_from_disk(&url, &load).await?;
@@ -228,10 +229,10 @@ impl Manager {
         loop {
             let seed = self.choose_seed(engine_id, tried)?;
             let url = self.url_of(&seed.engine_id).unwrap_or_default();
-            if self.engine_api.serves(&url, "/send_weights_to_remote_instance").await {
+            if self.engine_api.can_send_weights(&url).await {
                 return Some(seed);
             }
-            tracing::info!(engine_id = %engine_id, seed = %seed.engine_id, "the seed's SGLang cannot send weights to a new instance");
+            tracing::info!(engine_id = %engine_id, seed = %seed.engine_id, "the seed cannot send weights to a new instance (its SGLang has no such route, or it runs on CPU)");
             self.fleet.update(|inner| {
                 if let Some(e) = inner.engines.get_mut(engine_id) {
                     e.copy_over();

@@ -729,6 +729,7 @@ mod tests {
             members: vec![],
             new: true,
             fixed: None,
+            backend: rollout_core::weights::GroupBackend::Nccl,
         };
         u.trainer = Some(TrainerPart {
             group,
