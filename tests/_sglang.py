@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -203,3 +205,116 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def greedy(max_new_tokens: int) -> dict[str, Any]:
+    """Sampling parameters of a greedy answer of exactly ``max_new_tokens`` tokens."""
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+class Call:
+    """One ``/generate`` (or other POST) running in a thread: a stream's events as they come,
+    or a whole answer, and the answer's headers."""
+
+    def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 300.0):
+        self.url, self.body, self.headers_sent, self.timeout = url, body, headers or {}, timeout
+        self.events: list[dict[str, Any]] = []
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.answer: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        data = json.dumps(self.body).encode()
+        req = urllib.request.Request(self.url, data=data, method="POST", headers={"Content-Type": "application/json"})
+        for key, value in self.headers_sent.items():
+            req.add_header(key, value)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                self.status, self.headers = resp.status, {k.lower(): v for k, v in resp.headers.items()}
+                if self.body.get("stream"):
+                    for line in resp:
+                        text = line.decode().strip()
+                        if text.startswith("data:") and text[5:].strip() != "[DONE]":
+                            self.events.append(json.loads(text[5:]))
+                            self.first.set()
+                    self.answer = self.events[-1] if self.events else None
+                else:
+                    self.answer = json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            self.status, self.answer = err.code, err.read().decode(errors="replace")
+        except BaseException as err:  # kept for the test to report
+            self.error = err
+        finally:
+            self.first.set()
+            self.done.set()
+
+    def result(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The whole answer (a stream's last event); fails on an error or a non-200 status."""
+        assert self.done.wait(timeout), f"no answer from {self.url} within {timeout} s"
+        assert self.error is None, f"{self.url}: {self.error!r}"
+        assert self.status == 200 and isinstance(self.answer, dict), (self.status, self.answer)
+        return self.answer
+
+
+def generate(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """One whole ``/generate`` answer from ``url`` (a router or an engine)."""
+    status, answer = request("POST", f"{url}/generate", body, timeout=timeout)
+    assert status == 200 and isinstance(answer, dict), (status, answer)
+    return answer
+
+
+class Rank0:
+    """A trainer's rank 0 over gloo (``tests/sglang_cpu/gloo_rank0.py`` in the SGLang venv),
+    driven one JSON command at a time."""
+
+    def __init__(self, python: Path) -> None:
+        script = REPO / "tests" / "sglang_cpu" / "gloo_rank0.py"
+        self.process = subprocess.Popen(
+            [str(python), str(script)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **ENGINE_ENV},
+        )
+        self.answers: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.answers.put(line)
+
+    def call(self, command: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        try:
+            answer: dict[str, Any] = json.loads(self.answers.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"rank 0 did not answer {sorted(command)} within {timeout} s") from None
+        assert "error" not in answer, answer
+        return answer
+
+    def tensors(self, checkpoint: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+        """The checkpoint's tensors as ``(name, dtype, shape)``."""
+        found = self.call({"tensors": {"checkpoint": str(checkpoint)}})["tensors"]
+        return [(name, dtype, tuple(shape)) for name, dtype, shape in found]
+
+    def join(self, master_address: str, master_port: int, world_size: int, group_name: str) -> None:
+        layout = {"master_address": master_address, "master_port": master_port, "world_size": world_size,
+                  "group_name": group_name}  # fmt: skip
+        self.call({"join": layout})
+
+    def send(self, checkpoint: Path, names: list[str]) -> None:
+        self.call({"send": {"checkpoint": str(checkpoint), "names": names}})
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()

@@ -212,6 +212,8 @@ class ManagerHandle:
     stderr_path: Path
     #: every engine process seen during the test; teardown checks that none survives.
     engine_processes: dict[int, ProcessIdentity] = field(default_factory=dict)
+    #: ``--trainer-port``, when the test gave one.
+    trainer_port: int | None = None
 
     def stderr_tail(self, chars: int = 4000) -> str:
         return file_tail(self.stderr_path, chars)
@@ -297,10 +299,19 @@ class ManagerHandle:
 StartManager = Callable[..., ManagerHandle]
 
 
-def start_manager(binary: Path, state_dir: Path, extra_args: tuple[str, ...] = ()) -> ManagerHandle:
+def start_manager(
+    binary: Path,
+    state_dir: Path,
+    extra_args: tuple[str, ...] = (),
+    *,
+    base_args: tuple[str, ...] = DEFAULT_ARGS,
+    env: dict[str, str] | None = None,
+) -> ManagerHandle:
     """Start ``rollout-manager serve`` on loopback with free ports and parse its listening line.
 
-    Does not wait for engines. On failure the manager is killed and its stderr is quoted.
+    ``base_args`` replace the simulated fleet's defaults (:data:`DEFAULT_ARGS`), e.g. for real
+    engines; ``env`` is added to the manager's environment (its engines inherit it). Does not
+    wait for engines. On failure the manager is killed and its stderr is quoted.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     stdout_path, stderr_path = state_dir / "manager.stdout", state_dir / "manager.stderr"
@@ -308,13 +319,13 @@ def start_manager(binary: Path, state_dir: Path, extra_args: tuple[str, ...] = (
         str(binary), "serve",
         "--host", "127.0.0.1", "--port", "0", "--router-port", "0",
         "--state-dir", str(state_dir),
-        *DEFAULT_ARGS, *extra_args,
+        *base_args, *extra_args,
     ]  # fmt: skip
     # stderr is appended: a manager restarted on the same state dir keeps its predecessor's log
     # (stdout is read for the listening line, so it starts empty).
     with open(stdout_path, "wb") as out, open(stderr_path, "ab") as err:
-        env = {**os.environ, "NO_COLOR": "1"}
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
+        full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env)
 
     def listening() -> tuple[str, str] | None:
         for line in stdout_path.read_text(errors="replace").splitlines():
