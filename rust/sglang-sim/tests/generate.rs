@@ -78,7 +78,7 @@ async fn batches_return_lists() {
 async fn streaming_sends_whole_output_so_far_then_done() {
     let sim = Sim::start(&[]).await;
     let body = json!({"text": "stream me", "stream": true, "return_logprob": true,
-                      "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}});
+                      "sampling_params": {"max_new_tokens": 5, "ignore_eos": true, "temperature": 0}});
     let r = sim.post("/generate", body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
@@ -96,9 +96,11 @@ async fn streaming_sends_whole_output_so_far_then_done() {
     }
     assert!(chunks[3]["meta_info"]["finish_reason"].is_null());
     assert_eq!(chunks[4]["meta_info"]["finish_reason"]["type"], "length");
-    // The last chunk equals a non-streaming answer for the same request.
-    let (_, plain) =
-        sim.generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}})).await;
+    // The last chunk equals a non-streaming answer for the same request (greedy: sampled
+    // tokens would be random).
+    let (_, plain) = sim
+        .generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true, "temperature": 0}}))
+        .await;
     assert_eq!(chunks[4]["output_ids"], plain["output_ids"]);
     assert_eq!(chunks[4]["text"], plain["text"]);
 }
@@ -155,7 +157,15 @@ async fn slime_style_sampling_params_are_accepted() {
 
 #[tokio::test]
 async fn outputs_are_deterministic_per_prompt_seed_and_weight_version() {
-    let sim = Sim::start(&[]).await;
+    // sampling_seed counts only with --enable-deterministic-inference (SGLang 0.5.23
+    // sampling/sampling_batch_info.py:157-170); without it sampled outputs are random.
+    let random = Sim::start(&[]).await;
+    let seeded = json!({"text": "determinism check", "sampling_params":
+                        {"max_new_tokens": 12, "ignore_eos": true, "sampling_seed": 1}});
+    let (_, x) = random.generate(seeded.clone()).await;
+    let (_, y) = random.generate(seeded).await;
+    assert_ne!(x["output_ids"], y["output_ids"], "no flag: the seed does not count");
+    let sim = Sim::start(&["--enable-deterministic-inference"]).await;
     let body = |seed: u64| {
         json!({"text": "determinism check", "sampling_params":
                {"max_new_tokens": 12, "ignore_eos": true, "sampling_seed": seed}})
@@ -192,7 +202,7 @@ async fn stop_token_ids_and_stop_strings_end_generation() {
     let third = base["output_ids"][2].clone();
     let (_, out) = sim
         .generate(json!({"text": "stop test", "sampling_params":
-                         {"max_new_tokens": 10, "ignore_eos": true, "stop_token_ids": [third]}}))
+                         {"max_new_tokens": 10, "ignore_eos": true, "stop_token_ids": [third], "temperature": 0}}))
         .await;
     assert_eq!(out["output_ids"].as_array().unwrap().len(), 3);
     assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": third}));
@@ -200,7 +210,7 @@ async fn stop_token_ids_and_stop_strings_end_generation() {
     let words: Vec<&str> = base["text"].as_str().unwrap().split_whitespace().collect();
     let (_, out) = sim
         .generate(json!({"text": "stop test", "sampling_params":
-                         {"max_new_tokens": 10, "ignore_eos": true, "stop": [words[5]]}}))
+                         {"max_new_tokens": 10, "ignore_eos": true, "stop": [words[5]], "temperature": 0}}))
         .await;
     assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": words[5]}));
     assert!(!out["text"].as_str().unwrap().contains(words[5]));

@@ -64,7 +64,8 @@ pub(super) struct Item {
     pub(super) rid: String,
     pub(super) prompt: Arc<Vec<u32>>,
     pub(super) params: SamplingParams,
-    pub(super) sample: u32,
+    /// The sampler's seed for this output ([`SamplingParams::seed_for`]).
+    pub(super) seed: u64,
     pub(super) max_new: u32,
     pub(super) return_logprob: bool,
     pub(super) logprob_start_len: i64,
@@ -173,12 +174,12 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
         let max_new = p.max_new_tokens.map_or(room, |m| (m as usize).min(room));
         let max_new = u32::try_from(max_new).unwrap_or(u32::MAX);
         let prompt = Arc::new(prompt);
-        for sample in 0..p.n {
+        for _ in 0..p.n {
             items.push(Item {
                 rid: rid_iter.next().unwrap_or_default(),
                 prompt: prompt.clone(),
+                seed: p.seed_for(cfg.enable_deterministic_inference),
                 params: p.clone(),
-                sample,
                 max_new,
                 return_logprob: req.return_logprob.as_ref().and_then(|r| r.get(i)).unwrap_or(false),
                 logprob_start_len: req.logprob_start_len.as_ref().and_then(|r| r.get(i)).unwrap_or(-1),
