@@ -49,14 +49,15 @@ pub fn token_logprob(ctx: u64, version_hash: u64, token: u32) -> f64 {
     -((h % 40_000) as f64 / 10_000.0) - 1e-4
 }
 
-/// Logprobs of prompt tokens `from..` (each given the tokens before it); the first token of
-/// the prompt has none, as in SGLang.
+/// Logprobs of prompt tokens `from..` (each given the tokens before it). The first one
+/// returned has none, as in SGLang, which shifts the prefill's logprobs by one
+/// (`managers/scheduler_components/logprob_result_processor.py:26-39`).
 pub fn input_logprobs(prompt: &[u32], from: usize, version_hash: u64) -> Vec<(usize, u32, Option<f64>, u64)> {
     let mut ctx = CTX_EMPTY;
     let mut out = Vec::with_capacity(prompt.len().saturating_sub(from));
     for (i, id) in prompt.iter().enumerate() {
         if i >= from {
-            let lp = (i > 0).then(|| token_logprob(ctx, version_hash, *id));
+            let lp = (i > from).then(|| token_logprob(ctx, version_hash, *id));
             out.push((i, *id, lp, ctx));
         }
         ctx = extend_ctx(ctx, *id);
@@ -347,9 +348,11 @@ mod tests {
                 assert_eq!(rest.output, whole.output[k..], "seed {seed} k {k}");
                 assert_eq!(rest.trace, whole.trace[k..], "seed {seed} k {k}");
                 // The moved prompt's logprobs are the original's output logprobs.
+                // (The first prompt logprob returned is always None.)
                 let input = input_logprobs(&moved, prompt.len(), v.hash);
-                let lps: Vec<f64> = input.iter().map(|(_, _, lp, _)| lp.unwrap()).collect();
-                let original: Vec<f64> = whole.trace[..k].iter().map(|(_, lp)| *lp).collect();
+                assert_eq!(input[0].2, None);
+                let lps: Vec<f64> = input[1..].iter().map(|(_, _, lp, _)| lp.unwrap()).collect();
+                let original: Vec<f64> = whole.trace[1..k].iter().map(|(_, lp)| *lp).collect();
                 assert_eq!(lps, original, "seed {seed} k {k}");
             }
         }

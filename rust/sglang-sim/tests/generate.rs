@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{gen_body, Sim};
+use common::{gen_body, within, Sim};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -364,4 +364,71 @@ async fn dp_ranks_have_their_own_pools_and_routed_dp_rank_picks_one() {
     let (status, out) = sim.generate(json!({"input_ids": big, "sampling_params": {"max_new_tokens": 1}})).await;
     assert_eq!(status, 200);
     assert_eq!(out.as_array().unwrap().len(), 60);
+}
+
+/// The `data:` chunks of a finished stream (without `[DONE]`).
+fn sse_chunks(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter(|c| !c.is_empty() && *c != "data: [DONE]")
+        .map(|c| serde_json::from_str(c.strip_prefix("data: ").unwrap()).unwrap())
+        .collect()
+}
+
+/// With `--incremental-streaming-output` each chunk holds what is new since the last; the stream
+/// interval spaces them as it does the whole-output chunks (SGLang 0.5.23
+/// managers/scheduler_components/output_streamer.py:455-472), and `--stream-interval` is the
+/// default a request's `stream_interval` overrides.
+#[tokio::test]
+async fn incremental_streams_follow_the_stream_interval() {
+    let sim = Sim::start(&["--incremental-streaming-output", "--stream-interval", "3"]).await;
+    let body = |interval: Option<u64>| {
+        let mut params = json!({"max_new_tokens": 11, "ignore_eos": true, "temperature": 0});
+        if let Some(i) = interval {
+            params["stream_interval"] = json!(i);
+        }
+        json!({"text": "deltas", "stream": true, "sampling_params": params})
+    };
+    let lens = |chunks: &[Value]| -> Vec<usize> {
+        chunks.iter().map(|c| c["output_ids"].as_array().unwrap().len()).collect::<Vec<_>>()
+    };
+    let by_default = sse_chunks(&sim.post("/generate", body(None)).await.text().await.unwrap());
+    assert_eq!(lens(&by_default), [1, 3, 3, 3, 1], "sent at 1, 4, 7, 10, then the end");
+    let chunks = sse_chunks(&sim.post("/generate", body(Some(4))).await.text().await.unwrap());
+    assert_eq!(lens(&chunks), [1, 4, 4, 2]);
+    let ids: Vec<Value> = chunks.iter().flat_map(|c| c["output_ids"].as_array().unwrap().clone()).collect();
+    let (_, plain) = sim
+        .generate(json!({"text": "deltas", "sampling_params":
+                                         {"max_new_tokens": 11, "ignore_eos": true, "temperature": 0}}))
+        .await;
+    assert_eq!(Value::Array(ids), plain["output_ids"]);
+}
+
+/// An incremental stream aborted in the waiting queue gets, from SGLang's front end, its last
+/// token again and the whole text (0.5.23 managers/tokenizer_manager.py:3627-3635): a client
+/// joining the deltas would count that token twice.
+#[tokio::test]
+async fn an_incremental_stream_aborted_while_waiting_repeats_its_last_token() {
+    let sim = Sim::start(&["--incremental-streaming-output", "--time-scale", "1"]).await;
+    let body = json!({"text": "retract me", "rid": "inc-1", "stream": true,
+                      "sampling_params": {"max_new_tokens": 3000, "ignore_eos": true, "temperature": 0}});
+    let mut response = sim.post("/generate", body).await;
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        text.push_str(&String::from_utf8_lossy(&within("a first chunk", response.chunk()).await.unwrap().unwrap()));
+    }
+    assert_eq!(sim.post_json("/pause_generation", json!({"mode": "retract"})).await.0, 200);
+    assert_eq!(sim.post_json("/abort_request", json!({"rid": "inc-1"})).await.0, 200);
+    while let Some(bytes) = within("the rest of the stream", response.chunk()).await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&bytes));
+    }
+    let chunks = sse_chunks(&text);
+    let (last, sent) = chunks.split_last().unwrap();
+    assert_eq!(last["meta_info"]["finish_reason"], json!({"type": "abort", "message": "Abort in waiting queue"}));
+    let ids: Vec<Value> = sent.iter().flat_map(|c| c["output_ids"].as_array().unwrap().clone()).collect();
+    assert_eq!(last["output_ids"], json!([ids.last().unwrap()]));
+    let streamed: String = sent.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(last["text"], streamed, "the whole text again");
+    assert_eq!(last["meta_info"]["completion_tokens"], ids.len());
+    assert!(last["meta_info"].get("prompt_tokens").is_none());
+    sim.post_json("/continue_generation", json!({})).await;
 }
