@@ -130,7 +130,10 @@ impl Engine {
     }
 
     /// The health check's own request: through the `/generate` path's waits, then to one DP
-    /// rank. Once submitted it is detached, so ending the check does not abort it.
+    /// rank. Once submitted it is detached, so ending the check does not abort it; like
+    /// SGLang's, whose `generate_request` holds the model-update lock until the check cancels it
+    /// (`managers/tokenizer_manager.py:937-955`), this task holds the lock until the check ends
+    /// (it is aborted then), so a weight update never starts under a health request just sent.
     async fn send_health_request(self: Arc<Self>) {
         if self.shared.is_scheduler_hung() {
             return;
@@ -145,7 +148,7 @@ impl Engine {
         if self.cfg.zero_cost {
             // Generation answers without a scheduler: that is the message the check hears.
             self.shared.note_output();
-            return;
+            return std::future::pending().await;
         }
         let params = crate::sampling::RawSamplingParams {
             max_new_tokens: Some(Some(1)),
@@ -159,6 +162,7 @@ impl Engine {
             let parts = NewRequestParts { rid, prompt, gen, stream: false, stream_interval: None };
             self.submit(self.pick_rank(None), parts, live).detach();
         }
+        std::future::pending().await
     }
 }
 
