@@ -344,6 +344,15 @@ def test_an_answer_has_the_keys_the_manager_reads(engine: EngineUnderTest) -> No
     assert chunks[-1]["output_ids"] == out["output_ids"], "greedy: the stream makes the same tokens"
 
 
+def test_parallel_samples_run_under_fresh_rids(engine: EngineUnderTest) -> None:
+    """With n > 1 every sample gets a new rid, whatever the client sent (sglang==0.5.23:
+    .../managers/tokenizer_manager.py:2160-2180, .../managers/io_struct.py:382-388), so the
+    client's rid names none of them."""
+    body = {"text": "samples", "rid": "client-rid", "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    ids = [out["meta_info"]["id"] for out in engine.generate(body)]
+    assert len(set(ids)) == 2 and not any(i.startswith("client-rid") for i in ids), ids
+
+
 def test_stream_interval_spaces_the_chunks(engine: EngineUnderTest, streams: Callable[..., Stream]) -> None:
     """A stream sends its first token at once, then whenever `stream_interval` tokens are unsent
     (sglang==0.5.23: .../scheduler_components/output_streamer.py:455-472; sampling_params.py:177);

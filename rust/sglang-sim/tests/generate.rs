@@ -72,6 +72,17 @@ async fn batches_return_lists() {
     let list = out.as_array().unwrap();
     assert_eq!(list.len(), 2);
     assert_ne!(list[0]["output_ids"], list[1]["output_ids"]);
+
+    // With n > 1 every sample runs under a fresh rid, whatever the client sent (SGLang 0.5.23
+    // managers/tokenizer_manager.py:2160-2180); a list must still have one rid per prompt.
+    let (_, out) =
+        sim.generate(json!({"text": "q", "rid": "mine", "sampling_params": {"max_new_tokens": 1, "n": 2}})).await;
+    let ids: Vec<&str> = out.as_array().unwrap().iter().map(|o| o["meta_info"]["id"].as_str().unwrap()).collect();
+    assert!(ids.iter().all(|id| id.len() == 32 && !id.starts_with("mine")), "{ids:?}");
+    assert_ne!(ids[0], ids[1]);
+    let (status, _) =
+        sim.generate(json!({"text": ["a", "b"], "rid": ["x", "y", "z", "w"], "sampling_params": {"n": 2}})).await;
+    assert_eq!(status, 400);
 }
 
 #[tokio::test]

@@ -133,8 +133,21 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
 
     let cfg = &engine.cfg;
     let total: usize = params.iter().map(|p| p.n as usize).sum();
+    let fresh = |n: usize| (0..n).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect::<Vec<_>>();
     let rids: Vec<String> = match &req.rid {
-        None => (0..total).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect(),
+        // Parallel sampling: every sample is sent under a fresh rid, whatever the client sent
+        // (a list still needs one rid per prompt); the client's rid names none of them, so an
+        // abort by it reaches nothing (sglang 0.5.23 managers/tokenizer_manager.py:2160-2180,
+        // managers/io_struct.py:382-388, :759-772).
+        Some(OneOrList::List(list)) if total > prompts.len() && list.len() != prompts.len() => {
+            return Err(bad(format!(
+                "The number of rids ({}) does not match the batch size ({}).",
+                list.len(),
+                prompts.len()
+            )));
+        }
+        _ if total > prompts.len() => fresh(total),
+        None => fresh(total),
         Some(OneOrList::One(r)) if !batch && total == 1 => vec![r.clone()],
         Some(OneOrList::One(r)) => (0..total).map(|i| format!("{r}_{i}")).collect(),
         Some(OneOrList::List(list)) => {
