@@ -57,6 +57,17 @@ def kill_and_wait_restarted(fleet: ManagerHandle, victim: Engine) -> None:
     fleet.track_children()
 
 
+def busy_sending(url: str) -> bool:
+    """Whether this seed is sending its weights to a new instance now: it does so from inside its
+    scheduler's event loop, which then answers no `/server_info` (SGLang 0.5.23
+    managers/scheduler.py:6095-6100; sglang-sim does the same)."""
+    try:
+        http("GET", url + "/server_info", timeout=0.5)
+    except OSError:  # timed out
+        return True
+    return False
+
+
 def send_count(url: str) -> int:
     """How many times this engine sent its weights to a new instance (it was a seed)."""
     groups = http("GET", url + "/server_info").json()["weight_sync"]["weight_send_groups"]
@@ -502,7 +513,7 @@ def test_a_seed_that_dies_mid_copy_is_replaced_by_another(start_fleet: StartMana
     op = fleet.client.scale_out(num_replicas=3)
 
     def sending() -> str | None:
-        busy = [e for e in seeds.values() if send_count(e.url) >= 1]
+        busy = [e for e in seeds.values() if busy_sending(e.url)]
         return busy[0].engine_id if busy else None
 
     first = wait_until(sending, 30, "a seed to start sending")

@@ -109,6 +109,16 @@ impl Release {
         self >= r(23)
     }
 
+    /// When a stream sends the tokens it has not sent yet (see [`StreamRule`]): from 0.5.22 on
+    /// whenever enough are unsent, before that at fixed output lengths.
+    pub fn stream_rule(self) -> StreamRule {
+        if self >= r(22) {
+            StreamRule::Unsent
+        } else {
+            StreamRule::Lengths
+        }
+    }
+
     /// What the top level of `/server_info` says after a weight update or a weight-version
     /// change (see [`ServerArgsView`]).
     pub fn server_args_view(self) -> ServerArgsView {
@@ -125,6 +135,45 @@ impl Release {
     /// (0.5.8, 0.5.12, 0.5.15.post1 to 0.5.18) and each rank keeps the launch value.
     pub fn scheduler_tracks_weight_version(self) -> bool {
         self >= r(19)
+    }
+}
+
+/// When the scheduler sends a streaming request's new tokens, for a stream interval `i` (the
+/// request's `sampling_params.stream_interval`, else `--stream-interval`; every 0.5.x release
+/// accepts the parameter: 0.5.2 `sampling/sampling_params.py:54`, 0.5.6 :59, 0.5.10.post1 :64,
+/// 0.5.15.post1 :111, 0.5.21 :151, 0.5.23 :177). A finished request always sends the rest.
+/// Both rules skip a send while the output's end may begin a stop string, and they differ only
+/// in what follows such a skip (or a step that adds several tokens, which the simulator never
+/// makes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamRule {
+    /// Up to 0.5.21: send when the output length is 1 modulo `i` (for `i > 1`), or a multiple
+    /// of `i` (0.5.2 `managers/scheduler_output_processor_mixin.py:541-548`, 0.5.6 :808-817,
+    /// 0.5.10.post1 :998-1006, 0.5.15.post1 `managers/scheduler_components/output_streamer.py:332-340`,
+    /// 0.5.21 :428-436). A skipped send waits for the next such length.
+    Lengths,
+    /// From 0.5.22: send the first token at once, then whenever at least `i` tokens are unsent
+    /// (0.5.22 `output_streamer.py:436-449`, 0.5.23 :455-472). A skipped send goes out at the
+    /// next step that is not held.
+    Unsent,
+}
+
+impl StreamRule {
+    /// Whether a step that leaves the output `len` tokens long, `sent` of them already sent,
+    /// sends the rest (before the stop-string check). `interval` is never 0 (0 means the
+    /// default); negative values behave as in Python's arithmetic.
+    pub fn should_send(self, len: usize, sent: usize, interval: i64) -> bool {
+        let len = i64::try_from(len).unwrap_or(i64::MAX);
+        let sent = i64::try_from(sent).unwrap_or(i64::MAX);
+        match self {
+            StreamRule::Lengths if interval > 1 => len % interval == 1,
+            // Python's `len % interval == 0`: for a negative interval too, a multiple.
+            StreamRule::Lengths => interval == 0 || len % interval == 0,
+            StreamRule::Unsent => {
+                let unsent = len - sent;
+                interval == 1 || unsent >= interval || (sent == 0 && unsent > 0)
+            }
+        }
     }
 }
 
@@ -238,6 +287,33 @@ mod tests {
             assert_eq!(r.server_args_view(), ServerArgsView::Live);
             assert!(!r.scheduler_tracks_weight_version());
         }
+    }
+
+    #[test]
+    fn stream_sends_per_release() {
+        let sends = |rule: StreamRule, interval: i64, held: &[usize]| -> Vec<usize> {
+            let mut sent = 0;
+            let mut out = Vec::new();
+            for len in 1..=12 {
+                if rule.should_send(len, sent, interval) && !held.contains(&len) {
+                    out.push(len);
+                    sent = len;
+                }
+            }
+            out
+        };
+        for rule in [StreamRule::Lengths, StreamRule::Unsent] {
+            assert_eq!(sends(rule, 1, &[]), (1..=12).collect::<Vec<_>>());
+            assert_eq!(sends(rule, 4, &[]), vec![1, 5, 9]);
+            assert_eq!(sends(rule, 100, &[]), vec![1]);
+        }
+        // A held send: the old rule waits for the next length 1 mod 4, the new one sends at
+        // the next step.
+        assert_eq!(sends(StreamRule::Lengths, 4, &[5]), vec![1, 9]);
+        assert_eq!(sends(StreamRule::Unsent, 4, &[5]), vec![1, 6, 10]);
+        assert_eq!(Release::parse("0.5.21").unwrap().stream_rule(), StreamRule::Lengths);
+        assert_eq!(Release::parse("0.5.22").unwrap().stream_rule(), StreamRule::Unsent);
+        assert_eq!(NEWEST.stream_rule(), StreamRule::Unsent);
     }
 
     #[test]

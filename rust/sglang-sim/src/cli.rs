@@ -106,6 +106,15 @@ pub struct Config {
     /// Stream only the new part of the output in each chunk instead of the whole text.
     #[arg(long)]
     pub incremental_streaming_output: bool,
+    /// A stream's default interval in tokens (a request's `sampling_params.stream_interval`
+    /// overrides it): the first token goes out at once, then whenever this many are unsent.
+    #[arg(long, default_value_t = 1)]
+    pub stream_interval: i64,
+    /// Sample with each request's `sampling_params.sampling_seed` (default 42), so equal
+    /// requests give equal answers; without it `sampling_seed` is ignored and sampled
+    /// (temperature > 0) outputs are random, as in SGLang.
+    #[arg(long)]
+    pub enable_deterministic_inference: bool,
     /// Accepted and ignored.
     #[arg(long)]
     pub trust_remote_code: bool,

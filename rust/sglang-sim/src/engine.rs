@@ -1,5 +1,10 @@
 //! One simulated engine (one `--instances` slot): its DP ranks, status, weight version,
 //! pause state, metrics and faults. HTTP handlers hold an `Arc<Engine>`.
+//!
+//! The engine plays SGLang's front end (the tokenizer manager) too: it knows which rids are
+//! open, forwards aborts to the schedulers as SGLang does, and pauses in two layers (new
+//! requests wait in the front end in every mode; the schedulers stop only in `retract` and
+//! `in_place` mode).
 
 use crate::cli::Config;
 use crate::faults::Faults;
@@ -7,6 +12,7 @@ use crate::generator::VersionInfo;
 use crate::metrics::Metrics;
 use crate::scheduler::{NewRequest, Rank, RankConfig, RankLoad, Update};
 use crate::weights::WeightsInfo;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant, SystemTime};
@@ -64,6 +70,14 @@ pub struct Shared {
     version: RwLock<VersionInfo>,
     /// True while generation is paused; `/generate` handlers wait for it to turn false.
     paused: watch::Sender<bool>,
+    /// True while the schedulers are paused (`pause_generation` mode `retract` or `in_place`,
+    /// SGLang's `_engine_paused`): no step runs, and waiting requests do not keep a flush
+    /// from happening. Mode `abort` pauses only the front end.
+    scheduler_paused: AtomicBool,
+    /// How many operations hold the scheduler busy (a seed waiting for and sending to a
+    /// remote-instance receiver, which SGLang does inside the scheduler's event loop): no step
+    /// runs and nothing the scheduler answers is answered meanwhile.
+    blocked: watch::Sender<u32>,
     /// Set by the hang fault: nothing answers any more.
     hung: AtomicBool,
     /// Set (to when it happened, Unix seconds) by the scheduler-hang fault: the scheduler stops
@@ -71,8 +85,9 @@ pub struct Shared {
     /// scheduler) while the HTTP process still answers what it serves alone (`/model_info`,
     /// `/v1/loads` from the last load snapshot).
     scheduler_hung_at: std::sync::Mutex<Option<f64>>,
-    /// Woken whenever a rank runs out of running and (non-retracted) queued requests.
+    /// Woken whenever a rank may have become fully idle (for `/flush_cache?timeout=`).
     pub idle: Notify,
+
     /// Counts scheduler steps (and aborts) that sent output, on any DP rank (see
     /// [`Shared::note_output`]).
     outputs: watch::Sender<u64>,
@@ -84,6 +99,8 @@ impl Shared {
             status: AtomicU8::new(Status::Starting as u8),
             version: RwLock::new(VersionInfo::new(version)),
             paused: watch::Sender::new(false),
+            scheduler_paused: AtomicBool::new(false),
+            blocked: watch::Sender::new(0),
             hung: AtomicBool::new(false),
             scheduler_hung_at: std::sync::Mutex::new(None),
             idle: Notify::new(),
@@ -137,6 +154,35 @@ impl Shared {
         self.paused.send_replace(p);
     }
 
+    pub fn is_scheduler_paused(&self) -> bool {
+        self.scheduler_paused.load(Ordering::Acquire)
+    }
+
+    pub fn set_scheduler_paused(&self, p: bool) {
+        self.scheduler_paused.store(p, Ordering::Release);
+    }
+
+    pub fn is_blocked(&self) -> bool {
+        *self.blocked.borrow() > 0
+    }
+
+    /// A receiver whose `changed()` resolves when a block begins or ends.
+    pub fn watch_blocked(&self) -> watch::Receiver<u32> {
+        self.blocked.subscribe()
+    }
+
+    /// Holds the schedulers busy until the guard is dropped (see `blocked`).
+    pub fn block(self: &Arc<Self>) -> SchedulerBlock {
+        self.blocked.send_modify(|n| *n += 1);
+        SchedulerBlock(self.clone())
+    }
+
+    /// Resolves once no operation holds the schedulers busy.
+    pub async fn wait_unblocked(&self) {
+        let mut rx = self.blocked.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
     /// Resolves once generation is not paused.
     pub async fn wait_unpaused(&self) {
         let mut rx = self.paused.subscribe();
@@ -160,6 +206,15 @@ impl Shared {
 
     pub fn is_scheduler_hung(&self) -> bool {
         self.scheduler_hung_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
+    }
+}
+
+/// The schedulers are busy with something else while this lives (see [`Shared::block`]).
+pub struct SchedulerBlock(Arc<Shared>);
+
+impl Drop for SchedulerBlock {
+    fn drop(&mut self) {
+        self.0.blocked.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
@@ -223,7 +278,12 @@ pub struct Engine {
     /// Held while this engine sends its weights to a new instance: one send at a time.
     pub send_lock: tokio::sync::Mutex<()>,
     /// `/health` settings from SGLang's environment variables.
-    pub health: HealthSettings,
+    pub health: crate::health::HealthSettings,
+    /// The rids of open `/generate` calls (SGLang's `rid_to_state`), each with whether an abort
+    /// was already forwarded for it.
+    live: Mutex<HashMap<String, LiveState>>,
+    /// A `/flush_cache?timeout=` is waiting for the schedulers to become idle.
+    pub flush_pending: AtomicBool,
     /// What the server answers under now (see [`Identity`]).
     identity: RwLock<Identity>,
     /// `SGL_FORCE_SHUTDOWN` (read at startup): a shutdown signal ends the engine at once,
@@ -261,7 +321,9 @@ impl Engine {
             startup_secs: Mutex::new(0.0),
             weight_sync: Default::default(),
             send_lock: tokio::sync::Mutex::new(()),
-            health: HealthSettings::from_env(),
+            health: crate::health::HealthSettings::from_env(),
+            live: Mutex::new(HashMap::new()),
+            flush_pending: AtomicBool::new(false),
             identity: RwLock::new(Identity::at_launch(&cfg)),
             force_shutdown: env_flag("SGL_FORCE_SHUTDOWN"),
             cfg,
@@ -279,72 +341,143 @@ impl Engine {
     }
 
     /// Queues a request on a rank; the handle aborts it if dropped before it finishes.
-    pub fn submit(&self, rank: Arc<Rank>, req: NewRequestParts) -> ReqHandle {
+    pub fn submit(&self, rank: Arc<Rank>, req: NewRequestParts, live: LiveRid) -> ReqHandle {
         let (tx, rx) = mpsc::unbounded_channel();
-        let key = rank.submit(NewRequest { rid: req.rid, prompt: req.prompt, gen: req.gen, stream: req.stream, tx });
-        ReqHandle { rank, key, rx, done: false }
+        rank.submit(NewRequest {
+            rid: req.rid,
+            prompt: req.prompt,
+            gen: req.gen,
+            stream: req.stream,
+            stream_interval: req.stream_interval,
+            tx,
+        });
+        ReqHandle { live, rx, done: false }
     }
 
-    pub fn abort_all(&self, message: &str) -> usize {
-        self.ranks.iter().map(|r| r.abort_all(message)).sum()
+    /// Records `rid` as open until the guard is dropped (SGLang's `rid_to_state` entry, made
+    /// before the request waits for a pause to end).
+    pub fn register_rid(self: &Arc<Self>, rid: &str) -> LiveRid {
+        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        live.entry(rid.to_string()).or_default().open += 1;
+        LiveRid { engine: self.clone(), rid: rid.to_string() }
     }
 
-    pub fn abort_rid(&self, rid: &str, message: &str) -> usize {
-        self.ranks.iter().map(|r| r.abort_rid(rid, message)).sum()
+    fn unregister_rid(&self, rid: &str) {
+        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(state) = live.get_mut(rid) {
+            state.open -= 1;
+            if state.open == 0 {
+                live.remove(rid);
+            }
+        }
+    }
+
+    /// An abort by rid, as SGLang's front end forwards it (0.5.23
+    /// `managers/tokenizer_manager.py:2241-2265`): only when `rid` is exactly the rid of an open
+    /// request, and once per request; an empty rid is ignored. The schedulers then abort every
+    /// request whose rid *starts with* it (`managers/scheduler.py:5675-5815`), see
+    /// [`Rank::abort_where`]. Returns whether it was forwarded. Client disconnects come here too.
+    pub fn abort_request(&self, rid: &str) -> bool {
+        if rid.is_empty() {
+            tracing::warn!(port = self.port, "Ignore abort_request with empty rid and abort_all=False");
+            return false;
+        }
+        {
+            let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+            match live.get_mut(rid) {
+                Some(state) if !state.abort_sent => state.abort_sent = true,
+                _ => return false,
+            }
+        }
+        self.metrics.count_abort_call();
+        for r in &self.ranks {
+            r.abort_where(|other| other.starts_with(rid));
+        }
+        true
+    }
+
+    /// `abort_all`: every request in the schedulers, waiting or running.
+    pub fn abort_all(&self) {
+        self.metrics.count_abort_call();
+        for r in &self.ranks {
+            r.abort_where(|_| true);
+        }
+    }
+
+    /// Ends every request at once, with `message` (shutdown; see `docs/sglang-sim.md`).
+    pub fn abort_now_all(&self, message: &str) {
+        for r in &self.ranks {
+            r.abort_now_all(message);
+        }
     }
 
     pub fn loads(&self) -> Vec<RankLoad> {
         self.ranks.iter().map(|r| r.load()).collect()
     }
 
-    /// Flushes every rank's prefix cache; false (nothing flushed) if any request is queued or
-    /// running (see [`Rank::flush_cache`]).
-    fn can_flush(&self) -> bool {
-        let paused = self.shared.is_paused();
-        self.ranks.iter().all(|r| r.can_flush(paused))
+    /// SGLang's `is_fully_idle` over every rank; waiting requests count unless the schedulers
+    /// are paused (see [`Rank::is_fully_idle`]).
+    pub fn is_fully_idle(&self, ignore_waiting: bool) -> bool {
+        self.ranks.iter().all(|r| r.is_fully_idle(ignore_waiting))
     }
 
+    /// The schedulers' `flush_cache` (0.5.23 `managers/scheduler.py:5518-5548`): empties every
+    /// rank's prefix cache if all are fully idle, waiting requests ignored while the
+    /// schedulers are paused; false (nothing flushed) otherwise. Its reply is a scheduler
+    /// message (the health check hears it).
     pub fn flush_cache(&self) -> bool {
-        if !self.can_flush() {
-            return false;
-        }
-        let paused = self.shared.is_paused();
-        self.ranks.iter().all(|r| r.flush_cache(paused))
+        let paused = self.shared.is_scheduler_paused();
+        let flushed = self.is_fully_idle(paused) && self.ranks.iter().all(|r| r.flush_cache(paused));
+        self.shared.note_output();
+        flushed
     }
 
-    /// Waits up to `timeout` until the cache can be flushed (no running or queued requests
-    /// apart from retracted ones). True if it can.
-    pub async fn wait_flushable(&self, timeout: std::time::Duration) -> bool {
+    /// Waits up to `timeout` until every rank is fully idle, waiting requests counted (the
+    /// deferred flush of `managers/scheduler_components/flush_wrapper.py:22-64`). True if so.
+    pub async fn wait_fully_idle(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.shared.idle.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.can_flush() {
+            if self.is_fully_idle(false) {
                 return true;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.can_flush();
+                return self.is_fully_idle(false);
             }
         }
     }
 
-    pub fn pause(&self, mode: PauseMode) {
+    /// `pause_generation` (0.5.23 `managers/tokenizer_manager.py:2267-2280`,
+    /// `managers/scheduler.py:5817-5932`). Every mode holds new `/generate` calls in the front
+    /// end. `abort` aborts everything and answers once no request is in flight, looking once a
+    /// second (scaled by `--time-scale`) and aborting again at each look; the schedulers keep
+    /// running, so running requests end after one more step. `retract` and `in_place` pause
+    /// the schedulers: `retract` first moves running requests back to the waiting queue and
+    /// frees their KV, `in_place` leaves them where they are.
+    pub async fn pause(&self, mode: PauseMode) {
         self.shared.set_paused(true);
         match mode {
-            PauseMode::Abort => {
-                self.abort_all("Abort by pause_generation");
-            }
+            PauseMode::Abort => loop {
+                self.abort_all();
+                if self.model_update_lock.try_write().is_ok() {
+                    break;
+                }
+                tokio::time::sleep(PAUSE_ABORT_LOOK.mul_f64(self.cfg.time_scale).max(Duration::from_millis(1))).await;
+            },
             PauseMode::Retract => {
+                self.shared.set_scheduler_paused(true);
                 for r in &self.ranks {
                     r.retract_all();
                 }
             }
-            PauseMode::InPlace => {}
+            PauseMode::InPlace => self.shared.set_scheduler_paused(true),
         }
     }
 
     pub fn resume(&self) {
+        self.shared.set_scheduler_paused(false);
         self.shared.set_paused(false);
         for r in &self.ranks {
             r.wake();
@@ -407,123 +540,26 @@ fn parse_env_flag(value: Option<&str>) -> bool {
     matches!(value.map(str::to_ascii_lowercase).as_deref(), Some("true" | "1"))
 }
 
-/// SGLang's health-check settings, read from the environment at startup as SGLang reads them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HealthSettings {
-    /// `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` (default true; `true/1/yes/y`,
-    /// `false/0/no/n`, any case; another value warns and keeps the default): false makes
-    /// `/health` (not `/health_generate`) answer 200 without a generation.
-    pub generation: bool,
-    /// `SGLANG_HEALTH_CHECK_TIMEOUT`: integer wall-clock seconds (default 20; never scaled by
-    /// `--time-scale`); 0 or less fails every check at once. SGLang refuses to start on a
-    /// value that is not an integer; the simulator warns and keeps 20.
-    pub timeout_secs: i64,
+/// How often `pause_generation` in `abort` mode looks whether requests are still in flight
+/// (SGLang's `await asyncio.sleep(1.0)`); scaled by `--time-scale`.
+const PAUSE_ABORT_LOOK: Duration = Duration::from_secs(1);
+
+/// One open rid: how many open calls use it, and whether an abort was forwarded for it.
+#[derive(Debug, Default)]
+struct LiveState {
+    open: usize,
+    abort_sent: bool,
 }
 
-impl HealthSettings {
-    pub const DEFAULT_TIMEOUT_SECS: i64 = 20;
-
-    pub fn from_env() -> Self {
-        let var = |k: &str| std::env::var(k).ok();
-        Self::parse(
-            var("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION").as_deref(),
-            var("SGLANG_HEALTH_CHECK_TIMEOUT").as_deref(),
-        )
-    }
-
-    pub fn parse(generation: Option<&str>, timeout: Option<&str>) -> Self {
-        let generation = match generation.map(str::to_ascii_lowercase).as_deref() {
-            None | Some("true" | "1" | "yes" | "y") => true,
-            Some("false" | "0" | "no" | "n") => false,
-            Some(other) => {
-                tracing::warn!(value = other, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is not a boolean; using true");
-                true
-            }
-        };
-        let timeout_secs = match timeout.map(|t| t.trim().parse::<i64>()) {
-            None => Self::DEFAULT_TIMEOUT_SECS,
-            Some(Ok(t)) => t,
-            Some(Err(_)) => {
-                tracing::warn!(value = timeout, "SGLANG_HEALTH_CHECK_TIMEOUT is not an integer; using 20");
-                Self::DEFAULT_TIMEOUT_SECS
-            }
-        };
-        Self { generation, timeout_secs }
-    }
+/// A rid recorded as open (see [`Engine::register_rid`]); dropping it forgets the rid.
+pub struct LiveRid {
+    engine: Arc<Engine>,
+    rid: String,
 }
 
-/// How the health request itself ended, when it ended before any scheduler output.
-enum HealthProbe {
-    /// `--zero-cost`: generation answers without a scheduler, so this counts as output.
-    Answered,
-    /// The server began shutting down while the request waited for `continue_generation`.
-    ShuttingDown,
-}
-
-impl Engine {
-    /// SGLang's `health_generate` once the server is up: sends a 1-token generation
-    /// (`input_ids [0]`, temperature 0, rid `HEALTH_CHECK_<uuid>`, not counted in metrics or
-    /// by the request faults) through the `/generate` path (it waits while generation is
-    /// paused and for a weight update holding the model lock), and passes as soon as any DP
-    /// rank's scheduler sends output after the call, its own or another request's. Fails after
-    /// `SGLANG_HEALTH_CHECK_TIMEOUT` wall-clock seconds. Runs in a task of its own, so a client
-    /// that gives up first does not stop it: a failure marks the server `UnHealthy` (as in
-    /// SGLang) and a later pass marks it `Up` again.
-    pub async fn health_generate(self: &Arc<Self>) -> bool {
-        let engine = self.clone();
-        let check = tokio::spawn(async move { engine.run_health_check().await });
-        check.await.unwrap_or(false)
-    }
-
-    async fn run_health_check(self: Arc<Self>) -> bool {
-        let timeout = self.health.timeout_secs;
-        let mut outputs = self.shared.watch_outputs();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(timeout).unwrap_or(0));
-        let probe = async {
-            if self.shared.is_scheduler_hung() {
-                return std::future::pending::<HealthProbe>().await;
-            }
-            self.shared.wait_unpaused().await;
-            if self.shared.status() == Status::ShuttingDown {
-                return HealthProbe::ShuttingDown;
-            }
-            let _guard = self.model_update_lock.clone().read_owned().await;
-            if self.cfg.zero_cost {
-                return HealthProbe::Answered;
-            }
-            let params = crate::sampling::RawSamplingParams {
-                max_new_tokens: Some(Some(1)),
-                temperature: Some(0.0),
-                ..Default::default()
-            }
-            .validate();
-            if let Ok(params) = params {
-                let prompt = vec![0];
-                let gen = crate::generator::GenState::new(&prompt, &params, 0, 1, 0.0);
-                let rid = format!("HEALTH_CHECK_{}", uuid::Uuid::new_v4().simple());
-                let handle = self.submit(self.pick_rank(None), NewRequestParts { rid, prompt, gen, stream: false });
-                // Its output (or an abort) is what `outputs` hears; the handle aborts the
-                // request if the check ends first.
-                let _ = handle.finish().await;
-            }
-            std::future::pending::<HealthProbe>().await
-        };
-        let passed = timeout > 0
-            && tokio::select! {
-                changed = outputs.changed() => changed.is_ok(),
-                end = probe => matches!(end, HealthProbe::Answered),
-                () = tokio::time::sleep_until(deadline) => false,
-            };
-        if passed {
-            self.shared.transition(Status::UnHealthy, Status::Up);
-        } else if self.shared.status() != Status::ShuttingDown {
-            tracing::error!(
-                port = self.port,
-                "Health check failed. Server couldn't get a response from detokenizer for last {timeout} seconds."
-            );
-            self.shared.transition(Status::Up, Status::UnHealthy);
-        }
-        passed
+impl Drop for LiveRid {
+    fn drop(&mut self) {
+        self.engine.unregister_rid(&self.rid);
     }
 }
 
@@ -533,13 +569,15 @@ pub struct NewRequestParts {
     pub prompt: Vec<u32>,
     pub gen: crate::generator::GenState,
     pub stream: bool,
+    /// The request's `sampling_params.stream_interval` (`None`: `--stream-interval`).
+    pub stream_interval: Option<i64>,
 }
 
 /// A submitted request. Dropping it before it finished aborts the request (the client went
 /// away), as SGLang does on disconnect.
 pub struct ReqHandle {
-    rank: Arc<Rank>,
-    key: u64,
+    /// The request's rid, open while the handle lives.
+    live: LiveRid,
     rx: mpsc::UnboundedReceiver<Update>,
     done: bool,
 }
@@ -563,12 +601,22 @@ impl ReqHandle {
             }
         }
     }
+
+    /// Lets the request run to its end with nobody waiting for it (the health check's request,
+    /// which SGLang forgets without aborting it).
+    /// (The scheduler ignores a closed channel: only the handle's drop aborts.)
+    pub fn detach(mut self) {
+        self.done = true;
+    }
 }
 
 impl Drop for ReqHandle {
+    /// The client went away before the answer: SGLang's front end aborts by the request's rid
+    /// (`managers/tokenizer_manager.py:1968-1972, 2427-2437`), which reaches every request whose
+    /// rid starts with it.
     fn drop(&mut self) {
         if !self.done {
-            self.rank.abort(self.key, "The client disconnected.");
+            self.live.engine.abort_request(&self.live.rid);
         }
     }
 }

@@ -10,6 +10,7 @@ mod cli;
 mod engine;
 mod faults;
 mod generator;
+mod health;
 mod kv;
 mod metrics;
 mod remote_instance;

@@ -69,6 +69,8 @@ pub struct Metrics {
     generation_tokens: [AtomicU64; 2],
     cached_tokens: AtomicU64,
     num_requests: AtomicU64,
+    /// Abort calls the front end forwarded (SGLang counts calls, not the requests they end:
+    /// 0.5.23 `managers/tokenizer_manager.py:2241-2265`).
     num_aborted: AtomicU64,
     queue_time: Histogram,
     ttft: [Histogram; 2],
@@ -88,7 +90,6 @@ pub struct RequestRecord {
     pub completion_tokens: usize,
     pub cached_tokens: usize,
     pub streaming: bool,
-    pub aborted: bool,
     pub e2e: Duration,
     pub queue_time: Option<Duration>,
     pub ttft: Option<Duration>,
@@ -124,9 +125,6 @@ impl Metrics {
         add(&self.generation_tokens[s], r.completion_tokens);
         add(&self.cached_tokens, r.cached_tokens);
         self.num_requests.fetch_add(1, Ordering::Relaxed);
-        if r.aborted {
-            self.num_aborted.fetch_add(1, Ordering::Relaxed);
-        }
         self.e2e[s].observe(r.e2e);
         if let Some(q) = r.queue_time {
             self.queue_time.observe(q);
@@ -134,6 +132,11 @@ impl Metrics {
         if let Some(t) = r.ttft {
             self.ttft[s].observe(t);
         }
+    }
+
+    /// One abort call forwarded to the schedulers (`sglang:num_aborted_requests_total`).
+    pub fn count_abort_call(&self) {
+        self.num_aborted.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn set_weight_load_duration(&self, d: Duration) {
@@ -244,7 +247,6 @@ mod tests {
             completion_tokens: 7,
             cached_tokens: 0,
             streaming: false,
-            aborted: false,
             e2e: Duration::from_millis(300),
             queue_time: Some(Duration::from_millis(1)),
             ttft: Some(Duration::from_millis(20)),

@@ -29,8 +29,8 @@ impl OneOrMany {
 #[serde(deny_unknown_fields)]
 #[expect(
     dead_code,
-    reason = "stop_regex, structural_tag, spaces_between_special_tokens, custom_params and \
-              stream_interval are accepted for compatibility but do not change the simulation"
+    reason = "stop_regex, structural_tag, spaces_between_special_tokens and custom_params are \
+              accepted for compatibility but do not change the simulation"
 )]
 pub struct RawSamplingParams {
     /// Absent: `None`; explicit `null`: `Some(None)` (no limit below the context length).
@@ -87,8 +87,37 @@ pub struct SamplingParams {
     pub no_stop_trim: bool,
     /// Number of parallel samples for one prompt.
     pub n: u32,
-    /// Seed the deterministic generator uses (0 for greedy sampling).
-    pub seed: u64,
+    /// Temperature 0: greedy decoding, which no seed changes.
+    pub greedy: bool,
+    /// The request's `sampling_seed` (used only under `--enable-deterministic-inference`).
+    pub sampling_seed: Option<i64>,
+    /// The request's `stream_interval`; `None` (absent, null or 0) means the server's
+    /// `--stream-interval`, as SGLang's `stream_interval or default` does.
+    pub stream_interval: Option<i64>,
+}
+
+/// The seed SGLang's sampler uses for a request without `sampling_seed` under
+/// `--enable-deterministic-inference` (0.5.23 `sampling/sampling_batch_info.py:157-170`).
+pub const DEFAULT_SAMPLING_SEED: i64 = 42;
+
+impl SamplingParams {
+    /// The seed one output is sampled with. Greedy decoding needs none
+    /// ([`crate::generator::GREEDY`]). Sampled decoding uses `sampling_seed` (default 42) only
+    /// under `--enable-deterministic-inference`; otherwise SGLang samples with torch's random
+    /// generator (0.5.23 `sampling/sampling_batch_info.py:157-170`, `layers/sampler.py:791-848`),
+    /// so each output gets a fresh random seed. Every sample of an `n > 1` request shares the
+    /// request's sampling parameters, so under the flag they share the seed too.
+    pub fn seed_for(&self, deterministic: bool) -> u64 {
+        if self.greedy {
+            crate::generator::GREEDY
+        } else if deterministic {
+            // Negative seeds are allowed; reinterpret the bits.
+            self.sampling_seed.unwrap_or(DEFAULT_SAMPLING_SEED) as u64
+        } else {
+            let (hi, lo) = uuid::Uuid::new_v4().as_u64_pair();
+            hi ^ lo.rotate_left(32)
+        }
+    }
 }
 
 const SAMPLING_EPS: f64 = 1e-6;
@@ -179,12 +208,6 @@ impl RawSamplingParams {
             .flatten()
             .filter_map(|id| u32::try_from(id).ok())
             .collect();
-        let seed = if greedy {
-            0
-        } else {
-            // Negative seeds are allowed; reinterpret the bits.
-            self.sampling_seed.unwrap_or(0) as u64
-        };
         Ok(SamplingParams {
             max_new_tokens: max_new_tokens.map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
             min_new_tokens: u32::try_from(min_new_tokens).unwrap_or(u32::MAX),
@@ -200,7 +223,9 @@ impl RawSamplingParams {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             no_stop_trim: self.no_stop_trim.unwrap_or(false),
             n,
-            seed,
+            greedy,
+            sampling_seed: self.sampling_seed,
+            stream_interval: self.stream_interval.filter(|i| *i != 0),
         })
     }
 }
@@ -240,8 +265,19 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(p.max_new_tokens, Some(64));
-        assert_eq!(p.seed, 7);
+        assert_eq!((p.sampling_seed, p.stream_interval), (Some(7), Some(1)));
         assert!(p.no_stop_trim);
+    }
+
+    /// `sampling_seed` counts only with `--enable-deterministic-inference` (default 42);
+    /// without it every sampled output draws fresh randomness.
+    #[test]
+    fn sampling_seed_counts_only_when_deterministic() {
+        let seeded = parse(json!({"sampling_seed": 9})).unwrap();
+        assert_eq!(seeded.seed_for(true), 9);
+        assert_eq!(parse(json!({})).unwrap().seed_for(true), 42);
+        assert_ne!(seeded.seed_for(false), seeded.seed_for(false));
+        assert_eq!(parse(json!({"stream_interval": 0})).unwrap().stream_interval, None);
     }
 
     #[test]
@@ -267,7 +303,8 @@ mod tests {
         let p = parse(json!({"temperature": 0, "sampling_seed": 9, "stop": "x",
                              "stop_token_ids": [5, null]}))
         .unwrap();
-        assert_eq!(p.seed, 0);
+        assert_eq!(p.seed_for(true), crate::generator::GREEDY);
+        assert_eq!(p.seed_for(false), crate::generator::GREEDY);
         assert_eq!(p.stop_strs, vec!["x".to_string()]);
         assert_eq!(p.stop_token_ids, vec![5]);
     }

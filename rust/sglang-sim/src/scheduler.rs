@@ -8,6 +8,17 @@
 //! out of KV slots, the newest running requests are retracted to the front of the queue and
 //! re-prefilled later (as SGLang does).
 //!
+//! Output reaches the request's owner as SGLang's scheduler sends it (0.5.23
+//! `managers/scheduler_components/output_streamer.py:440-476`): a stream's new tokens by the
+//! release's [`StreamRule`], a non-streaming request's progress every 50 tokens
+//! (`SGLANG_FORCE_STREAM_INTERVAL`), and everything at the end. What was sent matters when a
+//! request is aborted in the waiting queue: its answer is made from the sent tokens alone.
+//!
+//! Aborts follow `Scheduler.abort_request` (`managers/scheduler.py:5675-5815`): a waiting
+//! request ends at once ("Abort in waiting queue"); a running one is marked and ends after one
+//! more step, whose token it keeps ("Aborted"), so while the scheduler is paused in place it
+//! does not end until generation continues.
+//!
 //! Step costs (see `docs/sglang-sim.md`): prefill = base + per-1k-uncached-tokens; decode =
 //! base + per-running-request * n + per-1k-context-tokens. Every cost is multiplied by
 //! `--time-scale`. The loop sleeps until an absolute deadline so that tokio's 1 ms timer
@@ -15,8 +26,9 @@
 //!
 //! All state sits behind one std `Mutex`: it is never held across an `.await`.
 
+use crate::api_profile::StreamRule;
 use crate::engine::Shared;
-use crate::generator::{FinishReason, GenState, VersionInfo};
+use crate::generator::{FinishReason, GenState, VersionInfo, ABORTED, ABORTED_WAITING};
 use crate::kv::{extend_block_hashes, KvPool, BLOCK};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -36,6 +48,9 @@ pub struct RankConfig {
     pub decode_step_base_ms: f64,
     pub decode_step_ms_per_req: f64,
     pub decode_step_ms_per_1k_ctx: f64,
+    /// When a stream's tokens are sent (the release's rule) and `--stream-interval`.
+    pub stream_rule: StreamRule,
+    pub stream_interval: i64,
 }
 
 impl RankConfig {
@@ -51,6 +66,8 @@ impl RankConfig {
             decode_step_base_ms: c.decode_step_base_ms,
             decode_step_ms_per_req: c.decode_step_ms_per_req,
             decode_step_ms_per_1k_ctx: c.decode_step_ms_per_1k_ctx,
+            stream_rule: c.sglang_api.stream_rule(),
+            stream_interval: c.stream_interval,
         }
     }
 }
@@ -74,17 +91,22 @@ pub struct NewRequest {
     pub rid: String,
     pub prompt: Vec<u32>,
     pub gen: GenState,
-    /// Send a `Tokens` update after every token (streaming); otherwise only `Finished`.
+    /// Send `Tokens` updates as a stream sends them; otherwise only `Finished`.
     pub stream: bool,
+    /// The request's `stream_interval` (`None`: `--stream-interval`).
+    pub stream_interval: Option<i64>,
     pub tx: mpsc::UnboundedSender<Update>,
 }
 
 /// What a request's owner hears from the scheduler.
 #[derive(Debug)]
 pub enum Update {
-    /// New output tokens (streaming requests only), with the prompt tokens found cached.
+    /// New output tokens (streaming requests only, as the stream interval lets them out), with
+    /// the prompt tokens found cached.
     Tokens {
         ids: Vec<u32>,
+        /// For each of `ids`: the context hash it was produced from and its logprob.
+        trace: Vec<(u64, f64)>,
         cached_tokens: usize,
     },
     Finished(Box<Finished>),
@@ -122,6 +144,11 @@ struct Req {
     epoch: u32,
     phase: Phase,
     stream: bool,
+    stream_interval: i64,
+    /// Output tokens sent to the owner so far (SGLang's `send_token_offset`).
+    sent: usize,
+    /// Set by an abort while the request runs: it ends with this after its next step.
+    to_finish: Option<FinishReason>,
     tx: mpsc::UnboundedSender<Update>,
     arrived: Instant,
     admitted: Option<Instant>,
@@ -144,11 +171,21 @@ pub enum StepKind {
     Decode,
 }
 
+/// One request in a planned step.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    key: u64,
+    /// The request's retraction epoch when planned (a retraction since voids the slot).
+    epoch: u32,
+    /// It was marked for abort before the step began: it ends after this step.
+    finishing: bool,
+}
+
 /// One planned step: which requests it serves and how long it takes (unscaled).
 #[derive(Debug)]
 pub struct StepPlan {
     pub kind: StepKind,
-    batch: Vec<(u64, u32)>,
+    batch: Vec<Slot>,
     pub cost: Duration,
 }
 
@@ -223,40 +260,29 @@ impl Rank {
 
     /// Queues a request; returns its key for [`Rank::abort`].
     pub fn submit(&self, r: NewRequest) -> u64 {
-        let key = self.lock().enqueue(r);
+        let key = self.lock().enqueue(r, self.cfg.stream_interval);
         self.wake.notify_one();
         key
     }
 
-    /// Aborts one request by key. False if it already finished.
-    pub fn abort(&self, key: u64, message: &str) -> bool {
-        let (found, idle) = {
-            let mut c = self.lock();
-            let found = c.finish(key, FinishReason::Abort(message.to_string()));
-            self.note_output(&mut c);
-            (found, c.can_flush())
-        };
-        self.after_abort(idle);
-        found
-    }
-
-    /// Aborts every request with this rid; returns how many.
-    pub fn abort_rid(&self, rid: &str, message: &str) -> usize {
+    /// Aborts every request whose rid `matches` (SGLang's scheduler: rid prefix, or all):
+    /// waiting ones end now, running ones after their next step. Returns how many it reached.
+    pub fn abort_where(&self, matches: impl Fn(&str) -> bool) -> usize {
         let (n, idle) = {
             let mut c = self.lock();
-            let keys: Vec<u64> = c.reqs.iter().filter(|(_, r)| r.rid == rid).map(|(k, _)| *k).collect();
+            let keys: Vec<u64> = c.reqs.iter().filter(|(_, r)| matches(&r.rid)).map(|(k, _)| *k).collect();
             for k in &keys {
-                c.finish(*k, FinishReason::Abort(message.to_string()));
+                c.abort(*k);
             }
             self.note_output(&mut c);
-            (keys.len(), c.can_flush())
+            (keys.len(), c.is_fully_idle(self.shared.is_scheduler_paused()))
         };
         self.after_abort(idle);
         n
     }
 
-    /// Aborts everything queued or running; returns how many.
-    pub fn abort_all(&self, message: &str) -> usize {
+    /// Ends every request at once (shutdown): no further step runs.
+    pub fn abort_now_all(&self, message: &str) -> usize {
         let (n, idle) = {
             let mut c = self.lock();
             let keys: Vec<u64> = c.reqs.keys().copied().collect();
@@ -264,7 +290,7 @@ impl Rank {
                 c.finish(*k, FinishReason::Abort(message.to_string()));
             }
             self.note_output(&mut c);
-            (keys.len(), c.can_flush())
+            (keys.len(), c.is_fully_idle(false))
         };
         self.after_abort(idle);
         n
@@ -292,24 +318,18 @@ impl Rank {
         running.len()
     }
 
-    /// Empties the prefix cache; false (nothing flushed) when requests are running or queued.
-    /// Requests retracted by `pause_generation` (mode retract) hold no KV and do not count.
-    /// With `ignore_waiting` (the engine is paused) no queued request counts, as in SGLang
-    /// 0.5.23, whose flush asks `is_fully_idle(ignore_waiting=<paused>)`: requests that arrive
-    /// while generation is paused wait, holding no KV.
+    /// Empties the prefix cache; false (nothing flushed) unless the rank is fully idle (see
+    /// [`Rank::is_fully_idle`]).
     pub fn flush_cache(&self, ignore_waiting: bool) -> bool {
         let mut c = self.lock();
-        let idle = if ignore_waiting { c.running.is_empty() } else { c.can_flush() };
-        idle && c.pool.flush()
+        c.is_fully_idle(ignore_waiting) && c.pool.flush()
     }
 
-    pub fn can_flush(&self, ignore_waiting: bool) -> bool {
-        let c = self.lock();
-        if ignore_waiting {
-            c.running.is_empty()
-        } else {
-            c.can_flush()
-        }
+    /// SGLang 0.5.23's `is_fully_idle` (`managers/scheduler.py:5337-5380`): nothing running
+    /// and nothing waiting; with `ignore_waiting` (the scheduler is paused, `:5520`) waiting
+    /// requests do not count, since none holds KV (retracted ones gave theirs back).
+    pub fn is_fully_idle(&self, ignore_waiting: bool) -> bool {
+        self.lock().is_fully_idle(ignore_waiting)
     }
 
     /// Wakes the step loop (after continue_generation).
@@ -356,11 +376,12 @@ impl Rank {
     /// The step loop. Returns when `shutdown` becomes true.
     pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         let mut deadline = Instant::now();
+        let mut blocked = self.shared.watch_blocked();
         loop {
             if *shutdown.borrow() {
                 return;
             }
-            let plan = if self.shared.is_paused() || self.shared.is_hung() {
+            let plan = if self.shared.is_scheduler_paused() || self.shared.is_hung() || self.shared.is_blocked() {
                 None
             } else {
                 let mut c = self.lock();
@@ -369,9 +390,17 @@ impl Rank {
                 plan
             };
             let Some(plan) = plan else {
-                tokio::select! {
-                    _ = self.wake.notified() => {}
-                    _ = shutdown.changed() => {}
+                if self.shared.is_blocked() {
+                    // Until the block ends (a wake does not end it).
+                    tokio::select! {
+                        _ = blocked.wait_for(|n| *n == 0) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                } else {
+                    tokio::select! {
+                        _ = self.wake.notified() => {}
+                        _ = shutdown.changed() => {}
+                    }
                 }
                 deadline = Instant::now();
                 continue;
@@ -393,9 +422,9 @@ impl Rank {
             let version = self.shared.version();
             let idle = {
                 let mut c = self.lock();
-                c.complete(&plan, &version, Instant::now());
+                c.complete(&plan, &version, Instant::now(), &self.cfg);
                 self.note_output(&mut c);
-                c.can_flush()
+                c.is_fully_idle(false)
             };
             if idle {
                 self.shared.idle.notify_waiters();
@@ -419,7 +448,7 @@ impl Core {
         }
     }
 
-    fn enqueue(&mut self, r: NewRequest) -> u64 {
+    fn enqueue(&mut self, r: NewRequest, cfg_stream_interval: i64) -> u64 {
         let key = self.next_key;
         self.next_key += 1;
         let mut hashes = Vec::new();
@@ -439,6 +468,9 @@ impl Core {
                 epoch: 0,
                 phase: Phase::Waiting,
                 stream: r.stream,
+                stream_interval: r.stream_interval.unwrap_or(cfg_stream_interval),
+                sent: 0,
+                to_finish: None,
                 tx: r.tx,
                 arrived: Instant::now(),
                 admitted: None,
@@ -450,13 +482,25 @@ impl Core {
         key
     }
 
-    #[cfg(test)]
-    fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+    fn is_fully_idle(&self, ignore_waiting: bool) -> bool {
+        self.running.is_empty() && (ignore_waiting || self.waiting.is_empty())
     }
 
-    fn can_flush(&self) -> bool {
-        self.running.is_empty() && self.waiting.iter().all(|k| self.reqs.get(k).is_none_or(|r| r.retractions > 0))
+    /// An abort reaching one request (see the module docs).
+    fn abort(&mut self, key: u64) {
+        let Some(r) = self.reqs.get_mut(&key) else {
+            return;
+        };
+        match r.phase {
+            Phase::Waiting => {
+                let sent = r.sent;
+                r.gen.truncate(sent);
+                self.finish(key, FinishReason::WaitingAbort(ABORTED_WAITING.into()));
+            }
+            Phase::Prefill | Phase::Decode => {
+                r.to_finish.get_or_insert_with(|| FinishReason::Abort(ABORTED.into()));
+            }
+        }
     }
 
     fn reserve(&self, r: &Req) -> usize {
@@ -511,7 +555,7 @@ impl Core {
             r.cached_tokens.get_or_insert(matched * BLOCK);
             r.phase = Phase::Prefill;
             r.admitted.get_or_insert_with(Instant::now);
-            batch.push((key, r.epoch));
+            batch.push(Slot { key, epoch: r.epoch, finishing: r.to_finish.is_some() });
             self.waiting.pop_front();
             self.running.push(key);
             reserved += reserve;
@@ -560,7 +604,7 @@ impl Core {
             if let Some(r) = self.reqs.get_mut(key) {
                 r.private += 1;
                 ctx += r.kv_len();
-                batch.push((*key, r.epoch));
+                batch.push(Slot { key: *key, epoch: r.epoch, finishing: r.to_finish.is_some() });
             }
         }
         self.new_token_ratio = (self.new_token_ratio - NEW_TOKEN_RATIO_DECAY).max(MIN_NEW_TOKEN_RATIO);
@@ -570,14 +614,17 @@ impl Core {
         Some(StepPlan { kind: StepKind::Decode, batch, cost: Duration::from_secs_f64(ms / 1000.0) })
     }
 
-    /// Applies a finished step: every request still in it gets one token.
-    fn complete(&mut self, plan: &StepPlan, version: &VersionInfo, now: Instant) {
+    /// Applies a finished step: every request still in it gets one token. One marked for
+    /// abort before the step ends with it (the abort wins over any other reason, as SGLang's
+    /// `update_finish_state` checks `to_finish` first, `managers/schedule_batch.py:2007-2013`).
+    fn complete(&mut self, plan: &StepPlan, version: &VersionInfo, now: Instant, cfg: &RankConfig) {
         let mut emitted = 0u64;
-        for &(key, epoch) in &plan.batch {
+        for slot in &plan.batch {
+            let key = slot.key;
             let Some(r) = self.reqs.get_mut(&key) else {
                 continue;
             };
-            if r.epoch != epoch || r.phase == Phase::Waiting {
+            if r.epoch != slot.epoch || r.phase == Phase::Waiting {
                 continue;
             }
             r.phase = Phase::Decode;
@@ -586,24 +633,34 @@ impl Core {
                 continue;
             }
             r.first_token.get_or_insert(now);
-            let finished = r.gen.step(version);
+            let mut finished = r.gen.step(version);
             let token = r.gen.output.last().copied().unwrap_or(0);
             r.seq.push(token);
             emitted += 1;
-            match finished {
-                Some(reason) => {
-                    self.finish(key, reason);
-                }
-                None if r.stream => {
+            if slot.finishing {
+                finished = r.to_finish.take().or(finished);
+            }
+            if let Some(reason) = finished {
+                self.finish(key, reason);
+                continue;
+            }
+            let len = r.gen.output.len();
+            if r.stream {
+                let send = cfg.stream_rule.should_send(len, r.sent, r.stream_interval) && !r.gen.holds_stop_prefix();
+                if send {
                     // A closed channel means the client left; its handle aborts the request.
-                    let _ = r.tx.send(Update::Tokens { ids: vec![token], cached_tokens: r.cached_tokens.unwrap_or(0) });
+                    let ids = r.gen.output[r.sent..].to_vec();
+                    let trace = r.gen.trace[r.sent..].to_vec();
+                    let _ = r.tx.send(Update::Tokens { ids, trace, cached_tokens: r.cached_tokens.unwrap_or(0) });
+                    r.sent = len;
                     self.sent_output = true;
                 }
+            } else if len % FORCE_STREAM_INTERVAL == 0 {
                 // SGLang sends a non-streaming request's progress every
-                // SGLANG_FORCE_STREAM_INTERVAL (50) tokens; the simulator sends nothing, but the
-                // health check counts it.
-                None if r.gen.output.len() % FORCE_STREAM_INTERVAL == 0 => self.sent_output = true,
-                None => {}
+                // SGLANG_FORCE_STREAM_INTERVAL (50) tokens: the owner keeps it (an abort in the
+                // waiting queue answers with it) and the health check hears it.
+                r.sent = len;
+                self.sent_output = true;
             }
         }
         if plan.kind == StepKind::Decode {

@@ -176,7 +176,7 @@ async fn run_instance(
         }
         drain_engine.shared.set_status(Status::ShuttingDown);
         drain_engine.shared.set_paused(false);
-        drain_engine.abort_all("The server is shutting down.");
+        drain_engine.abort_now_all("The server is shutting down.");
     });
     let deadline = async {
         shutdown_requested(shutdown.clone()).await;
@@ -221,16 +221,11 @@ async fn warm_up(engine: Arc<Engine>, shutdown: watch::Receiver<bool>) {
         .validate();
         if let Ok(params) = params {
             let prompt = crate::tokenizer::encode("The capital city of France is");
-            let gen = GenState::new(&prompt, &params, 0, 8, 0.0);
-            let handle = engine.submit(
-                engine.pick_rank(Some(0)),
-                NewRequestParts {
-                    rid: format!("WARMUP_{}", uuid::Uuid::new_v4().simple()),
-                    prompt,
-                    gen,
-                    stream: false,
-                },
-            );
+            let gen = GenState::new(&prompt, &params, crate::generator::GREEDY, 8, 0.0);
+            let rid = format!("WARMUP_{}", uuid::Uuid::new_v4().simple());
+            let live = engine.register_rid(&rid);
+            let parts = NewRequestParts { rid, prompt, gen, stream: false, stream_interval: None };
+            let handle = engine.submit(engine.pick_rank(Some(0)), parts, live);
             tokio::select! {
                 _ = handle.finish() => {}
                 _ = shutdown_requested(shutdown) => return,

@@ -27,6 +27,13 @@ pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(5);
 pub const BROADCAST_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One weight-update group this engine joined.
+/// SGLang 0.5.21-0.5.23's answers about the update session
+/// (`managers/scheduler_components/weight_updater.py`, 0.5.23 :187-197, :306-336).
+pub const SESSION_OPEN: &str = "a weight-update session is already open; call end_weight_update() first";
+pub const NO_SESSION: &str = "no weight-update session is open; call begin_weight_update() first";
+pub const OUTSIDE_SESSION: &str =
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()";
+
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct UpdateGroup {
     pub master_address: String,
@@ -71,6 +78,13 @@ impl WeightSync {
         self.lock().groups.get(name).cloned()
     }
 
+    /// The names of the update groups, sorted.
+    pub fn group_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.lock().groups.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
     /// Records a group; refuses a name already in use.
     pub fn add_group(&self, name: &str, g: UpdateGroup) -> Result<(), String> {
         let mut s = self.lock();
@@ -92,10 +106,8 @@ impl WeightSync {
 
     pub fn begin(&self, selector: &str) -> Result<(), String> {
         let mut s = self.lock();
-        if let Some(open) = &s.session {
-            return Err(format!(
-                "A weight update session (selector {open:?}) is already open; call /end_weight_update first."
-            ));
+        if s.session.is_some() {
+            return Err(SESSION_OPEN.into());
         }
         s.session = Some(selector.to_string());
         Ok(())
@@ -104,7 +116,7 @@ impl WeightSync {
     pub fn end(&self) -> Result<(), String> {
         let mut s = self.lock();
         if s.session.take().is_none() {
-            return Err("No weight update session is open; call /begin_weight_update first.".into());
+            return Err(NO_SESSION.into());
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{gen_body, Sim};
+use common::{gen_body, within, Sim};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -72,13 +72,24 @@ async fn batches_return_lists() {
     let list = out.as_array().unwrap();
     assert_eq!(list.len(), 2);
     assert_ne!(list[0]["output_ids"], list[1]["output_ids"]);
+
+    // With n > 1 every sample runs under a fresh rid, whatever the client sent (SGLang 0.5.23
+    // managers/tokenizer_manager.py:2160-2180); a list must still have one rid per prompt.
+    let (_, out) =
+        sim.generate(json!({"text": "q", "rid": "mine", "sampling_params": {"max_new_tokens": 1, "n": 2}})).await;
+    let ids: Vec<&str> = out.as_array().unwrap().iter().map(|o| o["meta_info"]["id"].as_str().unwrap()).collect();
+    assert!(ids.iter().all(|id| id.len() == 32 && !id.starts_with("mine")), "{ids:?}");
+    assert_ne!(ids[0], ids[1]);
+    let (status, _) =
+        sim.generate(json!({"text": ["a", "b"], "rid": ["x", "y", "z", "w"], "sampling_params": {"n": 2}})).await;
+    assert_eq!(status, 400);
 }
 
 #[tokio::test]
 async fn streaming_sends_whole_output_so_far_then_done() {
     let sim = Sim::start(&[]).await;
     let body = json!({"text": "stream me", "stream": true, "return_logprob": true,
-                      "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}});
+                      "sampling_params": {"max_new_tokens": 5, "ignore_eos": true, "temperature": 0}});
     let r = sim.post("/generate", body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
@@ -96,9 +107,11 @@ async fn streaming_sends_whole_output_so_far_then_done() {
     }
     assert!(chunks[3]["meta_info"]["finish_reason"].is_null());
     assert_eq!(chunks[4]["meta_info"]["finish_reason"]["type"], "length");
-    // The last chunk equals a non-streaming answer for the same request.
-    let (_, plain) =
-        sim.generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true}})).await;
+    // The last chunk equals a non-streaming answer for the same request (greedy: sampled
+    // tokens would be random).
+    let (_, plain) = sim
+        .generate(json!({"text": "stream me", "sampling_params": {"max_new_tokens": 5, "ignore_eos": true, "temperature": 0}}))
+        .await;
     assert_eq!(chunks[4]["output_ids"], plain["output_ids"]);
     assert_eq!(chunks[4]["text"], plain["text"]);
 }
@@ -155,7 +168,15 @@ async fn slime_style_sampling_params_are_accepted() {
 
 #[tokio::test]
 async fn outputs_are_deterministic_per_prompt_seed_and_weight_version() {
-    let sim = Sim::start(&[]).await;
+    // sampling_seed counts only with --enable-deterministic-inference (SGLang 0.5.23
+    // sampling/sampling_batch_info.py:157-170); without it sampled outputs are random.
+    let random = Sim::start(&[]).await;
+    let seeded = json!({"text": "determinism check", "sampling_params":
+                        {"max_new_tokens": 12, "ignore_eos": true, "sampling_seed": 1}});
+    let (_, x) = random.generate(seeded.clone()).await;
+    let (_, y) = random.generate(seeded).await;
+    assert_ne!(x["output_ids"], y["output_ids"], "no flag: the seed does not count");
+    let sim = Sim::start(&["--enable-deterministic-inference"]).await;
     let body = |seed: u64| {
         json!({"text": "determinism check", "sampling_params":
                {"max_new_tokens": 12, "ignore_eos": true, "sampling_seed": seed}})
@@ -192,7 +213,7 @@ async fn stop_token_ids_and_stop_strings_end_generation() {
     let third = base["output_ids"][2].clone();
     let (_, out) = sim
         .generate(json!({"text": "stop test", "sampling_params":
-                         {"max_new_tokens": 10, "ignore_eos": true, "stop_token_ids": [third]}}))
+                         {"max_new_tokens": 10, "ignore_eos": true, "stop_token_ids": [third], "temperature": 0}}))
         .await;
     assert_eq!(out["output_ids"].as_array().unwrap().len(), 3);
     assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": third}));
@@ -200,7 +221,7 @@ async fn stop_token_ids_and_stop_strings_end_generation() {
     let words: Vec<&str> = base["text"].as_str().unwrap().split_whitespace().collect();
     let (_, out) = sim
         .generate(json!({"text": "stop test", "sampling_params":
-                         {"max_new_tokens": 10, "ignore_eos": true, "stop": [words[5]]}}))
+                         {"max_new_tokens": 10, "ignore_eos": true, "stop": [words[5]], "temperature": 0}}))
         .await;
     assert_eq!(out["meta_info"]["finish_reason"], json!({"type": "stop", "matched": words[5]}));
     assert!(!out["text"].as_str().unwrap().contains(words[5]));
@@ -354,4 +375,71 @@ async fn dp_ranks_have_their_own_pools_and_routed_dp_rank_picks_one() {
     let (status, out) = sim.generate(json!({"input_ids": big, "sampling_params": {"max_new_tokens": 1}})).await;
     assert_eq!(status, 200);
     assert_eq!(out.as_array().unwrap().len(), 60);
+}
+
+/// The `data:` chunks of a finished stream (without `[DONE]`).
+fn sse_chunks(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter(|c| !c.is_empty() && *c != "data: [DONE]")
+        .map(|c| serde_json::from_str(c.strip_prefix("data: ").unwrap()).unwrap())
+        .collect()
+}
+
+/// With `--incremental-streaming-output` each chunk holds what is new since the last; the stream
+/// interval spaces them as it does the whole-output chunks (SGLang 0.5.23
+/// managers/scheduler_components/output_streamer.py:455-472), and `--stream-interval` is the
+/// default a request's `stream_interval` overrides.
+#[tokio::test]
+async fn incremental_streams_follow_the_stream_interval() {
+    let sim = Sim::start(&["--incremental-streaming-output", "--stream-interval", "3"]).await;
+    let body = |interval: Option<u64>| {
+        let mut params = json!({"max_new_tokens": 11, "ignore_eos": true, "temperature": 0});
+        if let Some(i) = interval {
+            params["stream_interval"] = json!(i);
+        }
+        json!({"text": "deltas", "stream": true, "sampling_params": params})
+    };
+    let lens = |chunks: &[Value]| -> Vec<usize> {
+        chunks.iter().map(|c| c["output_ids"].as_array().unwrap().len()).collect::<Vec<_>>()
+    };
+    let by_default = sse_chunks(&sim.post("/generate", body(None)).await.text().await.unwrap());
+    assert_eq!(lens(&by_default), [1, 3, 3, 3, 1], "sent at 1, 4, 7, 10, then the end");
+    let chunks = sse_chunks(&sim.post("/generate", body(Some(4))).await.text().await.unwrap());
+    assert_eq!(lens(&chunks), [1, 4, 4, 2]);
+    let ids: Vec<Value> = chunks.iter().flat_map(|c| c["output_ids"].as_array().unwrap().clone()).collect();
+    let (_, plain) = sim
+        .generate(json!({"text": "deltas", "sampling_params":
+                                         {"max_new_tokens": 11, "ignore_eos": true, "temperature": 0}}))
+        .await;
+    assert_eq!(Value::Array(ids), plain["output_ids"]);
+}
+
+/// An incremental stream aborted in the waiting queue gets, from SGLang's front end, its last
+/// token again and the whole text (0.5.23 managers/tokenizer_manager.py:3627-3635): a client
+/// joining the deltas would count that token twice.
+#[tokio::test]
+async fn an_incremental_stream_aborted_while_waiting_repeats_its_last_token() {
+    let sim = Sim::start(&["--incremental-streaming-output", "--time-scale", "1"]).await;
+    let body = json!({"text": "retract me", "rid": "inc-1", "stream": true,
+                      "sampling_params": {"max_new_tokens": 3000, "ignore_eos": true, "temperature": 0}});
+    let mut response = sim.post("/generate", body).await;
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        text.push_str(&String::from_utf8_lossy(&within("a first chunk", response.chunk()).await.unwrap().unwrap()));
+    }
+    assert_eq!(sim.post_json("/pause_generation", json!({"mode": "retract"})).await.0, 200);
+    assert_eq!(sim.post_json("/abort_request", json!({"rid": "inc-1"})).await.0, 200);
+    while let Some(bytes) = within("the rest of the stream", response.chunk()).await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&bytes));
+    }
+    let chunks = sse_chunks(&text);
+    let (last, sent) = chunks.split_last().unwrap();
+    assert_eq!(last["meta_info"]["finish_reason"], json!({"type": "abort", "message": "Abort in waiting queue"}));
+    let ids: Vec<Value> = sent.iter().flat_map(|c| c["output_ids"].as_array().unwrap().clone()).collect();
+    assert_eq!(last["output_ids"], json!([ids.last().unwrap()]));
+    let streamed: String = sent.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(last["text"], streamed, "the whole text again");
+    assert_eq!(last["meta_info"]["completion_tokens"], ids.len());
+    assert!(last["meta_info"].get("prompt_tokens").is_none());
+    sim.post_json("/continue_generation", json!({})).await;
 }

@@ -99,7 +99,8 @@ async fn completions_take_strings_lists_and_token_ids_with_n_samples() {
     assert_eq!(two["usage"]["completion_tokens"], 16);
     assert_eq!(two["usage"]["total_tokens"], 21);
     // Token ids; logprobs is an int (the legacy LogProbs shape); echo puts the decoded prompt first.
-    let ids = json!({"prompt": [[100, 200]], "max_tokens": 3, "seed": 1, "logprobs": 2});
+    // Greedy, so the echoed request continues the same way (sampled tokens would be random).
+    let ids = json!({"prompt": [[100, 200]], "max_tokens": 3, "temperature": 0, "logprobs": 2});
     let (_, plain) = sim.post_json("/v1/completions", ids.clone()).await;
     assert_eq!(plain["usage"]["prompt_tokens"], 2);
     let mut echo = ids;
@@ -121,7 +122,11 @@ async fn completions_take_strings_lists_and_token_ids_with_n_samples() {
 #[tokio::test]
 async fn chat_logprobs_stop_strings_and_content_parts() {
     let sim = Sim::start(&[]).await;
-    let body = chat("count for me", json!({"max_tokens": 6, "ignore_eos": true, "logprobs": true, "top_logprobs": 2}));
+    // Greedy: the stop-string request below must produce the same words.
+    let body = chat(
+        "count for me",
+        json!({"max_tokens": 6, "ignore_eos": true, "logprobs": true, "top_logprobs": 2, "temperature": 0}),
+    );
     let (_, full) = sim.post_json("/v1/chat/completions", body).await;
     let content = full["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 6);
@@ -133,7 +138,7 @@ async fn chat_logprobs_stop_strings_and_content_parts() {
     // A stop string ends the answer: finish_reason "stop", matched_stop names it, text trimmed.
     // Content given as a list of text parts renders like the plain string.
     let parts = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "count for me"}]}],
-                       "max_tokens": 6, "ignore_eos": true, "stop": [words[2]]});
+                       "max_tokens": 6, "ignore_eos": true, "stop": [words[2]], "temperature": 0});
     let (_, stopped) = sim.post_json("/v1/chat/completions", parts).await;
     let c = &stopped["choices"][0];
     assert_eq!(c["finish_reason"], "stop");
@@ -144,7 +149,8 @@ async fn chat_logprobs_stop_strings_and_content_parts() {
 #[tokio::test]
 async fn chat_streaming_sends_role_then_deltas_then_finish_then_usage() {
     let sim = Sim::start(&[]).await;
-    let extra = json!({"max_tokens": 4, "ignore_eos": true, "n": 2, "seed": 5});
+    // Greedy, so the streamed answers equal the plain ones.
+    let extra = json!({"max_tokens": 4, "ignore_eos": true, "n": 2, "temperature": 0});
     let (_, plain) = sim.post_json("/v1/chat/completions", chat("stream me", extra.clone())).await;
     let mut body = chat("stream me", extra);
     body["stream"] = json!(true);
@@ -185,7 +191,7 @@ async fn chat_streaming_sends_role_then_deltas_then_finish_then_usage() {
 #[tokio::test]
 async fn completion_streaming_sends_text_chunks_and_an_exclude_none_usage_chunk() {
     let sim = Sim::start(&[]).await;
-    let body = json!({"prompt": "go on", "max_tokens": 3, "ignore_eos": true, "logprobs": 0});
+    let body = json!({"prompt": "go on", "max_tokens": 3, "ignore_eos": true, "logprobs": 0, "temperature": 0});
     let (_, plain) = sim.post_json("/v1/completions", body.clone()).await;
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);

@@ -92,17 +92,30 @@ async fn the_documented_order_updates_the_version() {
 #[tokio::test]
 async fn calls_out_of_order_fail_as_sglang_does() {
     let sim = Sim::start(&[]).await;
-    assert_refused(&sim, "/update_weights_from_distributed", update_body("x"), "/init_weights_update_group").await;
-    assert_refused(&sim, "/end_weight_update", json!({}), "begin_weight_update").await;
+    // SGLang 0.5.23 checks the session first, then (receiving) the group; the messages are its
+    // own (managers/scheduler_components/weight_updater.py:187-197, :306-336).
+    let outside = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()";
+    let (status, out) = sim.post_json("/update_weights_from_distributed", update_body("x")).await;
+    assert_eq!((status, out), (400, json!({"success": false, "message": outside})));
+    let (status, out) = sim.post_json("/end_weight_update", json!({})).await;
+    let none_open = "no weight-update session is open; call begin_weight_update() first";
+    assert_eq!((status, out), (400, json!({"success": false, "message": none_open})));
     let (port, _j) = rank0().await;
     assert_eq!(sim.post_json("/init_weights_update_group", init_body(port, 1, 2)).await.0, 200);
     assert_refused(&sim, "/init_weights_update_group", init_body(port, 1, 2), "already exists").await;
     assert_refused(&sim, "/update_weights_from_distributed", update_body("x"), "begin_weight_update").await;
-    assert_eq!(sim.post_json("/begin_weight_update", json!({})).await.0, 200);
-    assert_refused(&sim, "/begin_weight_update", json!({}), "already open").await;
+    assert_eq!(
+        sim.post_json("/begin_weight_update", json!({})).await,
+        (200, json!({"success": true, "message": "Success"}))
+    );
+    let (status, out) = sim.post_json("/begin_weight_update", json!({})).await;
+    let open = "a weight-update session is already open; call end_weight_update() first";
+    assert_eq!((status, out), (400, json!({"success": false, "message": open})));
     let mut other = update_body("x");
     other["group_name"] = json!("nope");
-    assert_refused(&sim, "/update_weights_from_distributed", other, "not initialized").await;
+    let (status, out) = sim.post_json("/update_weights_from_distributed", other).await;
+    let unknown = "Failed to receive weights: Group nope not in ['g1']. Please call `init_weights_update_group` first.";
+    assert_eq!((status, out), (400, json!({"success": false, "message": unknown})));
     let mut uneven = update_body("x");
     uneven["dtypes"] = json!(["bfloat16"]);
     assert_refused(&sim, "/update_weights_from_distributed", uneven, "equal length").await;
@@ -147,7 +160,7 @@ async fn an_unflushable_cache_fails_the_update_but_keeps_the_weights() {
     // Paused in place: the request keeps its KV, so the cache cannot be flushed.
     assert_eq!(sim.post_json("/pause_generation", json!({"mode": "in_place"})).await.0, 200);
     assert_eq!(sim.post_json("/begin_weight_update", json!({})).await.0, 200);
-    assert_refused(&sim, "/update_weights_from_distributed", update_body("v2"), "cache was not flushed").await;
+    assert_refused(&sim, "/update_weights_from_distributed", update_body("v2"), "the cache was not flushed").await;
     assert_eq!(sim.get_json("/model_info").await["weight_version"], "v2");
     assert_eq!(sim.post_json("/end_weight_update", json!({})).await.0, 200);
     sim.post_json("/abort_request", json!({"abort_all": true})).await;
@@ -246,4 +259,32 @@ async fn finished_answers_carry_their_version_spans_from_0_5_23() {
     let older = Sim::start(&["--sglang-api", "0.5.10.post1"]).await;
     let (_, g) = older.generate(gen_body("spans", 3)).await;
     assert!(g["meta_info"].get("weight_versions").is_none(), "{g}");
+}
+
+/// A seed sends its weights from inside its scheduler's event loop (SGLang 0.5.23
+/// managers/scheduler.py:6095-6100, model_executor/model_runner_components/weight_exporter.py:96-140):
+/// while it sends, what the scheduler answers (`/server_info`'s internal state) waits, while what
+/// the HTTP process answers alone (`/model_info`) does not.
+#[tokio::test]
+async fn a_seed_answers_no_server_info_while_it_sends() {
+    // 2 GB over 8 Gbit/s: two seconds of sending.
+    let seed = Sim::start(&["--weight-bytes", "2000000000", "--transfer-gbps", "8"]).await;
+    let init = json!({"master_address": "127.0.0.1", "ports": "4100", "group_rank": 0, "world_size": 2,
+                      "group_name": "send_weights_10.0.0.3"});
+    assert_eq!(seed.post_json("/init_weights_send_group_for_remote_instance", init).await.0, 200);
+    let (client, url) = (seed.client.clone(), seed.url("/send_weights_to_remote_instance"));
+    let send = tokio::spawn(async move {
+        let body = json!({"master_address": "127.0.0.1", "ports": "4100", "group_name": "send_weights_10.0.0.3"});
+        client.post(url).json(&body).send().await.unwrap().status().as_u16()
+    });
+    let quick = reqwest::Client::builder().timeout(std::time::Duration::from_millis(300)).build().unwrap();
+    within("/server_info to stop answering during the send", async {
+        while quick.get(seed.url("/server_info")).send().await.is_ok() {}
+    })
+    .await;
+    assert!(!send.is_finished(), "the send is still running");
+    assert_eq!(quick.get(seed.url("/model_info")).send().await.unwrap().status(), 200);
+    assert_eq!(within("the send", send).await.unwrap(), 200);
+    let info = seed.get_json("/server_info").await;
+    assert_eq!(info["weight_sync"]["weight_send_groups"]["send_weights_10.0.0.3_4100"]["sends"], 1);
 }

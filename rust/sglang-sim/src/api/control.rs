@@ -17,26 +17,51 @@ pub struct FlushQuery {
     timeout: Option<f64>,
 }
 
-/// `/flush_cache`: empties the prefix cache; 400 while requests are running or queued (after
-/// waiting up to `timeout` seconds for them to drain).
+/// SGLang's answer to a flush that happened (0.5.23 `entrypoints/http_server.py:1025-1040`).
+const FLUSHED: &str = "Cache flushed.\nPlease check backend logs for more details. (When there are running or \
+                       waiting requests, the operation will not be performed.)\n";
+
+/// `/flush_cache` (0.5.23 `entrypoints/http_server.py:1025-1040`,
+/// `managers/scheduler_components/flush_wrapper.py:22-64`, `managers/scheduler.py:5518-5548`):
+/// empties the prefix cache when the schedulers are fully idle. Refused (400) while a request
+/// runs, or waits unless the schedulers are paused: `Flush cache failed.` With `?timeout=S`, a
+/// busy engine is given up to S seconds to become idle (waiting requests counted), else `Timed
+/// out waiting for idle state.`; a second such flush meanwhile is refused at once. The answers
+/// are plain text without a content type, as SGLang's `Response(content=...)`.
 pub async fn flush_cache(State(engine): State<AppState>, q: Result<Query<FlushQuery>, QueryRejection>) -> Response {
     let timeout = match q {
         Ok(Query(q)) => q.timeout.unwrap_or(0.0),
         Err(e) => return validation_error(format!("Invalid query parameters: {e}")),
     };
-    if timeout.is_finite() && timeout > 0.0 {
-        engine.wait_flushable(Duration::from_secs_f64(timeout)).await;
+    if !(timeout.is_finite() && timeout >= 0.0) {
+        return validation_error(format!("timeout: Input should be greater than or equal to 0, got {timeout}"));
+    }
+    // The scheduler answers once it is free (a remote-instance send holds it).
+    engine.shared.wait_unblocked().await;
+    if engine.flush_pending.load(std::sync::atomic::Ordering::Acquire) {
+        return plain(StatusCode::BAD_REQUEST, "Another flush_cache is already in progress.");
+    }
+    if timeout > 0.0 && !engine.is_fully_idle(false) {
+        engine.flush_pending.store(true, std::sync::atomic::Ordering::Release);
+        let idle = engine.wait_fully_idle(Duration::from_secs_f64(timeout)).await;
+        engine.flush_pending.store(false, std::sync::atomic::Ordering::Release);
+        if !idle {
+            engine.shared.note_output();
+            return plain(StatusCode::BAD_REQUEST, "Timed out waiting for idle state.");
+        }
     }
     if engine.flush_cache() {
-        (
-            StatusCode::OK,
-            "Cache flushed.\nPlease check backend logs for more details. (When there are running \
-             or waiting requests, the operation will not be performed.)\n",
-        )
-            .into_response()
+        plain(StatusCode::OK, FLUSHED)
     } else {
-        handler_error(StatusCode::BAD_REQUEST, "Cache not flushed: there are running or waiting requests.")
+        plain(StatusCode::BAD_REQUEST, "Flush cache failed.\n")
     }
+}
+
+/// A text body without a content type.
+fn plain(status: StatusCode, body: &'static str) -> Response {
+    let mut r = Response::new(axum::body::Body::from(body));
+    *r.status_mut() = status;
+    r
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -45,22 +70,22 @@ struct AbortReq {
     rid: Option<String>,
     #[serde(default)]
     abort_all: Option<bool>,
-    #[serde(default)]
-    abort_message: Option<String>,
 }
 
-/// `/abort_request`: aborts one rid (or all); the aborted requests finish with
-/// `finish_reason.type == "abort"`. 200 with an empty body.
+/// `/abort_request` (0.5.23 `entrypoints/http_server.py:1721-1731`): `{"rid"}` is forwarded only
+/// when it is exactly an open request's rid, and then aborts every request whose rid starts
+/// with it; `{"abort_all": true}` aborts everything (see [`crate::engine::Engine::abort_request`]).
+/// Other keys (`abort_message` among them) are ignored. 200 with an empty body in every case.
 pub async fn abort_request(State(engine): State<AppState>, body: Bytes) -> Response {
     let req: AbortReq = match parse_body(&body, true) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let message = req.abort_message.unwrap_or_else(|| "Abort requested by /abort_request.".into());
+    engine.shared.wait_unblocked().await;
     if req.abort_all.unwrap_or(false) {
-        engine.abort_all(&message);
-    } else if let Some(rid) = req.rid.filter(|r| !r.is_empty()) {
-        engine.abort_rid(&rid, &message);
+        engine.abort_all();
+    } else {
+        engine.abort_request(req.rid.as_deref().unwrap_or(""));
     }
     StatusCode::OK.into_response()
 }
@@ -86,7 +111,11 @@ pub async fn pause_generation(State(engine): State<AppState>, body: Bytes) -> Re
     let Some(mode) = PauseMode::parse(&mode_name) else {
         return validation_error(format!("Input should be 'abort', 'retract' or 'in_place', got {mode_name:?}"));
     };
-    engine.pause(mode);
+    if mode != PauseMode::Abort {
+        // The schedulers take the pause when they are free.
+        engine.shared.wait_unblocked().await;
+    }
+    engine.pause(mode).await;
     tracing::info!(port = engine.port, mode = mode_name, "generation paused");
     json_ok(json!({"message": "Generation paused successfully.", "status": "ok"}))
 }
@@ -115,7 +144,7 @@ pub async fn update_weight_version(State(engine): State<AppState>, body: Bytes) 
         Err(e) => return e.into_response(),
     };
     if req.abort_all_requests.unwrap_or(true) {
-        engine.abort_all("Abort for weight version update.");
+        engine.abort_all();
     }
     engine.shared.set_version(&req.new_version);
     tracing::info!(port = engine.port, version = req.new_version, "weight version updated");
@@ -150,7 +179,7 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
     };
     let started = Instant::now();
     if req.abort_all_requests.unwrap_or(false) {
-        engine.abort_all("Abort for weight update.");
+        engine.abort_all();
     }
     let paused = engine.shared.is_paused();
     let num_paused_requests =
@@ -187,14 +216,29 @@ pub async fn update_weights_from_disk(State(engine): State<AppState>, body: Byte
     }
     let checksum = info.checksum.clone();
     engine.set_weights(info);
+    if let Some(v) = &req.weight_version {
+        engine.shared.set_version(v);
+    }
+    // A flush the schedulers refuse (a request still running, e.g. paused in place) fails the
+    // call though the weights changed; the server is then not renamed (SGLang 0.5.23
+    // `managers/scheduler_components/weight_updater.py:120-160`,
+    // `managers/tokenizer_manager.py:2375-2392`).
+    if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
+        tracing::warn!(port = engine.port, path = req.model_path, "weights updated from disk, cache not flushed");
+        return (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({
+                "success": false,
+                "message": super::weight_sync::NOT_FLUSHED,
+                "num_paused_requests": num_paused_requests,
+            })),
+        )
+            .into_response();
+    }
     // The server now answers under the checkpoint's path, whatever --served-model-name said.
     engine.set_loaded_from(&req.model_path, &load_format);
     let mut message = String::from("Succeeded to update model weights.");
-    if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
-        message.push_str(" The cache was not flushed because requests are running or waiting.");
-    }
     if let Some(v) = &req.weight_version {
-        engine.shared.set_version(v);
         message.push_str(&format!(" Weight version updated to {v}."));
     }
     engine.metrics.set_weight_load_duration(started.elapsed());

@@ -4,7 +4,7 @@ use super::generate_input::{plan, Item, Plan};
 use super::{handler_error, json_bytes, AppState};
 use crate::engine::{Engine, NewRequestParts};
 use crate::faults::{self, Admission, FaultKind};
-use crate::generator::{self, FinishReason, GenState, VersionSpan};
+use crate::generator::{self, FinishReason, GenState, VersionInfo, VersionSpan};
 use crate::metrics::RequestRecord;
 use crate::scheduler::{Finished, Update};
 use crate::tokenizer;
@@ -23,6 +23,8 @@ struct OutputView<'a> {
     item: &'a Item,
     /// Output ids to put in this chunk, starting at output position `offset`.
     ids: &'a [u32],
+    /// For each of `ids`: the context hash it was produced from and its logprob.
+    trace: &'a [(u64, f64)],
     offset: usize,
     text: &'a str,
     finish: Option<&'a FinishReason>,
@@ -38,7 +40,7 @@ impl<'a> OutputView<'a> {
     /// An unfinished output (a stream chunk) with nothing cached.
     fn partial(
         item: &'a Item,
-        ids: &'a [u32],
+        (ids, trace): (&'a [u32], &'a [(u64, f64)]),
         offset: usize,
         text: &'a str,
         version: &'a str,
@@ -47,6 +49,7 @@ impl<'a> OutputView<'a> {
         Self {
             item,
             ids,
+            trace,
             offset,
             text,
             finish: None,
@@ -65,18 +68,24 @@ fn logprob_entry(lp: Option<f64>, id: u32, with_text: bool) -> Value {
     json!([lp, id, text])
 }
 
-fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
+fn render(v: &OutputView<'_>, plan: &Plan, version: &VersionInfo) -> Value {
     let item = v.item;
     let completion = v.offset + v.ids.len();
+    let waiting_abort = matches!(v.finish, Some(FinishReason::WaitingAbort(_)));
     let mut meta = Map::new();
     meta.insert("id".into(), Value::from(item.rid.as_str()));
     meta.insert("finish_reason".into(), v.finish.map_or(Value::Null, FinishReason::to_json));
-    meta.insert("prompt_tokens".into(), Value::from(item.prompt.len()));
-    meta.insert("completion_tokens".into(), Value::from(completion));
-    meta.insert("cached_tokens".into(), Value::from(v.cached_tokens));
-    meta.insert("reasoning_tokens".into(), Value::from(0));
-    meta.insert("num_retractions".into(), Value::from(v.retractions));
+    if !waiting_abort {
+        meta.insert("prompt_tokens".into(), Value::from(item.prompt.len()));
+        meta.insert("completion_tokens".into(), Value::from(completion));
+        meta.insert("cached_tokens".into(), Value::from(v.cached_tokens));
+        meta.insert("reasoning_tokens".into(), Value::from(0));
+        meta.insert("num_retractions".into(), Value::from(v.retractions));
+    }
     meta.insert("weight_version".into(), Value::from(v.version));
+    if let Some(e2e) = v.e2e {
+        meta.insert("e2e_latency".into(), Value::from(e2e));
+    }
     if v.spans.len() > 1 || (plan.spans_on_finish && v.finish.is_some()) {
         let mut spans: Vec<Value> =
             v.spans.iter().map(|s| json!({"version": &*s.version, "start": s.start, "end": s.end})).collect();
@@ -85,55 +94,41 @@ fn render(v: &OutputView<'_>, plan: &Plan) -> Value {
         }
         meta.insert("weight_versions".into(), Value::Array(spans));
     }
-    if let Some(e2e) = v.e2e {
-        meta.insert("e2e_latency".into(), Value::from(e2e));
+    if waiting_abort {
+        // The front end's own answer to an abort in the waiting queue (0.5.23
+        // `managers/tokenizer_manager.py:3577-3640`): no scheduler counts.
+        meta.insert("completion_tokens".into(), Value::from(completion));
     }
     if item.return_logprob {
-        let ph = generator::hash_ids(&item.prompt);
         let with_text = plan.text_in_logprobs;
-        let out_lps: Vec<(usize, u32, f64)> = v
-            .ids
-            .iter()
-            .enumerate()
-            .map(|(i, id)| (v.offset + i, *id, generator::output_logprob(ph, v.offset + i, *id)))
-            .collect();
+        let out_lps: Vec<(u64, u32, f64)> = v.ids.iter().zip(v.trace).map(|(id, (ctx, lp))| (*ctx, *id, *lp)).collect();
         meta.insert(
             "output_token_logprobs".into(),
             out_lps.iter().map(|(_, id, lp)| logprob_entry(Some(*lp), *id, with_text)).collect(),
         );
-        let start = usize::try_from(item.logprob_start_len).ok();
-        let input: Vec<(usize, u32, Option<f64>)> = match start {
-            Some(s) if v.offset == 0 => item
-                .prompt
-                .iter()
-                .enumerate()
-                .skip(s)
-                .map(|(i, id)| {
-                    let lp = (i > 0).then(|| generator::input_logprob(item.prompt[i - 1], i, *id));
-                    (i, *id, lp)
-                })
-                .collect(),
+        let input = match usize::try_from(item.logprob_start_len) {
+            Ok(start) if v.offset == 0 => generator::input_logprobs(&item.prompt, start, version.hash),
             _ => Vec::new(),
         };
         meta.insert(
             "input_token_logprobs".into(),
-            input.iter().map(|(_, id, lp)| logprob_entry(*lp, *id, with_text)).collect(),
+            input.iter().map(|(_, id, lp, _)| logprob_entry(*lp, *id, with_text)).collect(),
         );
         if item.top_logprobs_num > 0 {
             let k = item.top_logprobs_num;
-            let top = |seed: u64, id: u32, lp: f64| -> Value {
-                generator::top_logprobs(seed, id, lp, k)
+            let top = |ctx: u64, id: u32, lp: f64| -> Value {
+                generator::top_logprobs(ctx, id, lp, k)
                     .into_iter()
                     .map(|(lp, id)| logprob_entry(Some(lp), id, with_text))
                     .collect()
             };
             meta.insert(
                 "output_top_logprobs".into(),
-                out_lps.iter().map(|(pos, id, lp)| top(ph ^ *pos as u64, *id, *lp)).collect(),
+                out_lps.iter().map(|(ctx, id, lp)| top(*ctx, *id, *lp)).collect(),
             );
             meta.insert(
                 "input_top_logprobs".into(),
-                input.iter().map(|(pos, id, lp)| lp.map_or(Value::Null, |lp| top(*pos as u64, *id, lp))).collect(),
+                input.iter().map(|(_, id, lp, ctx)| lp.map_or(Value::Null, |lp| top(*ctx, *id, lp))).collect(),
             );
         }
     }
@@ -209,6 +204,8 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    // Open from here (before any pause wait), as SGLang's `rid_to_state` entries are.
+    let mut live: Vec<_> = plan.items.iter().map(|it| engine.register_rid(&it.rid)).collect();
     if engine.shared.is_paused() {
         engine.paused_waiters.fetch_add(1, Ordering::AcqRel);
         let _waiter = PausedWaiter(&engine);
@@ -225,12 +222,17 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
     let handles: Vec<_> = plan
         .items
         .iter()
-        .map(|it| {
-            let gen = GenState::new(&it.prompt, &it.params, it.sample, it.max_new, engine.cfg.eos_prob);
-            engine.submit(
-                rank.clone(),
-                NewRequestParts { rid: it.rid.clone(), prompt: it.prompt.to_vec(), gen, stream: plan.stream },
-            )
+        .zip(live.drain(..))
+        .map(|(it, live)| {
+            let gen = GenState::new(&it.prompt, &it.params, it.seed, it.max_new, engine.cfg.eos_prob);
+            let parts = NewRequestParts {
+                rid: it.rid.clone(),
+                prompt: it.prompt.to_vec(),
+                gen,
+                stream: plan.stream,
+                stream_interval: it.params.stream_interval,
+            };
+            engine.submit(rank.clone(), parts, live)
         })
         .collect();
     if plan.stream {
@@ -253,6 +255,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
             &OutputView {
                 item,
                 ids: &f.gen.output,
+                trace: &f.gen.trace,
                 offset: 0,
                 text: &text,
                 finish: Some(&f.reason),
@@ -264,6 +267,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, fault: Option<Arc<FaultSlot>>) 
                 index: None,
             },
             &plan,
+            &version,
         ));
     }
     respond(&plan, outs)
@@ -287,7 +291,6 @@ fn record(engine: &Engine, plan: &Plan, item: &Item, f: &Finished, streaming: bo
         completion_tokens: f.gen.output.len(),
         cached_tokens: f.cached_tokens,
         streaming,
-        aborted: f.reason.is_abort(),
         e2e,
         queue_time: f.queue_time,
         ttft: f.time_to_first_token,
@@ -300,10 +303,12 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
     let incremental = engine.cfg.incremental_streaming_output;
     let mut outs = Vec::with_capacity(plan.items.len());
     let mut sse = String::new();
+    let rule = engine.cfg.sglang_api.stream_rule();
     for (i, item) in plan.items.iter().enumerate() {
-        let mut gen = GenState::new(&item.prompt, &item.params, item.sample, item.max_new, engine.cfg.eos_prob);
+        let mut gen = GenState::new(&item.prompt, &item.params, item.seed, item.max_new, engine.cfg.eos_prob);
         let index = plan.batch.then_some(i);
-        // Streaming: one chunk per token, as the scheduled engine sends.
+        let interval = item.params.stream_interval.unwrap_or(engine.cfg.stream_interval);
+        // Streaming: the chunks the scheduled engine sends (see `scheduler.rs`).
         let mut text_so_far = String::new();
         let (mut sent_ids, mut sent_text) = (0, 0);
         let reason = match gen.finished_before_start() {
@@ -315,10 +320,21 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
                 if plan.stream {
                     let id = gen.output.last().copied().unwrap_or(0);
                     tokenizer::push_token_text(&mut text_so_far, id, item.params.skip_special_tokens);
+                    if !rule.should_send(gen.output.len(), sent_ids, interval) || gen.holds_stop_prefix() {
+                        continue;
+                    }
                     let (fi, ft) = if incremental { (sent_ids, sent_text) } else { (0, 0) };
                     let chunk = render(
-                        &OutputView::partial(item, &gen.output[fi..], fi, &text_so_far[ft..], &version.name, index),
+                        &OutputView::partial(
+                            item,
+                            (&gen.output[fi..], &gen.trace[fi..]),
+                            fi,
+                            &text_so_far[ft..],
+                            &version.name,
+                            index,
+                        ),
                         plan,
+                        &version,
                     );
                     push_sse(&mut sse, &chunk);
                     (sent_ids, sent_text) = (gen.output.len(), text_so_far.len());
@@ -340,9 +356,17 @@ fn serve_zero_cost(engine: &Engine, plan: &Plan, started: Instant) -> Response {
                 finish: Some(&reason),
                 spans: &gen.spans,
                 e2e: Some(e2e.as_secs_f64()),
-                ..OutputView::partial(item, &gen.output[fi..], fi, &text[ft..], &version.name, index)
+                ..OutputView::partial(
+                    item,
+                    (&gen.output[fi..], &gen.trace[fi..]),
+                    fi,
+                    &text[ft..],
+                    &version.name,
+                    index,
+                )
             },
             plan,
+            &version,
         );
         let f = Finished {
             reason,
@@ -381,6 +405,7 @@ fn sse_response(body: Body) -> Response {
 /// Per-output streaming state.
 struct StreamState {
     ids: Vec<u32>,
+    trace: Vec<(u64, f64)>,
     text: String,
     sent_ids: usize,
     sent_text: usize,
@@ -404,7 +429,7 @@ fn stream(
         let mut states: Vec<StreamState> = plan
             .items
             .iter()
-            .map(|_| StreamState { ids: Vec::new(), text: String::new(), sent_ids: 0, sent_text: 0 })
+            .map(|_| StreamState { ids: Vec::new(), trace: Vec::new(), text: String::new(), sent_ids: 0, sent_text: 0 })
             .collect();
         let mut cached = vec![0usize; plan.items.len()];
         let mut updates = futures::stream::select_all(handles.into_iter().enumerate().map(|(i, h)| {
@@ -417,12 +442,13 @@ fn stream(
             let st = &mut states[i];
             let version = engine.shared.version();
             let (chunk, finished) = match update {
-                Update::Tokens { ids, cached_tokens } => {
+                Update::Tokens { ids, trace, cached_tokens } => {
                     cached[i] = cached_tokens;
                     for id in &ids {
                         tokenizer::push_token_text(&mut st.text, *id, item.params.skip_special_tokens);
                     }
                     st.ids.extend_from_slice(&ids);
+                    st.trace.extend_from_slice(&trace);
                     (None, None)
                 }
                 Update::Finished(f) => {
@@ -430,12 +456,22 @@ fn stream(
                     let e2e = started.elapsed();
                     record(&engine, &plan, item, &f, true, e2e);
                     st.ids = f.gen.output.clone();
+                    st.trace = f.gen.trace.clone();
                     st.text = f.gen.text();
                     (Some(e2e.as_secs_f64()), Some(f))
                 }
             };
-            let (from_ids, from_text) =
-                if incremental { (st.sent_ids.min(st.ids.len()), st.sent_text.min(st.text.len())) } else { (0, 0) };
+            let waiting_abort = finished.as_ref().is_some_and(|f| matches!(f.reason, FinishReason::WaitingAbort(_)));
+            let (from_ids, from_text) = if incremental && waiting_abort {
+                // SGLang's front end answers an incremental stream's abort in the waiting queue
+                // with the last token it had again and the whole text (0.5.23
+                // `managers/tokenizer_manager.py:3629-3635`).
+                (st.ids.len().saturating_sub(1), 0)
+            } else if incremental {
+                (st.sent_ids.min(st.ids.len()), st.sent_text.min(st.text.len()))
+            } else {
+                (0, 0)
+            };
             let text_from = if st.text.is_char_boundary(from_text) { from_text } else { 0 };
             let spans = finished.as_ref().map_or(&[][..], |f| &f.gen.spans[..]);
             let v = spans.last().map_or(&*version.name, |s| &*s.version);
@@ -443,6 +479,7 @@ fn stream(
                 &OutputView {
                     item,
                     ids: &st.ids[from_ids..],
+                    trace: &st.trace[from_ids.min(st.trace.len())..],
                     offset: from_ids,
                     text: &st.text[text_from..],
                     finish: finished.as_ref().map(|f| &f.reason),
@@ -454,6 +491,7 @@ fn stream(
                     index: plan.batch.then_some(i),
                 },
                 &plan,
+                &version,
             );
             st.sent_ids = st.ids.len();
             st.sent_text = st.text.len();

@@ -64,7 +64,8 @@ pub(super) struct Item {
     pub(super) rid: String,
     pub(super) prompt: Arc<Vec<u32>>,
     pub(super) params: SamplingParams,
-    pub(super) sample: u32,
+    /// The sampler's seed for this output ([`SamplingParams::seed_for`]).
+    pub(super) seed: u64,
     pub(super) max_new: u32,
     pub(super) return_logprob: bool,
     pub(super) logprob_start_len: i64,
@@ -132,8 +133,21 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
 
     let cfg = &engine.cfg;
     let total: usize = params.iter().map(|p| p.n as usize).sum();
+    let fresh = |n: usize| (0..n).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect::<Vec<_>>();
     let rids: Vec<String> = match &req.rid {
-        None => (0..total).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect(),
+        // Parallel sampling: every sample is sent under a fresh rid, whatever the client sent
+        // (a list still needs one rid per prompt); the client's rid names none of them, so an
+        // abort by it reaches nothing (sglang 0.5.23 managers/tokenizer_manager.py:2160-2180,
+        // managers/io_struct.py:382-388, :759-772).
+        Some(OneOrList::List(list)) if total > prompts.len() && list.len() != prompts.len() => {
+            return Err(bad(format!(
+                "The number of rids ({}) does not match the batch size ({}).",
+                list.len(),
+                prompts.len()
+            )));
+        }
+        _ if total > prompts.len() => fresh(total),
+        None => fresh(total),
         Some(OneOrList::One(r)) if !batch && total == 1 => vec![r.clone()],
         Some(OneOrList::One(r)) => (0..total).map(|i| format!("{r}_{i}")).collect(),
         Some(OneOrList::List(list)) => {
@@ -173,12 +187,12 @@ pub(super) fn plan(engine: &Engine, body: &Bytes) -> Result<Plan, ApiError> {
         let max_new = p.max_new_tokens.map_or(room, |m| (m as usize).min(room));
         let max_new = u32::try_from(max_new).unwrap_or(u32::MAX);
         let prompt = Arc::new(prompt);
-        for sample in 0..p.n {
+        for _ in 0..p.n {
             items.push(Item {
                 rid: rid_iter.next().unwrap_or_default(),
                 prompt: prompt.clone(),
+                seed: p.seed_for(cfg.enable_deterministic_inference),
                 params: p.clone(),
-                sample,
                 max_new,
                 return_logprob: req.return_logprob.as_ref().and_then(|r| r.get(i)).unwrap_or(false),
                 logprob_start_len: req.logprob_start_len.as_ref().and_then(|r| r.get(i)).unwrap_or(-1),

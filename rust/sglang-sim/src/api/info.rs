@@ -135,6 +135,10 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
         // Its internal state comes from the scheduler, which never answers.
         return std::future::pending().await;
     }
+    // ... and comes once the scheduler is free (a remote-instance send holds it); the reply is
+    // a scheduler message, which the health check hears.
+    engine.shared.wait_unblocked().await;
+    engine.shared.note_output();
     let cfg = &engine.cfg;
     let loads = engine.loads();
     let w = engine.weights();
@@ -169,6 +173,8 @@ pub async fn server_info(State(engine): State<AppState>) -> Response {
         "gpu_id_step": cfg.gpu_id_step,
         "disable_radix_cache": cfg.disable_radix_cache,
         "incremental_streaming_output": cfg.incremental_streaming_output,
+        "stream_interval": cfg.stream_interval,
+        "enable_deterministic_inference": cfg.enable_deterministic_inference,
         "random_seed": cfg.random_seed,
         "api_key": cfg.api_key.as_ref().map(|_| "<redacted>"),
         "admin_api_key": cfg.admin_api_key.as_ref().map(|_| "<redacted>"),

@@ -177,7 +177,7 @@ pub async fn begin_weight_update(State(engine): State<AppState>, b: Bytes) -> Re
         Err(e) => return e.into_response(),
     };
     match engine.weight_sync.begin(&sel) {
-        Ok(()) => ok("Weight update session started."),
+        Ok(()) => ok("Success"),
         Err(e) => fail(e),
     }
 }
@@ -188,7 +188,7 @@ pub async fn end_weight_update(State(engine): State<AppState>, b: Bytes) -> Resp
         return e.into_response();
     }
     match engine.weight_sync.end() {
-        Ok(()) => ok("Weight update session ended."),
+        Ok(()) => ok("Success"),
         Err(e) => fail(e),
     }
 }
@@ -212,8 +212,17 @@ struct DistributedReq {
     selector: Option<String>,
 }
 
+/// SGLang 0.5.23's answer when a weight update cannot flush the cache the old weights made:
+/// the update call fails though the weights changed (`managers/scheduler_components/weight_updater.py:120-133`).
+pub const NOT_FLUSHED: &str = "Weights were updated, but the cache was not flushed because requests are still \
+                               running or queued. Retract or finish them, then call /flush_cache.";
+
 /// `/update_weights_from_distributed`: "receives" the named tensors from rank 0 of the group
-/// (the simulator records their count; no bytes move) and sets `weight_version`.
+/// (the simulator records their count; no bytes move) and sets `weight_version`, in SGLang
+/// 0.5.23's order (`managers/tokenizer_control_mixin.py:503-533`,
+/// `managers/scheduler_components/weight_updater.py:187-230`): abort if asked; unless paused,
+/// wait for in-flight requests; outside a begin/end session (0.5.21 on) fail; receive (an
+/// unknown group fails there); load; flush.
 pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: Bytes) -> Response {
     let req: DistributedReq = match body(&b) {
         Ok(r) => r,
@@ -224,40 +233,31 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
     }
     let started = Instant::now();
     let name = req.group_name.clone().unwrap_or_else(|| UPDATE_GROUP.into());
-    if req.names.is_empty() || req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
-        return fail(format!(
-            "names, dtypes and shapes must be non-empty and of equal length (got {}, {}, {}).",
-            req.names.len(),
-            req.dtypes.len(),
-            req.shapes.len()
-        ));
+    if req.abort_all_requests.unwrap_or(false) {
+        engine.abort_all();
     }
-    if let Some(bad) = req.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
-        return fail(format!("Unknown dtype {bad:?}; expected a torch dtype name such as bfloat16."));
-    }
-    if let Some(f) = req.load_format.as_deref().filter(|f| *f != "flattened_bucket") {
-        return fail(format!(
-            "Unsupported load_format {f:?} for distributed updates (use flattened_bucket or omit it)."
-        ));
-    }
-    let Some(group) = engine.weight_sync.group(&name) else {
-        return fail(format!(
-            "Weight update group {name:?} is not initialized on this engine; call /init_weights_update_group first."
-        ));
-    };
+    // Unless paused, the update waits for in-flight requests (and holds new ones) like SGLang.
+    let _exclusive = if engine.shared.is_paused() { None } else { Some(engine.model_update_lock.write().await) };
+    engine.shared.wait_unblocked().await;
     // The session exists from 0.5.21 on; older releases update without one.
     if engine.cfg.sglang_api.serves("/begin_weight_update") && engine.weight_sync.session().is_none() {
-        return fail(
-            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update(); \
-             call /begin_weight_update first.",
-        );
+        engine.shared.note_output();
+        return fail(crate::weight_sync::OUTSIDE_SESSION);
     }
+    if let Err(e) = check_tensors(&req) {
+        return fail(format!("Failed to receive weights: {e}"));
+    }
+    let Some(group) = engine.weight_sync.group(&name) else {
+        let known: Vec<String> = engine.weight_sync.group_names().iter().map(|g| format!("'{g}'")).collect();
+        return fail(format!(
+            "Failed to receive weights: Group {name} not in [{}]. Please call `init_weights_update_group` first.",
+            known.join(", ")
+        ));
+    };
     // The tensors come from rank 0's broadcast: wait for it, as SGLang's receiving ranks do.
     let line = json!({"group_name": name, "rank_offset": group.rank_offset, "engine_port": engine.port});
     if let Err(e) = receive_broadcast(&group.master_address, group.master_port, &line, &req.names).await {
         tracing::warn!(port = engine.port, group = name, error = e, "distributed weight update failed");
-        // SGLang 0.5.23's words (managers/scheduler_components/weight_updater.py): the receive
-        // failed before anything was loaded.
         return fail(format!("Failed to receive weights: group {name}: {e}"));
     }
     // The transfer model: every rank of a broadcast receives this call's tensors in the time
@@ -266,29 +266,45 @@ pub async fn update_weights_from_distributed(State(engine): State<AppState>, b: 
     if !transfer.is_zero() {
         tokio::time::sleep(transfer).await;
     }
-    if req.abort_all_requests.unwrap_or(false) {
-        engine.abort_all("Abort for weight update.");
-    }
-    // Unless paused, the update waits for in-flight requests (and holds new ones) like SGLang.
-    let _exclusive = if engine.shared.is_paused() { None } else { Some(engine.model_update_lock.write().await) };
     if engine.cfg.weight_load_delay > 0.0 {
         tokio::time::sleep(Duration::from_secs_f64(engine.cfg.weight_load_delay)).await;
     }
     engine.set_weights(WeightsInfo { num_tensors: req.names.len(), ..WeightsInfo::default() });
-    let mut message = format!("Succeeded to update {} tensors from group {name}.", req.names.len());
     if let Some(v) = &req.weight_version {
         engine.shared.set_version(v);
-        message.push_str(&format!(" Weight version updated to {v}."));
     }
     engine.metrics.set_weight_load_duration(started.elapsed());
     tracing::info!(port = engine.port, group = name, tensors = req.names.len(), "weights updated from distributed");
     if req.flush_cache.unwrap_or(true) && !engine.flush_cache() {
-        return fail(format!(
-            "{message} But the cache was not flushed: requests are running or waiting \
-             (pause generation before updating)."
-        ));
+        return fail(NOT_FLUSHED);
+    }
+    engine.shared.note_output();
+    let mut message = String::from("Succeeded to update parameter online.");
+    if let Some(v) = &req.weight_version {
+        message.push_str(&format!(" Weight version updated to {v}."));
     }
     ok(message)
+}
+
+/// The simulator's own checks of what a broadcast would carry.
+fn check_tensors(req: &DistributedReq) -> Result<(), String> {
+    if req.names.is_empty() || req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
+        return Err(format!(
+            "names, dtypes and shapes must be non-empty and of equal length (got {}, {}, {}).",
+            req.names.len(),
+            req.dtypes.len(),
+            req.shapes.len()
+        ));
+    }
+    if let Some(bad) = req.dtypes.iter().find(|d| !DTYPES.contains(&d.as_str())) {
+        return Err(format!("Unknown dtype {bad:?}; expected a torch dtype name such as bfloat16."));
+    }
+    if let Some(f) = req.load_format.as_deref().filter(|f| *f != "flattened_bucket") {
+        return Err(format!(
+            "Unsupported load_format {f:?} for distributed updates (use flattened_bucket or omit it)."
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -343,7 +359,15 @@ pub async fn init_weights_send_group_for_remote_instance(State(engine): State<Ap
         backend: req.backend.unwrap_or_else(|| "nccl".into()),
         sends: 0,
     };
-    engine.weight_sync.set_send_group(&name, g);
+    {
+        // SGLang's scheduler joins the group (a barrier with the receiver) in its event loop:
+        // one remote-instance call at a time, the scheduler busy meanwhile. The receiver here is
+        // the caller, so the join is immediate.
+        let _one_at_a_time = engine.send_lock.lock().await;
+        let _busy = engine.shared.block();
+        engine.weight_sync.set_send_group(&name, g);
+    }
+    engine.shared.note_output();
     tracing::info!(port = engine.port, group = name, "send group for a remote instance initialized");
     ok(format!("Succeeded to init send group {name}."))
 }
@@ -369,14 +393,25 @@ pub async fn send_weights_to_remote_instance(State(engine): State<AppState>, b: 
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    match engine.weight_sync.record_send(&name, &req.master_address, &ports) {
+    // One at a time; SGLang broadcasts every parameter from inside the scheduler's event loop
+    // (0.5.23 `managers/scheduler.py:6095-6100`,
+    // `model_executor/model_runner_components/weight_exporter.py:96-140`), so for the transfer
+    // time (the transfer model) the seed makes no step and answers nothing its scheduler must
+    // answer (`/server_info`, `/flush_cache`, aborts, the health check's output).
+    let sending = engine.send_lock.lock().await;
+    let busy = engine.shared.block();
+    let recorded = engine.weight_sync.record_send(&name, &req.master_address, &ports);
+    if recorded.is_ok() {
+        let transfer = engine.cfg.transfer_time();
+        if !transfer.is_zero() {
+            tokio::time::sleep(transfer).await;
+        }
+    }
+    drop(busy);
+    drop(sending);
+    engine.shared.note_output();
+    match recorded {
         Ok(g) => {
-            // The transfer model: one send at a time per seed, each one transfer time long.
-            let transfer = engine.cfg.transfer_time();
-            if !transfer.is_zero() {
-                let _sending = engine.send_lock.lock().await;
-                tokio::time::sleep(transfer).await;
-            }
             let w = engine.weights();
             tracing::info!(port = engine.port, group = name, sends = g.sends, "weights sent to a remote instance");
             json_ok(json!({

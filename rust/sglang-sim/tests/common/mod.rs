@@ -191,8 +191,10 @@ pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
 }
 
 /// A generate body with `ignore_eos` so the output length is exactly `max_new_tokens`.
+/// A greedy request (so equal requests give equal tokens; sampled ones are random unless the
+/// engine runs with `--enable-deterministic-inference`).
 pub fn gen_body(text: &str, max_new_tokens: u64) -> Value {
-    json!({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": true}})
+    json!({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": true, "temperature": 0}})
 }
 
 /// A minimal valid safetensors file with one F32 tensor of `n` elements.
