@@ -6,7 +6,9 @@ where it ran (``meta_info.moves``, ``meta_info.engines``).
 
 Real manager, real sglang-sim engines (time scale 1, 40 tokens/s) through the router. Tail
 moves and preemption are opt-in (``--move-tail true``); the tests of other moves leave them off,
-so that each sees only the moves it is about.
+so that each sees only the moves it is about. Requests are greedy: the simulator's next token
+is a function of the whole context, as a model's is, so a correct move gives exactly the answer
+the request gets unmoved (:func:`unmoved_answer`), which the tests assert.
 """
 
 from __future__ import annotations
@@ -41,12 +43,23 @@ def post(
 ) -> tuple[httpclient.HTTPConnection, Any]:
     parsed = urllib.parse.urlsplit(fleet.router_url)
     conn = httpclient.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=120)
-    body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
+    body = {"input_ids": prompt, "stream": stream, "sampling_params": greedy(budget)}
     sent = {"Content-Type": "application/json", **(headers or {})}
     conn.request("POST", "/generate", body=json.dumps(body), headers=sent)
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:300]
     return conn, resp
+
+
+def greedy(budget: int = BUDGET) -> dict[str, Any]:
+    return {"max_new_tokens": budget, "ignore_eos": True, "temperature": 0}
+
+
+def unmoved_answer(fleet: ManagerHandle, engine_id: str, prompt: list[int], budget: int = BUDGET) -> list[int]:
+    """The answer `prompt` gets from one engine, asked directly (so never moved)."""
+    body = {"input_ids": prompt, "sampling_params": greedy(budget)}
+    answer = http("POST", f"{engine_of(fleet, engine_id).url}/generate", body, timeout=120).json()
+    return [int(i) for i in answer["output_ids"]]
 
 
 def events(resp: Any, on_event: Callable[[int], None] = lambda n: None) -> list[dict[str, Any]]:
@@ -152,6 +165,9 @@ def test_a_scale_in_moves_running_requests_and_cuts_nothing(start_fleet: StartMa
         assert [m["reason"] for m in meta["moves"]] == ["drain"], meta["moves"]
         assert meta["engines"][0] == victim and victim not in meta["engines"][1:], meta["engines"]
         assert 0 <= meta["moves"][0]["at_token"] < BUDGET
+    # Moved or not, each answer is the one its request gets unmoved: every token once, in order.
+    assert [r["answer"]["output_ids"] for r in results] == [unmoved_answer(fleet, "engine_0", p) for p in prompts]
+    assert any(r["answer"]["meta_info"]["moves"][0]["at_token"] > 0 for r in moved), "a move mid-answer"
     unmoved = next(r for r in results if not r["answer"]["meta_info"].get("moves"))
     extra = set(moved[0]["answer"]["meta_info"]) - set(unmoved["answer"]["meta_info"])
     assert extra == {"moves", "engines"}, extra
@@ -268,6 +284,7 @@ def test_a_stream_whose_engine_dies_continues_on_another(start_fleet: StartManag
     meta = got[-1]["meta_info"]
     assert [m["reason"] for m in meta["moves"]] == ["lost"], meta
     assert meta["engines"][0] == engine.engine_id and len(meta["engines"]) == 2, meta
+    assert got[-1]["output_ids"] == unmoved_answer(fleet, meta["engines"][1], prompt)
 
 
 def test_a_request_never_continues_on_another_weight_version(start_fleet: StartManager, tmp_path: Path) -> None:
@@ -430,9 +447,11 @@ def test_text_prompts_move_with_the_ids_their_first_engine_made(start_fleet: Sta
             conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             assert resp.status == 200, resp.read()[:300]
+            # A stream's head names the engine it started on, a whole answer's the one it ended on.
             engine = resp.getheader("x-rollout-engine-id")
             if not stream:
-                return {"answer": json.loads(resp.read()), "events": [], "engine": engine}
+                answer = json.loads(resp.read())
+                return {"answer": answer, "events": [], "engine": answer["meta_info"].get("engines", [engine])[0]}
             got = events(resp)
             return {"answer": got[-1], "events": got, "engine": engine}
         finally:

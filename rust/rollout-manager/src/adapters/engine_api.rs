@@ -134,9 +134,11 @@ pub struct DiskLoad {
     pub path: String,
     pub version: String,
     pub abort_all: bool,
-    /// Flush the engine's prefix cache with the load. SGLang refuses the flush while requests
-    /// run (an `in_place` pause keeps them in the batch): it then answers 400 "Weights were
-    /// updated, but the cache was not flushed", so those loads do not ask for it.
+    /// Flush the engine's prefix cache with the load. SGLang refuses the flush while any request
+    /// runs or waits (a health check's one-token generation, a stream whose client just left, an
+    /// `in_place` pause's batch) and then answers 400 "Weights were updated, but the cache was
+    /// not flushed": the manager loads without it and flushes on its own
+    /// (`Manager::load_checkpoint`).
     pub flush_cache: bool,
     pub timeout: Duration,
 }

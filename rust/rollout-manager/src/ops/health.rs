@@ -130,10 +130,15 @@ async fn probe<'a>(manager: &Arc<Manager>, targets: &'a [(EngineId, Incarnation)
         if manager.config.health_pause_grace_secs <= 0.0 {
             return (id, at, health.await, false);
         }
-        // Beside it, whether the scheduler answers control calls: if the generation probe fails
-        // and this answers, generation is paused. Asked at the same time, so a hung engine costs
-        // one probe timeout per round, not two.
-        let (failure, scheduler) = tokio::join!(health, manager.engine_api.scheduler_answers(&at.url, timeout));
+        // Then, only if it failed, whether the scheduler answers control calls: if it does,
+        // generation is paused. Not at the same time: SGLang's health check passes on any message
+        // of the scheduler's while it waits (http_server.py, 0.5.23), so a control answer would
+        // make a paused engine's probe pass. A hung engine costs two timeouts per round.
+        let failure = health.await;
+        let scheduler = match failure {
+            Some(_) => manager.engine_api.scheduler_answers(&at.url, timeout).await,
+            None => false,
+        };
         (id, at, failure, scheduler)
     }));
     let (results, reported) = tokio::join!(probed, reported);

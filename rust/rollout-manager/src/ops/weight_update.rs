@@ -379,10 +379,10 @@ async fn turn(
             path: path.clone(),
             version: want.version.clone(),
             abort_all: abort,
-            flush_cache: !in_place,
+            flush_cache: false,
             timeout: Duration::from_secs_f64(manager.config.weight_update_timeout_secs),
         };
-        let loaded = manager.engine_api.load_from_disk(url, &load).await;
+        let loaded = manager.load_checkpoint(url, &load, !in_place).await;
         if strategy == UpdateStrategy::AllAtOnce {
             // Resume even after a failed load: SGLang keeps the old weights then.
             manager.engine_api.control(url, "/continue_generation", json!({})).await?;

@@ -1103,9 +1103,7 @@ fn on_event(
         };
     }
     if seen.incremental != Some(false) {
-        seen.ids.extend(chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
-        seen.lp.add_logprobs(&chunk);
-        seen.text.push_str(chunk.get("text").and_then(Value::as_str).unwrap_or(""));
+        seen.gather(&chunk, count);
     }
     let inc = seen.incremental.unwrap_or(false);
     seen.last_raw = None;
@@ -1154,6 +1152,28 @@ struct Seen {
 }
 
 impl Seen {
+    /// Adds one event's output (ids, text, logprobs) to what the part produced, while the
+    /// events may hold only their new output. SGLang's answer to a request aborted in its
+    /// waiting queue repeats the last token and holds the whole text, even when streaming
+    /// increments (`tokenizer_manager.py`, 0.5.23): its `count` (`completion_tokens`) says how
+    /// many tokens there are.
+    fn gather(&mut self, chunk: &Value, count: Option<u64>) {
+        let new: Vec<u64> = chunk["output_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+        let text = chunk.get("text").and_then(Value::as_str).unwrap_or("");
+        let repeats = self.incremental == Some(true)
+            && moves::aborted(chunk)
+            && count.is_some_and(|c| (self.ids.len() + new.len()) as u64 > c);
+        if repeats {
+            let keep = count.map_or(0, |c| usize::try_from(c).unwrap_or(usize::MAX)).saturating_sub(self.ids.len());
+            self.ids.extend(new.into_iter().take(keep));
+            text.clone_into(&mut self.text);
+        } else {
+            self.ids.extend(new);
+            self.lp.add_logprobs(chunk);
+            self.text.push_str(text);
+        }
+    }
+
     /// The part's whole answer from an incremental stream: its last event with the output,
     /// text and logprobs of every event.
     fn whole_part(&self, last: &Value) -> Value {

@@ -128,10 +128,10 @@ impl Manager {
                     path,
                     version: want.version.clone(),
                     abort_all: false,
-                    flush_cache: true,
+                    flush_cache: false,
                     timeout: Duration::from_secs_f64(self.config.weight_update_timeout_secs),
                 };
-                self.engine_api.load_from_disk(&url, &load).await?;
+                self.load_checkpoint(&url, &load, true).await?;
                 (found, checksum) = self.served_weights(engine_id).await?;
                 crate::adapters::engine_api::verify(&want, found.as_deref(), checksum.as_deref())?;
             }
@@ -216,6 +216,41 @@ impl Manager {
             .collect::<Result<Vec<u16>, _>>()
             .ok()?;
         Some(crate::adapters::launch::Seed { engine_id: seed_id, host, port, group_ports })
+    }
+
+    /// Loads a checkpoint into the engine at `url`, then, with `flush`, empties its prefix cache
+    /// (whose entries were computed with the old weights) before anything else runs there. The
+    /// flush is asked on its own and again every 100 ms while the engine refuses it, up to
+    /// `--scale-in-drain-timeout-secs`: SGLang refuses it while any request runs or waits, and
+    /// an engine out of routing still finishes a health check's one-token generation or a
+    /// stream whose client just left. A load that asked SGLang to flush would fail whole on that.
+    pub(crate) async fn load_checkpoint(
+        &self,
+        url: &str,
+        load: &crate::adapters::engine_api::DiskLoad,
+        flush: bool,
+    ) -> Result<(), EngineError> {
+        let load = crate::adapters::engine_api::DiskLoad { flush_cache: false, ..load.clone() };
+        self.engine_api.load_from_disk(url, &load).await?;
+        if !flush {
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(self.config.scale_in_drain_timeout);
+        loop {
+            match self.engine_api.control(url, "/flush_cache", serde_json::json!({})).await {
+                Ok(()) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(EngineError::WeightLoad {
+                        path: load.path.clone(),
+                        detail: format!(
+                            "loaded, but its prefix cache could not be flushed within --scale-in-drain-timeout-secs, \
+                             requests kept running there: {e}"
+                        ),
+                    })
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
     }
 
     /// [`Manager::choose_seed`], skipping (and adding to `tried`) seeds whose SGLang release
