@@ -45,7 +45,6 @@ FORWARDED: dict[str, tuple[str, ...]] = {
     "/": ("GET",),
     "/ready": ("GET",),
     "/ping": ("GET",),
-    "/health_generate": ("GET",),
     "/model_info": ("GET",),
     "/get_model_info": ("GET",),
     "/server_info": ("GET",),
@@ -61,6 +60,7 @@ FORWARDED: dict[str, tuple[str, ...]] = {
 #: Served by the router itself: its readiness, its metrics, and the fan-outs to every engine.
 OWN = {
     "/health": ("GET",),
+    "/health_generate": ("GET",),
     "/metrics": ("GET",),
     "/abort_request": ("POST",),
     "/flush_cache": ("GET", "POST"),
@@ -161,6 +161,16 @@ def test_the_router_forwards_or_refuses_every_known_route_by_intent(
         if got != expected:
             wrong.append(f"{method} {route}: expected {expected}, got {got}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_fleets_health_generate_is_the_routers_own(fleet: ManagerHandle) -> None:
+    """SGLang's /health_generate waits on its scheduler: sent to an engine paused meanwhile (a
+    trainer's update) it times out and marks that engine UnHealthy. The router answers it from
+    the engines in routing (which pass the manager's own probes), as /health."""
+    resp = http("GET", f"{fleet.router_url}/health_generate")
+    assert resp.status == 200 and "x-rollout-engine-id" not in resp.headers, resp.headers
+    assert resp.json() == http("GET", f"{fleet.router_url}/health").json()
+    assert resp.json()["routable_engines"] == 2
 
 
 def test_a_route_no_release_has_is_refused_and_says_what_is_forwarded(

@@ -182,6 +182,15 @@ def test_a_disk_publish_switches_every_engine_to_the_checkpoint(fleet: ManagerHa
     assert of_b != of_a, "checkpoint b answers otherwise than a"
     via = generate(fleet.router_url, body)
     assert tuple(via["output_ids"]) == of_b and via["meta_info"]["weight_version"] == "b-1"
+    # SGLang now serves the model under the checkpoint's path; OpenAI requests under the fleet's
+    # name still reach it (its /v1/responses refuses an unknown name with 404).
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, answer = request("POST", f"{fleet.router_url}/v1/chat/completions", chat)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    status, answer = request(
+        "POST", f"{fleet.router_url}/v1/responses", {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4}
+    )
+    assert status == 200, answer
     publish(fleet, models.a, "a-2")
     assert {tuple(a) for a in answers(fleet, body)} == {of_a}
 

@@ -278,6 +278,27 @@ fn values_from_the_file_are_validated_like_flags() {
 }
 
 #[test]
+fn a_fleet_name_sglang_would_read_as_an_adapter_is_refused() {
+    let prefix = "RM_TEST_NAMES_";
+    for (args, flag_ok) in [
+        (&["--model-name", "qwen3:8b"][..], false),
+        (&["--model-path", "/models/qwen3:8b"][..], false),
+        (&["--model-path", "/models/qwen3:8b", "--model-name", "qwen3-8b"][..], true),
+        (&["--model-name", "qwen3-8b"][..], true),
+    ] {
+        let (parsed, ..) = flat(prefix, args, "").unwrap();
+        match parsed.config.validate() {
+            Ok(()) => assert!(flag_ok, "{args:?} was accepted"),
+            Err(err) => {
+                assert!(!flag_ok, "{args:?}: {err}");
+                assert_eq!(err.flag, "--model-name", "{args:?}");
+                assert!(err.to_string().contains("LoRA adapter"), "{err}");
+            }
+        }
+    }
+}
+
+#[test]
 fn lists_switches_and_enums_in_both_formats() {
     let prefix = "RM_TEST_SHAPES_";
     let yaml = "engine-arg: [--time-scale=0.1, --startup-delay=2]\nfully-async: true\n\

@@ -180,10 +180,14 @@ pub struct ServeConfig {
     pub scale_in_drain_timeout: f64,
     /// Move a draining engine's running `/generate` requests to the engines that stay.
     ///
-    /// A request whose prompt is token ids (`input_ids`, one sample, no logprobs) is aborted
-    /// on the draining engine and continues elsewhere from its prompt plus the output so far,
-    /// so a scale-in ends in about one prefill instead of waiting for the longest request;
-    /// the client sees one answer. Other requests finish where they are, as before.
+    /// A request of one prompt (token ids, or text whose ids its engine returns) and one sample,
+    /// logprobs included, is aborted on the draining engine and continues elsewhere from its
+    /// prompt's ids plus the output so far, so a scale-in ends in about one prefill instead of
+    /// waiting for the longest request; the client sees one answer, under its own rid, with the
+    /// move in `meta_info.moves`. A request a continuation would change (stop strings, a grammar,
+    /// output penalties, a custom logit processor, `max_thinking_tokens`), a batch and `n` > 1
+    /// finish where they are, up to the drain timeout. The same requests also continue elsewhere
+    /// when their engine is lost (read as streams, so a non-streamed one keeps its output).
     #[arg(
         long,
         default_value_t = true,
@@ -195,7 +199,7 @@ pub struct ServeConfig {
     /// Partial rollout across weight updates, for every request (a request sets it for itself
     /// with the `x-partial-rollout: true|false` header).
     ///
-    /// A `/generate` request that moves (token-id prompt, see `--move-on-drain`) and is aborted
+    /// A `/generate` request that moves (see `--move-on-drain`) and is aborted
     /// by a weight update (`all_at_once` with `pause_mode` `abort`, or a rolling drain past its
     /// timeout) continues on the new version from its output so far, instead of ending with
     /// finish reason `abort`; its `weight_versions` spans name both versions. Off: an answer
@@ -208,7 +212,8 @@ pub struct ServeConfig {
         help_heading = heading::SCALING
     )]
     pub partial_rollout: bool,
-    /// How long an engine gets to exit after SIGTERM before SIGKILL, in seconds.
+    /// How long a stopped engine gets to exit before its process group is killed, in seconds
+    /// (it is sent SIGINT, as Ctrl-C: SGLang's server stops its own subprocesses).
     #[arg(
         long = "scale-in-shutdown-timeout-secs",
         visible_alias = "scale-in-shutdown-timeout",
@@ -508,6 +513,28 @@ impl ServeConfig {
         }
         if self.model_name.trim().is_empty() {
             return Err(bad("--model-name", "must not be empty"));
+        }
+        // Every engine serves the fleet under this name (`--served-model-name`), and SGLang
+        // 0.5.23 refuses one with a colon at startup: it reads `name:adapter` as a LoRA adapter.
+        if self.model_name.contains(':') {
+            return Err(bad(
+                "--model-name",
+                format!(
+                    "{:?} has a ':', which SGLang reads as base model:LoRA adapter and refuses as a served model name; \
+                     name the fleet without one",
+                    self.model_name
+                ),
+            ));
+        }
+        if self.model_name == "default" && self.model_path.contains(':') {
+            return Err(bad(
+                "--model-name",
+                format!(
+                    "the fleet would be named after --model-path {:?}, whose ':' SGLang reads as base model:LoRA \
+                     adapter and refuses as a served model name; give --model-name without one",
+                    self.model_path
+                ),
+            ));
         }
         if self.gpus > MAX_GPUS {
             return Err(bad("--gpus", format!("{} is above the supported {MAX_GPUS}", self.gpus)));

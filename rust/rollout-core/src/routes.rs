@@ -110,7 +110,7 @@ const FORWARDED: &[(&str, &[&str])] = &[
     ("/", GET),                            // :2124
     ("/ready", GET),                       // :714
     ("/ping", GET),                        // :2190
-    ("/health_generate", GET),             // :722
+    ("/health_generate", GET),             // :722 (the router answers it itself)
     ("/model_info", GET),                  // :812
     ("/get_model_info", GET),              // :802
     ("/server_info", GET),                 // :863

@@ -128,6 +128,9 @@ pub struct RouterState {
     tail: Arc<tail::Board>,
     /// The router's rids, and the requests a client may abort by rid (`router::rids`).
     rids: Arc<rids::Rids>,
+    /// The fleet's model name (`--model-name`, else the startup `--model-path`): what OpenAI
+    /// requests name, and what `/v1/models` shows.
+    served_name: String,
     /// The port `--trainer-port` listens on, once bound: a trainer registering that endpoint
     /// (the fleet itself) as a worker is told it is already served.
     trainer_port: std::sync::OnceLock<u16>,
@@ -164,8 +167,16 @@ impl DataPlane {
 }
 
 /// Paths the router answers itself (the routes of [`DataPlane::own`]).
-const OWN_ROUTES: [&str; 7] =
-    ["/liveness", "/health", "/readiness", "/abort_request", "/flush_cache", "/workers", "/metrics"];
+const OWN_ROUTES: [&str; 8] = [
+    "/liveness",
+    "/health",
+    "/health_generate",
+    "/readiness",
+    "/abort_request",
+    "/flush_cache",
+    "/workers",
+    "/metrics",
+];
 
 fn is_own(path: &str) -> bool {
     OWN_ROUTES.contains(&path) || path.starts_with("/workers/") || path.starts_with("/v1/rl/")
@@ -211,6 +222,7 @@ pub fn router(
     // Checked by the config's validation; an unparsable one (not through it) is `any`.
     let version_policy =
         rollout_core::routing::VersionPolicy::parse(&config.rl_version_policy).ok().and_then(|p| p.pin());
+    let served_name = crate::adapters::launch::served_model_name(&config);
     let state = Arc::new(RouterState {
         fleet,
         config,
@@ -225,11 +237,17 @@ pub fn router(
         routes: RouteCache::default(),
         tail: Arc::default(),
         rids: Arc::default(),
+        served_name,
         trainer_port: std::sync::OnceLock::new(),
     });
     let own = Router::new()
         .route("/liveness", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/health", get(readiness))
+        // Not forwarded: SGLang's health check waits on its scheduler, so an engine paused
+        // meanwhile (a trainer's update) would time it out and mark itself UnHealthy. The
+        // manager's own probes (`--health-check-endpoint`) keep only engines that pass them in
+        // routing, so a routable engine is the fleet's answer.
+        .route("/health_generate", get(readiness))
         .route("/readiness", get(readiness))
         .route(
             "/abort_request",

@@ -153,8 +153,65 @@ async fn engine_list(state: &RouterState, headers: &HeaderMap) -> Result<(Value,
     Err(error(StatusCode::BAD_GATEWAY, "no_engine_answered", &msg))
 }
 
+/// An OpenAI request's body (`path` under `/v1/`) as `route`'s engine takes it, when it must
+/// change ([`for_engine`]).
+pub fn renamed_for(
+    state: &RouterState,
+    path: &axum::http::uri::PathAndQuery,
+    body: &[u8],
+    route: &super::table::Route,
+) -> Option<Bytes> {
+    let name = route.load.served_as()?;
+    if !path.path().starts_with("/v1/") {
+        return None;
+    }
+    for_engine(body, &state.served_name, &name)
+}
+
+/// The body of an OpenAI request for an engine that serves the fleet's model under `engine_name`
+/// (the checkpoint path SGLang renamed it to on a disk update; see
+/// `crate::registry::fleet::EngineLoad::served_as`): a top-level `model` naming the fleet (`served`,
+/// or `served:adapter`) names the engine's model instead. None when nothing changes (no such
+/// `model`, or not JSON). SGLang's `/v1/responses` answers 404 for any other name, and its
+/// OpenAI routes read a name with `:` that is not the served one as base model and LoRA adapter.
+pub fn for_engine(body: &[u8], served: &str, engine_name: &str) -> Option<Bytes> {
+    if served == engine_name || memchr::memmem::find(body, served.as_bytes()).is_none() {
+        return None;
+    }
+    let mut value: Value = serde_json::from_slice(body).ok()?;
+    let model = value.get_mut("model")?;
+    let named = model.as_str()?;
+    let renamed = if named == served {
+        engine_name.to_string()
+    } else {
+        let adapter = named.strip_prefix(served)?.strip_prefix(':')?;
+        format!("{engine_name}:{adapter}")
+    };
+    *model = Value::String(renamed);
+    serde_json::to_vec(&value).ok().map(Bytes::from)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_openai_request_names_the_model_as_its_engine_serves_it() {
+        let fleet = "qwen3:8b";
+        let body = |model: &str| format!(r#"{{"model": "{model}", "messages": [], "note": "qwen3:8b"}}"#);
+        let renamed = |model: &str| super::for_engine(body(model).as_bytes(), fleet, "/ckpt/step_3");
+        let model = |b: Option<bytes::Bytes>| {
+            b.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap()["model"].clone())
+        };
+        assert_eq!(model(renamed("qwen3:8b")), Some(serde_json::json!("/ckpt/step_3")));
+        assert_eq!(model(renamed("qwen3:8b:my-lora")), Some(serde_json::json!("/ckpt/step_3:my-lora")));
+        // Another model, or an engine that serves under the fleet's name: unchanged.
+        assert_eq!(renamed("other"), None);
+        assert_eq!(renamed("qwen3:8bx"), None);
+        assert_eq!(super::for_engine(body("qwen3:8b").as_bytes(), fleet, fleet), None);
+        assert_eq!(super::for_engine(b"not json qwen3:8b", fleet, "/ckpt"), None);
+        assert_eq!(super::for_engine(br#"{"model": 3, "x": "qwen3:8b"}"#, fleet, "/ckpt"), None);
+    }
+
     use super::*;
     use serde_json::json;
 

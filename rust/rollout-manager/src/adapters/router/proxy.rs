@@ -365,8 +365,10 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
     // A movable request's answer is followed by router::moving, which continues it on
     // another engine if its engine dies at any point: its headers are not held.
     let hold = request.movable.is_none();
+    let renamed = models::renamed_for(state, &request.path, &request.body, backend);
     let sent = async {
-        let resp = send(state, backend, &request.method, &request.path, &request.headers, &request.body).await?;
+        let body = renamed.as_ref().unwrap_or(&request.body);
+        let resp = send(state, backend, &request.method, &request.path, &request.headers, body).await?;
         if !hold || !resp.status().is_success() {
             return Ok((resp, None));
         }

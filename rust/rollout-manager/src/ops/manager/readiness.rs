@@ -232,6 +232,11 @@ impl Manager {
     ) -> Result<(), EngineError> {
         let load = crate::adapters::engine_api::DiskLoad { flush_cache: false, ..load.clone() };
         self.engine_api.load_from_disk(url, &load).await?;
+        // SGLang serves the model under the checkpoint's path from now on.
+        let engine = self.fleet.lock().engines.values().find(|e| e.record().url() == url).map(|e| e.load().clone());
+        if let Some(engine) = engine {
+            engine.serves_as(&load.path);
+        }
         if !flush {
             return Ok(());
         }

@@ -31,6 +31,12 @@ pub struct EngineLoad {
     /// Bumped when the engine's movable requests should move to other engines (it drains for
     /// a scale-in); the router's moving requests watch it (`router::moving`).
     moves: tokio::sync::watch::Sender<u64>,
+    /// The model name the engine serves under, once it is not the fleet's: SGLang renames its
+    /// served model to the checkpoint's path on every `/update_weights_from_disk`
+    /// (`tokenizer_manager.py`, `_update_model_path_info`, 0.5.23), so the router puts it in the
+    /// OpenAI requests that name the fleet (`/v1/responses` refuses any other name with 404; a
+    /// name with `:` would be read as base model and LoRA adapter). None: the fleet's name.
+    served_as: std::sync::Mutex<Option<Arc<str>>>,
 }
 
 impl EngineLoad {
@@ -45,6 +51,21 @@ impl EngineLoad {
 
     pub fn served(&self) -> u64 {
         self.served.load(Ordering::Relaxed)
+    }
+
+    /// The engine serves its model under `name` now (the path of the checkpoint it loaded).
+    pub fn serves_as(&self, name: &str) {
+        *crate::foundation::locks::Locked::locked(&self.served_as) = Some(Arc::from(name));
+    }
+
+    /// The engine serves its model under the fleet's name (a new process).
+    pub fn serves_as_fleet(&self) {
+        *crate::foundation::locks::Locked::locked(&self.served_as) = None;
+    }
+
+    /// The name the engine serves its model under, when it is not the fleet's.
+    pub fn served_as(&self) -> Option<Arc<str>> {
+        crate::foundation::locks::Locked::locked(&self.served_as).clone()
     }
 
     pub fn est_tokens(&self) -> u64 {

@@ -601,6 +601,8 @@ impl Engine {
         if log_path.is_some() {
             self.record.log_path = log_path;
         }
+        // A new process serves under the name it was started with (the fleet's).
+        self.load.serves_as_fleet();
     }
 
     /// Its process is gone (exited, or stopped by the manager).
