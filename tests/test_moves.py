@@ -625,3 +625,102 @@ def test_a_client_abort_ends_a_request_between_or_within_chunks(start_fleet: Sta
         assert 32 <= meta["completion_tokens"] < budget, meta
         assert len(answer["output_ids"]) == meta["completion_tokens"], meta
         assert {m["reason"] for m in meta["moves"]} == {"chunk"}, meta["moves"]
+
+
+def test_a_clients_abort_by_its_rid_reaches_a_request_that_moved(start_fleet: StartManager) -> None:
+    """A moved request runs under a rid of the router's on its new engine; a client's abort by
+    its own rid still ends it there, with the output so far, and ends nothing else (the
+    simulator, as SGLang, aborts every rid that starts with the one named: rs-1 would end
+    rs-10)."""
+    fleet = start_fleet(*SLOW)
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    budget = 2000  # 50 s at 40 tokens/s: far from done when it is aborted
+    rids = [f"rs-1{'0' * i}" for i in range(6)]  # rs-1, rs-10, rs-100, ...
+
+    def one(i: int, rid: str) -> dict[str, Any]:
+        body = {"input_ids": [700 + i, 1, 2], "rid": rid, "stream": i % 2 == 0, "sampling_params": greedy(budget)}
+        return send(fleet, body)["answer"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(rids)) as pool:
+        futures = {rid: pool.submit(one, i, rid) for i, rid in enumerate(rids)}
+        wait_until(lambda: engine_of(fleet, "engine_2").raw.get("in_flight", 0) >= 2, 30, "requests on engine_2")
+        done = fleet.client.wait_for_operation("scale_in", fleet.client.scale_in(num_replicas=2).request_id, 60)
+        assert done.status == "COMPLETED", done
+        for rid in rids[::2]:  # rs-1, rs-100, rs-10000
+            assert http("POST", f"{fleet.router_url}/abort_request", {"rid": rid}).status == 200
+        aborted = {rid: futures[rid].result(timeout=30) for rid in rids[::2]}
+        # The others (rs-10, rs-1000, rs-100000) still generate: an abort of a prefix of their
+        # rid did not end them.
+        held = kv_held(fleet)
+        wait_until(lambda: kv_held(fleet) >= held + 150, 30, "the other requests to go on generating")
+        for rid in rids[1::2]:
+            assert http("POST", f"{fleet.router_url}/abort_request", {"rid": rid}).status == 200
+        answers = {**aborted, **{rid: futures[rid].result(timeout=30) for rid in rids[1::2]}}
+    for rid, answer in answers.items():
+        meta = answer["meta_info"]
+        assert meta["id"] == rid, meta
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < budget, (rid, meta)
+        assert len(answer["output_ids"]) == meta["completion_tokens"]
+    moved = [rid for rid, a in answers.items() if a["meta_info"].get("moves")]
+    assert moved, "a request was on the engine that left"
+
+
+def kv_held(fleet: ManagerHandle) -> int:
+    """KV tokens the fleet's engines hold now (prompts and output of what they run)."""
+    total = 0
+    for engine in fleet.engines().with_status("ACTIVE"):
+        total += sum(int(x["num_used_tokens"]) for x in http("GET", f"{engine.url}/v1/loads").json()["loads"])
+    return total
+
+
+def test_a_request_a_continuation_would_change_never_moves(start_fleet: StartManager) -> None:
+    """Stop strings (checked on the output ids only), grammars and output penalties would not
+    survive a continuation: such a request stays on its draining engine until it ends (the
+    drain waits for it), and one whose engine is lost ends with the output it had, finish
+    abort saying why, instead of going on elsewhere."""
+    fleet = start_fleet(*SLOW, "--restart-failed-engines", "false", "--routing-policy", "round_robin")
+    op = fleet.client.scale_out(num_replicas=3)
+    assert fleet.client.wait_for_operation("scale_out", op.request_id, 60).status == "ACTIVE"
+    stop = {**greedy(200), "stop": "never-generated-words"}
+    bodies = [{"input_ids": [600 + i, 1, 2], "stream": i % 2 == 0, "sampling_params": stop} for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(send, fleet, b) for b in bodies]
+        wait_until(lambda: engine_of(fleet, "engine_2").raw.get("in_flight", 0) >= 2, 30, "requests on engine_2")
+        done = fleet.client.wait_for_operation("scale_in", fleet.client.scale_in(num_replicas=2).request_id, 60)
+        assert done.status == "COMPLETED", done
+        answers = [f.result(timeout=60)["answer"] for f in futures]
+    for answer in answers:
+        assert "moves" not in answer["meta_info"], answer["meta_info"]
+        assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    # A lost engine: the stop-string request ends with what it had; an ordinary one goes on.
+    victim = engine_of(fleet, "engine_1")
+    long = {**greedy(2000), "stop": "never-generated-words"}
+    in_flight = lambda: sum(int(e.raw.get("in_flight", 0)) for e in fleet.engines().engines)  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = []
+        for i in range(4):
+            # One at a time, so that round robin puts one of each kind on each engine.
+            body = {"input_ids": [650 + i, 3], "stream": i % 2 == 0, "sampling_params": long if i < 2 else greedy(400)}
+            futures.append(pool.submit(send, fleet, body))
+            wait_until(lambda n=i + 1: in_flight() == n, 30, f"{i + 1} requests in flight")
+        wait_until(lambda: sum(int(x["num_used_tokens"]) for x in http("GET", f"{victim.url}/v1/loads").json()["loads"])
+                   > 400, 30, "output on engine_1")  # fmt: skip
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        answers = [f.result(timeout=60)["answer"] for f in futures]
+    metrics = http("GET", f"{fleet.control_url}/metrics").body.decode()
+    ended = 0
+    for i, answer in enumerate(answers):
+        meta = answer["meta_info"]
+        on_victim = meta.get("engines", [None])[0] == "engine_1" or meta["finish_reason"]["type"] == "abort"
+        if i < 2 and on_victim:
+            ended += 1
+            assert meta["finish_reason"]["type"] == "abort", meta
+            assert "engine_1 was lost" in meta["finish_reason"]["message"], meta
+            assert 0 < meta["completion_tokens"] == len(answer["output_ids"]) < 2000, meta
+            assert not meta.get("moves") and meta["engines"] == ["engine_1"], meta
+        elif i >= 2:
+            assert meta["finish_reason"] == {"type": "length", "length": 400}, meta
+    assert ended >= 1, [a["meta_info"].get("engines") for a in answers]
+    assert metric_total(metrics, "rollout_router_ended_on_engine_loss_total") == ended
