@@ -266,6 +266,18 @@ def rank0(sglang_py: Path) -> Iterator[Rank0]:
         trainer.close()
 
 
+def gloo_sync(fleet: ManagerHandle, rank0: Rank0, checkpoint: Path) -> DistributedWeightSync:
+    """Trainer updates through the manager from `rank0`, broadcasting `checkpoint`'s tensors."""
+    return DistributedWeightSync(
+        fleet.client,
+        join_group=lambda layout: rank0.join(layout.master_address, layout.master_port, layout.world_size,
+                                             layout.group_name),
+        broadcast=lambda _layout, bucket: rank0.send(checkpoint, [s.name for s in bucket]),
+        backend="gloo",
+        timeout=240,
+    )  # fmt: skip
+
+
 def test_a_trainer_update_over_gloo_through_the_trainer_api(fleet: ManagerHandle, models: Models, rank0: Rank0) -> None:
     """The trainer broadcasts checkpoint b's tensors from its rank 0 (two buckets); the fleet then
     answers as checkpoint b does (a disk publish of b afterwards changes no answer)."""
@@ -273,14 +285,7 @@ def test_a_trainer_update_over_gloo_through_the_trainer_api(fleet: ManagerHandle
     body = {"input_ids": ids(3), "sampling_params": greedy(24)}
     (before,) = {tuple(a) for a in answers(fleet, body)}
     specs = [TensorSpec(n, d, s) for n, d, s in rank0.tensors(models.b)]
-    sync = DistributedWeightSync(
-        fleet.client,
-        join_group=lambda layout: rank0.join(layout.master_address, layout.master_port, layout.world_size,
-                                             layout.group_name),
-        broadcast=lambda _layout, bucket: rank0.send(models.b, [s.name for s in bucket]),
-        backend="gloo",
-        timeout=240,
-    )  # fmt: skip
+    sync = gloo_sync(fleet, rank0, models.b)
     half = len(specs) // 2
     result = sync.update("trainer-b", buckets=[specs[:half], specs[half:]])
     assert not result.failed, result
@@ -407,14 +412,7 @@ def test_a_new_engine_waits_out_of_routing_until_a_trainer_update_reaches_it(
         answered.result()
         assert answered.headers["x-rollout-engine-id"] == "engine_0", "the waiting engine is not routable"
     specs = [TensorSpec(n, d, s) for n, d, s in rank0.tensors(models.b)]
-    sync = DistributedWeightSync(
-        fleet.client,
-        join_group=lambda layout: rank0.join(layout.master_address, layout.master_port, layout.world_size,
-                                             layout.group_name),
-        broadcast=lambda _layout, bucket: rank0.send(models.b, [s.name for s in bucket]),
-        backend="gloo",
-        timeout=240,
-    )  # fmt: skip
+    sync = gloo_sync(fleet, rank0, models.b)
     result = sync.update("trainer-b-2", specs)
     assert not result.failed, result
     assert {m.engine_id for m in result.layout.members} == {"engine_0", new.engine_id}
