@@ -228,6 +228,12 @@ fn to_client(mut request: Request, part: Part) -> ToClient {
             let event = json!({"error": {"message": why, "type": "engine_timeout", "code": 504, "retryable": true}});
             let _ = client.send(Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n")))).await;
         }
+        // (Whole events hold no part of a rid at their end; anything held back goes now.)
+        let mut rest = Vec::new();
+        client.swap.finish(&mut rest);
+        if let (false, Sink::Stream(tx)) = (rest.is_empty(), &client.sink) {
+            let _ = tx.send(Ok(Bytes::from(rest))).await;
+        }
     };
     ToClient {
         rx: tokio_stream::wrappers::ReceiverStream::new(rx),
