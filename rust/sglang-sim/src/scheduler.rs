@@ -258,7 +258,7 @@ impl Rank {
         }
     }
 
-    /// Queues a request; returns its key for [`Rank::abort`].
+    /// Queues a request; returns the key the scheduler keeps it under.
     pub fn submit(&self, r: NewRequest) -> u64 {
         let key = self.lock().enqueue(r, self.cfg.stream_interval);
         self.wake.notify_one();
