@@ -115,7 +115,8 @@ pub fn abort_ask(body: &[u8]) -> AbortAsk {
 /// rid keeps that end back until the next piece (or [`IdSwap::finish`]) tells.
 #[derive(Debug, Clone, Default)]
 pub struct IdSwap {
-    /// The prefix every rid of the run has.
+    /// The prefix every rid of the run has (taken from the first pair: empty until then, so a
+    /// swap with nothing to replace costs nothing).
     prefix: Vec<u8>,
     /// Router rid -> the bytes to write instead (the client's id, escaped for a JSON string).
     pairs: Vec<(Vec<u8>, Vec<u8>)>,
@@ -123,17 +124,16 @@ pub struct IdSwap {
 }
 
 impl IdSwap {
-    /// A swap for the rids of `maker` (none to replace yet).
-    pub fn new(maker: &RidMaker) -> Self {
-        Self { prefix: maker.prefix().as_bytes().to_vec(), pairs: Vec::new(), held: Vec::new() }
-    }
-
-    /// From now on, `ours` (a router rid) is shown as `shown`.
+    /// From now on, `ours` (a rid of a [`RidMaker`]'s; every pair's of the same one) is shown as
+    /// `shown`.
     pub fn add(&mut self, ours: &str, shown: &str) {
         let escaped = serde_json::to_string(shown).unwrap_or_default();
         let escaped = escaped.as_bytes();
         let inner = escaped.get(1..escaped.len().saturating_sub(1)).unwrap_or_default();
         if ours.as_bytes() != inner {
+            if self.prefix.is_empty() {
+                self.prefix = ours.as_bytes().get(..PREFIX_LEN).unwrap_or_default().to_vec();
+            }
             self.pairs.push((ours.as_bytes().to_vec(), inner.to_vec()));
         }
     }
@@ -151,6 +151,10 @@ impl IdSwap {
     /// Writes `data` to `out` with the rids replaced, keeping back an end that may be the start
     /// of a rid.
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        if self.pairs.is_empty() {
+            out.extend_from_slice(data);
+            return;
+        }
         let joined;
         let data = if self.held.is_empty() {
             data
@@ -299,7 +303,7 @@ mod tests {
     #[test]
     fn the_client_sees_its_own_id() {
         let m = maker();
-        let mut swap = IdSwap::new(&m);
+        let mut swap = IdSwap::default();
         swap.add(&m.rid(1), "rs-1");
         swap.add(&m.rid(2), "quote\"d");
         let answer = format!(
@@ -313,7 +317,7 @@ mod tests {
             format!(r#"{{"meta_info":{{"id":"rs-1"}},"x":"quote\"d_3","y":"{}","z":"{}"}}"#, m.rid(9), &m.rid(1)[..40]);
         assert_eq!(String::from_utf8(swapped(&mut swap, &[answer.as_bytes()])).unwrap(), want);
         // Nothing to replace: the bytes as they are.
-        let mut none = IdSwap::new(&m);
+        let mut none = IdSwap::default();
         assert!(none.is_empty());
         assert_eq!(swapped(&mut none, &[answer.as_bytes()]), answer.as_bytes());
         // A client rid equal to ours needs nothing.
@@ -326,7 +330,7 @@ mod tests {
         #[test]
         fn pieces_do_not_change_the_result(cuts in proptest::collection::vec(0usize..400, 0..6), n in 1u64..4) {
             let m = maker();
-            let mut whole = IdSwap::new(&m);
+            let mut whole = IdSwap::default();
             whole.add(&m.rid(n), "client-rid");
             let answer = format!(
                 "data: {{\"meta_info\":{{\"id\":\"{}\"}}}}\n\ndata: {{\"id\":\"{}_1\",\"e\":\"er\"}}\n\ner{}",

@@ -126,6 +126,13 @@ pub trait EngineApi: Send + Sync {
     fn can_send_weights<'a>(&'a self, url: &'a str) -> BoxFuture<'a, bool> {
         Box::pin(async move { self.serves(url, "/send_weights_to_remote_instance").await })
     }
+
+    /// Whether the engine streams only each event's new output (`incremental_streaming_output`
+    /// in its `/server_info`); None when it does not say.
+    fn streams_increments<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Option<bool>> {
+        let _ = url;
+        Box::pin(async { None })
+    }
 }
 
 /// What [`EngineApi::load_from_disk`] asks an engine to load.
@@ -292,6 +299,17 @@ impl EngineApi for HttpEngineApi {
                 Ok(r) => r.status() != reqwest::StatusCode::NOT_FOUND,
                 Err(_) => false,
             }
+        })
+    }
+
+    fn streams_increments<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Option<bool>> {
+        Box::pin(async move {
+            let info = self.http.get(format!("{url}/server_info")).timeout(Duration::from_secs(10)).send().await;
+            let info = match info {
+                Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+                _ => None,
+            };
+            info.as_ref().and_then(|i| i.get("incremental_streaming_output")).and_then(serde_json::Value::as_bool)
         })
     }
 

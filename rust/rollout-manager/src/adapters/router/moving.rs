@@ -829,7 +829,12 @@ async fn stream_part(
     produced: &mut Produced,
     client: &mut Out,
 ) -> Ended {
-    let seen = Seen { before: produced.clone(), incremental: produced.stream_incremental, ..Seen::default() };
+    // How the engine streams, when an earlier part's events or the engine itself told.
+    let incremental = produced.stream_incremental.or_else(|| part.route.load.streams_increments());
+    // A streamed text prompt's first event is parsed for the prompt's ids (it cannot move
+    // before they are known).
+    let incremental = incremental.filter(|_| ready(&request.movable, produced));
+    let seen = Seen { before: produced.clone(), incremental, ..Seen::default() };
     let cap = part_cap(request, produced);
     let mut stream = Streamed {
         unmoved: seen.before.moves.is_empty() && cap.is_none(),
@@ -962,7 +967,14 @@ async fn send_end(stream: Streamed, mut out: Vec<u8>, client: &mut Out) {
         let _ = client.send(Ok(Bytes::from(out))).await;
         return;
     }
-    let body = match (stream.error, stream.last) {
+    let Streamed { error, last, seen, strip, .. } = stream;
+    // The last event's payload as the engine wrote it, when it was passed over unparsed.
+    let raw = || {
+        let json = seen.last_raw.as_deref().and_then(payload)?;
+        let cut = strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten();
+        Some(cut.unwrap_or_else(|| json.to_vec()))
+    };
+    let body = match (error, last.or_else(raw)) {
         (Some((status, body)), _) => {
             client.status = status;
             body
@@ -1052,26 +1064,19 @@ fn on_event(
         return None;
     };
     stream.saw_event = true;
-    let seen = &mut stream.seen;
     if json == b"[DONE]" {
-        let moved = |reason: &&str| *reason == "chunk" || seen.last.as_ref().is_some_and(moves::aborted);
-        if let Some(reason) = stream.held.filter(moved) {
-            return Some(Stop::Moved(reason));
-        }
-        if stream.whole && seen.incremental == Some(true) {
-            // Each event held only its new output: the answer is all of it.
-            if let Some(last) = seen.last.as_ref() {
-                let answer = moves::joined(&seen.before, &request.movable, &seen.whole_part(last));
-                stream.last = Some(answer.to_string().into_bytes());
-            }
-        }
-        return Some(Stop::Done);
+        return Some(on_done(stream, request));
     }
     let error = json.starts_with(b"{\"error\"");
-    if stream.unmoved && seen.incremental == Some(false) && !error && !moves::may_be_aborted(json) {
-        let cut = stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten();
+    if stream.unmoved && stream.seen.incremental == Some(false) && !error && !moves::may_be_aborted(json) {
         stream.seen.last = None;
-        stream.emit(out, cut.as_deref().unwrap_or(json));
+        if stream.whole {
+            // The answer so far is this event's: taken from `last_raw` once the stream ends.
+            stream.last = None;
+        } else {
+            let cut = stream.strip.then(|| moves::without_member(json, "prompt_token_ids")).flatten();
+            stream.emit(out, cut.as_deref().unwrap_or(json));
+        }
         stream.seen.last_raw = Some(event);
         return None;
     }
@@ -1133,6 +1138,23 @@ fn on_event(
     stream.seen.last = Some(chunk);
     stream.emit(out, joined.to_string().as_bytes());
     None
+}
+
+/// How a streamed part's `[DONE]` ends it: a move held back, or the answer.
+fn on_done(stream: &mut Streamed, request: &Request) -> Stop {
+    let seen = &stream.seen;
+    let moved = |reason: &&str| *reason == "chunk" || seen.last.as_ref().is_some_and(moves::aborted);
+    if let Some(reason) = stream.held.filter(moved) {
+        return Stop::Moved(reason);
+    }
+    if stream.whole && seen.incremental == Some(true) {
+        // Each event held only its new output: the answer is all of it.
+        if let Some(last) = seen.last.as_ref() {
+            let answer = moves::joined(&seen.before, &request.movable, &seen.whole_part(last));
+            stream.last = Some(answer.to_string().into_bytes());
+        }
+    }
+    Stop::Done
 }
 
 /// An SSE event's data (`data: ...`), trimmed.

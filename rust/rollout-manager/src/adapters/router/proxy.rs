@@ -487,7 +487,7 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     // Only a successful answer's length is learned (the others just end).
     let learn = (head.status == StatusCode::OK).then_some(learn);
     // (The attempt ends here whatever the status: the request is not needed again.)
-    let mut swap = IdSwap::new(state.rids.maker());
+    let mut swap = IdSwap::default();
     for (client, ours) in &request.rid_pairs {
         swap.add(ours, client);
     }

@@ -26,7 +26,7 @@ pub struct Rids {
     maker: RidMaker,
     next: AtomicU64,
     /// By the rid the client knows the request by (its own, or the router's first one).
-    live: Mutex<HashMap<String, Vec<Arc<Live>>>>,
+    live: Mutex<HashMap<Arc<str>, Vec<Arc<Live>>>>,
 }
 
 impl Default for Rids {
@@ -39,7 +39,7 @@ impl Default for Rids {
 #[derive(Debug, Default)]
 pub(super) struct Live {
     /// The rid its part runs under on its engine now.
-    engine_rid: Mutex<String>,
+    engine_rid: Mutex<Arc<str>>,
     aborted: AtomicBool,
     notify: tokio::sync::Notify,
 }
@@ -63,13 +63,13 @@ impl Live {
 
     /// Its next part runs under `rid`.
     pub(super) fn runs_as(&self, rid: &str) {
-        rid.clone_into(&mut self.engine_rid.locked());
+        *self.engine_rid.locked() = Arc::from(rid);
     }
 
     fn abort(&self) -> String {
         self.aborted.store(true, Ordering::Release);
         self.notify.notify_waiters();
-        self.engine_rid.locked().clone()
+        self.engine_rid.locked().to_string()
     }
 }
 
@@ -90,17 +90,14 @@ impl Rids {
         self.maker.rid(self.next.fetch_add(1, Ordering::Relaxed))
     }
 
-    pub(super) fn maker(&self) -> &RidMaker {
-        &self.maker
-    }
-
     /// Follows a request the client knows as `shown` while the returned entry lives; its part
     /// runs under `engine_rid`.
     pub(super) fn enter(self: &Arc<Self>, shown: &str, engine_rid: &str) -> RidEntry {
-        let live = Arc::new(Live::default());
-        live.runs_as(engine_rid);
-        self.live.locked().entry(shown.to_owned()).or_default().push(live.clone());
-        RidEntry { rids: self.clone(), shown: shown.to_owned(), live }
+        let shown: Arc<str> = Arc::from(shown);
+        let engine_rid = if *shown == *engine_rid { shown.clone() } else { Arc::from(engine_rid) };
+        let live = Arc::new(Live { engine_rid: Mutex::new(engine_rid), ..Live::default() });
+        self.live.locked().entry(shown.clone()).or_default().push(live.clone());
+        RidEntry { rids: self.clone(), shown, live }
     }
 
     /// A client's `/abort_request`: marks the requests it names and says what to send engines.
@@ -114,7 +111,7 @@ impl Rids {
             }
             AbortAsk::Rid(rid) => {
                 let rids: Vec<String> =
-                    self.live.locked().get(rid).into_iter().flatten().map(|live| live.abort()).collect();
+                    self.live.locked().get(rid.as_str()).into_iter().flatten().map(|live| live.abort()).collect();
                 match rids.is_empty() {
                     false => Forward::Rids(rids),
                     true if sglang_made(rid) => Forward::AsIs,
@@ -130,7 +127,7 @@ impl Rids {
 #[derive(Debug)]
 pub(super) struct RidEntry {
     rids: Arc<Rids>,
-    shown: String,
+    shown: Arc<str>,
     pub(super) live: Arc<Live>,
 }
 
@@ -144,10 +141,10 @@ impl RidEntry {
 impl Drop for RidEntry {
     fn drop(&mut self) {
         let mut map = self.rids.live.locked();
-        if let Some(entries) = map.get_mut(&self.shown) {
+        if let Some(entries) = map.get_mut(&*self.shown) {
             entries.retain(|l| !Arc::ptr_eq(l, &self.live));
             if entries.is_empty() {
-                map.remove(&self.shown);
+                map.remove(&*self.shown);
             }
         }
     }

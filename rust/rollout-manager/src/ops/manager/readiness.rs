@@ -29,6 +29,11 @@ impl Manager {
                     return Err(EngineError::Exited(why));
                 }
                 if self.engine_api.probe(&url, "/health", Duration::from_secs(5)).await.is_none() {
+                    // How its streams come, so the router need not parse events to tell.
+                    let increments = self.engine_api.streams_increments(&url).await;
+                    if let Some(e) = self.fleet.lock().engines.get(engine_id) {
+                        e.load().set_streams_increments(increments);
+                    }
                     return Ok(());
                 }
                 tokio::select! {

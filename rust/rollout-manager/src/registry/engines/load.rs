@@ -37,6 +37,11 @@ pub struct EngineLoad {
     /// OpenAI requests that name the fleet (`/v1/responses` refuses any other name with 404; a
     /// name with `:` would be read as base model and LoRA adapter). None: the fleet's name.
     served_as: std::sync::Mutex<Option<Arc<str>>>,
+    /// Whether its streams carry only each event's new output (SGLang's
+    /// `--incremental-streaming-output`, read from its `/server_info` once it is healthy): 0 not
+    /// known, 1 no (each event has the output so far), 2 yes. The router then need not parse a
+    /// stream's events to tell.
+    streams_increments: std::sync::atomic::AtomicU8,
 }
 
 impl EngineLoad {
@@ -56,6 +61,25 @@ impl EngineLoad {
     /// The engine serves its model under `name` now (the path of the checkpoint it loaded).
     pub fn serves_as(&self, name: &str) {
         *crate::foundation::locks::Locked::locked(&self.served_as) = Some(Arc::from(name));
+    }
+
+    /// Whether the engine's streams carry only each event's new output (None: not known).
+    pub fn streams_increments(&self) -> Option<bool> {
+        match self.streams_increments.load(Ordering::Relaxed) {
+            1 => Some(false),
+            2 => Some(true),
+            _ => None,
+        }
+    }
+
+    /// What the engine said of its streams (None: it did not say).
+    pub fn set_streams_increments(&self, increments: Option<bool>) {
+        let value = match increments {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        };
+        self.streams_increments.store(value, Ordering::Relaxed);
     }
 
     /// The engine serves its model under the fleet's name (a new process).
