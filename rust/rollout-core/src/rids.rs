@@ -120,6 +120,9 @@ pub struct IdSwap {
     prefix: Vec<u8>,
     /// Router rid -> the bytes to write instead (the client's id, escaped for a JSON string).
     pairs: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Bytes of any length written as others (an OpenAI answer's `"model":"<engine's name>"`
+    /// as the client named it): see [`IdSwap::rename`].
+    rename: Option<(Vec<u8>, Vec<u8>)>,
     held: Vec<u8>,
 }
 
@@ -138,9 +141,16 @@ impl IdSwap {
         }
     }
 
+    /// From now on, the bytes `from` (not empty) are written as `to` as well.
+    pub fn rename(&mut self, from: &[u8], to: &[u8]) {
+        if !from.is_empty() && from != to {
+            self.rename = Some((from.to_vec(), to.to_vec()));
+        }
+    }
+
     /// Whether there is nothing to replace (an answer then passes as it is).
     pub fn is_empty(&self) -> bool {
-        self.pairs.is_empty()
+        self.pairs.is_empty() && self.rename.is_none()
     }
 
     /// Whether it holds back bytes that [`IdSwap::finish`] would write.
@@ -151,7 +161,7 @@ impl IdSwap {
     /// Writes `data` to `out` with the rids replaced, keeping back an end that may be the start
     /// of a rid.
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
-        if self.pairs.is_empty() {
+        if self.is_empty() {
             out.extend_from_slice(data);
             return;
         }
@@ -175,8 +185,28 @@ impl IdSwap {
         self.replace_into(&held, out);
     }
 
-    /// `data` with every whole rid of ours replaced, appended to `out`.
+    /// `data` with every whole rid of ours and every whole renamed string replaced, appended to
+    /// `out`.
     fn replace_into(&self, data: &[u8], out: &mut Vec<u8>) {
+        let Some((from, to)) = &self.rename else { return self.replace_rids_into(data, out) };
+        let mut rids = Vec::with_capacity(data.len());
+        self.replace_rids_into(data, &mut rids);
+        let mut at = 0;
+        for found in memchr::memmem::find_iter(&rids, from) {
+            if found >= at {
+                out.extend_from_slice(&rids[at..found]);
+                out.extend_from_slice(to);
+                at = found + from.len();
+            }
+        }
+        out.extend_from_slice(&rids[at..]);
+    }
+
+    /// `data` with every whole rid of ours replaced, appended to `out`.
+    fn replace_rids_into(&self, data: &[u8], out: &mut Vec<u8>) {
+        if self.pairs.is_empty() {
+            return out.extend_from_slice(data);
+        }
         let finder = memchr::memmem::Finder::new(&self.prefix);
         let mut from = 0;
         for at in finder.find_iter(data) {
@@ -194,9 +224,27 @@ impl IdSwap {
         out.extend_from_slice(&data[from..]);
     }
 
-    /// Where the end of `data` that may begin a rid starts (`data.len()` when none does).
+    /// Where the end of `data` that may begin a rid or a renamed string starts (`data.len()`
+    /// when none does).
     fn partial_rid_at_end(&self, data: &[u8]) -> usize {
-        let start = data.len().saturating_sub(RID_LEN - 1);
+        let renamed = self.rename.as_ref().map_or(data.len(), |(from, _)| {
+            // Never inside a whole one: its last bytes may begin another.
+            let whole = memchr::memmem::rfind(data, from).map_or(0, |at| at + from.len());
+            let start = data.len().saturating_sub(from.len() - 1).max(whole);
+            (start..data.len()).find(|at| from.starts_with(&data[*at..])).unwrap_or(data.len())
+        });
+        if self.pairs.is_empty() {
+            return renamed;
+        }
+        renamed.min(self.partial_of_a_rid(data))
+    }
+
+    fn partial_of_a_rid(&self, data: &[u8]) -> usize {
+        let mut start = data.len().saturating_sub(RID_LEN - 1);
+        // Never inside a whole one: its last bytes may begin another.
+        if let Some(at) = memchr::memmem::rfind(data, &self.prefix).filter(|at| at + RID_LEN <= data.len()) {
+            start = start.max(at + RID_LEN);
+        }
         for at in start..data.len() {
             let tail = &data[at..];
             let in_prefix = tail.len().min(PREFIX_LEN);
@@ -349,6 +397,45 @@ mod tests {
             pieces.push(&bytes[from..]);
             prop_assert_eq!(swapped(&mut whole, &pieces), expected.clone());
             prop_assert!(String::from_utf8(expected).unwrap().contains("\"id\":\"client-rid_1\""));
+        }
+    }
+}
+
+#[cfg(test)]
+mod rename_tests {
+    use super::IdSwap;
+    use proptest::prelude::*;
+
+    fn fed(swap: &mut IdSwap, data: &[u8], cuts: &[usize]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &cut in cuts.iter().filter(|c| **c <= data.len()) {
+            if cut >= from {
+                swap.feed(&data[from..cut], &mut out);
+                from = cut;
+            }
+        }
+        swap.feed(&data[from..], &mut out);
+        swap.finish(&mut out);
+        out
+    }
+
+    proptest! {
+        /// However the answer is cut into pieces, every renamed string is written as the other
+        /// and nothing else changes.
+        #[test]
+        fn a_rename_holds_across_any_cut(mut cuts in proptest::collection::vec(0usize..160, 0..6)) {
+            cuts.sort_unstable();
+            let answer = br#"data: {"id":"x","model":"/ckpt/step-1","choices":[]}
+
+data: {"model":"/ckpt/step-1","text":"\"model\":\"/ckpt/step\""}
+
+"#;
+            let mut swap = IdSwap::default();
+            swap.rename(br#""model":"/ckpt/step-1""#, br#""model":"qwen-rl""#);
+            let out = fed(&mut swap, answer, &cuts);
+            let want = String::from_utf8_lossy(answer).replace(r#""model":"/ckpt/step-1""#, r#""model":"qwen-rl""#);
+            prop_assert_eq!(String::from_utf8_lossy(&out), want);
         }
     }
 }

@@ -168,6 +168,16 @@ pub fn renamed_for(
     for_engine(body, &state.served_name, &name)
 }
 
+/// For a request whose body [`renamed_for`] changed (`original` into `renamed`): the bytes its
+/// answer names the engine's model by, and what the client should read instead. SGLang's
+/// OpenAI answers (whole and each streamed chunk) give `"model"` as the request named it.
+pub fn answer_rename(original: &[u8], renamed: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let model = |b: &[u8]| serde_json::from_slice::<Value>(b).ok()?.get("model")?.as_str().map(str::to_owned);
+    let (client, engine) = (model(original)?, model(renamed)?);
+    let quoted = |m: &str| format!("\"model\":{}", serde_json::to_string(m).unwrap_or_default()).into_bytes();
+    Some((quoted(&engine), quoted(&client)))
+}
+
 /// The body of an OpenAI request for an engine that serves the fleet's model under `engine_name`
 /// (the checkpoint path SGLang renamed it to on a disk update; see
 /// `crate::registry::fleet::EngineLoad::served_as`): a top-level `model` naming the fleet (`served`,
@@ -214,6 +224,16 @@ mod tests {
 
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_answer_names_the_model_as_the_client_did() {
+        let original = br#"{"model": "qwen3:8b:my-lora", "messages": []}"#;
+        let renamed = for_engine(original, "qwen3:8b", "/ckpt/step \"3\"").unwrap();
+        let (engine, client) = answer_rename(original, &renamed).unwrap();
+        assert_eq!(engine, br#""model":"/ckpt/step \"3\":my-lora""#.to_vec());
+        assert_eq!(client, br#""model":"qwen3:8b:my-lora""#.to_vec());
+        assert_eq!(answer_rename(b"not json", &renamed), None);
+    }
 
     #[test]
     fn the_base_model_takes_the_fleets_name_and_adapters_follow() {

@@ -1102,15 +1102,16 @@ fn on_event(
             entry.set_ready();
         }
     }
-    let ids = chunk.get("output_ids").and_then(Value::as_array).map_or(0, Vec::len) as u64;
+    let ids = chunk.get("output_ids").and_then(Value::as_array).map(|ids| ids.len() as u64);
     let count = chunk.pointer("/meta_info/completion_tokens").and_then(Value::as_u64);
     if seen.incremental.is_none() {
         // An event of one token (the first) reads the same either way; the next one tells.
-        seen.incremental = match count {
-            None => Some(false),
-            Some(c) if c > ids => Some(true),
-            Some(c) if c > 1 => Some(false),
-            Some(_) => None,
+        // Without output ids nothing tells (SGLang always sends them): the output so far.
+        seen.incremental = match (count, ids) {
+            (None, _) | (_, None) => Some(false),
+            (Some(c), Some(ids)) if c > ids => Some(true),
+            (Some(c), _) if c > 1 => Some(false),
+            (Some(_), _) => None,
         };
     }
     if seen.incremental != Some(false) {

@@ -432,6 +432,7 @@ async fn send_once(state: &Arc<RouterState>, request: &mut Admitted, picked: Pic
                 deadline,
                 on_board,
                 aborted: aborted.load(Ordering::Acquire),
+                rename: renamed.as_ref().and_then(|body| models::answer_rename(&request.body, body)),
             };
             Attempt::Answered(hand_over(state, request, answered).await)
         }
@@ -469,12 +470,15 @@ struct Answered<'a> {
     on_board: Option<tail::Entry>,
     /// The engine was asked to abort it before it answered (router::moving continues it).
     aborted: bool,
+    /// What the answer says that the client should read otherwise (the engine's model name
+    /// for the one the client named: [`models::answer_rename`]).
+    rename: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// The client's answer from an engine's: a successful movable request's goes on through
 /// `router::moving` (which may continue it elsewhere); any other streams back as it came.
 async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: Answered<'_>) -> Response {
-    let Answered { resp, first, backend, guard, learn, started, deadline, on_board, aborted } = answered;
+    let Answered { resp, first, backend, guard, learn, started, deadline, on_board, aborted, rename } = answered;
     let metrics = &state.metrics;
     let (mut head, incoming) = resp.into_parts();
     strip_hop_by_hop(&mut head.headers);
@@ -490,6 +494,9 @@ async fn hand_over(state: &Arc<RouterState>, request: &mut Admitted, answered: A
     let mut swap = IdSwap::default();
     for (client, ours) in &request.rid_pairs {
         swap.add(ours, client);
+    }
+    if let Some((engine, client)) = &rename {
+        swap.rename(engine, client);
     }
     let entries = std::mem::take(&mut request.entries);
     if let (Some(movable), StatusCode::OK) = (request.movable.take(), head.status) {
