@@ -72,10 +72,13 @@ def test_every_sample_respects_its_pin_and_the_staleness_bound(loop_run: tuple[d
             assert (s["step"] - 1) - version_number(version) <= STALENESS
             assert tokens > 0
         assert s["max_staleness"] <= STALENESS
-        # every group (the siblings of one prompt) was answered by one engine on one version
+        # every group (the siblings of one prompt, one request with n) was answered by one
+        # engine; its siblings may end on two versions, as on SGLang: an update that pauses
+        # with retract lets the unfinished ones end on the new weights
         for prompt in range(PROMPTS):
-            group = [tuple(x[1:3]) for x in s["samples"] if x[0] == prompt]
-            assert len(group) == GROUP and len(set(group)) == 1, group
+            group = [x[1:3] for x in s["samples"] if x[0] == prompt]
+            assert len(group) == GROUP and len({engine for engine, _ in group}) == 1, group
+            assert len({version for _, version in group}) <= 2, group
     assert timeline["summary"]["max_staleness"] <= STALENESS
 
 

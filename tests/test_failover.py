@@ -43,7 +43,7 @@ def test_requests_on_a_dying_engine_continue_from_their_output(start_fleet: Star
             lost += 1
             (move,) = moves
             assert move["reason"] == "lost" and move["from"] == victim.engine_id, move
-            assert move["at_token"] >= 250, move
+            assert move["at_token"] > 0, move
             assert body["meta_info"]["engines"] == [victim.engine_id, survivor.engine_id]
     assert lost == running, results
     assert fleet.engines().by_id(victim.engine_id).status == "FAILED"  # type: ignore[union-attr]
