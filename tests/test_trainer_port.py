@@ -19,9 +19,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _support import STARTUP_TIMEOUT, HttpResult, ManagerHandle, StartManager, http, load_example, wait_until
+from _support import (
+    STARTUP_TIMEOUT,
+    HttpResult,
+    ManagerHandle,
+    ProcessIdentity,
+    StartManager,
+    http,
+    load_example,
+    start_manager,
+    wait_until,
+)
 from _trainer import SPECS, StandInRank0
-from test_weights_resume import free_port
+from test_external import StartEngine, external_engine  # noqa: F401 (a fixture)
+from test_weights_resume import engine_identities, free_port, stop_both
 
 from elastic_rollout.trainer import GroupLayout, TensorSpec
 
@@ -261,6 +272,10 @@ def test_a_sync_cut_between_buckets_never_becomes_a_version(trainer_fleet: tuple
     second = http("POST", url + "/update_weights_from_distributed", bucket(SPECS[2:], "1"))
     assert second.status == 409 and second.json()["error"]["code"] == "sync_not_started", second.body[:300]
     assert fleet.client.weights().version == "default"
+    # The continue that ends this sync answers its outcome: the fleet is not on "1".
+    ended = http("POST", url + "/continue_generation", {})
+    assert ended.status == 502 and ended.json()["error"]["code"] == "update_failed", ended.body[:300]
+    assert open_id in ended.json()["message"], ended.body[:300]
     # Starting the sync again does not get past a bucket the manager refuses either: a bucket it
     # cannot take ends the sync, so the bucket after it cannot make a version without it.
     ok([http("POST", url + "/pause_generation", {})])
@@ -316,3 +331,71 @@ def test_a_second_slime_run_numbers_its_syncs_after_the_fleets_version(
     second_run.weight_version = args.update_weight_start_version
     ok(second_run.sync([SPECS]))
     assert fleet.client.weights().version == "3"
+
+
+def test_a_continue_after_the_manager_restarted_mid_sync_answers_the_failed_update(
+    manager_bin: Path, tmp_path: Path
+) -> None:
+    """The manager is killed between two buckets and comes back on its state: the update it had
+    open cannot resume (its rank 0's broadcast is gone) and ends FAILED. slime's continue must
+    say so; a plain 200 would leave slime sure the fleet serves "1" while it serves the old."""
+    ports = [str(free_port()) for _ in range(3)]
+    extra = ("--rollout-num-gpus", "2", "--reattach-grace-secs", "60",
+             "--port", ports[0], "--router-port", ports[1], "--trainer-port", ports[2])  # fmt: skip
+    url = f"http://127.0.0.1:{ports[2]}"
+    first = start_manager(manager_bin, tmp_path / "state", extra)
+    second: ManagerHandle | None = None
+    identities: dict[str, ProcessIdentity] = {}
+    try:
+        first.wait_engines(2, "ACTIVE", STARTUP_TIMEOUT, fail_on_failed=True)
+        slime = SlimeOnExternalEngines([f"127.0.0.1:{ports[2]}"], first.router_url, StandInRank0(), first)
+        slime.discover_and_register()
+        ok(slime.connect())
+        layout = slime.layout()
+        ok([http("POST", url + "/pause_generation", {})])
+        body = {"names": [s.name for s in SPECS[:2]], "dtypes": [s.dtype for s in SPECS[:2]],
+                "shapes": [list(s.shape) for s in SPECS[:2]], "group_name": slime.group_name,
+                "weight_version": "1"}  # fmt: skip
+        first_bucket = slime.pool.submit(http, "POST", url + "/update_weights_from_distributed", body, timeout=120)
+        slime.rank0.broadcast(layout, SPECS[:2])
+        ok([first_bucket.result(timeout=120)])
+        open_id = first.client.weights().raw["update"]["update_id"]
+        identities = engine_identities(first)
+        first.process.kill()
+        first.process.wait()
+
+        second = start_manager(manager_bin, tmp_path / "state", extra)
+        wait_until(lambda: second.client.weight_update(open_id)["status"] == "FAILED", 120, "the open update FAILED")
+        ended = http("POST", url + "/continue_generation", {}, timeout=120)
+        assert ended.status == 502 and ended.json()["error"]["code"] == "update_failed", ended.body[:300]
+        assert open_id in ended.json()["message"], ended.body[:300]
+        assert second.client.weights().version == "default"
+        # The next sync starts with a pause: its continue answers that sync, not the old one.
+        ok([http("POST", url + "/pause_generation", {})])
+        ok([http("POST", url + "/continue_generation", {})])
+    finally:
+        stop_both(first, second, identities)
+
+
+def test_an_attached_engine_with_two_ranks_counts_two_in_the_trainers_group(
+    trainer_fleet: tuple[ManagerHandle, str],
+    external_engine: StartEngine,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """An engine the manager did not launch has no GPU ids: its ranks come from its own
+    `/server_info` (`tp_size x pp_size`). Counted as one, slime would size its world one short
+    and the engine's second rank would have no place in the group."""
+    fleet, addr = trainer_fleet
+    url, _ = external_engine("sim-model", None, "--tp-size", "2")
+    accepted = fleet.client.scale_out(engine_urls=[url])
+    op = fleet.client.wait_for_operation("scale_out", accepted.request_id, timeout=STARTUP_TIMEOUT)
+    assert op.status == "ACTIVE", op.raw
+    info = http("GET", f"http://{addr}/server_info").json()
+    assert info["num_gpus"] == 2 * 1 + 2, info  # two launched engines of one GPU, the attached one's two
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    slime.discover_and_register()
+    ok(slime.connect())
+    members = {m.url: (m.rank_offset, m.tp_size) for m in slime.layout().members}
+    assert members[url] == (3, 2), members
+    ok(slime.sync([SPECS]))
+    assert fleet.client.weights().version == "1"
+    assert http("GET", url + "/model_info").json()["weight_version"] == "1"

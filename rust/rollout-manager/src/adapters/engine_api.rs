@@ -127,11 +127,32 @@ pub trait EngineApi: Send + Sync {
         Box::pin(async move { self.serves(url, "/send_weights_to_remote_instance").await })
     }
 
-    /// Whether the engine streams only each event's new output (`incremental_streaming_output`
-    /// in its `/server_info`); None when it does not say.
-    fn streams_increments<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Option<bool>> {
+    /// What the engine's `/server_info` says that the manager keeps (all None when it does not
+    /// answer).
+    fn server_facts<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ServerFacts> {
         let _ = url;
-        Box::pin(async { None })
+        Box::pin(async { ServerFacts::default() })
+    }
+}
+
+/// What an engine's `/server_info` says that the manager keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerFacts {
+    /// It streams only each event's new output (`incremental_streaming_output`).
+    pub streams_increments: Option<bool>,
+    /// The ranks it takes in a weight-update group: `tp_size x pp_size`.
+    pub ranks: Option<u32>,
+}
+
+impl ServerFacts {
+    /// Reads them from a `/server_info` answer.
+    pub fn of(info: &serde_json::Value) -> Self {
+        let size = |key: &str| info.get(key).and_then(serde_json::Value::as_u64).filter(|n| *n > 0);
+        let ranks = size("tp_size").map(|tp| tp.saturating_mul(size("pp_size").unwrap_or(1)));
+        Self {
+            streams_increments: info.get("incremental_streaming_output").and_then(serde_json::Value::as_bool),
+            ranks: ranks.and_then(|r| u32::try_from(r).ok()),
+        }
     }
 }
 
@@ -302,14 +323,14 @@ impl EngineApi for HttpEngineApi {
         })
     }
 
-    fn streams_increments<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Option<bool>> {
+    fn server_facts<'a>(&'a self, url: &'a str) -> BoxFuture<'a, ServerFacts> {
         Box::pin(async move {
             let info = self.http.get(format!("{url}/server_info")).timeout(Duration::from_secs(10)).send().await;
             let info = match info {
                 Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
                 _ => None,
             };
-            info.as_ref().and_then(|i| i.get("incremental_streaming_output")).and_then(serde_json::Value::as_bool)
+            info.as_ref().map(ServerFacts::of).unwrap_or_default()
         })
     }
 
@@ -338,5 +359,28 @@ impl EngineApi for HttpEngineApi {
                 .send()
                 .await;
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ServerFacts;
+    use serde_json::json;
+
+    #[test]
+    fn server_facts_count_every_rank_of_every_stage() {
+        let cases = [
+            (json!({"tp_size": 2, "pp_size": 2, "incremental_streaming_output": true}), Some(4), Some(true)),
+            (json!({"tp_size": 2, "incremental_streaming_output": false}), Some(2), Some(false)),
+            (json!({"tp_size": 1, "pp_size": 1}), Some(1), None),
+            // Nothing usable: not known (the engine counts as its GPUs, or 1).
+            (json!({"tp_size": 0}), None, None),
+            (json!({"tp_size": "2"}), None, None),
+            (json!({}), None, None),
+        ];
+        for (info, ranks, increments) in cases {
+            let facts = ServerFacts::of(&info);
+            assert_eq!((facts.ranks, facts.streams_increments), (ranks, increments), "{info}");
+        }
     }
 }

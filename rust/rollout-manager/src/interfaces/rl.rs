@@ -301,7 +301,7 @@ fn worker_of(e: &Engine, model: &str) -> Worker {
     let json = json!({
         "id": r.engine_id(), "url": r.url(), "base_url": r.url(), "engine": "sglang", "engine_version": null,
         "model_id": model, "worker_type": "regular", "connection_mode": "http",
-        "tp_size": r.gpu_ids().len().max(1), "dp_size": 1, "pp_size": 1, "dp_ranks": 1, "role": null,
+        "tp_size": e.ranks(), "dp_size": 1, "pp_size": 1, "dp_ranks": 1, "role": null,
         "health": health, "weight_version": r.weight_version(), "control_url": r.url(),
         "labels": labels,
         "control": if e.paused_by_control() { "paused" } else { "active" },

@@ -17,6 +17,8 @@
 //!   update on that group ([`crate::ops::trainer_update`]); each is answered once every member
 //!   received it.
 //! - `/continue_generation`: ends the open update; answered once the fleet serves the version.
+//!   With none open, it answers the trainer's newest update when that failed since the trainer's
+//!   last pause (timed out, aborted, or the manager restarted under it): 502, not a plain 200.
 //! - `/pause_generation` gives the mode of the next update's pause (the manager pauses the
 //!   members when the first bucket comes); `/flush_cache` is a no-op (the manager flushes each
 //!   member when an update ends); `/destroy_weights_update_group` destroys the group.
@@ -57,6 +59,9 @@ struct Session {
     /// open the version again with only the remaining buckets, and the members would say that
     /// version while holding the old weights for the ones before.
     at_boundary: bool,
+    /// When the trainer last paused (a sync's start, unix seconds): an update that ended
+    /// before it is not the one a later `/continue_generation` ends.
+    paused_at: Option<f64>,
 }
 
 impl Session {
@@ -100,7 +105,7 @@ type Shared = Arc<Port>;
 /// The routes of the trainer port (token rules as the router's: every POST, and `/flush_cache`,
 /// needs the token when one is configured).
 pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
-    let session = Session { open: None, pause_mode: None, at_boundary: true };
+    let session = Session { open: None, pause_mode: None, at_boundary: true, paused_at: None };
     let port = Arc::new(Port { manager, session: tokio::sync::Mutex::new(session) });
     Router::new()
         .route("/server_info", get(server_info))
@@ -561,6 +566,7 @@ async fn pause(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> 
     session.settle(&p.manager);
     session.pause_mode = Some(req.mode);
     session.at_boundary = true;
+    session.paused_at = Some(crate::foundation::clock::unix_now());
     Json(json!({"message": "Generation paused successfully.", "status": "ok",
                 "note": "the members are paused in this mode when the first bucket of the next update comes"}))
     .into_response()
@@ -574,6 +580,12 @@ async fn continue_generation(State(p): State<Shared>) -> Response {
     session.pause_mode = None;
     session.at_boundary = true;
     let Some(open) = session.open.as_ref() else {
+        // Nothing open here: the update this ends, if any, failed while the trainer was away
+        // (it timed out, was aborted, or the manager restarted under it). Its outcome is the
+        // answer, so the trainer never takes the fleet for being on a version it is not on.
+        if let Some((update_id, version, why)) = failed_since(&p.manager, session.paused_at) {
+            return failed(&update_id, &version, why.as_deref());
+        }
         return Json(json!({"message": "Generation continued successfully.", "status": "ok"})).into_response();
     };
     let (update_id, version) = (open.update_id.clone(), open.version.clone());
@@ -615,6 +627,24 @@ async fn continue_generation(State(p): State<Shared>) -> Response {
         )),
         Err(e) => refuse(e),
     }
+}
+
+/// The newest trainer update, when it ended without its version (FAILED) after the trainer's
+/// last pause (`paused_at`; any time when this port has seen none, as after a restart).
+fn failed_since(manager: &Manager, paused_at: Option<f64>) -> Option<(UpdateId, VersionName, Option<String>)> {
+    let fleet = manager.fleet.lock();
+    let newest = fleet
+        .weights
+        .updates()
+        .values()
+        .filter(|u| u.trainer().is_some())
+        .max_by(|a, b| a.created_at().total_cmp(&b.created_at()))?;
+    let ended_after_pause = newest.finished_at().is_some_and(|t| paused_at.is_none_or(|p| t >= p));
+    if newest.status() != WeightUpdateStatus::Failed || !ended_after_pause {
+        return None;
+    }
+    let version = VersionName::parse(newest.version()).ok()?;
+    Some((newest.update_id().clone(), version, newest.error_message().clone()))
 }
 
 async fn flush_cache() -> Response {

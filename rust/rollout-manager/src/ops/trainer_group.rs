@@ -302,7 +302,7 @@ pub(crate) fn takers(inner: &crate::registry::fleet::FleetInner) -> Vec<GroupMem
         })
         .collect();
     engines.sort_by_key(|e| e.seq());
-    let tps: Vec<u32> = engines.iter().map(|e| u32::try_from(e.record().gpu_ids().len()).unwrap_or(1).max(1)).collect();
+    let tps: Vec<u32> = engines.iter().map(|e| e.ranks()).collect();
     let (offsets, _) = rollout_core::catchup::plan_ranks(&tps);
     engines
         .iter()

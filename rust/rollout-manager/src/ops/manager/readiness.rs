@@ -29,10 +29,12 @@ impl Manager {
                     return Err(EngineError::Exited(why));
                 }
                 if self.engine_api.probe(&url, "/health", Duration::from_secs(5)).await.is_none() {
-                    // How its streams come, so the router need not parse events to tell.
-                    let increments = self.engine_api.streams_increments(&url).await;
+                    // How its streams come (so the router need not parse events to tell), and
+                    // its ranks (a trainer's group counts them for an engine it did not launch).
+                    let facts = self.engine_api.server_facts(&url).await;
                     if let Some(e) = self.fleet.lock().engines.get(engine_id) {
-                        e.load().set_streams_increments(increments);
+                        e.load().set_streams_increments(facts.streams_increments);
+                        e.load().set_ranks(facts.ranks);
                     }
                     return Ok(());
                 }
@@ -197,7 +199,7 @@ impl Manager {
                     engine_id: e.record().engine_id(),
                     serving: e.status() == EngineStatus::Active,
                     version: e.record().weight_version().as_deref(),
-                    tp_size: u32::try_from(e.record().gpu_ids().len()).unwrap_or(1).max(1),
+                    tp_size: e.ranks(),
                     sending: sending(e.record().engine_id()),
                 })
                 .collect();

@@ -42,6 +42,8 @@ pub struct EngineLoad {
     /// known, 1 no (each event has the output so far), 2 yes. The router then need not parse a
     /// stream's events to tell.
     streams_increments: std::sync::atomic::AtomicU8,
+    /// The ranks its `/server_info` says it has (`tp_size x pp_size`); 0 not known.
+    ranks: std::sync::atomic::AtomicU32,
 }
 
 impl EngineLoad {
@@ -80,6 +82,16 @@ impl EngineLoad {
             Some(true) => 2,
         };
         self.streams_increments.store(value, Ordering::Relaxed);
+    }
+
+    /// The ranks the engine said it has (None: not known).
+    pub fn ranks(&self) -> Option<u32> {
+        Some(self.ranks.load(Ordering::Relaxed)).filter(|r| *r > 0)
+    }
+
+    /// What the engine said of its ranks (None: it did not say).
+    pub fn set_ranks(&self, ranks: Option<u32>) {
+        self.ranks.store(ranks.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// The engine serves its model under the fleet's name (a new process).

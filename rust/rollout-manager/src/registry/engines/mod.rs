@@ -460,6 +460,16 @@ impl Engine {
         &self.record.engine_id
     }
 
+    /// The ranks it takes in a weight-update group: one per GPU the manager gave it, or, for an
+    /// engine it did not launch, `tp_size x pp_size` from the engine's `/server_info` (1 until
+    /// read).
+    pub fn ranks(&self) -> u32 {
+        match u32::try_from(self.record.gpu_ids.len()) {
+            Ok(0) | Err(_) => self.load.ranks().unwrap_or(1),
+            Ok(n) => n,
+        }
+    }
+
     pub fn status(&self) -> EngineStatus {
         self.record.status
     }
