@@ -616,15 +616,9 @@ def test_a_group_the_trainer_fixed_is_kept_and_engines_beyond_it_copy_each_versi
         assert model_info(e.url)["weight_version"] == "step-3", e.engine_id
 
 
-def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
-    fleet: ManagerHandle, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """examples/areal driven as AReaL's FSDPEngine drives its rollout engine (read at 4aef98d8,
-    fsdp_engine.py:1377-1437 and 1506-1597): ``connect_engine`` builds the group once (world =
-    rollout GPUs + 1) and joins as rank 0 while the engine's future runs; each update pauses,
-    then per bucket ``fut = update_weights_from_distributed(meta, specs)``, the broadcast,
-    ``fut.result()``, and ``continue_generation()`` at the end."""
-    monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
+def areal_run(fleet: ManagerHandle, versions: Sequence[int]) -> None:
+    """One AReaL run (a fresh process: the adapter loaded anew) that builds its group and sends
+    AReaL's ``versions``; each must be what the fleet then serves, under the adapter's name."""
     areal = load_example("examples/areal/elastic_rollout_areal.py")
     # AReaL itself is not installed here: the engine is built without its base class's state.
     engine = areal.ElasticSGLangEngine.__new__(areal.ElasticSGLangEngine)
@@ -646,7 +640,7 @@ def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
     joined.result(timeout=60)
     assert layout.world_size == 3 and len(layout.members) == 2
     try:
-        for version in (1, 2):
+        for version in versions:
             meta.version = version
             engine.pause_generation()
             for bucket in (SPECS[:2], SPECS[2:]):
@@ -655,9 +649,27 @@ def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
                 rank0.broadcast(layout, bucket)
                 fut.result(timeout=60)
             engine.continue_generation()
-            assert fleet.client.weights().version == str(version)
+            name = areal._names.name(version, version - 1)
+            assert fleet.client.weights().version == name
             for e in fleet.engines().engines:
-                assert model_info(e.url)["weight_version"] == str(version), e.engine_id
+                assert model_info(e.url)["weight_version"] == name, e.engine_id
     finally:
         engine._pipeline._stop.set()
-    assert len(rank0.joined) == 1 and len(rank0.broadcasts) == 4
+    assert len(rank0.joined) == 1 and len(rank0.broadcasts) == 2 * len(versions)
+
+
+def test_the_areal_adapter_moves_weights_over_xccl_in_areals_call_order(
+    fleet: ManagerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/areal driven as AReaL's FSDPEngine drives its rollout engine (read at 4aef98d8,
+    fsdp_engine.py:1377-1437 and 1506-1597): ``connect_engine`` builds the group once (world =
+    rollout GPUs + 1) and joins as rank 0 while the engine's future runs; each update pauses,
+    then per bucket ``fut = update_weights_from_distributed(meta, specs)``, the broadcast,
+    ``fut.result()``, and ``continue_generation()`` at the end. A restarted AReaL that recovers
+    from an older step numbers its versions from there again: its names continue the fleet's."""
+    monkeypatch.setenv("ELASTIC_ROLLOUT_MANAGER", fleet.control_url)
+    areal_run(fleet, (1, 2))
+    assert fleet.client.weights().version == "2"
+    # Recovered from the checkpoint of step 0 (version 1 is its next): "1" was served already.
+    areal_run(fleet, (1, 2))
+    assert fleet.client.weights().version == "4"

@@ -4,6 +4,10 @@
 ``ElasticSGLangEngine`` is AReaL's ``RemoteSGLangEngine`` with these changes:
 
 - every ``/generate`` carries ``weight_version: {"min_version": "<AReaL's current version>"}``;
+- versions are named after the fleet's: AReaL numbers them ``global_step + 1`` and starts
+  again from a checkpoint's step when it recovers (or from 0 in a new trial), and the manager
+  refuses a name it already served. The first time a name is needed, AReaL's version then is
+  given the fleet's version when that is a larger number, and every later one the same offset;
 - ``xccl`` (AReaL's default): ``init_weights_update_group`` asks the manager for a group of
   AReaL's world size (``POST /rollout/weights/trainer_group``; the manager fills it with its first
   engines and has them join while AReaL's trainer joins as rank 0), each
@@ -48,6 +52,29 @@ def _client() -> RolloutClient:
     return RolloutClient(url, token=os.environ.get("ROLLOUT_MANAGER_API_TOKEN"), timeout=60.0)
 
 
+class _VersionNames:
+    """AReaL's version numbers as the fleet's version names (see the module docs)."""
+
+    def __init__(self) -> None:
+        self.offset: int | None = None
+        self._lock = threading.Lock()
+
+    def name(self, version: int, current: int) -> str:
+        """The fleet's name for AReaL's ``version``; ``current`` is AReaL's version now."""
+        with self._lock:
+            if self.offset is None:
+                fleet = str(_client().weights().get("version"))
+                self.offset = max(0, int(fleet) - current) if fleet.isdigit() else 0
+            return str(version + self.offset)
+
+    def step(self, name: str) -> int:
+        """The AReaL step whose training made the version named ``name``."""
+        return int(name) - (self.offset or 0) - 1
+
+
+_names = _VersionNames()
+
+
 def _areal(name: str) -> Any:
     return importlib.import_module(name)
 
@@ -64,7 +91,7 @@ class ElasticSGLangBackend(_base("areal.engine.sglang_remote", "SGLangBackend"))
 
     def build_generation_request(self, req: Any, with_lora: bool, version: int) -> Any:
         http_req = super().build_generation_request(req, with_lora, version)
-        http_req.payload["weight_version"] = {"min_version": str(version)}
+        http_req.payload["weight_version"] = {"min_version": _names.name(version, version)}
         return http_req
 
 
@@ -114,7 +141,7 @@ class ElasticSGLangEngine(_base("areal.engine.sglang_remote", "RemoteSGLangEngin
         group = self._group
         if group is not None and group.update_id is not None:
             _updater.submit(group.end).result()
-            self._report(int(group.version or 0) - 1)
+            self._report(_names.step(group.version or "0"))
 
     def init_weights_update_group(self, meta: Any, xccl_group_ranks: list[int] | None = None) -> Future[None]:
         """AReaL's trainer builds its group once, of ``rollout GPUs + 1`` ranks, and joins it as
@@ -147,7 +174,7 @@ class ElasticSGLangEngine(_base("areal.engine.sglang_remote", "RemoteSGLangEngin
         if getattr(meta, "use_lora", False) or meta.version is None:
             raise NotImplementedError("xccl updates need meta.version (meta.with_version) and no LoRA")
         specs = [TensorSpec(str(p.name), str(p.dtype), tuple(int(d) for d in p.shape)) for p in param_specs]
-        version = str(meta.version)
+        version = _names.name(int(meta.version), int(meta.version) - 1)
         self._pipeline.start_sampling(self._engine)
 
         def send() -> None:
@@ -185,10 +212,11 @@ class ElasticSGLangEngine(_base("areal.engine.sglang_remote", "RemoteSGLangEngin
         name_resolve = _areal("areal.utils.name_resolve")
         name_resolve.wait(names.update_weights_from_disk(experiment, trial, saved_as), timeout=3600)
         client = _client()
-        update = client.publish_weights(str(meta.version), os.path.abspath(str(meta.path)))
+        version = _names.name(int(meta.version), int(meta.version) - 1)
+        update = client.publish_weights(version, os.path.abspath(str(meta.path)))
         record = client.wait_for_weight_update(str(update["update_id"]), timeout=3600)
         if record.get("status") != "COMPLETED":
-            raise RuntimeError(f"publishing {meta.version} failed: {record.get('error_message')}")
+            raise RuntimeError(f"publishing {version} (AReaL's {meta.version}) failed: {record.get('error_message')}")
         self._report(int(meta.version) - 1)
 
     def _report(self, step: int) -> None:
