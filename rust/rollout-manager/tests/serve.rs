@@ -91,7 +91,8 @@ async fn serves_a_fleet_and_shuts_down_in_order() {
     assert!(pids.iter().all(|p| alive(*p)));
 
     let client = reqwest::Client::new();
-    let body = json!({"text": "hello fleet", "sampling_params": {"max_new_tokens": 4}});
+    // ignore_eos: the simulated model samples its end-of-text token now and then, as a model does.
+    let body = json!({"text": "hello fleet", "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}});
     let mut served_by = std::collections::BTreeSet::new();
     for _ in 0..4 {
         let resp = client
