@@ -45,7 +45,9 @@ def test_requests_on_a_dying_engine_continue_from_their_output(start_fleet: Star
             assert move["reason"] == "lost" and move["from"] == victim.engine_id, move
             assert move["at_token"] > 0, move
             assert body["meta_info"]["engines"] == [victim.engine_id, survivor.engine_id]
-    assert lost == running, results
+    # At least those seen running there moved (another may have landed on it since the count;
+    # every request ended on the survivor, so whatever ran on the victim moved).
+    assert lost >= running >= 1, results
     assert fleet.engines().by_id(victim.engine_id).status == "FAILED"  # type: ignore[union-attr]
 
 
