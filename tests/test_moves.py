@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from _checkpoints import write_checkpoint
 from _support import ManagerHandle, StartManager, http, metric_total, wait_until
+from test_drain import in_flight
 
 BUDGET = 120
 SLOW = (
@@ -339,6 +340,41 @@ def test_a_request_never_continues_on_another_weight_version(start_fleet: StartM
     assert not any("moves" in e["meta_info"] for e in got[:-1]), got[-2]["meta_info"]
     ended = fleet.client.wait_for_weight_update(update["update_id"], 120)
     assert ended.status == "FAILED" and "engine_1" in (ended.error_message or ""), ended
+
+
+def test_a_whole_answer_whose_version_is_gone_starts_over(start_fleet: StartManager, tmp_path: Path) -> None:
+    """A non-streamed request ran on through an update (`in_place`), so it began on the startup
+    version, which no engine serves after it. When its engine dies it cannot continue (one answer,
+    one policy), but nothing of it reached the client: it starts over on the fleet's version,
+    where it waited for a startup-version engine and failed with a 502 before."""
+    fleet = start_fleet(*SLOW, "--restart-failed-engines", "false", "--version-wait-secs", "1")
+    startup = fleet.client.weights()["version"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = {"input_ids": [5, 4, 3], "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+        answer = pool.submit(http, "POST", f"{fleet.router_url}/generate", body, timeout=120)
+        wait_until(lambda: running_on(fleet) is not None, 30, "the request to run")
+        victim = engine_of(fleet, running_on(fleet) or "")
+        write_checkpoint(tmp_path / "v1", 1)
+        update = fleet.client.publish_weights("v1", str(tmp_path / "v1"), strategy="all_at_once", pause_mode="in_place")
+        ended = fleet.client.wait_for_weight_update(update["update_id"], 60)
+        assert ended.status == "COMPLETED", ended
+        assert in_flight(fleet, victim.engine_id) == 1 and not answer.done()
+        os.kill(victim.pid, signal.SIGKILL)
+        resp = answer.result(timeout=120)
+    assert resp.status == 200, resp.body[:300]
+    meta = resp.json()["meta_info"]
+    # All of it from the second engine, on v1 only: the startup version's tokens were dropped.
+    assert meta["completion_tokens"] == 600 == len(resp.json()["output_ids"])
+    assert meta["weight_versions"] == [{"version": "v1", "start": 0, "end": 600}], meta
+    assert meta["weight_version"] == "v1" != startup
+    (move,) = meta["moves"]
+    assert move["reason"] == "lost" and move["from"] == victim.engine_id and move["at_token"] == 0, move
+    assert meta["engines"][-1] != victim.engine_id
+
+
+def running_on(fleet: ManagerHandle) -> str | None:
+    """The engine a request runs on, once one does."""
+    return next((e.engine_id for e in fleet.engines().engines if int(e.raw.get("in_flight", 0)) > 0), None)
 
 
 def test_partial_rollout_continues_across_an_all_at_once_update(start_fleet: StartManager, tmp_path: Path) -> None:

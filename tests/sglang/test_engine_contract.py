@@ -505,11 +505,14 @@ def test_pause_retract_sends_a_retracted_request_back_to_the_queue(
     assert n >= FORCE_STREAM_INTERVAL and n % FORCE_STREAM_INTERVAL == 0 and len(out["output_ids"]) == n
     assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": n}]
 
+    # A token sent just before the pause may still be on its way to the reader: the answer repeats
+    # what the stream carried up to it, at least what had arrived when the abort was sent.
     streamed = dropped.tokens()
     assert engine.post("/abort_request", {"rid": "retract-dropped"}) == (200, "")
     final = dropped.finish()
     assert final["meta_info"]["finish_reason"] == ABORTED_WAITING
-    assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"] == streamed
+    carried = len(dropped.chunks[-2]["output_ids"])
+    assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"] == carried >= streamed
 
     at_pause = kept.tokens()
     assert not kept.done.is_set()

@@ -404,13 +404,6 @@ impl Engine {
         }
     }
 
-    /// Ends every request at once, with `message` (shutdown; see `docs/sglang-sim.md`).
-    pub fn abort_now_all(&self, message: &str) {
-        for r in &self.ranks {
-            r.abort_now_all(message);
-        }
-    }
-
     pub fn loads(&self) -> Vec<RankLoad> {
         self.ranks.iter().map(|r| r.load()).collect()
     }

@@ -281,21 +281,6 @@ impl Rank {
         n
     }
 
-    /// Ends every request at once (shutdown): no further step runs.
-    pub fn abort_now_all(&self, message: &str) -> usize {
-        let (n, idle) = {
-            let mut c = self.lock();
-            let keys: Vec<u64> = c.reqs.keys().copied().collect();
-            for k in &keys {
-                c.finish(*k, FinishReason::Abort(message.to_string()));
-            }
-            self.note_output(&mut c);
-            (keys.len(), c.is_fully_idle(false))
-        };
-        self.after_abort(idle);
-        n
-    }
-
     fn after_abort(&self, flushable: bool) {
         self.wake.notify_one();
         if flushable {

@@ -7,8 +7,10 @@
 //! 3. warm up for `--warmup-delay` seconds and run one 8-token generation through the
 //!    scheduler (skipped with `--skip-server-warmup`); then status Up, "The server is fired
 //!    up and ready to roll!" is logged and `/health` is 200.
-//! 4. on SIGTERM/SIGINT: status ShuttingDown (health 503), every request aborted, the HTTP
-//!    server drained within [`SHUTDOWN_GRACE`], the process exits 0. An engine that is
+//! 4. on SIGTERM/SIGINT: status ShuttingDown (health 503, new requests refused with "The
+//!    server is shutting down."), requests in flight run on (SGLang's drain waits for them;
+//!    none is aborted), connections still open after [`SHUTDOWN_GRACE`] are cut, and the
+//!    process exits 0. An engine that is
 //!    `UnHealthy` at that moment (its last health check failed), or any engine under
 //!    `SGL_FORCE_SHUTDOWN`, skips all of that, as SGLang does: it stops at once, nothing
 //!    aborted, and its open connections are cut when the process exits (0).
@@ -152,8 +154,12 @@ async fn run_instance(
         .map_err(|source| StartupError::Bind { addr: addr.clone(), source })?;
     let port = listener.local_addr().map_err(|e| StartupError::Internal(e.to_string()))?.port();
     let engine = Arc::new(Engine::new(cfg.clone(), usize::from(index), port, weights, meta, process_start));
+    // The ranks step on through the drain (in-flight requests finish, as SGLang's drain waits
+    // for them) and stop when this instance returns, whichever way it does.
+    let (ranks_stop, ranks_run) = watch::channel(false);
+    let _stop_ranks = StopRanks(ranks_stop);
     for rank in &engine.ranks {
-        tokio::spawn(rank.clone().run(shutdown.clone()));
+        tokio::spawn(rank.clone().run(ranks_run.clone()));
     }
     tracing::info!("sglang-sim listening on http://{}:{port}", cfg.host);
     tokio::spawn(warm_up(engine.clone(), shutdown.clone()));
@@ -176,7 +182,6 @@ async fn run_instance(
         }
         drain_engine.shared.set_status(Status::ShuttingDown);
         drain_engine.shared.set_paused(false);
-        drain_engine.abort_now_all("The server is shutting down.");
     });
     let deadline = async {
         shutdown_requested(shutdown.clone()).await;
@@ -199,6 +204,15 @@ async fn run_instance(
     }
     tracing::info!(port, "engine stopped");
     Ok(())
+}
+
+/// Stops an instance's ranks when dropped.
+struct StopRanks(watch::Sender<bool>);
+
+impl Drop for StopRanks {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
+    }
 }
 
 /// Step 3 of the lifecycle: wait, run one small generation, become ready.

@@ -333,7 +333,14 @@ async fn run(request: Request, first: Part, client: &mut Out) {
             return;
         }
         let next_rid = request.state.rids.next();
+        let over = starts_over(&request, &part, reason, &produced);
+        if over {
+            tracing::info!(engine_id = %part.engine_id, reason, "no engine serves the version the request ran on; starting it again");
+            produced =
+                Produced { engines: produced.engines.clone(), moves: produced.moves.clone(), ..Produced::default() };
+        }
         let mut body = match produced.prompt(&request.movable) {
+            _ if over => moves::restart(&request.body, &next_rid),
             Some(prompt) => {
                 match moves::continuation(&request.body, &request.movable, prompt, &produced.output_ids, &next_rid) {
                     Some(body) => body,
@@ -379,7 +386,12 @@ async fn run(request: Request, first: Part, client: &mut Out) {
         // The client knows the request by one id, whatever rid its next part runs under.
         client.swap.add(&next_rid, request.entry.shown());
         request.entry.live.runs_as(&next_rid);
-        match next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64, ended_on).await {
+        let next = if over {
+            fresh_part(&request, &part, body, reason).await
+        } else {
+            next_part(&request, &mut part, body, reason, produced.output_ids.len() as u64, ended_on).await
+        };
+        match next {
             Ok(next) => {
                 record_move(&request, &mut produced, &part, &next, reason);
                 part = next;
@@ -506,6 +518,39 @@ async fn next_part(
         _ => "no other engine to continue on".to_string(),
     };
     let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| none())?;
+    let route = routes
+        .iter()
+        .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
+        .min_by_key(|r| r.load.get())
+        .ok_or_else(none)?
+        .clone();
+    let guard = route.load.enter(request.tokens);
+    send_part(request, route, guard, body).await
+}
+
+/// Whether the request starts over from nothing instead of continuing after its part ended:
+/// nothing of it reached the client yet (a whole answer, or a stream before its first token),
+/// it stays on one weight version, and no engine serves the version it ran on any more (an
+/// update went by while its engine was lost or drained). Its output so far is dropped, and it
+/// runs again on what its own pin allows, as if it had just arrived.
+fn starts_over(request: &Request, part: &Part, reason: &str, produced: &Produced) -> bool {
+    if matches!(reason, "chunk" | "preempt") || request.may_cross {
+        return false;
+    }
+    if request.movable.stream && !produced.output_ids.is_empty() {
+        return false;
+    }
+    let Some(ran_on) = part.route.weight_version.as_deref() else {
+        return false;
+    };
+    super::candidates_now(&request.state, Some(&VersionPin::Exact(ran_on.to_string()))).is_empty()
+}
+
+/// Sends a request that starts over ([`starts_over`]) to the least loaded engine its own pin
+/// allows, other than the one it left (unless an update or a tail move, as [`next_part`]).
+async fn fresh_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
+    let none = || "no engine to start it again on".to_string();
+    let routes = super::candidates(&request.state, request.pin.as_ref()).await.map_err(|_| none())?;
     let route = routes
         .iter()
         .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
