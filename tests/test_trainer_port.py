@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from _checkpoints import write_checkpoint
 from _support import (
     STARTUP_TIMEOUT,
     HttpResult,
@@ -99,6 +100,22 @@ class SlimeOnExternalEngines:
                        for u in self.urls]  # fmt: skip
             self.rank0.broadcast(layout, bucket)
             answers += [f.result(timeout=120) for f in futures]
+        answers += [http("POST", u + "/continue_generation", {}, timeout=120) for u in self.urls]
+        return answers
+
+    def sync_from_disk(self, version_dir: Path) -> list[HttpResult]:
+        """One sync of slime's disk transport, after the trainer wrote ``version_dir``
+        (``ray/actor_group.py::_reload_rollout_weights_from_disk``): pause, flush, load from disk
+        with the sync's number as ``weight_version``, read the version back (slime's ``--ci-test``
+        check), continue."""
+        self.weight_version += 1
+        answers = [http("POST", u + "/pause_generation", {}) for u in self.urls]
+        answers += [http("GET", u + "/flush_cache") for u in self.urls]
+        body = {"model_path": str(version_dir), "weight_version": str(self.weight_version)}
+        answers += [http("POST", u + "/update_weights_from_disk", body, timeout=120) for u in self.urls]
+        for u in self.urls:
+            read = http("GET", u + "/get_weight_version")
+            assert read.status == 200 and read.json()["weight_version"] == str(self.weight_version), read.body[:300]
         answers += [http("POST", u + "/continue_generation", {}, timeout=120) for u in self.urls]
         return answers
 
@@ -399,3 +416,70 @@ def test_an_attached_engine_with_two_ranks_counts_two_in_the_trainers_group(
     ok(slime.sync([SPECS]))
     assert fleet.client.weights().version == "1"
     assert http("GET", url + "/model_info").json()["weight_version"] == "1"
+
+
+def test_slime_loads_weights_from_disk_through_the_trainer_port_on_every_engine(
+    trainer_fleet: tuple[ManagerHandle, str],
+    external_engine: StartEngine,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    """slime's disk transport (`--update-weight-transport disk`) with the trainer port as its only
+    engine (`--rollout-external-engine-addrs`): each `/update_weights_from_disk` is the manager's
+    publish of that checkpoint to the whole fleet, launched and attached (TP 2) engines alike,
+    answered once every engine serves it. (With `--rollout-num-gpus 0`, as this example once said,
+    slime skips the sync altogether and the fleet never leaves its startup weights.)"""
+    fleet, addr = trainer_fleet
+    url, _ = external_engine("sim-model", None, "--tp-size", "2")
+    op = fleet.client.wait_for_operation("scale_out", fleet.client.scale_out(engine_urls=[url]).request_id, 60)
+    assert op.status == "ACTIVE", op.raw
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    slime.discover_and_register()
+    root = tmp_path / "slime-weights"
+    for n in (1, 2):
+        write_checkpoint(root / f"weight_v{n:06d}", n)
+        answers = slime.sync_from_disk(root / f"weight_v{n:06d}")
+        ok(answers)
+        loaded = answers[2].json()
+        assert loaded["success"] is True and loaded["weight_version"] == str(n), loaded
+        weights = fleet.client.weights()
+        assert weights.version == str(n) and weights.raw["path"] == str(root / f"weight_v{n:06d}"), weights.raw
+        engines = fleet.engines().engines
+        assert len(engines) == 3 and {e.weight_version for e in engines} == {str(n)}
+        assert http("GET", url + "/model_info").json()["weight_version"] == str(n)
+        assert versions_answered(fleet.router_url, 8) == {str(n)}
+    # slime loaded from the pause's mode, abort (its pause sends {}): every engine at once.
+    update = fleet.client.weight_update(fleet.client.weights().raw["update_id"])
+    assert (update.raw["strategy"], update.raw["pause_mode"]) == ("all_at_once", "abort"), update.raw
+
+    # The same call again (a retry) is the version already served: nothing is loaded again.
+    port = f"http://{addr}/update_weights_from_disk"
+    again = http("POST", port, {"model_path": str(root / "weight_v000002"), "weight_version": "2"})
+    assert again.status == 200 and again.json()["update_id"] == update.raw["update_id"], again.body[:300]
+    # A new run of slime numbers its disk syncs from 1 again: other files under a served name
+    # are refused before anything is paused, and the fleet stays where it is.
+    write_checkpoint(tmp_path / "run2" / "weight_v000001", 7)
+    reused = http("POST", port, {"model_path": str(tmp_path / "run2" / "weight_v000001"), "weight_version": "1"})
+    assert reused.status == 409 and reused.json()["error"]["code"] == "version_conflict", reused.body[:300]
+    refusals = [
+        ({"model_path": str(root / "weight_v000002")}, "weight_version_required"),
+        ({"model_path": "weight_v000002", "weight_version": "3"}, "invalid_path"),
+        ({"model_path": str(root / "nothing"), "weight_version": "3"}, "invalid_checkpoint"),
+    ]
+    for body, code in refusals:
+        resp = http("POST", port, body)
+        assert resp.status == 400 and resp.json()["error"]["code"] == code, resp.body[:300]
+    assert fleet.client.weights().version == "2"
+
+
+def test_the_slime_hooks_refuse_a_setup_whose_syncs_never_reach_the_fleet() -> None:
+    """With no engine of its own and none listed, slime skips every weight sync without an error
+    (its actors find no updatable engine); the rollout hook refuses that setup at the first
+    rollout, naming the flag that fixes it."""
+    hooks = load_example("examples/slime/elastic_rollout_hooks.py")
+    for args in (SimpleNamespace(rollout_num_gpus=0, update_weight_transport="disk"),
+                 SimpleNamespace(rollout_num_gpus=0, update_weight_transport="nccl"),
+                 SimpleNamespace(rollout_num_gpus=4, update_weight_transport="disk")):  # fmt: skip
+        with pytest.raises(RuntimeError, match="--rollout-external-engine-addrs"):
+            hooks.generate_rollout(args, 0, None)
+    listed = SimpleNamespace(rollout_num_gpus=0, update_weight_transport="disk", rollout_external_engine_addrs=["m:1"])
+    hooks._check_weight_path(listed)  # the trainer port listed: both transports reach the fleet

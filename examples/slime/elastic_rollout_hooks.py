@@ -1,16 +1,20 @@
 """slime hooks for an Elastic Rollout fleet (checked against THUDM/slime 624b824a).
 
-slime then owns no SGLang engine (``--rollout-num-gpus 0``): generation goes to the manager's
-router, and each weight sync is published through the manager, which loads it on every engine
-with a version. Flags (README.md in this directory has the full list):
+slime launches no SGLang engine: its only engine is the manager's trainer port
+(``--rollout-external-engine-addrs <manager-host>:<trainer port>``), generation goes to the
+manager's router, and each weight sync (NCCL, or from disk) reaches every engine through the
+port. Flags (README.md in this directory has the full list):
 
     --rollout-function-path elastic_rollout_hooks.generate_rollout
-    --custom-update-weight-post-write-path elastic_rollout_hooks.publish_weights
-    --custom-megatron-before-train-step-hook-path elastic_rollout_hooks.mark_train_start
 
-With slime's NCCL weight sync through the manager's trainer port instead of the publish hook:
+With the NCCL transport, for a run against a fleet that already holds versions:
 
     --custom-megatron-init-path elastic_rollout_hooks.continue_fleet_versions
+
+Optional on the disk transport (step reports for the autoscaler, pruning old checkpoints):
+
+    --custom-update-weight-post-write-path elastic_rollout_hooks.publish_weights
+    --custom-megatron-before-train-step-hook-path elastic_rollout_hooks.mark_train_start
 
 Environment: ``ELASTIC_ROLLOUT_MANAGER`` (control API, default ``http://127.0.0.1:8000``),
 ``ROLLOUT_MANAGER_API_TOKEN`` (if the manager has one), ``ELASTIC_ROLLOUT_MAX_ENGINES`` (engines
@@ -91,6 +95,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     """``--rollout-function-path``: slime's rollout (or ``ELASTIC_ROLLOUT_INNER``), with every
     ``/generate`` pinned to at least the fleet's committed weight version."""
     global _pin
+    _check_weight_path(args)
     _prepare(args)
     _pin = _fleet_version(_client())
     module, _, name = os.environ.get(
@@ -98,6 +103,21 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     ).rpartition(".")
     inner = getattr(importlib.import_module(module), name)
     return inner(args, rollout_id, data_source, evaluation=evaluation)
+
+
+def _check_weight_path(args: Any) -> None:
+    """Refuses, before the first rollout, a setup whose weight syncs would never reach the
+    fleet: with no engine of its own and none listed, slime skips every sync (its actors log
+    "No updatable SGLang engines are running; skip weight update.") and the fleet keeps serving
+    its startup weights without an error."""
+    if getattr(args, "rollout_external_engine_addrs", None):
+        return
+    if getattr(args, "rollout_num_gpus", None) == 0 or getattr(args, "update_weight_transport", None) == "disk":
+        raise RuntimeError(
+            "elastic_rollout_hooks: slime has no engine to sync weights to, so it would skip every sync and the fleet "
+            "would keep its startup weights. Start the manager with --trainer-port P and pass slime "
+            "--rollout-external-engine-addrs <manager-host>:P (both transports, nccl and disk, go through it)"
+        )
 
 
 # -- trainer side (slime's Megatron actors; rank 0 acts) ----------------------------------------

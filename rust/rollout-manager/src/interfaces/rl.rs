@@ -537,18 +537,6 @@ async fn fan_out(
     fan_out_answer(answers)
 }
 
-/// SGLang's `UpdateWeightsFromDiskReqInput`, as far as the manager's publish takes it.
-#[derive(Debug, serde::Deserialize)]
-struct FromDisk {
-    model_path: String,
-    #[serde(default)]
-    weight_version: Option<String>,
-    #[serde(default)]
-    load_format: Option<String>,
-    #[serde(default)]
-    abort_all_requests: bool,
-}
-
 /// `update_weights_from_disk` fanned out to every worker: the manager publishes the checkpoint
 /// as the fleet's next version (all at once: a trainer sends it inside `paused()`), waits until
 /// the update ended, and answers each worker's part in the fan-out's shape. A selector that
@@ -569,68 +557,30 @@ async fn publish_to_fleet(
         );
         return error(StatusCode::CONFLICT, "partial_weight_update", message);
     }
-    let req: FromDisk = match serde_json::from_slice(if body.is_empty() { b"{}" } else { body }) {
+    let req: crate::ops::publish::FromDisk = match serde_json::from_slice(if body.is_empty() { b"{}" } else { body }) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_body", format!("update_weights_from_disk: {e}")),
     };
-    if req.load_format.as_deref().is_some_and(|f| f != "auto") {
-        let message = "load_format: the manager's engines load a checkpoint of safetensors files as SGLang's default does; leave it out";
-        return error(StatusCode::BAD_REQUEST, "invalid_load_format", message);
-    }
-    let Some(raw) = req.weight_version else {
-        let message =
-            "weight_version is required: the manager names every version the fleet serves (pins, metrics and \
-                       each answer's meta_info say it)";
-        return error(StatusCode::BAD_REQUEST, "weight_version_required", message);
-    };
-    let version = match rollout_core::ids::VersionName::parse(&raw) {
-        Ok(v) => v,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_version", e.to_string()),
-    };
-    if !std::path::Path::new(&req.model_path).is_absolute() {
-        let message =
-            format!("model_path {:?} must be absolute: engines resolve it from their own directory", req.model_path);
-        return error(StatusCode::BAD_REQUEST, "invalid_path", message);
-    }
-    let started = Instant::now();
-    let publish = crate::ops::publish::Publish {
-        version: version.clone(),
-        path: req.model_path,
-        checksum: None,
-        strategy: rollout_core::weights::UpdateStrategy::AllAtOnce,
-        max_unavailable: None,
-        pause_mode: if req.abort_all_requests { "abort".into() } else { "retract".into() },
-    };
     let refused = |e: crate::ops::op_error::OpError| error(op_status(&e), e.code(), e.to_string());
-    let update_id = match crate::ops::publish::publish(&s.manager, publish).await {
-        Ok(crate::ops::publish::Published::Started(u) | crate::ops::publish::Published::Joined(u)) => {
-            u.update_id().clone()
+    let pause_mode = if req.abort_all_requests { "abort" } else { "retract" };
+    let publish = match req.publish(rollout_core::weights::UpdateStrategy::AllAtOnce, pause_mode.into()) {
+        Ok(p) => p,
+        Err(e) => return refused(e),
+    };
+    let (started, version) = (Instant::now(), publish.version.clone());
+    match crate::ops::publish::publish_and_wait(&s.manager, publish, CALL_TIMEOUT).await {
+        Ok(crate::ops::publish::Waited::Update(record)) => {
+            fan_out_answer(ended_answers(targets, &record, &version, started))
         }
-        Ok(crate::ops::publish::Published::Existing { version: earlier, .. })
-            if s.manager.fleet.lock().weights.current().version.as_str() != earlier =>
-        {
-            // SGLang would load the older files again; the manager keeps one name per version
-            // and the fleet serves a newer one.
-            let message = format!(
-                "version {earlier} was published from this path before and the fleet has moved on since; to go back \
-                 to these files, publish them under a new version name"
-            );
-            return error(StatusCode::CONFLICT, "version_conflict", message);
-        }
-        Ok(crate::ops::publish::Published::Existing { update_id, status, .. }) => {
+        Ok(crate::ops::publish::Waited::Before { update_id, status }) => {
             // Published before from this path: each worker serves it already (or loads it when
             // it is back), as a second SGLang load of the same files would leave it.
             let why =
                 format!("version {version} was published from this path before ({status}); nothing to load again");
-            return fan_out_answer(published_answers(targets, None, &why, started, update_id.as_ref()));
+            fan_out_answer(published_answers(targets, None, &why, started, update_id.as_ref()))
         }
-        Err(e) => return refused(e),
-    };
-    let record = match crate::ops::publish::wait_ended(&s.manager, &update_id, CALL_TIMEOUT).await {
-        Ok(r) => r,
-        Err(e) => return refused(e),
-    };
-    fan_out_answer(ended_answers(targets, &record, &version, started))
+        Err(e) => refused(e),
+    }
 }
 
 /// Each worker's part once the publish's update is over: its own outcome when the update

@@ -19,6 +19,8 @@
 //! - `/continue_generation`: ends the open update; answered once the fleet serves the version.
 //!   With none open, it answers the trainer's newest update when that failed since the trainer's
 //!   last pause (timed out, aborted, or the manager restarted under it): 502, not a plain 200.
+//! - `/update_weights_from_disk` (slime's disk transport): the manager's publish of that
+//!   checkpoint under the trainer's `weight_version`, answered once the fleet serves it.
 //! - `/pause_generation` gives the mode of the next update's pause (the manager pauses the
 //!   members when the first bucket comes); `/flush_cache` is a no-op (the manager flushes each
 //!   member when an update ends); `/destroy_weights_update_group` destroys the group.
@@ -117,6 +119,7 @@ pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         .route("/init_weights_update_group", post(init_group))
         .route("/destroy_weights_update_group", post(destroy_group))
         .route("/update_weights_from_distributed", post(update_from_distributed))
+        .route("/update_weights_from_disk", post(update_from_disk))
         .route("/pause_generation", post(pause))
         .route("/continue_generation", post(continue_generation))
         .route("/flush_cache", get(flush_cache).post(flush_cache))
@@ -156,8 +159,9 @@ async fn not_served(uri: axum::http::Uri) -> Response {
         "not_a_trainer_route",
         format!(
             "{} is not served here: this port is the fleet as one SGLang engine for a trainer's weight sync \
-             (/server_info, /init_weights_update_group, /update_weights_from_distributed, /pause_generation, \
-             /continue_generation, /flush_cache, /destroy_weights_update_group); send generation to the router port",
+             (/server_info, /init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk, \
+             /pause_generation, /continue_generation, /flush_cache, /destroy_weights_update_group); send generation \
+             to the router port",
             uri.path()
         ),
     ))
@@ -538,6 +542,72 @@ async fn give_up(manager: &Arc<Manager>, update_id: &UpdateId, version: &Version
     }
     tracing::warn!(%update_id, %version, error = %e, "trainer port: a step was refused; the update is given up");
     refuse(e)
+}
+
+/// How long `/update_weights_from_disk` waits for the fleet to serve the checkpoint (the files
+/// are hashed, then every engine loads them); the update itself runs on past it.
+const DISK_WAIT: Duration = Duration::from_secs(3600);
+
+/// SGLang's `/update_weights_from_disk`, which slime's disk transport calls on each engine it
+/// knows between its pause and its continue: here the manager's publish of that checkpoint to
+/// the whole fleet under the trainer's `weight_version`, answered once the fleet serves it (an
+/// engine answers once it loaded it). After a `/pause_generation` every engine is paused in that
+/// mode and loads at once, as the trainer's own engines would; without one, the engines load one
+/// at a time while the others serve (SGLang's engine waits for its requests in flight, unless
+/// `abort_all_requests`).
+async fn update_from_disk(State(p): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req: crate::ops::publish::FromDisk = match parse_body(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    let mut session = p.session.lock().await;
+    session.settle(&p.manager);
+    if let Some(open) = &session.open {
+        return refuse(OpError::conflict(
+            "update_open",
+            format!(
+                "the update to {} over the trainer's group is still open; POST /continue_generation ends it before a \
+                 checkpoint is loaded",
+                open.version
+            ),
+        ));
+    }
+    use rollout_core::weights::UpdateStrategy;
+    let (strategy, mode) = match session.pause_mode.clone() {
+        Some(mode) => (UpdateStrategy::AllAtOnce, mode),
+        None if req.abort_all_requests => (UpdateStrategy::AllAtOnce, "abort".to_string()),
+        None => (UpdateStrategy::Rolling, "abort".to_string()),
+    };
+    let publish = match req.publish(strategy, mode) {
+        Ok(publish) => publish,
+        Err(e) => return refuse(e),
+    };
+    let version = publish.version.clone();
+    match crate::ops::publish::publish_and_wait(&p.manager, publish, DISK_WAIT).await {
+        Ok(crate::ops::publish::Waited::Update(u)) if u.status() == WeightUpdateStatus::Completed => Json(json!({
+            "success": true, "message": format!("the fleet serves {version}"), "num_paused_requests": 0,
+            "weight_version": version, "update_id": u.update_id(),
+        }))
+        .into_response(),
+        Ok(crate::ops::publish::Waited::Update(u)) if u.status().is_terminal() => {
+            failed(u.update_id(), &version, u.error_message().as_deref())
+        }
+        Ok(crate::ops::publish::Waited::Update(u)) => refuse(ApiError::unavailable(
+            "update_timed_out",
+            format!(
+                "update {} to {version} had not ended within {}s; see GET /rollout/weights/updates/{} on the control port",
+                u.update_id(),
+                DISK_WAIT.as_secs(),
+                u.update_id()
+            ),
+        )),
+        Ok(crate::ops::publish::Waited::Before { update_id, status }) => Json(json!({
+            "success": true, "num_paused_requests": 0, "weight_version": version, "update_id": update_id,
+            "message": format!("version {version} was published from this path before ({status}); the fleet serves it"),
+        }))
+        .into_response(),
+        Err(e) => refuse(e),
+    }
 }
 
 /// SGLang's `PauseGenerationReqInput`.

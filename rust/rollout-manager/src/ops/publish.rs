@@ -185,3 +185,84 @@ pub async fn wait_ended(
         })
         .await
 }
+
+/// SGLang's `UpdateWeightsFromDiskReqInput`, as far as a publish takes it: a trainer's
+/// `/update_weights_from_disk` to the whole fleet (SMG's RL control plane fanned out to every
+/// worker, or the trainer port) is the manager's publish of that checkpoint. Unknown fields are
+/// ignored, as SGLang ignores them.
+#[derive(Debug, serde::Deserialize)]
+pub struct FromDisk {
+    pub model_path: String,
+    #[serde(default)]
+    pub weight_version: Option<String>,
+    #[serde(default)]
+    pub load_format: Option<String>,
+    #[serde(default)]
+    pub abort_all_requests: bool,
+}
+
+impl FromDisk {
+    /// The publish this asks for, checked (400s: `weight_version_required`, `invalid_version`,
+    /// `invalid_load_format`, `invalid_path`); nothing is published here.
+    pub fn publish(self, strategy: UpdateStrategy, pause_mode: String) -> Result<Publish, OpError> {
+        if self.load_format.as_deref().is_some_and(|f| f != "auto") {
+            return Err(OpError::invalid(
+                "invalid_load_format",
+                "load_format: the manager's engines load a checkpoint of safetensors files as SGLang's default does; leave it out",
+            ));
+        }
+        let Some(raw) = self.weight_version else {
+            return Err(OpError::invalid(
+                "weight_version_required",
+                "weight_version is required: the manager names every version the fleet serves (pins, metrics and \
+                 each answer's meta_info say it)",
+            ));
+        };
+        let version = VersionName::parse(&raw).map_err(|e| OpError::invalid("invalid_version", e.to_string()))?;
+        if !std::path::Path::new(&self.model_path).is_absolute() {
+            return Err(OpError::invalid(
+                "invalid_path",
+                format!(
+                    "model_path {:?} must be absolute: engines resolve it from their own directory",
+                    self.model_path
+                ),
+            ));
+        }
+        Ok(Publish { version, path: self.model_path, checksum: None, strategy, max_unavailable: None, pause_mode })
+    }
+}
+
+/// How a publish that was waited for ended.
+#[derive(Debug)]
+pub enum Waited {
+    /// The update it started or joined, as it was when it ended (or when the wait gave up:
+    /// then it is still running).
+    Update(Box<UpdateRecord>),
+    /// Published before from this path, and the fleet still serves that version.
+    Before { update_id: Option<UpdateId>, status: String },
+}
+
+/// Publishes `req` and waits up to `limit` for its update to end. The same version from the
+/// same path again is [`Waited::Before`] while the fleet serves it; once the fleet moved on it is
+/// 409 `version_conflict` (SGLang would load the older files again, but the manager keeps one
+/// name per version).
+pub async fn publish_and_wait(
+    manager: &Arc<Manager>,
+    req: Publish,
+    limit: std::time::Duration,
+) -> Result<Waited, OpError> {
+    let update_id = match publish(manager, req).await? {
+        Published::Started(u) | Published::Joined(u) => u.update_id().clone(),
+        Published::Existing { version, .. } if manager.fleet.lock().weights.current().version.as_str() != version => {
+            return Err(OpError::conflict(
+                "version_conflict",
+                format!(
+                    "version {version} was published from this path before and the fleet has moved on since; to go \
+                     back to these files, publish them under a new version name"
+                ),
+            ));
+        }
+        Published::Existing { update_id, status, .. } => return Ok(Waited::Before { update_id, status }),
+    };
+    Ok(Waited::Update(Box::new(wait_ended(manager, &update_id, limit).await?)))
+}
