@@ -211,6 +211,10 @@ def test_the_trainer_port_refuses_what_it_cannot_do_and_says_why(trainer_fleet: 
             "unknown_group")  # fmt: skip
     refused(http("POST", url + "/pause_generation", {"mode": "sideways"}), 400, "invalid_pause_mode")
     refused(http("POST", url + "/generate", {"text": "hi"}), 404, "not_a_trainer_route")
+    # slime's calls the fleet cannot answer as one engine, each refused with what to do instead.
+    quantized = {"restore_weights_before_load": True, "post_process_quantization": False}
+    refused(http("POST", url + "/post_process_weights", quantized), 400, "quantized_sync_unsupported")
+    refused(http("POST", url + "/weights_checker", {"action": "snapshot"}), 400, "weights_checker_unsupported")
     # Nothing was opened or built; a continue with nothing open is SGLang's plain answer.
     assert http("POST", url + "/continue_generation", {}).status == 200
     assert fleet.client.weights().version == "default"

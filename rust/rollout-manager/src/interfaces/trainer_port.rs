@@ -123,6 +123,8 @@ pub fn routes(manager: Arc<Manager>, token: Option<Arc<str>>) -> Router {
         .route("/pause_generation", post(pause))
         .route("/continue_generation", post(continue_generation))
         .route("/flush_cache", get(flush_cache).post(flush_cache))
+        .route("/post_process_weights", post(post_process_weights))
+        .route("/weights_checker", post(weights_checker))
         .fallback(not_served)
         .with_state(port)
         .layer(axum::middleware::from_fn_with_state(token, crate::foundation::auth::require_token))
@@ -164,6 +166,29 @@ async fn not_served(uri: axum::http::Uri) -> Response {
              to the router port",
             uri.path()
         ),
+    ))
+}
+
+/// slime calls it around a sync only for `compressed-tensors` quantized models (restore the
+/// weights before the buckets, quantize after): the manager's updates do not run those steps on
+/// the members, so the sync is refused before its first bucket pauses anything.
+async fn post_process_weights() -> Response {
+    refuse(ApiError::bad_request(
+        "quantized_sync_unsupported",
+        "post_process_weights: a quantized (compressed-tensors) model's sync needs steps on every engine around the \
+         buckets that the trainer port does not run; sync it from disk instead (slime: --update-weight-transport \
+         disk, which the port publishes as a whole checkpoint)",
+    ))
+}
+
+/// slime calls it with `--check-weight-update-equal` (snapshot and reset at start, compare after
+/// the first sync), a debugging check of one engine's weights that a fleet whose engines come
+/// and go cannot answer as one engine.
+async fn weights_checker() -> Response {
+    refuse(ApiError::bad_request(
+        "weights_checker_unsupported",
+        "weights_checker: the fleet cannot answer one engine's weight snapshot and compare (engines come and go \
+         between them); run without --check-weight-update-equal, or check one engine directly on its own URL",
     ))
 }
 
