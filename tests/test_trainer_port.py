@@ -487,3 +487,36 @@ def test_the_slime_hooks_refuse_a_setup_whose_syncs_never_reach_the_fleet() -> N
             hooks.generate_rollout(args, 0, None)
     listed = SimpleNamespace(rollout_num_gpus=0, update_weight_transport="disk", rollout_external_engine_addrs=["m:1"])
     hooks._check_weight_path(listed)  # the trainer port listed: both transports reach the fleet
+
+
+def test_the_trainer_port_takes_its_own_allow_list_instead_of_the_token(
+    start_fleet: StartManager, tmp_path: Path
+) -> None:
+    """slime sends no credentials, so a manager with a token refused it on the trainer port.
+    `--trainer-allow-cidr` is the port's own credential: callers from those networks need no
+    token there (the control API and the router still ask for it), callers from elsewhere get a
+    403 that names the flag."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    port = free_port()
+    fleet = start_fleet(
+        "--api-token-file", str(token), "--trainer-port", str(port), "--trainer-allow-cidr", "127.0.0.0/8"
+    )
+    addr = f"127.0.0.1:{port}"
+    slime = SlimeOnExternalEngines([addr], fleet.router_url, StandInRank0(), fleet)
+    assert http("POST", f"http://{addr}/pause_generation", {}).status == 200
+    write_checkpoint(tmp_path / "weight_v000001", 1)
+    ok(slime.sync_from_disk(tmp_path / "weight_v000001"))
+    assert fleet.client.weights().version == "1"
+    assert http("POST", fleet.control_url + "/rollout/scale_out", {"num_replicas": 3}).status == 401
+    assert http("POST", fleet.router_url + "/abort_request", {"abort_all": True}).status == 401
+
+    elsewhere = free_port()
+    start_fleet(
+        "--trainer-port", str(elsewhere), "--trainer-allow-cidr", "10.0.0.0/8", "--trainer-allow-cidr", "fd00::/8"
+    )
+    for method, path in (("GET", "/server_info"), ("POST", "/update_weights_from_disk")):
+        resp = http(method, f"http://127.0.0.1:{elsewhere}{path}", {} if method == "POST" else None)
+        assert resp.status == 403 and resp.json()["error"]["code"] == "peer_not_allowed", resp.body[:300]
+        assert "127.0.0.1" in resp.json()["message"] and "--trainer-allow-cidr" in resp.json()["message"]

@@ -90,10 +90,19 @@ pub struct ServeConfig {
     /// `/flush_cache` and `/destroy_weights_update_group` for the whole fleet, and runs each
     /// update as the manager's own (docs/api.md, "The fleet as one SGLang engine"): slime's
     /// `--rollout-external-engine-addrs` takes it as its one engine. Same address and token
-    /// rules as the router.
+    /// rules as the router, unless `--trainer-allow-cidr` is given.
     #[arg(long, value_name = "PORT", help_heading = heading::NETWORK)]
     #[serde(default)]
     pub trainer_port: Option<u16>,
+    /// Networks the trainer port takes calls from (repeatable), e.g. `10.0.0.0/8`: its own
+    /// credential, for trainers that send none (slime).
+    ///
+    /// With it, a caller from elsewhere gets 403 `peer_not_allowed` and the port does not ask
+    /// for `--api-token-file`'s token (the control API and the router still do). Needs
+    /// `--trainer-port`.
+    #[arg(long = "trainer-allow-cidr", value_name = "CIDR", help_heading = heading::NETWORK)]
+    #[serde(default)]
+    pub trainer_allow_cidr: Vec<String>,
     /// What to launch as an engine.
     #[arg(long, value_enum, default_value_t = EngineKind::Sim, help_heading = heading::ENGINES)]
     pub engine: EngineKind,
@@ -642,7 +651,18 @@ impl ServeConfig {
         positive_secs("--request-timeout-secs", self.request_timeout_secs)?;
         positive_secs("--header-read-timeout-secs", self.header_read_timeout_secs)?;
         self.external_allow_list()?;
+        if !self.trainer_allow_list()?.is_empty() && self.trainer_port.is_none() {
+            return Err(bad("--trainer-allow-cidr", "is for the trainer port; give --trainer-port too"));
+        }
         Ok(())
+    }
+
+    /// The networks of `--trainer-allow-cidr`, parsed (empty: the port takes the token rules).
+    pub fn trainer_allow_list(&self) -> Result<Vec<crate::cidr::Cidr>, ConfigError> {
+        self.trainer_allow_cidr
+            .iter()
+            .map(|c| c.parse().map_err(|e| bad("--trainer-allow-cidr", format!("{e}; e.g. 10.0.0.0/8 or fd00::/8"))))
+            .collect()
     }
 
     /// The networks of `--external-allow-cidr`, parsed (empty: no restriction).
@@ -695,8 +715,10 @@ mod tests {
     #[test]
     fn errors_name_the_flag() {
         let long = format!("/tmp/{}", "s".repeat(120));
-        let cases: [(&[&str], &str); 16] = [
+        let cases: [(&[&str], &str); 18] = [
             (&["--gpus", "4000000000"], "--gpus"),
+            (&["--trainer-port", "0", "--trainer-allow-cidr", "10.0.0.0/33"], "--trainer-allow-cidr"),
+            (&["--trainer-allow-cidr", "10.0.0.0/8"], "--trainer-allow-cidr"),
             (&["--external-allow-cidr", "10.0.0.0/40"], "--external-allow-cidr"),
             (&["--request-timeout-secs", "0"], "--request-timeout-secs"),
             (&["--api-socket", long.as_str()], "--api-socket"),

@@ -7,6 +7,7 @@
 //! SIGKILL to its group after `--scale-in-shutdown-timeout`), join every task.
 
 use crate::adapters::launch::EngineLauncher;
+use crate::foundation::allowed_peers::AllowedPeers;
 use crate::interfaces::api::{self, ApiState};
 use crate::ops::manager::Manager;
 use rollout_core::ServeConfig;
@@ -178,9 +179,17 @@ impl Server {
         let stop = manager.shutdown.clone();
         servers.spawn(crate::foundation::http_serve::serve(control, api, stop, header_timeout));
         if let Some(listener) = trainer {
-            let app = crate::interfaces::trainer_port::routes(manager.clone(), token);
             let stop = manager.shutdown.clone();
-            servers.spawn(crate::foundation::http_serve::serve(listener, app, stop, header_timeout));
+            // The allow-list is the port's own credential: with it, no token is asked for.
+            let allowed = manager.config.trainer_allow_list().unwrap_or_default();
+            if allowed.is_empty() {
+                let app = crate::interfaces::trainer_port::routes(manager.clone(), token);
+                servers.spawn(crate::foundation::http_serve::serve(listener, app, stop, header_timeout));
+            } else {
+                let app = crate::interfaces::trainer_port::routes(manager.clone(), None);
+                let listener = AllowedPeers::new(listener, allowed, "--trainer-allow-cidr");
+                servers.spawn(crate::foundation::http_serve::serve(listener, app, stop, header_timeout));
+            }
         }
         let stop = manager.shutdown.clone();
         let done = serve_data_plane(data, router, stop, header_timeout, manager.config.router_threads)?;

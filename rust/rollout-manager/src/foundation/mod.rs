@@ -5,6 +5,7 @@
 //! A module here uses modules of this layer or lower ones, never a higher one
 //! (`tests/layers.rs`, docs/architecture.md "Layers").
 
+pub mod allowed_peers;
 pub mod auth;
 pub mod clock;
 pub mod engine_http;
