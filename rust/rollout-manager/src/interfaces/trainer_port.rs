@@ -305,7 +305,7 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
         world_size: req.world_size,
         backend,
     };
-    if let Err(e) = build_when_it_fits(&p.manager, build).await {
+    if let Err(e) = crate::ops::trainer_update::rebuild_group(&p.manager, build).await {
         return refuse(e);
     }
     session.pause_mode = None;
@@ -333,42 +333,6 @@ async fn init_group(State(p): State<Shared>, body: Result<Bytes, BytesRejection>
             )),
         },
         Err(e) => refuse(e),
-    }
-}
-
-/// Builds the group; while the engines cannot fill the trainer's world but some are on their
-/// way up (a trainer started again right after a failed sync finds the engines that held part of
-/// it restarting), waits for them, up to `--weight-update-timeout-secs`.
-async fn build_when_it_fits(
-    manager: &Arc<Manager>,
-    build: crate::ops::trainer_group::BuildRequest,
-) -> Result<(), OpError> {
-    let mut changes = manager.fleet.subscribe();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
-    // The build and the look at who is coming are two snapshots: an engine may come up between
-    // them, so a misfit with nobody coming is tried once more before it is the answer.
-    let mut again = true;
-    loop {
-        match crate::ops::trainer_group::build(manager, build.clone()) {
-            Ok(_) => return Ok(()),
-            Err(e) if e.code() == "group_does_not_fit" => {
-                if crate::ops::trainer_group::engines_coming(manager) {
-                    again = true;
-                    tokio::select! {
-                        _ = changes.changed() => {}
-                        () = tokio::time::sleep_until(deadline) => return Err(e),
-                        () = manager.shutdown.cancelled() => return Err(e),
-                    }
-                    // At most one look every 20 ms however busy the registry is.
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                } else if std::mem::take(&mut again) {
-                    continue;
-                } else {
-                    return Err(e);
-                }
-            }
-            Err(e) => return Err(e),
-        }
     }
 }
 

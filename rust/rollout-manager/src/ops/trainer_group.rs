@@ -38,7 +38,8 @@ pub struct BuildRequest {
     pub backend: rollout_core::weights::GroupBackend,
 }
 
-fn check(req: &BuildRequest) -> Result<(), OpError> {
+/// Checks a build's fields before anything changes (400s).
+pub fn check(req: &BuildRequest) -> Result<(), OpError> {
     let name_ok = !req.group_name.is_empty()
         && req.group_name.len() <= 128
         && req.group_name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
@@ -88,6 +89,39 @@ fn misfit(why: FillError, takers: &[GroupMember], world_size: u32) -> OpError {
 /// Builds the group the trainer fixed (see the module docs) and starts its members' join;
 /// answers the group (`fixed.state` `joining`). 400 for a bad request; 409 while an update
 /// runs or another fixed group is joining, or when the fleet cannot fill the world.
+/// Builds the group; while the engines cannot fill the trainer's world but some are on their
+/// way up (a trainer started again right after a failed sync finds the engines that held part of
+/// it restarting), waits for them, up to `--weight-update-timeout-secs`.
+pub async fn build_when_it_fits(manager: &Arc<Manager>, req: BuildRequest) -> Result<TrainerGroup, OpError> {
+    let mut changes = manager.fleet.subscribe();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+    // The build and the look at who is coming are two snapshots: an engine may come up between
+    // them, so a misfit with nobody coming is tried once more before it is the answer.
+    let mut again = true;
+    loop {
+        match build(manager, req.clone()) {
+            Ok(group) => return Ok(group),
+            Err(e) if e.code() == "group_does_not_fit" => {
+                if engines_coming(manager) {
+                    again = true;
+                    tokio::select! {
+                        _ = changes.changed() => {}
+                        () = tokio::time::sleep_until(deadline) => return Err(e),
+                        () = manager.shutdown.cancelled() => return Err(e),
+                    }
+                    // At most one look every 20 ms however busy the registry is.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                } else if std::mem::take(&mut again) {
+                    continue;
+                } else {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 pub fn build(manager: &Arc<Manager>, req: BuildRequest) -> Result<TrainerGroup, OpError> {
     check(&req)?;
     let (group, old) = manager.fleet.update(|inner| -> Result<_, OpError> {

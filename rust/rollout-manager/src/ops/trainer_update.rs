@@ -405,6 +405,40 @@ pub async fn abort(manager: &Arc<Manager>, update_id: &UpdateId, reason: &str) -
     wait_for(manager, update_id, limit, |u| u.status().is_terminal()).await
 }
 
+/// [`crate::ops::trainer_group::build`], after giving up a trainer update still running over a group the trainer fixed: a
+/// trainer that builds its group again was restarted, so the rank 0 that update waits on is gone
+/// (left alone it would hold every member in its receive, and refuse this build, until
+/// `--weight-update-timeout-secs`). An update whose last step was sent is not given up: the build
+/// waits for its end. The give-up restarts the members left waiting, and the build
+/// waits for them ([`crate::ops::trainer_group::build_when_it_fits`]).
+pub async fn rebuild_group(
+    manager: &Arc<Manager>,
+    req: crate::ops::trainer_group::BuildRequest,
+) -> Result<TrainerGroup, OpError> {
+    crate::ops::trainer_group::check(&req)?;
+    let running = {
+        let inner = manager.fleet.lock();
+        inner.weights.running_update().and_then(|u| {
+            let t = u.trainer().as_ref().filter(|t| t.group.fixed.is_some())?;
+            Some((u.update_id().clone(), t.last_sent))
+        })
+    };
+    match running {
+        Some((update_id, false)) => {
+            let reason = "the trainer built a new group: the rank 0 this update waited on is gone";
+            tracing::warn!(%update_id, group = %req.group_name, "{reason}; giving the update up");
+            abort(manager, &update_id, reason).await?;
+        }
+        Some((update_id, true)) => {
+            // Its last step was sent: it ends by itself (verifying, catching engines up).
+            let limit = Duration::from_secs_f64(manager.config.weight_update_timeout_secs);
+            wait_for(manager, &update_id, limit, |u| u.status().is_terminal()).await?;
+        }
+        None => {}
+    }
+    crate::ops::trainer_group::build_when_it_fits(manager, req).await
+}
+
 /// Runs an opened update to its end (see the module docs). Never panics; every outcome is
 /// recorded on the update.
 async fn run(manager: Arc<Manager>, update_id: UpdateId, old_group: Option<TrainerGroup>) {
@@ -489,6 +523,26 @@ async fn next_step(manager: &Manager, update_id: &UpdateId) -> Result<BroadcastS
         }
         if changes.changed().await.is_err() {
             return Err(None);
+        }
+    }
+}
+
+/// Resolves with the trainer's reason once it aborted the update (or once the update is gone).
+async fn aborted(manager: &Manager, update_id: &UpdateId) -> String {
+    let mut changes = manager.fleet.subscribe();
+    loop {
+        let reason = {
+            let inner = manager.fleet.lock();
+            match inner.weights.updates().get(update_id).and_then(|u| u.trainer().as_ref()) {
+                None => Some("the update is gone".to_string()),
+                Some(t) => t.aborted.clone(),
+            }
+        };
+        if let Some(reason) = reason {
+            return reason;
+        }
+        if changes.changed().await.is_err() {
+            return "the registry is gone".into();
         }
     }
 }
@@ -750,7 +804,7 @@ async fn receive_buckets(
                               "flush_cache": flush_cache && step.last});
             let body = &body;
             let taking_part = members.iter_mut().filter(|r| r.failed.is_none());
-            futures::future::join_all(taking_part.map(|r| async move {
+            let receiving = futures::future::join_all(taking_part.map(|r| async move {
                 let call = manager.engine_api.weights_call(
                     &r.m.url,
                     "/update_weights_from_distributed",
@@ -771,8 +825,21 @@ async fn receive_buckets(
                         r.failed = Some(e);
                     }
                 }
-            }))
-            .await;
+            }));
+            // A trainer that gives the update up mid-bucket (its rank 0 is gone: it was
+            // restarted) never sends the rest: the members must not wait out the timeout.
+            let gave_up = tokio::select! {
+                _ = receiving => None,
+                reason = aborted(manager, update_id) => Some(reason),
+            };
+            if let Some(reason) = gave_up {
+                for r in members.iter_mut().filter(|r| r.failed.is_none()) {
+                    // It may hold part of the bucket: it is restarted, not continued.
+                    r.loaded = true;
+                    r.failed = Some(EngineError::UpdateStopped(format!("the trainer gave the update up: {reason}")));
+                }
+                return Err(format!("the trainer aborted during bucket {}: {reason}", received + 1));
+            }
             received += 1;
             if members.iter().all(|r| r.failed.is_some()) {
                 return Err(format!("every member failed bucket {received}"));

@@ -75,7 +75,8 @@ fn backend(name: Option<&str>) -> Result<rollout_core::weights::GroupBackend, Ap
 /// Build a weight-update group the trainer fixes (its name and world size), as AReaL does.
 ///
 /// Answers 202 at once; the members join in the background (`fixed.state`: joining, then
-/// joined or failed) while the trainer joins as rank 0.
+/// joined or failed) while the trainer joins as rank 0. A trainer update still running over a
+/// group the trainer fixed is given up first (its trainer was restarted).
 #[utoipa::path(post, path = "/rollout/weights/trainer_group", operation_id = "buildTrainerGroup",
     request_body = BuildGroupRequest,
     responses((status = 202, description = "The group; its members are joining", body = TrainerGroup),
@@ -94,7 +95,7 @@ pub(crate) async fn build_group(
         world_size: req.world_size,
         backend: backend(req.backend.as_deref())?,
     };
-    let group = crate::ops::trainer_group::build(&s.manager, build)?;
+    let group = crate::ops::trainer_update::rebuild_group(&s.manager, build).await?;
     Ok((StatusCode::ACCEPTED, Json(group)))
 }
 
