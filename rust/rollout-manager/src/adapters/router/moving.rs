@@ -511,19 +511,30 @@ async fn next_part(
         };
         return queued_part(request, from, body, joining, ended_on, true).await;
     }
-    let state = &request.state;
     let pin = moves::target_pin(request.pin.as_ref(), from.route.weight_version.as_deref(), request.may_cross);
-    let none = || match &pin {
+    let none = match &pin {
         Some(VersionPin::Exact(v)) => format!("no other engine serves weight version {v:?} to continue on"),
         _ => "no other engine to continue on".to_string(),
     };
-    let routes = super::candidates(state, pin.as_ref()).await.map_err(|_| none())?;
-    let route = routes
-        .iter()
-        .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
-        .min_by_key(|r| r.load.get())
-        .ok_or_else(none)?
-        .clone();
+    send_least_loaded(request, from, body, reason, pin.as_ref(), none).await
+}
+
+/// Sends `body` to the least loaded engine `pin` allows, other than `from`'s unless the move is
+/// an update's or a tail move's, waiting up to `--version-wait-secs` for one; `none` is the
+/// error when there is none.
+async fn send_least_loaded(
+    request: &Request,
+    from: &Part,
+    body: Value,
+    reason: &str,
+    pin: Option<&VersionPin>,
+    none: String,
+) -> Result<Part, String> {
+    let Ok(routes) = super::candidates(&request.state, pin).await else { return Err(none) };
+    let other = |r: &&super::table::Route| {
+        matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load)
+    };
+    let Some(route) = routes.iter().filter(other).min_by_key(|r| r.load.get()).cloned() else { return Err(none) };
     let guard = route.load.enter(request.tokens);
     send_part(request, route, guard, body).await
 }
@@ -549,16 +560,8 @@ fn starts_over(request: &Request, part: &Part, reason: &str, produced: &Produced
 /// Sends a request that starts over ([`starts_over`]) to the least loaded engine its own pin
 /// allows, other than the one it left (unless an update or a tail move, as [`next_part`]).
 async fn fresh_part(request: &Request, from: &Part, body: Value, reason: &str) -> Result<Part, String> {
-    let none = || "no engine to start it again on".to_string();
-    let routes = super::candidates(&request.state, request.pin.as_ref()).await.map_err(|_| none())?;
-    let route = routes
-        .iter()
-        .filter(|r| matches!(reason, "weight_update" | "tail") || !Arc::ptr_eq(&r.load, &from.route.load))
-        .min_by_key(|r| r.load.get())
-        .ok_or_else(none)?
-        .clone();
-    let guard = route.load.enter(request.tokens);
-    send_part(request, route, guard, body).await
+    let none = "no engine to start it again on".to_string();
+    send_least_loaded(request, from, body, reason, request.pin.as_ref(), none).await
 }
 
 /// Sends a continuation to `route` (counted there by `guard`).
